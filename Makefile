@@ -1,0 +1,30 @@
+# Set-up and the two entry points of the README. Everything installs into $(VENV).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.k3-installed
+
+.PHONY: demo test bench install clean
+
+# torch==2.13.0 is the CPU wheel these machines carry; installing it first keeps pip from
+# resolving `torch>=2.6` to a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/k3 bench ops --quick
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/k3 bench ops
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Benchmarks (`k3 bench ...`): ratios measured side by side in one run, never timed tests."""

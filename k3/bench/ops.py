@@ -1,0 +1,93 @@
+"""`k3 bench ops`: recurrent vs chunkwise mixers vs causal SDPA on one shape, in one run.
+
+Shape: B = 1, H heads, K = V = d, float32. KDA uses Kimi K3's safe gate g = -5 * sigmoid(x) (every
+per-step log decay >= -5); Gated DeltaNet the same gate with one value per head. The chunk form's
+throughput is reported under the article's cost model, 2*L*d^2 + 2*L*C*d FLOPs per head (state work
+plus the diagonal score blocks), beside the machine's measured matmul throughput.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from ..ops import chunk_gated_delta_rule, chunk_kda, recurrent_gated_delta_rule, recurrent_kda
+from .timing import best_time, matmul_gflops
+
+
+def _inputs(T: int, H: int, d: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    randn = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k, v = randn(1, T, H, d), F.normalize(randn(1, T, H, d), dim=-1), randn(1, T, H, d)
+    g = -5.0 * torch.sigmoid(randn(1, T, H, d))
+    beta = torch.sigmoid(randn(1, T, H))
+    return q, k, v, g, beta
+
+
+def _transformers_gdn():
+    """Qwen3-Next's pure-torch chunked Gated DeltaNet from transformers, or None if not installed."""
+    try:
+        from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+    return getattr(torch_chunk_gated_delta_rule, "__wrapped__", torch_chunk_gated_delta_rule)
+
+
+def model_flops(T: int, H: int, d: int, C: int) -> float:
+    """The article's chunked cost, 2*L*d^2 + 2*L*C*d, summed over heads."""
+    return H * (2 * T * d * d + 2 * T * C * d)
+
+
+def run(lengths=(512, 2048, 8192), chunk_sizes=(16, 32, 64, 128), heads: int = 8, dim: int = 64,
+        repeats: int = 3, recurrent_max_T: int = 8192, json_path: str | None = None, out=sys.stdout):
+    def say(line=""):
+        print(line, file=out, flush=True)
+
+    gemm = matmul_gflops()
+    bgemm = matmul_gflops(batch=512, size=dim)
+    say(f"k3 bench ops: B=1 H={heads} K=V={dim} float32, {torch.get_num_threads()} threads, "
+        f"best of {repeats}")
+    say(f"machine matmul: {gemm:.1f} GFLOP/s (1024^3 GEMM), {bgemm:.1f} GFLOP/s (512 x {dim}^3 batched)")
+    hf_gdn = _transformers_gdn()
+    if hf_gdn is None:
+        say("transformers not installed: skipping its torch_chunk_gated_delta_rule (pip install 'k3[hf]')")
+    results = []
+    for T in lengths:
+        q, k, v, g, beta = _inputs(T, heads, dim)
+        gh = g[..., 0].contiguous()
+        qh, kh, vh = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        sdpa = best_time(lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True), repeats)
+        row = {"T": T, "sdpa_s": sdpa, "ops": {}}
+        say(f"\nT = {T}: causal SDPA {sdpa * 1e3:.1f} ms")
+        for name, rec, chunk, gate in (("kda", recurrent_kda, chunk_kda, g),
+                                       ("gated_delta_rule", recurrent_gated_delta_rule,
+                                        chunk_gated_delta_rule, gh)):
+            entry = {"chunk_s": {}}
+            rec_s = None
+            if T <= recurrent_max_T:
+                rec_s = best_time(lambda: rec(q, k, v, gate, beta), repeats=1, warmup=0)
+            entry["recurrent_s"] = rec_s
+            rec_txt = f"{rec_s * 1e3:.0f} ms" if rec_s else "skipped"
+            say(f"  {name:17s} recurrent {rec_txt}")
+            for C in chunk_sizes:
+                t = best_time(lambda: chunk(q, k, v, gate, beta, chunk_size=C), repeats)
+                entry["chunk_s"][C] = t
+                gflops = model_flops(T, heads, dim, C) / t / 1e9
+                vs_rec = f"{rec_s / t:6.1f}x vs recurrent" if rec_s else ""
+                say(f"    chunk C={C:<4d} {t * 1e3:8.1f} ms  {vs_rec}  {t / sdpa:5.2f}x SDPA time  "
+                    f"{gflops:5.1f} GFLOP/s (model)")
+            if name == "gated_delta_rule" and hf_gdn is not None:
+                t = best_time(lambda: hf_gdn(q, k, v, gh, beta, chunk_size=64), repeats)
+                entry["transformers_chunk_s"] = t
+                ours = entry["chunk_s"].get(64, min(entry["chunk_s"].values()))
+                say(f"    transformers torch_chunk_gated_delta_rule C=64 {t * 1e3:8.1f} ms  "
+                    f"(k3 chunk C=64 is {t / ours:.1f}x faster)")
+            row["ops"][name] = entry
+        results.append(row)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"gemm_gflops": gemm, "batched_gemm_gflops": bgemm, "results": results}, f, indent=1)
+    return results

@@ -1,0 +1,44 @@
+"""The `k3` command line: `k3 bench ops` (more subcommands arrive with training and generation)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _bench_ops(args) -> int:
+    from .bench import ops
+
+    if args.quick:
+        lengths, chunk_sizes, repeats = (512, 2048), (32, 64), 2
+    else:
+        lengths, chunk_sizes, repeats = tuple(args.T), tuple(args.chunk_sizes), args.repeats
+    ops.run(lengths=lengths, chunk_sizes=chunk_sizes, heads=args.heads, dim=args.dim, repeats=repeats,
+            json_path=args.json)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="k3", description="Kimi K3 and its lineage in PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    ops = bench_sub.add_parser("ops", help="recurrent vs chunk mixers vs causal SDPA")
+    ops.add_argument("--quick", action="store_true", help="T in {512, 2048}, C in {32, 64}: about a minute")
+    ops.add_argument("--T", type=int, nargs="+", default=[512, 2048, 8192], help="sequence lengths")
+    ops.add_argument("--chunk-sizes", type=int, nargs="+", default=[16, 32, 64, 128])
+    ops.add_argument("--heads", type=int, default=8)
+    ops.add_argument("--dim", type=int, default=64, help="head dim K = V")
+    ops.add_argument("--repeats", type=int, default=3, help="timed runs per case (the best is kept)")
+    ops.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    ops.set_defaults(func=_bench_ops)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""k3.ops: the lineage's sequence mixers as pure functions (DESIGN.md §1-2).
+
+Every op takes `[B, T, H, K]` inputs and returns `(o, final_state)`. Each recurrent mixer has a
+token-by-token reference form (`recurrent_*`, also the decode step) and a chunkwise-parallel form
+(`chunk_*`) with one shared signature; the two agree to rounding error.
+"""
+
+from .attention import attention
+from .common import l2norm
+from .delta_rule import chunk_delta_rule, recurrent_delta_rule
+from .gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from .kda import chunk_kda, recurrent_kda
+from .linear_attn import chunk_linear_attn, recurrent_linear_attn
+
+__all__ = [
+    "attention",
+    "recurrent_linear_attn", "chunk_linear_attn",
+    "recurrent_delta_rule", "chunk_delta_rule",
+    "recurrent_gated_delta_rule", "chunk_gated_delta_rule",
+    "recurrent_kda", "chunk_kda",
+    "l2norm",
+]

@@ -1,0 +1,60 @@
+"""Causal softmax attention, the lineage's starting point (GPT-2).
+
+    o_i = sum_{j <= P + i} softmax_j(scale * q_i . k_j) v_j
+
+where P is the number of cached past tokens. The "state" is the KV cache itself, so it grows O(T):
+the cost linear attention and its descendants remove.
+
+Shapes: q, k [B, T, H, K]; v [B, T, H, V]; initial_state (past_k [N, P, H, K], past_v [N, P, H, V]);
+with output_final_state the returned state is (k, v) including the new tokens. With `cu_seqlens`
+(B = 1, packed sequences attend only within themselves) initial_state must be None, and the returned
+state is the packed (k, v) as given, to be read with the same `cu_seqlens`.
+Returns (o [B, T, H, V], state or None).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .common import check_cu_seqlens, check_qkv, check_scale, check_tensor, compute_dtype, l2norm, run_packed
+
+
+def attention(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+              use_qk_l2norm=False):
+    """Causal softmax attention with an optional KV cache. See the module docstring."""
+    op = "attention"
+    B, T, H, K, V = check_qkv(op, q, k, v)
+    cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device)
+    scale = check_scale(op, scale, K)
+    if initial_state is not None:
+        if cu_seqlens is not None:
+            raise ValueError(f"{op}: `initial_state` must be None when `cu_seqlens` is given, "
+                             f"got a past of type {type(initial_state).__name__}")
+        if not (isinstance(initial_state, (tuple, list)) and len(initial_state) == 2):
+            raise ValueError(f"{op}: `initial_state` must be a tuple (past_k [B, P, H, K], past_v [B, P, H, V]),"
+                             f" got {type(initial_state).__name__}")
+        past_k, past_v = initial_state
+        check_tensor(op, "initial_state[0] (past_k)", past_k, (B, None, H, K), q)
+        check_tensor(op, "initial_state[1] (past_v)", past_v, (B, past_k.shape[1], H, V), q)
+        k_all, v_all = torch.cat([past_k, k], dim=1), torch.cat([past_v, v], dim=1)
+    else:
+        k_all, v_all = k, v
+
+    dtype = compute_dtype(q.dtype)
+    qf, kf, vf = (x.to(dtype) for x in (q, k_all, v_all))
+    if use_qk_l2norm:
+        qf, kf = l2norm(qf), l2norm(kf)
+
+    def run(q_, k_, v_):
+        past = k_.shape[1] - q_.shape[1]
+        qh, kh, vh = (x.transpose(1, 2) for x in (q_, k_, v_))  # [N, H, T, d]
+        if past == 0:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        else:  # query i sits at absolute position past + i
+            allowed = torch.ones(q_.shape[1], k_.shape[1], dtype=torch.bool, device=q_.device).tril(past)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
+        return o.transpose(1, 2), None
+
+    o, _ = run_packed(run, cu_seqlens, qf, kf, vf)
+    return o.to(q.dtype), ((k_all, v_all) if output_final_state else None)

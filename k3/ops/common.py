@@ -1,0 +1,160 @@
+"""Argument checking and layout helpers shared by every sequence mixer in `k3.ops`.
+
+Every op takes `[B, T, H, K]` inputs (DESIGN.md §1). The helpers here validate them once, pick the
+accumulation dtype (float32, or float64 for float64 inputs), and turn packed variable-length input
+(`cu_seqlens`, B = 1) into a padded batch `[N, T_max, ...]` and back. Padding is *neutral*: k = v = 0,
+beta = 0 and g = 0, so a padded step leaves the recurrent state exactly as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Below this per-step log decay exp(g) is exactly 0 in the accumulation dtype, so clamping g there keeps
+# g = -inf ("clear the state") exact while keeping every cumulative sum finite.
+LOG_DECAY_FLOOR = {torch.float32: -110.0, torch.float64: -800.0}
+
+
+def _fail(op: str, arg: str, expected: str, actual) -> ValueError:
+    return ValueError(f"{op}: `{arg}` must be {expected}, got {actual}")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 for float64 inputs, float32 for everything else."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_tensor(op: str, name: str, x, shape: tuple, ref: torch.Tensor) -> None:
+    """Check that `x` is a tensor of `shape` (None = any size) with `ref`'s dtype and device."""
+    if not isinstance(x, torch.Tensor):
+        raise _fail(op, name, "a torch.Tensor", type(x).__name__)
+    if x.dim() != len(shape) or any(s is not None and s != a for s, a in zip(shape, x.shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise _fail(op, name, f"of shape {want}", list(x.shape))
+    if x.dtype != ref.dtype:
+        raise _fail(op, name, f"of dtype {ref.dtype} (the dtype of q)", x.dtype)
+    if x.device != ref.device:
+        raise _fail(op, name, f"on device {ref.device} (the device of q)", x.device)
+
+
+def check_qkv(op: str, q, k, v) -> tuple[int, int, int, int, int]:
+    """Validate q, k `[B, T, H, K]` and v `[B, T, H, V]`; return (B, T, H, K, V)."""
+    if not isinstance(q, torch.Tensor):
+        raise _fail(op, "q", "a torch.Tensor", type(q).__name__)
+    if q.dim() != 4:
+        raise _fail(op, "q", "4-D [B, T, H, K]", f"shape {list(q.shape)}")
+    if not q.is_floating_point():
+        raise _fail(op, "q", "a floating-point tensor", q.dtype)
+    B, T, H, K = q.shape
+    check_tensor(op, "k", k, (B, T, H, K), q)
+    check_tensor(op, "v", v, (B, T, H, None), q)
+    return B, T, H, K, v.shape[-1]
+
+
+def check_cu_seqlens(op: str, cu_seqlens, B: int, T: int, device) -> torch.Tensor | None:
+    """Validate packed-sequence offsets `[N+1]`: B = 1, 0 = c_0 < c_1 < ... < c_N = T."""
+    if cu_seqlens is None:
+        return None
+    if not isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = torch.as_tensor(cu_seqlens)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+        raise _fail(op, "cu_seqlens", "a 1-D integer tensor [N+1] with N >= 1",
+                    f"dtype {cu_seqlens.dtype}, shape {list(cu_seqlens.shape)}")
+    if B != 1:
+        raise _fail(op, "cu_seqlens", "used with batch size B = 1 (sequences packed along T)", f"B = {B}")
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0 or offsets[-1] != T:
+        raise _fail(op, "cu_seqlens", f"offsets starting at 0 and ending at T = {T}",
+                    f"{offsets[0]} ... {offsets[-1]}")
+    if any(b <= a for a, b in zip(offsets, offsets[1:])):
+        raise _fail(op, "cu_seqlens", "strictly increasing (every sequence non-empty)", offsets)
+    return cu_seqlens.to(device=device, dtype=torch.long)
+
+
+def check_chunk_size(op: str, chunk_size) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise _fail(op, "chunk_size", "a positive int", repr(chunk_size))
+    return chunk_size
+
+
+def check_state(op: str, name: str, state, shape: tuple, ref: torch.Tensor) -> torch.Tensor | None:
+    """Validate an initial state of `shape`; any floating dtype, cast to the accumulation dtype."""
+    if state is None:
+        return None
+    if not isinstance(state, torch.Tensor):
+        raise _fail(op, name, "a torch.Tensor", type(state).__name__)
+    if tuple(state.shape) != tuple(shape):
+        raise _fail(op, name, f"of shape {list(shape)} [N, H, K, V]", list(state.shape))
+    if not state.is_floating_point():
+        raise _fail(op, name, "a floating-point tensor", state.dtype)
+    if state.device != ref.device:
+        raise _fail(op, name, f"on device {ref.device} (the device of q)", state.device)
+    return state.to(compute_dtype(ref.dtype))
+
+
+def check_log_decay(op: str, g: torch.Tensor) -> None:
+    """g is a log decay: every entry must be <= 0 (exp(g) in [0, 1]); -inf clears the state."""
+    invalid = (g > 0) | torch.isnan(g)
+    if bool(invalid.any()):
+        bad = g[invalid]
+        raise _fail(op, "g", "a log decay with every entry <= 0 (alpha = exp(g) in [0, 1])",
+                    f"{bad.numel()} entries > 0 or NaN, e.g. {bad.flatten()[0].item()}")
+
+
+def check_scale(op: str, scale, K: int) -> float:
+    if scale is None:
+        return K ** -0.5
+    if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):
+        raise _fail(op, "scale", "a Python float or None", type(scale).__name__)
+    return float(scale)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (the delta family's key/query normalization)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+@dataclass
+class Packing:
+    """Where each token of a packed `[1, T, ...]` input lives in the padded `[N, T_max, ...]` batch."""
+
+    cu_seqlens: torch.Tensor
+    seq: torch.Tensor  # [T] sequence index of each token
+    pos: torch.Tensor  # [T] position of each token inside its sequence
+    max_len: int
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor) -> "Packing":
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        seq = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths)
+        pos = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - cu_seqlens[seq]
+        return cls(cu_seqlens, seq, pos, int(lengths.max()))
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, T, *rest] -> [N, T_max, *rest], zero-filled after each sequence's end."""
+        out = x.new_zeros(self.num_seqs, self.max_len, *x.shape[2:])
+        out[self.seq, self.pos] = x[0]
+        return out
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        """[N, T_max, *rest] -> [1, T, *rest]."""
+        return y[self.seq, self.pos].unsqueeze(0)
+
+
+def run_packed(fn, cu_seqlens: torch.Tensor | None, *seq_tensors: torch.Tensor | None):
+    """Run `fn(*padded) -> (o, state)` on a padded batch if `cu_seqlens` is given, else directly.
+
+    Every tensor in `seq_tensors` is `[B, T, ...]` (None passes through); `o` comes back `[B, T, ...]`.
+    Padding is zeros, which `fn` must treat as a no-op step (see the module docstring).
+    """
+    if cu_seqlens is None:
+        return fn(*seq_tensors)
+    packing = Packing.from_cu_seqlens(cu_seqlens)
+    o, state = fn(*(None if x is None else packing.pad(x) for x in seq_tensors))
+    return packing.unpad(o), state

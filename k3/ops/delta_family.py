@@ -1,0 +1,353 @@
+"""The delta-rule family's shared machinery: DeltaNet, Gated DeltaNet and KDA are one recurrence.
+
+Per head, with row vectors q, k in R^K, v in R^V, a per-channel decay a_t = exp(g_t) in (0, 1]^K
+(a scalar broadcast over channels for Gated DeltaNet, 1 for DeltaNet) and a write strength beta_t:
+
+    S' = Diag(a_t) S_{t-1}
+    S_t = S' + beta_t k_t^T (v_t - k_t S')            o_t = scale * q_t S_t
+
+`delta_recurrence` is that loop, token by token: the reference, and the decode step.
+
+`chunk_delta` is the chunkwise-parallel form (the article's `chunk_delta_rule_forward`, generalised to
+gates). Inside a chunk of C tokens, with cumulative log decays G_i = g_1 + ... + g_i from the chunk start
+and Gamma_i = exp(G_i), the state at position r is
+
+    S_r = Diag(Gamma_r) S_0 + sum_{i<=r} Diag(exp(G_r - G_i)) k_i^T u_i,
+
+where the corrections u solve the unit-lower-triangular system (the UT / WY transform)
+
+    (I + A) U = Diag(beta) (V - (K * Gamma) S_0),   A_ri = beta_r sum_c k_rc k_ic exp(G_rc - G_ic), i < r,
+
+so U = U0 - W S_0 with W = (I + A)^-1 Diag(beta) (K * Gamma) and U0 = (I + A)^-1 Diag(beta) V. Then
+
+    O   = (Q * Gamma) S_0 + tril(Aqk) U,         Aqk_ri = sum_c q_rc k_ic exp(G_rc - G_ic)
+    S_C = Diag(Gamma_C) S_0 + (K * exp(G_C - G))^T U.
+
+Everything but the last two lines is independent of S_0, so it runs for all chunks and heads at once;
+only the chunk-to-chunk state update is a loop. Numerics: no ratio of cumulative products is ever
+formed. Exponents are differences G_r - G_i taken only where they are <= 0, except inside the per-channel
+(KDA) diagonal sub-blocks, where q- and k-side factors exp(G_r - G_ref), exp(G_ref - G_i) around a
+reference inside a 16-token sub-chunk are used while their exponents stay below a safe bound, and an
+exact pairwise path takes over for any sub-block whose gates fall outside it.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from .common import (
+    LOG_DECAY_FLOOR, check_chunk_size, check_cu_seqlens, check_log_decay, check_qkv, check_scale,
+    check_state, check_tensor, compute_dtype, l2norm, run_packed,
+)
+
+# Largest |exponent| allowed in a factored exp(G_r - G_ref) * exp(G_ref - G_i): each factor stays a
+# normal number (fp32 normals reach exp(-87)) and no valid product overflows.
+_FACTOR_EXP_LIMIT = {torch.float32: 80.0, torch.float64: 600.0}
+# Decay factors below exp(floor) are flushed to exactly 0. They are below the dtype's resolution
+# (exp(-24) ~ 4e-11 against fp32's 6e-8; exp(-300) against fp64's 1e-16). Kept, their products with
+# other small factors become subnormal numbers, which make matmuls ~100x slower on x86 CPUs (and
+# torch.set_flush_denormal reaches only the calling thread, not the intra-op worker threads).
+_DECAY_FLUSH = {torch.float32: -24.0, torch.float64: -300.0}
+_SUB_CHUNK = 16
+_SLAB_ELEMENTS = 1 << 20
+
+
+def decay_exp(x: torch.Tensor, floor: float | None = None) -> torch.Tensor:
+    """exp(x), flushed to exactly 0 where x < floor (default: the dtype's negligible-decay floor)."""
+    floor = _DECAY_FLUSH[x.dtype] if floor is None else floor
+    # clamp first: exp of very negative inputs would itself produce (slow) subnormals
+    return F.threshold(torch.exp(x.clamp(min=floor - 1.0)), math.exp(floor), 0.0)
+
+
+def delta_recurrence(q, k, v, beta, g, S0):
+    """Token-by-token delta rule. q, k [N,T,H,K] (q pre-scaled), v [N,T,H,V], beta [N,T,H],
+    g None | [N,T,H] | [N,T,H,K] log decay, S0 None | [N,H,K,V]. Returns (o [N,T,H,V], S [N,H,K,V])."""
+    N, T, H, K = q.shape
+    S = q.new_zeros(N, H, K, v.shape[-1]) if S0 is None else S0
+    if g is not None:
+        decay = torch.exp(g if g.dim() == 4 else g.unsqueeze(-1)).unsqueeze(-1)  # [N,T,H,K|1,1]
+    outputs = []
+    for t in range(T):
+        if g is not None:
+            S = S * decay[:, t]  # S' = Diag(a_t) S_{t-1}
+        k_t = k[:, t].unsqueeze(-1)  # [N,H,K,1]
+        v_old = (k_t * S).sum(-2)  # k_t S'  [N,H,V]
+        S = S + k_t * (beta[:, t, :, None] * (v[:, t] - v_old)).unsqueeze(-2)
+        outputs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2))
+    o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(N, 0, H, v.shape[-1])
+    return o, S
+
+
+# ----------------------------------------------------------------------------------------------------
+# chunkwise-parallel form
+
+
+def to_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
+    """[N, T, H, d] with T = n*C  ->  [n, N*H, C, d] (chunk-major, so chunk i is one contiguous block)."""
+    N, T, H, d = x.shape
+    return x.reshape(N, T // C, C, H, d).permute(1, 0, 3, 2, 4).reshape(T // C, N * H, C, d)
+
+
+def from_chunks(x: torch.Tensor, N: int, H: int) -> torch.Tensor:
+    """[n, N*H, C, d]  ->  [N, n*C, H, d]."""
+    n, _, C, d = x.shape
+    return x.reshape(n, N, H, C, d).permute(1, 0, 3, 2, 4).reshape(N, n * C, H, d)
+
+
+@lru_cache(maxsize=64)
+def _lower_masks(C: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """0/1 lower-triangular masks [C, C]: inclusive (q rows: i <= r) and strict (k rows: i < r)."""
+    incl = torch.ones(C, C, dtype=dtype, device=device).tril()
+    return incl, incl.tril(-1)
+
+
+def _sub_chunk_size(C: int) -> int:
+    return max(s for s in range(1, min(_SUB_CHUNK, C) + 1) if C % s == 0)
+
+
+def _intra_scalar_gate(q, k, beta, G):
+    """Everything inside a chunk that does not depend on the incoming state, for a scalar gate per
+    head (G [P, C, 1] cumulative log decay) or none (G None). q, k [P, C, K]; beta [P, C, 1].
+
+    Returns A_qk [P, C, C] (incl. diagonal), beta * A_kk [P, C, C] (strict), q * Gamma,
+    beta * k * Gamma, k * exp(G_C - G) [P, C, K] and exp(G_C) [P, 1] (None without a gate)."""
+    C = q.shape[-2]
+    incl, strict = _lower_masks(C, q.dtype, q.device)
+    kb = k * beta
+    k_t = k.transpose(-1, -2)
+    if G is None:
+        return (q @ k_t) * incl, (kb @ k_t) * strict, q, kb, k, None
+    decay = decay_exp((G - G.transpose(-1, -2)).clamp(max=0.0))  # exp(G_r - G_i) for i <= r
+    gamma = decay_exp(G)  # Gamma_r = exp(G_r) <= 1
+    G_last = G[:, -1:]
+    return ((q @ k_t) * (decay * incl), (kb @ k_t) * (decay * strict), q * gamma, kb * gamma,
+            k * decay_exp(G_last - G), decay_exp(G_last.squeeze(-2)))
+
+
+def _intra_channel_gate(q, k, beta, G):
+    """As `_intra_scalar_gate`, for a per-channel gate: G [P, C, K]; exp(G_C) comes back [P, K].
+
+    Score r,i = sum_c x_rc k_ic exp(G_rc - G_ic) (x = q, or beta * k). With 16-token sub-chunks a, b:
+    - diagonal block (a, a): factor around G_ref(a), the cumulative gate just before a:
+      x_r exp(G_r - G_ref) <= 1 times k_i exp(G_ref - G_i) <= exp(span of a), safe while the span is
+      below the limit; a sub-chunk beyond it gets its block computed pairwise, exactly.
+    - off-diagonal block (a > b): exp(G_r - G_ref(a)) * exp(G_ref(a) - G_end(b)) * exp(G_end(b) - G_i),
+      three factors each <= 1, so nothing can overflow and an underflow only drops a negligible term.
+    """
+    P, C, K = q.shape
+    s = _sub_chunk_size(C)
+    m = C // s
+    limit, flush = _FACTOR_EXP_LIMIT[q.dtype], _DECAY_FLUSH[q.dtype]
+    G_sub = G.view(P, m, s, K)
+    G_end = G_sub[:, :, -1]  # [P, m, K] cumulative gate at the end of each sub-chunk
+    G_ref = F.pad(G_end[:, :-1], (0, 0, 1, 0))  # ... and just before each sub-chunk
+    rel = G_sub - G_ref.unsqueeze(2)  # G_r - G_ref(a) <= 0
+    unsafe = (-rel[:, :, -1]).amax(-1) > limit  # [P, m]
+    row = torch.exp(rel.clamp(min=-limit - 1.0))  # >= exp(-limit-1), still a normal number
+    col = torch.exp((-rel).clamp(max=limit))  # finite even in unsafe sub-chunks (recomputed exactly)
+    row_off = F.threshold(row, math.exp(flush), 0.0)
+    q_sub, k_sub, kb_sub = q.view(P, m, s, K), k.view(P, m, s, K), (k * beta).view(P, m, s, K)
+
+    incl, strict = _lower_masks(s, q.dtype, q.device)
+    diag_cols = (k_sub * col).transpose(-1, -2)  # [P, m, K, s]
+    diag_qk = ((q_sub * row) @ diag_cols) * incl  # [P, m, s, s]
+    diag_kk = ((kb_sub * row) @ diag_cols) * strict
+    if bool(unsafe.any()):
+        idx = unsafe.nonzero(as_tuple=True)
+        G_b, k_b = G_sub[idx], k_sub[idx]  # [nb, s, K]
+        pair = decay_exp((G_b.unsqueeze(2) - G_b.unsqueeze(1)).clamp(max=0.0))  # [nb, s(r), s(i), K]
+        exact_qk = torch.einsum("brc,bic,bric->bri", q_sub[idx], k_b, pair) * incl
+        exact_kk = torch.einsum("brc,bic,bric->bri", kb_sub[idx], k_b, pair) * strict
+        diag_qk, diag_kk = diag_qk.index_put(idx, exact_qk), diag_kk.index_put(idx, exact_kk)
+
+    A_qk, A_kk = q.new_zeros(P, C, C), q.new_zeros(P, C, C)
+    for A, diag in ((A_qk, diag_qk), (A_kk, diag_kk)):
+        A.view(P, m, s, m, s).diagonal(dim1=1, dim2=3).copy_(diag.permute(0, 2, 3, 1))
+    if m > 1:
+        base = k_sub * decay_exp(G_end.unsqueeze(2) - G_sub)  # k_i exp(G_end(b) - G_i) <= 1
+        cross = decay_exp((G_ref.unsqueeze(2) - G_end.unsqueeze(1)).clamp(max=0.0))  # [P, m(a), m(b), K]
+        q_off, kb_off = q_sub * row_off, kb_sub * row_off
+        for a in range(1, m):
+            lo, hi = a * s, (a + 1) * s
+            cols = (base[:, :a] * cross[:, a, :a].unsqueeze(2)).reshape(P, lo, K).transpose(-1, -2)
+            A_qk[:, lo:hi, :lo] = q_off[:, a] @ cols
+            A_kk[:, lo:hi, :lo] = kb_off[:, a] @ cols
+
+    # Gamma_r = exp(G_ref(a)) exp(G_r - G_ref(a)); k_end = k_i exp(G_end(b) - G_i) exp(G_C - G_end(b)).
+    gamma = F.threshold(decay_exp(G_ref).unsqueeze(2) * row, math.exp(flush), 0.0).view(P, C, K)
+    k_end = k * decay_exp(G[:, -1:] - G) if m == 1 else (
+        base * decay_exp(G_end[:, -1:] - G_end).unsqueeze(2)).view(P, C, K)
+    return A_qk, A_kk, q * gamma, (kb_sub.view(P, C, K) * gamma), k_end, decay_exp(G[:, -1])
+
+
+def _flush_tiny(x: torch.Tensor, scale) -> torch.Tensor:
+    """Zero the entries of x below `scale` * 2^-64 (fp32) or 2^-200 (fp64): far below the dtype's
+    resolution relative to `scale`, and zeroed before their products sink into subnormal numbers."""
+    rel = 2.0 ** (-64 if x.dtype == torch.float32 else -200)
+    return F.hardshrink(x, float(scale) * rel)
+
+
+def _solve_unit_lower(A, B, s: int):
+    """X = (I + A)^-1 B for strictly lower-triangular A [P, C, C] and B [P, C, R], by blocks of s rows:
+    invert the s x s diagonal blocks with one batched triangular solve, then block forward substitution
+    X_a = inv(I + A_aa) (B_a - A_a,<a X_<a), all batched matmuls. A is relative to I (dimensionless)
+    and X to B's scale; entries negligible against those scales are flushed (see `_flush_tiny`)."""
+    P, C, _ = A.shape
+    m = C // s
+    A = _flush_tiny(A, 1.0)
+    if m == 1:
+        return torch.linalg.solve_triangular(A, B, upper=False, unitriangular=True)
+    scale = B.detach().abs().amax()
+    diag = A.view(P, m, s, m, s).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)  # [P, m, s, s]
+    eye = torch.eye(s, dtype=A.dtype, device=A.device).expand(P, m, s, s)
+    inv = _flush_tiny(torch.linalg.solve_triangular(diag, eye, upper=False, unitriangular=True), 1.0)
+    X = []
+    for a in range(m):
+        rhs = B[:, a * s:(a + 1) * s]
+        if a:
+            rhs = rhs - A[:, a * s:(a + 1) * s, :a * s] @ torch.cat(X, dim=1)
+        X.append(_flush_tiny(inv[:, a] @ rhs, scale))
+    return torch.cat(X, dim=1)
+
+
+def _state_scan(W, U0, K_end, decay_end, S0):
+    """The only sequential part: for each chunk i (in order),
+        U_i = U0_i - W_i S_i,     S_{i+1} = Diag(decay_end_i) S_i + K_end_i^T U_i.
+    W, K_end [n, M, C, K]; U0 [n, M, C, V]; decay_end None | [n, M, K|1]; S0 [M, K, V].
+    Returns U [n, M, C, V] and the states S_0..S_n stacked [n+1, M, K, V]."""
+    n = W.shape[0]
+    K_end_T = K_end.transpose(-1, -2)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (W, U0, K_end, decay_end, S0))
+    if needs_grad:
+        states, corrections = [S0], []
+        for i in range(n):
+            U_i = torch.baddbmm(U0[i], W[i], states[i], alpha=-1.0)
+            S = states[i] if decay_end is None else states[i] * decay_end[i].unsqueeze(-1)
+            states.append(torch.baddbmm(S, K_end_T[i], U_i))
+            corrections.append(U_i)
+        return torch.stack(corrections), torch.stack(states)
+    # Inference: write into preallocated buffers, no per-chunk allocation.
+    states = U0.new_empty(n + 1, *S0.shape)
+    states[0].copy_(S0)
+    U = torch.empty_like(U0)
+    for i in range(n):
+        U[i].copy_(U0[i]).baddbmm_(W[i], states[i], alpha=-1.0)
+        if decay_end is None:
+            states[i + 1].copy_(states[i])
+        else:
+            torch.mul(states[i], decay_end[i].unsqueeze(-1), out=states[i + 1])
+        states[i + 1].baddbmm_(K_end_T[i], U[i])
+    return U, states
+
+
+def chunk_delta(q, k, v, beta, g, S0, chunk_size: int):
+    """Chunkwise-parallel delta rule; same arguments and result as `delta_recurrence`.
+
+    g None (DeltaNet), [N,T,H] (Gated DeltaNet) or [N,T,H,K] (KDA); S0 None or [N,H,K,V].
+    """
+    N, T, H, K = q.shape
+    V = v.shape[-1]
+    if T == 0:
+        S = q.new_zeros(N, H, K, V) if S0 is None else S0
+        return v.new_zeros(N, 0, H, V), S
+    C = min(chunk_size, T)
+    pad = (-T) % C
+    if pad:  # neutral padding: q = k = v = 0, beta = 0, g = 0 leave the state untouched
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        beta = F.pad(beta, (0, 0, 0, pad))
+        if g is not None:
+            g = F.pad(g, (0, 0, 0, 0, 0, pad) if g.dim() == 4 else (0, 0, 0, pad))
+    qc, kc, vc = to_chunks(q, C), to_chunks(k, C), to_chunks(v, C)  # [n, M, C, d], M = N*H
+    n, M = qc.shape[:2]
+    if (S0 is not None and S0.dtype != q.dtype) or g is not None and g.dtype != q.dtype:
+        raise AssertionError("chunk_delta expects every input in one accumulation dtype")
+    beta_c = to_chunks(beta.unsqueeze(-1), C)  # [n, M, C, 1]
+
+    if g is None:
+        G = None
+    else:
+        g = g.clamp(min=LOG_DECAY_FLOOR[q.dtype])
+        G = to_chunks(g if g.dim() == 4 else g.unsqueeze(-1), C).cumsum(dim=-2)  # [n, M, C, K|1]
+
+    S = qc.new_zeros(M, K, V) if S0 is None else S0.reshape(M, K, V)
+    # Chunks are processed in slabs of about _SLAB_ELEMENTS values per tensor: temporaries stay
+    # cache-sized and below the allocator's page-fault threshold, and memory stays flat in T.
+    per_slab = max(1, _SLAB_ELEMENTS // (M * C * max(K, V)))
+    outputs = []
+    for i in range(0, n, per_slab):
+        part = slice(i, i + per_slab)
+        o_part, S = _chunk_slab(qc[part], kc[part], vc[part], beta_c[part],
+                                None if G is None else G[part], S)
+        outputs.append(o_part)
+    o = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    return from_chunks(o, N, H)[:, :T], S.view(N, H, K, V)
+
+
+def _chunk_slab(q, k, v, beta, G, S):
+    """One slab of consecutive chunks. q, k [n, M, C, K]; v [n, M, C, V]; beta [n, M, C, 1];
+    G None | [n, M, C, K|1] cumulative log decay within each chunk; S [M, K, V] state before the slab.
+    Returns o [n, M, C, V] and the state after the slab."""
+    n, M, C, K = q.shape
+    V = v.shape[-1]
+    flat = lambda x: x.reshape(n * M, *x.shape[2:])  # noqa: E731
+    intra = _intra_channel_gate if G is not None and G.shape[-1] > 1 else _intra_scalar_gate
+    A_qk, A_kk, q_start, kb_start, k_end, decay_end = intra(flat(q), flat(k), flat(beta),
+                                                            None if G is None else flat(G))
+    A_qk, A_kk, q_start, kb_start, k_end = (x.view(n, M, *x.shape[1:])
+                                            for x in (A_qk, A_kk, q_start, kb_start, k_end))
+    if decay_end is not None:
+        decay_end = decay_end.view(n, M, -1)
+
+    # UT transform: one blocked triangular solve for both right-hand sides.
+    rhs = torch.cat([kb_start, v * beta], dim=-1)  # [n, M, C, K+V]
+    WU = _solve_unit_lower(A_kk.view(n * M, C, C), rhs.view(n * M, C, K + V), _sub_chunk_size(C))
+    WU = WU.view(n, M, C, K + V)
+    W, U0 = WU[..., :K].contiguous(), WU[..., K:].contiguous()
+
+    U, states = _state_scan(W, U0, k_end, decay_end, S)
+    o = q_start @ states[:-1] + A_qk @ U  # [n, M, C, V]
+    return o, states[-1]
+
+
+# ----------------------------------------------------------------------------------------------------
+# the public ops' common front door
+
+
+def run_delta_op(op: str, form, q, k, v, g, gate: str | None, beta, scale, initial_state,
+                 output_final_state: bool, cu_seqlens, use_qk_l2norm: bool, chunk_size: int | None):
+    """Validate, cast to the accumulation dtype, pack/unpack `cu_seqlens`, and run `form`
+    (`delta_recurrence` or `chunk_delta`). `gate` is None, "head" (g [B,T,H]) or "channel" (g [B,T,H,K])."""
+    B, T, H, K, V = check_qkv(op, q, k, v)
+    if gate == "head":
+        check_tensor(op, "g", g, (B, T, H), q)
+    elif gate == "channel":
+        check_tensor(op, "g", g, (B, T, H, K), q)
+    check_tensor(op, "beta", beta, (B, T, H), q)
+    cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    S0 = check_state(op, "initial_state", initial_state, (N, H, K, V), q)
+    scale = check_scale(op, scale, K)
+    if chunk_size is not None:
+        chunk_size = check_chunk_size(op, chunk_size)
+    if g is not None:
+        check_log_decay(op, g)
+
+    in_dtype, dtype = q.dtype, compute_dtype(q.dtype)
+    q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * scale
+    g = None if g is None else g.to(dtype)
+
+    def run(q, k, v, beta, g):
+        if chunk_size is None:
+            return form(q, k, v, beta, g, S0)
+        return form(q, k, v, beta, g, S0, chunk_size)
+
+    o, S = run_packed(run, cu_seqlens, q, k, v, beta, g)
+    return o.to(in_dtype), (S if output_final_state else None)

@@ -1,0 +1,32 @@
+"""DeltaNet: linear attention that overwrites instead of piling up (the delta rule).
+
+Per head, with write strength beta_t in (0, 1):
+
+    v_old = k_t S_{t-1}                              (what the memory holds at address k_t)
+    S_t = S_{t-1} + beta_t k_t^T (v_t - v_old)       (write only the difference)
+    o_t = scale * q_t S_t
+
+With beta = 1 and a unit key, reading k_t S_t returns v_t exactly: the old binding is replaced.
+
+Shapes: q, k [B, T, H, K]; v [B, T, H, V]; beta [B, T, H];
+initial_state / final state [N, H, K, V] (float32, float64 for float64 inputs), N = B or the number of
+packed sequences in `cu_seqlens` ([N+1] offsets, B = 1). Returns (o [B, T, H, V], final_state or None).
+"""
+
+from __future__ import annotations
+
+from .delta_family import chunk_delta, delta_recurrence, run_delta_op
+
+
+def recurrent_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
+                         cu_seqlens=None, use_qk_l2norm=False):
+    """DeltaNet token by token: the reference form and the decode step (T = 1)."""
+    return run_delta_op("recurrent_delta_rule", delta_recurrence, q, k, v, None, None, beta, scale,
+                        initial_state, output_final_state, cu_seqlens, use_qk_l2norm, None)
+
+
+def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
+                     cu_seqlens=None, use_qk_l2norm=False, chunk_size=64):
+    """DeltaNet chunkwise-parallel (the article's `chunk_delta_rule_forward`); equals the recurrence."""
+    return run_delta_op("chunk_delta_rule", chunk_delta, q, k, v, None, None, beta, scale,
+                        initial_state, output_final_state, cu_seqlens, use_qk_l2norm, chunk_size)

@@ -1,0 +1,32 @@
+"""Gated DeltaNet: the delta rule with a scalar forget gate per head and token.
+
+Per head, with log decay g_t <= 0 (alpha_t = exp(g_t)):
+
+    S' = alpha_t S_{t-1}
+    S_t = S' + beta_t k_t^T (v_t - k_t S')
+    o_t = scale * q_t S_t
+
+The gate lets the whole memory fade (alpha -> 0 clears it), which the plain delta rule cannot do.
+
+Shapes: q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H]; beta [B, T, H];
+initial_state / final state [N, H, K, V] (float32, float64 for float64 inputs), N = B or the number of
+packed sequences in `cu_seqlens` ([N+1] offsets, B = 1). Returns (o [B, T, H, V], final_state or None).
+"""
+
+from __future__ import annotations
+
+from .delta_family import chunk_delta, delta_recurrence, run_delta_op
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               cu_seqlens=None, use_qk_l2norm=False):
+    """Gated DeltaNet token by token: the reference form and the decode step (T = 1)."""
+    return run_delta_op("recurrent_gated_delta_rule", delta_recurrence, q, k, v, g, "head", beta, scale,
+                        initial_state, output_final_state, cu_seqlens, use_qk_l2norm, None)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, use_qk_l2norm=False, chunk_size=64):
+    """Gated DeltaNet chunkwise-parallel; equals `recurrent_gated_delta_rule` for any T."""
+    return run_delta_op("chunk_gated_delta_rule", chunk_delta, q, k, v, g, "head", beta, scale,
+                        initial_state, output_final_state, cu_seqlens, use_qk_l2norm, chunk_size)

@@ -1,0 +1,103 @@
+"""Linear attention: softmax removed, history folded into a fixed K x V state.
+
+Per head, with feature-mapped q, k (the map, e.g. ELU+1, belongs to the layer) and q^ = scale * q:
+
+    S_t = S_{t-1} + k_t^T v_t            z_t = z_{t-1} + k_t
+    o_t = q^_t S_t / (q^_t . z_t + eps)  (normalize=True, the article's form)   or   o_t = q^_t S_t
+
+The state never grows with T: that is the whole point, and the source of its interference once more
+than ~K associations are stored.
+
+Chunkwise form: inside a chunk, masked attention tril(Q K^T) V ("score first"); across chunks, the
+state (S, z) carries everything earlier ("state first"); the states at chunk starts are one cumulative
+sum, so no loop is needed. The normalizer rides along as an extra value column of ones.
+
+Shapes: q, k [B, T, H, K]; v [B, T, H, V]; state (S [N, H, K, V], z [N, H, K]) in float32 (float64 for
+float64 inputs), N = B or the number of packed sequences in `cu_seqlens`. Returns (o, (S, z) or None).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .common import (
+    check_chunk_size, check_cu_seqlens, check_qkv, check_scale, check_state, compute_dtype, l2norm,
+    run_packed,
+)
+from .delta_family import from_chunks, to_chunks
+
+
+def _recurrence(q, k, v1, S0):
+    """S' = [S | z] with v1 = [v | 1]: o'_t = q_t S'_t. q, k [N,T,H,K]; v1 [N,T,H,V+1]."""
+    N, T, H, K = q.shape
+    S = q.new_zeros(N, H, K, v1.shape[-1]) if S0 is None else S0
+    outputs = []
+    for t in range(T):
+        S = S + k[:, t].unsqueeze(-1) * v1[:, t].unsqueeze(-2)
+        outputs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2))
+    o = torch.stack(outputs, dim=1) if outputs else v1.new_zeros(N, 0, H, v1.shape[-1])
+    return o, S
+
+
+def _chunked(q, k, v1, S0, chunk_size):
+    N, T, H, K = q.shape
+    V1 = v1.shape[-1]
+    S0 = q.new_zeros(N, H, K, V1) if S0 is None else S0
+    if T == 0:
+        return v1.new_zeros(N, 0, H, V1), S0
+    C = min(chunk_size, T)
+    pad = (-T) % C
+    if pad:
+        q, k, v1 = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v1))
+    qc, kc, vc = to_chunks(q, C), to_chunks(k, C), to_chunks(v1, C)  # [n, M, C, d]
+    increments = kc.transpose(-1, -2) @ vc  # K_n^T V_n  [n, M, K, V1]
+    states = torch.cat([S0.reshape(1, N * H, K, V1), increments]).cumsum(0)  # S at each chunk start
+    mask = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()
+    o = qc @ states[:-1] + ((qc @ kc.transpose(-1, -2)) * mask) @ vc
+    return from_chunks(o, N, H)[:, :T], states[-1].view(N, H, K, V1)
+
+
+def _linear_attn(op, form, q, k, v, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
+                 normalize, eps, chunk_size=None):
+    B, T, H, K, V = check_qkv(op, q, k, v)
+    cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    S0 = None
+    if initial_state is not None:
+        if not (isinstance(initial_state, (tuple, list)) and len(initial_state) == 2):
+            raise ValueError(f"{op}: `initial_state` must be a tuple (S [N, H, K, V], z [N, H, K]), "
+                             f"got {type(initial_state).__name__}")
+        S = check_state(op, "initial_state[0] (S)", initial_state[0], (N, H, K, V), q)
+        z = check_state(op, "initial_state[1] (z)", initial_state[1], (N, H, K), q)
+        S0 = torch.cat([S, z.unsqueeze(-1)], dim=-1)
+    scale = check_scale(op, scale, K)
+    if chunk_size is not None:
+        chunk_size = check_chunk_size(op, chunk_size)
+    dtype = compute_dtype(q.dtype)
+    qf, kf, vf = (x.to(dtype) for x in (q, k, v))
+    if use_qk_l2norm:
+        qf, kf = l2norm(qf), l2norm(kf)
+    v1 = torch.cat([vf, torch.ones_like(vf[..., :1])], dim=-1)  # padding zeroes the ones column too
+
+    def run(q_, k_, v_):
+        return form(q_, k_, v_, S0) if chunk_size is None else form(q_, k_, v_, S0, chunk_size)
+
+    o1, S1 = run_packed(run, cu_seqlens, qf * scale, kf, v1)
+    o = o1[..., :V] / (o1[..., V:] + eps) if normalize else o1[..., :V]
+    state = (S1[..., :V], S1[..., V]) if output_final_state else None
+    return o.to(q.dtype), state
+
+
+def recurrent_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False,
+                          cu_seqlens=None, use_qk_l2norm=False, normalize=True, eps=1e-6):
+    """Linear attention token by token (reference and decode step). See the module docstring."""
+    return _linear_attn("recurrent_linear_attn", _recurrence, q, k, v, scale, initial_state,
+                        output_final_state, cu_seqlens, use_qk_l2norm, normalize, eps)
+
+
+def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False,
+                      cu_seqlens=None, use_qk_l2norm=False, normalize=True, eps=1e-6, chunk_size=64):
+    """Linear attention chunkwise-parallel; equals `recurrent_linear_attn` for any T."""
+    return _linear_attn("chunk_linear_attn", _chunked, q, k, v, scale, initial_state,
+                        output_final_state, cu_seqlens, use_qk_l2norm, normalize, eps, chunk_size)
