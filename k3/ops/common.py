@@ -96,9 +96,11 @@ def check_state(op: str, name: str, state, shape: tuple, ref: torch.Tensor) -> t
 
 def check_log_decay(op: str, g: torch.Tensor) -> None:
     """g is a log decay: every entry must be <= 0 (exp(g) in [0, 1]); -inf clears the state."""
-    invalid = (g > 0) | torch.isnan(g)
-    if bool(invalid.any()):
-        bad = g[invalid]
+    if g.numel() == 0:
+        return
+    largest = g.max()  # NaN if any entry is NaN
+    if not bool(largest <= 0):
+        bad = g[(g > 0) | torch.isnan(g)]
         raise _fail(op, "g", "a log decay with every entry <= 0 (alpha = exp(g) in [0, 1])",
                     f"{bad.numel()} entries > 0 or NaN, e.g. {bad.flatten()[0].item()}")
 
@@ -158,3 +160,15 @@ def run_packed(fn, cu_seqlens: torch.Tensor | None, *seq_tensors: torch.Tensor |
     packing = Packing.from_cu_seqlens(cu_seqlens)
     o, state = fn(*(None if x is None else packing.pad(x) for x in seq_tensors))
     return packing.unpad(o), state
+
+
+def to_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
+    """[N, T, H, d] with T = n*C  ->  [n, N*H, C, d] (chunk-major, so chunk i is one contiguous block)."""
+    N, T, H, d = x.shape
+    return x.reshape(N, T // C, C, H, d).permute(1, 0, 3, 2, 4).reshape(T // C, N * H, C, d)
+
+
+def from_chunks(x: torch.Tensor, N: int, H: int) -> torch.Tensor:
+    """[n, N*H, C, d]  ->  [N, n*C, H, d]."""
+    n, _, C, d = x.shape
+    return x.reshape(n, N, H, C, d).permute(1, 0, 3, 2, 4).reshape(N, n * C, H, d)

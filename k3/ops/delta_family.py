@@ -53,7 +53,7 @@ _FACTOR_EXP_LIMIT = {torch.float32: 80.0, torch.float64: 600.0}
 # torch.set_flush_denormal reaches only the calling thread, not the intra-op worker threads).
 _DECAY_FLUSH = {torch.float32: -24.0, torch.float64: -300.0}
 _SUB_CHUNK = 16
-_SLAB_ELEMENTS = 1 << 20
+_SLAB_ELEMENTS = 1 << 18
 
 
 def decay_exp(x: torch.Tensor, floor: float | None = None) -> torch.Tensor:
@@ -63,8 +63,8 @@ def decay_exp(x: torch.Tensor, floor: float | None = None) -> torch.Tensor:
     return F.threshold(torch.exp(x.clamp(min=floor - 1.0)), math.exp(floor), 0.0)
 
 
-def delta_recurrence(q, k, v, beta, g, S0):
-    """Token-by-token delta rule. q, k [N,T,H,K] (q pre-scaled), v [N,T,H,V], beta [N,T,H],
+def delta_recurrence(q, k, v, beta, g, S0, scale: float):
+    """Token-by-token delta rule. q, k [N,T,H,K], v [N,T,H,V], beta [N,T,H],
     g None | [N,T,H] | [N,T,H,K] log decay, S0 None | [N,H,K,V]. Returns (o [N,T,H,V], S [N,H,K,V])."""
     N, T, H, K = q.shape
     S = q.new_zeros(N, H, K, v.shape[-1]) if S0 is None else S0
@@ -78,24 +78,12 @@ def delta_recurrence(q, k, v, beta, g, S0):
         v_old = (k_t * S).sum(-2)  # k_t S'  [N,H,V]
         S = S + k_t * (beta[:, t, :, None] * (v[:, t] - v_old)).unsqueeze(-2)
         outputs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2))
-    o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(N, 0, H, v.shape[-1])
+    o = torch.stack(outputs, dim=1) * scale if outputs else v.new_zeros(N, 0, H, v.shape[-1])
     return o, S
 
 
 # ----------------------------------------------------------------------------------------------------
 # chunkwise-parallel form
-
-
-def to_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
-    """[N, T, H, d] with T = n*C  ->  [n, N*H, C, d] (chunk-major, so chunk i is one contiguous block)."""
-    N, T, H, d = x.shape
-    return x.reshape(N, T // C, C, H, d).permute(1, 0, 3, 2, 4).reshape(T // C, N * H, C, d)
-
-
-def from_chunks(x: torch.Tensor, N: int, H: int) -> torch.Tensor:
-    """[n, N*H, C, d]  ->  [N, n*C, H, d]."""
-    n, _, C, d = x.shape
-    return x.reshape(n, N, H, C, d).permute(1, 0, 3, 2, 4).reshape(N, n * C, H, d)
 
 
 @lru_cache(maxsize=64)
@@ -184,34 +172,33 @@ def _intra_channel_gate(q, k, beta, G):
     return A_qk, A_kk, q * gamma, (kb_sub.view(P, C, K) * gamma), k_end, decay_exp(G[:, -1])
 
 
-def _flush_tiny(x: torch.Tensor, scale) -> torch.Tensor:
-    """Zero the entries of x below `scale` * 2^-64 (fp32) or 2^-200 (fp64): far below the dtype's
-    resolution relative to `scale`, and zeroed before their products sink into subnormal numbers."""
-    rel = 2.0 ** (-64 if x.dtype == torch.float32 else -200)
-    return F.hardshrink(x, float(scale) * rel)
+def _flush_tiny(x: torch.Tensor) -> torch.Tensor:
+    """Zero the entries of a dimensionless matrix (relative to an identity) below 2^-64 (fp32) or
+    2^-200 (fp64): far below the dtype's resolution, and zeroed before products of them sink into
+    subnormal numbers."""
+    return F.hardshrink(x, 2.0 ** (-64 if x.dtype == torch.float32 else -200))
 
 
-def _solve_unit_lower(A, B, s: int):
-    """X = (I + A)^-1 B for strictly lower-triangular A [P, C, C] and B [P, C, R], by blocks of s rows:
-    invert the s x s diagonal blocks with one batched triangular solve, then block forward substitution
-    X_a = inv(I + A_aa) (B_a - A_a,<a X_<a), all batched matmuls. A is relative to I (dimensionless)
-    and X to B's scale; entries negligible against those scales are flushed (see `_flush_tiny`)."""
+def _unit_lower_inverse(A: torch.Tensor, s: int) -> torch.Tensor:
+    """T = (I + A)^-1 for strictly lower-triangular A [P, C, C] (the UT transform), by blocks of s rows:
+    one batched triangular solve inverts the s x s diagonal blocks, then each row block follows from
+    the ones above it, T_a,<a = -T_aa A_a,<a T_<a,<a, as batched matmuls."""
     P, C, _ = A.shape
     m = C // s
-    A = _flush_tiny(A, 1.0)
+    A = _flush_tiny(A)
+    eye = torch.eye(s, dtype=A.dtype, device=A.device)
     if m == 1:
-        return torch.linalg.solve_triangular(A, B, upper=False, unitriangular=True)
-    scale = B.detach().abs().amax()
+        return _flush_tiny(torch.linalg.solve_triangular(A, eye.expand(P, s, s), upper=False,
+                                                         unitriangular=True))
     diag = A.view(P, m, s, m, s).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)  # [P, m, s, s]
-    eye = torch.eye(s, dtype=A.dtype, device=A.device).expand(P, m, s, s)
-    inv = _flush_tiny(torch.linalg.solve_triangular(diag, eye, upper=False, unitriangular=True), 1.0)
-    X = []
-    for a in range(m):
-        rhs = B[:, a * s:(a + 1) * s]
-        if a:
-            rhs = rhs - A[:, a * s:(a + 1) * s, :a * s] @ torch.cat(X, dim=1)
-        X.append(_flush_tiny(inv[:, a] @ rhs, scale))
-    return torch.cat(X, dim=1)
+    inv = _flush_tiny(torch.linalg.solve_triangular(diag, eye.expand(P, m, s, s), upper=False,
+                                                    unitriangular=True))
+    T = inv[:, 0]  # rows of block 0, columns [0, s)
+    for a in range(1, m):
+        lo, hi = a * s, (a + 1) * s
+        left = _flush_tiny(-inv[:, a] @ (A[:, lo:hi, :lo] @ T))  # [P, s, lo]
+        T = torch.cat([F.pad(T, (0, s)), torch.cat([left, inv[:, a]], dim=-1)], dim=1)  # [P, hi, hi]
+    return T
 
 
 def _state_scan(W, U0, K_end, decay_end, S0):
@@ -231,12 +218,12 @@ def _state_scan(W, U0, K_end, decay_end, S0):
             states.append(torch.baddbmm(S, K_end_T[i], U_i))
             corrections.append(U_i)
         return torch.stack(corrections), torch.stack(states)
-    # Inference: write into preallocated buffers, no per-chunk allocation.
+    # Inference: update U0 in place into U, states into one preallocated buffer.
     states = U0.new_empty(n + 1, *S0.shape)
     states[0].copy_(S0)
-    U = torch.empty_like(U0)
+    U = U0
     for i in range(n):
-        U[i].copy_(U0[i]).baddbmm_(W[i], states[i], alpha=-1.0)
+        U[i].baddbmm_(W[i], states[i], alpha=-1.0)
         if decay_end is None:
             states[i + 1].copy_(states[i])
         else:
@@ -245,7 +232,7 @@ def _state_scan(W, U0, K_end, decay_end, S0):
     return U, states
 
 
-def chunk_delta(q, k, v, beta, g, S0, chunk_size: int):
+def chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int):
     """Chunkwise-parallel delta rule; same arguments and result as `delta_recurrence`.
 
     g None (DeltaNet), [N,T,H] (Gated DeltaNet) or [N,T,H,K] (KDA); S0 None or [N,H,K,V].
@@ -262,30 +249,24 @@ def chunk_delta(q, k, v, beta, g, S0, chunk_size: int):
         beta = F.pad(beta, (0, 0, 0, pad))
         if g is not None:
             g = F.pad(g, (0, 0, 0, 0, 0, pad) if g.dim() == 4 else (0, 0, 0, pad))
-    qc, kc, vc = to_chunks(q, C), to_chunks(k, C), to_chunks(v, C)  # [n, M, C, d], M = N*H
-    n, M = qc.shape[:2]
-    if (S0 is not None and S0.dtype != q.dtype) or g is not None and g.dtype != q.dtype:
-        raise AssertionError("chunk_delta expects every input in one accumulation dtype")
-    beta_c = to_chunks(beta.unsqueeze(-1), C)  # [n, M, C, 1]
+    n, M = (T + pad) // C, N * H
+    chunked = lambda x: x.reshape(N, n, C, H, -1)  # noqa: E731  [N, n, C, H, d], a view
+    q, k, v, beta = chunked(q), chunked(k), chunked(v), chunked(beta)
+    if g is not None:  # cumulative log decay within each chunk (clamped so that -inf stays finite)
+        G = chunked(g.clamp(min=LOG_DECAY_FLOOR[q.dtype])).cumsum(dim=2)  # [N, n, C, H, K|1]
 
-    if g is None:
-        G = None
-    else:
-        g = g.clamp(min=LOG_DECAY_FLOOR[q.dtype])
-        G = to_chunks(g if g.dim() == 4 else g.unsqueeze(-1), C).cumsum(dim=-2)  # [n, M, C, K|1]
-
-    S = qc.new_zeros(M, K, V) if S0 is None else S0.reshape(M, K, V)
-    # Chunks are processed in slabs of about _SLAB_ELEMENTS values per tensor: temporaries stay
-    # cache-sized and below the allocator's page-fault threshold, and memory stays flat in T.
+    S = q.new_zeros(M, K, V) if S0 is None else S0.reshape(M, K, V)
+    o = q.new_empty(N, n, C, H, V)
+    # Chunks are processed in slabs of about _SLAB_ELEMENTS values per tensor, laid out chunk-major
+    # [slab chunks, N*H, C, d] only there: temporaries stay cache-sized and memory flat in T.
     per_slab = max(1, _SLAB_ELEMENTS // (M * C * max(K, V)))
-    outputs = []
     for i in range(0, n, per_slab):
         part = slice(i, i + per_slab)
-        o_part, S = _chunk_slab(qc[part], kc[part], vc[part], beta_c[part],
-                                None if G is None else G[part], S)
-        outputs.append(o_part)
-    o = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-    return from_chunks(o, N, H)[:, :T], S.view(N, H, K, V)
+        slab = lambda x: x[:, part].permute(1, 0, 3, 2, 4).reshape(-1, M, C, x.shape[-1])  # noqa: E731
+        o_part, S = _chunk_slab(slab(q) * scale, slab(k), slab(v), slab(beta),
+                                None if g is None else slab(G), S)
+        o[:, part] = o_part.view(-1, N, H, C, V).permute(1, 0, 3, 2, 4)
+    return o.view(N, n * C, H, V)[:, :T], S.view(N, H, K, V)
 
 
 def _chunk_slab(q, k, v, beta, G, S):
@@ -303,15 +284,13 @@ def _chunk_slab(q, k, v, beta, G, S):
     if decay_end is not None:
         decay_end = decay_end.view(n, M, -1)
 
-    # UT transform: one blocked triangular solve for both right-hand sides.
-    rhs = torch.cat([kb_start, v * beta], dim=-1)  # [n, M, C, K+V]
-    WU = _solve_unit_lower(A_kk.view(n * M, C, C), rhs.view(n * M, C, K + V), _sub_chunk_size(C))
-    WU = WU.view(n, M, C, K + V)
-    W, U0 = WU[..., :K].contiguous(), WU[..., K:].contiguous()
+    # UT transform: W = T diag(beta) (K * Gamma), U0 = T diag(beta) V with T = (I + A_kk)^-1.
+    T = _unit_lower_inverse(A_kk.view(n * M, C, C), _sub_chunk_size(C)).view(n, M, C, C)
+    W, U0 = T @ kb_start, T @ (v * beta)
 
     U, states = _state_scan(W, U0, k_end, decay_end, S)
-    o = q_start @ states[:-1] + A_qk @ U  # [n, M, C, V]
-    return o, states[-1]
+    o = torch.baddbmm((q_start @ states[:-1]).view(n * M, C, V), A_qk.view(n * M, C, C), U.view(n * M, C, V))
+    return o.view(n, M, C, V), states[-1]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -341,13 +320,12 @@ def run_delta_op(op: str, form, q, k, v, g, gate: str | None, beta, scale, initi
     q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
-    q = q * scale
     g = None if g is None else g.to(dtype)
 
     def run(q, k, v, beta, g):
         if chunk_size is None:
-            return form(q, k, v, beta, g, S0)
-        return form(q, k, v, beta, g, S0, chunk_size)
+            return form(q, k, v, beta, g, S0, scale)
+        return form(q, k, v, beta, g, S0, scale, chunk_size)
 
     o, S = run_packed(run, cu_seqlens, q, k, v, beta, g)
     return o.to(in_dtype), (S if output_final_state else None)

@@ -22,10 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from .common import (
-    check_chunk_size, check_cu_seqlens, check_qkv, check_scale, check_state, compute_dtype, l2norm,
-    run_packed,
+    check_chunk_size, check_cu_seqlens, check_qkv, check_scale, check_state, compute_dtype, from_chunks,
+    l2norm, run_packed, to_chunks,
 )
-from .delta_family import from_chunks, to_chunks
 
 
 def _recurrence(q, k, v1, S0):
