@@ -221,15 +221,16 @@ def _state_scan(W, U0, K_end, decay_end, S0):
     # Inference: update U0 in place into U, states into one preallocated buffer.
     states = U0.new_empty(n + 1, *S0.shape)
     states[0].copy_(S0)
-    U = U0
-    for i in range(n):
-        U[i].baddbmm_(W[i], states[i], alpha=-1.0)
-        if decay_end is None:
-            states[i + 1].copy_(states[i])
+    S_all, U_all, W_all, KT_all = states.unbind(0), U0.unbind(0), W.unbind(0), K_end_T.unbind(0)
+    d_all = (None,) * n if decay_end is None else decay_end.unsqueeze(-1).unbind(0)
+    for S, S_next, U, W_i, KT, d in zip(S_all, S_all[1:], U_all, W_all, KT_all, d_all):
+        U.baddbmm_(W_i, S, alpha=-1.0)
+        if d is None:
+            S_next.copy_(S)
         else:
-            torch.mul(states[i], decay_end[i].unsqueeze(-1), out=states[i + 1])
-        states[i + 1].baddbmm_(K_end_T[i], U[i])
-    return U, states
+            torch.mul(S, d, out=S_next)
+        S_next.baddbmm_(KT, U)
+    return U0, states
 
 
 def chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int):
