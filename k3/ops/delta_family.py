@@ -137,7 +137,6 @@ def _intra_channel_gate(q, k, beta, G):
     unsafe = (-rel[:, :, -1]).amax(-1) > limit  # [P, m]
     row = torch.exp(rel.clamp(min=-limit - 1.0))  # >= exp(-limit-1), still a normal number
     col = torch.exp((-rel).clamp(max=limit))  # finite even in unsafe sub-chunks (recomputed exactly)
-    row_off = F.threshold(row, math.exp(flush), 0.0)
     q_sub, k_sub, kb_sub = q.view(P, m, s, K), k.view(P, m, s, K), (k * beta).view(P, m, s, K)
 
     incl, strict = _lower_masks(s, q.dtype, q.device)
@@ -152,23 +151,27 @@ def _intra_channel_gate(q, k, beta, G):
         exact_kk = torch.einsum("brc,bic,bric->bri", kb_sub[idx], k_b, pair) * strict
         diag_qk, diag_kk = diag_qk.index_put(idx, exact_qk), diag_kk.index_put(idx, exact_kk)
 
+    if m == 1:  # G_ref = 0: the row factor is Gamma itself
+        gamma = F.threshold(row, math.exp(flush), 0.0).view(P, C, K)
+        return (diag_qk.view(P, C, C), diag_kk.view(P, C, C), q * gamma, kb_sub.view(P, C, K) * gamma,
+                k * decay_exp(G[:, -1:] - G), decay_exp(G[:, -1]))
+
     A_qk, A_kk = q.new_zeros(P, C, C), q.new_zeros(P, C, C)
     for A, diag in ((A_qk, diag_qk), (A_kk, diag_kk)):
         A.view(P, m, s, m, s).diagonal(dim1=1, dim2=3).copy_(diag.permute(0, 2, 3, 1))
-    if m > 1:
-        base = k_sub * decay_exp(G_end.unsqueeze(2) - G_sub)  # k_i exp(G_end(b) - G_i) <= 1
-        cross = decay_exp((G_ref.unsqueeze(2) - G_end.unsqueeze(1)).clamp(max=0.0))  # [P, m(a), m(b), K]
-        q_off, kb_off = q_sub * row_off, kb_sub * row_off
-        for a in range(1, m):
-            lo, hi = a * s, (a + 1) * s
-            cols = (base[:, :a] * cross[:, a, :a].unsqueeze(2)).reshape(P, lo, K).transpose(-1, -2)
-            A_qk[:, lo:hi, :lo] = q_off[:, a] @ cols
-            A_kk[:, lo:hi, :lo] = kb_off[:, a] @ cols
+    base = k_sub * decay_exp(G_end.unsqueeze(2) - G_sub)  # k_i exp(G_end(b) - G_i) <= 1
+    cross = decay_exp((G_ref.unsqueeze(2) - G_end.unsqueeze(1)).clamp(max=0.0))  # [P, m(a), m(b), K]
+    row_off = F.threshold(row, math.exp(flush), 0.0)
+    q_off, kb_off = q_sub * row_off, kb_sub * row_off
+    for a in range(1, m):
+        lo, hi = a * s, (a + 1) * s
+        cols = (base[:, :a] * cross[:, a, :a].unsqueeze(2)).reshape(P, lo, K).transpose(-1, -2)
+        A_qk[:, lo:hi, :lo] = q_off[:, a] @ cols
+        A_kk[:, lo:hi, :lo] = kb_off[:, a] @ cols
 
     # Gamma_r = exp(G_ref(a)) exp(G_r - G_ref(a)); k_end = k_i exp(G_end(b) - G_i) exp(G_C - G_end(b)).
     gamma = F.threshold(decay_exp(G_ref).unsqueeze(2) * row, math.exp(flush), 0.0).view(P, C, K)
-    k_end = k * decay_exp(G[:, -1:] - G) if m == 1 else (
-        base * decay_exp(G_end[:, -1:] - G_end).unsqueeze(2)).view(P, C, K)
+    k_end = (base * decay_exp(G_end[:, -1:] - G_end).unsqueeze(2)).view(P, C, K)
     return A_qk, A_kk, q * gamma, (kb_sub.view(P, C, K) * gamma), k_end, decay_exp(G[:, -1])
 
 
