@@ -133,10 +133,12 @@ def _intra_channel_gate(q, k, beta, G):
     G_sub = G.view(P, m, s, K)
     G_end = G_sub[:, :, -1]  # [P, m, K] cumulative gate at the end of each sub-chunk
     G_ref = F.pad(G_end[:, :-1], (0, 0, 1, 0))  # ... and just before each sub-chunk
-    rel = G_sub - G_ref.unsqueeze(2)  # G_r - G_ref(a) <= 0
+    rel = G_sub if m == 1 else G_sub - G_ref.unsqueeze(2)  # G_r - G_ref(a) <= 0
     unsafe = (-rel[:, :, -1]).amax(-1) > limit  # [P, m]
     row = torch.exp(rel.clamp(min=-limit - 1.0))  # >= exp(-limit-1), still a normal number
-    col = torch.exp((-rel).clamp(max=limit))  # finite even in unsafe sub-chunks (recomputed exactly)
+    # exp(G_ref - G_i) as the reciprocal of a normal number in [exp(-limit-1), 1]: exact to rounding,
+    # and finite even in unsafe sub-chunks (whose blocks are recomputed exactly)
+    col = torch.reciprocal(row)
     q_sub, k_sub, kb_sub = q.view(P, m, s, K), k.view(P, m, s, K), (k * beta).view(P, m, s, K)
 
     incl, strict = _lower_masks(s, q.dtype, q.device)
@@ -151,10 +153,11 @@ def _intra_channel_gate(q, k, beta, G):
         exact_kk = torch.einsum("brc,bic,bric->bri", kb_sub[idx], k_b, pair) * strict
         diag_qk, diag_kk = diag_qk.index_put(idx, exact_qk), diag_kk.index_put(idx, exact_kk)
 
-    if m == 1:  # G_ref = 0: the row factor is Gamma itself
+    if m == 1:  # G_ref = 0: the row factor is Gamma itself, and exp(G_C - G_i) = Gamma_C * col_i
         gamma = F.threshold(row, math.exp(flush), 0.0).view(P, C, K)
+        k_end = k * F.threshold(col * row[:, :, -1:], math.exp(flush), 0.0).view(P, C, K)
         return (diag_qk.view(P, C, C), diag_kk.view(P, C, C), q * gamma, kb_sub.view(P, C, K) * gamma,
-                k * decay_exp(G[:, -1:] - G), decay_exp(G[:, -1]))
+                k_end, decay_exp(G[:, -1]))
 
     A_qk, A_kk = q.new_zeros(P, C, C), q.new_zeros(P, C, C)
     for A, diag in ((A_qk, diag_qk), (A_kk, diag_kk)):
