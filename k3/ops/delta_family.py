@@ -145,7 +145,8 @@ def _intra_channel_gate(q, k, beta, G):
     diag_cols = (k_sub * col).transpose(-1, -2)  # [P, m, K, s]
     diag_qk = ((q_sub * row) @ diag_cols) * incl  # [P, m, s, s]
     diag_kk = ((kb_sub * row) @ diag_cols) * strict
-    if bool(unsafe.any()):
+    any_unsafe = bool(unsafe.any())
+    if any_unsafe:
         idx = unsafe.nonzero(as_tuple=True)
         G_b, k_b = G_sub[idx], k_sub[idx]  # [nb, s, K]
         pair = decay_exp((G_b.unsqueeze(2) - G_b.unsqueeze(1)).clamp(max=0.0))  # [nb, s(r), s(i), K]
@@ -154,8 +155,11 @@ def _intra_channel_gate(q, k, beta, G):
         diag_qk, diag_kk = diag_qk.index_put(idx, exact_qk), diag_kk.index_put(idx, exact_kk)
 
     if m == 1:  # G_ref = 0: the row factor is Gamma itself, and exp(G_C - G_i) = Gamma_C * col_i
-        gamma = F.threshold(row, math.exp(flush), 0.0).view(P, C, K)
-        k_end = k * F.threshold(col * row[:, :, -1:], math.exp(flush), 0.0).view(P, C, K)
+        gamma = F.threshold(row, math.exp(flush), 0.0).view(P, C, K)  # (clamping only hides < e^-81)
+        if any_unsafe:  # clamped factors: take the exponent directly
+            k_end = k * decay_exp(G[:, -1:] - G)
+        else:
+            k_end = k * F.threshold(col * row[:, :, -1:], math.exp(flush), 0.0).view(P, C, K)
         return (diag_qk.view(P, C, C), diag_kk.view(P, C, C), q * gamma, kb_sub.view(P, C, K) * gamma,
                 k_end, decay_exp(G[:, -1]))
 
