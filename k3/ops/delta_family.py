@@ -88,7 +88,7 @@ def delta_recurrence(q, k, v, beta, g, S0, scale: float):
 
 @lru_cache(maxsize=64)
 def _lower_masks(C: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """0/1 lower-triangular masks [C, C]: inclusive (q rows: i <= r) and strict (k rows: i < r)."""
+    """Lower-triangular masks [C, C] (0/1, or bool): inclusive (q rows: i <= r) and strict (k rows: i < r)."""
     incl = torch.ones(C, C, dtype=dtype, device=device).tril()
     return incl, incl.tril(-1)
 
@@ -141,17 +141,18 @@ def _intra_channel_gate(q, k, beta, G):
     col = torch.reciprocal(row)
     q_sub, k_sub, kb_sub = q.view(P, m, s, K), k.view(P, m, s, K), (k * beta).view(P, m, s, K)
 
-    incl, strict = _lower_masks(s, q.dtype, q.device)
+    incl, strict = _lower_masks(s, torch.bool, q.device)
     diag_cols = (k_sub * col).transpose(-1, -2)  # [P, m, K, s]
-    diag_qk = ((q_sub * row) @ diag_cols) * incl  # [P, m, s, s]
-    diag_kk = ((kb_sub * row) @ diag_cols) * strict
+    # masked, not multiplied: above the diagonal the factors no longer cancel and may overflow
+    diag_qk = ((q_sub * row) @ diag_cols).masked_fill(~incl, 0.0)  # [P, m, s, s]
+    diag_kk = ((kb_sub * row) @ diag_cols).masked_fill(~strict, 0.0)
     any_unsafe = bool(unsafe.any())
     if any_unsafe:
         idx = unsafe.nonzero(as_tuple=True)
         G_b, k_b = G_sub[idx], k_sub[idx]  # [nb, s, K]
         pair = decay_exp((G_b.unsqueeze(2) - G_b.unsqueeze(1)).clamp(max=0.0))  # [nb, s(r), s(i), K]
-        exact_qk = torch.einsum("brc,bic,bric->bri", q_sub[idx], k_b, pair) * incl
-        exact_kk = torch.einsum("brc,bic,bric->bri", kb_sub[idx], k_b, pair) * strict
+        exact_qk = torch.einsum("brc,bic,bric->bri", q_sub[idx], k_b, pair).masked_fill(~incl, 0.0)
+        exact_kk = torch.einsum("brc,bic,bric->bri", kb_sub[idx], k_b, pair).masked_fill(~strict, 0.0)
         diag_qk, diag_kk = diag_qk.index_put(idx, exact_qk), diag_kk.index_put(idx, exact_kk)
 
     if m == 1:  # G_ref = 0: the row factor is Gamma itself, and exp(G_C - G_i) = Gamma_C * col_i
