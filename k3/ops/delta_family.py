@@ -23,12 +23,18 @@ so U = U0 - W S_0 with W = (I + A)^-1 Diag(beta) (K * Gamma) and U0 = (I + A)^-1
     O   = (Q * Gamma) S_0 + tril(Aqk) U,         Aqk_ri = sum_c q_rc k_ic exp(G_rc - G_ic)
     S_C = Diag(Gamma_C) S_0 + (K * exp(G_C - G))^T U.
 
-Everything but the last two lines is independent of S_0, so it runs for all chunks and heads at once;
-only the chunk-to-chunk state update is a loop. Numerics: no ratio of cumulative products is ever
-formed. Exponents are differences G_r - G_i taken only where they are <= 0, except inside the per-channel
-(KDA) diagonal sub-blocks, where q- and k-side factors exp(G_r - G_ref), exp(G_ref - G_i) around a
-reference inside a 16-token sub-chunk are used while their exponents stay below a safe bound, and an
-exact pairwise path takes over for any sub-block whose gates fall outside it.
+Everything but the last two lines is independent of S_0, so it runs for all chunks and heads of a
+slab at once; only the chunk-to-chunk state update is a loop.
+
+Numerics. No ratio of cumulative decay products (the article's gamma_r / gamma_i) is ever formed over
+a chunk: exponents are differences G_r - G_i, taken where they are <= 0. The exception is KDA's
+per-channel scores inside one 16-token sub-chunk, factored as x_r exp(G_r - G_ref) times
+k_i exp(G_ref - G_i) around the gate just before the sub-chunk; a check bounds those exponents
+(|.| <= 80 in fp32), and any sub-chunk past the bound is computed pairwise, exactly. Decay factors
+below exp(-24) (fp32) / exp(-300) (fp64) are flushed to zero, and so are entries of the UT matrix and
+its inverse below 2^-64 (fp32) / 2^-200 (fp64): they are below the dtype's resolution, and kept they
+sink into subnormal numbers that make every matmul touching them ~100x slower on x86 CPUs (flush-to-zero mode,
+torch.set_flush_denormal, reaches only the calling thread, not the intra-op workers).
 """
 
 from __future__ import annotations
