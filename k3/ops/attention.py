@@ -22,7 +22,10 @@ from .common import check_cu_seqlens, check_qkv, check_scale, check_tensor, comp
 
 def attention(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
               use_qk_l2norm=False):
-    """Causal softmax attention with an optional KV cache. See the module docstring."""
+    """Causal softmax attention with an optional KV cache.
+
+    q, k [B,T,H,K]; v [B,T,H,V]; initial_state (past_k [B,P,H,K], past_v [B,P,H,V]); cu_seqlens [N+1]
+    (B = 1, no past). Returns (o [B,T,H,V], (k, v) with the new tokens appended, or None)."""
     op = "attention"
     B, T, H, K, V = check_qkv(op, q, k, v)
     cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device)

@@ -20,13 +20,18 @@ from .delta_family import chunk_delta, delta_recurrence, run_delta_op
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                cu_seqlens=None, use_qk_l2norm=False):
-    """Gated DeltaNet token by token: the reference form and the decode step (T = 1)."""
+    """Gated DeltaNet token by token: the reference form, and the decode step (T = 1).
+
+    q, k [B,T,H,K]; v [B,T,H,V]; g [B,T,H] log decay <= 0; beta [B,T,H]; initial_state [N,H,K,V];
+    cu_seqlens [N+1] (B = 1). Returns (o [B,T,H,V], final state [N,H,K,V] or None)."""
     return run_delta_op("recurrent_gated_delta_rule", delta_recurrence, q, k, v, g, "head", beta, scale,
                         initial_state, output_final_state, cu_seqlens, use_qk_l2norm, None)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm=False, chunk_size=64):
-    """Gated DeltaNet chunkwise-parallel; equals `recurrent_gated_delta_rule` for any T."""
+    """Gated DeltaNet chunkwise-parallel; equals `recurrent_gated_delta_rule` for any T.
+
+    Arguments and result as `recurrent_gated_delta_rule`, plus chunk_size C (any T)."""
     return run_delta_op("chunk_gated_delta_rule", chunk_delta, q, k, v, g, "head", beta, scale,
                         initial_state, output_final_state, cu_seqlens, use_qk_l2norm, chunk_size)

@@ -21,7 +21,10 @@ from .delta_family import chunk_delta, delta_recurrence, run_delta_op
 
 def recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                   cu_seqlens=None, use_qk_l2norm=False):
-    """KDA token by token: the reference form and the decode step (T = 1). See the module docstring."""
+    """KDA token by token: the reference form, and the decode step (T = 1).
+
+    q, k [B,T,H,K]; v [B,T,H,V]; g [B,T,H,K] log decay <= 0; beta [B,T,H]; initial_state [N,H,K,V];
+    cu_seqlens [N+1] (B = 1). Returns (o [B,T,H,V], final state [N,H,K,V] or None)."""
     return run_delta_op("recurrent_kda", delta_recurrence, q, k, v, g, "channel", beta, scale,
                         initial_state, output_final_state, cu_seqlens, use_qk_l2norm, None)
 
@@ -30,6 +33,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               cu_seqlens=None, use_qk_l2norm=False, chunk_size=64):
     """KDA chunkwise-parallel (UT transform inside chunks, state across them); equals `recurrent_kda`.
 
-    Any T works (the last chunk is padded with no-op steps). Cost ~ 2*T*K*V + 2*T*C*K per head."""
+    Arguments and result as `recurrent_kda`, plus chunk_size C: any T works (the last chunk is padded
+    with no-op steps). Cost ~ 2*T*K*V + 2*T*C*K per head."""
     return run_delta_op("chunk_kda", chunk_delta, q, k, v, g, "channel", beta, scale,
                         initial_state, output_final_state, cu_seqlens, use_qk_l2norm, chunk_size)

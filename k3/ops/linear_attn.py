@@ -90,13 +90,18 @@ def _linear_attn(op, form, q, k, v, scale, initial_state, output_final_state, cu
 
 def recurrent_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False,
                           cu_seqlens=None, use_qk_l2norm=False, normalize=True, eps=1e-6):
-    """Linear attention token by token (reference and decode step). See the module docstring."""
+    """Linear attention token by token: the reference form, and the decode step (T = 1).
+
+    q, k [B,T,H,K] (already feature-mapped); v [B,T,H,V]; initial_state (S [N,H,K,V], z [N,H,K]);
+    cu_seqlens [N+1] (B = 1); normalize divides by q.z + eps. Returns (o [B,T,H,V], (S, z) or None)."""
     return _linear_attn("recurrent_linear_attn", _recurrence, q, k, v, scale, initial_state,
                         output_final_state, cu_seqlens, use_qk_l2norm, normalize, eps)
 
 
 def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False,
                       cu_seqlens=None, use_qk_l2norm=False, normalize=True, eps=1e-6, chunk_size=64):
-    """Linear attention chunkwise-parallel; equals `recurrent_linear_attn` for any T."""
+    """Linear attention chunkwise-parallel; equals `recurrent_linear_attn` for any T.
+
+    Arguments and result as `recurrent_linear_attn`, plus chunk_size C (any T)."""
     return _linear_attn("chunk_linear_attn", _chunked, q, k, v, scale, initial_state,
                         output_final_state, cu_seqlens, use_qk_l2norm, normalize, eps, chunk_size)
