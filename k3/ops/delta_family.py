@@ -50,15 +50,15 @@ from .common import (
     check_state, check_tensor, compute_dtype, l2norm, run_packed,
 )
 
-# Largest |exponent| allowed in a factored exp(G_r - G_ref) * exp(G_ref - G_i): each factor stays a
-# normal number (fp32 normals reach exp(-87)) and no valid product overflows.
+# Largest |exponent| allowed in a factored exp(G_r - G_mid) * exp(G_mid - G_i): each factor stays a
+# normal number (fp32 normals reach exp(-87)).
 _FACTOR_EXP_LIMIT = {torch.float32: 80.0, torch.float64: 600.0}
 # Decay factors below exp(floor) are flushed to exactly 0. They are below the dtype's resolution
 # (exp(-24) ~ 4e-11 against fp32's 6e-8; exp(-300) against fp64's 1e-16). Kept, their products with
 # other small factors become subnormal numbers, which make matmuls ~100x slower on x86 CPUs (and
 # torch.set_flush_denormal reaches only the calling thread, not the intra-op worker threads).
 _DECAY_FLUSH = {torch.float32: -24.0, torch.float64: -300.0}
-_SUB_CHUNK = 16
+_SUB_CHUNK = 32
 _SLAB_ELEMENTS = 1 << 18
 
 
@@ -125,31 +125,31 @@ def _intra_scalar_gate(q, k, beta, G):
 def _intra_channel_gate(q, k, beta, G):
     """As `_intra_scalar_gate`, for a per-channel gate: G [P, C, K]; exp(G_C) comes back [P, K].
 
-    Score r,i = sum_c x_rc k_ic exp(G_rc - G_ic) (x = q, or beta * k). With 16-token sub-chunks a, b:
-    - diagonal block (a, a): factor around G_ref(a), the cumulative gate just before a:
-      x_r exp(G_r - G_ref) <= 1 times k_i exp(G_ref - G_i) <= exp(span of a), safe while the span is
-      below the limit; a sub-chunk beyond it gets its block computed pairwise, exactly.
+    Score r,i = sum_c x_rc k_ic exp(G_rc - G_ic) (x = q, or beta * k). With sub-chunks a, b of up to
+    32 tokens:
+    - diagonal block (a, a): factor around G_mid(a), the cumulative gate at the middle of a:
+      x_r exp(G_r - G_mid) times k_i exp(G_mid - G_i), each factor within exp(+-limit) while the gates
+      of a stay within the limit on either side of its middle (for i <= r the product is
+      exp(G_r - G_i) <= 1; above the diagonal it may overflow and is masked out). A sub-chunk past
+      the limit gets its block computed pairwise, exactly.
     - off-diagonal block (a > b): exp(G_r - G_ref(a)) * exp(G_ref(a) - G_end(b)) * exp(G_end(b) - G_i),
-      three factors each <= 1, so nothing can overflow and an underflow only drops a negligible term.
+      with G_ref(a) the gate just before a: three factors each <= 1, so nothing can overflow and an
+      underflow only drops a negligible term.
     """
     P, C, K = q.shape
     s = _sub_chunk_size(C)
     m = C // s
     limit, flush = _FACTOR_EXP_LIMIT[q.dtype], _DECAY_FLUSH[q.dtype]
     G_sub = G.view(P, m, s, K)
-    G_end = G_sub[:, :, -1]  # [P, m, K] cumulative gate at the end of each sub-chunk
-    G_ref = F.pad(G_end[:, :-1], (0, 0, 1, 0))  # ... and just before each sub-chunk
-    rel = G_sub if m == 1 else G_sub - G_ref.unsqueeze(2)  # G_r - G_ref(a) <= 0
-    unsafe = (-rel[:, :, -1]).amax(-1) > limit  # [P, m]
-    row = torch.exp(rel.clamp(min=-limit - 1.0))  # >= exp(-limit-1), still a normal number
-    # exp(G_ref - G_i) as the reciprocal of a normal number in [exp(-limit-1), 1]: exact to rounding,
-    # and finite even in unsafe sub-chunks (whose blocks are recomputed exactly)
-    col = torch.reciprocal(row)
     q_sub, k_sub, kb_sub = q.view(P, m, s, K), k.view(P, m, s, K), (k * beta).view(P, m, s, K)
 
+    G_mid = G_sub[:, :, (s - 1) // 2].unsqueeze(2)  # [P, m, 1, K]
+    rel = G_sub - G_mid  # >= 0 before the middle, <= 0 after it
+    unsafe = torch.maximum(rel[:, :, 0], -rel[:, :, -1]).amax(-1) > limit  # [P, m]
+    row = torch.exp(rel.clamp(-limit, limit))  # a normal number in [e^-limit, e^limit], even if unsafe
+    col = torch.reciprocal(row)  # exp(G_mid - G_i): the reciprocal of a bounded normal number is exact
     incl, strict = _lower_masks(s, torch.bool, q.device)
     diag_cols = (k_sub * col).transpose(-1, -2)  # [P, m, K, s]
-    # masked, not multiplied: above the diagonal the factors no longer cancel and may overflow
     diag_qk = ((q_sub * row) @ diag_cols).masked_fill(~incl, 0.0)  # [P, m, s, s]
     diag_kk = ((kb_sub * row) @ diag_cols).masked_fill(~strict, 0.0)
     any_unsafe = bool(unsafe.any())
@@ -161,30 +161,30 @@ def _intra_channel_gate(q, k, beta, G):
         exact_kk = torch.einsum("brc,bic,bric->bri", kb_sub[idx], k_b, pair).masked_fill(~strict, 0.0)
         diag_qk, diag_kk = diag_qk.index_put(idx, exact_qk), diag_kk.index_put(idx, exact_kk)
 
-    if m == 1:  # G_ref = 0: the row factor is Gamma itself, and exp(G_C - G_i) = Gamma_C * col_i
-        gamma = F.threshold(row, math.exp(flush), 0.0).view(P, C, K)  # (clamping only hides < e^-81)
+    gamma = decay_exp(G)  # Gamma_r = exp(G_r) <= 1
+    G_end = G_sub[:, :, -1]  # [P, m, K] cumulative gate at the end of each sub-chunk
+    if m == 1:
         if any_unsafe:  # clamped factors: take the exponent directly
             k_end = k * decay_exp(G[:, -1:] - G)
-        else:
-            k_end = k * F.threshold(col * row[:, :, -1:], math.exp(flush), 0.0).view(P, C, K)
+        else:  # exp(G_C - G_i) = exp(G_C - G_mid) * col_i, both factors normal numbers
+            k_end = k * F.threshold(col * torch.exp(G_end.unsqueeze(2) - G_mid), math.exp(flush), 0.0).view(P, C, K)
         return (diag_qk.view(P, C, C), diag_kk.view(P, C, C), q * gamma, kb_sub.view(P, C, K) * gamma,
                 k_end, decay_exp(G[:, -1]))
 
     A_qk, A_kk = q.new_zeros(P, C, C), q.new_zeros(P, C, C)
     for A, diag in ((A_qk, diag_qk), (A_kk, diag_kk)):
         A.view(P, m, s, m, s).diagonal(dim1=1, dim2=3).copy_(diag.permute(0, 2, 3, 1))
+    G_ref = F.pad(G_end[:, :-1], (0, 0, 1, 0))  # [P, m, K] cumulative gate just before each sub-chunk
+    row_off = decay_exp(G_sub - G_ref.unsqueeze(2))  # exp(G_r - G_ref(a)) <= 1
     base = k_sub * decay_exp(G_end.unsqueeze(2) - G_sub)  # k_i exp(G_end(b) - G_i) <= 1
     cross = decay_exp((G_ref.unsqueeze(2) - G_end.unsqueeze(1)).clamp(max=0.0))  # [P, m(a), m(b), K]
-    row_off = F.threshold(row, math.exp(flush), 0.0)
     q_off, kb_off = q_sub * row_off, kb_sub * row_off
     for a in range(1, m):
         lo, hi = a * s, (a + 1) * s
         cols = (base[:, :a] * cross[:, a, :a].unsqueeze(2)).reshape(P, lo, K).transpose(-1, -2)
         A_qk[:, lo:hi, :lo] = q_off[:, a] @ cols
         A_kk[:, lo:hi, :lo] = kb_off[:, a] @ cols
-
-    # Gamma_r = exp(G_ref(a)) exp(G_r - G_ref(a)); k_end = k_i exp(G_end(b) - G_i) exp(G_C - G_end(b)).
-    gamma = F.threshold(decay_exp(G_ref).unsqueeze(2) * row, math.exp(flush), 0.0).view(P, C, K)
+    # k_end = k_i exp(G_end(b) - G_i) exp(G_C - G_end(b))
     k_end = (base * decay_exp(G_end[:, -1:] - G_end).unsqueeze(2)).view(P, C, K)
     return A_qk, A_kk, q * gamma, (kb_sub.view(P, C, K) * gamma), k_end, decay_exp(G[:, -1])
 
