@@ -270,8 +270,8 @@ def chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int):
     n, M = (T + pad) // C, N * H
     chunked = lambda x: x.reshape(N, n, C, H, -1)  # noqa: E731  [N, n, C, H, d], a view
     q, k, v, beta = chunked(q), chunked(k), chunked(v), chunked(beta)
-    if g is not None:  # cumulative log decay within each chunk (clamped so that -inf stays finite)
-        G = chunked(g.clamp(min=LOG_DECAY_FLOOR[q.dtype])).cumsum(dim=2)  # [N, n, C, H, K|1]
+    if g is not None:
+        g = chunked(g)
 
     S = q.new_zeros(M, K, V) if S0 is None else S0.reshape(M, K, V)
     o = q.new_empty(N, n, C, H, V)
@@ -281,8 +281,9 @@ def chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int):
     for i in range(0, n, per_slab):
         part = slice(i, i + per_slab)
         slab = lambda x: x[:, part].permute(1, 0, 3, 2, 4).reshape(-1, M, C, x.shape[-1])  # noqa: E731
-        o_part, S = _chunk_slab(slab(q) * scale, slab(k), slab(v), slab(beta),
-                                None if g is None else slab(G), S)
+        # G: cumulative log decay within each chunk (clamped so that g = -inf stays finite)
+        G = None if g is None else slab(g).clamp(min=LOG_DECAY_FLOOR[q.dtype]).cumsum(dim=-2)
+        o_part, S = _chunk_slab(slab(q) * scale, slab(k), slab(v), slab(beta), G, S)
         o[:, part] = o_part.view(-1, N, H, C, V).permute(1, 0, 3, 2, 4)
     return o.view(N, n * C, H, V)[:, :T], S.view(N, H, K, V)
 
