@@ -218,11 +218,12 @@ def _unit_lower_inverse(A: torch.Tensor, s: int) -> torch.Tensor:
     return T
 
 
-def _state_scan(W, U0, K_end, decay_end, S0):
+def _state_scan(W, U0, K_end, decay_end, S0, buffer=None):
     """The only sequential part: for each chunk i (in order),
         U_i = U0_i - W_i S_i,     S_{i+1} = Diag(decay_end_i) S_i + K_end_i^T U_i.
     W, K_end [n, M, C, K]; U0 [n, M, C, V]; decay_end None | [n, M, K|1]; S0 [M, K, V].
-    Returns U [n, M, C, V] and the states S_0..S_n stacked [n+1, M, K, V]."""
+    Returns U [n, M, C, V] and the states S_0..S_n stacked [n+1, M, K, V] (in `buffer` when given and
+    no gradient is needed)."""
     n = W.shape[0]
     K_end_T = K_end.transpose(-1, -2)
     needs_grad = torch.is_grad_enabled() and any(
@@ -236,7 +237,9 @@ def _state_scan(W, U0, K_end, decay_end, S0):
             corrections.append(U_i)
         return torch.stack(corrections), torch.stack(states)
     # Inference: update U0 in place into U, states into one preallocated buffer.
-    states = U0.new_empty(n + 1, *S0.shape)
+    # `buffer` (reused across slabs) spares re-touching fresh pages: page faults on first write into a
+    # new allocation would otherwise cost more than the small matmuls themselves.
+    states = U0.new_empty(n + 1, *S0.shape) if buffer is None else buffer[: n + 1]
     states[0].copy_(S0)
     S_all, U_all, W_all, KT_all = states.unbind(0), U0.unbind(0), W.unbind(0), K_end_T.unbind(0)
     d_all = (None,) * n if decay_end is None else decay_end.unsqueeze(-1).unbind(0)
@@ -278,17 +281,18 @@ def chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int):
     # Chunks are processed in slabs of about _SLAB_ELEMENTS values per tensor, laid out chunk-major
     # [slab chunks, N*H, C, d] only there: temporaries stay cache-sized and memory flat in T.
     per_slab = max(1, _SLAB_ELEMENTS // (M * C * max(K, V)))
+    buffer = q.new_empty(min(per_slab, n) + 1, M, K, V)
     for i in range(0, n, per_slab):
         part = slice(i, i + per_slab)
         slab = lambda x: x[:, part].permute(1, 0, 3, 2, 4).reshape(-1, M, C, x.shape[-1])  # noqa: E731
         # G: cumulative log decay within each chunk (clamped so that g = -inf stays finite)
         G = None if g is None else slab(g).clamp(min=LOG_DECAY_FLOOR[q.dtype]).cumsum(dim=-2)
-        o_part, S = _chunk_slab(slab(q) * scale, slab(k), slab(v), slab(beta), G, S)
+        o_part, S = _chunk_slab(slab(q) * scale, slab(k), slab(v), slab(beta), G, S, buffer)
         o[:, part] = o_part.view(-1, N, H, C, V).permute(1, 0, 3, 2, 4)
-    return o.view(N, n * C, H, V)[:, :T], S.view(N, H, K, V)
+    return o.view(N, n * C, H, V)[:, :T], S.reshape(N, H, K, V).clone()  # not a view into `buffer`
 
 
-def _chunk_slab(q, k, v, beta, G, S):
+def _chunk_slab(q, k, v, beta, G, S, states_buffer=None):
     """One slab of consecutive chunks. q, k [n, M, C, K]; v [n, M, C, V]; beta [n, M, C, 1];
     G None | [n, M, C, K|1] cumulative log decay within each chunk; S [M, K, V] state before the slab.
     Returns o [n, M, C, V] and the state after the slab."""
@@ -307,7 +311,7 @@ def _chunk_slab(q, k, v, beta, G, S):
     T = _unit_lower_inverse(A_kk.view(n * M, C, C), _sub_chunk_size(C)).view(n, M, C, C)
     W, U0 = T @ kb_start, T @ (v * beta)
 
-    U, states = _state_scan(W, U0, k_end, decay_end, S)
+    U, states = _state_scan(W, U0, k_end, decay_end, S, states_buffer)
     o = torch.baddbmm((q_start @ states[:-1]).view(n * M, C, V), A_qk.view(n * M, C, C), U.view(n * M, C, V))
     return o.view(n, M, C, V), states[-1]
 
