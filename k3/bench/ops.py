@@ -4,12 +4,17 @@ Shape: B = 1, H heads, K = V = d, float32. KDA uses Kimi K3's safe gate g = -5 *
 per-step log decay >= -5); Gated DeltaNet the same gate with one value per head. The chunk form's
 throughput is reported under the article's cost model, 2*L*d^2 + 2*L*C*d FLOPs per head (state work
 plus the diagonal score blocks), beside the machine's measured matmul throughput.
+
+Timing: every case of one sequence length is timed once per round, round after round, and each keeps
+its best round. Interleaving puts every case through the same phases of a noisy shared machine, so
+the ratios printed (speed-ups, fraction of SDPA time) are taken side by side.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,46 +46,65 @@ def model_flops(T: int, H: int, d: int, C: int) -> float:
     return H * (2 * T * d * d + 2 * T * C * d)
 
 
+def interleaved_best(cases: dict[str, Callable[[], object]], rounds: int, warmup: bool = True
+                     ) -> dict[str, float]:
+    """Best time of each case over `rounds` rounds, every round timing each case once (after one
+    warm-up call each, if asked)."""
+    best = {name: float("inf") for name in cases}
+    for r in range(rounds):
+        for name, fn in cases.items():
+            best[name] = min(best[name], best_time(fn, repeats=1, warmup=int(warmup and r == 0)))
+    return best
+
+
 def run(lengths=(512, 2048, 8192), chunk_sizes=(16, 32, 64, 128), heads: int = 8, dim: int = 64,
-        repeats: int = 3, recurrent_max_T: int = 8192, json_path: str | None = None, out=sys.stdout):
+        repeats: int = 3, json_path: str | None = None, out=sys.stdout):
     def say(line=""):
         print(line, file=out, flush=True)
 
     gemm = matmul_gflops()
     bgemm = matmul_gflops(batch=512, size=dim)
     say(f"k3 bench ops: B=1 H={heads} K=V={dim} float32, {torch.get_num_threads()} threads, "
-        f"best of {repeats}")
+        f"best of {repeats} interleaved rounds (recurrent forms: 1 round)")
     say(f"machine matmul: {gemm:.1f} GFLOP/s (1024^3 GEMM), {bgemm:.1f} GFLOP/s (512 x {dim}^3 batched)")
     hf_gdn = _transformers_gdn()
     if hf_gdn is None:
         say("transformers not installed: skipping its torch_chunk_gated_delta_rule (pip install 'k3[hf]')")
+    mixers = {"kda": (recurrent_kda, chunk_kda), "gated_delta_rule": (recurrent_gated_delta_rule,
+                                                                      chunk_gated_delta_rule)}
     results = []
     for T in lengths:
         q, k, v, g, beta = _inputs(T, heads, dim)
-        gh = g[..., 0].contiguous()
+        gates = {"kda": g, "gated_delta_rule": g[..., 0].contiguous()}
         qh, kh, vh = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-        sdpa = best_time(lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True), repeats)
+        cases = {"sdpa": lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)}
+        for name, (_, chunk) in mixers.items():
+            for C in chunk_sizes:
+                cases[f"{name}/chunk/{C}"] = (
+                    lambda chunk=chunk, gate=gates[name], C=C: chunk(q, k, v, gate, beta, chunk_size=C))
+        if hf_gdn is not None:
+            gh = gates["gated_delta_rule"]
+            cases["transformers_gdn"] = lambda: hf_gdn(q, k, v, gh, beta, chunk_size=64)
+        # the token loops take seconds at long T: one round, no warm-up
+        recurrent = {f"{name}/recurrent": (lambda rec=rec, gate=gates[name]: rec(q, k, v, gate, beta))
+                     for name, (rec, _) in mixers.items()}
+        times = interleaved_best(cases, repeats) | interleaved_best(recurrent, 1, warmup=False)
+
+        sdpa = times["sdpa"]
         row = {"T": T, "sdpa_s": sdpa, "ops": {}}
         say(f"\nT = {T}: causal SDPA {sdpa * 1e3:.1f} ms")
-        for name, rec, chunk, gate in (("kda", recurrent_kda, chunk_kda, g),
-                                       ("gated_delta_rule", recurrent_gated_delta_rule,
-                                        chunk_gated_delta_rule, gh)):
-            entry = {"chunk_s": {}}
-            rec_s = None
-            if T <= recurrent_max_T:
-                rec_s = best_time(lambda: rec(q, k, v, gate, beta), repeats=1, warmup=0)
-            entry["recurrent_s"] = rec_s
-            rec_txt = f"{rec_s * 1e3:.0f} ms" if rec_s else "skipped"
-            say(f"  {name:17s} recurrent {rec_txt}")
+        for name in mixers:
+            rec_s = times[f"{name}/recurrent"]
+            entry = {"recurrent_s": rec_s, "chunk_s": {}}
+            say(f"  {name:17s} recurrent {rec_s * 1e3:.0f} ms")
             for C in chunk_sizes:
-                t = best_time(lambda: chunk(q, k, v, gate, beta, chunk_size=C), repeats)
+                t = times[f"{name}/chunk/{C}"]
                 entry["chunk_s"][C] = t
                 gflops = model_flops(T, heads, dim, C) / t / 1e9
-                vs_rec = f"{rec_s / t:6.1f}x vs recurrent" if rec_s else ""
-                say(f"    chunk C={C:<4d} {t * 1e3:8.1f} ms  {vs_rec}  {t / sdpa:5.2f}x SDPA time  "
-                    f"{gflops:5.1f} GFLOP/s (model)")
+                say(f"    chunk C={C:<4d} {t * 1e3:8.1f} ms  {rec_s / t:6.1f}x vs recurrent  "
+                    f"{t / sdpa:5.2f}x SDPA time  {gflops:5.1f} GFLOP/s (model)")
             if name == "gated_delta_rule" and hf_gdn is not None:
-                t = best_time(lambda: hf_gdn(q, k, v, gh, beta, chunk_size=64), repeats)
+                t = times["transformers_gdn"]
                 entry["transformers_chunk_s"] = t
                 ours = entry["chunk_s"].get(64, min(entry["chunk_s"].values()))
                 say(f"    transformers torch_chunk_gated_delta_rule C=64 {t * 1e3:8.1f} ms  "
