@@ -32,7 +32,7 @@ per-channel scores inside one 16-token sub-chunk, factored as x_r exp(G_r - G_re
 k_i exp(G_ref - G_i) around the gate just before the sub-chunk; a check bounds those exponents
 (|.| <= 80 in fp32), and any sub-chunk past the bound is computed pairwise, exactly. Decay factors
 below exp(-24) (fp32) / exp(-300) (fp64) are flushed to zero, and so are entries of the UT matrix and
-its inverse below 2^-64 (fp32) / 2^-200 (fp64): they are below the dtype's resolution, and kept they
+its inverse below 2^-40 (fp32) / 2^-100 (fp64): they are below the dtype's resolution, and kept they
 sink into subnormal numbers that make every matmul touching them ~100x slower on x86 CPUs (flush-to-zero mode,
 torch.set_flush_denormal, reaches only the calling thread, not the intra-op workers).
 """
@@ -143,10 +143,14 @@ def _intra_channel_gate(q, k, beta, G):
     G_sub = G.view(P, m, s, K)
     q_sub, k_sub, kb_sub = q.view(P, m, s, K), k.view(P, m, s, K), (k * beta).view(P, m, s, K)
 
-    G_mid = G_sub[:, :, (s - 1) // 2].unsqueeze(2)  # [P, m, 1, K]
-    rel = G_sub - G_mid  # >= 0 before the middle, <= 0 after it
-    unsafe = torch.maximum(rel[:, :, 0], -rel[:, :, -1]).amax(-1) > limit  # [P, m]
-    row = torch.exp(rel.clamp(-limit, limit))  # a normal number in [e^-limit, e^limit], even if unsafe
+    G_end = G_sub[:, :, -1]  # [P, m, K] cumulative gate at the end of each sub-chunk
+    G_ref = F.pad(G_end[:, :-1], (0, 0, 1, 0))  # ... just before each sub-chunk
+    G_mid = G_sub[:, :, (s - 1) // 2]  # ... and at its middle
+    rel = G_sub - G_mid.unsqueeze(2)  # >= 0 before the middle, <= 0 after it
+    # safe: every factor around the middle, from the gate before the sub-chunk to its end, is a normal
+    # number within exp(+-limit)
+    unsafe = torch.maximum(G_ref - G_mid, G_mid - G_end).amax(-1) > limit  # [P, m]
+    row = torch.exp(rel.clamp(-limit, limit))  # exp(G_r - G_mid), clamped only where unsafe
     col = torch.reciprocal(row)  # exp(G_mid - G_i): the reciprocal of a bounded normal number is exact
     incl, strict = _lower_masks(s, torch.bool, q.device)
     diag_cols = (k_sub * col).transpose(-1, -2)  # [P, m, K, s]
@@ -161,24 +165,29 @@ def _intra_channel_gate(q, k, beta, G):
         exact_kk = torch.einsum("brc,bic,bric->bri", kb_sub[idx], k_b, pair).masked_fill(~strict, 0.0)
         diag_qk, diag_kk = diag_qk.index_put(idx, exact_qk), diag_kk.index_put(idx, exact_kk)
 
-    gamma = decay_exp(G)  # Gamma_r = exp(G_r) <= 1
-    G_end = G_sub[:, :, -1]  # [P, m, K] cumulative gate at the end of each sub-chunk
+    # Decays to the sub-chunk's end, from the gate before it, and from the chunk start (Gamma):
+    # products of the factors above while they are exact, direct exponentials otherwise.
+    if any_unsafe:
+        to_end = decay_exp(G_end.unsqueeze(2) - G_sub)  # exp(G_end(b) - G_i)
+        from_ref = decay_exp(G_sub - G_ref.unsqueeze(2))  # exp(G_r - G_ref(a))
+        gamma = decay_exp(G)
+    else:
+        threshold = math.exp(flush)
+        to_end = F.threshold(col * torch.exp(G_end - G_mid).unsqueeze(2), threshold, 0.0)
+        from_ref_exact = row * torch.exp(G_mid - G_ref).unsqueeze(2)
+        from_ref = F.threshold(from_ref_exact, threshold, 0.0)
+        gamma = F.threshold(from_ref_exact * decay_exp(G_ref).unsqueeze(2), threshold, 0.0)
+    gamma = gamma.view(P, C, K)
+    base = k_sub * to_end  # k_i exp(G_end(b) - G_i) <= 1
     if m == 1:
-        if any_unsafe:  # clamped factors: take the exponent directly
-            k_end = k * decay_exp(G[:, -1:] - G)
-        else:  # exp(G_C - G_i) = exp(G_C - G_mid) * col_i, both factors normal numbers
-            k_end = k * F.threshold(col * torch.exp(G_end.unsqueeze(2) - G_mid), math.exp(flush), 0.0).view(P, C, K)
         return (diag_qk.view(P, C, C), diag_kk.view(P, C, C), q * gamma, kb_sub.view(P, C, K) * gamma,
-                k_end, decay_exp(G[:, -1]))
+                base.view(P, C, K), decay_exp(G[:, -1]))
 
     A_qk, A_kk = q.new_zeros(P, C, C), q.new_zeros(P, C, C)
     for A, diag in ((A_qk, diag_qk), (A_kk, diag_kk)):
         A.view(P, m, s, m, s).diagonal(dim1=1, dim2=3).copy_(diag.permute(0, 2, 3, 1))
-    G_ref = F.pad(G_end[:, :-1], (0, 0, 1, 0))  # [P, m, K] cumulative gate just before each sub-chunk
-    row_off = decay_exp(G_sub - G_ref.unsqueeze(2))  # exp(G_r - G_ref(a)) <= 1
-    base = k_sub * decay_exp(G_end.unsqueeze(2) - G_sub)  # k_i exp(G_end(b) - G_i) <= 1
     cross = decay_exp((G_ref.unsqueeze(2) - G_end.unsqueeze(1)).clamp(max=0.0))  # [P, m(a), m(b), K]
-    q_off, kb_off = q_sub * row_off, kb_sub * row_off
+    q_off, kb_off = q_sub * from_ref, kb_sub * from_ref
     for a in range(1, m):
         lo, hi = a * s, (a + 1) * s
         cols = (base[:, :a] * cross[:, a, :a].unsqueeze(2)).reshape(P, lo, K).transpose(-1, -2)
@@ -186,14 +195,14 @@ def _intra_channel_gate(q, k, beta, G):
         A_kk[:, lo:hi, :lo] = kb_off[:, a] @ cols
     # k_end = k_i exp(G_end(b) - G_i) exp(G_C - G_end(b))
     k_end = (base * decay_exp(G_end[:, -1:] - G_end).unsqueeze(2)).view(P, C, K)
-    return A_qk, A_kk, q * gamma, (kb_sub.view(P, C, K) * gamma), k_end, decay_exp(G[:, -1])
+    return A_qk, A_kk, q * gamma, kb_sub.view(P, C, K) * gamma, k_end, decay_exp(G[:, -1])
 
 
 def _flush_tiny(x: torch.Tensor) -> torch.Tensor:
-    """Zero the entries of a dimensionless matrix (relative to an identity) below 2^-64 (fp32) or
-    2^-200 (fp64): far below the dtype's resolution, and zeroed before products of them sink into
-    subnormal numbers."""
-    return F.hardshrink(x, 2.0 ** (-64 if x.dtype == torch.float32 else -200))
+    """Zero the entries of a dimensionless matrix (relative to an identity) below 2^-40 (fp32) or
+    2^-100 (fp64): over 10^4 times below the dtype's resolution, and large enough that products of up
+    to three kept entries are still normal numbers (not slow subnormals)."""
+    return F.hardshrink(x, 2.0 ** (-40 if x.dtype == torch.float32 else -100))
 
 
 def _unit_lower_inverse(A: torch.Tensor, s: int) -> torch.Tensor:
