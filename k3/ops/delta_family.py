@@ -28,12 +28,13 @@ slab at once; only the chunk-to-chunk state update is a loop.
 
 Numerics. No ratio of cumulative decay products (the article's gamma_r / gamma_i) is ever formed over
 a chunk: exponents are differences G_r - G_i, taken where they are <= 0. The exception is KDA's
-per-channel scores inside one 16-token sub-chunk, factored as x_r exp(G_r - G_ref) times
-k_i exp(G_ref - G_i) around the gate just before the sub-chunk; a check bounds those exponents
+per-channel scores inside one sub-chunk of up to 32 tokens, factored as x_r exp(G_r - G_mid) times
+k_i exp(G_mid - G_i) around the gate at its middle; a check bounds those exponents
 (|.| <= 80 in fp32), and any sub-chunk past the bound is computed pairwise, exactly. Decay factors
 below exp(-24) (fp32) / exp(-300) (fp64) are flushed to zero, and so are entries of the UT matrix and
 its inverse below 2^-40 (fp32) / 2^-100 (fp64): they are below the dtype's resolution, and kept they
-sink into subnormal numbers that make every matmul touching them ~100x slower on x86 CPUs (flush-to-zero mode,
+sink into subnormal numbers that make every matmul touching them ~100x slower on x86 CPUs
+(flush-to-zero mode,
 torch.set_flush_denormal, reaches only the calling thread, not the intra-op workers).
 """
 
