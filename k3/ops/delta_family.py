@@ -34,8 +34,7 @@ k_i exp(G_mid - G_i) around the gate at its middle; a check bounds those exponen
 below exp(-24) (fp32) / exp(-300) (fp64) are flushed to zero, and so are entries of the UT matrix and
 its inverse below 2^-40 (fp32) / 2^-100 (fp64): they are below the dtype's resolution, and kept they
 sink into subnormal numbers that make every matmul touching them ~100x slower on x86 CPUs
-(flush-to-zero mode,
-torch.set_flush_denormal, reaches only the calling thread, not the intra-op workers).
+(torch.set_flush_denormal reaches only the calling thread, not the intra-op workers).
 """
 
 from __future__ import annotations
