@@ -175,8 +175,11 @@ def _intra_channel_gate(q, k, beta, G):
         threshold = math.exp(flush)
         to_end = F.threshold(col * torch.exp(G_end - G_mid).unsqueeze(2), threshold, 0.0)
         from_ref_exact = row * torch.exp(G_mid - G_ref).unsqueeze(2)
-        from_ref = F.threshold(from_ref_exact, threshold, 0.0)
-        gamma = F.threshold(from_ref_exact * decay_exp(G_ref).unsqueeze(2), threshold, 0.0)
+        if m == 1:  # G_ref = 0: Gamma is exp(G_r - G_ref) itself, and nothing else needs it
+            gamma = F.threshold(from_ref_exact, threshold, 0.0)
+        else:
+            from_ref = F.threshold(from_ref_exact, threshold, 0.0)
+            gamma = F.threshold(from_ref_exact * decay_exp(G_ref).unsqueeze(2), threshold, 0.0)
     gamma = gamma.view(P, C, K)
     base = k_sub * to_end  # k_i exp(G_end(b) - G_i) <= 1
     if m == 1:
