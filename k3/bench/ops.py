@@ -58,7 +58,9 @@ def interleaved_best(cases: dict[str, Callable[[], object]], rounds: int, warmup
 
 
 def run(lengths=(512, 2048, 8192), chunk_sizes=(16, 32, 64, 128), heads: int = 8, dim: int = 64,
-        repeats: int = 3, json_path: str | None = None, out=sys.stdout):
+        repeats: int = 3, json_path: str | None = None, out=None):
+    out = sys.stdout if out is None else out
+
     def say(line=""):
         print(line, file=out, flush=True)
 
