@@ -74,6 +74,7 @@ def check_cu_seqlens(op: str, cu_seqlens, B: int, T: int, device) -> torch.Tenso
 
 
 def check_chunk_size(op: str, chunk_size) -> int:
+    """chunk_size must be a positive int (any T works with any chunk size)."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise _fail(op, "chunk_size", "a positive int", repr(chunk_size))
     return chunk_size
@@ -86,7 +87,9 @@ def check_state(op: str, name: str, state, shape: tuple, ref: torch.Tensor) -> t
     if not isinstance(state, torch.Tensor):
         raise _fail(op, name, "a torch.Tensor", type(state).__name__)
     if tuple(state.shape) != tuple(shape):
-        raise _fail(op, name, f"of shape {list(shape)} [N, H, K, V]", list(state.shape))
+        layout = "[N, H, K, V]" if len(shape) == 4 else "[N, H, K]"
+        raise _fail(op, name, f"of shape {list(shape)} {layout} (N = batch size or packed sequences)",
+                    list(state.shape))
     if not state.is_floating_point():
         raise _fail(op, name, "a floating-point tensor", state.dtype)
     if state.device != ref.device:
@@ -106,6 +109,7 @@ def check_log_decay(op: str, g: torch.Tensor) -> None:
 
 
 def check_scale(op: str, scale, K: int) -> float:
+    """scale multiplies q; None means K^-1/2."""
     if scale is None:
         return K ** -0.5
     if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):

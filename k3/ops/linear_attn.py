@@ -40,6 +40,8 @@ def _recurrence(q, k, v1, S0):
 
 
 def _chunked(q, k, v1, S0, chunk_size):
+    """Chunkwise: O = Q S_n + tril(Q K^T) V1 per chunk, with S_n = S_0 + sum of K_m^T V1_m over the
+    earlier chunks m < n (one cumulative sum, no loop). Same arguments and result as `_recurrence`."""
     N, T, H, K = q.shape
     V1 = v1.shape[-1]
     S0 = q.new_zeros(N, H, K, V1) if S0 is None else S0
