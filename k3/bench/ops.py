@@ -46,14 +46,16 @@ def model_flops(T: int, H: int, d: int, C: int) -> float:
     return H * (2 * T * d * d + 2 * T * C * d)
 
 
-def interleaved_best(cases: dict[str, Callable[[], object]], rounds: int, warmup: bool = True
+def interleaved_best(cases: dict[str, Callable[[], object]], rounds: int, cold: frozenset = frozenset()
                      ) -> dict[str, float]:
-    """Best time of each case over `rounds` rounds, every round timing each case once (after one
-    warm-up call each, if asked)."""
+    """Best time of each case over `rounds` rounds, every round timing each case once. Cases get one
+    warm-up call first, except those named in `cold` (the slow token loops, which have nothing to
+    warm up)."""
     best = {name: float("inf") for name in cases}
     for r in range(rounds):
         for name, fn in cases.items():
-            best[name] = min(best[name], best_time(fn, repeats=1, warmup=int(warmup and r == 0)))
+            warmup = int(r == 0 and name not in cold)
+            best[name] = min(best[name], best_time(fn, repeats=1, warmup=warmup))
     return best
 
 
@@ -67,7 +69,7 @@ def run(lengths=(512, 2048, 8192), chunk_sizes=(16, 32, 64, 128), heads: int = 8
     gemm = matmul_gflops()
     bgemm = matmul_gflops(batch=512, size=dim)
     say(f"k3 bench ops: B=1 H={heads} K=V={dim} float32, {torch.get_num_threads()} threads, "
-        f"best of {repeats} interleaved rounds (recurrent forms: 1 round)")
+        f"best of {repeats} interleaved rounds")
     say(f"machine matmul: {gemm:.1f} GFLOP/s (1024^3 GEMM), {bgemm:.1f} GFLOP/s (512 x {dim}^3 batched)")
     hf_gdn = _transformers_gdn()
     if hf_gdn is None:
@@ -87,10 +89,9 @@ def run(lengths=(512, 2048, 8192), chunk_sizes=(16, 32, 64, 128), heads: int = 8
         if hf_gdn is not None:
             gh = gates["gated_delta_rule"]
             cases["transformers_gdn"] = lambda: hf_gdn(q, k, v, gh, beta, chunk_size=64)
-        # the token loops take seconds at long T: one round, no warm-up
-        recurrent = {f"{name}/recurrent": (lambda rec=rec, gate=gates[name]: rec(q, k, v, gate, beta))
-                     for name, (rec, _) in mixers.items()}
-        times = interleaved_best(cases, repeats) | interleaved_best(recurrent, 1, warmup=False)
+        for name, (rec, _) in mixers.items():
+            cases[f"{name}/recurrent"] = lambda rec=rec, gate=gates[name]: rec(q, k, v, gate, beta)
+        times = interleaved_best(cases, repeats, cold=frozenset(f"{name}/recurrent" for name in mixers))
 
         sdpa = times["sdpa"]
         row = {"T": T, "sdpa_s": sdpa, "ops": {}}
