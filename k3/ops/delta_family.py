@@ -103,29 +103,28 @@ def _sub_chunk_size(C: int) -> int:
     return max(s for s in range(1, min(_SUB_CHUNK, C) + 1) if C % s == 0)
 
 
-def _intra_scalar_gate(q, k, beta, G):
+def _intra_scalar_gate(q, k, G):
     """Everything inside a chunk that does not depend on the incoming state, for a scalar gate per
-    head (G [P, C, 1] cumulative log decay) or none (G None). q, k [P, C, K]; beta [P, C, 1].
+    head (G [P, C, 1] cumulative log decay) or none (G None). q, k [P, C, K].
 
-    Returns A_qk [P, C, C] (incl. diagonal), beta * A_kk [P, C, C] (strict), q * Gamma,
-    beta * k * Gamma, k * exp(G_C - G) [P, C, K] and exp(G_C) [P, 1] (None without a gate)."""
+    Returns A_qk [P, C, C] (incl. diagonal), A_kk [P, C, C] (strict), q * Gamma, k * Gamma,
+    k * exp(G_C - G) [P, C, K] and exp(G_C) [P, 1] (None without a gate)."""
     C = q.shape[-2]
     incl, strict = _lower_masks(C, q.dtype, q.device)
-    kb = k * beta
     k_t = k.transpose(-1, -2)
     if G is None:
-        return (q @ k_t) * incl, (kb @ k_t) * strict, q, kb, k, None
+        return (q @ k_t) * incl, (k @ k_t) * strict, q, k, k, None
     decay = decay_exp((G - G.transpose(-1, -2)).clamp(max=0.0))  # exp(G_r - G_i) for i <= r
     gamma = decay_exp(G)  # Gamma_r = exp(G_r) <= 1
     G_last = G[:, -1:]
-    return ((q @ k_t) * (decay * incl), (kb @ k_t) * (decay * strict), q * gamma, kb * gamma,
+    return ((q @ k_t) * (decay * incl), (k @ k_t) * (decay * strict), q * gamma, k * gamma,
             k * decay_exp(G_last - G), decay_exp(G_last.squeeze(-2)))
 
 
-def _intra_channel_gate(q, k, beta, G):
+def _intra_channel_gate(q, k, G):
     """As `_intra_scalar_gate`, for a per-channel gate: G [P, C, K]; exp(G_C) comes back [P, K].
 
-    Score r,i = sum_c x_rc k_ic exp(G_rc - G_ic) (x = q, or beta * k). With sub-chunks a, b of up to
+    Score r,i = sum_c x_rc k_ic exp(G_rc - G_ic) (x = q or k). With sub-chunks a, b of up to
     32 tokens:
     - diagonal block (a, a): factor around G_mid(a), the cumulative gate at the middle of a:
       x_r exp(G_r - G_mid) times k_i exp(G_mid - G_i), each factor within exp(+-limit) while the gates
@@ -141,7 +140,7 @@ def _intra_channel_gate(q, k, beta, G):
     m = C // s
     limit, flush = _FACTOR_EXP_LIMIT[q.dtype], _DECAY_FLUSH[q.dtype]
     G_sub = G.view(P, m, s, K)
-    q_sub, k_sub, kb_sub = q.view(P, m, s, K), k.view(P, m, s, K), (k * beta).view(P, m, s, K)
+    q_sub, k_sub = q.view(P, m, s, K), k.view(P, m, s, K)
 
     G_end = G_sub[:, :, -1]  # [P, m, K] cumulative gate at the end of each sub-chunk
     G_ref = F.pad(G_end[:, :-1], (0, 0, 1, 0))  # ... just before each sub-chunk
@@ -150,19 +149,19 @@ def _intra_channel_gate(q, k, beta, G):
     # safe: every factor around the middle, from the gate before the sub-chunk to its end, is a normal
     # number within exp(+-limit)
     unsafe = torch.maximum(G_ref - G_mid, G_mid - G_end).amax(-1) > limit  # [P, m]
-    row = torch.exp(rel.clamp(-limit, limit))  # exp(G_r - G_mid), clamped only where unsafe
+    any_unsafe = bool(unsafe.any())
+    row = torch.exp(rel.clamp(-limit, limit) if any_unsafe else rel)  # exp(G_r - G_mid), clamped if unsafe
     col = torch.reciprocal(row)  # exp(G_mid - G_i): the reciprocal of a bounded normal number is exact
     incl, strict = _lower_masks(s, torch.bool, q.device)
     diag_cols = (k_sub * col).transpose(-1, -2)  # [P, m, K, s]
     diag_qk = ((q_sub * row) @ diag_cols).masked_fill(~incl, 0.0)  # [P, m, s, s]
-    diag_kk = ((kb_sub * row) @ diag_cols).masked_fill(~strict, 0.0)
-    any_unsafe = bool(unsafe.any())
+    diag_kk = ((k_sub * row) @ diag_cols).masked_fill(~strict, 0.0)
     if any_unsafe:
         idx = unsafe.nonzero(as_tuple=True)
         G_b, k_b = G_sub[idx], k_sub[idx]  # [nb, s, K]
         pair = decay_exp((G_b.unsqueeze(2) - G_b.unsqueeze(1)).clamp(max=0.0))  # [nb, s(r), s(i), K]
         exact_qk = torch.einsum("brc,bic,bric->bri", q_sub[idx], k_b, pair).masked_fill(~incl, 0.0)
-        exact_kk = torch.einsum("brc,bic,bric->bri", kb_sub[idx], k_b, pair).masked_fill(~strict, 0.0)
+        exact_kk = torch.einsum("brc,bic,bric->bri", k_b, k_b, pair).masked_fill(~strict, 0.0)
         diag_qk, diag_kk = diag_qk.index_put(idx, exact_qk), diag_kk.index_put(idx, exact_kk)
 
     # Decays to the sub-chunk's end, from the gate before it, and from the chunk start (Gamma):
@@ -183,22 +182,22 @@ def _intra_channel_gate(q, k, beta, G):
     gamma = gamma.view(P, C, K)
     base = k_sub * to_end  # k_i exp(G_end(b) - G_i) <= 1
     if m == 1:
-        return (diag_qk.view(P, C, C), diag_kk.view(P, C, C), q * gamma, kb_sub.view(P, C, K) * gamma,
-                base.view(P, C, K), decay_exp(G[:, -1]))
+        return (diag_qk.view(P, C, C), diag_kk.view(P, C, C), q * gamma, k * gamma, base.view(P, C, K),
+                decay_exp(G[:, -1]))
 
     A_qk, A_kk = q.new_zeros(P, C, C), q.new_zeros(P, C, C)
     for A, diag in ((A_qk, diag_qk), (A_kk, diag_kk)):
         A.view(P, m, s, m, s).diagonal(dim1=1, dim2=3).copy_(diag.permute(0, 2, 3, 1))
     cross = decay_exp((G_ref.unsqueeze(2) - G_end.unsqueeze(1)).clamp(max=0.0))  # [P, m(a), m(b), K]
-    q_off, kb_off = q_sub * from_ref, kb_sub * from_ref
+    q_off, k_off = q_sub * from_ref, k_sub * from_ref
     for a in range(1, m):
         lo, hi = a * s, (a + 1) * s
         cols = (base[:, :a] * cross[:, a, :a].unsqueeze(2)).reshape(P, lo, K).transpose(-1, -2)
         A_qk[:, lo:hi, :lo] = q_off[:, a] @ cols
-        A_kk[:, lo:hi, :lo] = kb_off[:, a] @ cols
+        A_kk[:, lo:hi, :lo] = k_off[:, a] @ cols
     # k_end = k_i exp(G_end(b) - G_i) exp(G_C - G_end(b))
     k_end = (base * decay_exp(G_end[:, -1:] - G_end).unsqueeze(2)).view(P, C, K)
-    return A_qk, A_kk, q * gamma, kb_sub.view(P, C, K) * gamma, k_end, decay_exp(G[:, -1])
+    return A_qk, A_kk, q * gamma, k * gamma, k_end, decay_exp(G[:, -1])
 
 
 def _flush_tiny(x: torch.Tensor) -> torch.Tensor:
@@ -299,32 +298,34 @@ def chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int):
         slab = lambda x: x[:, part].permute(1, 0, 3, 2, 4).reshape(-1, M, C, x.shape[-1])  # noqa: E731
         # G: cumulative log decay within each chunk (clamped so that g = -inf stays finite)
         G = None if g is None else slab(g).clamp(min=LOG_DECAY_FLOOR[q.dtype]).cumsum(dim=-2)
-        o_part, S = _chunk_slab(slab(q) * scale, slab(k), slab(v), slab(beta), G, S, buffer)
+        o_part, S = _chunk_slab(slab(q), slab(k), slab(v), slab(beta), G, S, scale, buffer)
         o[:, part] = o_part.view(-1, N, H, C, V).permute(1, 0, 3, 2, 4)
     return o.view(N, n * C, H, V)[:, :T], S.reshape(N, H, K, V).clone()  # not a view into `buffer`
 
 
-def _chunk_slab(q, k, v, beta, G, S, states_buffer=None):
-    """One slab of consecutive chunks. q, k [n, M, C, K]; v [n, M, C, V]; beta [n, M, C, 1];
-    G None | [n, M, C, K|1] cumulative log decay within each chunk; S [M, K, V] state before the slab.
-    Returns o [n, M, C, V] and the state after the slab."""
+def _chunk_slab(q, k, v, beta, G, S, scale: float, states_buffer=None):
+    """One slab of consecutive chunks. q, k [n, M, C, K] (q not yet scaled); v [n, M, C, V];
+    beta [n, M, C, 1]; G None | [n, M, C, K|1] cumulative log decay within each chunk; S [M, K, V]
+    state before the slab. Returns o [n, M, C, V] and the state after the slab."""
     n, M, C, K = q.shape
     V = v.shape[-1]
     flat = lambda x: x.reshape(n * M, *x.shape[2:])  # noqa: E731
     intra = _intra_channel_gate if G is not None and G.shape[-1] > 1 else _intra_scalar_gate
-    A_qk, A_kk, q_start, kb_start, k_end, decay_end = intra(flat(q), flat(k), flat(beta),
-                                                            None if G is None else flat(G))
-    A_qk, A_kk, q_start, kb_start, k_end = (x.view(n, M, *x.shape[1:])
-                                            for x in (A_qk, A_kk, q_start, kb_start, k_end))
+    A_qk, A_kk, q_start, k_start, k_end, decay_end = intra(flat(q), flat(k), None if G is None else flat(G))
+    A_qk, A_kk, q_start, k_start, k_end = (x.view(n, M, *x.shape[1:])
+                                           for x in (A_qk, A_kk, q_start, k_start, k_end))
     if decay_end is not None:
         decay_end = decay_end.view(n, M, -1)
 
-    # UT transform: W = T diag(beta) (K * Gamma), U0 = T diag(beta) V with T = (I + A_kk)^-1.
-    T = _unit_lower_inverse(A_kk.view(n * M, C, C), _sub_chunk_size(C)).view(n, M, C, C)
-    W, U0 = T @ kb_start, T @ (v * beta)
+    # UT transform: T = (I + Diag(beta) A_kk)^-1; W = T Diag(beta) (K * Gamma), U0 = T Diag(beta) V.
+    T = _unit_lower_inverse((A_kk * beta).view(n * M, C, C), _sub_chunk_size(C)).view(n, M, C, C)
+    T = T * beta.transpose(-1, -2)  # T Diag(beta): scales columns
+    W, U0 = T @ k_start, T @ v
 
     U, states = _state_scan(W, U0, k_end, decay_end, S, states_buffer)
-    o = torch.baddbmm((q_start @ states[:-1]).view(n * M, C, V), A_qk.view(n * M, C, C), U.view(n * M, C, V))
+    # o = scale * ((Q * Gamma) S + A_qk U): the scale rides on the matmul
+    o = torch.baddbmm((q_start @ states[:-1]).view(n * M, C, V), A_qk.view(n * M, C, C), U.view(n * M, C, V),
+                      beta=scale, alpha=scale)
     return o.view(n, M, C, V), states[-1]
 
 
