@@ -1,0 +1,28 @@
+"""RMSNorm: x / sqrt(mean(x^2) + eps) * weight, normalised in float32 (as Kimi Linear / DeepSeek do)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension, with a learned per-channel `weight` (init 1).
+
+    The statistics are taken in float32 whatever the input dtype; the result is cast back to the input
+    dtype before the weight is applied (the transformers Kimi Linear order)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        if dim <= 0:
+            raise ValueError(f"RMSNorm: `dim` must be positive, got {dim}")
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., dim]
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
