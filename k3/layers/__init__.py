@@ -1,11 +1,16 @@
 """k3.layers: the building blocks of the lineage's models (DESIGN.md §3).
 
-So far: RMSNorm, the feed-forward family (GPT-2's GELU MLP, SwiGLU, Kimi K3's SiTU-GLU) and the short
-causal convolution that the delta-rule mixers put in front of q, k and v.
+So far: RMSNorm, the feed-forward family (GPT-2's GELU MLP, SwiGLU, Kimi K3's SiTU-GLU), the short
+causal convolution, and the delta-rule attention layers (DeltaNet, Gated DeltaNet, Kimi Delta
+Attention) with their decode cache.
 """
 
 from .conv import ShortConvolution
 from .ffn import GatedMLP, GeluMLP, situ
+from .linear_attention import DeltaNet, GatedDeltaNet, GatedRMSNorm, KimiDeltaAttention, RecurrentCache
 from .norm import RMSNorm
 
-__all__ = ["RMSNorm", "GeluMLP", "GatedMLP", "situ", "ShortConvolution"]
+__all__ = [
+    "RMSNorm", "GatedRMSNorm", "GeluMLP", "GatedMLP", "situ", "ShortConvolution",
+    "DeltaNet", "GatedDeltaNet", "KimiDeltaAttention", "RecurrentCache",
+]

@@ -1,0 +1,218 @@
+"""The delta-rule attention layers: DeltaNet, Gated DeltaNet and Kimi Delta Attention (KDA).
+
+All three share one body (DESIGN.md §3), differing only in the forget gate:
+
+    q, k, v = SiLU(ShortConv(W_q x)), SiLU(ShortConv(W_k x)), SiLU(ShortConv(W_v x))   per head, q, k L2-normalised
+    beta    = sigmoid(b_proj(x))                                                        write strength [B, T, H]
+    g       = none (DeltaNet)
+            | -exp(A_log[h]) * softplus(a_proj(x) + dt_bias[h])                         Gated DeltaNet, [B, T, H]
+            | -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias)                          KDA (Kimi Linear), [B, T, H, K]
+            | -5 * sigmoid(exp(A_log[h]) * (f_b(f_a(x)) + dt_bias))                     KDA (Kimi K3's safe gate)
+    o       = the mixer of `k3.ops` (chunkwise for prefill, recurrent for one-token decode)
+    y       = o_proj( RMSNorm_per_head(o) * sigmoid(output gate) )
+
+Parameter names and shapes follow the Kimi Linear checkpoints (q_proj, q_conv1d, A_log [1, 1, H, 1],
+dt_bias, b_proj, f_a_proj, f_b_proj, g_a_proj, g_b_proj, o_norm, o_proj), so weights map by name.
+
+Decoding state lives in a `RecurrentCache` the caller owns: the three convolution states and the
+recurrent state [N, H, K, V], updated in place by `forward`. Its size does not grow with the sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import (
+    chunk_delta_rule, chunk_gated_delta_rule, chunk_kda, recurrent_delta_rule, recurrent_gated_delta_rule,
+    recurrent_kda,
+)
+from .conv import ShortConvolution
+
+
+@dataclass
+class RecurrentCache:
+    """Decode state of one delta-rule layer: conv states (q, k, v) [N, D, W-1] and the state [N, H, K, V]."""
+
+    conv_states: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    recurrent_state: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int | None:
+        return None if self.recurrent_state is None else self.recurrent_state.shape[0]
+
+    def nbytes(self) -> int:
+        tensors = list(self.conv_states or ()) + ([] if self.recurrent_state is None else [self.recurrent_state])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the last dim (each head's V channels) times sigmoid(gate), all in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        h = x.float()
+        h = self.weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
+        if gate is not None:
+            h = h * torch.sigmoid(gate.float())
+        return h.to(x.dtype)
+
+
+_OPS = {  # gate kind -> (chunk form, recurrent form)
+    None: (chunk_delta_rule, recurrent_delta_rule),
+    "head": (chunk_gated_delta_rule, recurrent_gated_delta_rule),
+    "channel": (chunk_kda, recurrent_kda),
+}
+
+
+class _DeltaRuleAttention(nn.Module):
+    """Shared body of DeltaNet, GatedDeltaNet and KimiDeltaAttention (see the module docstring)."""
+
+    gate_kind: str | None = None
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, output_gate: str | None = "full",
+                 conv_size: int = 4, norm_eps: float = 1e-6, chunk_size: int = 64):
+        super().__init__()
+        if output_gate not in (None, "low_rank", "full"):
+            raise ValueError(f"{type(self).__name__}: `output_gate` must be None, 'low_rank' or 'full', "
+                             f"got {output_gate!r}")
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.output_gate, self.chunk_size = output_gate, chunk_size
+        inner = num_heads * head_dim
+        self.q_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.k_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.v_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.q_conv1d = ShortConvolution(inner, conv_size)
+        self.k_conv1d = ShortConvolution(inner, conv_size)
+        self.v_conv1d = ShortConvolution(inner, conv_size)
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        if output_gate == "low_rank":
+            self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
+            self.g_b_proj = nn.Linear(head_dim, inner, bias=False)
+        elif output_gate == "full":
+            self.g_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps)
+        self.o_proj = nn.Linear(inner, hidden_size, bias=False)
+
+    # -- the forget gate: overridden by the gated variants -----------------------------------------
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Log decay g in float32: None here, [B, T, H] or [B, T, H, K] in the gated layers."""
+        return None
+
+    def _output_gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.output_gate == "low_rank":
+            return self.g_b_proj(self.g_a_proj(x))
+        if self.output_gate == "full":
+            return self.g_proj(x)
+        return None
+
+    def forward(self, x: torch.Tensor, cache: RecurrentCache | None = None) -> torch.Tensor:
+        """x [B, T, hidden_size] -> y [B, T, hidden_size]. With `cache`, continue from its state and
+        leave the new state in it (prefill runs the chunk form; T = 1 runs the recurrent step)."""
+        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"{type(self).__name__}: `x` must be [B, T, {self.hidden_size}], got {list(x.shape)}")
+        B, T, _ = x.shape
+        H, Dh = self.num_heads, self.head_dim
+        if cache is not None and cache.batch_size not in (None, B):
+            raise ValueError(f"{type(self).__name__}: the cache holds batch size {cache.batch_size}, `x` has "
+                             f"batch size {B}; make a new cache for this batch")
+        conv_in = (None,) * 3 if cache is None or cache.conv_states is None else cache.conv_states
+        keep = cache is not None
+        q, conv_q = self.q_conv1d(self.q_proj(x), conv_in[0], keep)
+        k, conv_k = self.k_conv1d(self.k_proj(x), conv_in[1], keep)
+        v, conv_v = self.v_conv1d(self.v_proj(x), conv_in[2], keep)
+        # the ops accumulate in float32 anyway; feeding them float32 keeps the gates exact in bf16 models
+        q, k, v = (t.float().view(B, T, H, Dh) for t in (q, k, v))
+        beta = torch.sigmoid(self.b_proj(x).float())
+        g = self.forget_gate(x)
+
+        chunk, recurrent = _OPS[self.gate_kind]
+        gate_args = () if g is None else (g,)
+        state = None if cache is None else cache.recurrent_state
+        if cache is not None and T == 1:
+            o, state = recurrent(q, k, v, *gate_args, beta, initial_state=state, output_final_state=True,
+                                 use_qk_l2norm=True)
+        else:
+            o, state = chunk(q, k, v, *gate_args, beta, initial_state=state, output_final_state=keep,
+                             use_qk_l2norm=True, chunk_size=self.chunk_size)
+        if cache is not None:
+            cache.conv_states, cache.recurrent_state = (conv_q, conv_k, conv_v), state
+
+        out_gate = self._output_gate(x)
+        o = self.o_norm(o, None if out_gate is None else out_gate.view(B, T, H, Dh))
+        return self.o_proj(o.reshape(B, T, H * Dh).to(x.dtype))
+
+
+def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
+    return y + torch.log(-torch.expm1(-y))
+
+
+def _init_decay(A_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
+    """A_log = log U(1, 16); dt_bias = inverse-softplus(dt), dt ~ logU(1e-3, 0.1) (Mamba2 / fla)."""
+    with torch.no_grad():
+        A_log.copy_(torch.empty_like(A_log).uniform_(1, 16).log())
+        dt = torch.exp(torch.empty_like(dt_bias).uniform_(math.log(1e-3), math.log(0.1)))
+        dt_bias.copy_(_inverse_softplus(dt))
+    A_log._no_weight_decay = True
+    dt_bias._no_weight_decay = True
+
+
+class DeltaNet(_DeltaRuleAttention):
+    """DeltaNet: S_t = S_{t-1} + beta_t k_t^T (v_t - k_t S_{t-1}); o_t = scale q_t S_t (no forget gate)."""
+
+    gate_kind = None
+
+
+class GatedDeltaNet(_DeltaRuleAttention):
+    """Gated DeltaNet: one decay per head and token, g = -exp(A_log) softplus(a_proj(x) + dt_bias)."""
+
+    gate_kind = "head"
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, **kwargs):
+        super().__init__(hidden_size, num_heads, head_dim, **kwargs)
+        self.a_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.A_log = nn.Parameter(torch.empty(num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(num_heads))
+        _init_decay(self.A_log, self.dt_bias)
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return -torch.exp(self.A_log.float()) * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+
+
+class KimiDeltaAttention(_DeltaRuleAttention):
+    """KDA: a decay per head, token and key channel from a low-rank forget gate f = f_b(f_a(x)).
+
+    gate="kimi_linear": g = -exp(A_log[h]) softplus(f + dt_bias)         (unbounded below)
+    gate="safe" (K3):   g = -5 sigmoid(exp(A_log[h]) (f + dt_bias))      (every step g >= -5)
+    output_gate defaults to the low-rank g_b(g_a(x)) of Kimi Linear; K3 uses "full".
+    """
+
+    gate_kind = "channel"
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, gate: str = "kimi_linear",
+                 output_gate: str | None = "low_rank", **kwargs):
+        if gate not in ("kimi_linear", "safe"):
+            raise ValueError(f"KimiDeltaAttention: `gate` must be 'kimi_linear' or 'safe', got {gate!r}")
+        super().__init__(hidden_size, num_heads, head_dim, output_gate=output_gate, **kwargs)
+        self.gate = gate
+        self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, num_heads * head_dim, bias=False)
+        self.A_log = nn.Parameter(torch.empty(1, 1, num_heads, 1))  # the checkpoints' shape
+        self.dt_bias = nn.Parameter(torch.empty(num_heads * head_dim))
+        _init_decay(self.A_log, self.dt_bias)
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        f = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(B, T, self.num_heads, -1)
+        rate = torch.exp(self.A_log.float())  # [1, 1, H, 1]
+        if self.gate == "safe":
+            return -5.0 * torch.sigmoid(rate * f)
+        return -rate * F.softplus(f)
