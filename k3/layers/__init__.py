@@ -1,16 +1,18 @@
 """k3.layers: the building blocks of the lineage's models (DESIGN.md §3).
 
 So far: RMSNorm, the feed-forward family (GPT-2's GELU MLP, SwiGLU, Kimi K3's SiTU-GLU), the short
-causal convolution, and the delta-rule attention layers (DeltaNet, Gated DeltaNet, Kimi Delta
-Attention) with their decode cache.
+causal convolution, the delta-rule attention layers (DeltaNet, Gated DeltaNet, Kimi Delta Attention)
+and Multi-head Latent Attention, each with its decode cache.
 """
 
 from .conv import ShortConvolution
 from .ffn import GatedMLP, GeluMLP, situ
 from .linear_attention import DeltaNet, GatedDeltaNet, GatedRMSNorm, KimiDeltaAttention, RecurrentCache
+from .mla import LatentCache, MultiHeadLatentAttention
 from .norm import RMSNorm
 
 __all__ = [
     "RMSNorm", "GatedRMSNorm", "GeluMLP", "GatedMLP", "situ", "ShortConvolution",
     "DeltaNet", "GatedDeltaNet", "KimiDeltaAttention", "RecurrentCache",
+    "MultiHeadLatentAttention", "LatentCache",
 ]

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .norm import upcast
+
 
 def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float | None = 25.0
          ) -> torch.Tensor:
@@ -26,8 +28,7 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: f
         raise ValueError(f"situ: `beta` must be > 0, got {beta}")
     if linear_beta is not None and linear_beta <= 0:
         raise ValueError(f"situ: `linear_beta` must be > 0 or None, got {linear_beta}")
-    dtype = torch.float64 if gate.dtype == torch.float64 else torch.float32
-    g, u = gate.to(dtype), up.to(dtype)
+    g, u = upcast(gate), upcast(up)
     a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
     if linear_beta is not None:
         u = linear_beta * torch.tanh(u / linear_beta)

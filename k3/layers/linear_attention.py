@@ -32,6 +32,7 @@ from ..ops import (
     recurrent_kda,
 )
 from .conv import ShortConvolution
+from .norm import upcast
 
 
 @dataclass
@@ -59,10 +60,10 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        h = x.float()
-        h = self.weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
+        h = upcast(x)
+        h = upcast(self.weight) * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
         if gate is not None:
-            h = h * torch.sigmoid(gate.float())
+            h = h * torch.sigmoid(upcast(gate))
         return h.to(x.dtype)
 
 
@@ -130,8 +131,8 @@ class _DeltaRuleAttention(nn.Module):
         k, conv_k = self.k_conv1d(self.k_proj(x), conv_in[1], keep)
         v, conv_v = self.v_conv1d(self.v_proj(x), conv_in[2], keep)
         # the ops accumulate in float32 anyway; feeding them float32 keeps the gates exact in bf16 models
-        q, k, v = (t.float().view(B, T, H, Dh) for t in (q, k, v))
-        beta = torch.sigmoid(self.b_proj(x).float())
+        q, k, v = (upcast(t).view(B, T, H, Dh) for t in (q, k, v))
+        beta = torch.sigmoid(upcast(self.b_proj(x)))
         g = self.forget_gate(x)
 
         chunk, recurrent = _OPS[self.gate_kind]
@@ -184,7 +185,7 @@ class GatedDeltaNet(_DeltaRuleAttention):
         _init_decay(self.A_log, self.dt_bias)
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        return -torch.exp(self.A_log.float()) * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        return -torch.exp(upcast(self.A_log)) * F.softplus(upcast(self.a_proj(x)) + upcast(self.dt_bias))
 
 
 class KimiDeltaAttention(_DeltaRuleAttention):
@@ -211,8 +212,8 @@ class KimiDeltaAttention(_DeltaRuleAttention):
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        f = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(B, T, self.num_heads, -1)
-        rate = torch.exp(self.A_log.float())  # [1, 1, H, 1]
+        f = (upcast(self.f_b_proj(self.f_a_proj(x))) + upcast(self.dt_bias)).view(B, T, self.num_heads, -1)
+        rate = torch.exp(upcast(self.A_log))  # [1, 1, H, 1]
         if self.gate == "safe":
             return -5.0 * torch.sigmoid(rate * f)
         return -rate * F.softplus(f)

@@ -6,6 +6,11 @@ import torch
 from torch import nn
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """x in at least float32 (float64 stays float64): the precision norms, gates and softmax run in."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension, with a learned per-channel `weight` (init 1).
 
@@ -20,7 +25,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., dim]
-        h = x.float()
+        h = upcast(x)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 

@@ -1,0 +1,148 @@
+"""Multi-head Latent Attention (MLA), as in DeepSeek-V2/V3, Kimi Linear and Kimi K3.
+
+    q            = q_b(RMSNorm(q_a(x)))  (query LoRA; q_proj(x) when q_lora_rank is None)   [B, T, H, dn + dr]
+    [c | k_pe]   = kv_a_proj_with_mqa(x);  c = RMSNorm(c)                                    [B, T, r], [B, T, dr]
+    [k_nope | v] = kv_b(c) per head                                                          [B, S, H, dn], [B, S, H, dv]
+    key          = [k_nope | k_pe]  (k_pe shared by all heads; NoPE by default, RoPE optional)
+    o            = softmax(q key^T / sqrt(dn + dr), causal) v
+    gated MLA:   o <- o * sigmoid(g_proj(x))   (Kimi K3), then y = o_proj(o)
+
+The cache holds only the latent c and k_pe: r + dr values per token per layer (512 + 64 = 576 at K3
+size), instead of H * (dn + dr + dv) for a plain KV cache. Decoding can "absorb" kv_b into the query and
+the output: q_nope . (W_uk c) = (W_uk^T q_nope) . c and sum_s p_s W_uv c_s = W_uv (sum_s p_s c_s), so
+attention runs against the latents directly; it equals the plain path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import attention
+from .norm import RMSNorm, upcast
+
+
+@dataclass
+class LatentCache:
+    """MLA decode cache of one layer: the normalised latents c [B, S, r] and the shared keys k_pe [B, S, dr]."""
+
+    c: torch.Tensor | None = None
+    k_pe: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.c is None else self.c.shape[1]
+
+    @property
+    def batch_size(self) -> int | None:
+        return None if self.c is None else self.c.shape[0]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.c, self.k_pe) if t is not None)
+
+
+def rotate_half_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (rotate-half layout) of x [B, T, *, d] at absolute `positions` [T]."""
+    d = x.shape[-1]
+    dtype = upcast(x).dtype
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=dtype) / d))
+    angles = positions.to(dtype)[:, None] * inv_freq[None, :]  # [T, d/2]
+    cos = torch.cat([angles.cos(), angles.cos()], -1).view(1, -1, *([1] * (x.dim() - 3)), d)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).view(1, -1, *([1] * (x.dim() - 3)), d)
+    xf = upcast(x)
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+    return (xf * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """MLA with optional query LoRA, optional RoPE on the shared key part, and an optional sigmoid
+    output gate (gated MLA). Parameter names follow the Kimi Linear / DeepSeek checkpoints."""
+
+    def __init__(self, hidden_size: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, output_gate: bool = False,
+                 rope_theta: float | None = None, norm_eps: float = 1e-6):
+        super().__init__()
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
+        self.dn, self.dr, self.dv = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.rope_theta = rope_theta
+        self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+        q_dim = num_heads * (qk_nope_head_dim + qk_rope_head_dim)
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden_size, q_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=norm_eps)
+            self.q_b_proj = nn.Linear(q_lora_rank, q_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=norm_eps)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.g_proj = nn.Linear(hidden_size, num_heads * v_head_dim, bias=False) if output_gate else None
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
+
+    def _queries_and_latents(self, x: torch.Tensor, past: int):
+        B, T, _ = x.shape
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, self.num_heads, self.dn + self.dr)
+        c, k_pe = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank, self.dr], dim=-1)
+        c = self.kv_a_layernorm(c)
+        if self.rope_theta is not None:  # NoPE unless asked: the rope part is carried, never rotated
+            positions = torch.arange(past, past + T, device=x.device)
+            q = torch.cat([q[..., : self.dn], rotate_half_rope(q[..., self.dn:], positions, self.rope_theta)], -1)
+            k_pe = rotate_half_rope(k_pe.unsqueeze(2), positions, self.rope_theta).squeeze(2)
+        return q, c, k_pe
+
+    def forward(self, x: torch.Tensor, cache: LatentCache | None = None, absorb: bool | None = None
+                ) -> torch.Tensor:
+        """x [B, T, hidden_size] -> y [B, T, hidden_size]. With `cache`, attend over its latents too
+        and append this call's. `absorb` (default: when decoding one token from a cache) runs attention
+        against the latents with kv_b folded into the query and the output."""
+        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"MultiHeadLatentAttention: `x` must be [B, T, {self.hidden_size}], got {list(x.shape)}")
+        B, T, _ = x.shape
+        if cache is not None and cache.batch_size not in (None, B):
+            raise ValueError(f"MultiHeadLatentAttention: the cache holds batch size {cache.batch_size}, `x` has "
+                             f"batch size {B}; make a new cache for this batch")
+        past = 0 if cache is None else cache.length
+        q, c, k_pe = self._queries_and_latents(x, past)
+        if cache is not None:
+            cache.c = c if cache.c is None else torch.cat([cache.c, c], dim=1)
+            cache.k_pe = k_pe if cache.k_pe is None else torch.cat([cache.k_pe, k_pe], dim=1)
+            c_all, k_pe_all = cache.c, cache.k_pe
+        else:
+            c_all, k_pe_all = c, k_pe
+        if absorb is None:
+            absorb = cache is not None and T == 1
+        o = self._absorbed(q, c_all, k_pe_all, past) if absorb else self._plain(q, c_all, k_pe_all, past)
+        o = o.reshape(B, T, self.num_heads * self.dv)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+    def _plain(self, q, c_all, k_pe_all, past: int) -> torch.Tensor:
+        """Expand every cached latent to per-head keys and values, then causal softmax attention."""
+        B, S, _ = c_all.shape
+        kv = self.kv_b_proj(c_all).view(B, S, self.num_heads, self.dn + self.dv)
+        k_nope, v = torch.split(kv, [self.dn, self.dv], dim=-1)
+        k = torch.cat([k_nope, k_pe_all.unsqueeze(2).expand(B, S, self.num_heads, self.dr)], dim=-1)
+        past_kv = None if past == 0 else (k[:, :past], v[:, :past])
+        o, _ = attention(q, k[:, past:], v[:, past:], scale=self.scale, initial_state=past_kv)
+        return o  # [B, T, H, dv]
+
+    def _absorbed(self, q, c_all, k_pe_all, past: int) -> torch.Tensor:
+        """Attention against the latents: scores = (W_uk^T q_nope) . c + q_pe . k_pe, o = W_uv (p . c)."""
+        H = self.num_heads
+        w = self.kv_b_proj.weight.view(H, self.dn + self.dv, self.kv_lora_rank)
+        w_uk, w_uv = w[:, : self.dn], w[:, self.dn:]  # [H, dn, r], [H, dv, r]
+        q_nope, q_pe = q[..., : self.dn], q[..., self.dn:]
+        q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)  # [B, T, H, r]
+        scores = (torch.einsum("bthr,bsr->bhts", q_latent, c_all)
+                  + torch.einsum("bthd,bsd->bhts", q_pe, k_pe_all)) * self.scale
+        T, S = q.shape[1], c_all.shape[1]
+        allowed = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(past)
+        probs = torch.softmax(upcast(scores).masked_fill(~allowed, float("-inf")), dim=-1).to(q.dtype)
+        o_latent = torch.einsum("bhts,bsr->bthr", probs, c_all)  # [B, T, H, r]
+        return torch.einsum("bthr,hvr->bthv", o_latent, w_uv)  # [B, T, H, dv]

@@ -1,0 +1,76 @@
+"""MLA: absorbed decode == plain path; prefill-then-decode == one forward; the cache holds only latents."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3.layers.mla import LatentCache, MultiHeadLatentAttention
+
+CONFIGS = {
+    "kimi-linear": dict(q_lora_rank=None, output_gate=False, rope_theta=None),
+    "k3": dict(q_lora_rank=12, output_gate=True, rope_theta=None),
+    "rope": dict(q_lora_rank=12, output_gate=True, rope_theta=10000.0),
+}
+
+
+def make(name, dtype=torch.float32):
+    torch.manual_seed(0)
+    return MultiHeadLatentAttention(32, 4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                    v_head_dim=6, **CONFIGS[name]).to(dtype)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_absorbed_equals_plain(name):
+    """With a cache of 17 tokens, decoding through the absorbed latents equals expanding kv_b (float64)."""
+    layer = make(name, torch.float64)
+    x = torch.randn(2, 18, 32, dtype=torch.float64)
+    with torch.no_grad():
+        cache_a, cache_b = LatentCache(), LatentCache()
+        layer(x[:, :17], cache=cache_a)
+        layer(x[:, :17], cache=cache_b)
+        absorbed = layer(x[:, 17:], cache=cache_a, absorb=True)
+        plain = layer(x[:, 17:], cache=cache_b, absorb=False)
+        full_absorbed = layer(x, absorb=True)  # also for a whole causal sequence
+        full_plain = layer(x, absorb=False)
+    torch.testing.assert_close(absorbed, plain, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(full_absorbed, full_plain, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("prefix", [1, 5, 20])
+def test_prefill_then_decode_equals_full_forward(name, prefix):
+    layer = make(name)
+    x = torch.randn(2, 24, 32)
+    with torch.no_grad():
+        full = layer(x)
+        cache = LatentCache()
+        parts = [layer(x[:, :prefix], cache=cache)]
+        parts += [layer(x[:, t:t + 1], cache=cache) for t in range(prefix, 24)]
+    got = torch.cat(parts, 1)
+    assert ((got - full).norm() / full.norm()).item() < 1e-5
+
+
+def test_cache_grows_by_latent_size_per_token():
+    """(kv_lora_rank + qk_rope_head_dim) * bytes per token per layer: 20 float32 values here."""
+    layer = make("k3")
+    cache = LatentCache()
+    with torch.no_grad():
+        layer(torch.randn(2, 5, 32), cache=cache)
+        before = cache.nbytes()
+        layer(torch.randn(2, 1, 32), cache=cache)
+    assert before == 2 * 5 * 20 * 4 and cache.nbytes() - before == 2 * 20 * 4
+
+
+def test_names_and_bad_input():
+    names = {n for n, _ in make("k3").named_parameters()}
+    assert {"q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
+            "kv_a_layernorm.weight", "kv_b_proj.weight", "g_proj.weight", "o_proj.weight"} == names
+    assert "q_proj.weight" in {n for n, _ in make("kimi-linear").named_parameters()}
+    layer, cache = make("k3"), LatentCache()
+    with torch.no_grad():
+        layer(torch.randn(2, 3, 32), cache=cache)
+    with pytest.raises(ValueError, match="batch size"):
+        layer(torch.randn(1, 1, 32), cache=cache)
+    with pytest.raises(ValueError, match="`x`"):
+        layer(torch.randn(1, 1, 31))
