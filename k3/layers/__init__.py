@@ -2,17 +2,18 @@
 
 So far: RMSNorm, the feed-forward family (GPT-2's GELU MLP, SwiGLU, Kimi K3's SiTU-GLU), the short
 causal convolution, the delta-rule attention layers (DeltaNet, Gated DeltaNet, Kimi Delta Attention)
-and Multi-head Latent Attention, each with its decode cache.
+and Multi-head Latent Attention, each with its decode cache, and the (latent) mixture of experts.
 """
 
 from .conv import ShortConvolution
 from .ffn import GatedMLP, GeluMLP, situ
 from .linear_attention import DeltaNet, GatedDeltaNet, GatedRMSNorm, KimiDeltaAttention, RecurrentCache
 from .mla import LatentCache, MultiHeadLatentAttention
+from .moe import MoE, Expert, Router
 from .norm import RMSNorm
 
 __all__ = [
     "RMSNorm", "GatedRMSNorm", "GeluMLP", "GatedMLP", "situ", "ShortConvolution",
     "DeltaNet", "GatedDeltaNet", "KimiDeltaAttention", "RecurrentCache",
-    "MultiHeadLatentAttention", "LatentCache",
+    "MultiHeadLatentAttention", "LatentCache", "MoE", "Expert", "Router",
 ]

@@ -1,0 +1,129 @@
+"""Mixture of experts: Kimi Linear's (SwiGLU experts at full width) and Kimi K3's latent MoE.
+
+Routing (DeepSeek-V3 style, aux-loss-free):
+
+    s        = sigmoid(x W_router^T)                         in float32, [N, E]
+    chosen   = top-k of (s + e_score_correction_bias)        the bias steers selection only
+    w_i      = s_i / sum_{j in chosen} s_j * routed_scaling_factor      for i in chosen
+
+Routed path: Kimi Linear runs the experts on x; K3 first projects to a latent space,
+z = latent_down_proj(x) [d -> d_latent], sums w_i expert_i(z), normalises (RMSNorm over d_latent) and
+projects back with latent_up_proj. Shared experts (one gated MLP of width n_shared * expert width) run
+on the original x (the article calls them latent too; the public config has them at full width).
+Output = routed + shared.
+
+Balancing: after each training step, `update_bias(load)` moves each expert's correction bias by
++rate if it received fewer tokens than the mean and by -rate if more (the bias never enters w).
+Dispatch groups tokens by expert (one sort), so the cost follows the k chosen experts, not all E.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ffn import GatedMLP, situ
+from .norm import RMSNorm, upcast
+
+
+class Expert(nn.Module):
+    """One routed expert, w2(act(w1 x) * w3 x) (checkpoint names w1 = gate, w3 = up, w2 = down)."""
+
+    def __init__(self, dim: int, hidden: int, activation: str = "swiglu", situ_beta: float = 4.0,
+                 situ_linear_beta: float | None = 25.0):
+        super().__init__()
+        self.activation, self.situ_beta, self.situ_linear_beta = activation, situ_beta, situ_linear_beta
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w1(x), self.w3(x)
+        if self.activation == "situ":
+            return self.w2(situ(gate, up, self.situ_beta, self.situ_linear_beta))
+        return self.w2(F.silu(gate) * up)
+
+
+class Router(nn.Module):
+    """Sigmoid router with the aux-loss-free correction bias (`weight` [E, d], `e_score_correction_bias` [E])."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, routed_scaling_factor: float = 1.0):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"Router: `top_k` must be in [1, num_experts = {num_experts}], got {top_k}")
+        self.top_k, self.routed_scaling_factor = top_k, routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        nn.init.normal_(self.weight, std=dim ** -0.5)
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, d] -> (expert indices [N, k], weights [N, k] in float32)."""
+        scores = torch.sigmoid(F.linear(upcast(x), upcast(self.weight)))  # [N, E]
+        chosen = (scores + self.e_score_correction_bias.to(scores.dtype)).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        weights = weights / weights.sum(-1, keepdim=True) * self.routed_scaling_factor
+        return chosen, weights
+
+
+class MoE(nn.Module):
+    """Routed experts (optionally in a latent space) plus shared experts. See the module docstring."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, expert_hidden: int, *, num_shared: int = 1,
+                 latent_dim: int | None = None, activation: str = "swiglu", situ_beta: float = 4.0,
+                 situ_linear_beta: float | None = 25.0, routed_scaling_factor: float = 1.0,
+                 norm_eps: float = 1e-6):
+        super().__init__()
+        expert_dim = dim if latent_dim is None else latent_dim
+        self.gate = Router(dim, num_experts, top_k, routed_scaling_factor)
+        self.experts = nn.ModuleList(Expert(expert_dim, expert_hidden, activation, situ_beta, situ_linear_beta)
+                                     for _ in range(num_experts))
+        self.shared_experts = (GatedMLP(dim, num_shared * expert_hidden, activation, situ_beta, situ_linear_beta)
+                               if num_shared > 0 else None)
+        if latent_dim is not None:
+            self.latent_down_proj = nn.Linear(dim, latent_dim, bias=False)
+            self.latent_norm = RMSNorm(latent_dim, eps=norm_eps)
+            self.latent_up_proj = nn.Linear(latent_dim, dim, bias=False)
+        self.latent_dim = latent_dim
+        self.last_load: torch.Tensor | None = None  # tokens routed to each expert by the last forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., dim] -> [..., dim]."""
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        chosen, weights = self.gate(h)
+        z = h if self.latent_dim is None else self.latent_down_proj(h)
+        routed = self._dispatch(z, chosen, weights)
+        if self.latent_dim is not None:
+            routed = self.latent_up_proj(self.latent_norm(routed))
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(h)
+        return routed.view(shape)
+
+    def _dispatch(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_i w_i expert_i(z), tokens grouped by expert: one sort, then one call per used expert."""
+        k = chosen.shape[1]
+        flat = chosen.flatten()  # [N*k]
+        order = torch.argsort(flat, stable=True)
+        load = torch.bincount(flat, minlength=len(self.experts))
+        self.last_load = load.detach()
+        out = torch.zeros_like(z, dtype=upcast(z).dtype)
+        start = 0
+        for e, count in enumerate(load.tolist()):
+            if count == 0:
+                continue
+            rows = order[start:start + count]
+            start += count
+            tokens = rows // k
+            y = self.experts[e](z[tokens]) * weights.flatten()[rows].unsqueeze(-1)
+            out.index_add_(0, tokens, upcast(y))
+        return out.to(z.dtype)
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor | None = None, rate: float = 1e-3) -> None:
+        """Aux-loss-free balancing: bias += rate * sign(mean load - load) (default: the last forward's load)."""
+        load = self.last_load if load is None else load
+        if load is None:
+            raise ValueError("MoE.update_bias: no `load` given and no forward has run yet")
+        load = load.float()
+        self.gate.e_score_correction_bias += rate * torch.sign(load.mean() - load)
