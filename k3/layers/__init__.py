@@ -5,14 +5,18 @@ causal convolution, the delta-rule attention layers (DeltaNet, Gated DeltaNet, K
 and Multi-head Latent Attention, each with its decode cache, and the (latent) mixture of experts.
 """
 
+from .attention import KVCache, MultiHeadAttention
 from .conv import ShortConvolution
 from .ffn import GatedMLP, GeluMLP, situ
-from .linear_attention import DeltaNet, GatedDeltaNet, GatedRMSNorm, KimiDeltaAttention, RecurrentCache
+from .linear_attention import (
+    DeltaNet, GatedDeltaNet, GatedRMSNorm, KimiDeltaAttention, LinearAttention, RecurrentCache,
+)
 from .mla import LatentCache, MultiHeadLatentAttention
 from .moe import MoE, Expert, Router
 from .norm import RMSNorm
 
 __all__ = [
+    "MultiHeadAttention", "KVCache", "LinearAttention",
     "RMSNorm", "GatedRMSNorm", "GeluMLP", "GatedMLP", "situ", "ShortConvolution",
     "DeltaNet", "GatedDeltaNet", "KimiDeltaAttention", "RecurrentCache",
     "MultiHeadLatentAttention", "LatentCache", "MoE", "Expert", "Router",

@@ -1,4 +1,8 @@
-"""The delta-rule attention layers: DeltaNet, Gated DeltaNet and Kimi Delta Attention (KDA).
+"""The linear-attention family of layers: LinearAttention, DeltaNet, Gated DeltaNet and Kimi Delta
+Attention (KDA).
+
+LinearAttention (Katharopoulos et al.): phi(x) = ELU(x) + 1 on q and k, the normalised op of
+`k3.ops.linear_attn`, o_proj. The delta-rule layers:
 
 All three share one body (DESIGN.md §3), differing only in the forget gate:
 
@@ -28,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import (
-    chunk_delta_rule, chunk_gated_delta_rule, chunk_kda, recurrent_delta_rule, recurrent_gated_delta_rule,
-    recurrent_kda,
+    chunk_delta_rule, chunk_gated_delta_rule, chunk_kda, chunk_linear_attn, recurrent_delta_rule,
+    recurrent_gated_delta_rule, recurrent_kda, recurrent_linear_attn,
 )
 from .conv import ShortConvolution
 from .norm import upcast
@@ -37,18 +41,24 @@ from .norm import upcast
 
 @dataclass
 class RecurrentCache:
-    """Decode state of one delta-rule layer: conv states (q, k, v) [N, D, W-1] and the state [N, H, K, V]."""
+    """Decode state of one linear-family layer: conv states (q, k, v) [N, D, W-1] (None for plain
+    linear attention) and the recurrent state, [N, H, K, V] (or (S, z) for linear attention)."""
 
     conv_states: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    recurrent_state: torch.Tensor | None = None
+    recurrent_state: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _tensors(self) -> list[torch.Tensor]:
+        state = self.recurrent_state
+        states = [] if state is None else list(state) if isinstance(state, tuple) else [state]
+        return list(self.conv_states or ()) + states
 
     @property
     def batch_size(self) -> int | None:
-        return None if self.recurrent_state is None else self.recurrent_state.shape[0]
+        tensors = self._tensors()
+        return tensors[0].shape[0] if tensors else None
 
     def nbytes(self) -> int:
-        tensors = list(self.conv_states or ()) + ([] if self.recurrent_state is None else [self.recurrent_state])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
 
 class GatedRMSNorm(nn.Module):
@@ -217,3 +227,39 @@ class KimiDeltaAttention(_DeltaRuleAttention):
         if self.gate == "safe":
             return -5.0 * torch.sigmoid(rate * f)
         return -rate * F.softplus(f)
+
+
+class LinearAttention(nn.Module):
+    """Linear attention with the ELU+1 feature map: o_t = phi(q_t) S_t / (phi(q_t) . z_t + eps),
+    S_t = S_{t-1} + phi(k_t)^T v_t, z_t = z_{t-1} + phi(k_t); y = o_proj(o). The state (S, z) is the cache."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, chunk_size: int = 64):
+        super().__init__()
+        self.hidden_size, self.num_heads, self.head_dim, self.chunk_size = hidden_size, num_heads, head_dim, chunk_size
+        inner = num_heads * head_dim
+        self.q_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.k_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.v_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.o_proj = nn.Linear(inner, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: RecurrentCache | None = None) -> torch.Tensor:
+        """x [B, T, hidden_size] -> y [B, T, hidden_size]; with `cache`, continue from (S, z) and update it."""
+        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"LinearAttention: `x` must be [B, T, {self.hidden_size}], got {list(x.shape)}")
+        B, T, _ = x.shape
+        if cache is not None and cache.batch_size not in (None, B):
+            raise ValueError(f"LinearAttention: the cache holds batch size {cache.batch_size}, `x` has batch "
+                             f"size {B}; make a new cache for this batch")
+        shape = (B, T, self.num_heads, self.head_dim)
+        q = F.elu(upcast(self.q_proj(x)).view(shape)) + 1.0
+        k = F.elu(upcast(self.k_proj(x)).view(shape)) + 1.0
+        v = upcast(self.v_proj(x)).view(shape)
+        state = None if cache is None else cache.recurrent_state
+        if cache is not None and T == 1:
+            o, state = recurrent_linear_attn(q, k, v, initial_state=state, output_final_state=True)
+        else:
+            o, state = chunk_linear_attn(q, k, v, initial_state=state, output_final_state=cache is not None,
+                                         chunk_size=self.chunk_size)
+        if cache is not None:
+            cache.recurrent_state = state
+        return self.o_proj(o.reshape(B, T, -1).to(x.dtype))

@@ -1,0 +1,62 @@
+"""GPT-2's causal multi-head attention: fused c_attn (with bias), softmax attention, c_proj (with bias).
+
+    [q | k | v] = c_attn(x);  o = softmax(q k^T / sqrt(D), causal) v per head;  y = c_proj(o)
+
+The KV cache grows by 2 * H * D values per token per layer: the O(T) memory the linear family avoids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..ops import attention
+
+
+@dataclass
+class KVCache:
+    """Keys and values seen so far, [B, S, H, D] each."""
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int | None:
+        return None if self.k is None else self.k.shape[0]
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[1]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v) if t is not None)
+
+
+class MultiHeadAttention(nn.Module):
+    """Causal multi-head softmax attention with GPT-2's parameter names (c_attn, c_proj)."""
+
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        if hidden_size % num_heads:
+            raise ValueError(f"MultiHeadAttention: `hidden_size` ({hidden_size}) must be divisible by "
+                             f"`num_heads` ({num_heads})")
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.c_attn = nn.Linear(hidden_size, 3 * hidden_size)
+        self.c_proj = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """x [B, T, hidden_size] -> y; with `cache`, attend over the cached keys/values and append."""
+        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"MultiHeadAttention: `x` must be [B, T, {self.hidden_size}], got {list(x.shape)}")
+        B, T, _ = x.shape
+        if cache is not None and cache.batch_size not in (None, B):
+            raise ValueError(f"MultiHeadAttention: the cache holds batch size {cache.batch_size}, `x` has "
+                             f"batch size {B}; make a new cache for this batch")
+        q, k, v = self.c_attn(x).view(B, T, 3, self.num_heads, -1).unbind(2)  # [B, T, H, D] each
+        past = None if cache is None or cache.k is None else (cache.k, cache.v)
+        o, kv = attention(q, k, v, initial_state=past, output_final_state=cache is not None)
+        if cache is not None:
+            cache.k, cache.v = kv
+        return self.c_proj(o.reshape(B, T, self.hidden_size))
