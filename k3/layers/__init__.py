@@ -2,10 +2,12 @@
 
 So far: RMSNorm, the feed-forward family (GPT-2's GELU MLP, SwiGLU, Kimi K3's SiTU-GLU), the short
 causal convolution, the delta-rule attention layers (DeltaNet, Gated DeltaNet, Kimi Delta Attention)
-and Multi-head Latent Attention, each with its decode cache, and the (latent) mixture of experts.
+and Multi-head Latent Attention, each with its decode cache, the (latent) mixture of experts, and Block
+Attention Residuals. The models that assemble them come next (`k3.models`).
 """
 
 from .attention import KVCache, MultiHeadAttention
+from .attnres import BlockAttnRes
 from .conv import ShortConvolution
 from .ffn import GatedMLP, GeluMLP, situ
 from .linear_attention import (
@@ -19,5 +21,5 @@ __all__ = [
     "MultiHeadAttention", "KVCache", "LinearAttention",
     "RMSNorm", "GatedRMSNorm", "GeluMLP", "GatedMLP", "situ", "ShortConvolution",
     "DeltaNet", "GatedDeltaNet", "KimiDeltaAttention", "RecurrentCache",
-    "MultiHeadLatentAttention", "LatentCache", "MoE", "Expert", "Router",
+    "MultiHeadLatentAttention", "LatentCache", "MoE", "Expert", "Router", "BlockAttnRes",
 ]

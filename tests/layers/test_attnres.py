@@ -1,0 +1,34 @@
+"""Block AttnRes against a direct re-implementation of the article's block_attn_res."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3.layers.attnres import BlockAttnRes
+
+
+def direct(blocks, partial, norm_weight, proj_weight, eps=1e-6):
+    V = torch.stack(blocks + [partial])  # [N+1, B, T, D]
+    K = V / torch.sqrt(V.pow(2).mean(-1, keepdim=True) + eps)
+    logits = torch.einsum("d,nbtd->nbt", norm_weight * proj_weight.squeeze(), K)
+    return torch.einsum("nbt,nbtd->btd", logits.softmax(0), V)
+
+
+def test_matches_direct_formula():
+    torch.manual_seed(0)
+    layer = BlockAttnRes(16).double()
+    with torch.no_grad():
+        layer.norm.weight.uniform_(0.5, 1.5)
+        layer.proj.weight.normal_()
+    blocks = [torch.randn(2, 5, 16, dtype=torch.float64) * s for s in (1.0, 3.0, 0.2)]
+    partial = torch.randn(2, 5, 16, dtype=torch.float64)
+    torch.testing.assert_close(layer(blocks + [partial]), direct(blocks, partial, layer.norm.weight, layer.proj.weight))
+
+
+def test_starts_as_uniform_average():
+    """proj is zero-initialised: the first mix is the plain mean of the sources."""
+    sources = [torch.randn(3, 8) for _ in range(4)]
+    torch.testing.assert_close(BlockAttnRes(8)(sources), torch.stack(sources).mean(0))
+    with pytest.raises(ValueError, match="`sources`"):
+        BlockAttnRes(8)([])
