@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..ops import attention
+from .checks import check_mixer_input
 
 
 @dataclass
@@ -48,12 +49,8 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """x [B, T, hidden_size] -> y; with `cache`, attend over the cached keys/values and append."""
-        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"MultiHeadAttention: `x` must be [B, T, {self.hidden_size}], got {list(x.shape)}")
+        check_mixer_input("MultiHeadAttention", x, self.hidden_size, cache)
         B, T, _ = x.shape
-        if cache is not None and cache.batch_size not in (None, B):
-            raise ValueError(f"MultiHeadAttention: the cache holds batch size {cache.batch_size}, `x` has "
-                             f"batch size {B}; make a new cache for this batch")
         q, k, v = self.c_attn(x).view(B, T, 3, self.num_heads, -1).unbind(2)  # [B, T, H, D] each
         past = None if cache is None or cache.k is None else (cache.k, cache.v)
         o, kv = attention(q, k, v, initial_state=past, output_final_state=cache is not None)

@@ -35,6 +35,7 @@ from ..ops import (
     chunk_delta_rule, chunk_gated_delta_rule, chunk_kda, chunk_linear_attn, recurrent_delta_rule,
     recurrent_gated_delta_rule, recurrent_kda, recurrent_linear_attn,
 )
+from .checks import check_mixer_input
 from .conv import ShortConvolution
 from .norm import upcast
 
@@ -128,13 +129,9 @@ class _DeltaRuleAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: RecurrentCache | None = None) -> torch.Tensor:
         """x [B, T, hidden_size] -> y [B, T, hidden_size]. With `cache`, continue from its state and
         leave the new state in it (prefill runs the chunk form; T = 1 runs the recurrent step)."""
-        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"{type(self).__name__}: `x` must be [B, T, {self.hidden_size}], got {list(x.shape)}")
+        check_mixer_input(type(self).__name__, x, self.hidden_size, cache)
         B, T, _ = x.shape
         H, Dh = self.num_heads, self.head_dim
-        if cache is not None and cache.batch_size not in (None, B):
-            raise ValueError(f"{type(self).__name__}: the cache holds batch size {cache.batch_size}, `x` has "
-                             f"batch size {B}; make a new cache for this batch")
         conv_in = (None,) * 3 if cache is None or cache.conv_states is None else cache.conv_states
         keep = cache is not None
         q, conv_q = self.q_conv1d(self.q_proj(x), conv_in[0], keep)
@@ -244,12 +241,8 @@ class LinearAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: RecurrentCache | None = None) -> torch.Tensor:
         """x [B, T, hidden_size] -> y [B, T, hidden_size]; with `cache`, continue from (S, z) and update it."""
-        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"LinearAttention: `x` must be [B, T, {self.hidden_size}], got {list(x.shape)}")
+        check_mixer_input("LinearAttention", x, self.hidden_size, cache)
         B, T, _ = x.shape
-        if cache is not None and cache.batch_size not in (None, B):
-            raise ValueError(f"LinearAttention: the cache holds batch size {cache.batch_size}, `x` has batch "
-                             f"size {B}; make a new cache for this batch")
         shape = (B, T, self.num_heads, self.head_dim)
         q = F.elu(upcast(self.q_proj(x)).view(shape)) + 1.0
         k = F.elu(upcast(self.k_proj(x)).view(shape)) + 1.0

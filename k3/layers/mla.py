@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import attention
+from .checks import check_mixer_input
 from .norm import RMSNorm, upcast
 
 
@@ -100,12 +101,8 @@ class MultiHeadLatentAttention(nn.Module):
         """x [B, T, hidden_size] -> y [B, T, hidden_size]. With `cache`, attend over its latents too
         and append this call's. `absorb` (default: when decoding one token from a cache) runs attention
         against the latents with kv_b folded into the query and the output."""
-        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"MultiHeadLatentAttention: `x` must be [B, T, {self.hidden_size}], got {list(x.shape)}")
+        check_mixer_input("MultiHeadLatentAttention", x, self.hidden_size, cache)
         B, T, _ = x.shape
-        if cache is not None and cache.batch_size not in (None, B):
-            raise ValueError(f"MultiHeadLatentAttention: the cache holds batch size {cache.batch_size}, `x` has "
-                             f"batch size {B}; make a new cache for this batch")
         past = 0 if cache is None else cache.length
         q, c, k_pe = self._queries_and_latents(x, past)
         if cache is not None:

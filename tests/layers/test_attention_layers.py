@@ -9,15 +9,7 @@ import torch
 
 from k3.layers import KVCache, LinearAttention, MultiHeadAttention, RecurrentCache
 
-
-def decode_matches_full(layer, cache, prefix, T=30, d=24):
-    x = torch.randn(2, T, d)
-    with torch.no_grad():
-        full = layer(x)
-        parts = [layer(x[:, :prefix], cache=cache)]
-        parts += [layer(x[:, t:t + 1], cache=cache) for t in range(prefix, T)]
-    got = torch.cat(parts, 1)
-    return ((got - full).norm() / full.norm()).item()
+from .helpers import prefill_then_decode_error
 
 
 @pytest.mark.parametrize("prefix", [1, 7, 20])
@@ -25,7 +17,7 @@ def test_mha_prefill_then_decode(prefix):
     torch.manual_seed(0)
     layer = MultiHeadAttention(24, 4)
     cache = KVCache()
-    assert decode_matches_full(layer, cache, prefix) < 1e-5
+    assert prefill_then_decode_error(layer, cache, torch.randn(2, 30, 24), prefix) < 1e-5
     assert cache.nbytes() == 2 * 2 * 30 * 24 * 4  # k and v, batch 2, 30 tokens, float32
 
 
@@ -47,5 +39,5 @@ def test_linear_attention_prefill_then_decode(prefix):
     torch.manual_seed(2)
     layer = LinearAttention(24, 3, 8, chunk_size=8)
     cache = RecurrentCache()
-    assert decode_matches_full(layer, cache, prefix) < 1e-5
+    assert prefill_then_decode_error(layer, cache, torch.randn(2, 30, 24), prefix) < 1e-5
     assert cache.nbytes() == 4 * (2 * 3 * 8 * 8 + 2 * 3 * 8)  # S and z, independent of T

@@ -7,6 +7,8 @@ import torch
 
 from k3.layers.linear_attention import DeltaNet, GatedDeltaNet, KimiDeltaAttention, RecurrentCache
 
+from .helpers import prefill_then_decode_error
+
 LAYERS = {
     "deltanet": lambda: DeltaNet(24, 3, 8),
     "gated-deltanet": lambda: GatedDeltaNet(24, 3, 8),
@@ -28,15 +30,7 @@ def test_prefill_then_decode_equals_full_forward(name, prefix):
     """Prefill `prefix` tokens through the chunk ops, then decode the rest one token at a time through
     the cache: the outputs equal one full forward (float32, relative 1e-4)."""
     layer = make(name)
-    x = torch.randn(2, 40, 24)
-    with torch.no_grad():
-        full = layer(x)
-        cache = RecurrentCache()
-        parts = [layer(x[:, :prefix], cache=cache)]
-        for t in range(prefix, 40):
-            parts.append(layer(x[:, t:t + 1], cache=cache))
-    got = torch.cat(parts, dim=1)
-    assert ((got - full).norm() / full.norm()).item() < 1e-4
+    assert prefill_then_decode_error(layer, RecurrentCache(), torch.randn(2, 40, 24), prefix) < 1e-4
 
 
 @pytest.mark.parametrize("name", LAYERS)

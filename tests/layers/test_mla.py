@@ -7,6 +7,8 @@ import torch
 
 from k3.layers.mla import LatentCache, MultiHeadLatentAttention
 
+from .helpers import prefill_then_decode_error
+
 CONFIGS = {
     "kimi-linear": dict(q_lora_rank=None, output_gate=False, rope_theta=None),
     "k3": dict(q_lora_rank=12, output_gate=True, rope_theta=None),
@@ -41,14 +43,7 @@ def test_absorbed_equals_plain(name):
 @pytest.mark.parametrize("prefix", [1, 5, 20])
 def test_prefill_then_decode_equals_full_forward(name, prefix):
     layer = make(name)
-    x = torch.randn(2, 24, 32)
-    with torch.no_grad():
-        full = layer(x)
-        cache = LatentCache()
-        parts = [layer(x[:, :prefix], cache=cache)]
-        parts += [layer(x[:, t:t + 1], cache=cache) for t in range(prefix, 24)]
-    got = torch.cat(parts, 1)
-    assert ((got - full).norm() / full.norm()).item() < 1e-5
+    assert prefill_then_decode_error(layer, LatentCache(), torch.randn(2, 24, 32), prefix) < 1e-5
 
 
 def test_cache_grows_by_latent_size_per_token():

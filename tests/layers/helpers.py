@@ -1,0 +1,16 @@
+"""Shared checks for the layer tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def prefill_then_decode_error(layer, cache, x: torch.Tensor, prefix: int) -> float:
+    """Relative error between one full forward of x [B, T, d] and a prefill of `prefix` tokens followed
+    by token-by-token decoding through `cache`."""
+    with torch.no_grad():
+        full = layer(x)
+        parts = [layer(x[:, :prefix], cache=cache)]
+        parts += [layer(x[:, t:t + 1], cache=cache) for t in range(prefix, x.shape[1])]
+    got = torch.cat(parts, dim=1)
+    return ((got - full).norm() / full.norm()).item()
