@@ -168,7 +168,7 @@ def _intra_channel_gate(q, k, G):
     # products of the factors above while they are exact, direct exponentials otherwise.
     if any_unsafe:
         to_end = decay_exp(G_end.unsqueeze(2) - G_sub)  # exp(G_end(b) - G_i)
-        from_ref = decay_exp(G_sub - G_ref.unsqueeze(2))  # exp(G_r - G_ref(a))
+        from_ref = decay_exp(G_sub - G_ref.unsqueeze(2)) if m > 1 else None  # exp(G_r - G_ref(a))
         gamma = decay_exp(G)
     else:
         threshold = math.exp(flush)
