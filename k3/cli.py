@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .runtime import keep_freed_memory
+
     args = build_parser().parse_args(argv)
+    keep_freed_memory()
     return args.func(args)
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -107,22 +108,25 @@ def _intra_scalar_gate(q, k, G):
     """Everything inside a chunk that does not depend on the incoming state, for a scalar gate per
     head (G [P, C, 1] cumulative log decay) or none (G None). q, k [P, C, K].
 
-    Returns A_qk [P, C, C] (incl. diagonal), A_kk [P, C, C] (strict), q * Gamma, k * Gamma,
+    Returns A_qk (incl. diagonal) and A_kk (strict) as `BlockLower` [P, C, C], q * Gamma, k * Gamma,
     k * exp(G_C - G) [P, C, K] and exp(G_C) [P, 1] (None without a gate)."""
     C = q.shape[-2]
     incl, strict = _lower_masks(C, q.dtype, q.device)
     k_t = k.transpose(-1, -2)
+    s = _sub_chunk_size(C)
+    blocks = lambda A: BlockLower.split(A, s)  # noqa: E731
     if G is None:
-        return (q @ k_t) * incl, (k @ k_t) * strict, q, k, k, None
+        return blocks((q @ k_t) * incl), blocks((k @ k_t) * strict), q, k, k, None
     decay = decay_exp((G - G.transpose(-1, -2)).clamp(max=0.0))  # exp(G_r - G_i) for i <= r
     gamma = decay_exp(G)  # Gamma_r = exp(G_r) <= 1
     G_last = G[:, -1:]
-    return ((q @ k_t) * (decay * incl), (k @ k_t) * (decay * strict), q * gamma, k * gamma,
+    return (blocks((q @ k_t) * (decay * incl)), blocks((k @ k_t) * (decay * strict)), q * gamma, k * gamma,
             k * decay_exp(G_last - G), decay_exp(G_last.squeeze(-2)))
 
 
 def _intra_channel_gate(q, k, G):
     """As `_intra_scalar_gate`, for a per-channel gate: G [P, C, K]; exp(G_C) comes back [P, K].
+    The score matrices come as blocks of the sub-chunks below, never assembled.
 
     Score r,i = sum_c x_rc k_ic exp(G_rc - G_ic) (x = q or k). With sub-chunks a, b of up to
     32 tokens:
@@ -152,52 +156,47 @@ def _intra_channel_gate(q, k, G):
     any_unsafe = bool(unsafe.any())
     row = torch.exp(rel.clamp(-limit, limit) if any_unsafe else rel)  # exp(G_r - G_mid), clamped if unsafe
     col = torch.reciprocal(row)  # exp(G_mid - G_i): the reciprocal of a bounded normal number is exact
-    incl, strict = _lower_masks(s, torch.bool, q.device)
+    # Entries above the diagonal may be inf: tril_ replaces them with 0 (a 0/1 mask would make NaN).
     diag_cols = (k_sub * col).transpose(-1, -2)  # [P, m, K, s]
-    diag_qk = ((q_sub * row) @ diag_cols).masked_fill(~incl, 0.0)  # [P, m, s, s]
-    diag_kk = ((k_sub * row) @ diag_cols).masked_fill(~strict, 0.0)
+    diag_qk = ((q_sub * row) @ diag_cols).tril_()  # [P, m, s, s]
+    diag_kk = ((k_sub * row) @ diag_cols).tril_(-1)
     if any_unsafe:
         idx = unsafe.nonzero(as_tuple=True)
         G_b, k_b = G_sub[idx], k_sub[idx]  # [nb, s, K]
         pair = decay_exp((G_b.unsqueeze(2) - G_b.unsqueeze(1)).clamp(max=0.0))  # [nb, s(r), s(i), K]
-        exact_qk = torch.einsum("brc,bic,bric->bri", q_sub[idx], k_b, pair).masked_fill(~incl, 0.0)
-        exact_kk = torch.einsum("brc,bic,bric->bri", k_b, k_b, pair).masked_fill(~strict, 0.0)
+        exact_qk = torch.einsum("brc,bic,bric->bri", q_sub[idx], k_b, pair).tril_()
+        exact_kk = torch.einsum("brc,bic,bric->bri", k_b, k_b, pair).tril_(-1)
         diag_qk, diag_kk = diag_qk.index_put(idx, exact_qk), diag_kk.index_put(idx, exact_kk)
 
-    # Decays to the sub-chunk's end, from the gate before it, and from the chunk start (Gamma):
-    # products of the factors above while they are exact, direct exponentials otherwise.
+    # Decays to the sub-chunk's end and from the gate before it (for the first sub-chunk, the chunk
+    # start): products of the factors above while they are exact, direct exponentials otherwise.
+    threshold = math.exp(flush)
     if any_unsafe:
         to_end = decay_exp(G_end.unsqueeze(2) - G_sub)  # exp(G_end(b) - G_i)
-        from_ref = decay_exp(G_sub - G_ref.unsqueeze(2)) if m > 1 else None  # exp(G_r - G_ref(a))
-        gamma = decay_exp(G)
+        from_ref = decay_exp(G_sub - G_ref.unsqueeze(2))  # exp(G_r - G_ref(a))
     else:
-        threshold = math.exp(flush)
-        to_end = F.threshold(col * torch.exp(G_end - G_mid).unsqueeze(2), threshold, 0.0)
-        from_ref_exact = row * torch.exp(G_mid - G_ref).unsqueeze(2)
-        if m == 1:  # G_ref = 0: Gamma is exp(G_r - G_ref) itself, and nothing else needs it
-            gamma = F.threshold(from_ref_exact, threshold, 0.0)
-        else:
-            from_ref = F.threshold(from_ref_exact, threshold, 0.0)
-            gamma = F.threshold(from_ref_exact * decay_exp(G_ref).unsqueeze(2), threshold, 0.0)
-    gamma = gamma.view(P, C, K)
+        to_end = F.threshold(col * torch.exp(G_end - G_mid).unsqueeze(2), threshold, 0.0, inplace=True)
+        from_ref = F.threshold(row * torch.exp(G_mid - G_ref).unsqueeze(2), threshold, 0.0, inplace=True)
     base = k_sub * to_end  # k_i exp(G_end(b) - G_i) <= 1
-    if m == 1:
-        return (diag_qk.view(P, C, C), diag_kk.view(P, C, C), q * gamma, k * gamma, base.view(P, C, K),
-                decay_exp(G[:, -1]))
+    q_off, k_off = q_sub * from_ref, k_sub * from_ref  # x_r exp(G_r - G_ref(a))
+    if m == 1:  # G_ref = 0: these are already the rows decayed from the chunk start
+        return (BlockLower(diag_qk, []), BlockLower(diag_kk, []), q_off.view(P, C, K), k_off.view(P, C, K),
+                base.view(P, C, K), decay_exp(G[:, -1]))
 
-    A_qk, A_kk = q.new_zeros(P, C, C), q.new_zeros(P, C, C)
-    for A, diag in ((A_qk, diag_qk), (A_kk, diag_kk)):
-        A.view(P, m, s, m, s).diagonal(dim1=1, dim2=3).copy_(diag.permute(0, 2, 3, 1))
+    # Gamma = exp(G_r - G_ref(a)) exp(G_ref(a)): each factor is flushed below exp(floor), so a kept
+    # product is above exp(2 floor), a normal number.
+    from_start = decay_exp(G_ref).unsqueeze(2)  # [P, m, 1, K]
+    q_start, k_start = (q_off * from_start).view(P, C, K), (k_off * from_start).view(P, C, K)
     cross = decay_exp((G_ref.unsqueeze(2) - G_end.unsqueeze(1)).clamp(max=0.0))  # [P, m(a), m(b), K]
-    q_off, k_off = q_sub * from_ref, k_sub * from_ref
+    below_qk, below_kk = [], []
     for a in range(1, m):
-        lo, hi = a * s, (a + 1) * s
-        cols = (base[:, :a] * cross[:, a, :a].unsqueeze(2)).reshape(P, lo, K).transpose(-1, -2)
-        A_qk[:, lo:hi, :lo] = q_off[:, a] @ cols
-        A_kk[:, lo:hi, :lo] = k_off[:, a] @ cols
+        cols = (base[:, :a] * cross[:, a, :a].unsqueeze(2)).reshape(P, a * s, K).transpose(-1, -2)
+        below_qk.append(q_off[:, a] @ cols)
+        below_kk.append(k_off[:, a] @ cols)
     # k_end = k_i exp(G_end(b) - G_i) exp(G_C - G_end(b))
     k_end = (base * decay_exp(G_end[:, -1:] - G_end).unsqueeze(2)).view(P, C, K)
-    return A_qk, A_kk, q * gamma, k * gamma, k_end, decay_exp(G[:, -1])
+    return (BlockLower(diag_qk, below_qk), BlockLower(diag_kk, below_kk), q_start, k_start, k_end,
+            decay_exp(G[:, -1]))
 
 
 def _flush_tiny(x: torch.Tensor) -> torch.Tensor:
@@ -207,26 +206,61 @@ def _flush_tiny(x: torch.Tensor) -> torch.Tensor:
     return F.hardshrink(x, 2.0 ** (-40 if x.dtype == torch.float32 else -100))
 
 
-def _unit_lower_inverse(A: torch.Tensor, s: int) -> torch.Tensor:
-    """T = (I + A)^-1 for strictly lower-triangular A [P, C, C] (the UT transform), by blocks of s rows:
-    one batched triangular solve inverts the s x s diagonal blocks, then each row block follows from
-    the ones above it, T_a,<a = -T_aa A_a,<a T_<a,<a, as batched matmuls."""
-    P, C, _ = A.shape
-    m = C // s
-    A = _flush_tiny(A)
-    eye = torch.eye(s, dtype=A.dtype, device=A.device)
-    if m == 1:
-        return _flush_tiny(torch.linalg.solve_triangular(A, eye.expand(P, s, s), upper=False,
-                                                         unitriangular=True))
-    diag = A.view(P, m, s, m, s).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)  # [P, m, s, s]
-    inv = _flush_tiny(torch.linalg.solve_triangular(diag, eye.expand(P, m, s, s), upper=False,
-                                                    unitriangular=True))
-    T = inv[:, 0]  # rows of block 0, columns [0, s)
-    for a in range(1, m):
-        lo, hi = a * s, (a + 1) * s
-        left = _flush_tiny(-inv[:, a] @ (A[:, lo:hi, :lo] @ T))  # [P, s, lo]
-        T = torch.cat([F.pad(T, (0, s)), torch.cat([left, inv[:, a]], dim=-1)], dim=1)  # [P, hi, hi]
-    return T
+class BlockLower(NamedTuple):
+    """A lower-triangular [P, C, C] matrix kept as blocks of s rows and columns (C = m s): the
+    diagonal blocks diag [P, m, s, s] and, for each row block a >= 1, the part left of its diagonal
+    block below[a - 1] [P, s, a s]. Above the diagonal blocks it is zero, and never stored."""
+
+    diag: torch.Tensor
+    below: list[torch.Tensor]
+
+    @staticmethod
+    def split(A: torch.Tensor, s: int) -> "BlockLower":
+        P, C, _ = A.shape
+        m = C // s
+        diag = A.view(P, m, s, m, s).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)
+        return BlockLower(diag, [A[:, a * s:(a + 1) * s, :a * s] for a in range(1, m)])
+
+    def scale_rows(self, x: torch.Tensor) -> "BlockLower":
+        """Diag(x) L for x [P, C, 1]."""
+        P, m, s, _ = self.diag.shape
+        x = x.view(P, m, s, 1)
+        return BlockLower(self.diag * x, [b * x[:, a] for a, b in enumerate(self.below, start=1)])
+
+    def addmm_(self, out: torch.Tensor, X: torch.Tensor, beta: float = 1.0, alpha: float = 1.0) -> torch.Tensor:
+        """out <- beta out + alpha L X, in place; X, out [P, C, d]."""
+        P, m, s, _ = self.diag.shape
+        d = X.shape[-1]
+        out.view(P * m, s, d).baddbmm_(self.diag.reshape(P * m, s, s), X.reshape(P * m, s, d),
+                                       beta=beta, alpha=alpha)
+        for a, block in enumerate(self.below, start=1):
+            # into a fresh product first: baddbmm_ into a row slice is ~3x slower on CPU
+            out[:, a * s:(a + 1) * s].add_(block @ X[:, :a * s], alpha=alpha)
+        return out
+
+    def unit_inverse(self) -> torch.Tensor:
+        """T = (I + L)^-1 [P, C, C] for strictly lower L (the UT transform), by row blocks: one batched
+        triangular solve inverts the diagonal blocks, then each row block follows from the ones above
+        it, T_a,<a = -T_aa L_a,<a T_<a,<a, as batched matmuls. Flushing tiny entries between the
+        stages keeps subnormal numbers out (one solve over all C rows is ~2x slower in practice for
+        that reason)."""
+        P, m, s, _ = self.diag.shape
+        eye = torch.eye(s, dtype=self.diag.dtype, device=self.diag.device).expand(P, m, s, s)
+        # X (I + L_aa) = I gives the same inverse as (I + L_aa) X = I; on CPU the right-hand solve
+        # on a contiguous copy runs ~1.8x faster
+        inv = _flush_tiny(torch.linalg.solve_triangular(_flush_tiny(self.diag.contiguous()), eye,
+                                                        upper=False, left=False, unitriangular=True))
+        rows = [inv[:, 0]]  # row block a, columns [0, (a + 1) s)
+        for a, block in enumerate(self.below, start=1):
+            above = rows[0] if a == 1 else _stack_rows(rows, a * s)  # T_<a,<a
+            left = _flush_tiny(-inv[:, a] @ (_flush_tiny(block) @ above))
+            rows.append(torch.cat([left, inv[:, a]], dim=-1))
+        return _stack_rows(rows, m * s)
+
+
+def _stack_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Row blocks of growing width, zero-padded on the right to `width` and stacked."""
+    return torch.cat([F.pad(r, (0, width - r.shape[-1])) for r in rows], dim=1)
 
 
 def _state_scan(W, U0, K_end, decay_end, S0, buffer=None):
@@ -312,20 +346,18 @@ def _chunk_slab(q, k, v, beta, G, S, scale: float, states_buffer=None):
     flat = lambda x: x.reshape(n * M, *x.shape[2:])  # noqa: E731
     intra = _intra_channel_gate if G is not None and G.shape[-1] > 1 else _intra_scalar_gate
     A_qk, A_kk, q_start, k_start, k_end, decay_end = intra(flat(q), flat(k), None if G is None else flat(G))
-    A_qk, A_kk, q_start, k_start, k_end = (x.view(n, M, *x.shape[1:])
-                                           for x in (A_qk, A_kk, q_start, k_start, k_end))
     if decay_end is not None:
         decay_end = decay_end.view(n, M, -1)
 
     # UT transform: T = (I + Diag(beta) A_kk)^-1; W = T Diag(beta) (K * Gamma), U0 = T Diag(beta) V.
-    T = _unit_lower_inverse((A_kk * beta).view(n * M, C, C), _sub_chunk_size(C)).view(n, M, C, C)
-    T = T * beta.transpose(-1, -2)  # T Diag(beta): scales columns
-    W, U0 = T @ k_start, T @ v
+    beta = flat(beta)
+    T = A_kk.scale_rows(beta).unit_inverse() * beta.transpose(-1, -2)  # T Diag(beta): scales columns
+    W, U0 = (T @ k_start).view(n, M, C, K), (T @ flat(v)).view(n, M, C, V)
 
-    U, states = _state_scan(W, U0, k_end, decay_end, S, states_buffer)
-    # o = scale * ((Q * Gamma) S + A_qk U): the scale rides on the matmul
-    o = torch.baddbmm((q_start @ states[:-1]).view(n * M, C, V), A_qk.view(n * M, C, C), U.view(n * M, C, V),
-                      beta=scale, alpha=scale)
+    U, states = _state_scan(W, U0, k_end.view(n, M, C, K), decay_end, S, states_buffer)
+    # o = scale * ((Q * Gamma) S + A_qk U): the scale rides on the matmuls
+    o = q_start.view(n, M, C, K) @ states[:-1]
+    A_qk.addmm_(o.view(n * M, C, V), U.view(n * M, C, V), beta=scale, alpha=scale)
     return o.view(n, M, C, V), states[-1]
 
 

@@ -1,0 +1,39 @@
+"""Process-level settings that make PyTorch's CPU paths fast on Linux.
+
+`keep_freed_memory()`: PyTorch's CPU allocator hands every tensor to malloc. glibc serves blocks of a
+megabyte or more with fresh pages (mmap, or a heap it trims back to the OS on every free), so each new
+temporary of that size is page-faulted in again, 256 faults per MB. The chunked mixers create dozens
+of such temporaries per slab; on a 2-core VM the faults cost more than the arithmetic (measured: about
+3,900 faults and 2x the time per KDA slab). Raising glibc's mmap and trim thresholds makes malloc keep
+and reuse freed memory instead — what PyTorch's CPU tuning guide gets by preloading jemalloc or tcmalloc.
+
+The `k3` command calls it at start (set K3_KEEP_FREED_MEMORY=0 to opt out); library users may call it
+themselves. It changes the whole process's malloc policy, so the library never calls it on import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc's malloc.h
+_THRESHOLD = 1 << 30  # blocks up to 1 GiB come from (and go back to) the heap, which is never trimmed
+
+
+def keep_freed_memory() -> bool:
+    """Tell glibc malloc to keep freed memory for reuse instead of returning it to the OS.
+
+    Returns True when the setting was applied, False where it does not apply (not Linux/glibc) or was
+    refused by the environment variable K3_KEEP_FREED_MEMORY=0. Safe to call more than once."""
+    if os.environ.get("K3_KEEP_FREED_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and other C libraries have no mallopt
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, _THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, _THRESHOLD))
