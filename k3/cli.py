@@ -1,4 +1,4 @@
-"""The `k3` command line: `k3 bench ops` (more subcommands arrive with training and generation)."""
+"""The `k3` command line: `k3 params`, `k3 bench ops` (more subcommands arrive with training and generation)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,33 @@ def _bench_ops(args) -> int:
     return 0
 
 
+def _params(args) -> int:
+    from .models import PRESETS, get_config
+    from .models.params import count_params, format_report
+
+    if args.preset is None:
+        print("presets: " + ", ".join(PRESETS))
+        return 0
+    config = get_config(args.preset)
+    vs = get_config(args.vs) if args.vs else None
+    if args.json:
+        import dataclasses
+        import json
+
+        print(json.dumps({"preset": args.preset, **dataclasses.asdict(count_params(config))}, indent=2))
+    else:
+        print(format_report(config, vs))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3", description="Kimi K3 and its lineage in PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
+    params = sub.add_parser("params", help="parameter count, active parameters and decode memory of a preset")
+    params.add_argument("preset", nargs="?", help="a preset name (omit to list them)")
+    params.add_argument("--vs", metavar="PRESET", help="also print the ratio of total parameters to this preset")
+    params.add_argument("--json", action="store_true", help="print the figures as JSON")
+    params.set_defaults(func=_params)
     bench = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     ops = bench_sub.add_parser("ops", help="recurrent vs chunk mixers vs causal SDPA")
@@ -40,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     keep_freed_memory()
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input: say what is wrong, no traceback
+        print(f"k3 {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -28,21 +28,28 @@ from .norm import RMSNorm, upcast
 
 
 class Expert(nn.Module):
-    """One routed expert, w2(act(w1 x) * w3 x) (checkpoint names w1 = gate, w3 = up, w2 = down)."""
+    """One routed expert, w2(act(w1 x) * w3 x) (checkpoint names w1 = gate, w3 = up, w2 = down).
+
+    The three matrices are plain parameters ([hidden, dim], [dim, hidden], [hidden, dim]), not
+    nn.Linear submodules: Kimi K3 has 82,432 experts and a module per matrix would make building it
+    on the meta device take minutes. Checkpoints' `experts.N.w1.weight` map to `experts.N.w1`."""
 
     def __init__(self, dim: int, hidden: int, activation: str = "swiglu", situ_beta: float = 4.0,
                  situ_linear_beta: float | None = 25.0):
         super().__init__()
         self.activation, self.situ_beta, self.situ_linear_beta = activation, situ_beta, situ_linear_beta
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w1 = nn.Parameter(torch.empty(hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(dim, hidden))
+        if not self.w1.is_meta:  # nn.Linear's default init (skipped on meta: K3 builds there)
+            for w in (self.w1, self.w3, self.w2):
+                nn.init.uniform_(w, -w.shape[1] ** -0.5, w.shape[1] ** -0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w1(x), self.w3(x)
+        gate, up = F.linear(x, self.w1), F.linear(x, self.w3)
         if self.activation == "situ":
-            return self.w2(situ(gate, up, self.situ_beta, self.situ_linear_beta))
-        return self.w2(F.silu(gate) * up)
+            return F.linear(situ(gate, up, self.situ_beta, self.situ_linear_beta), self.w2)
+        return F.linear(F.silu(gate) * up, self.w2)
 
 
 class Router(nn.Module):

@@ -1,0 +1,149 @@
+"""Weights in and out: k3's own checkpoints and Hugging Face Kimi Linear / Kimi K3 checkpoints.
+
+A directory with `config.json` and `model.safetensors` (or shards listed in
+`model.safetensors.index.json`). k3 writes its config under the key "k3"; anything else is read as a
+Kimi `config.json` (`ModelConfig.from_hf`). Kimi weights come in two layouts, both mapped to k3's
+names here:
+
+- the Hub's (also what transformers' save_pretrained writes): k3's names except
+  `...experts.N.w{1,2,3}.weight` (k3: `experts.N.w{1,2,3}`) and a dense first layer that transformers
+  saves under `block_sparse_moe.` (k3: `mlp.`);
+- transformers' in-memory one: one depthwise conv over q|k|v (`self_attn.conv1d.weight` [3D, 1, W]),
+  the gate under `self_attn.forget_gate.`, MoE under `mlp.` with experts fused into
+  `experts.gate_up_proj` [E, 2h, d] and `experts.down_proj` [E, d, h].
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+
+
+def atomic_write(path: str | Path, write) -> None:
+    """Call write(tmp_path) on a temporary file beside `path`, then rename it over `path`: readers see
+    the old file or the new one, never a partial one."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _layer_ffn(config: ModelConfig, key: str) -> str | None:
+    m = re.match(r"model\.layers\.(\d+)\.", key)
+    return config.mlp_types[int(m.group(1))] if m and int(m.group(1)) < config.num_layers else None
+
+
+def convert_kimi_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Map a Kimi checkpoint's tensors (either layout above) to k3's parameter names."""
+    out: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        ffn = _layer_ffn(config, key)
+        if key.endswith("self_attn.conv1d.weight"):  # transformers: fused q|k|v short convolution
+            prefix = key[: -len("conv1d.weight")]
+            for name, part in zip(("q", "k", "v"), t.chunk(3, dim=0)):
+                out[f"{prefix}{name}_conv1d.weight"] = part
+            continue
+        key = key.replace("self_attn.forget_gate.", "self_attn.")
+        if ffn == "moe":
+            key = key.replace(".mlp.", ".block_sparse_moe.")
+        elif ffn == "dense":
+            key = key.replace(".block_sparse_moe.", ".mlp.")
+        if key.endswith("experts.gate_up_proj"):  # transformers: [E, 2h, d], gate rows then up rows
+            prefix = key[: -len("gate_up_proj")]
+            gate, up = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.w1"], out[f"{prefix}{e}.w3"] = gate[e], up[e]
+            continue
+        if key.endswith("experts.down_proj"):  # transformers: [E, d, h]
+            prefix = key[: -len("down_proj")]
+            for e, w2 in enumerate(t):
+                out[f"{prefix}{e}.w2"] = w2
+            continue
+        key = re.sub(r"(experts\.\d+\.w[123])\.weight$", r"\1", key)
+        out[key] = t
+    return out
+
+
+def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+    if single.exists():
+        return load_file(single)
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(load_file(directory / shard))
+        return state
+    raise FileNotFoundError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+
+
+def read_config(directory: Path) -> tuple[ModelConfig, bool]:
+    """(config, is_k3_checkpoint) from directory/config.json."""
+    path = directory / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{directory}: no config.json (expected a checkpoint directory)")
+    raw = json.loads(path.read_text())
+    if "k3" in raw:
+        return ModelConfig.from_dict(raw["k3"]), True
+    return ModelConfig.from_hf(raw), False
+
+
+def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Strict load with an error that lists what is missing, unexpected or mis-shaped."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = sorted(f"{k}: checkpoint {list(state[k].shape)}, model {list(own[k].shape)}"
+                    for k in set(own) & set(state) if state[k].shape != own[k].shape)
+    if missing or unexpected or shapes:
+        def head(items):
+            return ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
+        problems = [f"missing {head(missing)}" if missing else "", f"unexpected {head(unexpected)}" if unexpected else "",
+                    f"shape mismatch {head(shapes)}" if shapes else ""]
+        raise ValueError(f"{source} does not match the model's configuration: " + "; ".join(p for p in problems if p))
+    model.load_state_dict(state, strict=True)
+
+
+def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None):
+    """Build the model described by path/config.json and load its weights (k3 or Kimi layout)."""
+    from .model import CausalLM
+
+    directory = Path(path)
+    config, native = read_config(directory)
+    state = read_safetensors(directory)
+    if not native:
+        state = convert_kimi_state_dict(state, config)
+    model = CausalLM(config)
+    if config.tie_word_embeddings:
+        state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
+    load_into(model, state, str(directory))
+    return model if dtype is None else model.to(dtype)
+
+
+def save_pretrained(model, path: str | os.PathLike) -> None:
+    """Write path/model.safetensors and path/config.json (k3 layout), each atomically."""
+    from safetensors.torch import save_file
+
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    atomic_write(directory / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    config = json.dumps({"k3": model.config.to_dict()}, indent=2)
+    atomic_write(directory / "config.json", lambda tmp: Path(tmp).write_text(config))

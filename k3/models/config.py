@@ -1,0 +1,155 @@
+"""ModelConfig: one dataclass describes every model of the lineage, from GPT-2 to Kimi K3.
+
+A model is a stack of `num_layers` decoder layers; layer i has a sequence mixer `layer_types[i]` and a
+feed-forward `mlp_types[i]`:
+
+    mixers  "mha" (GPT-2 softmax attention)   "linear_attn" (ELU+1)   "deltanet"   "gated_deltanet"
+            "kda" (Kimi Delta Attention)      "mla" (Multi-head Latent Attention)
+    FFNs    "dense" (GELU MLP for GPT-2, else a gated MLP)   "moe" (mixture of experts)
+
+Everything else is sizes and switches; `validate()` runs on construction and names the field at fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+MIXERS = ("mha", "linear_attn", "deltanet", "gated_deltanet", "kda", "mla")
+LINEAR_MIXERS = ("linear_attn", "deltanet", "gated_deltanet", "kda")
+FFNS = ("dense", "moe")
+
+
+@dataclass
+class ModelConfig:
+    """Every field of a k3 model. Lists are per layer; presets build them (`k3.models.presets`)."""
+
+    name: str = "custom"
+    vocab_size: int = 50304
+    hidden_size: int = 768
+    num_layers: int = 12
+    layer_types: list[str] = field(default_factory=lambda: ["mha"] * 12)
+    mlp_types: list[str] = field(default_factory=lambda: ["dense"] * 12)
+    # GPT-2 style: LayerNorm, learned positions, tied head; otherwise RMSNorm, no positions, untied
+    norm: str = "rmsnorm"  # "rmsnorm" | "layernorm"
+    norm_eps: float = 1e-6
+    max_position_embeddings: int | None = None  # learned positions (GPT-2) when set
+    tie_word_embeddings: bool = False
+
+    # softmax attention (mha) and MLA heads
+    num_heads: int = 12
+    # linear family (linear_attn, deltanet, gated_deltanet, kda)
+    linear_num_heads: int = 12
+    linear_head_dim: int = 64
+    conv_size: int = 4
+    kda_gate: str = "kimi_linear"  # "kimi_linear" | "safe" (K3: g = -5 sigmoid(.))
+    linear_output_gate: str | None = "low_rank"  # None | "low_rank" | "full" (K3)
+    chunk_size: int = 64
+    # MLA
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    mla_output_gate: bool = False  # gated MLA (K3)
+    rope_theta: float | None = None  # None: NoPE (Kimi Linear, K3)
+
+    # feed-forward
+    ffn_activation: str = "swiglu"  # "gelu" (GPT-2) | "swiglu" | "situ" (K3)
+    intermediate_size: int = 3072  # dense FFN width
+    situ_beta: float = 4.0
+    situ_linear_beta: float | None = 25.0
+    # mixture of experts
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    moe_latent_size: int | None = None  # K3's latent MoE
+    routed_scaling_factor: float = 1.0
+    # Block Attention Residuals (K3): a new depth source every `attn_res_block_size` layers
+    attn_res_block_size: int | None = None
+
+    def __post_init__(self):
+        self.layer_types, self.mlp_types = list(self.layer_types), list(self.mlp_types)
+        self.validate()
+
+    # -- validation ---------------------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(ok: bool, what: str, fix: str = "") -> None:
+            if not ok:
+                raise ValueError(f"ModelConfig({self.name!r}): {what}" + (f"; {fix}" if fix else ""))
+
+        for name in ("vocab_size", "hidden_size", "num_layers", "intermediate_size", "chunk_size"):
+            need(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
+        for name, values in (("layer_types", self.layer_types), ("mlp_types", self.mlp_types)):
+            need(len(values) == self.num_layers,
+                 f"`{name}` has {len(values)} entries but `num_layers` is {self.num_layers}",
+                 "give one entry per layer")
+        for t in self.layer_types:
+            need(t in MIXERS, f"unknown layer type {t!r} in `layer_types`", f"choose from {MIXERS}")
+        for t in self.mlp_types:
+            need(t in FFNS, f"unknown FFN type {t!r} in `mlp_types`", f"choose from {FFNS}")
+        need(self.norm in ("rmsnorm", "layernorm"), f"`norm` must be 'rmsnorm' or 'layernorm', got {self.norm!r}")
+        need(self.ffn_activation in ("gelu", "swiglu", "situ"),
+             f"`ffn_activation` must be 'gelu', 'swiglu' or 'situ', got {self.ffn_activation!r}")
+        need(self.kda_gate in ("kimi_linear", "safe"), f"`kda_gate` must be 'kimi_linear' or 'safe', got {self.kda_gate!r}")
+        need(self.linear_output_gate in (None, "low_rank", "full"),
+             f"`linear_output_gate` must be None, 'low_rank' or 'full', got {self.linear_output_gate!r}")
+        if "mha" in self.layer_types:
+            need(self.num_heads > 0 and self.hidden_size % self.num_heads == 0,
+                 f"`hidden_size` ({self.hidden_size}) must be divisible by `num_heads` ({self.num_heads})",
+                 "pick a head count that divides the width")
+        if any(t in LINEAR_MIXERS for t in self.layer_types):
+            need(self.linear_num_heads > 0 and self.linear_head_dim > 0,
+                 f"`linear_num_heads` and `linear_head_dim` must be positive, got "
+                 f"{self.linear_num_heads} and {self.linear_head_dim}")
+            need(self.conv_size >= 1, f"`conv_size` must be >= 1, got {self.conv_size}")
+        if "mla" in self.layer_types:
+            need(self.num_heads > 0, f"`num_heads` must be positive, got {self.num_heads}")
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+                need(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
+            need(self.qk_rope_head_dim >= 0, f"`qk_rope_head_dim` must be >= 0, got {self.qk_rope_head_dim}")
+            need(self.q_lora_rank is None or self.q_lora_rank > 0,
+                 f"`q_lora_rank` must be None or positive, got {self.q_lora_rank}")
+        if "moe" in self.mlp_types:
+            need(self.num_experts > 0 and self.moe_intermediate_size > 0,
+                 f"MoE layers need `num_experts` and `moe_intermediate_size` > 0, got "
+                 f"{self.num_experts} and {self.moe_intermediate_size}")
+            need(1 <= self.num_experts_per_tok <= self.num_experts,
+                 f"`num_experts_per_tok` ({self.num_experts_per_tok}) must be in [1, num_experts = "
+                 f"{self.num_experts}]", "lower top-k or add experts")
+            need(self.num_shared_experts >= 0, f"`num_shared_experts` must be >= 0, got {self.num_shared_experts}")
+            need(self.ffn_activation != "gelu", "MoE experts are gated: `ffn_activation` must be 'swiglu' or 'situ'")
+            need(self.moe_latent_size is None or self.moe_latent_size > 0,
+                 f"`moe_latent_size` must be None or positive, got {self.moe_latent_size}")
+        if self.norm == "layernorm" or self.ffn_activation == "gelu" or self.max_position_embeddings:
+            need(set(self.layer_types) <= {"mha"},
+                 "LayerNorm, GELU MLP and learned positions are GPT-2's: they go with 'mha' layers only")
+        need(self.attn_res_block_size is None or self.attn_res_block_size > 0,
+             f"`attn_res_block_size` must be None or positive, got {self.attn_res_block_size}")
+
+    # -- convenience --------------------------------------------------------------------------------
+    def replace(self, **changes) -> "ModelConfig":
+        """A validated copy with some fields changed. To change the depth of a preset, rebuild it
+        (`k3.models.get_config(name, num_layers=...)`): the per-layer lists follow the preset's pattern."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"ModelConfig.from_dict: unknown fields {unknown}")
+        return cls(**d)
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Read a Kimi Linear / Kimi K3 `config.json` (the Hub's or transformers' spelling; a nested
+        `text_config` is used when present). See `k3.models.hf_config` for the field mapping."""
+        from .hf_config import config_from_hf
+
+        return config_from_hf(hf)
+

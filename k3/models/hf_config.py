@@ -1,0 +1,146 @@
+"""Read a Kimi Linear / Kimi K3 `config.json` into a ModelConfig.
+
+Both spellings of Kimi Linear are read: the Hub's (`linear_attn_config` with 1-based `full_attn_layers`
+/ `kda_layers`, `first_k_dense_replace`, `num_experts`, `num_experts_per_token`, `num_shared_experts`)
+and transformers' (`layer_types`, `mlp_layer_types`, `linear_head_dim`, `num_local_experts`, ...). A
+multimodal wrapper's nested `text_config` is used when present.
+
+Kimi K3's own fields are not public in a config.json; k3 reads them under these names (and writes
+them so in its checkpoints): `linear_lower_bound` (the safe KDA gate g = lower_bound * sigmoid(.);
+K3: -5), `use_full_rank_gate` (full-rank KDA output gate), `mla_use_output_gate` (gated MLA),
+`moe_latent_size`, `hidden_act: "situ"` with `situ_beta` / `situ_linear_beta`, `attn_res_block_size`.
+"""
+
+from __future__ import annotations
+
+from .config import ModelConfig
+
+
+def _first(d: dict, *names, default=None):
+    for name in names:
+        if name in d and d[name] is not None:
+            return d[name]
+    return default
+
+
+def _layer_types(cfg: dict, n: int) -> list[str]:
+    if cfg.get("layer_types"):
+        mapping = {"full_attention": "mla", "linear_attention": "kda", "mla": "mla", "kda": "kda"}
+        try:
+            return [mapping[t] for t in cfg["layer_types"]]
+        except KeyError as e:
+            raise ValueError(f"ModelConfig.from_hf: unknown entry {e.args[0]!r} in `layer_types`") from None
+    lin = cfg.get("linear_attn_config") or {}
+    if "full_attn_layers" in lin or "kda_layers" in lin:
+        types = ["mla"] * n
+        for i in lin.get("kda_layers", []):
+            if not 1 <= i <= n:
+                raise ValueError(f"ModelConfig.from_hf: `kda_layers` entry {i} outside 1..{n} (they are 1-based)")
+            types[i - 1] = "kda"
+        return types
+    if lin:
+        raise ValueError("ModelConfig.from_hf: `linear_attn_config` has neither `full_attn_layers` nor `kda_layers`")
+    return ["mla"] * n  # a plain MLA model (DeepSeek-style)
+
+
+def _mlp_types(cfg: dict, n: int) -> list[str]:
+    if cfg.get("mlp_layer_types"):
+        return ["moe" if t in ("sparse", "moe") else "dense" for t in cfg["mlp_layer_types"]]
+    if not _first(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0):
+        return ["dense"] * n
+    first_dense = _first(cfg, "first_k_dense_replace", default=1)
+    freq = _first(cfg, "moe_layer_freq", default=1)
+    return ["moe" if i >= first_dense and i % freq == 0 else "dense" for i in range(n)]
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    cfg = hf.get("text_config") or hf
+    if not isinstance(cfg, dict):
+        raise ValueError(f"ModelConfig.from_hf: expected a dict (a parsed config.json), got {type(cfg).__name__}")
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in cfg]
+    if missing:
+        raise ValueError(f"ModelConfig.from_hf: the config has no {missing}; is this a Kimi Linear / Kimi K3 config.json?")
+    n = cfg["num_hidden_layers"]
+    lin = cfg.get("linear_attn_config") or {}
+    groups, topk_groups = _first(cfg, "num_expert_group", "n_group", default=1), _first(cfg, "topk_group", default=1)
+    if groups > 1 and topk_groups < groups:
+        raise ValueError(f"ModelConfig.from_hf: group-limited routing ({topk_groups} of {groups} expert groups) "
+                         f"is not supported; k3 routes over all experts")
+    if cfg.get("moe_renormalize", cfg.get("norm_topk_prob", True)) is False:
+        raise ValueError("ModelConfig.from_hf: routing without renormalised top-k weights is not supported")
+    if cfg.get("mla_use_nope") is False:
+        raise ValueError("ModelConfig.from_hf: `mla_use_nope: false` (RoPE MLA) checkpoints are not supported yet")
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "situ"):
+        raise ValueError(f"ModelConfig.from_hf: `hidden_act` {act!r} is not supported (silu or situ)")
+    lower = cfg.get("linear_lower_bound")
+    if lower is not None and lower != -5:
+        raise ValueError(f"ModelConfig.from_hf: k3's safe KDA gate is g = -5 sigmoid(.); got `linear_lower_bound` {lower}")
+    return ModelConfig(
+        name=hf.get("_name_or_path") or cfg.get("model_type", "hf"),
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], num_layers=n,
+        layer_types=_layer_types(cfg, n), mlp_types=_mlp_types(cfg, n),
+        norm="rmsnorm", norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        num_heads=cfg.get("num_attention_heads", 1),
+        linear_num_heads=_first(lin, "num_heads", default=_first(cfg, "linear_num_heads", "num_attention_heads")),
+        linear_head_dim=_first(lin, "head_dim", default=_first(cfg, "linear_head_dim", default=128)),
+        conv_size=_first(lin, "short_conv_kernel_size", default=_first(cfg, "linear_conv_kernel_dim", default=4)),
+        kda_gate="safe" if lower is not None else "kimi_linear",
+        linear_output_gate="full" if cfg.get("use_full_rank_gate") else "low_rank",
+        q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg.get("kv_lora_rank", 512),
+        qk_nope_head_dim=cfg.get("qk_nope_head_dim", 128), qk_rope_head_dim=cfg.get("qk_rope_head_dim", 64),
+        v_head_dim=cfg.get("v_head_dim") or 128, mla_output_gate=bool(cfg.get("mla_use_output_gate", False)),
+        ffn_activation="situ" if act == "situ" else "swiglu",
+        intermediate_size=cfg.get("intermediate_size", 4 * cfg["hidden_size"]),
+        situ_beta=cfg.get("situ_beta", 4.0), situ_linear_beta=cfg.get("situ_linear_beta", 25.0),
+        num_experts=_first(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0),
+        num_experts_per_tok=_first(cfg, "num_experts_per_token", "num_experts_per_tok", default=0),
+        moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
+        num_shared_experts=_first(cfg, "num_shared_experts", "n_shared_experts", default=0),
+        moe_latent_size=cfg.get("moe_latent_size"),
+        routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0),
+        attn_res_block_size=cfg.get("attn_res_block_size"),
+    )
+
+
+def config_to_hf(config: ModelConfig) -> dict:
+    """The Kimi Linear `config.json` fields (Hub spelling) for a KDA/MLA config; K3 fields as above."""
+    c = config
+    if not set(c.layer_types) <= {"kda", "mla"} or c.norm != "rmsnorm":
+        raise ValueError(f"config_to_hf: only KDA/MLA models have a Kimi config.json; {c.name!r} has "
+                         f"{sorted(set(c.layer_types))}")
+    first_dense = next((i for i, t in enumerate(c.mlp_types) if t == "moe"), c.num_layers)
+    out = {
+        "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers,
+        "intermediate_size": c.intermediate_size, "rms_norm_eps": c.norm_eps,
+        "tie_word_embeddings": c.tie_word_embeddings, "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_heads, "q_lora_rank": c.q_lora_rank, "kv_lora_rank": c.kv_lora_rank,
+        "qk_nope_head_dim": c.qk_nope_head_dim, "qk_rope_head_dim": c.qk_rope_head_dim,
+        "v_head_dim": c.v_head_dim, "mla_use_nope": True, "hidden_act": "situ" if c.ffn_activation == "situ" else "silu",
+        "num_experts": c.num_experts, "num_experts_per_token": c.num_experts_per_tok,
+        "moe_intermediate_size": c.moe_intermediate_size, "num_shared_experts": c.num_shared_experts,
+        "routed_scaling_factor": c.routed_scaling_factor, "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid", "first_k_dense_replace": first_dense, "moe_layer_freq": 1,
+        "num_expert_group": 1, "topk_group": 1,
+        "linear_attn_config": {
+            "full_attn_layers": [i + 1 for i, t in enumerate(c.layer_types) if t == "mla"],
+            "kda_layers": [i + 1 for i, t in enumerate(c.layer_types) if t == "kda"],
+            "num_heads": c.linear_num_heads, "head_dim": c.linear_head_dim,
+            "short_conv_kernel_size": c.conv_size,
+        },
+    }
+    if c.kda_gate == "safe":
+        out["linear_lower_bound"] = -5
+    if c.linear_output_gate == "full":
+        out["use_full_rank_gate"] = True
+    if c.mla_output_gate:
+        out["mla_use_output_gate"] = True
+    if c.moe_latent_size:
+        out["moe_latent_size"] = c.moe_latent_size
+    if c.ffn_activation == "situ":
+        out.update(situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta)
+    if c.attn_res_block_size:
+        out["attn_res_block_size"] = c.attn_res_block_size
+    return out

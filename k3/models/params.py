@@ -1,0 +1,157 @@
+"""Parameter and memory accounting from a ModelConfig alone (no module is built): where the
+parameters go, how many one token activates, and what decoding keeps per token and per sequence.
+
+Each formula mirrors the constructor of its layer; tests check the totals against real modules
+(tiny presets) and modules on the meta device (full presets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import LINEAR_MIXERS, ModelConfig
+
+GPT2_PARAMS = 124_475_904  # `gpt2` preset (vocab 50304, tied head)
+ARTICLE_GPT2_RATIO = 22_580  # the article's "how many GPT-2s fit in Kimi K3"
+
+
+@dataclass
+class ParamCount:
+    """Totals and a breakdown (component -> parameters); see `count_params`."""
+
+    total: int
+    active: int
+    breakdown: dict[str, int] = field(default_factory=dict)
+    mla_cache_bytes_per_token: int = 0  # all MLA layers together
+    kv_cache_bytes_per_token: int = 0  # all MHA layers together
+    recurrent_state_bytes_per_sequence: int = 0  # all linear-family layers, conv states included
+
+
+def _mixer_params(c: ModelConfig, kind: str) -> int:
+    d = c.hidden_size
+    if kind == "mha":
+        return d * 3 * d + 3 * d + d * d + d
+    if kind == "mla":
+        H, dn, dr, dv, r = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        q = d * H * (dn + dr) if c.q_lora_rank is None else d * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * H * (dn + dr)
+        gate = d * H * dv if c.mla_output_gate else 0
+        return q + d * (r + dr) + r + r * H * (dn + dv) + gate + H * dv * d
+    H, K = c.linear_num_heads, c.linear_head_dim
+    inner = H * K
+    if kind == "linear_attn":
+        return 4 * d * inner
+    n = 3 * d * inner + 3 * inner * c.conv_size + d * H + K + inner * d  # q,k,v, convs, b_proj, o_norm, o_proj
+    n += {"low_rank": d * K + K * inner, "full": d * inner, None: 0}[c.linear_output_gate]
+    if kind == "gated_deltanet":
+        n += d * H + 2 * H  # a_proj, A_log, dt_bias
+    elif kind == "kda":
+        n += d * K + K * inner + H + inner  # f_a, f_b, A_log, dt_bias
+    return n
+
+
+def _norm_params(c: ModelConfig, dim: int) -> int:
+    return 2 * dim if c.norm == "layernorm" else dim
+
+
+def count_params(config: ModelConfig, cache_dtype_bytes: int = 2) -> ParamCount:
+    """Total and per-token active parameters of `config` (active: everything a token is multiplied by,
+    i.e. without the unchosen routed experts and the embedding lookups), a breakdown, and decode memory:
+    MLA latent cache and MHA KV cache bytes per token (at `cache_dtype_bytes` per value, bf16 by
+    default) and recurrent-state bytes per sequence (fp32 states, conv states at the cache dtype)."""
+    c, d = config, config.hidden_size
+    parts: dict[str, int] = {}
+
+    def add(key: str, n: int) -> None:
+        parts[key] = parts.get(key, 0) + n
+
+    add("embeddings", c.vocab_size * d + (c.max_position_embeddings or 0) * d)
+    if not c.tie_word_embeddings:
+        add("lm_head", c.vocab_size * d)
+    inactive = 0
+    for kind, ffn in zip(c.layer_types, c.mlp_types):
+        add(f"attention ({kind})", _mixer_params(c, kind))
+        add("norms", 2 * _norm_params(c, d))
+        if ffn == "dense":
+            I = c.intermediate_size
+            add("dense FFN", 2 * d * I + I + d if c.ffn_activation == "gelu" else 3 * d * I)
+            continue
+        expert_dim = c.moe_latent_size or d
+        per_expert = 3 * expert_dim * c.moe_intermediate_size
+        add("routed experts", c.num_experts * per_expert)
+        inactive += (c.num_experts - c.num_experts_per_tok) * per_expert
+        add("router", c.num_experts * d)
+        if c.num_shared_experts:
+            add("shared experts", 3 * d * c.num_shared_experts * c.moe_intermediate_size)
+        if c.moe_latent_size:
+            add("latent projections", 2 * d * c.moe_latent_size + c.moe_latent_size)
+    add("norms", _norm_params(c, d))
+    if c.attn_res_block_size is not None:
+        add("AttnRes", (2 * c.num_layers + 1) * 2 * d)
+
+    total = sum(parts.values())
+    # Active: what one token multiplies by. The embedding tables are looked up, not multiplied (one
+    # row per token), so they are not active unless tied to the output head; routed experts count
+    # only for the k chosen.
+    lookups = (0 if c.tie_word_embeddings else c.vocab_size * d) + (c.max_position_embeddings or 0) * d
+    mla_layers = c.layer_types.count("mla")
+    mha_layers = c.layer_types.count("mha")
+    state = 0
+    for kind in c.layer_types:
+        if kind in LINEAR_MIXERS:
+            H, K = c.linear_num_heads, c.linear_head_dim
+            state += 4 * H * K * K  # fp32 state [H, K, V], V = K
+            if kind == "linear_attn":
+                state += 4 * H * K  # the normaliser z
+            else:
+                state += 3 * H * K * (c.conv_size - 1) * cache_dtype_bytes
+    return ParamCount(
+        total=total, active=total - inactive - lookups, breakdown=parts,
+        mla_cache_bytes_per_token=mla_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * cache_dtype_bytes,
+        kv_cache_bytes_per_token=mha_layers * 2 * d * cache_dtype_bytes,
+        recurrent_state_bytes_per_sequence=state)
+
+
+def _human(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3f}{unit}"
+    return str(int(n))
+
+
+def format_report(config: ModelConfig, vs: ModelConfig | None = None) -> str:
+    """The `k3 params` table: totals, breakdown, decode memory, and optionally the ratio to `vs`."""
+    pc = count_params(config)
+    lines = [f"{config.name}: {config.num_layers} layers ({_layer_summary(config)}), d {config.hidden_size}, "
+             f"vocab {config.vocab_size}",
+             f"  total parameters   {pc.total:>20,}  ({_human(pc.total)})",
+             f"  active per token   {pc.active:>20,}  ({_human(pc.active)})", "", "  breakdown:"]
+    for key, n in sorted(pc.breakdown.items(), key=lambda kv: -kv[1]):
+        lines.append(f"    {key:<26} {n:>20,}  {100 * n / pc.total:6.2f}%")
+    lines += ["", "  decode memory (bf16 caches, fp32 recurrent states):"]
+    if pc.mla_cache_bytes_per_token:
+        per_layer = (config.kv_lora_rank + config.qk_rope_head_dim) * 2
+        lines.append(f"    MLA latent cache       {pc.mla_cache_bytes_per_token:>12,} bytes/token "
+                     f"({config.layer_types.count('mla')} layers x {per_layer} bytes: "
+                     f"{config.kv_lora_rank} + {config.qk_rope_head_dim} values)")
+    if pc.kv_cache_bytes_per_token:
+        lines.append(f"    MHA KV cache           {pc.kv_cache_bytes_per_token:>12,} bytes/token")
+    if pc.recurrent_state_bytes_per_sequence:
+        lines.append(f"    recurrent state        {pc.recurrent_state_bytes_per_sequence:>12,} bytes/sequence "
+                     f"(constant in length)")
+    if vs is not None:
+        other = count_params(vs)
+        ratio = pc.total / other.total
+        lines += ["", f"  {config.name} / {vs.name}: {pc.total:,} / {other.total:,} = {ratio:,.2f}"]
+        if vs.name == "gpt2" and config.name.startswith("kimi-k3"):
+            lines.append(f"  the article says {ARTICLE_GPT2_RATIO:,}; this count gives {ratio:,.0f} "
+                         f"({ratio - ARTICLE_GPT2_RATIO:+,.0f}, {100 * (ratio / ARTICLE_GPT2_RATIO - 1):+.2f}%)")
+            lines.append(f"  the article's figure is the rounded totals' ratio: 2.8T / 124M = {2.8e12 / 124e6:,.1f}; "
+                         f"exact counts give {pc.total / 1e12:.4f}T / {other.total / 1e6:.2f}M")
+    return "\n".join(lines)
+
+
+def _layer_summary(c: ModelConfig) -> str:
+    counts: dict[str, int] = {}
+    for kind in c.layer_types:
+        counts[kind] = counts.get(kind, 0) + 1
+    return " + ".join(f"{n} {kind}" for kind, n in counts.items())
