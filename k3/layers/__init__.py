@@ -1,9 +1,9 @@
 """k3.layers: the building blocks of the lineage's models (DESIGN.md §3).
 
-So far: RMSNorm, the feed-forward family (GPT-2's GELU MLP, SwiGLU, Kimi K3's SiTU-GLU), the short
+RMSNorm, the feed-forward family (GPT-2's GELU MLP, SwiGLU, Kimi K3's SiTU-GLU), the short
 causal convolution, the delta-rule attention layers (DeltaNet, Gated DeltaNet, Kimi Delta Attention)
 and Multi-head Latent Attention, each with its decode cache, the (latent) mixture of experts, and Block
-Attention Residuals. The models that assemble them come next (`k3.models`).
+Attention Residuals. `k3.models` assembles them.
 """
 
 from .attention import KVCache, MultiHeadAttention
