@@ -19,7 +19,7 @@ install: $(STAMP)
 
 # The main job: train the default model (kimi-k3-tiny) on Shakespeare for a bounded time, report
 # validation bits per byte, then generate from a prompt.
-DEMO_MINUTES ?= 12
+DEMO_MINUTES ?= 13
 demo: $(STAMP)
 	$(VENV)/bin/k3 train --time-budget $(DEMO_MINUTES) --out runs/demo
 	$(VENV)/bin/k3 generate --checkpoint runs/demo --prompt "ROMEO:" --max-new-tokens 300

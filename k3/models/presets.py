@@ -100,11 +100,15 @@ PRESETS.update({
                                  intermediate_size=352),
     "kimi-linear-tiny": _tiny(kimi_linear, "kimi-linear-tiny", 8, **_TINY_MIXER, **_TINY_MLA, **_TINY_MOE,
                               num_experts=8, num_experts_per_tok=2),
-    "kimi-k3-tiny": _tiny(kimi_k3, "kimi-k3-tiny", 9, **_TINY_MIXER, **_TINY_MLA, **_TINY_MOE, q_lora_rank=64,
-                          num_experts=16, num_experts_per_tok=4, moe_latent_size=64, attn_res_block_size=4),
+    # Kimi K3's shape in 5 layers (KDA, KDA, KDA, MLA + the final MLA), width 192: on the 2-core CPU
+    # this trains twice as many tokens per second as 9 layers at width 128, and reaches a lower
+    # validation loss in the same minutes (measured; see the README)
+    "kimi-k3-tiny": _tiny(kimi_k3, "kimi-k3-tiny", 5, **_TINY_MIXER, **_TINY_MLA, **_TINY_MOE, hidden_size=192,
+                          q_lora_rank=64, num_experts=16, num_experts_per_tok=4, moe_latent_size=64,
+                          attn_res_block_size=2),
     "kimi-k3-article-tiny": _tiny(kimi_k3_article, "kimi-k3-article-tiny", 8, **_TINY_MIXER, **_TINY_MLA,
-                                  **_TINY_MOE, q_lora_rank=64, num_experts=16, num_experts_per_tok=4,
-                                  moe_latent_size=64, attn_res_block_size=4),
+                                  **_TINY_MOE, hidden_size=192, q_lora_rank=64, num_experts=16,
+                                  num_experts_per_tok=4, moe_latent_size=64, attn_res_block_size=2),
 })
 
 

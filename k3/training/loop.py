@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,6 +138,17 @@ def next_token_loss(model: CausalLM, windows: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
 
 
+def training_step(model: CausalLM, optimizer: torch.optim.Optimizer, windows: torch.Tensor, cfg: TrainConfig) -> float:
+    """One AdamW step on a batch of windows (clipped gradients), then the MoE bias update. Returns the loss."""
+    loss = next_token_loss(model, windows)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    model.update_moe_bias(cfg.moe_bias_rate)
+    return loss.item()
+
+
 @torch.no_grad()
 def bits_per_byte(model: CausalLM, data: TokenData, windows: torch.Tensor, batch_size: int = 16) -> float:
     """Summed next-token loss in bits over the bytes the predicted tokens stand for."""
@@ -212,48 +225,46 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True) ->
         save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step, max_steps, generator, history)
 
     calibration = None
-    try:
-        while max_steps is None or step < max_steps:
-            total = max_steps or 10 ** 6  # before calibration: warmup only
-            lr = learning_rate(cfg, step, total)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            windows = data.batch(cfg.batch_size, cfg.seq_len, generator)
-            loss = next_token_loss(model, windows)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            optimizer.step()
-            model.update_moe_bias(cfg.moe_bias_rate)
-            step += 1
-            history["step"].append(step)
-            history["loss"].append(loss.item())
-            history["lr"].append(lr)
-            history["tokens"] += windows[:, 1:].numel()
-            elapsed = time.time() - started
-            if max_steps is None:  # time budget: time a few steps past the first two, then fix the schedule
-                if calibration is None and step >= 2:
-                    calibration = (time.time(), step)
-                elif calibration is not None and step - calibration[1] >= cfg.calibration_steps:
-                    per_step = (time.time() - calibration[0]) / (step - calibration[1])
-                    max_steps = _steps_in_budget(cfg, step, elapsed, per_step)
-                    bar.total = max_steps
-                    _say(f"k3 train: {per_step:.2f} s/step; {max_steps} steps fit in {cfg.time_budget:g} min "
-                         f"with the evaluations")
-            if step % cfg.eval_every == 0 or step == max_steps:
-                bpb = bits_per_byte(model, data, val_windows)
-                history["val_step"].append(step)
-                history["val_bpb"].append(bpb)
-                bar.write(f"step {step}: train loss {loss.item():.3f}, validation {bpb:.3f} bits/byte", file=sys.stderr)
-            bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{history['tokens'] / max(elapsed, 1e-9):.0f}", lr=f"{lr:.1e}")
-            bar.update(1)
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != max_steps:
-                save()
-    except KeyboardInterrupt:
-        bar.close()
-        save()
-        _say(f"\ninterrupted at step {step}; checkpoint saved. Resume with:\n  k3 train --resume {out}")
-        raise
+    with _stop_on_ctrl_c() as stop:
+        try:
+            while max_steps is None or step < max_steps:
+                total = max_steps or 10 ** 6  # before calibration: warmup only
+                lr = learning_rate(cfg, step, total)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                windows = data.batch(cfg.batch_size, cfg.seq_len, generator)
+                loss = training_step(model, optimizer, windows, cfg)
+                step += 1
+                history["step"].append(step)
+                history["loss"].append(loss)
+                history["lr"].append(lr)
+                history["tokens"] += windows[:, 1:].numel()
+                elapsed = time.time() - started
+                if max_steps is None:  # time budget: time a few steps past the first two, then fix the schedule
+                    if calibration is None and step >= 2:
+                        calibration = (time.time(), step)
+                    elif calibration is not None and step - calibration[1] >= cfg.calibration_steps:
+                        per_step = (time.time() - calibration[0]) / (step - calibration[1])
+                        max_steps = _steps_in_budget(cfg, step, elapsed, per_step)
+                        bar.total = max_steps
+                        _say(f"k3 train: {per_step:.2f} s/step; {max_steps} steps fit in {cfg.time_budget:g} min "
+                             f"with the evaluations")
+                if step % cfg.eval_every == 0 or step == max_steps:
+                    bpb = bits_per_byte(model, data, val_windows)
+                    history["val_step"].append(step)
+                    history["val_bpb"].append(bpb)
+                    bar.write(f"step {step}: train loss {loss:.3f}, validation {bpb:.3f} bits/byte", file=sys.stderr)
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{history['tokens'] / max(elapsed, 1e-9):.0f}", lr=f"{lr:.1e}")
+                bar.update(1)
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != max_steps:
+                    save()
+                if stop.requested:  # Ctrl-C: finish the step, so the checkpoint resumes exactly
+                    raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            bar.close()
+            save()
+            _say(f"\ninterrupted at step {step}; checkpoint saved. Resume with:\n  k3 train --resume {out}")
+            raise
     bar.close()
     final_windows = data.val_windows(cfg.seq_len, cfg.final_eval_tokens)
     final = bits_per_byte(model, data, final_windows)
@@ -263,6 +274,30 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True) ->
          f"({history['tokens'] / history['seconds']:.0f} tokens/s); validation {final:.3f} bits per byte "
          f"({final_windows[:, 1:].numel():,} of {data.val.numel():,} validation tokens); checkpoint in {out}")
     return history
+
+
+class _stop_on_ctrl_c:
+    """While training, the first Ctrl-C only asks to stop after the current step (which then saves a
+    checkpoint); a second one interrupts at once."""
+
+    requested = False
+
+    def __enter__(self):
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        _say("\nCtrl-C: stopping after this step and saving a checkpoint (press again to abort at once)")
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
 
 
 def _steps_in_budget(cfg: TrainConfig, step: int, elapsed: float, step_seconds: float) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import signal
 
 import pytest
 import torch
@@ -73,21 +74,26 @@ def test_a_failed_save_leaves_the_previous_checkpoint(corpus, tmp_path, monkeypa
     assert ckpt_module.load_training_checkpoint(tmp_path)["step"] == 2
 
 
-def test_ctrl_c_saves_and_says_how_to_resume(corpus, tmp_path, monkeypatch, capsys):
+def test_ctrl_c_finishes_the_step_saves_and_resumes_exactly(corpus, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during step 4: the step completes, a checkpoint is saved, the resume command printed,
+    and resuming gives the uninterrupted loss sequence."""
     calls = {"n": 0}
     real = loop.next_token_loss
 
     def interrupted(model, windows):
         calls["n"] += 1
         if calls["n"] == 4:
-            raise KeyboardInterrupt
+            signal.raise_signal(signal.SIGINT)
         return real(model, windows)
 
     monkeypatch.setattr(loop, "next_token_loss", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        train(config(corpus, tmp_path), progress=False)
-    assert ckpt_module.load_training_checkpoint(tmp_path)["step"] == 3
-    assert f"k3 train --resume {tmp_path}" in capsys.readouterr().err
+        train(config(corpus, tmp_path / "run"), progress=False)
+    monkeypatch.undo()
+    assert ckpt_module.load_training_checkpoint(tmp_path / "run")["step"] == 4
+    assert f"k3 train --resume {tmp_path / 'run'}" in capsys.readouterr().err
+    resumed = train(TrainConfig(), resume=str(tmp_path / "run"), progress=False)
+    assert resumed["loss"] == train(config(corpus, tmp_path / "full"), progress=False)["loss"]
 
 
 def test_resume_with_another_model_lists_the_mismatched_tensors(corpus, tmp_path):
