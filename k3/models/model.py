@@ -201,8 +201,6 @@ class CausalLM(nn.Module):
         out_std = std / math.sqrt(2 * self.config.num_layers)
         for name, module in self.named_modules():
             leaf = name.rsplit(".", 1)[-1]
-            if isinstance(module, BlockAttnRes):
-                continue
             if isinstance(module, nn.Linear) and not name.endswith(("attn_res.proj", "mlp_res.proj", "final_res.proj")):
                 nn.init.normal_(module.weight, std=out_std if leaf in _RESIDUAL_OUTPUTS else std)
                 if module.bias is not None:

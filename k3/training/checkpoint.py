@@ -77,7 +77,7 @@ def load_training_checkpoint(path) -> dict:
     if missing:
         raise FileNotFoundError(f"--resume {path}: not a k3 training checkpoint (missing {', '.join(missing)})")
     config = json.loads((path / "config.json").read_text())
-    state = torch.load(path / "trainer_state.pt", weights_only=False)
+    state = torch.load(path / "trainer_state.pt", weights_only=True)
     weights = load_file(path / "model.safetensors")
     if config["k3"].get("tie_word_embeddings"):
         weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
