@@ -241,24 +241,35 @@ class BlockLower(NamedTuple):
             out[:, a * s:(a + 1) * s].add_(block @ X[:, :a * s], alpha=alpha)
         return out
 
-    def unit_inverse(self) -> torch.Tensor:
-        """T = (I + L)^-1 [P, C, C] for strictly lower L (the UT transform), by row blocks: one batched
-        triangular solve inverts the diagonal blocks, then each row block follows from the ones above
-        it, T_a,<a = -T_aa L_a,<a T_<a,<a, as batched matmuls. Flushing tiny entries between the
-        stages keeps subnormal numbers out (one solve over all C rows is ~2x slower in practice for
-        that reason)."""
+    def unit_solve(self, *rhs: torch.Tensor, column_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """T D X for T = (I + L)^-1 (strictly lower L: the UT transform), D = Diag(column_scale [P, C, 1])
+        (identity when None) and each X [P, C, d] of `rhs`,
+        with T kept in row blocks: one batched triangular solve inverts the diagonal blocks T_aa,
+        each block row left of the diagonal follows from the ones above it,
+        T_a,<a = -T_aa L_a,<a T_<a,<a, and (T X)_a = T_a,<a X_<a + T_aa X_a. Flushing tiny entries of
+        these dimensionless blocks between the stages keeps subnormal numbers out (one solve over all
+        C rows is ~2x slower in practice for that reason)."""
         P, m, s, _ = self.diag.shape
         eye = torch.eye(s, dtype=self.diag.dtype, device=self.diag.device).expand(P, m, s, s)
         # X (I + L_aa) = I gives the same inverse as (I + L_aa) X = I; on CPU the right-hand solve
         # on a contiguous copy runs ~1.8x faster
         inv = _flush_tiny(torch.linalg.solve_triangular(_flush_tiny(self.diag.contiguous()), eye,
                                                         upper=False, left=False, unitriangular=True))
-        rows = [inv[:, 0]]  # row block a, columns [0, (a + 1) s)
+        lefts: list[torch.Tensor] = []  # T_a,<a for a >= 1
         for a, block in enumerate(self.below, start=1):
-            above = rows[0] if a == 1 else _stack_rows(rows, a * s)  # T_<a,<a
-            left = _flush_tiny(-inv[:, a] @ (_flush_tiny(block) @ above))
-            rows.append(torch.cat([left, inv[:, a]], dim=-1))
-        return _stack_rows(rows, m * s)
+            above = inv[:, 0] if a == 1 else _stack_rows(
+                [inv[:, 0]] + [torch.cat([left, inv[:, i]], dim=-1) for i, left in enumerate(lefts, start=1)], a * s)
+            lefts.append(_flush_tiny(-inv[:, a] @ (_flush_tiny(block) @ above)))
+        if column_scale is not None:  # T D: scale the columns of the small blocks, not the rows of X
+            inv = inv * column_scale.view(P, m, s, 1).transpose(-1, -2)
+            lefts = [left * column_scale[:, : a * s].transpose(-1, -2) for a, left in enumerate(lefts, start=1)]
+        results = []
+        for X in rhs:
+            parts = X.split(s, dim=1)
+            out = [inv[:, 0] @ parts[0]]
+            out += [torch.baddbmm(inv[:, a] @ parts[a], left, X[:, : a * s]) for a, left in enumerate(lefts, start=1)]
+            results.append(out[0] if m == 1 else torch.cat(out, dim=1))
+        return tuple(results)
 
 
 def _stack_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -354,8 +365,8 @@ def _chunk_slab(q, k, v, beta, G, S, scale: float, states_buffer=None):
 
     # UT transform: T = (I + Diag(beta) A_kk)^-1; W = T Diag(beta) (K * Gamma), U0 = T Diag(beta) V.
     beta = flat(beta)
-    T = A_kk.scale_rows(beta).unit_inverse() * beta.transpose(-1, -2)  # T Diag(beta): scales columns
-    W, U0 = (T @ k_start).view(n, M, C, K), (T @ flat(v)).view(n, M, C, V)
+    W, U0 = A_kk.scale_rows(beta).unit_solve(k_start, flat(v), column_scale=beta)
+    W, U0 = W.view(n, M, C, K), U0.view(n, M, C, V)
 
     U, states = _state_scan(W, U0, k_end.view(n, M, C, K), decay_end, S, states_buffer)
     # o = scale * ((Q * Gamma) S + A_qk U): the scale rides on the matmuls
