@@ -247,8 +247,8 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True) ->
                         per_step = (time.time() - calibration[0]) / (step - calibration[1])
                         max_steps = _steps_in_budget(cfg, step, elapsed, per_step)
                         bar.total = max_steps
-                        _say(f"k3 train: {per_step:.2f} s/step; {max_steps} steps fit in {cfg.time_budget:g} min "
-                             f"with the evaluations")
+                        bar.write(f"k3 train: {per_step:.2f} s/step; {max_steps} steps fit in {cfg.time_budget:g} "
+                                  f"min with the evaluations", file=sys.stderr)
                 if step % cfg.eval_every == 0 or step == max_steps:
                     bpb = bits_per_byte(model, data, val_windows)
                     history["val_step"].append(step)
