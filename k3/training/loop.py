@@ -240,6 +240,9 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True) ->
                 history["lr"].append(lr)
                 history["tokens"] += windows[:, 1:].numel()
                 elapsed = time.time() - started
+                if cfg.time_budget is not None and max_steps is not None and calibration is not None \
+                        and step % 10 == 0 and step < max_steps:
+                    max_steps = _replan(cfg, step, elapsed, calibration, max_steps, bar)
                 if max_steps is None:  # time budget: time a few steps past the first two, then fix the schedule
                     if calibration is None and step >= 2:
                         calibration = (time.time(), step)
@@ -274,6 +277,21 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True) ->
          f"({history['tokens'] / history['seconds']:.0f} tokens/s); validation {final:.3f} bits per byte "
          f"({final_windows[:, 1:].numel():,} of {data.val.numel():,} validation tokens); checkpoint in {out}")
     return history
+
+
+def _replan(cfg: TrainConfig, step: int, elapsed: float, calibration: tuple[float, int], max_steps: int,
+            bar) -> int:
+    """A time-budget run on a machine that slowed down: when the steps left no longer fit, shorten
+    the schedule to what does (never lengthen it). Exact resume is a property of --max-steps runs."""
+    per_step = (time.time() - calibration[0]) / max(1, step - calibration[1])
+    budget_left = cfg.time_budget * 60 - elapsed
+    fits = _steps_in_budget(cfg, step, elapsed, per_step)
+    if fits < max_steps and (max_steps - step) * per_step > 1.02 * budget_left:
+        bar.total = fits
+        bar.write(f"k3 train: the machine slowed to {per_step:.2f} s/step; shortening the run to {fits} steps "
+                  f"to stay within {cfg.time_budget:g} min", file=sys.stderr)
+        return fits
+    return max_steps
 
 
 class _stop_on_ctrl_c:

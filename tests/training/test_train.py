@@ -135,3 +135,32 @@ def test_cli_train_then_generate(corpus, tmp_path, capsys):
     assert "unknown preset 'gpt5'; choose from" in capsys.readouterr().err
     assert main(["train", "--data", str(tmp_path / "nothing"), "--max-steps", "1", "--out", str(tmp_path / "x")]) == 2
     assert "no such file or folder" in capsys.readouterr().err
+
+
+def test_time_budget_fixes_the_step_count_and_keeps_it(corpus, tmp_path):
+    """With a time budget, the step count is fixed after timing a few steps (evaluations included)
+    and stored, so a resumed run follows the same schedule."""
+    cfg = config(corpus, tmp_path, max_steps=None, time_budget=0.1, calibration_steps=2)
+    history = train(cfg, progress=False)
+    state = ckpt_module.load_training_checkpoint(tmp_path)
+    steps = state["max_steps"]
+    assert steps is not None and steps >= 5 and history["step"][-1] == steps
+    assert history["seconds"] < 0.1 * 60 * 1.5 + 5  # stays near the budget
+    assert loop._steps_in_budget(cfg, 4, 1.0, 0.1) > loop._steps_in_budget(cfg, 4, 1.0, 0.2)
+
+
+def test_a_slowed_machine_shortens_a_time_budget_run():
+    class Bar:
+        total = 1000
+
+        def write(self, *args, **kwargs):
+            pass
+
+    import time
+
+    cfg = TrainConfig(max_steps=None, time_budget=2.0, eval_every=100, eval_tokens=4096, final_eval_tokens=4096)
+    # 10 steps took 100 s: at 10 s/step about a dozen of the planned 1000 fit in the 20 s left
+    shorter = loop._replan(cfg, 10, 100.0, (time.time() - 100.0, 0), 1000, Bar())
+    assert 10 < shorter < 20
+    # on a machine that keeps its speed (0.1 s/step) the plan stands
+    assert loop._replan(cfg, 10, 1.0, (time.time() - 1.0, 0), 1000, Bar()) == 1000
