@@ -87,6 +87,21 @@ def convert_kimi_state_dict(state: dict[str, torch.Tensor], config: ModelConfig)
     return out
 
 
+def weights_to_save(model) -> dict[str, torch.Tensor]:
+    """The model's tensors as they go to disk: contiguous, and a tied head stored once (as the embedding)."""
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def restore_tied_head(state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    """Undo `weights_to_save` for a tied head: lm_head.weight is the embedding."""
+    if tied and "model.embed_tokens.weight" in state:
+        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    return state
+
+
 def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -139,9 +154,7 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None):
     if not native:
         state = convert_kimi_state_dict(state, config)
     model = CausalLM(config)
-    if config.tie_word_embeddings:
-        state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
-    load_into(model, state, str(directory))
+    load_into(model, restore_tied_head(state, config.tie_word_embeddings), str(directory))
     return model if dtype is None else model.to(dtype)
 
 
@@ -151,9 +164,7 @@ def save_pretrained(model, path: str | os.PathLike) -> None:
 
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    state = weights_to_save(model)
     atomic_write(directory / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     config = json.dumps({"k3": model.config.to_dict()}, indent=2)
     atomic_write(directory / "config.json", lambda tmp: Path(tmp).write_text(config))

@@ -95,7 +95,7 @@ def delta_recurrence(q, k, v, beta, g, S0, scale: float):
 
 @lru_cache(maxsize=64)
 def _lower_masks(C: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lower-triangular masks [C, C] (0/1, or bool): inclusive (q rows: i <= r) and strict (k rows: i < r)."""
+    """0/1 lower-triangular masks [C, C]: inclusive (q rows: i <= r) and strict (k rows: i < r)."""
     incl = torch.ones(C, C, dtype=dtype, device=device).tril()
     return incl, incl.tril(-1)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.checkpoint import temp_beside
+from ..models.checkpoint import restore_tied_head, temp_beside, weights_to_save
 
 FILES = ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt", "loss.png")
 
@@ -35,9 +35,7 @@ def save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step: int, m
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    state = weights_to_save(model)
     writers = {
         "model.safetensors": lambda p: save_file(state, p, metadata={"format": "pt", "step": str(step)}),
         "config.json": lambda p: Path(p).write_text(json.dumps(
@@ -78,8 +76,6 @@ def load_training_checkpoint(path) -> dict:
         raise FileNotFoundError(f"--resume {path}: not a k3 training checkpoint (missing {', '.join(missing)})")
     config = json.loads((path / "config.json").read_text())
     state = torch.load(path / "trainer_state.pt", weights_only=True)
-    weights = load_file(path / "model.safetensors")
-    if config["k3"].get("tie_word_embeddings"):
-        weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+    weights = restore_tied_head(load_file(path / "model.safetensors"), bool(config["k3"].get("tie_word_embeddings")))
     return {**state, "train_config": TrainConfig(**config["train"]), "model": weights,
             "tokenizer": Tokenizer.load(path / "tokenizer.json")}
