@@ -11,7 +11,7 @@ import time
 import torch
 
 from ..models import CausalLM, count_params, get_config
-from ..training.loop import TrainConfig, build_optimizer, next_token_loss, prepare, train
+from ..training.loop import TrainConfig, build_optimizer, prepare, train, training_step
 
 
 def matched_gpt2(reference: str = "kimi-k3-tiny", vocab_size: int = 4096) -> tuple[dict, int]:
@@ -30,10 +30,7 @@ def tokens_per_second(model: CausalLM, cfg: TrainConfig, data, steps: int) -> fl
     for _ in range(steps + 1):  # the first step warms up
         windows = data.batch(cfg.batch_size, cfg.seq_len, generator)
         start = time.perf_counter()
-        loss = next_token_loss(model, windows)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        training_step(model, optimizer, windows, cfg)
         times.append(time.perf_counter() - start)
     return cfg.batch_size * cfg.seq_len / (sum(times[1:]) / steps)
 
