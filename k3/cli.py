@@ -1,4 +1,4 @@
-"""The `k3` command line: `k3 train`, `k3 generate`, `k3 params`, `k3 bench ops|train`."""
+"""The `k3` command line: `k3 train`, `k3 generate`, `k3 params`, `k3 bench ops|train`, `k3 lab`."""
 
 from __future__ import annotations
 
@@ -125,6 +125,24 @@ def _generate(args) -> int:
     return 0
 
 
+def _lab(args) -> int:
+    from . import lab
+
+    mode = "full" if args.full else "smoke" if args.smoke else "quick"
+    options = {"checkpoint": args.checkpoint} if args.checkpoint else {}
+    if options and args.name != "inspect":
+        raise ValueError(f"--checkpoint is for `k3 lab inspect`, not `k3 lab {args.name}`")
+    names = list(lab.EXPERIMENTS) if args.name == "all" else [args.name]
+    for name in names:
+        if name in lab.EXPERIMENTS:
+            print(f"k3 lab {name} ({mode}): {lab.EXPERIMENTS[name][1]}", flush=True)
+        result = lab.run(name, mode, args.docs, **options)
+        print(f"  {sum(c.verdict == 'holds' for c in result.claims)} of {len(result.claims)} claims hold; "
+              f"{result.seconds / 60:.1f} min; {len(result.figures)} figures", flush=True)
+    print(f"wrote {args.docs}/results.md")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3", description="Kimi K3 and its lineage in PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -185,6 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
     btrain.add_argument("--data", help="corpus (default: Shakespeare)")
     btrain.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     btrain.set_defaults(func=_bench_train)
+    lab = sub.add_parser("lab", help="the article's claims as experiments: tables and plots in docs/results.md")
+    lab.add_argument("name", help="an experiment (recall, overwrite, prefill, decode, parts, inspect) or 'all'")
+    size = lab.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="the default: all experiments in under 30 minutes")
+    size.add_argument("--full", action="store_true", help="the larger sweeps")
+    size.add_argument("--smoke", action="store_true", help="seconds per experiment: checks that it runs")
+    lab.add_argument("--docs", default="docs", help="where results.md, lab/*.json and figures/ go")
+    lab.add_argument("--checkpoint", help="k3 lab inspect: a checkpoint folder (default: train one briefly)")
+    lab.set_defaults(func=_lab)
     return parser
 
 
