@@ -75,6 +75,7 @@ class Result:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     setup: dict = field(default_factory=dict)  # the sizes, steps and seeds behind the numbers
+    data: dict = field(default_factory=dict)  # raw measurements, kept in the JSON, not rendered
     machine: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -104,7 +105,7 @@ class Result:
         if self.notes:
             out.append("")
         if self.setup:
-            out += ["<details><summary>setup</summary>", "", "```json", json.dumps(self.setup, indent=1), "```",
+            out += ["<details><summary>setup</summary>", "", "```json", json.dumps(self.setup), "```",
                     "", "</details>", ""]
         return "\n".join(out)
 
