@@ -1,4 +1,4 @@
-"""The `k3` command line: `k3 train`, `k3 generate`, `k3 params`, `k3 bench ops|train`."""
+"""The `k3` command line: `k3 train`, `k3 generate`, `k3 params`, `k3 bench ops|train`, `k3 eval`."""
 
 from __future__ import annotations
 
@@ -125,6 +125,16 @@ def _generate(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    try:
+        from .eval.lm_eval import main as lm_eval_main
+    except ModuleNotFoundError as e:
+        if e.name is None or not e.name.startswith("lm_eval"):
+            raise
+        raise ValueError("lm-evaluation-harness is not installed; pip install 'k3[eval]' (or lm-eval)") from e
+    return lm_eval_main(args.lm_eval_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3", description="Kimi K3 and its lineage in PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -185,13 +195,22 @@ def build_parser() -> argparse.ArgumentParser:
     btrain.add_argument("--data", help="corpus (default: Shakespeare)")
     btrain.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     btrain.set_defaults(func=_bench_train)
+    # everything after `k3 eval` goes to lm-eval's command line (main passes it on as lm_eval_args)
+    lm_eval = sub.add_parser("eval", add_help=False, help="lm-evaluation-harness with the k3 model: k3 eval "
+                             "--model_args checkpoint=DIR --tasks TASK ... (lm_eval's options)")
+    lm_eval.set_defaults(func=_eval)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from .runtime import keep_freed_memory
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "eval":
+        args.lm_eval_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     keep_freed_memory()
     try:
         return args.func(args)
