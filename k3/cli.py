@@ -1,4 +1,4 @@
-"""The `k3` command line: `k3 train`, `k3 generate`, `k3 params`, `k3 bench ops|train`, `k3 lab`."""
+"""The `k3` command line: `k3 train`, `k3 generate`, `k3 params`, `k3 bench ops|train`, `k3 lab`, `k3 eval`."""
 
 from __future__ import annotations
 
@@ -143,6 +143,16 @@ def _lab(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    try:
+        from .eval.lm_eval import main as lm_eval_main
+    except ModuleNotFoundError as e:
+        if e.name is None or not e.name.startswith("lm_eval"):
+            raise
+        raise ValueError("lm-evaluation-harness is not installed; pip install 'k3[eval]' (or lm-eval)") from e
+    return lm_eval_main(args.lm_eval_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3", description="Kimi K3 and its lineage in PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -212,13 +222,22 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--docs", default="docs", help="where results.md, lab/*.json and figures/ go")
     lab.add_argument("--checkpoint", help="k3 lab inspect: a checkpoint folder (default: train one briefly)")
     lab.set_defaults(func=_lab)
+    # everything after `k3 eval` goes to lm-eval's command line (main passes it on as lm_eval_args)
+    lm_eval = sub.add_parser("eval", add_help=False, help="lm-evaluation-harness with the k3 model: k3 eval "
+                             "--model_args checkpoint=DIR --tasks TASK ... (lm_eval's options)")
+    lm_eval.set_defaults(func=_eval)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from .runtime import keep_freed_memory
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "eval":
+        args.lm_eval_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     keep_freed_memory()
     try:
         return args.func(args)
