@@ -36,7 +36,7 @@ class Plan:
 
 PLANS = {
     "smoke": Plan(seq_len=40, pairs=4, rebound=2, steps=3, batch=8, width=16, head_dim=4, eval_batch=16),
-    "quick": Plan(seq_len=48, pairs=6, rebound=3, steps=800, batch=64),
+    "quick": Plan(seq_len=48, pairs=6, rebound=3, steps=700, batch=32),
     "full": Plan(seq_len=128, pairs=12, rebound=6, steps=3000, batch=64, head_dim=16),
 }
 VOCAB = Vocab(num_keys=32, num_values=32)

@@ -35,7 +35,7 @@ class Plan:
 
 PLANS = {
     "smoke": Plan(head_dims=(4,), seq_lens=(24,), pairs=(1, 2, 4), steps=3, batch=8, width=16, eval_batch=16),
-    "quick": Plan(head_dims=(4,), seq_lens=(48,), pairs=(1, 2, 4, 8, 12), steps=800, batch=64),
+    "quick": Plan(head_dims=(4,), seq_lens=(48,), pairs=(1, 2, 4, 8, 12), steps=700, batch=32),
     "full": Plan(head_dims=(4, 8, 16), seq_lens=(64, 128), pairs=(1, 2, 4, 8, 12, 16, 24, 32), steps=3000,
                  batch=64),
 }

@@ -173,4 +173,4 @@ def _anchor(title: str) -> str:
 
 def command(name: str, mode: str) -> str:
     """The command line that reproduces a result."""
-    return f"k3 lab {name}" + ("" if mode == "quick" else f" --{mode}")
+    return f"k3 lab {name} --{mode}"

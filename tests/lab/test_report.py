@@ -24,7 +24,7 @@ def test_round_trip_and_markdown(tmp_path):
     md = back.markdown()
     assert "| the article says X | we measured 0.5 | **holds** |" in md
     assert "| 1 | 2.5 |" in md and "| x | 12,346 |" in md
-    assert "![a picture](figures/recall.png)" in md and "`k3 lab recall`" in md
+    assert "![a picture](figures/recall.png)" in md and "`k3 lab recall --quick`" in md
     assert json.loads((tmp_path / "lab" / "recall.json").read_text())["data"] == {"raw": [1, 2]}
 
 
