@@ -86,7 +86,7 @@ def _train(args) -> int:
         raise ValueError(f"unknown preset {args.preset!r}; choose from: {', '.join(PRESETS)}")
     cfg = _train_config(args)
     try:
-        train(cfg, resume=args.resume, progress=not args.no_progress)
+        train(cfg, resume=args.resume, progress=not args.no_progress, parallel=args.parallel)
     except KeyboardInterrupt:
         return 130
     return 0
@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--parallel", choices=("none", "ddp", "fsdp", "ep"), default="none",
+                       help="under torchrun: split each step over the processes (data parallel, fully sharded, "
+                            "or expert parallel); see the README")
     train.set_defaults(func=_train)
     gen = sub.add_parser("generate", help="stream text from a checkpoint")
     gen.add_argument("--checkpoint", required=True, metavar="DIR")

@@ -14,12 +14,12 @@ from .linear_attention import (
     DeltaNet, GatedDeltaNet, GatedRMSNorm, KimiDeltaAttention, LinearAttention, RecurrentCache,
 )
 from .mla import LatentCache, MultiHeadLatentAttention
-from .moe import MoE, Expert, Router
+from .moe import MoE, Expert, RoutedExperts, Router
 from .norm import RMSNorm
 
 __all__ = [
     "MultiHeadAttention", "KVCache", "LinearAttention",
     "RMSNorm", "GatedRMSNorm", "GeluMLP", "GatedMLP", "situ", "ShortConvolution",
     "DeltaNet", "GatedDeltaNet", "KimiDeltaAttention", "RecurrentCache",
-    "MultiHeadLatentAttention", "LatentCache", "MoE", "Expert", "Router", "BlockAttnRes",
+    "MultiHeadLatentAttention", "LatentCache", "MoE", "Expert", "RoutedExperts", "Router", "BlockAttnRes",
 ]

@@ -14,7 +14,10 @@ Output = routed + shared.
 
 Balancing: after each training step, `update_bias(load)` moves each expert's correction bias by
 +rate if it received fewer tokens than the mean and by -rate if more (the bias never enters w).
-Dispatch groups tokens by expert (one sort), so the cost follows the k chosen experts, not all E.
+Dispatch (`RoutedExperts`) groups tokens by expert (one sort), so the cost follows the k chosen experts,
+not all E. It is a module of its own so that expert parallelism (k3.training.distributed) plugs in
+from outside: a process keeps a slice of the experts, and hooks on this module gather the tokens
+before it and sum the slices' outputs after it.
 """
 
 from __future__ import annotations
@@ -73,6 +76,32 @@ class Router(nn.Module):
         return chosen, weights
 
 
+class RoutedExperts(nn.ModuleList):
+    """The routed experts (`experts.N`), called as one module: sum_i w_i expert_i(z) over each token's
+    k chosen experts, tokens grouped by expert (one sort, then one call per used expert).
+
+    An entry may be None: under expert parallelism a process holds only its own slice of the
+    experts, and the tokens routed to the others are computed by the processes that own them."""
+
+    def forward(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                counts: torch.Tensor) -> torch.Tensor:
+        """z [N, d], chosen [N, k] expert indices, weights [N, k], counts [E] (tokens per expert,
+        the bincount of `chosen`) -> [N, d]."""
+        k = chosen.shape[1]
+        order = torch.argsort(chosen.flatten(), stable=True)  # [N*k], grouped by expert
+        out = torch.zeros_like(z, dtype=upcast(z).dtype)
+        start = 0
+        for expert, count in zip(self, counts.tolist()):
+            rows = order[start:start + count]
+            start += count
+            if count == 0 or expert is None:
+                continue
+            tokens = rows // k
+            y = expert(z[tokens]) * weights.flatten()[rows].unsqueeze(-1)
+            out.index_add_(0, tokens, upcast(y))
+        return out.to(z.dtype)
+
+
 class MoE(nn.Module):
     """Routed experts (optionally in a latent space) plus shared experts. See the module docstring."""
 
@@ -83,7 +112,7 @@ class MoE(nn.Module):
         super().__init__()
         expert_dim = dim if latent_dim is None else latent_dim
         self.gate = Router(dim, num_experts, top_k, routed_scaling_factor)
-        self.experts = nn.ModuleList(Expert(expert_dim, expert_hidden, activation, situ_beta, situ_linear_beta)
+        self.experts = RoutedExperts(Expert(expert_dim, expert_hidden, activation, situ_beta, situ_linear_beta)
                                      for _ in range(num_experts))
         self.shared_experts = (GatedMLP(dim, num_shared * expert_hidden, activation, situ_beta, situ_linear_beta)
                                if num_shared > 0 else None)
@@ -99,32 +128,14 @@ class MoE(nn.Module):
         shape = x.shape
         h = x.reshape(-1, shape[-1])
         chosen, weights = self.gate(h)
+        self.last_load = torch.bincount(chosen.flatten(), minlength=len(self.experts))
         z = h if self.latent_dim is None else self.latent_down_proj(h)
-        routed = self._dispatch(z, chosen, weights)
+        routed = self.experts(z, chosen, weights, self.last_load)
         if self.latent_dim is not None:
             routed = self.latent_up_proj(self.latent_norm(routed))
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(h)
         return routed.view(shape)
-
-    def _dispatch(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """sum_i w_i expert_i(z), tokens grouped by expert: one sort, then one call per used expert."""
-        k = chosen.shape[1]
-        flat = chosen.flatten()  # [N*k]
-        order = torch.argsort(flat, stable=True)
-        load = torch.bincount(flat, minlength=len(self.experts))
-        self.last_load = load.detach()
-        out = torch.zeros_like(z, dtype=upcast(z).dtype)
-        start = 0
-        for e, count in enumerate(load.tolist()):
-            if count == 0:
-                continue
-            rows = order[start:start + count]
-            start += count
-            tokens = rows // k
-            y = self.experts[e](z[tokens]) * weights.flatten()[rows].unsqueeze(-1)
-            out.index_add_(0, tokens, upcast(y))
-        return out.to(z.dtype)
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor | None = None, rate: float = 1e-3) -> None:

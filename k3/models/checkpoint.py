@@ -87,9 +87,10 @@ def convert_kimi_state_dict(state: dict[str, torch.Tensor], config: ModelConfig)
     return out
 
 
-def weights_to_save(model) -> dict[str, torch.Tensor]:
-    """The model's tensors as they go to disk: contiguous, and a tied head stored once (as the embedding)."""
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+def weights_to_save(model, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The model's tensors (or `state`, its state dict gathered from several processes) as they go to
+    disk: contiguous, and a tied head stored once (as the embedding)."""
+    state = {k: v.detach().contiguous() for k, v in (model.state_dict() if state is None else state).items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return state

@@ -28,21 +28,25 @@ class CheckpointError(OSError):
 
 
 def save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step: int, max_steps: int | None,
-                             generator: torch.Generator, history: dict) -> None:
+                             generator: torch.Generator, history: dict, *, weights: dict | None = None,
+                             optimizer_state: dict | None = None) -> None:
+    """`weights` and `optimizer_state` stand for the model's and optimizer's own state dicts when
+    those are spread over processes (k3.training.distributed gathers them)."""
     from safetensors.torch import save_file
 
     from .plot import plot_history
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    state = weights_to_save(model)
+    state = weights_to_save(model) if weights is None else weights
+    optimizer_state = optimizer.state_dict() if optimizer_state is None else optimizer_state
     writers = {
         "model.safetensors": lambda p: save_file(state, p, metadata={"format": "pt", "step": str(step)}),
         "config.json": lambda p: Path(p).write_text(json.dumps(
             {"k3": model.config.to_dict(), "train": dataclasses.asdict(cfg), "step": step}, indent=2)),
         "tokenizer.json": tokenizer.save,
         "trainer_state.pt": lambda p: torch.save({
-            "optimizer": optimizer.state_dict(), "step": step, "max_steps": max_steps,
+            "optimizer": optimizer_state, "step": step, "max_steps": max_steps,
             "data_rng": generator.get_state(), "torch_rng": torch.get_rng_state(), "history": history}, p),
         "loss.png": lambda p: plot_history(history, p, title=f"{model.config.name}, step {step}"),
     }

@@ -7,6 +7,9 @@ sequence of a resumed run equals the uninterrupted one (same seed, same machine 
 
 With `time_budget` (minutes) the number of steps is fixed after the first few steps from their speed,
 and stored in the checkpoint, so a resumed run follows the same schedule.
+
+Under torchrun, `parallel` ("ddp", "fsdp", "ep") splits each step over the processes; see
+k3.training.distributed. The single-process path does not touch torch.distributed.
 """
 
 from __future__ import annotations
@@ -181,12 +184,17 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True) -> dict:
-    """Train (or resume from the checkpoint directory `resume`); returns the run's history."""
+def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, parallel: str = "none") -> dict:
+    """Train (or resume from the checkpoint directory `resume`); returns the run's history.
+    `parallel`: "none", or under torchrun "ddp", "fsdp" or "ep" (k3.training.distributed)."""
     from tqdm import tqdm
+
+    from .distributed import start
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    par = start(parallel, cfg.batch_size)  # None: one process
+    main = par is None or par.is_main  # the process that logs and writes
     state, changes = None, {}
     if resume is not None:
         state = load_training_checkpoint(resume)
@@ -194,35 +202,54 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True) ->
         changes.setdefault("out", str(resume))
         cfg = dataclasses.replace(state["train_config"], **changes)
     out = Path(cfg.out)
-    tokenizer, data = prepare(cfg, state["tokenizer"] if state else None)
+    tokenizer = state["tokenizer"] if state else None
+    tokenizer, data = prepare(cfg, tokenizer) if par is None else par.prepare(cfg, tokenizer)
     torch.manual_seed(cfg.seed)
     mconfig = model_config(cfg, tokenizer.vocab_size)
     model = CausalLM(mconfig)
-    optimizer = build_optimizer(model, cfg)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    history = {"step": [], "loss": [], "lr": [], "val_step": [], "val_bpb": [], "tokens": 0, "seconds": 0.0}
-    step, max_steps = 0, cfg.max_steps
+    num_parameters = model.num_parameters()  # (a process of --parallel ep holds fewer)
     if state is not None:
         from ..models.checkpoint import load_into
 
         load_into(model, state["model"], f"checkpoint {resume}")
-        optimizer.load_state_dict(state["optimizer"])
+    if par is None:
+        net, optimizer, step_fn = model, build_optimizer(model, cfg), training_step
+    else:
+        net, optimizer = par.setup(model, lambda m: build_optimizer(m, cfg))
+        step_fn = par.training_step
+    generator = torch.Generator().manual_seed(cfg.seed)
+    history = {"step": [], "loss": [], "lr": [], "val_step": [], "val_bpb": [], "tokens": 0, "seconds": 0.0}
+    step, max_steps = 0, cfg.max_steps
+    if state is not None:
+        if par is None:
+            optimizer.load_state_dict(state["optimizer"])
+        else:
+            par.load_optimizer_state(optimizer, state["optimizer"])
         generator.set_state(state["data_rng"])
         torch.set_rng_state(state["torch_rng"])
         history, step = state["history"], state["step"]
         max_steps = cfg.max_steps if "max_steps" in changes else state["max_steps"]
-    _say(f"k3 train: {mconfig.name}, {model.num_parameters():,} parameters, {data.train.numel():,} training "
-         f"tokens ({data.val.numel():,} validation), {cfg.batch_size} x {cfg.seq_len} tokens per step, "
-         f"{torch.get_num_threads()} threads")
+    if main:
+        _say(f"k3 train: {mconfig.name}, {num_parameters:,} parameters, "
+             f"{data.train.numel():,} training tokens ({data.val.numel():,} validation), {cfg.batch_size} x "
+             f"{cfg.seq_len} tokens per step, {torch.get_num_threads()} threads"
+             + ("" if par is None else f" in each of {par.world_size} processes ({parallel})"))
+
+    def evaluate(windows: torch.Tensor) -> float:
+        return bits_per_byte(model, data, windows) if par is None else par.bits_per_byte(data, windows)
+
     val_windows = data.val_windows(cfg.seq_len, cfg.eval_tokens)
     model.train()
     started = time.time() - history["seconds"]
-    bar = tqdm(total=max_steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True,
+    bar = tqdm(total=max_steps, initial=step, disable=not (progress and main), unit="step", dynamic_ncols=True,
                desc="train", file=sys.stderr)
 
     def save() -> None:
         history["seconds"] = time.time() - started
-        save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step, max_steps, generator, history)
+        if par is None:
+            save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step, max_steps, generator, history)
+        else:
+            par.save_checkpoint(out, model, optimizer, tokenizer, cfg, step, max_steps, generator, history)
 
     calibration = None
     with _stop_on_ctrl_c() as stop:
@@ -233,7 +260,7 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True) ->
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 windows = data.batch(cfg.batch_size, cfg.seq_len, generator)
-                loss = training_step(model, optimizer, windows, cfg)
+                loss = step_fn(net, optimizer, windows, cfg)
                 step += 1
                 history["step"].append(step)
                 history["loss"].append(loss)
@@ -242,40 +269,52 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True) ->
                 elapsed = time.time() - started
                 if cfg.time_budget is not None and max_steps is not None and calibration is not None \
                         and step % 10 == 0 and step < max_steps:
-                    max_steps = _replan(cfg, step, elapsed, calibration, max_steps, bar)
+                    if main:
+                        max_steps = _replan(cfg, step, elapsed, calibration, max_steps, bar)
+                    if par is not None:  # one clock decides
+                        max_steps = par.share(max_steps)
                 if max_steps is None:  # time budget: time a few steps past the first two, then fix the schedule
                     if calibration is None and step >= 2:
                         calibration = (time.time(), step)
                     elif calibration is not None and step - calibration[1] >= cfg.calibration_steps:
                         per_step = (time.time() - calibration[0]) / (step - calibration[1])
                         max_steps = _steps_in_budget(cfg, step, elapsed, per_step)
+                        if par is not None:
+                            max_steps = par.share(max_steps)
                         bar.total = max_steps
-                        bar.write(f"k3 train: {per_step:.2f} s/step; {max_steps} steps fit in {cfg.time_budget:g} "
-                                  f"min with the evaluations", file=sys.stderr)
+                        if main:
+                            bar.write(f"k3 train: {per_step:.2f} s/step; {max_steps} steps fit in "
+                                      f"{cfg.time_budget:g} min with the evaluations", file=sys.stderr)
                 if step % cfg.eval_every == 0 or step == max_steps:
-                    bpb = bits_per_byte(model, data, val_windows)
+                    bpb = evaluate(val_windows)
                     history["val_step"].append(step)
                     history["val_bpb"].append(bpb)
-                    bar.write(f"step {step}: train loss {loss:.3f}, validation {bpb:.3f} bits/byte", file=sys.stderr)
+                    if main:
+                        bar.write(f"step {step}: train loss {loss:.3f}, validation {bpb:.3f} bits/byte", file=sys.stderr)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{history['tokens'] / max(elapsed, 1e-9):.0f}", lr=f"{lr:.1e}")
                 bar.update(1)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != max_steps:
                     save()
-                if stop.requested:  # Ctrl-C: finish the step, so the checkpoint resumes exactly
+                # Ctrl-C: finish the step, so the checkpoint resumes exactly (all processes at the same step)
+                if stop.requested if par is None else par.any(stop.requested):
                     raise KeyboardInterrupt
         except KeyboardInterrupt:
             bar.close()
             save()
-            _say(f"\ninterrupted at step {step}; checkpoint saved. Resume with:\n  k3 train --resume {out}")
+            if main:
+                _say(f"\ninterrupted at step {step}; checkpoint saved. Resume with:\n  k3 train --resume {out}")
             raise
     bar.close()
     final_windows = data.val_windows(cfg.seq_len, cfg.final_eval_tokens)
-    final = bits_per_byte(model, data, final_windows)
+    final = evaluate(final_windows)
     history["final_val_bpb"] = final
     save()
-    _say(f"k3 train: done, {step} steps, {history['tokens']:,} tokens in {history['seconds'] / 60:.1f} min "
-         f"({history['tokens'] / history['seconds']:.0f} tokens/s); validation {final:.3f} bits per byte "
-         f"({final_windows[:, 1:].numel():,} of {data.val.numel():,} validation tokens); checkpoint in {out}")
+    if main:
+        _say(f"k3 train: done, {step} steps, {history['tokens']:,} tokens in {history['seconds'] / 60:.1f} min "
+             f"({history['tokens'] / history['seconds']:.0f} tokens/s); validation {final:.3f} bits per byte "
+             f"({final_windows[:, 1:].numel():,} of {data.val.numel():,} validation tokens); checkpoint in {out}")
+    if par is not None:
+        par.close()
     return history
 
 
