@@ -32,6 +32,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, format: str = 
     """Write `checkpoint` (a k3 training or model checkpoint directory) to `out` in `format`;
     returns the names of the files written."""
     from ..models import CausalLM
+    from ..models.hf_config import kimi_linear_config
     from ..training.tokenizer import Tokenizer
 
     if format not in FORMATS:
@@ -41,18 +42,16 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, format: str = 
         raise ValueError(f"export: the output {out} exists and is not a directory")
     model = CausalLM.from_pretrained(checkpoint).eval()
     tokenizer = Tokenizer.load(checkpoint) if (checkpoint / "tokenizer.json").exists() else None
-    if format == "kimi-linear":
-        from ..models.hf_config import kimi_linear_config
-
-        kimi_linear_config(model.config)  # refuse before writing anything
+    # Kimi Linear's config.json, made (or refused) before anything is written
+    kimi_config = kimi_linear_config(model.config) if format == "kimi-linear" else None
     special = {} if tokenizer is None else dict(bos_token_id=tokenizer.eot_id, eos_token_id=tokenizer.eot_id)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
-        if format == "k3":
+        if kimi_config is None:
             _write_k3(model, staging, special)
         else:
-            _write_kimi_linear(model, staging, special)
+            _write_kimi_linear(model, kimi_config, staging, special)
         if tokenizer is not None:
             _write_tokenizer(tokenizer, model.config, staging)
         names = sorted(p.name for p in staging.iterdir())
@@ -73,13 +72,11 @@ def _write_k3(model, directory: Path, special: dict) -> None:
     K3ForCausalLM.from_k3(model, **special).save_pretrained(directory)
 
 
-def _write_kimi_linear(model, directory: Path, special: dict) -> None:
+def _write_kimi_linear(model, config: dict, directory: Path, special: dict) -> None:
     from safetensors.torch import save_file
 
     from ..models.checkpoint import kimi_state_dict
-    from ..models.hf_config import kimi_linear_config
 
-    config = kimi_linear_config(model.config)
     dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
     # pad_token_id explicitly: KimiLinearConfig's default (163839) would be outside a small vocabulary
     config.update({"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "torch_dtype": dtype, **special})
