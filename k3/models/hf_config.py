@@ -147,9 +147,9 @@ def config_to_hf(config: ModelConfig) -> dict:
 
 
 def kimi_linear_config(config: ModelConfig) -> dict:
-    """config_to_hf for a model that Kimi Linear's own code (transformers' KimiLinearForCausalLM, the
-    Hub's modeling_kimi) computes exactly as k3 does; anything else is refused, naming what Kimi
-    Linear's format cannot express (the K3 fields above are k3's extension: Kimi Linear ignores them)."""
+    """config_to_hf for a model that Kimi Linear's code (transformers' KimiLinearForCausalLM) computes
+    exactly as k3 does; anything else is refused, naming what Kimi Linear's format cannot express
+    (the K3 fields above are k3's extension: Kimi Linear's code ignores them)."""
     c = config
     moe = [i for i, t in enumerate(c.mlp_types) if t == "moe"]
     other_mixers = sorted(set(c.layer_types) - {"kda", "mla"})
