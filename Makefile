@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.k3-installed
+EVAL_STAMP := $(VENV)/.k3-eval-installed
 
 .PHONY: demo test bench install clean
 
@@ -17,6 +18,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# the tests also cover the lm-evaluation-harness adapter: k3[eval] (about 600 MB, a minute to install)
+$(EVAL_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,eval]'
+	touch $(EVAL_STAMP)
+
 # The main job: train the default model (kimi-k3-tiny) on Shakespeare for a bounded time, report
 # validation bits per byte, then generate from a prompt.
 DEMO_MINUTES ?= 13
@@ -24,7 +30,7 @@ demo: $(STAMP)
 	$(VENV)/bin/k3 train --time-budget $(DEMO_MINUTES) --out runs/demo
 	$(VENV)/bin/k3 generate --checkpoint runs/demo --prompt "ROMEO:" --max-new-tokens 300
 
-test: $(STAMP)
+test: $(EVAL_STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -1,4 +1,5 @@
-"""The `k3` command line: `k3 train`, `k3 generate`, `k3 export`, `k3 params`, `k3 bench ops|train`."""
+"""The `k3` command line: `k3 train`, `k3 generate`, `k3 export`, `k3 params`, `k3 bench ops|train`,
+`k3 lab`, `k3 eval`."""
 
 from __future__ import annotations
 
@@ -128,12 +129,42 @@ def _generate(args) -> int:
 def _export(args) -> int:
     try:
         from .hf.export import export
-    except ImportError as e:  # transformers missing: say so without a traceback
+    except ModuleNotFoundError as e:  # transformers missing: say so without a traceback
+        if e.name != "transformers":
+            raise
         raise ValueError(str(e)) from e
 
     names = export(args.checkpoint, args.out, format=args.format)
     print(f"wrote {', '.join(names)} to {args.out} ({args.format} format)")
     return 0
+
+
+def _lab(args) -> int:
+    from . import lab
+
+    mode = "full" if args.full else "smoke" if args.smoke else "quick"
+    options = {"checkpoint": args.checkpoint} if args.checkpoint else {}
+    if options and args.name != "inspect":
+        raise ValueError(f"--checkpoint is for `k3 lab inspect`, not `k3 lab {args.name}`")
+    names = list(lab.EXPERIMENTS) if args.name == "all" else [args.name]
+    for name in names:
+        if name in lab.EXPERIMENTS:
+            print(f"k3 lab {name} ({mode}): {lab.EXPERIMENTS[name][1]}", flush=True)
+        result = lab.run(name, mode, args.docs, **options)
+        print(f"  {sum(c.verdict == 'holds' for c in result.claims)} of {len(result.claims)} claims hold; "
+              f"{result.seconds / 60:.1f} min; {len(result.figures)} figures", flush=True)
+    print(f"wrote {args.docs}/results.md")
+    return 0
+
+
+def _eval(args) -> int:
+    try:
+        from .eval.lm_eval import main as lm_eval_main
+    except ModuleNotFoundError as e:
+        if e.name is None or not e.name.startswith("lm_eval"):
+            raise
+        raise ValueError("lm-evaluation-harness is not installed; pip install 'k3[eval]' (or lm-eval)") from e
+    return lm_eval_main(args.lm_eval_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,13 +234,31 @@ def build_parser() -> argparse.ArgumentParser:
     btrain.add_argument("--data", help="corpus (default: Shakespeare)")
     btrain.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     btrain.set_defaults(func=_bench_train)
+    lab = sub.add_parser("lab", help="the article's claims as experiments: tables and plots in docs/results.md")
+    lab.add_argument("name", help="an experiment (recall, overwrite, prefill, decode, parts, inspect) or 'all'")
+    size = lab.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="the default: all experiments in under 30 minutes")
+    size.add_argument("--full", action="store_true", help="the larger sweeps")
+    size.add_argument("--smoke", action="store_true", help="seconds per experiment: checks that it runs")
+    lab.add_argument("--docs", default="docs", help="where results.md, lab/*.json and figures/ go")
+    lab.add_argument("--checkpoint", help="k3 lab inspect: a checkpoint folder (default: train one briefly)")
+    lab.set_defaults(func=_lab)
+    # everything after `k3 eval` goes to lm-eval's command line (main passes it on as lm_eval_args)
+    lm_eval = sub.add_parser("eval", add_help=False, help="lm-evaluation-harness with the k3 model: k3 eval "
+                             "--model_args checkpoint=DIR --tasks TASK ... (lm_eval's options)")
+    lm_eval.set_defaults(func=_eval)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from .runtime import keep_freed_memory
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "eval":
+        args.lm_eval_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     keep_freed_memory()
     try:
         return args.func(args)

@@ -8,8 +8,9 @@ directory written by `k3 export` (or `K3ForCausalLM.save_pretrained`) loads with
 
 try:
     import transformers
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("k3.hf needs Hugging Face transformers >= 4.57: pip install 'k3[hf]'") from e
+except ModuleNotFoundError as e:  # pragma: no cover - depends on the environment
+    raise ModuleNotFoundError("k3.hf needs Hugging Face transformers >= 4.57: pip install 'k3[hf]'",
+                              name=e.name) from e
 
 from .modeling import CACHE_ARG, K3Cache, K3Config, K3ForCausalLM
 

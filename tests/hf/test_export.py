@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -129,3 +130,11 @@ def test_kimi_linear_config_refusals():
     with pytest.raises(ValueError, match="MoE layers without a shared expert"):
         kimi_linear_config(get_config("kimi-linear-tiny", num_shared_experts=0))
     assert kimi_linear_config(get_config("kimi-linear-tiny"))["model_type"] == "kimi_linear"
+
+
+def test_export_without_transformers_says_what_to_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails as if not installed
+    for name in ("k3.hf", "k3.hf.export", "k3.hf.modeling"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "k3.hf needs Hugging Face transformers >= 4.57: pip install 'k3[hf]'" in capsys.readouterr().err

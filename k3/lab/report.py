@@ -1,0 +1,176 @@
+"""What an experiment returns and how `docs/results.md` is written from it.
+
+Each experiment (`k3 lab NAME`) returns a `Result`: the article's claims beside the measured figures, tables,
+figures (PNGs under `docs/figures/`) and the command that produced them. The result is saved as
+`docs/lab/NAME.json`; `docs/results.md` is re-rendered from every saved result, in the order of
+`k3.lab.EXPERIMENTS`, so running one experiment updates its section and keeps the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..models.checkpoint import atomic_write
+
+VERDICTS = ("holds", "partly", "does not hold", "not measurable here")
+
+
+@dataclass
+class Claim:
+    """One of the article's claims, what we measured, and whether the measurement supports it."""
+
+    claim: str
+    measured: str
+    verdict: str
+
+    def __post_init__(self):
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"Claim.verdict must be one of {VERDICTS}, got {self.verdict!r}")
+
+
+@dataclass
+class Table:
+    caption: str
+    header: list[str]
+    rows: list[list]
+
+    def __post_init__(self):
+        for i, row in enumerate(self.rows):
+            if len(row) != len(self.header):
+                raise ValueError(f"Table {self.caption!r}: row {i} has {len(row)} cells, the header "
+                                 f"{len(self.header)}")
+
+    def markdown(self) -> str:
+        def cell(x) -> str:
+            if isinstance(x, float):
+                return f"{x:.3g}" if abs(x) < 1e4 else f"{x:,.0f}"
+            return str(x)
+
+        lines = [f"*{self.caption}*", "", "| " + " | ".join(self.header) + " |",
+                 "|" + "|".join(["---"] * len(self.header)) + "|"]
+        lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in self.rows]
+        return "\n".join(lines)
+
+
+@dataclass
+class Figure:
+    path: str  # relative to the docs folder, e.g. "figures/recall.png"
+    caption: str
+
+
+@dataclass
+class Result:
+    name: str
+    title: str
+    mode: str
+    command: str
+    claims: list[Claim] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
+    figures: list[Figure] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    setup: dict = field(default_factory=dict)  # the sizes, steps and seeds behind the numbers
+    data: dict = field(default_factory=dict)  # raw measurements, kept in the JSON, not rendered
+    machine: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Result":
+        d = dict(d)
+        d["claims"] = [Claim(**c) for c in d.get("claims", [])]
+        d["tables"] = [Table(**t) for t in d.get("tables", [])]
+        d["figures"] = [Figure(**f) for f in d.get("figures", [])]
+        return cls(**d)
+
+    def markdown(self) -> str:
+        out = [f"## {self.title}", "", f"`{self.command}` ({self.mode} mode, {self.seconds / 60:.1f} min"
+               + (f", {self.machine.get('summary')}" if self.machine.get("summary") else "") + ")", ""]
+        if self.claims:
+            out += ["| the article says | measured here | verdict |", "|---|---|---|"]
+            out += [f"| {c.claim} | {c.measured} | **{c.verdict}** |" for c in self.claims]
+            out.append("")
+        for table in self.tables:
+            out += [table.markdown(), ""]
+        for fig in self.figures:
+            out += [f"![{fig.caption}]({fig.path})", "", f"*{fig.caption}*", ""]
+        for note in self.notes:
+            out += [f"- {note}"]
+        if self.notes:
+            out.append("")
+        if self.setup:
+            out += ["<details><summary>setup</summary>", "", "```json", json.dumps(self.setup), "```",
+                    "", "</details>", ""]
+        return "\n".join(out)
+
+
+def machine_summary() -> dict:
+    import os
+
+    import torch
+
+    return {"summary": f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads",
+            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")}
+
+
+def save_result(result: Result, docs: Path) -> Path:
+    path = Path(docs) / "lab" / f"{result.name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result.to_dict(), indent=1)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    return path
+
+
+def load_results(docs: Path, order: list[str]) -> list[Result]:
+    folder = Path(docs) / "lab"
+    results = []
+    for name in order:
+        path = folder / f"{name}.json"
+        if path.exists():
+            results.append(Result.from_dict(json.loads(path.read_text())))
+    return results
+
+
+HEADER = """# k3 lab: the article's claims, measured
+
+The article *22,580: from GPT-2 to Kimi K3* argues with numbers. Each section below puts a claim beside what
+k3 measures on this machine, says whether it holds, and gives the command that produced it
+(`k3 lab all --quick` regenerates the whole page; `k3 lab NAME` one section; `--full` runs the larger sweeps).
+Seeds are fixed. Timings are ratios taken side by side in one run, on a small, noisy CPU: read them as
+shapes and factors, not as absolute speeds.
+"""
+
+
+def write_results(docs: Path, order: list[str]) -> Path:
+    """Render `docs/results.md` from every saved result."""
+    results = load_results(docs, order)
+    parts = [HEADER]
+    if results:
+        parts.append("| experiment | claims holding | mode | minutes |\n|---|---|---|---|")
+        for r in results:
+            holds = sum(c.verdict == "holds" for c in r.claims)
+            parts.append(f"| [{r.title}](#{_anchor(r.title)}) | {holds} of {len(r.claims)} | {r.mode} | "
+                         f"{r.seconds / 60:.1f} |")
+        parts.append("")
+    parts += [r.markdown() for r in results]
+    path = Path(docs) / "results.md"
+    text = "\n".join(parts)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    return path
+
+
+def _anchor(title: str) -> str:
+    keep = "".join(ch for ch in title.lower() if ch.isalnum() or ch in " -")
+    return keep.replace(" ", "-")
+
+
+def command(name: str, mode: str) -> str:
+    """The command line that reproduces a result."""
+    return f"k3 lab {name}" + ("" if mode == "quick" else f" --{mode}")
