@@ -1,4 +1,5 @@
-"""The `k3` command line: `k3 train`, `k3 generate`, `k3 params`, `k3 bench ops|train`, `k3 lab`, `k3 eval`."""
+"""The `k3` command line: `k3 train`, `k3 generate`, `k3 export`, `k3 params`, `k3 bench ops|train`,
+`k3 lab`, `k3 eval`."""
 
 from __future__ import annotations
 
@@ -125,6 +126,19 @@ def _generate(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    try:
+        from .hf.export import export
+    except ModuleNotFoundError as e:  # transformers missing: say so without a traceback
+        if e.name != "transformers":
+            raise
+        raise ValueError(str(e)) from e
+
+    names = export(args.checkpoint, args.out, format=args.format)
+    print(f"wrote {', '.join(names)} to {args.out} ({args.format} format)")
+    return 0
+
+
 def _lab(args) -> int:
     from . import lab
 
@@ -195,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float)
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=_generate)
+    export = sub.add_parser("export", help="write a checkpoint in Hugging Face transformers' format (needs k3[hf])")
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a k3 checkpoint directory (k3 train --out)")
+    export.add_argument("out", metavar="DIR", help="output directory")
+    export.add_argument("--format", choices=("k3", "kimi-linear"), default="k3",
+                        help="k3: model_type k3, loads after `import k3.hf` (default); kimi-linear: Kimi "
+                             "Linear's own format, for kimi-linear* models")
+    export.set_defaults(func=_export)
     params = sub.add_parser("params", help="parameter count, active parameters and decode memory of a preset")
     params.add_argument("preset", nargs="?", help="a preset name (omit to list them)")
     params.add_argument("--vs", metavar="PRESET", help="also print the ratio of total parameters to this preset")

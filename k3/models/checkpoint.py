@@ -1,8 +1,9 @@
 """Weights in and out: k3's own checkpoints and Hugging Face Kimi Linear / Kimi K3 checkpoints.
 
 A directory with `config.json` and `model.safetensors` (or shards listed in
-`model.safetensors.index.json`). k3 writes its config under the key "k3"; anything else is read as a
-Kimi `config.json` (`ModelConfig.from_hf`). Kimi weights come in two layouts, both mapped to k3's
+`model.safetensors.index.json`). k3 writes its config under the key "k3" (so does k3.hf's K3Config,
+whose weights carry the prefix `k3.`); anything else is read as a Kimi `config.json`
+(`ModelConfig.from_hf`). Kimi weights come in two layouts, both mapped to k3's
 names here:
 
 - the Hub's (also what transformers' save_pretrained writes): k3's names except
@@ -87,6 +88,13 @@ def convert_kimi_state_dict(state: dict[str, torch.Tensor], config: ModelConfig)
     return out
 
 
+def kimi_state_dict(model) -> dict[str, torch.Tensor]:
+    """The inverse of convert_kimi_state_dict, to the Hub's layout: k3's tensors as they go to disk
+    (weights_to_save), routed experts renamed `experts.N.w{1,2,3}` -> `experts.N.w{1,2,3}.weight`.
+    Whether Kimi Linear's code computes the same model is `hf_config.kimi_linear_config`'s question."""
+    return {re.sub(r"(experts\.\d+\.w[123])$", r"\1.weight", k): t for k, t in weights_to_save(model).items()}
+
+
 def weights_to_save(model, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The model's tensors (or `state`, its state dict gathered from several processes) as they go to
     disk: contiguous, and a tied head stored once (as the embedding)."""
@@ -154,6 +162,8 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None):
     state = read_safetensors(directory)
     if not native:
         state = convert_kimi_state_dict(state, config)
+    elif state and all(k.startswith("k3.") for k in state):  # saved by k3.hf.K3ForCausalLM (transformers)
+        state = {k[len("k3."):]: t for k, t in state.items()}
     model = CausalLM(config)
     load_into(model, restore_tied_head(state, config.tie_word_embeddings), str(directory))
     return model if dtype is None else model.to(dtype)

@@ -144,3 +144,29 @@ def config_to_hf(config: ModelConfig) -> dict:
     if c.attn_res_block_size:
         out["attn_res_block_size"] = c.attn_res_block_size
     return out
+
+
+def kimi_linear_config(config: ModelConfig) -> dict:
+    """config_to_hf for a model that Kimi Linear's code (transformers' KimiLinearForCausalLM) computes
+    exactly as k3 does; anything else is refused, naming what Kimi Linear's format cannot express
+    (the K3 fields above are k3's extension: Kimi Linear's code ignores them)."""
+    c = config
+    moe = [i for i, t in enumerate(c.mlp_types) if t == "moe"]
+    other_mixers = sorted(set(c.layer_types) - {"kda", "mla"})
+    problems = [what for bad, what in (
+        (other_mixers, f"layer types {other_mixers} (only KDA and MLA)"),
+        (c.norm != "rmsnorm", f"norm {c.norm!r} (only RMSNorm)"),
+        (c.kda_gate != "kimi_linear", "the safe KDA gate (kda_gate 'safe')"),
+        (c.linear_output_gate != "low_rank", f"KDA output gate {c.linear_output_gate!r} (only 'low_rank')"),
+        (c.mla_output_gate, "gated MLA (mla_output_gate)"),
+        (c.rope_theta is not None, "RoPE in MLA (rope_theta; Kimi Linear's MLA is NoPE)"),
+        (c.ffn_activation != "swiglu", f"ffn_activation {c.ffn_activation!r} (only 'swiglu')"),
+        (c.moe_latent_size is not None, "a latent MoE (moe_latent_size)"),
+        (c.attn_res_block_size is not None, "Block Attention Residuals (attn_res_block_size)"),
+        (moe and moe != list(range(moe[0], c.num_layers)), "dense FFN layers after the first MoE layer"),
+        (moe and c.num_shared_experts < 1, "MoE layers without a shared expert"),
+    ) if bad]
+    if problems:
+        raise ValueError(f"{c.name!r} cannot be written in Kimi Linear's format, which cannot express: "
+                         + "; ".join(problems) + ". Export it in k3's own format instead (k3 export without --format)")
+    return config_to_hf(c)
