@@ -35,7 +35,7 @@ class Plan:
 
 PLANS = {
     "smoke": Plan(head_dims=(4,), seq_lens=(24,), pairs=(1, 2, 4), steps=3, batch=8, width=16, eval_batch=16),
-    "quick": Plan(head_dims=(4,), seq_lens=(48,), pairs=(1, 2, 4, 8, 12), steps=700, batch=32),
+    "quick": Plan(head_dims=(8,), seq_lens=(48,), pairs=(1, 2, 4, 8, 12), steps=700, batch=32),
     "full": Plan(head_dims=(4, 8, 16), seq_lens=(64, 128), pairs=(1, 2, 4, 8, 12, 16, 24, 32), steps=3000,
                  batch=64),
 }
@@ -78,7 +78,8 @@ def state_floats(mixer: str, size: Size) -> str:
 
 
 def judge(scores: dict[str, dict[int, float]], head_dim: int) -> list[Claim]:
-    """The article's recall claims, judged on accuracies (thresholds stated in each measured cell)."""
+    """The article's recall claims, judged on accuracies (thresholds stated in each measured cell). A claim about a
+    mixer that did not learn the task at all (< 50% with the fewest pairs) is not measurable in this budget."""
     pairs = sorted(next(iter(scores.values())))
     small, large = pairs[0], pairs[-1]
     over = [p for p in pairs if p > head_dim] or [large]
@@ -86,43 +87,43 @@ def judge(scores: dict[str, dict[int, float]], head_dim: int) -> list[Claim]:
     def mean_over(m):
         return sum(scores[m][p] for p in over) / len(over)
 
-    learned = max(scores[m][small] for m in scores) >= 0.5
+    def learned(*mixers):
+        return all(scores[m][small] >= 0.5 for m in mixers)
+
+    def verdict(ok: bool, strong: bool, weak: bool) -> str:
+        return "not measurable here" if not ok else "holds" if strong else "partly" if weak else "does not hold"
+
     claims = []
     if "linear_attn" in scores:
         lin = scores["linear_attn"]
         drop = lin[small] - lin[large]
         best_large = max(scores[m][large] for m in scores)
-        verdict = ("not measurable here" if not learned else "holds" if drop >= 0.2 and best_large - lin[large] >= 0.1
-                   else "partly" if drop >= 0.1 else "does not hold")
         claims.append(Claim(
             "Linear attention adds every pair into one D×D state: past its capacity (N ≫ D) associations interfere",
-            f"linear attention: {lin[small]:.0%} at {small} pairs → {lin[large]:.0%} at {large} (D = {head_dim}); "
+            f"linear attention: {lin[small]:.0%} at {small} pair(s) → {lin[large]:.0%} at {large} (D = {head_dim}); "
             f"best mixer at {large}: {best_large:.0%} (holds if the drop is ≥ 20 points and ≥ 10 below the best)",
-            verdict))
+            verdict(learned("linear_attn"), drop >= 0.2 and best_large - lin[large] >= 0.1, drop >= 0.1)))
     if {"deltanet", "linear_attn"} <= scores.keys():
         gain = mean_over("deltanet") - mean_over("linear_attn")
         claims.append(Claim(
             "The delta rule overwrites instead of piling up, so DeltaNet retrieves more past capacity",
             f"mean accuracy beyond D = {head_dim} pairs: DeltaNet {mean_over('deltanet'):.0%} vs linear attention "
             f"{mean_over('linear_attn'):.0%} (holds at ≥ +10 points, partly at ≥ +2)",
-            "not measurable here" if not learned else "holds" if gain >= 0.1 else "partly" if gain >= 0.02
-            else "does not hold"))
+            verdict(learned("deltanet", "linear_attn"), gain >= 0.1, gain >= 0.02)))
     if {"kda+mla", "kda"} <= scores.keys():
         hybrid, kda = mean_over("kda+mla"), mean_over("kda")
         claims.append(Claim(
             "Periodic MLA layers restore exact retrieval: attention is the most effective selective read",
             f"mean accuracy beyond D = {head_dim} pairs: KDA+MLA {hybrid:.0%} vs KDA alone {kda:.0%} "
-            f"(holds at ≥ +10 points or ≥ 90%, partly if higher at all)",
-            "not measurable here" if not learned else "holds" if hybrid - kda >= 0.1 or hybrid >= 0.9
-            else "partly" if hybrid > kda else "does not hold"))
+            f"(holds at ≥ +10 points or ≥ 90%, partly at ≥ +2)",
+            verdict(learned("kda+mla"), hybrid - kda >= 0.1 or hybrid >= 0.9, hybrid - kda >= 0.02)))
     if "softmax" in scores:
         soft = scores["softmax"]
         claims.append(Claim(
             "Softmax attention keeps every token (its KV cache grows with T), so recall does not saturate",
             f"softmax attention: {soft[large]:.0%} at {large} pairs, {soft[small]:.0%} at {small} "
-            f"(holds if ≥ 90% at {large} pairs)",
-            "holds" if soft[large] >= 0.9 else "partly" if soft[large] >= soft[small] - 0.1 and learned
-            else "does not hold" if learned else "not measurable here"))
+            f"(holds if ≥ 90% at {large} pairs, partly if within 10 points of its {small}-pair accuracy)",
+            verdict(learned("softmax"), soft[large] >= 0.9, soft[large] >= soft[small] - 0.1)))
     return claims
 
 
@@ -162,9 +163,9 @@ def run(mode: str, docs: Path, **options) -> Result:
         "Softmax attention has learned positions and must learn a previous-token head before it can bind keys to "
         "values; the linear mixers' short convolution gives them that for free, so at a small step budget softmax "
         "can trail for a reason that has nothing to do with its memory.",
-        f"Chance is 1/{VOCAB.num_values} = {1 / VOCAB.num_values:.1%}. If even the easiest cell stays below 50% "
-        "for every mixer, the models did not learn the task in the budget and the claims are marked "
-        "'not measurable here' (run `--full`).",
+        f"Chance is 1/{VOCAB.num_values} = {1 / VOCAB.num_values:.1%}. A mixer below 50% even with the fewest "
+        "pairs has not learned the task in this budget; claims that rest on it are marked 'not measurable here'. "
+        "The quick budget (a few hundred steps) is far below Zoology's; `--full` trains 3000 steps per model.",
     ]
     return Result(name="recall", title="Associative recall against state size", mode=mode,
                   command=command("recall", mode), claims=judge(main, main_d), tables=tables, figures=figures,

@@ -56,3 +56,9 @@ def test_overwrite_verdicts_follow_the_numbers():
     base["deltanet"][labels[3]] = 0.1
     verdicts = [c.verdict for c in overwrite.judge(base)]
     assert verdicts[:2] == ["holds", "holds"] and verdicts[2] == "does not hold"
+
+
+def test_a_mixer_that_did_not_learn_makes_only_its_claims_unmeasurable():
+    scores = _scores(lambda m, p: 0.03 if m in ("kda", "kda+mla") else (0.2 if m == "linear_attn" and p > 4 else 1.0))
+    verdicts = [c.verdict for c in recall.judge(scores, 4)]
+    assert verdicts == ["holds", "holds", "not measurable here", "holds"]
