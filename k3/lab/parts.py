@@ -13,8 +13,9 @@ Three claims, each measured side by side in one run:
   and without `attn_res_block_size`: prefill and per-token decode latency, parameters; on paper at K3's
   size, AttnRes' parameters and FLOPs per token (`attn_res_flops`).
 
-Timings interleave the candidates round after round and keep each one's best round (a shared, noisy
-machine slows every candidate in turn, not one of them).
+Timings run torch on one thread and read that thread's CPU time (`time.thread_time`: on a quiet machine
+the wall time, on a busy one without the time the thread spent waiting for a core); they interleave the
+candidates round after round and keep each one's best round. The figures that matter are the ratios.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from .report import Claim, Figure, Result, Table
 SITU_SLOWDOWN = 3.0  # "without a fused kernel, the new activation is almost 3x slower"
 ATTN_RES_LATENCY = 0.02  # "AttnRes adds roughly 2% inference latency"
 PHASES = ("prefill", "decode")
+SHORT_ROUNDS = 4  # cases of a few milliseconds get this many times the rounds: more chances at a quiet moment
+TIMING_THREADS = 1
+clock = time.thread_time  # CPU seconds of the calling thread, which runs every op when torch has one thread
 
 SIZES = {  # per mode: SiTU MLP (tokens, width, hidden), MoE at K3's proportions, AttnRes lengths, rounds
     "smoke": dict(ffn=(64, 32, 96), moe=dict(tokens=64, dim=64, latent=32, hidden=32, experts=8, top_k=4),
@@ -52,16 +56,17 @@ SIZES = {  # per mode: SiTU MLP (tokens, width, hidden), MoE at K3's proportions
 
 # -- timing ------------------------------------------------------------------------------------------
 def interleaved_best(cases: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Best wall time (seconds) of each case over `rounds` rounds; every round runs each case once, after
-    one untimed warm-up call each. Gradients are left on: a case that only infers wraps itself in no_grad."""
+    """Best time (seconds of `clock`) of each case over `rounds` rounds; every round runs each case once,
+    after one untimed warm-up call each. Gradients are left on: a case that only infers wraps itself in
+    no_grad."""
     for fn in cases.values():
         fn()
     best = {name: math.inf for name in cases}
     for _ in range(rounds):
         for name, fn in cases.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            best[name] = min(best[name], time.perf_counter() - start)
+            best[name] = min(best[name], clock() - start)
     return best
 
 
@@ -112,9 +117,9 @@ def time_activations(tokens: int, dim: int, hidden: int, rounds: int, compiled: 
     if compiled:
         for name in ("swiglu", "situ"):
             for part, fn, args in (("activation", acts[name], (gate, up)), ("gated MLP", mlps[name], (x,))):
-                try:
-                    c = torch.compile(fn, dynamic=False)  # compile now (forward + backward graphs, then the no-grad forward), outside the timing
+                try:  # compile now, outside the timing: forward + backward graphs, then the no-grad forward
                     start = time.perf_counter()
+                    c = torch.compile(fn, dynamic=False)
                     _forward_backward(c, *args)()
                     _forward(c, *args)()
                 except Exception as e:  # noqa: BLE001 - no C++ compiler, an unsupported platform, ...
@@ -124,11 +129,34 @@ def time_activations(tokens: int, dim: int, hidden: int, rounds: int, compiled: 
                 if compile_seconds is not None:
                     compile_seconds[f"{name} {part}"] = round(time.perf_counter() - start, 1)
                 fns[(part, name, "compiled")] = (c, args)
-    cases = {}
-    for (part, name, mode), (fn, args) in fns.items():
-        cases[(part, name, "fwd", mode)] = _forward(fn, *args)
-        cases[(part, name, "fwd+bwd", mode)] = _forward_backward(fn, *args)
-    return interleaved_best(cases, rounds)
+    times = {}
+    for which, n in (("activation", SHORT_ROUNDS * rounds), ("gated MLP", rounds)):
+        cases = {}
+        for (part, name, mode), (fn, args) in fns.items():
+            if part == which:
+                cases[(part, name, "fwd", mode)] = _forward(fn, *args)
+                cases[(part, name, "fwd+bwd", mode)] = _forward_backward(fn, *args)
+        times.update(interleaved_best(cases, n))
+    return times
+
+
+def time_elementwise(tokens: int, hidden: int, rounds: int, compiled: bool, seed: int = 0
+                     ) -> dict[tuple[str, str], float]:
+    """Forward seconds of f(gate) * up for f in tanh, sigmoid (one transcendental each) and SiLU, eager and
+    compiled, {(f, mode)}: what SiTU's parts cost on this machine (compile failures leave entries out)."""
+    gen = torch.Generator().manual_seed(seed)
+    gate, up = torch.randn(tokens, hidden, generator=gen), torch.randn(tokens, hidden, generator=gen)
+    fns = {"tanh": lambda g, u: torch.tanh(g) * u, "sigmoid": lambda g, u: torch.sigmoid(g) * u,
+           "silu": _swiglu_activation}
+    cases = {(name, "eager"): _forward(fn, gate, up) for name, fn in fns.items()}
+    for name, fn in fns.items() if compiled else []:
+        try:
+            c = torch.compile(fn, dynamic=False)
+            _forward(c, gate, up)()
+        except Exception:  # noqa: BLE001 - time_activations' notes already say why compiling fails here
+            continue
+        cases[(name, "compiled")] = _forward(c, gate, up)
+    return interleaved_best(cases, SHORT_ROUNDS * rounds)
 
 
 def situ_ratios(times: dict[tuple[str, str, str, str], float]) -> dict[tuple[str, str, str], float]:
@@ -249,10 +277,10 @@ def time_attn_res(config: ModelConfig, prefill: int, decode_prompt: int, decode_
     def decode_step_seconds(model) -> float:
         cache = model.new_cache(1)
         model(ids[:, :decode_prompt], cache=cache)
-        start = time.perf_counter()
+        start = clock()
         for t in range(decode_prompt, decode_prompt + decode_steps):
             model(ids[:, t:t + 1], cache=cache)
-        return (time.perf_counter() - start) / decode_steps
+        return (clock() - start) / decode_steps
 
     best = interleaved_best({(name, "prefill"): prefill_case(m) for name, m in models.items()}, rounds)
     for model in models.values():  # warm-up
@@ -271,9 +299,6 @@ def attn_res_verdict(overheads: list[float]) -> str:
 
 
 # -- the experiment ----------------------------------------------------------------------------------
-TIMING_THREADS = 1
-
-
 @contextmanager
 def torch_threads(n: int):
     """Run torch ops on `n` threads inside the block (the previous count is restored)."""
@@ -287,9 +312,9 @@ def torch_threads(n: int):
 
 def run(mode: str, docs: Path, **options) -> Result:
     """Time SiTU against SwiGLU, the latent against a full-width MoE, AttnRes on against off (see the
-    module docstring), on one thread: the figures are ratios, and a one-thread pool cannot stall waiting
-    for a core that a busy machine gave away (two threads on a shared 2-core machine made tiny ops 100x
-    slower in our runs)."""
+    module docstring), on one thread: the figures are ratios, a one-thread pool cannot stall waiting for
+    a core that a busy machine gave away (two threads on a shared 2-core machine made tiny ops 100x
+    slower in our runs), and one thread's CPU time leaves out the waits."""
     if options:
         raise ValueError(f"k3 lab parts takes no options, got {sorted(options)}")
     if mode not in SIZES:
@@ -301,7 +326,9 @@ def run(mode: str, docs: Path, **options) -> Result:
 def _run(mode: str, docs: Path) -> Result:
     s = SIZES[mode]
     rounds = s["rounds"]
-    notes: list[str] = []
+    notes = ["Times are the CPU time of the one thread torch runs on (time.thread_time): the wall time on a "
+             "quiet machine, and on a busy one without the moments the thread waited for a core; best of the "
+             "interleaved rounds"]
     tables: list[Table] = []
     figures: list[Figure] = []
     claims: list[Claim] = []
@@ -322,8 +349,8 @@ def _run(mode: str, docs: Path) -> Result:
                     rows.append([part, mode_, pas, 1e3 * times[(part, "swiglu", pas, mode_)],
                                  1e3 * times[(part, "situ", pas, mode_)], ratios[(part, pas, mode_)]])
     tables.append(Table(f"SiTU-GLU against SwiGLU: {tokens} tokens, width {dim}, hidden {hidden}, float32; best of "
-                        f"{rounds} interleaved rounds", ["part", "mode", "pass", "SwiGLU ms", "SiTU ms",
-                                                          "SiTU / SwiGLU"], rows))
+                        f"{SHORT_ROUNDS * rounds} (activation) or {rounds} (MLP) interleaved rounds",
+                        ["part", "mode", "pass", "SwiGLU ms", "SiTU ms", "SiTU / SwiGLU"], rows))
     unfused, fused = situ_verdicts(ratios)
     claims.append(Claim(
         f"SiTU: \"without a fused kernel, the new activation is almost {SITU_SLOWDOWN:g}x slower\"",
@@ -341,6 +368,15 @@ def _run(mode: str, docs: Path) -> Result:
                  "so one fused pass costs about what SwiGLU's does; on a CPU core they are compute-bound, and "
                  "SiTU evaluates two tanh and a sigmoid per element where SiLU evaluates one sigmoid, which no "
                  "fusion removes")
+    if compiled:
+        elementwise = time_elementwise(tokens, hidden, rounds, compiled)
+        tables.append(Table(f"What SiTU's parts cost here: f(gate) * up on [{tokens}, {hidden}], forward, ms, best "
+                            f"of {SHORT_ROUNDS * rounds} rounds (SiTU computes two tanh and a sigmoid per element, "
+                            "SwiGLU one SiLU)",
+                            ["f", "eager ms", "compiled ms"],
+                            [[name, 1e3 * elementwise[(name, "eager")],
+                              1e3 * elementwise[(name, "compiled")] if (name, "compiled") in elementwise else "-"]
+                             for name in ("tanh", "sigmoid", "silu")]))
     _situ_figure(docs / "figures" / "parts_situ.png", ratios)
     figures.append(Figure("figures/parts_situ.png", "SiTU-GLU time / SwiGLU time, eager and torch.compile'd "
                                                     "(fused); the dashed line is the article's 3x"))
@@ -443,7 +479,7 @@ def _run(mode: str, docs: Path) -> Result:
         from torch import _dynamo
 
         _dynamo.reset()  # free the compiled graphs
-    setup = dict(seed=0, threads=TIMING_THREADS, rounds=rounds, dtype="float32",
+    setup = dict(seed=0, threads=TIMING_THREADS, clock="time.thread_time", rounds=rounds, dtype="float32",
                  situ=dict(tokens=tokens, dim=dim, hidden=hidden, beta=4.0, linear_beta=25.0, compiled=compiled),
                  moe_small=m, attn_res=dict(preset="kimi-k3-tiny", widths=widths,
                                             prefill=s["prefill"], decode_prompt=s["decode_prompt"],
