@@ -410,7 +410,8 @@ def _inspect(mode: str, docs: Path, checkpoint: Path, trained_now: bool, given: 
                      attn_res_entropy=ATTN_RES_SELECTIVE, balanced_max_over_mean=BALANCED,
                      channel_spread=CHANNEL_SPREAD, retrieval=RETRIEVAL), **(history or {}))
     return Result(name="inspect", title="What a trained K3 learned", mode=mode,
-                  command=report.command("inspect", mode), claims=claims, tables=tables, figures=figures,
+                  command=report.command("inspect", mode) + (f" --checkpoint {checkpoint}" if given else ""),
+                  claims=claims, tables=tables, figures=figures,
                   notes=notes, setup=setup)
 
 

@@ -90,3 +90,17 @@ def test_interleaved_best_keeps_each_cases_fastest_round():
     ratios = parts.situ_ratios({("activation", "situ", "fwd", "eager"): 3.0,
                                 ("activation", "swiglu", "fwd", "eager"): 1.5})
     assert ratios == {("activation", "fwd", "eager"): 2.0}
+
+
+def test_a_failing_compile_leaves_eager_figures_and_a_note(monkeypatch):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    notes = []
+    times = parts.time_activations(8, 4, 8, rounds=1, compiled=True, notes=notes)
+    assert {mode for *_, mode in times} == {"eager"} and len(times) == 8
+    assert len(notes) == 4 and all("no C++ compiler found" in n for n in notes)
+    assert parts.situ_verdicts(parts.situ_ratios(times))[1] == "not measurable here"
+    assert set(parts.time_elementwise(8, 4, rounds=1, compiled=True)) == {("tanh", "eager"), ("sigmoid", "eager"),
+                                                                          ("silu", "eager")}
