@@ -394,7 +394,7 @@ def _inspect(mode: str, docs: Path, checkpoint: Path, trained_now: bool, given: 
 
     history = _history(checkpoint)
     origin = (f"checkpoint {checkpoint}" if given else
-              f"kimi-k3-tiny trained {'now' if trained_now else 'earlier (reused: same settings)'} in {checkpoint}"
+              f"trained {'now' if trained_now else 'earlier (reused: same settings)'} in {checkpoint}"
               if mode != "smoke" else "a random tiny model trained for a few steps on a generated corpus")
     notes.insert(0, f"Model: {origin}; {config.name}, {config.num_layers} layers ({_layers(config)}), d "
                     f"{config.hidden_size}" + (f"; {history['steps']} steps, validation "
