@@ -54,7 +54,7 @@ class Sweep:
 
 SWEEPS = {
     "smoke": Sweep((64, 128, 256), warmup=1, steps=3, check_length=64),
-    "quick": Sweep((1024, 2048, 4096, 8192, 16384, 32768, 65536), warmup=2, steps=9, check_length=1024),
+    "quick": Sweep((1024, 2048, 4096, 8192, 16384, 32768, 65536), warmup=3, steps=15, check_length=1024),
     "full": Sweep((1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072), warmup=4, steps=31, check_length=2048),
 }
 
@@ -175,8 +175,8 @@ def expected_bytes(model: CausalLM, length: int) -> dict[str, int]:
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """(a, b) of y ≈ a + b·x, least squares on the relative error; b is kept >= 0 (a flat line when the
-    data fall)."""
+    """(a, b) of y ≈ a + b·x with a, b >= 0 (a fixed cost and a cost per unit of x), least squares on the
+    relative error. When the free fit has a < 0 the line goes through the origin; when b < 0, it is flat."""
     if len(xs) < 2 or len(xs) != len(ys):
         raise ValueError(f"fit_line: needs two or more (x, y) pairs, got {len(xs)} x and {len(ys)} y")
     w = [1.0 / (y * y) for y in ys]
@@ -186,7 +186,10 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     b = (sw * sxy - sx * sy) / det if det > 0 else 0.0
     if b <= 0:
         return sy / sw, 0.0
-    return (sy - b * sx) / sw, b
+    a = (sy - b * sx) / sw
+    if a < 0:
+        return 0.0, sxy / sxx
+    return a, b
 
 
 # -- the experiment --------------------------------------------------------------------------------------
@@ -342,32 +345,46 @@ def _tables(sweep: Sweep, models: dict, analysis: dict) -> list[Table]:
     return [main, layout, fit, method]
 
 
+def _describe(model: CausalLM) -> str:
+    c = model.config
+    kinds = ", ".join(f"{c.layer_types.count(kind)} {kind.upper()}" for kind in ("mha", "kda", "mla")
+                      if kind in c.layer_types)
+    ffn = "latent MoE" if c.moe_latent_size else "MoE" if "moe" in c.mlp_types else "dense MLP"
+    return f"{c.num_layers} layers ({kinds}; {ffn}{', AttnRes' if c.attn_res_block_size else ''})"
+
+
 def _notes(sweep: Sweep, models: dict, analysis: dict) -> list[str]:
-    check = analysis["check"]
+    check, latency = analysis["check"], analysis["latency"]
+    shortest, longest = min(sweep.lengths), analysis["longest"]
     ratios = [c["filled"] / c["prefilled"] for c in check.values()]
-    b0, b1 = analysis["fits"][BASELINE][1], analysis["fits"]["kimi-linear-tiny"][1]
-    asymptote = f"{b0 / b1:.1f}x" if b1 > 0 else "unbounded (its fitted slope is 0)"
+    main = "kimi-linear-tiny"
+    (a0, b0), (a1, b1) = analysis["fits"][BASELINE], analysis["fits"][main]
+    asymptote = f"{b0 / b1:.1f}x" if b1 > 0 else "unbounded (its fitted b is 0)"
     per_token = {name: sum(_per_token(analysis["nbytes"][name], kind) for kind in set(models[name].config.layer_types))
-                 for name in (BASELINE, "kimi-linear-tiny")}
+                 for name in (BASELINE, main)}
+    start = latency[BASELINE][shortest] / latency[main][shortest]
     return [
         "The caches are filled, not prefilled (see the module docstring): a real prefill of "
         f"{PROMPT} tokens, then every KV and MLA latent cache replaced by random tensors of N tokens. At "
         f"N = {sweep.check_length:,}, decoding from a filled cache took {min(ratios):.2f}-{max(ratios):.2f}x the "
         "time of decoding from a real prefill (table above), with identical layouts and bytes.",
-        f"At equal width {WIDTH}: gpt2-tiny (4 MHA layers, 4 heads of 32), kimi-linear-tiny (8 layers: 6 KDA + "
-        "2 MLA, MoE FFNs), kimi-k3-tiny (5 layers: 3 KDA + 2 MLA, latent MoE, AttnRes; narrowed from its "
-        "preset's 192) and all-KDA, kimi-linear-tiny with MLA swapped for KDA. Depths are the presets' own; "
-        "gpt2-tiny has learned positions up to the longest context (random-initialised: a latency test).",
-        "Extrapolating honestly: at short contexts these tiny models spend their step on fixed per-layer work "
-        "(Python and dispatch for dozens of small ops, MoE routing), not on attention, so the Kimi models "
-        f"start out slower than gpt2-tiny. The fixed part a and the per-token part b (table above) give "
-        f"the ratio at any N as (a_gpt2 + b_gpt2·N) / (a_kimi + b_kimi·N), {_throughput_ratio(analysis, 'kimi-linear-tiny', CLAIMED_CONTEXT):.1f}x "
-        f"at 1M, tending to b_gpt2 / b_kimi = {asymptote}, the ratio of the bytes each step reads and copies "
-        f"({per_token[BASELINE]:,.0f} against {per_token['kimi-linear-tiny']:,.0f} bytes per token: "
-        f"{per_token[BASELINE] / per_token['kimi-linear-tiny']:.1f}x). That is 16x beyond the data "
-        f"(gpt2-tiny would hold {per_token[BASELINE] * CLAIMED_CONTEXT / 2 ** 30:.0f} GiB at 1M), and the "
-        "article's 6x is for 48B-parameter models on GPUs, where the ratio of KV bytes (3 of 4 layers "
-        "KDA, MLA latents) sets it.",
+        f"The models, all at width {WIDTH} and each at its preset's depth: "
+        + "; ".join(f"{name}: {_describe(model)}" for name, model in models.items())
+        + ". kimi-k3-tiny is narrowed from its preset's 192; all-KDA is kimi-linear-tiny with MLA swapped for "
+        "KDA, the reference for a decode cost that does not grow; gpt2-tiny has learned positions up to the "
+        "longest context (random weights: this is a latency test).",
+        f"Extrapolating honestly: at {shortest:,} tokens kimi-linear-tiny decodes at {start:.2f}x gpt2-tiny's "
+        f"rate. A tiny model's step is mostly fixed work, a = {a0 * 1e3:.3g} ms for gpt2-tiny and "
+        f"{a1 * 1e3:.3g} ms for kimi-linear-tiny (Python and dispatch for the small ops of every layer, MoE "
+        "routing), not attention. With the per-token parts b, the ratio at any N is "
+        f"(a_gpt2 + b_gpt2·N) / (a_kimi + b_kimi·N): {_throughput_ratio(analysis, main, CLAIMED_CONTEXT):.1f}x "
+        f"at 1M, tending to b_gpt2 / b_kimi = {asymptote} for long contexts. For comparison, a step reads and "
+        f"copies {per_token[BASELINE]:,.0f} bytes per context token in gpt2-tiny and "
+        f"{per_token[main]:,.0f} in kimi-linear-tiny, {per_token[BASELINE] / per_token[main]:.1f}x: the ratio a "
+        f"purely bandwidth-bound step would reach. 1M is {CLAIMED_CONTEXT / longest:.0f}x beyond the data "
+        f"(gpt2-tiny's cache would be {per_token[BASELINE] * CLAIMED_CONTEXT / 2 ** 30:.0f} GiB); the article's "
+        "6x is for 48B-parameter models on GPUs, where the KV bytes (3 of 4 layers KDA, MLA latents for the "
+        "rest) set the ratio.",
         "k3 appends to its KV and latent caches with torch.cat, so a step copies the whole cache once besides "
         "reading it: O(N) either way, the constant about doubled against a preallocated cache.",
         f"Verdicts: bytes claims hold when the measured bytes equal the config's count exactly; constant "
@@ -375,6 +392,9 @@ def _notes(sweep: Sweep, models: dict, analysis: dict) -> list[str]:
         "and O(N) that gpt2-tiny's fitted N-proportional part is at least half its step at the longest N; "
         f"the 6x claim holds when the measured ratio reaches 6 / {ON_FACTOR} = {6 / ON_FACTOR:.0f}x, partly "
         "when Kimi Linear is faster at all at the longest N or the extrapolation to 1M reaches that.",
+        "Latency is the median of each model's timed steps at each N; the models take their steps in turn "
+        "(round-robin), so they share the machine's noisy phases. Batch 1, float32, inference mode, the "
+        "machine's default thread count.",
     ]
 
 

@@ -234,6 +234,7 @@ def time_breakdown(sweep: Sweep) -> list[dict]:
             top = max(others, key=others.get)
             rows.append({"op": op, "C": C, "wall": wall, "matmul": matmul, "macs": ledger.macs,
                          "other": sum(others.values()), "top": top, "top_s": others[top],
+                         "cumsum": ledger.seconds["cumsum"],
                          "outside": max(0.0, wall - matmul - sum(others.values()))})
     return rows
 
@@ -279,7 +280,7 @@ def run(mode: str, docs: Path, **options) -> Result:
     setup = {"shape": f"B = 1, H = {H}, K = V = d = {d}, float32, inputs as k3 bench ops (seed 0; KDA gate "
                       "g = -5 sigmoid(x))", "lengths": list(sweep.lengths), "chunk_sizes": list(sweep.chunks),
              "C = T up to": sweep.full_cap, "timing": f"best of {sweep.rounds} interleaved rounds per T",
-             "threads": torch.get_num_threads(), "matmul_gflops_1024": round(gemm, 1)}
+             "threads": torch.get_num_threads(), "gemm_gflops": round(gemm, 1)}
     return Result(name="prefill", title="Prefill cost: the chunk size against the FLOP model", mode=mode,
                   command=command("prefill", mode), claims=claims, tables=tables, figures=figures, notes=notes,
                   setup=setup)
@@ -397,7 +398,7 @@ def _notes(sweep: Sweep, analysis: dict, breakdown: list[dict], gemm: float, mod
         values = [share[(op, C)]["matmul"] / share[(op, C)]["wall"] for C in sweep.chunks]
         return f"{min(values):.0%}-{max(values):.0%}"
 
-    first = share[("linear_attn", sweep.chunks[0])]
+    small, large = share[("linear_attn", sweep.chunks[0])], share[("linear_attn", sweep.chunks[-1])]
     ratios = [k3_cost("kda", T_max, d, C) / article_cost(T_max, d, C) for C in sweep.chunks]
     counted = all(r["macs"] == round(H * k3_cost(r["op"], sweep.breakdown_tokens, d, r["C"])) for r in breakdown)
     states = H * d * (d + 1) * T_max / sweep.chunks[0] * 4 / 2 ** 20
@@ -406,8 +407,9 @@ def _notes(sweep: Sweep, analysis: dict, breakdown: list[dict], gemm: float, mod
         f"nothing else. Here the matmuls take only {matmul_shares('linear_attn')} of a linear-attention call and "
         f"{matmul_shares('kda')} of a KDA call (table above); the rest is work without multiply-adds - KDA's "
         "per-channel decay factors (exp, products, masks), copies between layouts, a Python step per chunk "
-        f"in KDA's state scan, and linear attention's cumulative sum over one d x (d + 1) state per chunk "
-        f"({first['top']} takes {first['top_s'] / first['wall']:.0%} of the call at C = {first['C']}). Much of "
+        "in KDA's state scan, and linear attention's cumulative sum over one d x (d + 1) state per chunk "
+        f"({small['cumsum'] / small['wall']:.0%} of the call at C = {small['C']}, "
+        f"{large['cumsum'] / large['wall']:.0%} at C = {large['C']}). Much of "
         "that work is per chunk and grows as the chunks get smaller; small matmuls also run below the big "
         f"GEMM's {gemm:.0f} GFLOP/s (column 'matmul GFLOP/s'). At T = {T_max:,} linear attention is fastest at "
         f"C = {la['best_C']}, KDA at C = {kda['best_C']}; the FLOP model puts the optimum at C = {model_best} "
@@ -424,8 +426,8 @@ def _notes(sweep: Sweep, analysis: dict, breakdown: list[dict], gemm: float, mod
         f"Time against T at fixed C: log-log slopes {_range(la['slopes'])} for linear attention, "
         f"{_range(kda['slopes'])} for KDA. k3's linear-attention chunk form materialises every chunk's state "
         f"at once, T·H·d·(d + 1)/C floats ({states:,.0f} MiB at T = {T_max:,}, C = {sweep.chunks[0]}), and runs "
-        "a cumulative sum over them: memory traffic that leaves the caches as T grows (a slope above 1 where it "
-        "does). KDA works through cache-sized slabs of chunks, its temporaries the same size at every T.",
+        "a cumulative sum over them: memory traffic that outgrows the caches as T grows and can push the slope "
+        "above 1. KDA works through cache-sized slabs of chunks, its temporaries the same size at every T.",
         f"C = T is the whole sequence as one chunk: run up to T = {sweep.full_cap['linear_attn']:,} for linear "
         f"attention (the T x T scores of {H} heads: {H * sweep.full_cap['linear_attn'] ** 2 * 4 / 2 ** 30:.2g} "
         f"GiB per product) and T = {sweep.full_cap['kda']:,} for KDA (cubic: the next doubling takes ~8x longer).",

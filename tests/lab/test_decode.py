@@ -81,6 +81,8 @@ def test_fit_line():
     a, b = decode.fit_line([1.0, 2.0, 4.0], [3.0, 5.0, 9.0])
     assert a == pytest.approx(1.0) and b == pytest.approx(2.0)
     assert decode.fit_line([1.0, 2.0], [2.0, 1.0])[1] == 0.0  # falling data: a flat line
+    a, b = decode.fit_line([1.0, 2.0, 4.0], [1.0, 3.0, 7.0])  # the free fit's a would be -1
+    assert a == 0.0 and b > 0
 
 
 def test_bad_arguments_are_named(models):
