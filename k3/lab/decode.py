@@ -54,8 +54,8 @@ class Sweep:
 
 SWEEPS = {
     "smoke": Sweep((64, 128, 256), warmup=1, steps=3, check_length=64),
-    "quick": Sweep((1024, 2048, 4096, 8192, 16384, 32768, 65536), warmup=3, steps=15, check_length=1024),
-    "full": Sweep((1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072), warmup=4, steps=31, check_length=2048),
+    "quick": Sweep((1024, 2048, 4096, 8192, 16384, 32768, 65536), warmup=3, steps=31, check_length=1024),
+    "full": Sweep((1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072), warmup=5, steps=101, check_length=2048),
 }
 
 # verdict thresholds (stated in the notes)
