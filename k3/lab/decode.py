@@ -9,8 +9,8 @@ of context).
 Measured here, batch size 1, float32, at equal width (hidden_size 128) and each preset's own depth:
 gpt2-tiny (4 MHA layers), kimi-linear-tiny (6 KDA + 2 MLA), kimi-k3-tiny (3 KDA + 2 MLA) and, as the
 reference for "constant", kimi-linear-tiny with every layer KDA. For each context length N a cache
-holding N tokens is built, then decode steps are timed round-robin across the models and each model
-keeps the median of its steps.
+holding N tokens is built, for every model and N at once; then every (model, N) pair takes one decode
+step per round, round after round, and keeps the median of its steps.
 
 Building the caches. Prefilling 64K tokens through four models would take most of the budget, so the
 caches are filled directly: a real prefill of a few tokens gives every layer its cache (the KDA layers'
@@ -113,12 +113,16 @@ def prefill_cache(model: CausalLM, length: int, generator: torch.Generator) -> H
 
 def time_steps(entries: dict, warmup: int, steps: int) -> dict:
     """Median seconds of one decode step (one token, batch 1) for each entry, key -> (model, cache).
-    Steps go round-robin across the entries, so every entry sees the same phases of a noisy machine."""
+    Steps go round-robin across the entries, so every entry sees the same phases of a noisy machine,
+    in reverse order every other round, so that no entry always follows the same one (the step after
+    another model's runs with colder caches than the step after its own)."""
     token = torch.ones(1, 1, dtype=torch.long)
+    order = list(entries)
     times: dict = {key: [] for key in entries}
     with torch.inference_mode():
         for step in range(warmup + steps):
-            for key, (model, cache) in entries.items():
+            for key in order if step % 2 == 0 else reversed(order):
+                model, cache = entries[key]
                 start = time.perf_counter()
                 model(token, cache=cache)
                 if step >= warmup:
@@ -202,19 +206,14 @@ def run(mode: str, docs: Path, **options) -> Result:
     models = build_models(max_length=longest + sweep.warmup + sweep.steps + PROMPT)
     check = check_fill(models, sweep.check_length, sweep)
 
+    # every (model, N) pair in one round-robin: the growth with N is measured side by side too
     gen = torch.Generator().manual_seed(1)
-    latency: dict[str, dict[int, float]] = {name: {} for name in models}
-    nbytes: dict[str, dict[int, dict[str, int]]] = {name: {} for name in models}
-    exact = True
-    for N in sweep.lengths:
-        caches = {name: fill_cache(model, N, gen) for name, model in models.items()}
-        for name, cache in caches.items():
-            nbytes[name][N] = cache.nbytes_by_type()
-            exact &= nbytes[name][N] == expected_bytes(models[name], N)
-        entries = {name: (models[name], cache) for name, cache in caches.items()}
-        for name, t in time_steps(entries, sweep.warmup, sweep.steps).items():
-            latency[name][N] = t
-        del caches, entries
+    entries = {(name, N): (model, fill_cache(model, N, gen)) for N in sweep.lengths for name, model in models.items()}
+    nbytes = {name: {N: entries[(name, N)][1].nbytes_by_type() for N in sweep.lengths} for name in models}
+    exact = all(nbytes[name][N] == expected_bytes(models[name], N) for name in models for N in sweep.lengths)
+    times = time_steps(entries, sweep.warmup, sweep.steps)
+    latency = {name: {N: times[(name, N)] for N in sweep.lengths} for name in models}
+    del entries
 
     fit_from = [N for N in sweep.lengths if N >= 4096]
     fit_from = fit_from if len(fit_from) >= 2 else list(sweep.lengths)
@@ -392,9 +391,10 @@ def _notes(sweep: Sweep, models: dict, analysis: dict) -> list[str]:
         "and O(N) that gpt2-tiny's fitted N-proportional part is at least half its step at the longest N; "
         f"the 6x claim holds when the measured ratio reaches 6 / {ON_FACTOR} = {6 / ON_FACTOR:.0f}x, partly "
         "when Kimi Linear is faster at all at the longest N or the extrapolation to 1M reaches that.",
-        "Latency is the median of each model's timed steps at each N; the models take their steps in turn "
-        "(round-robin), so they share the machine's noisy phases. Batch 1, float32, inference mode, the "
-        "machine's default thread count.",
+        "Latency is the median of each model's timed steps at each N. All (model, N) pairs take their steps "
+        "in turn, round after round (the order reversed every other round), so comparisons across models and "
+        "across N share the machine's noisy phases. Batch 1, float32, inference mode, the machine's default "
+        "thread count.",
     ]
 
 
@@ -412,6 +412,9 @@ def _figure(docs: Path, sweep: Sweep, models: dict, analysis: dict) -> Figure:
             ax.set_xlabel("context length N")
             ax.set_ylabel(label)
             ax.legend(fontsize=8)
+        from matplotlib.ticker import ScalarFormatter
+
+        lat.yaxis.set_major_formatter(ScalarFormatter())
         lat.set_title("decode latency, batch 1")
         mem.set_title("cache bytes")
         far = [N for N in (2 ** k for k in range(10, 21)) if N > max(Ns)] or [CLAIMED_CONTEXT]
