@@ -14,8 +14,9 @@ from k3.models import CausalLM, get_config
 from k3.training.loop import TrainConfig, train
 from k3.training.tokenizer import train_bpe
 
+from ..corpus import write_corpus
+
 TASKS = Path(__file__).parent / "tasks"
-WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,12 +30,7 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("eval_corpus")
-    g = torch.Generator().manual_seed(0)
-    for d in range(3):
-        ids = torch.randint(0, len(WORDS), (300,), generator=g).tolist()
-        (root / f"doc{d}.txt").write_text(" ".join(WORDS[i] for i in ids) + ".\n")
-    return root
+    return write_corpus(tmp_path_factory.mktemp("eval_corpus"), docs=3, words=300, ending=".\n")
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,8 @@ from lm_eval.api.registry import get_model, model_registry  # noqa: E402
 import k3  # noqa: E402
 from k3.eval.lm_eval import K3LM, main  # noqa: E402
 
-from .conftest import TASKS, WORDS  # noqa: E402
+from ..corpus import WORDS  # noqa: E402
+from .conftest import TASKS  # noqa: E402
 
 ROOT = Path(k3.__file__).resolve().parents[1]  # the k3 this test imports; the CLI test runs the same one
 

@@ -12,16 +12,6 @@ from k3.lab import decode
 from k3.lab.report import VERDICTS
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Smoke runs check that the experiment runs, not its speed: one intra-op thread keeps them fast on a
-    shared, busy CPU (two threads contending with other processes can be 10x slower on these tiny ops)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def models():
     return decode.build_models(max_length=256)

@@ -12,16 +12,6 @@ import k3.lab
 from k3.bench.ops import _inputs
 from k3.lab import prefill
 from k3.lab.report import VERDICTS
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Smoke runs check that the experiment runs, not its speed: one intra-op thread keeps them fast on a
-    shared, busy CPU (two threads contending with other processes can be 10x slower on these tiny ops)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 from k3.ops import chunk_kda, chunk_linear_attn
 
 

@@ -23,6 +23,8 @@ from k3.models import CausalLM, get_config
 from k3.training import distributed
 from k3.training.loop import TrainConfig, build_optimizer, train, training_step
 
+from ..corpus import write_corpus
+
 RTOL = 1e-5
 WORLD = 2
 # (preset, mode): kimi-k3-tiny's decoder calls each sub-layer (Block AttnRes), gpt2-tiny's each block
@@ -119,13 +121,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    words = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
-    g = torch.Generator().manual_seed(0)
-    for d in range(4):
-        ids = torch.randint(0, len(words), (300,), generator=g).tolist()
-        (root / f"doc{d}.txt").write_text(" ".join(words[i] for i in ids) + "\n")
-    return root
+    return write_corpus(tmp_path_factory.mktemp("corpus"), docs=4, words=300)
 
 
 @pytest.fixture(scope="module")

@@ -17,18 +17,14 @@ from k3.training import loop
 from k3.training.checkpoint import CheckpointError
 from k3.training.loop import TrainConfig, learning_rate, no_decay, train
 
+from ..corpus import write_corpus
+
 TINY = {"hidden_size": 32, "vocab_size": 0}  # vocab_size is set from the tokenizer
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    words = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
-    g = torch.Generator().manual_seed(0)
-    for d in range(6):
-        ids = torch.randint(0, len(words), (700,), generator=g).tolist()
-        (root / f"doc{d}.txt").write_text(" ".join(words[i] for i in ids) + "\n")
-    return root
+    return write_corpus(tmp_path_factory.mktemp("corpus"), docs=6, words=700)
 
 
 def config(corpus, out, **kw) -> TrainConfig:
