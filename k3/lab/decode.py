@@ -47,8 +47,8 @@ PROMPT = 8  # tokens of the real prefill that gives every layer its cache before
 @dataclass(frozen=True)
 class Sweep:
     lengths: tuple[int, ...]  # context lengths N
-    warmup: int  # decode steps per model before timing, per N
-    steps: int  # timed decode steps per model, per N (the median is kept)
+    warmup: int  # untimed decode steps of every (model, N) pair first
+    steps: int  # timed decode steps of every (model, N) pair (the median is kept)
     check_length: int  # N of the filled-versus-prefilled check
 
 
