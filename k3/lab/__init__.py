@@ -43,6 +43,3 @@ def run(name: str, mode: str = "quick", docs: str | Path = "docs", **options) ->
     write_results(docs, list(EXPERIMENTS))
     return result
 
-
-def run_all(mode: str = "quick", docs: str | Path = "docs", only: list[str] | None = None) -> list[Result]:
-    return [run(name, mode, docs) for name in (only or EXPERIMENTS)]
