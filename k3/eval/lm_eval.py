@@ -18,12 +18,13 @@ tokens, which is exact and holds only one piece's logits in memory.
 
 Batches are right-padded: the model is causal, so what follows a sequence cannot change its logits.
 
-How lm-eval finds "k3": lm-eval 0.4.13 resolves `--model NAME` in a registry that only its own model
-list and imported `@register_model` classes fill; it reads no entry points. Importing this module
-registers K3LM, and `k3 eval` / `python -m k3.eval` (see `main`) import it before handing the command
-line to lm-eval. k3's pyproject.toml also declares the `lm_eval.models` entry point read by lm-eval's
-plugin discovery (EleutherAI/lm-evaluation-harness#4013, newer than 0.4.13), under which a plain
-`lm_eval --model k3` finds the adapter by itself.
+How lm-eval finds "k3": lm-eval resolves `--model NAME` in a registry that only its own model list and
+imported `@register_model` classes fill; it reads no entry points (0.4.11 to 0.5.0.dev1). The k3 wheel
+installs a start-up hook (packaging/_k3_lm_eval.py) that adds "k3" to that registry, as the lazy
+placeholder "k3.eval.lm_eval:K3LM", when lm-eval loads its model list: a plain `lm_eval --model k3`
+works. Importing this module registers K3LM too, which `k3 eval` / `python -m k3.eval` (see `main`)
+do before handing the command line to lm-eval. k3's pyproject.toml also declares the `lm_eval.models`
+entry point that lm-eval's plugin discovery will read (EleutherAI/lm-evaluation-harness#4013).
 """
 
 from __future__ import annotations

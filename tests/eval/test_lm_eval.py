@@ -270,12 +270,30 @@ socket.socket.connect = socket.socket.connect_ex = _refuse
 '''
 
 
-def test_lm_eval_command_line(k3_checkpoint, tmp_path):
-    """`k3 eval --model k3 ...` in a fresh process, sockets refused."""
+def lm_eval_script() -> Path | None:
+    """lm-eval's console script in this interpreter's environment, when k3 is installed there with its
+    start-up hook (packaging/_k3_lm_eval.py); None when k3 only runs from a source tree (PYTHONPATH)."""
+    try:
+        importlib.metadata.distribution("k3")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    script = Path(sys.executable).parent / "lm_eval"
+    return script if script.exists() else None
+
+
+COMMANDS = {"lm_eval": lambda: [str(lm_eval_script())], "k3 eval": lambda: [sys.executable, "-m", "k3", "eval"]}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_lm_eval_command_line(command, k3_checkpoint, tmp_path):
+    """`lm_eval --model k3 ...` (lm-eval's own command, installed k3) and `k3 eval --model k3 ...`, each in a
+    fresh process with sockets refused."""
+    if command == "lm_eval" and lm_eval_script() is None:
+        pytest.skip("k3 is not pip-installed in this environment, so its lm-eval start-up hook is not either")
     (tmp_path / "sitecustomize.py").write_text(SOCKET_GUARD)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "k3", "eval", "--model", "k3", "--model_args",
+    proc = subprocess.run([*COMMANDS[command](), "--model", "k3", "--model_args",
                            f"checkpoint={k3_checkpoint},batch_size=4", "--tasks", "k3_tiny_mc", "k3_tiny_gen",
                            "--include_path", str(TASKS)], cwd=TASKS, env=env, capture_output=True, text=True,
                           timeout=600)
@@ -285,6 +303,35 @@ def test_lm_eval_command_line(k3_checkpoint, tmp_path):
         assert "CUDA is not available; running on the CPU" in proc.stderr
     rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("|k3_tiny")}
     assert "|acc " in rows["k3_tiny_mc"] and "|exact_match|" in rows["k3_tiny_gen"], proc.stdout
+
+
+def test_start_up_hook_registers_k3_lazily_and_only_when_lm_eval_loads_its_models(tmp_path):
+    """The hook imports nothing at start-up, registers the "k3" placeholder next to lm-eval's own models,
+    leaves an earlier registration alone, and K3_LM_EVAL_PLUGIN=0 turns it off."""
+    hook = ROOT / "packaging" / "_k3_lm_eval.py"
+    script = f"""
+import importlib.util, sys
+assert not any(m in sys.modules for m in ("torch", "lm_eval", "k3")), "imported at start-up"
+sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "LmEvalModelsFinder"]  # the installed one
+spec = importlib.util.spec_from_file_location("_k3_lm_eval", {str(hook)!r})
+hook = importlib.util.module_from_spec(spec); spec.loader.exec_module(hook); hook.install(); hook.install()
+assert sum(isinstance(f, hook.LmEvalModelsFinder) for f in sys.meta_path) == int(sys.argv[1] != "off")
+from lm_eval.api.registry import model_registry
+if sys.argv[1] == "taken":
+    model_registry.register("k3", target="lm_eval.models.dummy:DummyLM")
+import lm_eval.models  # lm-eval's get_model does this to fill its registry
+print(model_registry._objs.get("k3"), "k3.eval.lm_eval" in sys.modules, "hf" in model_registry)
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = {}
+    for case in ("on", "taken", "off"):
+        proc = subprocess.run([sys.executable, "-c", script, case], capture_output=True, text=True, timeout=120,
+                              env={**env, "K3_LM_EVAL_PLUGIN": "0" if case == "off" else "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[case] = proc.stdout.split()
+    assert out["on"] == ["k3.eval.lm_eval:K3LM", "False", "True"]  # registered, not yet imported
+    assert out["taken"][0] == "lm_eval.models.dummy:DummyLM"
+    assert out["off"][0] == "None" and out["off"][2] == "True"
 
 
 def test_k3_eval_without_lm_eval_says_how_to_install_it(monkeypatch, capsys):
