@@ -8,6 +8,7 @@ beta = 0 and g = 0, so a padded step leaves the recurrent state exactly as it wa
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,18 @@ def check_scale(op: str, scale, K: int) -> float:
     if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):
         raise _fail(op, "scale", "a Python float or None", type(scale).__name__)
     return float(scale)
+
+
+def inference_unless_grad(*tensors: torch.Tensor | None):
+    """`torch.inference_mode()` when no gradient can flow through `tensors`, else a no-op context.
+
+    The mixers' loops issue hundreds of small ops; inference mode skips their autograd bookkeeping
+    (view tracking, version counters), ~8% of the time of both forms at T = 8192 on a 2-core CPU.
+    Tensors made inside are inference tensors: results handed back to the caller must be created
+    outside the context (write into a tensor allocated before it, or copy out after it)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return contextlib.nullcontext()
+    return torch.inference_mode()
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

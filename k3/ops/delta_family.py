@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from .common import (
     LOG_DECAY_FLOOR, check_chunk_size, check_cu_seqlens, check_log_decay, check_qkv, check_scale,
-    check_state, check_tensor, compute_dtype, l2norm, run_packed,
+    check_state, check_tensor, compute_dtype, inference_unless_grad, l2norm, run_packed,
 )
 
 # Largest |exponent| allowed in a factored exp(G_r - G_mid) * exp(G_mid - G_i): each factor stays a
@@ -75,18 +75,21 @@ def delta_recurrence(q, k, v, beta, g, S0, scale: float):
     g None | [N,T,H] | [N,T,H,K] log decay, S0 None | [N,H,K,V]. Returns (o [N,T,H,V], S [N,H,K,V])."""
     N, T, H, K = q.shape
     S = q.new_zeros(N, H, K, v.shape[-1]) if S0 is None else S0
-    if g is not None:
-        decay = torch.exp(g if g.dim() == 4 else g.unsqueeze(-1)).unsqueeze(-1)  # [N,T,H,K|1,1]
+    if T == 0:
+        return v.new_zeros(N, 0, H, v.shape[-1]), S
     outputs = []
-    for t in range(T):
+    with inference_unless_grad(q, k, v, beta, g, S0):
         if g is not None:
-            S = S * decay[:, t]  # S' = Diag(a_t) S_{t-1}
-        k_t = k[:, t].unsqueeze(-1)  # [N,H,K,1]
-        v_old = (k_t * S).sum(-2)  # k_t S'  [N,H,V]
-        S = S + k_t * (beta[:, t, :, None] * (v[:, t] - v_old)).unsqueeze(-2)
-        outputs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2))
-    o = torch.stack(outputs, dim=1) * scale if outputs else v.new_zeros(N, 0, H, v.shape[-1])
-    return o, S
+            decay = torch.exp(g if g.dim() == 4 else g.unsqueeze(-1)).unsqueeze(-1)  # [N,T,H,K|1,1]
+        for t in range(T):
+            if g is not None:
+                S = S * decay[:, t]  # S' = Diag(a_t) S_{t-1}
+            k_t = k[:, t].unsqueeze(-1)  # [N,H,K,1]
+            v_old = (k_t * S).sum(-2)  # k_t S'  [N,H,V]
+            S = S + k_t * (beta[:, t, :, None] * (v[:, t] - v_old)).unsqueeze(-2)
+            outputs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2))
+    # made out here, so that the caller gets ordinary tensors (S.clone costs nothing next to the loop)
+    return torch.stack(outputs, dim=1) * scale, S.clone()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -95,9 +98,11 @@ def delta_recurrence(q, k, v, beta, g, S0, scale: float):
 
 @lru_cache(maxsize=64)
 def _lower_masks(C: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """0/1 lower-triangular masks [C, C]: inclusive (q rows: i <= r) and strict (k rows: i < r)."""
-    incl = torch.ones(C, C, dtype=dtype, device=device).tril()
-    return incl, incl.tril(-1)
+    """0/1 lower-triangular masks [C, C]: inclusive (q rows: i <= r) and strict (k rows: i < r).
+    Ordinary tensors even when first asked for in inference mode, so that autograd can save them."""
+    with torch.inference_mode(False):
+        incl = torch.ones(C, C, dtype=dtype, device=device).tril()
+        return incl, incl.tril(-1)
 
 
 def _sub_chunk_size(C: int) -> int:
@@ -336,19 +341,21 @@ def chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int):
         g = chunked(g)
 
     S = q.new_zeros(M, K, V) if S0 is None else S0.reshape(M, K, V)
-    o = q.new_empty(N, n, C, H, V)
+    o = q.new_empty(N, n, C, H, V)  # allocated outside inference mode: an ordinary tensor for the caller
     # Chunks are processed in slabs of about _SLAB_ELEMENTS values per tensor, laid out chunk-major
     # [slab chunks, N*H, C, d] only there: temporaries stay cache-sized and memory flat in T.
     per_slab = max(1, _SLAB_ELEMENTS // (M * C * max(K, V)))
-    buffer = q.new_empty(min(per_slab, n) + 1, M, K, V)
-    for i in range(0, n, per_slab):
-        part = slice(i, i + per_slab)
-        slab = lambda x: x[:, part].permute(1, 0, 3, 2, 4).reshape(-1, M, C, x.shape[-1])  # noqa: E731
-        # G: cumulative log decay within each chunk (clamped so that g = -inf stays finite)
-        G = None if g is None else slab(g).clamp(min=LOG_DECAY_FLOOR[q.dtype]).cumsum(dim=-2)
-        o_part, S = _chunk_slab(slab(q), slab(k), slab(v), slab(beta), G, S, scale, buffer)
-        o[:, part] = o_part.view(-1, N, H, C, V).permute(1, 0, 3, 2, 4)
-    return o.view(N, n * C, H, V)[:, :T], S.reshape(N, H, K, V).clone()  # not a view into `buffer`
+    with inference_unless_grad(q, k, v, beta, g, S0):
+        buffer = q.new_empty(min(per_slab, n) + 1, M, K, V)
+        for i in range(0, n, per_slab):
+            part = slice(i, i + per_slab)
+            slab = lambda x: x[:, part].permute(1, 0, 3, 2, 4).reshape(-1, M, C, x.shape[-1])  # noqa: E731
+            # G: cumulative log decay within each chunk (clamped so that g = -inf stays finite)
+            G = None if g is None else slab(g).clamp(min=LOG_DECAY_FLOOR[q.dtype]).cumsum(dim=-2)
+            o_part, S = _chunk_slab(slab(q), slab(k), slab(v), slab(beta), G, S, scale, buffer)
+            o[:, part] = o_part.view(-1, N, H, C, V).permute(1, 0, 3, 2, 4)
+    # the clone, made outside inference mode, is an ordinary tensor and not a view into `buffer`
+    return o.view(N, n * C, H, V)[:, :T], S.reshape(N, H, K, V).clone()
 
 
 def _chunk_slab(q, k, v, beta, G, S, scale: float, states_buffer=None):

@@ -119,3 +119,22 @@ def test_chunk_form_gradcheck(mixer):
         return (o,) + (s if isinstance(s, tuple) else (s,))
 
     assert torch.autograd.gradcheck(f, tuple(leaf[n] for n in names), eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mixer", mixer_params([m for m in BASIC_MIXERS if m.has_beta]))
+def test_calls_without_gradients_hand_back_ordinary_tensors(mixer):
+    """Without gradients the delta family runs in inference mode. What it returns must still be ordinary
+    tensors (usable in place, and saved by autograd later), and a gradient run right after one (its
+    cached masks first made in inference mode, at a chunk size no other test uses) still trains."""
+    inputs = make_inputs(mixer, B=B, T=T, H=H, K=K, V=V, seed=3, initial_state=True)
+    for form in ("recurrent", "chunk"):
+        kw = {"chunk_size": 13} if form == "chunk" else {}
+        with torch.no_grad():
+            o, s = mixer(form, inputs, output_final_state=True, **kw)
+        for x in (o, *(s if isinstance(s, tuple) else (s,))):
+            assert not x.is_inference()
+            x.mul_(1.0)  # in place, outside inference mode: refused for inference tensors
+        leaf = leaves(inputs)
+        o_grad, _ = mixer(form, as_inputs(leaf), output_final_state=True, **kw)
+        (o_grad * o).sum().backward()
+        assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in leaf.values())
