@@ -248,27 +248,38 @@ class BlockLower(NamedTuple):
 
     def unit_solve(self, *rhs: torch.Tensor, column_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """T D X for T = (I + L)^-1 (strictly lower L: the UT transform), D = Diag(column_scale [P, C, 1])
-        (identity when None) and each X [P, C, d] of `rhs`.
-
-        One batched triangular solve inverts the diagonal blocks T_aa; each block row left of the
-        diagonal follows from the rows above it, T_a,<a = -T_aa L_a,<a T_<a,<a. T is then applied
-        as one dense [C, C] matmul per right-hand side: on a CPU, one larger matmul is at least as fast
-        as skipping the zero upper blocks with a matmul per block (2-10% faster at C = 16..128). Flushing tiny entries of these
-        dimensionless blocks between the stages keeps subnormal numbers out (one solve over all C
-        rows is ~2x slower in practice for that reason)."""
+        (identity when None) and each X [P, C, d] of `rhs`,
+        with T kept in row blocks: one batched triangular solve inverts the diagonal blocks T_aa,
+        each block row left of the diagonal follows from the ones above it,
+        T_a,<a = -T_aa L_a,<a T_<a,<a, and (T X)_a = T_a,<a X_<a + T_aa X_a. Flushing tiny entries of
+        these dimensionless blocks between the stages keeps subnormal numbers out (one solve over all
+        C rows is ~2x slower in practice for that reason)."""
         P, m, s, _ = self.diag.shape
         eye = torch.eye(s, dtype=self.diag.dtype, device=self.diag.device).expand(P, m, s, s)
         # X (I + L_aa) = I gives the same inverse as (I + L_aa) X = I; on CPU the right-hand solve
         # on a contiguous copy runs ~1.8x faster
         inv = _flush_tiny(torch.linalg.solve_triangular(_flush_tiny(self.diag.contiguous()), eye,
                                                         upper=False, left=False, unitriangular=True))
-        T = inv[:, 0]  # grows to T_<a,<a, then to the whole T (out of place, so autograd can follow)
+        lefts: list[torch.Tensor] = []  # T_a,<a for a >= 1
         for a, block in enumerate(self.below, start=1):
-            left = _flush_tiny(-inv[:, a] @ (_flush_tiny(block) @ T))  # T_a,<a
-            T = torch.cat([F.pad(T, (0, s)), torch.cat([left, inv[:, a]], dim=-1)], dim=1)
-        if column_scale is not None:
-            T = T * column_scale.transpose(-1, -2)
-        return tuple(T @ X for X in rhs)
+            above = inv[:, 0] if a == 1 else _stack_rows(
+                [inv[:, 0]] + [torch.cat([left, inv[:, i]], dim=-1) for i, left in enumerate(lefts, start=1)], a * s)
+            lefts.append(_flush_tiny(-inv[:, a] @ (_flush_tiny(block) @ above)))
+        if column_scale is not None:  # T D: scale the columns of the small blocks, not the rows of X
+            inv = inv * column_scale.view(P, m, s, 1).transpose(-1, -2)
+            lefts = [left * column_scale[:, : a * s].transpose(-1, -2) for a, left in enumerate(lefts, start=1)]
+        results = []
+        for X in rhs:
+            parts = X.split(s, dim=1)
+            out = [inv[:, 0] @ parts[0]]
+            out += [torch.baddbmm(inv[:, a] @ parts[a], left, X[:, : a * s]) for a, left in enumerate(lefts, start=1)]
+            results.append(out[0] if m == 1 else torch.cat(out, dim=1))
+        return tuple(results)
+
+
+def _stack_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Row blocks of growing width, zero-padded on the right to `width` and stacked."""
+    return torch.cat([F.pad(r, (0, width - r.shape[-1])) for r in rows], dim=1)
 
 
 def _state_scan(W, U0, K_end, decay_end, S0, buffer=None):
