@@ -166,7 +166,8 @@ def measure_times(sweep: Sweep) -> dict[tuple[str, int, int | str], float]:
     return times
 
 
-MATMULS = ("bmm", "baddbmm", "baddbmm_", "mm", "addmm", "addmm_", "mv", "addmv", "dot", "linalg_solve_triangular")
+MATMULS = ("bmm", "baddbmm", "baddbmm_", "mm", "addmm", "addmm_", "mv", "addmv", "dot", "matmul",
+           "linalg_solve_triangular")
 
 
 class OpLedger(TorchDispatchMode):
@@ -186,14 +187,20 @@ class OpLedger(TorchDispatchMode):
         self.seconds[name] += time.perf_counter() - start
         if name in MATMULS:
             self.macs += _macs(name, args)
-        elif name in ("matmul", "einsum", "linear", "addbmm"):
+        elif name in ("einsum", "linear", "addbmm"):
             raise RuntimeError(f"OpLedger: {name} reached the ledger undecomposed; its multiply-adds would "
-                               "go uncounted (run under torch.no_grad, not inference_mode)")
+                               "go uncounted")
         return out
 
 
 def _macs(name: str, args: tuple) -> int:
     """Multiply-adds of one matmul-family aten op from its arguments."""
+    if name == "matmul":  # seen whole in inference mode (under autograd it arrives as bmm / mm)
+        a, b = args[:2]
+        n, k = (1, a.shape[0]) if a.dim() == 1 else a.shape[-2:]
+        m = 1 if b.dim() == 1 else b.shape[-1]
+        batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2] if b.dim() > 1 else ())
+        return math.prod(batch) * n * k * m
     if name == "linalg_solve_triangular":  # A [..., s, s], B: s(s - 1)/2 per row or column of B
         s = args[0].shape[-1]
         return args[1].numel() // s * s * (s - 1) // 2
@@ -215,8 +222,8 @@ def time_breakdown(sweep: Sweep) -> list[dict]:
         for C in sweep.chunks:
             call = _op_call(op, inputs, min(C, T))
             best = None
-            # no_grad, not inference_mode: under inference_mode composite ops (matmul, pad) reach the
-            # ledger whole, and their inner matmuls would go uncounted
+            # without gradients the op runs in inference mode, where `matmul` reaches the ledger whole
+            # (the ledger counts it from its shapes)
             with torch.no_grad():
                 call()
                 for _ in range(2):
