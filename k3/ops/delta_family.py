@@ -88,8 +88,8 @@ def delta_recurrence(q, k, v, beta, g, S0, scale: float):
             v_old = (k_t * S).sum(-2)  # k_t S'  [N,H,V]
             S = S + k_t * (beta[:, t, :, None] * (v[:, t] - v_old)).unsqueeze(-2)
             outputs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2))
-    # made out here, so that the caller gets ordinary tensors (S.clone costs nothing next to the loop)
-    return torch.stack(outputs, dim=1) * scale, S.clone()
+    # made out here, so that the caller gets ordinary tensors
+    return torch.stack(outputs, dim=1) * scale, (S.clone() if S.is_inference() else S)
 
 
 # ----------------------------------------------------------------------------------------------------

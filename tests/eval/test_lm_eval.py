@@ -305,7 +305,7 @@ def test_lm_eval_command_line(command, k3_checkpoint, tmp_path):
     assert "|acc " in rows["k3_tiny_mc"] and "|exact_match|" in rows["k3_tiny_gen"], proc.stdout
 
 
-def test_start_up_hook_registers_k3_lazily_and_only_when_lm_eval_loads_its_models(tmp_path):
+def test_start_up_hook_registers_k3_lazily_and_only_when_lm_eval_loads_its_models():
     """The hook imports nothing at start-up, registers the "k3" placeholder next to lm-eval's own models,
     leaves an earlier registration alone, and K3_LM_EVAL_PLUGIN=0 turns it off."""
     hook = ROOT / "packaging" / "_k3_lm_eval.py"
