@@ -48,9 +48,11 @@ def test_round_trip_gives_k3_logits_exactly(pair):
         assert hf.k3.lm_head.weight is hf.k3.model.embed_tokens.weight
     ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        torch.testing.assert_close(hf(ids).logits, model(ids), rtol=0, atol=0)
+        # equal to float32 rounding, not bitwise: a model loaded from disk holds the same weights in other
+        # buffers, whose alignment can change the CPU kernels' summation order
+        torch.testing.assert_close(hf(ids).logits, model(ids), rtol=1e-5, atol=1e-6)
         # and k3 itself reads the directory transformers wrote
-        torch.testing.assert_close(CausalLM.from_pretrained(path)(ids), model(ids), rtol=0, atol=0)
+        torch.testing.assert_close(CausalLM.from_pretrained(path)(ids), model(ids), rtol=1e-5, atol=1e-6)
 
 
 def test_greedy_generate_equals_k3_generate(pair):

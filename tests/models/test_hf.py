@@ -78,7 +78,7 @@ def test_k3_checkpoint_round_trip_and_mismatch(tmp_path):
     loaded = CausalLM.from_pretrained(tmp_path / "ckpt").eval()
     ids = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
-        torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
+        torch.testing.assert_close(loaded(ids), model(ids), rtol=1e-5, atol=1e-6)
     other = CausalLM(get_config("kimi-k3-tiny", vocab_size=256, hidden_size=64))
     with pytest.raises(ValueError, match="does not match the model's configuration: .*shape mismatch"):
         load_into(other, model.state_dict(), "ckpt")
@@ -94,4 +94,4 @@ def test_tied_gpt2_checkpoint_round_trip(tmp_path):
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     ids = torch.randint(0, 256, (1, 9))
     with torch.no_grad():
-        torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
+        torch.testing.assert_close(loaded(ids), model(ids), rtol=1e-5, atol=1e-6)
