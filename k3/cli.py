@@ -99,7 +99,7 @@ def _generate(args) -> int:
     import torch
 
     from .models import CausalLM
-    from .training.tokenizer import Tokenizer
+    from .tokenizer import Tokenizer
 
     model = CausalLM.from_pretrained(args.checkpoint).eval()
     tokenizer = Tokenizer.load(args.checkpoint)

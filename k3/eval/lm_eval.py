@@ -42,7 +42,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simpl
 from tqdm import tqdm
 
 from ..models import CausalLM
-from ..training.tokenizer import Tokenizer
+from ..tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 # lm-eval lists its own models in the registry on first lookup only if the registry is still empty:

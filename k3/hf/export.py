@@ -14,16 +14,16 @@ Two formats:
 When the checkpoint has a tokenizer.json (k3 train writes one), it is copied with a
 tokenizer_config.json naming PreTrainedTokenizerFast, so AutoTokenizer.from_pretrained(dir) loads it,
 and the config's bos/eos token is <|endoftext|>. Every file is written to a temporary folder beside
-the output first and moved into place once all are complete.
+the output first and moved into place once all are complete (`k3.io`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from ..io import move_files_into, staging_folder
 
 FORMATS = ("k3", "kimi-linear")
 
@@ -33,7 +33,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, format: str = 
     returns the names of the files written."""
     from ..models import CausalLM
     from ..models.hf_config import kimi_linear_config
-    from ..training.tokenizer import Tokenizer
+    from ..tokenizer import Tokenizer
 
     if format not in FORMATS:
         raise ValueError(f"export: `format` must be one of {FORMATS}, got {format!r}")
@@ -45,25 +45,14 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, format: str = 
     # Kimi Linear's config.json, made (or refused) before anything is written
     kimi_config = kimi_linear_config(model.config) if format == "kimi-linear" else None
     special = {} if tokenizer is None else dict(bos_token_id=tokenizer.eot_id, eos_token_id=tokenizer.eot_id)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-    try:
+    with staging_folder(out) as staging:
         if kimi_config is None:
             _write_k3(model, staging, special)
         else:
             _write_kimi_linear(model, kimi_config, staging, special)
         if tokenizer is not None:
             _write_tokenizer(tokenizer, model.config, staging)
-        names = sorted(p.name for p in staging.iterdir())
-        umask = os.umask(0)
-        os.umask(umask)
-        out.mkdir(exist_ok=True)
-        for name in names:
-            os.chmod(staging / name, 0o666 & ~umask)  # safetensors writes owner-only files
-            os.replace(staging / name, out / name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return names
+        return move_files_into(staging, out)
 
 
 def _write_k3(model, directory: Path, special: dict) -> None:
@@ -85,7 +74,7 @@ def _write_kimi_linear(model, config: dict, directory: Path, special: dict) -> N
 
 
 def _write_tokenizer(tokenizer, config, directory: Path) -> None:
-    from ..training.tokenizer import EOT
+    from ..tokenizer import EOT
 
     tokenizer.save(directory / "tokenizer.json")
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT, "eos_token": EOT,

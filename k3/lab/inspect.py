@@ -108,7 +108,7 @@ def trained_checkpoint(mode: str, root: Path | None = None) -> tuple[Path, bool]
 def load(checkpoint: Path):
     """(model in eval mode, tokenizer, train config or None) from a k3 checkpoint folder."""
     from ..training.loop import TrainConfig
-    from ..training.tokenizer import Tokenizer
+    from ..tokenizer import Tokenizer
 
     checkpoint = Path(checkpoint)
     if not (checkpoint / "config.json").exists():

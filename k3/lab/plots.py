@@ -5,7 +5,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..models.checkpoint import atomic_write
+from ..io import atomic_write
 
 
 @contextmanager

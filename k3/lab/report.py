@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..models.checkpoint import atomic_write
+from ..io import atomic_write
 
 VERDICTS = ("holds", "partly", "does not hold", "not measurable here")
 

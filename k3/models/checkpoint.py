@@ -19,37 +19,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import torch
 
+from ..io import atomic_write_files
 from .config import ModelConfig
-
-
-def temp_beside(path: str | Path) -> str:
-    """A new empty temporary file in path's folder, with the permissions a plain open() would give."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    return tmp
-
-
-def atomic_write(path: str | Path, write) -> None:
-    """Call write(tmp_path) on a temporary file beside `path`, then rename it over `path`: readers see
-    the old file or the new one, never a partial one."""
-    path = Path(path)
-    tmp = temp_beside(path)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _layer_ffn(config: ModelConfig, key: str) -> str | None:
@@ -170,12 +145,11 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None):
 
 
 def save_pretrained(model, path: str | os.PathLike) -> None:
-    """Write path/model.safetensors and path/config.json (k3 layout), each atomically."""
+    """Write path/model.safetensors and path/config.json (k3 layout); both are complete before either
+    replaces an earlier file (`k3.io.atomic_write_files`)."""
     from safetensors.torch import save_file
 
-    directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
     state = weights_to_save(model)
-    atomic_write(directory / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     config = json.dumps({"k3": model.config.to_dict()}, indent=2)
-    atomic_write(directory / "config.json", lambda tmp: Path(tmp).write_text(config))
+    atomic_write_files(path, {"model.safetensors": lambda tmp: save_file(state, tmp, metadata={"format": "pt"}),
+                              "config.json": lambda tmp: Path(tmp).write_text(config)})

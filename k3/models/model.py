@@ -282,7 +282,7 @@ class CausalLM(nn.Module):
         return from_pretrained(path, dtype)
 
     def save_pretrained(self, path) -> None:
-        """Write config.json and model.safetensors (k3 layout), each atomically."""
+        """Write config.json and model.safetensors (k3 layout), never leaving a half-written file."""
         from .checkpoint import save_pretrained
 
         save_pretrained(self, path)

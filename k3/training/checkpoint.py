@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import torch
 
-from ..models.checkpoint import restore_tied_head, temp_beside, weights_to_save
+from ..io import atomic_write_files
+from ..models.checkpoint import restore_tied_head, weights_to_save
 
 FILES = ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt", "loss.png")
 
@@ -37,7 +37,6 @@ def save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step: int, m
     from .plot import plot_history
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     state = weights_to_save(model) if weights is None else weights
     optimizer_state = optimizer.state_dict() if optimizer_state is None else optimizer_state
     writers = {
@@ -50,21 +49,11 @@ def save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step: int, m
             "data_rng": generator.get_state(), "torch_rng": torch.get_rng_state(), "history": history}, p),
         "loss.png": lambda p: plot_history(history, p, title=f"{model.config.name}, step {step}"),
     }
-    temps: dict[str, str] = {}
     try:
-        for name, write in writers.items():
-            temps[name] = tmp = temp_beside(out / name)
-            write(tmp)
-    except BaseException as e:
-        for tmp in temps.values():
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise CheckpointError(f"could not save the checkpoint to {out}: {e.strerror or e}; the previous "
-                                  f"checkpoint there (if any) is intact") from e
-        raise
-    for name, tmp in temps.items():
-        os.replace(tmp, out / name)
+        atomic_write_files(out, writers)
+    except OSError as e:
+        raise CheckpointError(f"could not save the checkpoint to {out}: {e.strerror or e}; the previous "
+                              f"checkpoint there (if any) is intact") from e
 
 
 def load_training_checkpoint(path) -> dict:
@@ -72,7 +61,7 @@ def load_training_checkpoint(path) -> dict:
     from safetensors.torch import load_file
 
     from .loop import TrainConfig
-    from .tokenizer import Tokenizer
+    from ..tokenizer import Tokenizer
 
     path = Path(path)
     missing = [f for f in FILES[:4] if not (path / f).exists()]

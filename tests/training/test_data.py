@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from k3.training.data import CorpusError, Document, read_documents, split_documents, strip_gutenberg
-from k3.training.tokenizer import Tokenizer, byte_tokenizer, train_bpe
+from k3.tokenizer import Tokenizer, byte_tokenizer, train_bpe
 
 
 def test_read_folder_recursively_skipping_hidden(tmp_path):

@@ -4,6 +4,9 @@ with one special token, <|endoftext|>, that separates documents.
 
 `token_bytes[i]` is how many bytes of text token i stands for (0 for the special token): validation
 loss is reported in bits per byte with it, a figure that does not depend on the vocabulary.
+
+A module of its own, below `k3.training`: training writes the tokenizer into its checkpoints, and the
+command line, `k3.hf` and `k3.eval` read it from there.
 """
 
 from __future__ import annotations
