@@ -18,8 +18,6 @@ Tested with transformers 4.57 and 5.x.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -93,8 +91,8 @@ class K3Cache(HybridCache):
             return tuple(pick(s) for s in state) if isinstance(state, tuple) else state
 
         for layer in self.layers:
-            for f in dataclasses.fields(layer):
-                setattr(layer, f.name, pick(getattr(layer, f.name)))
+            for name in layer.tensor_fields:
+                setattr(layer, name, pick(getattr(layer, name)))
 
 
 class K3ForCausalLM(PreTrainedModel, GenerationMixin):

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from ..layers import KVCache, LatentCache, RecurrentCache
 from ..models import CausalLM, get_config
+from ..models.kinds import MIXERS
 from ..models.model import HybridCache
 from . import plots
 from .report import Claim, Figure, Result, Table, command
@@ -93,12 +93,8 @@ def fill_cache(model: CausalLM, length: int, generator: torch.Generator) -> Hybr
         return torch.randn(t.shape[0], length, *t.shape[2:], generator=generator, dtype=t.dtype)
 
     for layer in cache.layers:
-        if isinstance(layer, KVCache):
-            layer.k, layer.v = grown(layer.k), grown(layer.v)
-        elif isinstance(layer, LatentCache):
-            layer.c, layer.k_pe = grown(layer.c), grown(layer.k_pe)
-        elif not isinstance(layer, RecurrentCache):
-            raise TypeError(f"fill_cache: no rule for a {type(layer).__name__}")
+        for name in layer.sequence_fields:  # the tensors that grow with the sequence; recurrent states do not
+            setattr(layer, name, grown(getattr(layer, name)))
     cache.length = length
     return cache
 
@@ -148,33 +144,18 @@ def check_fill(models: dict[str, CausalLM], length: int, sweep: Sweep, seed: int
 
 def layout(cache: HybridCache) -> list[list[tuple]]:
     """(shape, dtype) of every tensor of every layer's cache."""
-    out = []
-    for layer in cache.layers:
-        if isinstance(layer, KVCache):
-            tensors = [layer.k, layer.v]
-        elif isinstance(layer, LatentCache):
-            tensors = [layer.c, layer.k_pe]
-        else:
-            state = layer.recurrent_state
-            tensors = list(layer.conv_states or ()) + (list(state) if isinstance(state, tuple) else [state])
-        out.append([(tuple(t.shape), t.dtype) for t in tensors])
-    return out
+    return [[(tuple(t.shape), t.dtype) for t in layer.tensors()] for layer in cache.layers]
 
 
 def expected_bytes(model: CausalLM, length: int) -> dict[str, int]:
-    """Cache bytes per layer type from the config alone (float32): MHA 2·H·d per token, MLA
-    (kv_lora_rank + qk_rope_head_dim) per token, KDA three conv states H·K·(W-1) and the state H·K·V,
-    whatever the length."""
+    """Cache bytes per layer type from the config alone (`k3.models.kinds`, every value float32): MHA
+    2·H·d per token, MLA (kv_lora_rank + qk_rope_head_dim) per token, KDA three conv states H·K·(W-1)
+    and the state H·K·V, whatever the length."""
     c, size = model.config, 4
-    per_layer = {
-        "mha": 2 * c.hidden_size * length * size,
-        "mla": (c.kv_lora_rank + c.qk_rope_head_dim) * length * size,
-        "kda": (3 * c.linear_num_heads * c.linear_head_dim * (c.conv_size - 1)
-                + c.linear_num_heads * c.linear_head_dim * c.linear_head_dim) * size,
-    }
     out: dict[str, int] = {}
     for kind in c.layer_types:
-        out[kind] = out.get(kind, 0) + per_layer[kind]
+        mixer = MIXERS[kind]
+        out[kind] = out.get(kind, 0) + mixer.cache_bytes_per_token(c, size) * length + mixer.state_bytes(c, size)
     return out
 
 

@@ -15,8 +15,10 @@ kept in runs/lab-inspect and reused while its settings match):
 - MLA attention over a sample prompt (a word sequence said twice): the softmax probabilities of every
   MLA head, and how much of it goes back to the earlier copy (retrieval from the context).
 
-Everything is read with forward hooks on the unmodified model; each hook recomputes the quantity from
-the module's own inputs and, where a cheap check exists, checks it against the module's output.
+Everything is read with forward hooks on the unmodified model, each calling the layer's own analysis
+method on the inputs it was given (`BlockAttnRes.weights`, `Router.scores` / `Router.choose`,
+`KimiDeltaAttention.forget_gate`, `MultiHeadLatentAttention.attention_probs`): the same code the layers'
+forward passes run, so the pictures show what the model computes.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from pathlib import Path
 import torch
 
 from ..layers import BlockAttnRes, KimiDeltaAttention, MoE, MultiHeadLatentAttention
-from ..layers.norm import upcast
 from ..models import CausalLM
 from . import plots, report
 from .parts import torch_threads
@@ -151,44 +152,18 @@ def prompt_ids(tokenizer) -> tuple[list[int], int]:
 
 
 # -- hooks: what each part computes ------------------------------------------------------------------
-def attn_res_weights(module: BlockAttnRes, sources: list[torch.Tensor]) -> torch.Tensor:
-    """The softmax weights [N, ...] a BlockAttnRes mix gives its N sources (its forward's formula)."""
-    query = upcast(module.norm.weight) * upcast(module.proj.weight).squeeze(0)
-    logits = torch.stack([(upcast(v) @ query) * torch.rsqrt(upcast(v).pow(2).mean(-1) + module.eps)
-                          for v in sources])
-    return torch.softmax(logits, dim=0)
-
-
 def router_loads(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Assignments per expert (with the correction bias, as the model routes; without it) for x [..., d]."""
-    gate = moe.gate
-    scores = torch.sigmoid(torch.nn.functional.linear(upcast(x.reshape(-1, x.shape[-1])), upcast(gate.weight)))
+    router = moe.router
+    scores = router.scores(x.reshape(-1, x.shape[-1]))
     E = scores.shape[-1]
-    with_bias = (scores + gate.e_score_correction_bias.to(scores.dtype)).topk(gate.top_k, dim=-1).indices
-    without = scores.topk(gate.top_k, dim=-1).indices
-    return torch.bincount(with_bias.flatten(), minlength=E), torch.bincount(without.flatten(), minlength=E)
+    return (torch.bincount(router.choose(scores).flatten(), minlength=E),
+            torch.bincount(router.choose(scores, balanced=False).flatten(), minlength=E))
 
 
 def half_life(g: torch.Tensor) -> torch.Tensor:
     """Tokens until a decay of exp(g) per token halves the state: ln 2 / -g, capped at HALF_LIFE_CAP."""
     return (math.log(2) / (-g.double()).clamp_min(math.log(2) / HALF_LIFE_CAP)).clamp(max=HALF_LIFE_CAP)
-
-
-def mla_probs(mla: MultiHeadLatentAttention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(attention probabilities [B, H, T, T], the layer output they give) for x [B, T, d] without a cache:
-    the plain path, keys [k_nope | k_pe] from the latent, causal softmax."""
-    B, T, _ = x.shape
-    q, c, k_pe = mla._queries_and_latents(x, 0)
-    kv = mla.kv_b_proj(c).view(B, T, mla.num_heads, mla.dn + mla.dv)
-    k_nope, v = torch.split(kv, [mla.dn, mla.dv], dim=-1)
-    k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, T, mla.num_heads, mla.dr)], dim=-1)
-    scores = torch.einsum("bthd,bshd->bhts", upcast(q), upcast(k)) * mla.scale
-    causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-    o = torch.einsum("bhts,bshv->bthv", probs, upcast(v)).to(x.dtype).reshape(B, T, -1)
-    if mla.g_proj is not None:
-        o = o * torch.sigmoid(mla.g_proj(x))
-    return probs, mla.o_proj(o)
 
 
 class Recorder:
@@ -201,7 +176,6 @@ class Recorder:
         self.moe: dict[str, dict] = {}  # layer -> {"with": load [E], "without": load [E]}
         self.kda: dict[str, dict] = {}  # layer -> {"g_sum": [H, K], "tokens": n, "g": [list of samples]}
         self.mla: dict[str, torch.Tensor] = {}  # layer -> probs [H, T, T] of the last batch's first sequence
-        self.max_check_error = 0.0  # largest relative difference between a recomputation and the module output
         self._handles = []
 
     def __enter__(self):
@@ -222,15 +196,9 @@ class Recorder:
         self._handles.clear()
         return False
 
-    def _check(self, got: torch.Tensor, want: torch.Tensor) -> None:
-        err = ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
-        self.max_check_error = max(self.max_check_error, err)
-
     def _on_attn_res(self, module, inputs, output):
         sources = inputs[0]
-        alpha = attn_res_weights(module, sources)  # [N, B, T]
-        mix = sum(a.unsqueeze(-1) * upcast(v) for a, v in zip(alpha, sources))
-        self._check(mix, output)
+        alpha = module.weights(sources)  # [N, B, T]
         n = len(sources)
         entropy = -(alpha * alpha.clamp_min(1e-30).log()).sum(0) / math.log(n) if n > 1 else torch.zeros_like(alpha[0])
         rec = self.attn_res.setdefault(self._mix_name(module), {"weights": 0.0, "entropy": 0.0, "tokens": 0})
@@ -247,8 +215,6 @@ class Recorder:
 
     def _on_moe(self, module, inputs, output):
         with_bias, without = router_loads(module, inputs[0])
-        if module.last_load is not None and not torch.equal(module.last_load, with_bias):
-            raise RuntimeError(f"{self.names[module]}: recomputed expert load differs from the router's")
         rec = self.moe.setdefault(self._layer_name(module), {"with": 0, "without": 0})
         rec["with"] = rec["with"] + with_bias
         rec["without"] = rec["without"] + without
@@ -264,9 +230,7 @@ class Recorder:
         rec["samples"].append(g.flatten()[:: max(1, g.numel() // 20000)])
 
     def _on_mla(self, module, inputs, output):
-        probs, out = mla_probs(module, inputs[0])
-        self._check(out, output)
-        self.mla[self._layer_name(module)] = probs[0]
+        self.mla[self._layer_name(module)] = module.attention_probs(inputs[0])[0].float()
 
 
 @torch.no_grad()
@@ -377,10 +341,6 @@ def _inspect(mode: str, docs: Path, checkpoint: Path, trained_now: bool, given: 
     initial = record(CausalLM(config).eval(), windows)  # the same architecture at initialisation
     ids, period = prompt_ids(tokenizer)
     attention = record_attention(model, ids)
-    if max(trained.max_check_error, attention.max_check_error) > 1e-4:
-        raise RuntimeError(f"k3 lab inspect: a recomputed quantity differs from the module's output by "
-                           f"{max(trained.max_check_error, attention.max_check_error):.2e} (relative): the "
-                           f"hooks no longer match the layers")
 
     claims, tables, figures = [], [], []
     for part in (_attn_res_part, _moe_part, _kda_part):
@@ -492,7 +452,7 @@ def _moe_part(docs: Path, trained: Recorder, initial: Recorder):
     for name in layers:
         rec = trained.moe[name]
         moe = _module(trained.model, name, "block_sparse_moe")
-        biases[name] = moe.gate.e_score_correction_bias.detach().clone()
+        biases[name] = moe.router.e_score_correction_bias.detach().clone()
         w, wo, init = imbalance(rec["with"]), imbalance(rec["without"]), imbalance(initial.moe[name]["with"])
         with_bias.append(w)
         without.append(wo)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from ..layers.ffn import GatedMLP, situ
 from ..layers.moe import MoE
 from ..models import CausalLM, ModelConfig, get_config
+from ..models.model import attn_res_source_counts
 from ..models.params import count_params
 from . import plots, report
 from .report import Claim, Figure, Result, Table
@@ -228,34 +229,16 @@ def time_moe(tokens: int, dim: int, latent: int, hidden: int, experts: int, top_
     torch.manual_seed(seed)
     layers = {"latent": MoE(dim, experts, top_k, hidden, num_shared=0, latent_dim=latent, activation="situ"),
               "full width": MoE(dim, experts, top_k, hidden, num_shared=0, latent_dim=None, activation="situ")}
-    layers["full width"].gate.load_state_dict(layers["latent"].gate.state_dict())  # the same routing
+    layers["full width"].router.load_state_dict(layers["latent"].router.state_dict())  # the same routing
     x = torch.randn(tokens, dim, generator=torch.Generator().manual_seed(seed))
     return interleaved_best({name: _forward(m, x) for name, m in layers.items()}, rounds)
 
 
 # -- Block Attention Residuals on and off ------------------------------------------------------------
-def attn_res_sources(num_layers: int, block: int) -> list[int]:
-    """How many sources each AttnRes mix reads, in order: before attention and before the FFN of every
-    layer, then the final one (mirrors `Decoder._attn_res_forward`: the embedding becomes a source at
-    layer 0, and a completed block sum at every later multiple of `block`)."""
-    if num_layers < 1 or block < 1:
-        raise ValueError(f"attn_res_sources: `num_layers` and `block` must be >= 1, got {num_layers}, {block}")
-    blocks, counts = 0, []
-    for i in range(num_layers):
-        counts.append(blocks + 1)  # completed sources + the running partial sum
-        if i % block == 0:
-            blocks += 1
-        counts.append(blocks + 1)
-    counts.append(blocks + 1)
-    return counts
-
-
 def attn_res_flops(config: ModelConfig) -> int:
     """AttnRes FLOPs per token: each mix over N sources of width d costs ~6 N d (the query dot product and
     the mean square per source, 2d each, then the weighted sum, 2d each); softmax over N is left out."""
-    if config.attn_res_block_size is None:
-        return 0
-    return sum(6 * n * config.hidden_size for n in attn_res_sources(config.num_layers, config.attn_res_block_size))
+    return sum(6 * n * config.hidden_size for n in attn_res_source_counts(config))
 
 
 def time_attn_res(config: ModelConfig, prefill: int, decode_prompt: int, decode_steps: int, rounds: int,
@@ -550,7 +533,7 @@ def _attn_res_figure(path: Path, measured: list, k3: ModelConfig) -> None:
         ax.set_title("kimi-k3-tiny, measured")
         ax.legend(fontsize=8)
         ax = axes[1]
-        counts = attn_res_sources(k3.num_layers, k3.attn_res_block_size)
+        counts = attn_res_source_counts(k3)
         ax.plot(range(len(counts)), counts, drawstyle="steps-post")
         ax.set_xlabel("AttnRes mix (2 per layer, then the final norm)")
         ax.set_ylabel("sources read")

@@ -8,18 +8,18 @@ Attention Residuals. `k3.models` assembles them.
 
 from .attention import KVCache, MultiHeadAttention
 from .attnres import BlockAttnRes
+from .cache import LayerCache
 from .conv import ShortConvolution
 from .ffn import GatedMLP, GeluMLP, situ
-from .linear_attention import (
-    DeltaNet, GatedDeltaNet, GatedRMSNorm, KimiDeltaAttention, LinearAttention, RecurrentCache,
-)
+from .linear_attention import DeltaNet, GatedDeltaNet, KimiDeltaAttention, LinearAttention, RecurrentCache
 from .mla import LatentCache, MultiHeadLatentAttention
-from .moe import MoE, Expert, RoutedExperts, Router
+from .moe import Expert, MoE, RoutedExperts, Router
 from .norm import RMSNorm
 
 __all__ = [
     "MultiHeadAttention", "KVCache", "LinearAttention",
-    "RMSNorm", "GatedRMSNorm", "GeluMLP", "GatedMLP", "situ", "ShortConvolution",
+    "RMSNorm", "GeluMLP", "GatedMLP", "situ", "ShortConvolution",
     "DeltaNet", "GatedDeltaNet", "KimiDeltaAttention", "RecurrentCache",
     "MultiHeadLatentAttention", "LatentCache", "MoE", "Expert", "RoutedExperts", "Router", "BlockAttnRes",
+    "LayerCache",
 ]

@@ -13,26 +13,23 @@ import torch
 from torch import nn
 
 from ..ops import attention
+from .cache import LayerCache
 from .checks import check_mixer_input
+from .init import init_linear
 
 
 @dataclass
-class KVCache:
+class KVCache(LayerCache):
     """Keys and values seen so far, [B, S, H, D] each."""
 
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
 
-    @property
-    def batch_size(self) -> int | None:
-        return None if self.k is None else self.k.shape[0]
+    tensor_fields = sequence_fields = ("k", "v")
 
     @property
     def length(self) -> int:
         return 0 if self.k is None else self.k.shape[1]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v) if t is not None)
 
 
 class MultiHeadAttention(nn.Module):
@@ -46,6 +43,12 @@ class MultiHeadAttention(nn.Module):
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.c_attn = nn.Linear(hidden_size, 3 * hidden_size)
         self.c_proj = nn.Linear(hidden_size, hidden_size)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float | None = None, residual_std: float | None = None) -> None:
+        """See k3.layers.init: c_attn ~ N(0, std), the output c_proj ~ N(0, residual_std), biases 0."""
+        init_linear(self.c_attn, std)
+        init_linear(self.c_proj, std if residual_std is None else residual_std)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """x [B, T, hidden_size] -> y; with `cache`, attend over the cached keys/values and append."""

@@ -25,7 +25,10 @@ class ShortConvolution(nn.Module):
             raise ValueError(f"ShortConvolution: `activation` must be 'silu' or None, got {activation!r}")
         self.dim, self.kernel_size, self.activation = dim, kernel_size, activation
         self.weight = nn.Parameter(torch.empty(dim, 1, kernel_size))
-        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)  # nn.Conv1d's default
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)  # nn.Conv1d's default (as fla and Kimi Linear keep it)
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor | None = None,
                 output_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .init import init_linear
 from .norm import upcast
 
 
@@ -43,6 +44,12 @@ class GeluMLP(nn.Module):
         hidden = 4 * dim if hidden is None else hidden
         self.c_fc = nn.Linear(dim, hidden)
         self.c_proj = nn.Linear(hidden, dim)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float | None = None, residual_std: float | None = None) -> None:
+        """See k3.layers.init: c_fc ~ N(0, std), the output c_proj ~ N(0, residual_std), biases 0."""
+        init_linear(self.c_fc, std)
+        init_linear(self.c_proj, std if residual_std is None else residual_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., dim]
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
@@ -64,6 +71,13 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float | None = None, residual_std: float | None = None) -> None:
+        """See k3.layers.init: gate and up ~ N(0, std), the output down_proj ~ N(0, residual_std)."""
+        init_linear(self.gate_proj, std)
+        init_linear(self.up_proj, std)
+        init_linear(self.down_proj, std if residual_std is None else residual_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., dim]
         gate, up = self.gate_proj(x), self.up_proj(x)

@@ -2,9 +2,9 @@
 Attention (KDA).
 
 LinearAttention (Katharopoulos et al.): phi(x) = ELU(x) + 1 on q and k, the normalised op of
-`k3.ops.linear_attn`, o_proj. The delta-rule layers:
+`k3.ops.linear_attn`, o_proj.
 
-All three share one body (DESIGN.md §3), differing only in the forget gate:
+The three delta-rule layers share one body (DESIGN.md §3) and differ only in the forget gate:
 
     q, k, v = SiLU(ShortConv(W_q x)), SiLU(ShortConv(W_k x)), SiLU(ShortConv(W_v x))   per head, q, k L2-normalised
     beta    = sigmoid(b_proj(x))                                                        write strength [B, T, H]
@@ -17,6 +17,10 @@ All three share one body (DESIGN.md §3), differing only in the forget gate:
 
 Parameter names and shapes follow the Kimi Linear checkpoints (q_proj, q_conv1d, A_log [1, 1, H, 1],
 dt_bias, b_proj, f_a_proj, f_b_proj, g_a_proj, g_b_proj, o_norm, o_proj), so weights map by name.
+
+Three things here are called a gate, each by its own name: the forget gate g (`forget_gate(x)`, the log
+decay the ops take), KDA's formula for it (`kda_gate`: "kimi_linear" or K3's "safe"), and the output
+gate (`output_gate`: its form, "low_rank", "full" or None).
 
 Decoding state lives in a `RecurrentCache` the caller owns: the three convolution states and the
 recurrent state [N, H, K, V], updated in place by `forward`. Its size does not grow with the sequence.
@@ -35,65 +39,50 @@ from ..ops import (
     chunk_delta_rule, chunk_gated_delta_rule, chunk_kda, chunk_linear_attn, recurrent_delta_rule,
     recurrent_gated_delta_rule, recurrent_kda, recurrent_linear_attn,
 )
+from .cache import LayerCache
 from .checks import check_mixer_input
 from .conv import ShortConvolution
-from .norm import upcast
+from .init import init_linear
+from .norm import RMSNorm, upcast
+
+OUTPUT_GATES = (None, "low_rank", "full")
+KDA_GATES = ("kimi_linear", "safe")
 
 
 @dataclass
-class RecurrentCache:
+class RecurrentCache(LayerCache):
     """Decode state of one linear-family layer: conv states (q, k, v) [N, D, W-1] (None for plain
     linear attention) and the recurrent state, [N, H, K, V] (or (S, z) for linear attention)."""
 
     conv_states: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     recurrent_state: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _tensors(self) -> list[torch.Tensor]:
-        state = self.recurrent_state
-        states = [] if state is None else list(state) if isinstance(state, tuple) else [state]
-        return list(self.conv_states or ()) + states
-
-    @property
-    def batch_size(self) -> int | None:
-        tensors = self._tensors()
-        return tensors[0].shape[0] if tensors else None
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors())
+    tensor_fields = ("conv_states", "recurrent_state")  # nothing grows with the sequence
 
 
-class GatedRMSNorm(nn.Module):
-    """RMSNorm over the last dim (each head's V channels) times sigmoid(gate), all in float32."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        h = upcast(x)
-        h = upcast(self.weight) * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
-        if gate is not None:
-            h = h * torch.sigmoid(upcast(gate))
-        return h.to(x.dtype)
+def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
+    return y + torch.log(-torch.expm1(-y))
 
 
-_OPS = {  # gate kind -> (chunk form, recurrent form)
-    None: (chunk_delta_rule, recurrent_delta_rule),
-    "head": (chunk_gated_delta_rule, recurrent_gated_delta_rule),
-    "channel": (chunk_kda, recurrent_kda),
-}
+def init_decay(A_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
+    """A_log = log U(1, 16); dt_bias = inverse-softplus(dt), dt ~ logU(1e-3, 0.1) (Mamba2 / fla)."""
+    with torch.no_grad():
+        A_log.copy_(torch.empty_like(A_log).uniform_(1, 16).log())
+        dt = torch.exp(torch.empty_like(dt_bias).uniform_(math.log(1e-3), math.log(0.1)))
+        dt_bias.copy_(_inverse_softplus(dt))
 
 
 class _DeltaRuleAttention(nn.Module):
-    """Shared body of DeltaNet, GatedDeltaNet and KimiDeltaAttention (see the module docstring)."""
+    """Shared body of DeltaNet, GatedDeltaNet and KimiDeltaAttention (see the module docstring). A
+    subclass names its two ops and adds its forget gate (`_make_forget_gate`, `forget_gate`)."""
 
-    gate_kind: str | None = None
+    chunk_op = staticmethod(chunk_delta_rule)
+    recurrent_op = staticmethod(recurrent_delta_rule)
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, output_gate: str | None = "full",
                  conv_size: int = 4, norm_eps: float = 1e-6, chunk_size: int = 64):
         super().__init__()
-        if output_gate not in (None, "low_rank", "full"):
+        if output_gate not in OUTPUT_GATES:
             raise ValueError(f"{type(self).__name__}: `output_gate` must be None, 'low_rank' or 'full', "
                              f"got {output_gate!r}")
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
@@ -111,10 +100,30 @@ class _DeltaRuleAttention(nn.Module):
             self.g_b_proj = nn.Linear(head_dim, inner, bias=False)
         elif output_gate == "full":
             self.g_proj = nn.Linear(hidden_size, inner, bias=False)
-        self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps)
+        self.o_norm = RMSNorm(head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(inner, hidden_size, bias=False)
+        self._make_forget_gate()
+        self.reset_parameters()
 
-    # -- the forget gate: overridden by the gated variants -----------------------------------------
+    def reset_parameters(self, std: float | None = None, residual_std: float | None = None) -> None:
+        """See k3.layers.init: projections ~ N(0, std), o_proj ~ N(0, residual_std), the short
+        convolutions as nn.Conv1d, o_norm 1, and the forget gate's own (`_reset_forget_gate`)."""
+        gates = {"low_rank": ("g_a_proj", "g_b_proj"), "full": ("g_proj",), None: ()}[self.output_gate]
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *(getattr(self, g) for g in gates)):
+            init_linear(linear, std)
+        init_linear(self.o_proj, std if residual_std is None else residual_std)
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            conv.reset_parameters()
+        self.o_norm.reset_parameters()
+        self._reset_forget_gate(std)
+
+    # -- the forget gate: DeltaNet has none; the gated variants override these three -----------------
+    def _make_forget_gate(self) -> None:
+        pass
+
+    def _reset_forget_gate(self, std: float | None) -> None:
+        pass
+
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor | None:
         """Log decay g in float32: None here, [B, T, H] or [B, T, H, K] in the gated layers."""
         return None
@@ -141,16 +150,15 @@ class _DeltaRuleAttention(nn.Module):
         q, k, v = (upcast(t).view(B, T, H, Dh) for t in (q, k, v))
         beta = torch.sigmoid(upcast(self.b_proj(x)))
         g = self.forget_gate(x)
-
-        chunk, recurrent = _OPS[self.gate_kind]
         gate_args = () if g is None else (g,)
+
         state = None if cache is None else cache.recurrent_state
         if cache is not None and T == 1:
-            o, state = recurrent(q, k, v, *gate_args, beta, initial_state=state, output_final_state=True,
-                                 use_qk_l2norm=True)
+            o, state = self.recurrent_op(q, k, v, *gate_args, beta, initial_state=state, output_final_state=True,
+                                         use_qk_l2norm=True)
         else:
-            o, state = chunk(q, k, v, *gate_args, beta, initial_state=state, output_final_state=keep,
-                             use_qk_l2norm=True, chunk_size=self.chunk_size)
+            o, state = self.chunk_op(q, k, v, *gate_args, beta, initial_state=state, output_final_state=keep,
+                                     use_qk_l2norm=True, chunk_size=self.chunk_size)
         if cache is not None:
             cache.conv_states, cache.recurrent_state = (conv_q, conv_k, conv_v), state
 
@@ -159,37 +167,24 @@ class _DeltaRuleAttention(nn.Module):
         return self.o_proj(o.reshape(B, T, H * Dh).to(x.dtype))
 
 
-def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
-    return y + torch.log(-torch.expm1(-y))
-
-
-def _init_decay(A_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
-    """A_log = log U(1, 16); dt_bias = inverse-softplus(dt), dt ~ logU(1e-3, 0.1) (Mamba2 / fla)."""
-    with torch.no_grad():
-        A_log.copy_(torch.empty_like(A_log).uniform_(1, 16).log())
-        dt = torch.exp(torch.empty_like(dt_bias).uniform_(math.log(1e-3), math.log(0.1)))
-        dt_bias.copy_(_inverse_softplus(dt))
-    A_log._no_weight_decay = True
-    dt_bias._no_weight_decay = True
-
-
 class DeltaNet(_DeltaRuleAttention):
     """DeltaNet: S_t = S_{t-1} + beta_t k_t^T (v_t - k_t S_{t-1}); o_t = scale q_t S_t (no forget gate)."""
-
-    gate_kind = None
 
 
 class GatedDeltaNet(_DeltaRuleAttention):
     """Gated DeltaNet: one decay per head and token, g = -exp(A_log) softplus(a_proj(x) + dt_bias)."""
 
-    gate_kind = "head"
+    chunk_op = staticmethod(chunk_gated_delta_rule)
+    recurrent_op = staticmethod(recurrent_gated_delta_rule)
 
-    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, **kwargs):
-        super().__init__(hidden_size, num_heads, head_dim, **kwargs)
-        self.a_proj = nn.Linear(hidden_size, num_heads, bias=False)
-        self.A_log = nn.Parameter(torch.empty(num_heads))
-        self.dt_bias = nn.Parameter(torch.empty(num_heads))
-        _init_decay(self.A_log, self.dt_bias)
+    def _make_forget_gate(self) -> None:
+        self.a_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
+
+    def _reset_forget_gate(self, std: float | None) -> None:
+        init_linear(self.a_proj, std)
+        init_decay(self.A_log, self.dt_bias)
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         return -torch.exp(upcast(self.A_log)) * F.softplus(upcast(self.a_proj(x)) + upcast(self.dt_bias))
@@ -198,30 +193,39 @@ class GatedDeltaNet(_DeltaRuleAttention):
 class KimiDeltaAttention(_DeltaRuleAttention):
     """KDA: a decay per head, token and key channel from a low-rank forget gate f = f_b(f_a(x)).
 
-    gate="kimi_linear": g = -exp(A_log[h]) softplus(f + dt_bias)         (unbounded below)
-    gate="safe" (K3):   g = -5 sigmoid(exp(A_log[h]) (f + dt_bias))      (every step g >= -5)
+    kda_gate="kimi_linear": g = -exp(A_log[h]) softplus(f + dt_bias)         (unbounded below)
+    kda_gate="safe" (K3):   g = -5 sigmoid(exp(A_log[h]) (f + dt_bias))      (every step g >= -5)
     output_gate defaults to the low-rank g_b(g_a(x)) of Kimi Linear; K3 uses "full".
     """
 
-    gate_kind = "channel"
+    chunk_op = staticmethod(chunk_kda)
+    recurrent_op = staticmethod(recurrent_kda)
 
-    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, gate: str = "kimi_linear",
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, kda_gate: str = "kimi_linear",
                  output_gate: str | None = "low_rank", **kwargs):
-        if gate not in ("kimi_linear", "safe"):
-            raise ValueError(f"KimiDeltaAttention: `gate` must be 'kimi_linear' or 'safe', got {gate!r}")
+        if kda_gate not in KDA_GATES:
+            raise ValueError(f"KimiDeltaAttention: `kda_gate` must be 'kimi_linear' or 'safe', got {kda_gate!r}")
+        self.kda_gate = kda_gate
         super().__init__(hidden_size, num_heads, head_dim, output_gate=output_gate, **kwargs)
-        self.gate = gate
-        self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
-        self.f_b_proj = nn.Linear(head_dim, num_heads * head_dim, bias=False)
-        self.A_log = nn.Parameter(torch.empty(1, 1, num_heads, 1))  # the checkpoints' shape
-        self.dt_bias = nn.Parameter(torch.empty(num_heads * head_dim))
-        _init_decay(self.A_log, self.dt_bias)
+
+    def _make_forget_gate(self) -> None:
+        H, K = self.num_heads, self.head_dim
+        self.f_a_proj = nn.Linear(self.hidden_size, K, bias=False)
+        self.f_b_proj = nn.Linear(K, H * K, bias=False)
+        self.A_log = nn.Parameter(torch.empty(1, 1, H, 1))  # the checkpoints' shape
+        self.dt_bias = nn.Parameter(torch.empty(H * K))
+
+    def _reset_forget_gate(self, std: float | None) -> None:
+        init_linear(self.f_a_proj, std)
+        init_linear(self.f_b_proj, std)
+        init_decay(self.A_log, self.dt_bias)
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden_size] -> log decay g [B, T, H, K] (float32), by the `kda_gate` formula."""
         B, T, _ = x.shape
         f = (upcast(self.f_b_proj(self.f_a_proj(x))) + upcast(self.dt_bias)).view(B, T, self.num_heads, -1)
         rate = torch.exp(upcast(self.A_log))  # [1, 1, H, 1]
-        if self.gate == "safe":
+        if self.kda_gate == "safe":
             return -5.0 * torch.sigmoid(rate * f)
         return -rate * F.softplus(f)
 
@@ -238,6 +242,13 @@ class LinearAttention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, inner, bias=False)
         self.v_proj = nn.Linear(hidden_size, inner, bias=False)
         self.o_proj = nn.Linear(inner, hidden_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float | None = None, residual_std: float | None = None) -> None:
+        """See k3.layers.init: q, k, v ~ N(0, std), o_proj ~ N(0, residual_std)."""
+        for linear in (self.q_proj, self.k_proj, self.v_proj):
+            init_linear(linear, std)
+        init_linear(self.o_proj, std if residual_std is None else residual_std)
 
     def forward(self, x: torch.Tensor, cache: RecurrentCache | None = None) -> torch.Tensor:
         """x [B, T, hidden_size] -> y [B, T, hidden_size]; with `cache`, continue from (S, z) and update it."""

@@ -21,27 +21,26 @@ import torch
 from torch import nn
 
 from ..ops import attention
+from .cache import LayerCache
 from .checks import check_mixer_input
+from .init import init_linear
 from .norm import RMSNorm, upcast
+
+OUTPUT_GATES = (None, "full")
 
 
 @dataclass
-class LatentCache:
+class LatentCache(LayerCache):
     """MLA decode cache of one layer: the normalised latents c [B, S, r] and the shared keys k_pe [B, S, dr]."""
 
     c: torch.Tensor | None = None
     k_pe: torch.Tensor | None = None
 
+    tensor_fields = sequence_fields = ("c", "k_pe")
+
     @property
     def length(self) -> int:
         return 0 if self.c is None else self.c.shape[1]
-
-    @property
-    def batch_size(self) -> int | None:
-        return None if self.c is None else self.c.shape[0]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.c, self.k_pe) if t is not None)
 
 
 def rotate_half_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -59,12 +58,15 @@ def rotate_half_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> 
 
 class MultiHeadLatentAttention(nn.Module):
     """MLA with optional query LoRA, optional RoPE on the shared key part, and an optional sigmoid
-    output gate (gated MLA). Parameter names follow the Kimi Linear / DeepSeek checkpoints."""
+    output gate (gated MLA: `output_gate="full"`, a full-rank g_proj as the linear family's "full").
+    Parameter names follow the Kimi Linear / DeepSeek checkpoints."""
 
     def __init__(self, hidden_size: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
-                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, output_gate: bool = False,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, output_gate: str | None = None,
                  rope_theta: float | None = None, norm_eps: float = 1e-6):
         super().__init__()
+        if output_gate not in OUTPUT_GATES:
+            raise ValueError(f"MultiHeadLatentAttention: `output_gate` must be None or 'full', got {output_gate!r}")
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.dn, self.dr, self.dv = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
@@ -82,6 +84,17 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.g_proj = nn.Linear(hidden_size, num_heads * v_head_dim, bias=False) if output_gate else None
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float | None = None, residual_std: float | None = None) -> None:
+        """See k3.layers.init: projections ~ N(0, std), o_proj ~ N(0, residual_std), latent norms 1."""
+        queries = (self.q_proj,) if self.q_lora_rank is None else (self.q_a_proj, self.q_b_proj)
+        gate = () if self.g_proj is None else (self.g_proj,)
+        for linear in (*queries, self.kv_a_proj_with_mqa, self.kv_b_proj, *gate):
+            init_linear(linear, std)
+        init_linear(self.o_proj, std if residual_std is None else residual_std)
+        for norm in (self.kv_a_layernorm,) + (() if self.q_lora_rank is None else (self.q_a_layernorm,)):
+            norm.reset_parameters()
 
     def _queries_and_latents(self, x: torch.Tensor, past: int):
         B, T, _ = x.shape
@@ -128,17 +141,32 @@ class MultiHeadLatentAttention(nn.Module):
         o, _ = attention(q, k[:, past:], v[:, past:], scale=self.scale, initial_state=past_kv)
         return o  # [B, T, H, dv]
 
-    def _absorbed(self, q, c_all, k_pe_all, past: int) -> torch.Tensor:
-        """Attention against the latents: scores = (W_uk^T q_nope) . c + q_pe . k_pe, o = W_uv (p . c)."""
-        H = self.num_heads
-        w = self.kv_b_proj.weight.view(H, self.dn + self.dv, self.kv_lora_rank)
-        w_uk, w_uv = w[:, : self.dn], w[:, self.dn:]  # [H, dn, r], [H, dv, r]
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b's two halves per head: W_uk [H, dn, r] (latent -> key) and W_uv [H, dv, r] (latent -> value)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.kv_lora_rank)
+        return w[:, : self.dn], w[:, self.dn:]
+
+    def _latent_probs(self, q, c_all, k_pe_all, past: int) -> torch.Tensor:
+        """Causal attention probabilities [B, H, T, S] (in q's dtype) against the latents, with
+        scores = (W_uk^T q_nope) . c + q_pe . k_pe: query i sits at position past + i."""
+        w_uk, _ = self._absorbed_weights()
         q_nope, q_pe = q[..., : self.dn], q[..., self.dn:]
         q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)  # [B, T, H, r]
         scores = (torch.einsum("bthr,bsr->bhts", q_latent, c_all)
                   + torch.einsum("bthd,bsd->bhts", q_pe, k_pe_all)) * self.scale
         T, S = q.shape[1], c_all.shape[1]
         allowed = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(past)
-        probs = torch.softmax(upcast(scores).masked_fill(~allowed, float("-inf")), dim=-1).to(q.dtype)
-        o_latent = torch.einsum("bhts,bsr->bthr", probs, c_all)  # [B, T, H, r]
+        return torch.softmax(upcast(scores).masked_fill(~allowed, float("-inf")), dim=-1).to(q.dtype)
+
+    def _absorbed(self, q, c_all, k_pe_all, past: int) -> torch.Tensor:
+        """Attention against the latents: o = W_uv (p . c) with p from `_latent_probs`."""
+        _, w_uv = self._absorbed_weights()
+        o_latent = torch.einsum("bhts,bsr->bthr", self._latent_probs(q, c_all, k_pe_all, past), c_all)  # [B, T, H, r]
         return torch.einsum("bthr,hvr->bthv", o_latent, w_uv)  # [B, T, H, dv]
+
+    def attention_probs(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden_size] -> the attention probabilities [B, H, T, T] of each head over the sequence
+        (causal, no cache): the absorbed path's own softmax, which `forward` decodes with."""
+        check_mixer_input("MultiHeadLatentAttention", x, self.hidden_size, None)
+        q, c, k_pe = self._queries_and_latents(x, 0)
+        return self._latent_probs(q, c, k_pe, past=0)

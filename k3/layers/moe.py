@@ -14,6 +14,9 @@ Output = routed + shared.
 
 Balancing: after each training step, `update_bias(load)` moves each expert's correction bias by
 +rate if it received fewer tokens than the mean and by -rate if more (the bias never enters w).
+The router's checkpoint name is `gate` (`block_sparse_moe.gate.weight`, as in Kimi Linear and DeepSeek);
+in code it is `MoE.router`, a `Router`: "gate" in k3 means the KDA forget gate and the output gates.
+
 Dispatch (`RoutedExperts`) groups tokens by expert (one sort), so the cost follows the k chosen experts,
 not all E. It is a module of its own so that expert parallelism (k3.training.distributed) plugs in
 from outside: a process keeps a slice of the experts, and hooks on this module gather the tokens
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ffn import GatedMLP, situ
+from .init import init_linear
 from .norm import RMSNorm, upcast
 
 
@@ -44,9 +48,20 @@ class Expert(nn.Module):
         self.w1 = nn.Parameter(torch.empty(hidden, dim))
         self.w3 = nn.Parameter(torch.empty(hidden, dim))
         self.w2 = nn.Parameter(torch.empty(dim, hidden))
-        if not self.w1.is_meta:  # nn.Linear's default init (skipped on meta: K3 builds there)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float | None = None, residual_std: float | None = None) -> None:
+        """See k3.layers.init: w1, w3 ~ N(0, std), the output w2 ~ N(0, residual_std). Skipped on the
+        meta device, where Kimi K3's 82,432 experts are built only to be counted."""
+        if self.w1.is_meta:
+            return
+        if std is None:  # nn.Linear's default for each matrix
             for w in (self.w1, self.w3, self.w2):
                 nn.init.uniform_(w, -w.shape[1] ** -0.5, w.shape[1] ** -0.5)
+            return
+        nn.init.normal_(self.w1, std=std)
+        nn.init.normal_(self.w3, std=std)
+        nn.init.normal_(self.w2, std=std if residual_std is None else residual_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.w1), F.linear(x, self.w3)
@@ -64,13 +79,30 @@ class Router(nn.Module):
             raise ValueError(f"Router: `top_k` must be in [1, num_experts = {num_experts}], got {top_k}")
         self.top_k, self.routed_scaling_factor = top_k, routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
-        nn.init.normal_(self.weight, std=dim ** -0.5)
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float | None = None) -> None:
+        """Router weight ~ N(0, std) (None: std = dim^-1/2); the correction bias starts at zero (it is
+        state, not a parameter)."""
+        nn.init.normal_(self.weight, std=self.weight.shape[1] ** -0.5 if std is None else std)
+        nn.init.zeros_(self.e_score_correction_bias)
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, d] -> the sigmoid affinity of every token for every expert, [N, E] in float32."""
+        return torch.sigmoid(F.linear(upcast(x), upcast(self.weight)))
+
+    def choose(self, scores: torch.Tensor, balanced: bool = True) -> torch.Tensor:
+        """The top-k experts [N, k] by `scores` [N, E] plus the correction bias (balanced=False: by the
+        bare scores, which the bias exists to correct)."""
+        if balanced:
+            scores = scores + self.e_score_correction_bias.to(scores.dtype)
+        return scores.topk(self.top_k, dim=-1).indices
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, d] -> (expert indices [N, k], weights [N, k] in float32)."""
-        scores = torch.sigmoid(F.linear(upcast(x), upcast(self.weight)))  # [N, E]
-        chosen = (scores + self.e_score_correction_bias.to(scores.dtype)).topk(self.top_k, dim=-1).indices
+        scores = self.scores(x)  # [N, E]
+        chosen = self.choose(scores)
         weights = scores.gather(-1, chosen)
         weights = weights / weights.sum(-1, keepdim=True) * self.routed_scaling_factor
         return chosen, weights
@@ -122,12 +154,33 @@ class MoE(nn.Module):
             self.latent_up_proj = nn.Linear(latent_dim, dim, bias=False)
         self.latent_dim = latent_dim
         self.last_load: torch.Tensor | None = None  # tokens routed to each expert by the last forward
+        self.reset_parameters()
+
+    @property
+    def router(self) -> Router:
+        """The router (stored as `gate`, the checkpoints' name)."""
+        return self.gate
+
+    def reset_parameters(self, std: float | None = None, residual_std: float | None = None) -> None:
+        """See k3.layers.init: the router, experts, shared experts and latent projections; the latent
+        up-projection and the experts' w2 write into the residual stream (residual_std)."""
+        residual_std = std if residual_std is None else residual_std
+        self.router.reset_parameters(std)
+        for expert in self.experts:
+            if expert is not None:  # None: held by another process (expert parallelism)
+                expert.reset_parameters(std, residual_std)
+        if self.shared_experts is not None:
+            self.shared_experts.reset_parameters(std, residual_std)
+        if self.latent_dim is not None:
+            init_linear(self.latent_down_proj, std)
+            self.latent_norm.reset_parameters()
+            init_linear(self.latent_up_proj, residual_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] -> [..., dim]."""
         shape = x.shape
         h = x.reshape(-1, shape[-1])
-        chosen, weights = self.gate(h)
+        chosen, weights = self.router(h)
         self.last_load = torch.bincount(chosen.flatten(), minlength=len(self.experts))
         z = h if self.latent_dim is None else self.latent_down_proj(h)
         routed = self.experts(z, chosen, weights, self.last_load)
@@ -144,4 +197,4 @@ class MoE(nn.Module):
         if load is None:
             raise ValueError("MoE.update_bias: no `load` given and no forward has run yet")
         load = load.float()
-        self.gate.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+        self.router.e_score_correction_bias += rate * torch.sign(load.mean() - load)

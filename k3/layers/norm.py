@@ -1,4 +1,6 @@
-"""RMSNorm: x / sqrt(mean(x^2) + eps) * weight, normalised in float32 (as Kimi Linear / DeepSeek do)."""
+"""RMSNorm: x / sqrt(mean(x^2) + eps) * weight, normalised in float32 (as Kimi Linear / DeepSeek do), and
+optionally gated: the linear family's output norm multiplies each head's normalised output by
+sigmoid(output gate)."""
 
 from __future__ import annotations
 
@@ -14,20 +16,29 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension, with a learned per-channel `weight` (init 1).
 
-    The statistics are taken in float32 whatever the input dtype; the result is cast back to the input
-    dtype before the weight is applied (the transformers Kimi Linear order)."""
+    The statistics are taken in float32 whatever the input dtype. Without a gate the result is cast back
+    to the input dtype before the weight is applied (the transformers Kimi Linear order); with one,
+    `weight * norm(x) * sigmoid(gate)` is formed in float32 and then cast (fla's FusedRMSNormGated)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         if dim <= 0:
             raise ValueError(f"RMSNorm: `dim` must be positive, got {dim}")
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., dim]
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., dim] (and gate [..., dim] when given) -> [..., dim] in x's dtype."""
         h = upcast(x)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        if gate is None:
+            return self.weight * h.to(x.dtype)
+        return (upcast(self.weight) * h * torch.sigmoid(upcast(gate))).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+

@@ -128,10 +128,9 @@ def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: st
     model.load_state_dict(state, strict=True)
 
 
-def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None):
-    """Build the model described by path/config.json and load its weights (k3 or Kimi layout)."""
-    from .model import CausalLM
-
+def read_pretrained(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The config described by path/config.json and its weights under k3's names (k3 or Kimi layout),
+    ready for `load_into` (`CausalLM.from_pretrained`)."""
     directory = Path(path)
     config, native = read_config(directory)
     state = read_safetensors(directory)
@@ -139,9 +138,7 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None):
         state = convert_kimi_state_dict(state, config)
     elif state and all(k.startswith("k3.") for k in state):  # saved by k3.hf.K3ForCausalLM (transformers)
         state = {k[len("k3."):]: t for k, t in state.items()}
-    model = CausalLM(config)
-    load_into(model, restore_tied_head(state, config.tie_word_embeddings), str(directory))
-    return model if dtype is None else model.to(dtype)
+    return config, restore_tied_head(state, config.tie_word_embeddings)
 
 
 def save_pretrained(model, path: str | os.PathLike) -> None:

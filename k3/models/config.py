@@ -8,6 +8,7 @@ feed-forward `mlp_types[i]`:
     FFNs    "dense" (GELU MLP for GPT-2, else a gated MLP)   "moe" (mixture of experts)
 
 Everything else is sizes and switches; `validate()` runs on construction and names the field at fault.
+What each kind requires of these fields is checked by the kind itself (`k3.models.kinds`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-MIXERS = ("mha", "linear_attn", "deltanet", "gated_deltanet", "kda", "mla")
-LINEAR_MIXERS = ("linear_attn", "deltanet", "gated_deltanet", "kda")
-FFNS = ("dense", "moe")
+from . import kinds
+from .hf_config import fields_from_hf
+
+MIXERS = tuple(kinds.MIXERS)
+LINEAR_MIXERS = tuple(name for name, kind in kinds.MIXERS.items() if kind.fixed_state)
+FFNS = tuple(kinds.FFNS)
 
 
 @dataclass
@@ -95,33 +99,12 @@ class ModelConfig:
         need(self.kda_gate in ("kimi_linear", "safe"), f"`kda_gate` must be 'kimi_linear' or 'safe', got {self.kda_gate!r}")
         need(self.linear_output_gate in (None, "low_rank", "full"),
              f"`linear_output_gate` must be None, 'low_rank' or 'full', got {self.linear_output_gate!r}")
-        if "mha" in self.layer_types:
-            need(self.num_heads > 0 and self.hidden_size % self.num_heads == 0,
-                 f"`hidden_size` ({self.hidden_size}) must be divisible by `num_heads` ({self.num_heads})",
-                 "pick a head count that divides the width")
-        if any(t in LINEAR_MIXERS for t in self.layer_types):
-            need(self.linear_num_heads > 0 and self.linear_head_dim > 0,
-                 f"`linear_num_heads` and `linear_head_dim` must be positive, got "
-                 f"{self.linear_num_heads} and {self.linear_head_dim}")
-            need(self.conv_size >= 1, f"`conv_size` must be >= 1, got {self.conv_size}")
-        if "mla" in self.layer_types:
-            need(self.num_heads > 0, f"`num_heads` must be positive, got {self.num_heads}")
-            for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
-                need(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
-            need(self.qk_rope_head_dim >= 0, f"`qk_rope_head_dim` must be >= 0, got {self.qk_rope_head_dim}")
-            need(self.q_lora_rank is None or self.q_lora_rank > 0,
-                 f"`q_lora_rank` must be None or positive, got {self.q_lora_rank}")
-        if "moe" in self.mlp_types:
-            need(self.num_experts > 0 and self.moe_intermediate_size > 0,
-                 f"MoE layers need `num_experts` and `moe_intermediate_size` > 0, got "
-                 f"{self.num_experts} and {self.moe_intermediate_size}")
-            need(1 <= self.num_experts_per_tok <= self.num_experts,
-                 f"`num_experts_per_tok` ({self.num_experts_per_tok}) must be in [1, num_experts = "
-                 f"{self.num_experts}]", "lower top-k or add experts")
-            need(self.num_shared_experts >= 0, f"`num_shared_experts` must be >= 0, got {self.num_shared_experts}")
-            need(self.ffn_activation != "gelu", "MoE experts are gated: `ffn_activation` must be 'swiglu' or 'situ'")
-            need(self.moe_latent_size is None or self.moe_latent_size > 0,
-                 f"`moe_latent_size` must be None or positive, got {self.moe_latent_size}")
+        for name in dict.fromkeys(self.layer_types):
+            for problem in kinds.MIXERS[name].check(self):
+                need(False, problem)
+        for name in dict.fromkeys(self.mlp_types):
+            for problem in kinds.FFNS[name].check(self):
+                need(False, problem)
         if self.norm == "layernorm" or self.ffn_activation == "gelu" or self.max_position_embeddings:
             need(set(self.layer_types) <= {"mha"},
                  "LayerNorm, GELU MLP and learned positions are GPT-2's: they go with 'mha' layers only")
@@ -149,7 +132,5 @@ class ModelConfig:
     def from_hf(cls, hf: dict) -> "ModelConfig":
         """Read a Kimi Linear / Kimi K3 `config.json` (the Hub's or transformers' spelling; a nested
         `text_config` is used when present). See `k3.models.hf_config` for the field mapping."""
-        from .hf_config import config_from_hf
-
-        return config_from_hf(hf)
+        return cls(**fields_from_hf(hf))
 

@@ -1,4 +1,4 @@
-"""Read a Kimi Linear / Kimi K3 `config.json` into a ModelConfig.
+"""Read a Kimi Linear / Kimi K3 `config.json` into ModelConfig fields, and write one.
 
 Both spellings of Kimi Linear are read: the Hub's (`linear_attn_config` with 1-based `full_attn_layers`
 / `kda_layers`, `first_k_dense_replace`, `num_experts`, `num_experts_per_token`, `num_shared_experts`)
@@ -9,11 +9,11 @@ Kimi K3's own fields are not public in a config.json; k3 reads them under these 
 them so in its checkpoints): `linear_lower_bound` (the safe KDA gate g = lower_bound * sigmoid(.);
 K3: -5), `use_full_rank_gate` (full-rank KDA output gate), `mla_use_output_gate` (gated MLA),
 `moe_latent_size`, `hidden_act: "situ"` with `situ_beta` / `situ_linear_beta`, `attn_res_block_size`.
+
+`ModelConfig.from_hf` builds a config from `fields_from_hf`; the writers take any ModelConfig.
 """
 
 from __future__ import annotations
-
-from .config import ModelConfig
 
 
 def _first(d: dict, *names, default=None):
@@ -53,7 +53,8 @@ def _mlp_types(cfg: dict, n: int) -> list[str]:
     return ["moe" if i >= first_dense and i % freq == 0 else "dense" for i in range(n)]
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
+def fields_from_hf(hf: dict) -> dict:
+    """The ModelConfig fields (a dict for `ModelConfig(**fields)`) that a Kimi config.json describes."""
     cfg = hf.get("text_config") or hf
     if not isinstance(cfg, dict):
         raise ValueError(f"ModelConfig.from_hf: expected a dict (a parsed config.json), got {type(cfg).__name__}")
@@ -76,7 +77,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     lower = cfg.get("linear_lower_bound")
     if lower is not None and lower != -5:
         raise ValueError(f"ModelConfig.from_hf: k3's safe KDA gate is g = -5 sigmoid(.); got `linear_lower_bound` {lower}")
-    return ModelConfig(
+    return dict(
         name=hf.get("_name_or_path") or cfg.get("model_type", "hf"),
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], num_layers=n,
         layer_types=_layer_types(cfg, n), mlp_types=_mlp_types(cfg, n),
@@ -104,7 +105,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     )
 
 
-def config_to_hf(config: ModelConfig) -> dict:
+def config_to_hf(config) -> dict:
     """The Kimi Linear `config.json` fields (Hub spelling) for a KDA/MLA config; K3 fields as above."""
     c = config
     if not set(c.layer_types) <= {"kda", "mla"} or c.norm != "rmsnorm":
@@ -146,7 +147,7 @@ def config_to_hf(config: ModelConfig) -> dict:
     return out
 
 
-def kimi_linear_config(config: ModelConfig) -> dict:
+def kimi_linear_config(config) -> dict:
     """config_to_hf for a model that Kimi Linear's code (transformers' KimiLinearForCausalLM) computes
     exactly as k3 does; anything else is refused, naming what Kimi Linear's format cannot express
     (the K3 fields above are k3's extension: Kimi Linear's code ignores them)."""

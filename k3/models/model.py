@@ -6,13 +6,14 @@
 
 With Block Attention Residuals (Kimi K3) the residual stream is replaced by depth attention: each
 sub-layer reads h = attn_res(sources) over sources = [embedding, completed block sums, the current
-block's partial sum]; its output is added to the partial sum; a new block starts every
-`attn_res_block_size` layers (the embedding is snapshotted as the first source at layer 0), and the
-final norm reads final_res(sources).
+block's partial sum] instead of x; its output is added to the partial sum. The first layer of every
+block of `attn_res_block_size` layers (layers 0, B, 2B, ...) turns the running sum into a source of its
+own (at layer 0: the embedding) and starts a new one; the final norm reads final_res(sources).
 
-Parameter names follow the Kimi Linear checkpoints: model.embed_tokens, model.layers.N.self_attn,
-.input_layernorm, .post_attention_layernorm, .mlp (dense) or .block_sparse_moe (MoE), model.norm,
-lm_head. AttnRes adds model.layers.N.attn_res / .mlp_res and model.final_res.
+Each layer's mixer and FFN come from the kinds tables (`k3.models.kinds`). Parameter names follow the
+Kimi Linear checkpoints: model.embed_tokens, model.layers.N.self_attn, .input_layernorm,
+.post_attention_layernorm, .mlp (dense) or .block_sparse_moe (MoE), model.norm, lm_head. AttnRes adds
+model.layers.N.attn_res / .mlp_res and model.final_res.
 """
 
 from __future__ import annotations
@@ -23,46 +24,12 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ..layers import (
-    BlockAttnRes, DeltaNet, Expert, GatedDeltaNet, GatedMLP, GeluMLP, KimiDeltaAttention, KVCache, LatentCache,
-    LinearAttention, MoE, MultiHeadAttention, MultiHeadLatentAttention, RecurrentCache, RMSNorm, Router,
-)
+from .. import generation
+from ..layers import BlockAttnRes, MoE, RMSNorm
+from ..layers.init import STD
+from . import checkpoint
 from .config import ModelConfig
-
-_RESIDUAL_OUTPUTS = ("o_proj", "c_proj", "down_proj", "latent_up_proj")
-
-
-def build_mixer(config: ModelConfig, kind: str) -> nn.Module:
-    c = config
-    if kind == "mha":
-        return MultiHeadAttention(c.hidden_size, c.num_heads)
-    if kind == "mla":
-        return MultiHeadLatentAttention(
-            c.hidden_size, c.num_heads, q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
-            qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
-            # the latent norms keep DeepSeek's eps 1e-6 whatever rms_norm_eps says, as Kimi Linear does
-            output_gate=c.mla_output_gate, rope_theta=c.rope_theta, norm_eps=1e-6)
-    if kind == "linear_attn":
-        return LinearAttention(c.hidden_size, c.linear_num_heads, c.linear_head_dim, chunk_size=c.chunk_size)
-    common = dict(output_gate=c.linear_output_gate, conv_size=c.conv_size, norm_eps=c.norm_eps,
-                  chunk_size=c.chunk_size)
-    if kind == "deltanet":
-        return DeltaNet(c.hidden_size, c.linear_num_heads, c.linear_head_dim, **common)
-    if kind == "gated_deltanet":
-        return GatedDeltaNet(c.hidden_size, c.linear_num_heads, c.linear_head_dim, **common)
-    return KimiDeltaAttention(c.hidden_size, c.linear_num_heads, c.linear_head_dim, gate=c.kda_gate, **common)
-
-
-def build_ffn(config: ModelConfig, kind: str) -> nn.Module:
-    c = config
-    if kind == "moe":
-        return MoE(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
-                   num_shared=c.num_shared_experts, latent_dim=c.moe_latent_size, activation=c.ffn_activation,
-                   situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta,
-                   routed_scaling_factor=c.routed_scaling_factor, norm_eps=c.norm_eps)
-    if c.ffn_activation == "gelu":
-        return GeluMLP(c.hidden_size, c.intermediate_size)
-    return GatedMLP(c.hidden_size, c.intermediate_size, c.ffn_activation, c.situ_beta, c.situ_linear_beta)
+from .kinds import FFNS, MIXERS
 
 
 def build_norm(config: ModelConfig, dim: int) -> nn.Module:
@@ -71,22 +38,35 @@ def build_norm(config: ModelConfig, dim: int) -> nn.Module:
     return RMSNorm(dim, eps=config.norm_eps)
 
 
-def new_layer_cache(kind: str):
-    if kind == "mha":
-        return KVCache()
-    if kind == "mla":
-        return LatentCache()
-    return RecurrentCache()
+def starts_attn_res_block(config: ModelConfig, index: int) -> bool:
+    """Whether decoder layer `index` starts a Block AttnRes block (and so makes the running sum a source)."""
+    return config.attn_res_block_size is not None and index % config.attn_res_block_size == 0
+
+
+def attn_res_source_counts(config: ModelConfig) -> list[int]:
+    """How many sources each AttnRes mix reads, in the order the decoder runs them: before attention and
+    before the FFN of every layer, then the final one ([] without AttnRes)."""
+    if config.attn_res_block_size is None:
+        return []
+    blocks, counts = 0, []
+    for i in range(config.num_layers):
+        if starts_attn_res_block(config, i):
+            blocks += 1
+            counts.append(blocks)  # the completed sources only: the new running sum is still empty
+        else:
+            counts.append(blocks + 1)
+        counts.append(blocks + 1)
+    return counts + [blocks + 1]
 
 
 class HybridCache:
-    """Decode state of a whole model: per layer a KVCache (MHA), LatentCache (MLA: c and k_pe only) or
-    RecurrentCache (linear family: conv states and the fixed-size recurrent state). Updated in place by
-    every forward; `length` counts the tokens it has seen."""
+    """Decode state of a whole model: per layer the cache of its mixer kind, a KVCache (MHA), LatentCache
+    (MLA: c and k_pe only) or RecurrentCache (linear family: conv states and the fixed-size recurrent
+    state). Updated in place by every forward; `length` counts the tokens it has seen."""
 
     def __init__(self, config: ModelConfig, batch_size: int):
         self.config, self.batch_size, self.length = config, batch_size, 0
-        self.layers = [new_layer_cache(kind) for kind in config.layer_types]
+        self.layers = [MIXERS[kind].new_cache() for kind in config.layer_types]
 
     def nbytes(self) -> int:
         """Bytes held by all layers' caches."""
@@ -109,31 +89,39 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int):
         super().__init__()
         self.layer_type, self.mlp_type = config.layer_types[index], config.mlp_types[index]
+        self.starts_block = starts_attn_res_block(config, index)
         self.input_layernorm = build_norm(config, config.hidden_size)
-        self.self_attn = build_mixer(config, self.layer_type)
+        self.self_attn = MIXERS[self.layer_type].build(config)
         self.post_attention_layernorm = build_norm(config, config.hidden_size)
-        ffn = build_ffn(config, self.mlp_type)
-        if self.mlp_type == "moe":
-            self.block_sparse_moe = ffn
-        else:
-            self.mlp = ffn
+        ffn = FFNS[self.mlp_type]
+        setattr(self, ffn.attribute, ffn.build(config))
+        self._ffn_attribute = ffn.attribute
+        self.attn_res = self.mlp_res = None
         if config.attn_res_block_size is not None:
             self.attn_res = BlockAttnRes(config.hidden_size, eps=config.norm_eps)
             self.mlp_res = BlockAttnRes(config.hidden_size, eps=config.norm_eps)
 
     @property
     def ffn(self) -> nn.Module:
-        return self.block_sparse_moe if self.mlp_type == "moe" else self.mlp
+        """The feed-forward block: `mlp` (dense) or `block_sparse_moe` (MoE)."""
+        return getattr(self, self._ffn_attribute)
 
-    def attention_output(self, h: torch.Tensor, cache=None) -> torch.Tensor:
-        return self.self_attn(self.input_layernorm(h), cache=cache)
+    def forward(self, x: torch.Tensor | None, cache=None, blocks: list[torch.Tensor] = ()) -> torch.Tensor:
+        """The whole layer: x [B, T, d] -> x + attention, then + FFN (pre-norm), updating `cache`.
 
-    def ffn_output(self, h: torch.Tensor) -> torch.Tensor:
-        return self.ffn(self.post_attention_layernorm(h))
+        With Block AttnRes, x is the current block's partial sum (None in a block's first layer, where
+        the decoder has just made the previous sum a source) and `blocks` the completed sources; each
+        sub-layer reads a depth mix of [*blocks, x] instead of x. Returns the new partial sum."""
+        h = self._read(self.attn_res, blocks, x)
+        out = self.self_attn(self.input_layernorm(h), cache=cache)
+        x = out if x is None else x + out
+        return x + self.ffn(self.post_attention_layernorm(self._read(self.mlp_res, blocks, x)))
 
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
-        x = x + self.attention_output(x, cache)
-        return x + self.ffn_output(x)
+    @staticmethod
+    def _read(mix: BlockAttnRes | None, blocks: list[torch.Tensor], x: torch.Tensor | None) -> torch.Tensor:
+        if mix is None:  # a plain residual stream
+            return x
+        return mix(list(blocks) if x is None else [*blocks, x])
 
 
 class Decoder(nn.Module):
@@ -146,6 +134,7 @@ class Decoder(nn.Module):
         if config.max_position_embeddings:
             self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.final_res = None
         if config.attn_res_block_size is not None:
             self.final_res = BlockAttnRes(config.hidden_size, eps=config.norm_eps)
         self.norm = build_norm(config, config.hidden_size)
@@ -155,27 +144,14 @@ class Decoder(nn.Module):
         if self.config.max_position_embeddings:
             T = input_ids.shape[1]
             x = x + self.embed_positions(torch.arange(past, past + T, device=input_ids.device))
-        caches = caches or [None] * len(self.layers)
-        if self.config.attn_res_block_size is None:
-            for layer, cache in zip(self.layers, caches):
-                x = layer(x, cache)
-            return self.norm(x)
-        return self.norm(self._attn_res_forward(x, caches))
-
-    def _attn_res_forward(self, x: torch.Tensor, caches: list) -> torch.Tensor:
-        """Block Attention Residuals: sub-layers read depth mixes of [embedding, block sums, partial]."""
-        block = self.config.attn_res_block_size
-        blocks: list[torch.Tensor] = []
-        partial: torch.Tensor | None = x
-        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-            h = layer.attn_res(blocks + [partial])
-            if i % block == 0:  # block boundary: the running sum becomes a source of its own
-                blocks.append(partial)
-                partial = None
-            out = layer.attention_output(h, cache)
-            partial = out if partial is None else partial + out
-            partial = partial + layer.ffn_output(layer.mlp_res(blocks + [partial]))
-        return self.final_res(blocks + [partial])
+        blocks: list[torch.Tensor] = []  # Block AttnRes: the completed sources, the embedding first
+        for layer, cache in zip(self.layers, caches or [None] * len(self.layers)):
+            if layer.starts_block:  # the running sum becomes a source of its own
+                blocks, x = blocks + [x], None
+            x = layer(x, cache, blocks)
+        if self.final_res is not None:
+            x = self.final_res(blocks + [x])
+        return self.norm(x)
 
 
 class CausalLM(nn.Module):
@@ -192,27 +168,28 @@ class CausalLM(nn.Module):
 
     # -- initialisation -------------------------------------------------------------------------------
     @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02) -> None:
-        """GPT-2 style: weights ~ N(0, std), biases 0, the projections that write into the residual
-        stream scaled by 1/sqrt(2 * num_layers); norms 1; each layer's own special initialisation is
-        kept (A_log, dt_bias, short convolutions, AttnRes queries at zero). No-op on the meta device."""
+    def reset_parameters(self, std: float = STD) -> None:
+        """GPT-2's scheme (k3.layers.init): embeddings and projections ~ N(0, std), the projections that
+        write into the residual stream ~ N(0, std / sqrt(2 * num_layers)), norms 1; each layer sets its
+        own parameters, special ones included. No-op on the meta device."""
         if self.lm_head.weight.is_meta:
             return
-        out_std = std / math.sqrt(2 * self.config.num_layers)
-        for name, module in self.named_modules():
-            leaf = name.rsplit(".", 1)[-1]
-            if isinstance(module, nn.Linear) and not name.endswith(("attn_res.proj", "mlp_res.proj", "final_res.proj")):
-                nn.init.normal_(module.weight, std=out_std if leaf in _RESIDUAL_OUTPUTS else std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=std)
-            elif isinstance(module, Expert):
-                nn.init.normal_(module.w1, std=std)
-                nn.init.normal_(module.w3, std=std)
-                nn.init.normal_(module.w2, std=out_std)
-            elif isinstance(module, Router):
-                nn.init.normal_(module.weight, std=std)
+        residual_std = std / math.sqrt(2 * self.config.num_layers)
+        decoder = self.model
+        for embedding in (decoder.embed_tokens, getattr(decoder, "embed_positions", None)):
+            if embedding is not None:
+                nn.init.normal_(embedding.weight, std=std)
+        for layer in decoder.layers:
+            layer.self_attn.reset_parameters(std, residual_std)
+            layer.ffn.reset_parameters(std, residual_std)
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm, layer.attn_res, layer.mlp_res):
+                if norm is not None:
+                    norm.reset_parameters()
+        for norm in (decoder.norm, decoder.final_res):
+            if norm is not None:
+                norm.reset_parameters()
+        if not self.config.tie_word_embeddings:
+            nn.init.normal_(self.lm_head.weight, std=std)
 
     # -- inference ----------------------------------------------------------------------------------
     def new_cache(self, batch_size: int) -> HybridCache:
@@ -260,32 +237,27 @@ class CausalLM(nn.Module):
                  generator: torch.Generator | None = None) -> torch.Tensor:
         """Prompt [B, T] -> [B, T + n] with n <= max_new_tokens sampled tokens (temperature 0: greedy).
         Stops early once every sequence has produced `eos_token_id` (later positions repeat it)."""
-        from ..generation import generate
-
-        return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator)
+        return generation.generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator)
 
     def stream(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
                generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
         """As `generate`, yielding each new token [B] as soon as it is sampled."""
-        from ..generation import stream
-
-        return stream(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator)
+        return generation.stream(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator)
 
     # -- weights in and out ---------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | None = None) -> "CausalLM":
         """Load a k3 checkpoint or a Kimi Linear / Kimi K3 checkpoint (Hub or transformers layout)
         from a directory with config.json and safetensors weights."""
-        from .checkpoint import from_pretrained
-
-        return from_pretrained(path, dtype)
+        config, state = checkpoint.read_pretrained(path)
+        model = cls(config)
+        checkpoint.load_into(model, state, str(path))
+        return model if dtype is None else model.to(dtype)
 
     def save_pretrained(self, path) -> None:
         """Write config.json and model.safetensors (k3 layout), never leaving a half-written file."""
-        from .checkpoint import save_pretrained
-
-        save_pretrained(self, path)
+        checkpoint.save_pretrained(self, path)
 
     # -- training helpers ---------------------------------------------------------------------------
     def moe_layers(self) -> list[MoE]:

@@ -1,15 +1,17 @@
 """Parameter and memory accounting from a ModelConfig alone (no module is built): where the
 parameters go, how many one token activates, and what decoding keeps per token and per sequence.
 
-Each formula mirrors the constructor of its layer; tests check the totals against real modules
-(tiny presets) and modules on the meta device (full presets).
+The per-layer figures come from the kinds tables (`k3.models.kinds`), whose formulas mirror the
+layers' constructors; tests check the totals against real modules (tiny presets) and modules on the
+meta device (full presets).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .config import LINEAR_MIXERS, ModelConfig
+from .config import ModelConfig
+from .kinds import FFNS, MIXERS
 
 GPT2_PARAMS = 124_475_904  # `gpt2` preset (vocab 50304, tied head)
 ARTICLE_GPT2_RATIO = 22_580  # the article's "how many GPT-2s fit in Kimi K3"
@@ -25,28 +27,6 @@ class ParamCount:
     mla_cache_bytes_per_token: int = 0  # all MLA layers together
     kv_cache_bytes_per_token: int = 0  # all MHA layers together
     recurrent_state_bytes_per_sequence: int = 0  # all linear-family layers, conv states included
-
-
-def _mixer_params(c: ModelConfig, kind: str) -> int:
-    d = c.hidden_size
-    if kind == "mha":
-        return d * 3 * d + 3 * d + d * d + d
-    if kind == "mla":
-        H, dn, dr, dv, r = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
-        q = d * H * (dn + dr) if c.q_lora_rank is None else d * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * H * (dn + dr)
-        gate = d * H * dv if c.mla_output_gate else 0
-        return q + d * (r + dr) + r + r * H * (dn + dv) + gate + H * dv * d
-    H, K = c.linear_num_heads, c.linear_head_dim
-    inner = H * K
-    if kind == "linear_attn":
-        return 4 * d * inner
-    n = 3 * d * inner + 3 * inner * c.conv_size + d * H + K + inner * d  # q,k,v, convs, b_proj, o_norm, o_proj
-    n += {"low_rank": d * K + K * inner, "full": d * inner, None: 0}[c.linear_output_gate]
-    if kind == "gated_deltanet":
-        n += d * H + 2 * H  # a_proj, A_log, dt_bias
-    elif kind == "kda":
-        n += d * K + K * inner + H + inner  # f_a, f_b, A_log, dt_bias
-    return n
 
 
 def _norm_params(c: ModelConfig, dim: int) -> int:
@@ -67,23 +47,13 @@ def count_params(config: ModelConfig, cache_dtype_bytes: int = 2) -> ParamCount:
     add("embeddings", c.vocab_size * d + (c.max_position_embeddings or 0) * d)
     if not c.tie_word_embeddings:
         add("lm_head", c.vocab_size * d)
-    inactive = 0
+    unused = 0
     for kind, ffn in zip(c.layer_types, c.mlp_types):
-        add(f"attention ({kind})", _mixer_params(c, kind))
+        add(f"attention ({kind})", MIXERS[kind].params(c))
         add("norms", 2 * _norm_params(c, d))
-        if ffn == "dense":
-            I = c.intermediate_size
-            add("dense FFN", 2 * d * I + I + d if c.ffn_activation == "gelu" else 3 * d * I)
-            continue
-        expert_dim = c.moe_latent_size or d
-        per_expert = 3 * expert_dim * c.moe_intermediate_size
-        add("routed experts", c.num_experts * per_expert)
-        inactive += (c.num_experts - c.num_experts_per_tok) * per_expert
-        add("router", c.num_experts * d)
-        if c.num_shared_experts:
-            add("shared experts", 3 * d * c.num_shared_experts * c.moe_intermediate_size)
-        if c.moe_latent_size:
-            add("latent projections", 2 * d * c.moe_latent_size + c.moe_latent_size)
+        for key, n in FFNS[ffn].params(c).items():
+            add(key, n)
+        unused += FFNS[ffn].unused_per_token(c)
     add("norms", _norm_params(c, d))
     if c.attn_res_block_size is not None:
         add("AttnRes", (2 * c.num_layers + 1) * 2 * d)
@@ -93,22 +63,14 @@ def count_params(config: ModelConfig, cache_dtype_bytes: int = 2) -> ParamCount:
     # row per token), so they are not active unless tied to the output head; routed experts count
     # only for the k chosen.
     lookups = (0 if c.tie_word_embeddings else c.vocab_size * d) + (c.max_position_embeddings or 0) * d
-    mla_layers = c.layer_types.count("mla")
-    mha_layers = c.layer_types.count("mha")
-    state = 0
-    for kind in c.layer_types:
-        if kind in LINEAR_MIXERS:
-            H, K = c.linear_num_heads, c.linear_head_dim
-            state += 4 * H * K * K  # fp32 state [H, K, V], V = K
-            if kind == "linear_attn":
-                state += 4 * H * K  # the normaliser z
-            else:
-                state += 3 * H * K * (c.conv_size - 1) * cache_dtype_bytes
+
+    def per_token(kind: str) -> int:
+        return sum(MIXERS[kind].cache_bytes_per_token(c, cache_dtype_bytes) for t in c.layer_types if t == kind)
+
     return ParamCount(
-        total=total, active=total - inactive - lookups, breakdown=parts,
-        mla_cache_bytes_per_token=mla_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * cache_dtype_bytes,
-        kv_cache_bytes_per_token=mha_layers * 2 * d * cache_dtype_bytes,
-        recurrent_state_bytes_per_sequence=state)
+        total=total, active=total - unused - lookups, breakdown=parts,
+        mla_cache_bytes_per_token=per_token("mla"), kv_cache_bytes_per_token=per_token("mha"),
+        recurrent_state_bytes_per_sequence=sum(MIXERS[t].state_bytes(c, cache_dtype_bytes) for t in c.layer_types))
 
 
 def _human(n: float) -> str:

@@ -7,11 +7,8 @@ sums: equal to fp32 rounding, not bitwise).
 
 - **ddp**: every rank holds the whole model; DistributedDataParallel averages the gradients during
   the backward pass.
-- **fsdp**: FSDP2 `fully_shard` on every decoder block, then on the root: each rank stores 1/N of the
-  parameters, gradients and AdamW moments and all-gathers a block's weights just before using them.
-  Block Attention Residual models (kimi-k3) are sharded one level down, per sub-layer: their decoder
-  calls a layer's attn_res, mixer and FFN directly, never the layer's forward, which is where FSDP
-  hooks in.
+- **fsdp**: FSDP2 `fully_shard` on every decoder layer, then on the root: each rank stores 1/N of the
+  parameters, gradients and AdamW moments and all-gathers a layer's weights just before using them.
 - **ep**: expert parallelism. Rank r owns the routed experts [r E/N, (r+1) E/N) of every MoE layer (the
   other entries of `experts` are None) and replicates everything else. In each MoE layer the ranks
   all-gather their routed tokens (latent z, chosen experts, weights), each runs its own experts on
@@ -123,8 +120,7 @@ class Parallel:
 
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         for layer in model.model.layers:
-            for unit in ([layer] if model.config.attn_res_block_size is None else layer.children()):
-                fully_shard(unit, mesh=mesh)
+            fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         if model.moe_layers():
             if not hasattr(model, "set_reduce_scatter_unused_params"):

@@ -13,7 +13,7 @@ import torch
 
 import k3.lab
 from k3.lab import inspect
-from k3.layers import BlockAttnRes, MoE, MultiHeadLatentAttention
+from k3.layers import MoE
 
 
 def test_smoke_run_writes_claims_tables_figures(tmp_path):
@@ -46,17 +46,6 @@ def test_finished_needs_the_same_settings_and_the_last_step(tmp_path):
     assert not inspect.finished(out, cfg)
 
 
-def test_attn_res_weights_give_the_modules_mix():
-    torch.manual_seed(0)
-    module = BlockAttnRes(16)
-    torch.nn.init.normal_(module.proj.weight)
-    sources = [torch.randn(2, 5, 16) * (i + 1) for i in range(3)]
-    alpha = inspect.attn_res_weights(module, sources)
-    assert alpha.shape == (3, 2, 5) and torch.allclose(alpha.sum(0), torch.ones(2, 5))
-    mix = sum(a.unsqueeze(-1) * v for a, v in zip(alpha, sources))
-    assert torch.allclose(mix, module(sources), atol=1e-6)
-
-
 def test_router_loads_with_the_bias_are_the_routers():
     torch.manual_seed(0)
     moe = MoE(16, num_experts=8, top_k=2, expert_hidden=8, latent_dim=8)
@@ -68,16 +57,6 @@ def test_router_loads_with_the_bias_are_the_routers():
     assert not torch.equal(with_bias, without)  # a bias this large changes the choice
     assert inspect.imbalance(torch.tensor([2, 2, 2, 2])) == 1.0
     assert inspect.imbalance(torch.tensor([4, 0, 0, 0])) == 4.0
-
-
-def test_mla_probs_give_the_layers_output():
-    torch.manual_seed(0)
-    mla = MultiHeadLatentAttention(32, 2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                                   v_head_dim=8, output_gate=True)
-    x = torch.randn(1, 7, 32)
-    probs, out = inspect.mla_probs(mla, x)
-    assert torch.allclose(out, mla(x), atol=1e-5)
-    assert torch.allclose(probs.sum(-1), torch.ones(1, 2, 7)) and probs[0, :, 0, 1:].abs().max() == 0  # causal
 
 
 def test_half_life_and_spread():

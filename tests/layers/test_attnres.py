@@ -32,3 +32,15 @@ def test_starts_as_uniform_average():
     torch.testing.assert_close(BlockAttnRes(8)(sources), torch.stack(sources).mean(0))
     with pytest.raises(ValueError, match="`sources`"):
         BlockAttnRes(8)([])
+
+
+def test_weights_give_the_modules_mix():
+    """`weights` (what k3 lab inspect plots) are the softmax weights forward mixes the sources with."""
+    torch.manual_seed(0)
+    module = BlockAttnRes(16)
+    torch.nn.init.normal_(module.proj.weight)
+    sources = [torch.randn(2, 5, 16) * (i + 1) for i in range(3)]
+    alpha = module.weights(sources)
+    assert alpha.shape == (3, 2, 5) and torch.allclose(alpha.sum(0), torch.ones(2, 5))
+    mix = sum(a.unsqueeze(-1) * v for a, v in zip(alpha, sources))
+    assert torch.allclose(mix, module(sources), atol=1e-6)

@@ -10,9 +10,9 @@ from k3.layers.mla import LatentCache, MultiHeadLatentAttention
 from .helpers import prefill_then_decode_error
 
 CONFIGS = {
-    "kimi-linear": dict(q_lora_rank=None, output_gate=False, rope_theta=None),
-    "k3": dict(q_lora_rank=12, output_gate=True, rope_theta=None),
-    "rope": dict(q_lora_rank=12, output_gate=True, rope_theta=10000.0),
+    "kimi-linear": dict(q_lora_rank=None, output_gate=None, rope_theta=None),
+    "k3": dict(q_lora_rank=12, output_gate="full", rope_theta=None),
+    "rope": dict(q_lora_rank=12, output_gate="full", rope_theta=10000.0),
 }
 
 
@@ -69,3 +69,18 @@ def test_names_and_bad_input():
         layer(torch.randn(1, 1, 32), cache=cache)
     with pytest.raises(ValueError, match="`x`"):
         layer(torch.randn(1, 1, 31))
+
+
+def test_attention_probs_give_the_layers_output():
+    """`attention_probs` (what k3 lab inspect plots) are the probabilities forward attends with: the value
+    path rebuilt from them (o = W_uv (p . c), gated, o_proj) gives the layer's output; causal rows sum to 1."""
+    torch.manual_seed(0)
+    mla = MultiHeadLatentAttention(32, 2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                   v_head_dim=8, output_gate="full")
+    x = torch.randn(1, 7, 32)
+    probs = mla.attention_probs(x)
+    _, c, _ = mla._queries_and_latents(x, 0)
+    _, w_uv = mla._absorbed_weights()
+    o = torch.einsum("bhts,bsr,hvr->bthv", probs, c, w_uv).reshape(1, 7, -1) * torch.sigmoid(mla.g_proj(x))
+    assert torch.allclose(mla.o_proj(o), mla(x), atol=1e-5)
+    assert torch.allclose(probs.sum(-1), torch.ones(1, 2, 7)) and probs[0, :, 0, 1:].abs().max() == 0  # causal

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3.models import CausalLM
-from k3.models.model import HybridCache
+from k3.layers import BlockAttnRes
+from k3.models import CausalLM, get_config
+from k3.models.model import HybridCache, attn_res_source_counts
 
 from .conftest import TINY, tiny_model
 
@@ -157,3 +158,20 @@ def test_bad_inputs_say_what_to_do():
     with pytest.raises(ValueError, match="prompt"):
         model.generate(torch.zeros(1, 0, dtype=torch.long), 3)
     assert isinstance(cache, HybridCache) and "kimi-k3-tiny" in repr(cache)
+
+
+def test_attn_res_source_counts_match_the_model():
+    """`attn_res_source_counts` (the lab's AttnRes cost) is the number of sources each mix reads."""
+    config = get_config("kimi-k3-tiny", hidden_size=32, num_layers=7, attn_res_block_size=3)
+    model = CausalLM(config).eval()
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, inputs, out: seen.append(len(inputs[0])))
+             for m in model.modules() if isinstance(m, BlockAttnRes)]
+    with torch.no_grad():
+        model(torch.zeros(1, 3, dtype=torch.long))
+    for h in hooks:
+        h.remove()
+    assert seen == attn_res_source_counts(config)
+    k3_counts = attn_res_source_counts(get_config("kimi-k3"))
+    assert len(k3_counts) == 2 * 93 + 1 and k3_counts[-1] == 1 + 8  # the embedding and 7 block sums + partial
+    assert attn_res_source_counts(get_config("kimi-linear")) == []
