@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..bench.ops import _inputs, interleaved_best
 from ..bench.timing import matmul_gflops
 from ..ops import chunk_kda, chunk_linear_attn
-from ..ops.delta_family import _sub_chunk_size
+from ..ops.chunk import sub_chunk_size
 from . import plots
 from .report import Claim, Figure, Result, Table, command
 
@@ -111,7 +111,7 @@ def k3_cost(op: str, T: int, d: int, C: int) -> float:
     if op == "linear_attn":
         return padded * (2.0 * d * (d + 1) + C * (2.0 * d + 1))
     if op == "kda":
-        s = _sub_chunk_size(C)
+        s = sub_chunk_size(C)
         m = C // s
         per_chunk = (3.0 * C * d * d + 2.5 * C * d * (C + s) + m * s * s * (s - 1) / 2
                      + s ** 3 * m * (m * m - 1) / 3)

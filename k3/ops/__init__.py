@@ -3,6 +3,11 @@
 Every op takes `[B, T, H, K]` inputs and returns `(o, final_state)`. Each recurrent mixer has a
 token-by-token reference form (`recurrent_*`, also the decode step) and a chunkwise-parallel form
 (`chunk_*`) with one shared signature; the two agree to rounding error.
+
+Layout: one file per op, its token loop beside its chunk form (attention, linear_attn, delta_rule,
+gated_delta_rule, kda). The delta family shares delta_family (argument checks, the token-loop frame),
+chunk (the chunkwise engine), ut (the UT transform) and numerics (gate clamps and flushes); common holds
+the checks and packing every op uses.
 """
 
 from .attention import attention

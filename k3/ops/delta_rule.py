@@ -15,7 +15,26 @@ packed sequences in `cu_seqlens` ([N+1] offsets, B = 1). Returns (o [B, T, H, V]
 
 from __future__ import annotations
 
-from .delta_family import chunk_delta, delta_recurrence, run_delta_op
+import torch
+
+from .chunk import chunk_delta
+from .delta_family import run_delta_op, token_loop
+
+
+def _recurrence(q, k, v, beta, S):
+    """DeltaNet token by token, per head (DESIGN.md §2):
+
+        v_old = k_t S_{t-1};  S_t = S_{t-1} + beta_t k_t^T (v_t - v_old);  o_t = q_t S_t
+
+    q, k [N,T,H,K]; v [N,T,H,V]; beta [N,T,H]; S [N,H,K,V] the state before token 0.
+    Returns (o [N,T,H,V] before the scale, which `token_loop` applies; S_T [N,H,K,V])."""
+    outputs = []
+    for t in range(q.shape[1]):
+        k_t = k[:, t].unsqueeze(-1)  # [N,H,K,1]
+        v_old = (k_t * S).sum(-2)  # k_t S_{t-1}  [N,H,V]
+        S = S + k_t * (beta[:, t, :, None] * (v[:, t] - v_old)).unsqueeze(-2)
+        outputs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2))
+    return torch.stack(outputs, dim=1), S
 
 
 def recurrent_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
@@ -24,8 +43,9 @@ def recurrent_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_f
 
     q, k [B,T,H,K]; v [B,T,H,V]; beta [B,T,H]; initial_state [N,H,K,V]; cu_seqlens [N+1] (B = 1).
     Returns (o [B,T,H,V], final state [N,H,K,V] or None)."""
-    return run_delta_op("recurrent_delta_rule", delta_recurrence, q, k, v, None, None, beta, scale,
-                        initial_state, output_final_state, cu_seqlens, use_qk_l2norm, None)
+    return run_delta_op("recurrent_delta_rule", token_loop(_recurrence), q, k, v, beta,
+                        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                        cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
 
 
 def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
@@ -33,5 +53,6 @@ def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final
     """DeltaNet chunkwise-parallel (the article's `chunk_delta_rule_forward`); equals the recurrence.
 
     Arguments and result as `recurrent_delta_rule`, plus chunk_size C (any T)."""
-    return run_delta_op("chunk_delta_rule", chunk_delta, q, k, v, None, None, beta, scale,
-                        initial_state, output_final_state, cu_seqlens, use_qk_l2norm, chunk_size)
+    return run_delta_op("chunk_delta_rule", chunk_delta, q, k, v, beta,
+                        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                        cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)

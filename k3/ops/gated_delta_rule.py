@@ -15,7 +15,28 @@ packed sequences in `cu_seqlens` ([N+1] offsets, B = 1). Returns (o [B, T, H, V]
 
 from __future__ import annotations
 
-from .delta_family import chunk_delta, delta_recurrence, run_delta_op
+import torch
+
+from .chunk import chunk_delta
+from .delta_family import run_delta_op, token_loop
+
+
+def _recurrence(q, k, v, g, beta, S):
+    """Gated DeltaNet token by token, per head (DESIGN.md §2):
+
+        S' = exp(g_t) S_{t-1};  v_old = k_t S';  S_t = S' + beta_t k_t^T (v_t - v_old);  o_t = q_t S_t
+
+    q, k [N,T,H,K]; v [N,T,H,V]; g [N,T,H]; beta [N,T,H]; S [N,H,K,V] the state before token 0.
+    Returns (o [N,T,H,V] before the scale, which `token_loop` applies; S_T [N,H,K,V])."""
+    decay = torch.exp(g.unsqueeze(-1)).unsqueeze(-1)  # exp g_t, one factor per head  [N,T,H,1,1]
+    outputs = []
+    for t in range(q.shape[1]):
+        S = S * decay[:, t]  # S'
+        k_t = k[:, t].unsqueeze(-1)  # [N,H,K,1]
+        v_old = (k_t * S).sum(-2)  # k_t S'  [N,H,V]
+        S = S + k_t * (beta[:, t, :, None] * (v[:, t] - v_old)).unsqueeze(-2)
+        outputs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2))
+    return torch.stack(outputs, dim=1), S
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -24,8 +45,9 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
 
     q, k [B,T,H,K]; v [B,T,H,V]; g [B,T,H] log decay <= 0; beta [B,T,H]; initial_state [N,H,K,V];
     cu_seqlens [N+1] (B = 1). Returns (o [B,T,H,V], final state [N,H,K,V] or None)."""
-    return run_delta_op("recurrent_gated_delta_rule", delta_recurrence, q, k, v, g, "head", beta, scale,
-                        initial_state, output_final_state, cu_seqlens, use_qk_l2norm, None)
+    return run_delta_op("recurrent_gated_delta_rule", token_loop(_recurrence), q, k, v, beta, g=g, gate="head",
+                        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                        cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -33,5 +55,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     """Gated DeltaNet chunkwise-parallel; equals `recurrent_gated_delta_rule` for any T.
 
     Arguments and result as `recurrent_gated_delta_rule`, plus chunk_size C (any T)."""
-    return run_delta_op("chunk_gated_delta_rule", chunk_delta, q, k, v, g, "head", beta, scale,
-                        initial_state, output_final_state, cu_seqlens, use_qk_l2norm, chunk_size)
+    return run_delta_op("chunk_gated_delta_rule", chunk_delta, q, k, v, beta, g=g, gate="head",
+                        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                        cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)

@@ -1,0 +1,88 @@
+"""The UT (WY) transform: applying T = (I + A)^-1 for a strictly lower-triangular A, block by block.
+
+Inside a chunk of C tokens the delta rule's corrections U solve the unit-lower-triangular system
+(I + A) U = X, so U = T X with T = (I + A)^-1 (see `k3.ops.chunk`). A lower-triangular [P, C, C]
+matrix is kept as blocks of s rows and columns (C = m s, `BlockLower`), and T is built by block rows:
+
+    T_aa   = (I + A_aa)^-1                          one batched triangular solve over all a
+    T_a,<a = -T_aa A_a,<a T_<a,<a                   each block row from the rows above it
+    (T X)_a = T_a,<a X_<a + T_aa X_a
+
+Tiny entries of these dimensionless blocks are flushed to zero between the stages, before they can
+turn subnormal (see `k3.ops.numerics`); one triangular solve over all C rows would leave no point
+between stages to flush them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .numerics import flush_tiny
+
+
+class BlockLower(NamedTuple):
+    """A lower-triangular [P, C, C] matrix kept as blocks of s rows and columns (C = m s): the
+    diagonal blocks diag [P, m, s, s] and, for each row block a >= 1, the part left of its diagonal
+    block below[a - 1] [P, s, a s]. Above the diagonal blocks it is zero, and never stored."""
+
+    diag: torch.Tensor
+    below: list[torch.Tensor]
+
+    @staticmethod
+    def split(A: torch.Tensor, s: int) -> "BlockLower":
+        """The blocks of A [P, C, C] (views, nothing copied)."""
+        P, C, _ = A.shape
+        m = C // s
+        diag = A.view(P, m, s, m, s).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)
+        return BlockLower(diag, [A[:, a * s:(a + 1) * s, :a * s] for a in range(1, m)])
+
+    def scale_rows(self, x: torch.Tensor) -> "BlockLower":
+        """Diag(x) L for x [P, C, 1]."""
+        P, m, s, _ = self.diag.shape
+        x = x.view(P, m, s, 1)
+        return BlockLower(self.diag * x, [b * x[:, a] for a, b in enumerate(self.below, start=1)])
+
+    def addmm_(self, out: torch.Tensor, X: torch.Tensor, beta: float = 1.0, alpha: float = 1.0) -> torch.Tensor:
+        """out <- beta out + alpha L X, in place; X, out [P, C, d]."""
+        P, m, s, _ = self.diag.shape
+        d = X.shape[-1]
+        out.view(P * m, s, d).baddbmm_(self.diag.reshape(P * m, s, s), X.reshape(P * m, s, d),
+                                       beta=beta, alpha=alpha)
+        for a, block in enumerate(self.below, start=1):
+            # into a fresh product first: baddbmm_ into a strided row slice is slow on CPU
+            out[:, a * s:(a + 1) * s].add_(block @ X[:, :a * s], alpha=alpha)
+        return out
+
+    def unit_solve(self, *rhs: torch.Tensor, column_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """T D X for T = (I + L)^-1 (L strictly lower: the UT transform), D = Diag(column_scale [P, C, 1])
+        (identity when None) and each X [P, C, d] of `rhs`, by the block-row recursion of the module
+        docstring."""
+        P, m, s, _ = self.diag.shape
+        eye = torch.eye(s, dtype=self.diag.dtype, device=self.diag.device).expand(P, m, s, s)
+        # X (I + L_aa) = I gives the same inverse as (I + L_aa) X = I; on CPU the right-hand solve on a
+        # contiguous copy is the faster of the two
+        inv = flush_tiny(torch.linalg.solve_triangular(flush_tiny(self.diag.contiguous()), eye,
+                                                       upper=False, left=False, unitriangular=True))
+        lefts: list[torch.Tensor] = []  # T_a,<a for a >= 1
+        for a, block in enumerate(self.below, start=1):
+            above = inv[:, 0] if a == 1 else _stack_rows(
+                [inv[:, 0]] + [torch.cat([left, inv[:, i]], dim=-1) for i, left in enumerate(lefts, start=1)], a * s)
+            lefts.append(flush_tiny(-inv[:, a] @ (flush_tiny(block) @ above)))
+        if column_scale is not None:  # T D: scale the columns of the small blocks, not the rows of X
+            inv = inv * column_scale.view(P, m, s, 1).transpose(-1, -2)
+            lefts = [left * column_scale[:, : a * s].transpose(-1, -2) for a, left in enumerate(lefts, start=1)]
+        results = []
+        for X in rhs:
+            parts = X.split(s, dim=1)
+            out = [inv[:, 0] @ parts[0]]
+            out += [torch.baddbmm(inv[:, a] @ parts[a], left, X[:, : a * s]) for a, left in enumerate(lefts, start=1)]
+            results.append(out[0] if m == 1 else torch.cat(out, dim=1))
+        return tuple(results)
+
+
+def _stack_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Row blocks of growing width, zero-padded on the right to `width` and stacked."""
+    return torch.cat([F.pad(r, (0, width - r.shape[-1])) for r in rows], dim=1)
