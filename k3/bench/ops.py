@@ -7,23 +7,27 @@ plus the diagonal score blocks), beside the machine's measured matmul throughput
 
 Timing: every case of one sequence length is timed once per round, round after round, and each keeps
 its best round. Interleaving puts every case through the same phases of a noisy shared machine, so
-the ratios printed (speed-ups, fraction of SDPA time) are taken side by side.
+the ratios printed (speed-ups, fraction of SDPA time) are taken side by side
+(`k3.bench.timing.interleaved_best`: no gradients, one warm-up call per case in the first round, none
+for the token loops, which have nothing to warm up).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..ops import chunk_gated_delta_rule, chunk_kda, recurrent_gated_delta_rule, recurrent_kda
-from .timing import best_time, matmul_gflops
+from .timing import interleaved_best, matmul_gflops
 
 
-def _inputs(T: int, H: int, d: int, seed: int = 0):
+def kda_inputs(T: int, H: int, d: int, seed: int = 0):
+    """(q, k, v, g, beta) of one sequence as `k3 bench ops` times them, float32, seeded: q, k, v
+    [1, T, H, d] with k L2-normalised, the safe gate g = -5 * sigmoid(x) [1, T, H, d] (per-step log decay
+    >= -5; Gated DeltaNet takes its first channel) and the write strength beta = sigmoid(x) [1, T, H]."""
     gen = torch.Generator().manual_seed(seed)
     randn = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     q, k, v = randn(1, T, H, d), F.normalize(randn(1, T, H, d), dim=-1), randn(1, T, H, d)
@@ -46,19 +50,6 @@ def model_flops(T: int, H: int, d: int, C: int) -> float:
     return H * (2 * T * d * d + 2 * T * C * d)
 
 
-def interleaved_best(cases: dict[str, Callable[[], object]], rounds: int, cold: frozenset = frozenset()
-                     ) -> dict[str, float]:
-    """Best time of each case over `rounds` rounds, every round timing each case once. Cases get one
-    warm-up call first, except those named in `cold` (the slow token loops, which have nothing to
-    warm up)."""
-    best = {name: float("inf") for name in cases}
-    for r in range(rounds):
-        for name, fn in cases.items():
-            warmup = int(r == 0 and name not in cold)
-            best[name] = min(best[name], best_time(fn, repeats=1, warmup=warmup))
-    return best
-
-
 def run(lengths=(512, 2048, 8192), chunk_sizes=(16, 32, 64, 128), heads: int = 8, dim: int = 64,
         repeats: int = 3, json_path: str | None = None, out=None):
     out = sys.stdout if out is None else out
@@ -78,7 +69,7 @@ def run(lengths=(512, 2048, 8192), chunk_sizes=(16, 32, 64, 128), heads: int = 8
                                                                       chunk_gated_delta_rule)}
     results = []
     for T in lengths:
-        q, k, v, g, beta = _inputs(T, heads, dim)
+        q, k, v, g, beta = kda_inputs(T, heads, dim)
         gates = {"kda": g, "gated_delta_rule": g[..., 0].contiguous()}
         qh, kh, vh = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         cases = {"sdpa": lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)}

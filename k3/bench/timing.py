@@ -1,11 +1,27 @@
-"""Wall-clock timing helpers for benchmarks."""
+"""Timing helpers for `k3 bench` and `k3 lab`, each with one meaning: the best of a few runs of one
+callable (`best_time`), the machine's matmul throughput (`matmul_gflops`), several candidates timed
+round after round (`interleaved_best`), a clock that reads one thread's CPU time (`thread_clock`) and
+torch's thread count for the length of a block (`threads`).
+
+The benchmarks time ratios measured side by side in one run, never absolute speeds: on a noisy shared
+machine the minimum of several runs is the least noisy estimate, and interleaving the candidates puts
+every one of them through the same phases of the machine.
+"""
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Callable
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Hashable
 
 import torch
+
+WARMUPS = ("inline", "ahead")
+
+# CPU seconds of the calling thread: when torch runs on one thread, the thread that runs every op; on a
+# quiet machine the wall time, on a busy one without the moments the thread waited for a core
+thread_clock = time.thread_time
 
 
 def best_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
@@ -31,3 +47,44 @@ def matmul_gflops(n: int = 1024, batch: int | None = None, size: int = 64, repea
         a, b = torch.randn(batch, size, size), torch.randn(batch, size, size)
         flops = 2 * batch * size**3
     return flops / best_time(lambda: a @ b, repeats=repeats) / 1e9
+
+
+def interleaved_best(cases: dict[Hashable, Callable[[], object]], rounds: int, *, warmup: str = "inline",
+                     cold: frozenset = frozenset(), grad: bool = False,
+                     clock: Callable[[], float] = time.perf_counter) -> dict[Hashable, float]:
+    """Best time (seconds of `clock`) of each case over `rounds` rounds, every round timing each case once.
+
+    Every case but those named in `cold` (slow token loops, or cases of seconds each, which have nothing
+    to warm up) gets one untimed warm-up call: with `warmup="inline"` right before its first timed call,
+    in the first round; with `warmup="ahead"` all of them, in order, before the first round.
+    `grad=False` runs every call, warm-ups included, under `torch.no_grad`; `grad=True` leaves autograd
+    as the caller has it (a case that only infers then wraps itself in no_grad). `clock` is the wall
+    clock `time.perf_counter` unless given, e.g. `thread_clock`.
+    """
+    if warmup not in WARMUPS:
+        raise ValueError(f"interleaved_best: `warmup` must be one of {WARMUPS}, got {warmup!r}")
+    best = {name: math.inf for name in cases}
+    with nullcontext() if grad else torch.no_grad():
+        if warmup == "ahead":
+            for name, fn in cases.items():
+                if name not in cold:
+                    fn()
+        for r in range(rounds):
+            for name, fn in cases.items():
+                if warmup == "inline" and r == 0 and name not in cold:
+                    fn()
+                start = clock()
+                fn()
+                best[name] = min(best[name], clock() - start)
+    return best
+
+
+@contextmanager
+def threads(n: int):
+    """Run torch ops on `n` threads inside the block (the previous count is restored)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -1,8 +1,9 @@
 """`k3 lab`: the article's claims as measured tables and plots.
 
-Every experiment is a module with `run(mode, docs) -> Result` (`k3.lab.report.Result`); `mode` is "smoke"
-(seconds; what the tests run), "quick" (`k3 lab all --quick` runs all of them in under 30 minutes on a 2-core
-CPU) or "full" (the larger sweeps). Figures go to `docs/figures/`, the result to `docs/lab/NAME.json`, and
+Every experiment is a module (a package for the larger ones: what it measures apart from what it writes)
+with `run(mode, docs) -> Result` (`k3.lab.report.Result`); `mode` is "smoke" (seconds; what the tests run),
+"quick" (`k3 lab all --quick` runs all of them in under 30 minutes on a 2-core CPU) or "full" (the larger
+sweeps). Figures go to `docs/figures/`, the result to `docs/lab/NAME.json`, and
 `docs/results.md` is re-rendered from all saved results.
 """
 

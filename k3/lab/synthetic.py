@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import math
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ..bench.timing import threads
 from ..models import CausalLM, ModelConfig
 from .tasks import IGNORE, Batch
 
@@ -96,20 +96,11 @@ def accuracy_by_kind(model: CausalLM, batch: Batch) -> dict[int, float]:
     return {int(k): float(correct[batch.kind == k].float().mean()) for k in batch.kind[scored].unique()}
 
 
-@contextmanager
-def one_thread():
-    """Tiny models run fastest on one thread: at these sizes a second thread costs more in synchronisation than
-    it saves (and under load, far more). The cores are used by training models side by side instead."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _call_one_thread(fn, args):
-    with one_thread():
+    """fn(*args) on one thread: tiny models run fastest on one thread, since at these sizes a second thread
+    costs more in synchronisation than it saves (and under load, far more). The cores are used by training
+    models side by side instead."""
+    with threads(1):
         return fn(*args)
 
 

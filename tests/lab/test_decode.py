@@ -9,12 +9,14 @@ import torch
 
 import k3.lab
 from k3.lab import decode
+from k3.lab.decode.measure import (ALL_KDA, BASELINE, MODELS, WIDTH, build_models, expected_bytes, fill_cache,
+                                    layout, prefill_cache, time_steps)
 from k3.lab.report import VERDICTS
 
 
 @pytest.fixture(scope="module")
 def models():
-    return decode.build_models(max_length=256)
+    return build_models(max_length=256)
 
 
 def test_smoke_run_writes_claims_tables_figures(tmp_path):
@@ -30,26 +32,26 @@ def test_smoke_run_writes_claims_tables_figures(tmp_path):
 
 
 def test_models_share_the_width(models):
-    assert list(models) == list(decode.MODELS)
-    assert {m.config.hidden_size for m in models.values()} == {decode.WIDTH}
-    assert set(models[decode.ALL_KDA].config.layer_types) == {"kda"}
-    assert models[decode.BASELINE].config.max_position_embeddings == 256
+    assert list(models) == list(MODELS)
+    assert {m.config.hidden_size for m in models.values()} == {WIDTH}
+    assert set(models[ALL_KDA].config.layer_types) == {"kda"}
+    assert models[BASELINE].config.max_position_embeddings == 256
 
 
 def test_filled_cache_has_the_layout_of_a_prefill(models):
     """Same tensors, shapes, dtypes and bytes as really running N tokens, and the config's byte count."""
     gen = torch.Generator().manual_seed(0)
     for name, model in models.items():
-        filled, real = decode.fill_cache(model, 40, gen), decode.prefill_cache(model, 40, gen)
-        assert decode.layout(filled) == decode.layout(real), name
+        filled, real = fill_cache(model, 40, gen), prefill_cache(model, 40, gen)
+        assert layout(filled) == layout(real), name
         assert filled.length == real.length == 40
-        assert filled.nbytes_by_type() == real.nbytes_by_type() == decode.expected_bytes(model, 40), name
+        assert filled.nbytes_by_type() == real.nbytes_by_type() == expected_bytes(model, 40), name
 
 
 def test_decoding_from_a_filled_cache_grows_it_by_one_token(models):
     gen = torch.Generator().manual_seed(0)
     model = models["kimi-linear-tiny"]
-    cache = decode.fill_cache(model, 32, gen)
+    cache = fill_cache(model, 32, gen)
     before = cache.nbytes_by_type()
     with torch.inference_mode():
         logits = model(torch.ones(1, 1, dtype=torch.long), cache=cache)
@@ -61,8 +63,8 @@ def test_decoding_from_a_filled_cache_grows_it_by_one_token(models):
 
 def test_time_steps_is_round_robin_medians(models):
     gen = torch.Generator().manual_seed(0)
-    entries = {name: (model, decode.fill_cache(model, 16, gen)) for name, model in models.items()}
-    times = decode.time_steps(entries, warmup=1, steps=2)
+    entries = {name: (model, fill_cache(model, 16, gen)) for name, model in models.items()}
+    times = time_steps(entries, warmup=1, steps=2)
     assert set(times) == set(models) and all(t > 0 for t in times.values())
     assert all(cache.length == 16 + 3 for _, cache in entries.values())
 
@@ -77,7 +79,7 @@ def test_fit_line():
 
 def test_bad_arguments_are_named(models):
     with pytest.raises(ValueError, match="`length` must be at least 8"):
-        decode.fill_cache(models["gpt2-tiny"], 4, torch.Generator())
+        fill_cache(models["gpt2-tiny"], 4, torch.Generator())
     with pytest.raises(ValueError, match="two or more"):
         decode.fit_line([1.0], [1.0])
     with pytest.raises(ValueError, match="takes no options"):

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import k3.lab
-from k3.bench.ops import _inputs
+from k3.bench.ops import kda_inputs
 from k3.lab import prefill
+from k3.lab.prefill.cost import article_cost, error_factor, fit_scale, k3_cost, loglog_slope
+from k3.lab.prefill.ledger import OpLedger
 from k3.lab.report import VERDICTS
 from k3.ops import chunk_kda, chunk_linear_attn
 
@@ -29,8 +31,8 @@ def test_smoke_run_writes_claims_tables_figures(tmp_path):
 
 
 def test_article_cost_is_the_formula():
-    assert prefill.article_cost(T=100, d=8, C=16) == 2 * 100 * 64 + 2 * 100 * 16 * 8
-    assert prefill.article_cost(T=10, d=8, C=64) == prefill.article_cost(T=10, d=8, C=10)  # one chunk: C = T
+    assert article_cost(T=100, d=8, C=16) == 2 * 100 * 64 + 2 * 100 * 16 * 8
+    assert article_cost(T=10, d=8, C=64) == article_cost(T=10, d=8, C=10)  # one chunk: C = T
 
 
 @pytest.mark.parametrize("op", ["linear_attn", "kda"])
@@ -39,38 +41,38 @@ def test_k3_cost_counts_every_matmul_the_op_runs(op, T, C):
     """k3_cost equals the multiply-adds of the matmuls and triangular solves the op dispatches,
     including padding (T not a multiple of C), sub-chunks (C = 48, 64, 96) and one chunk (C >= T)."""
     H, d = 2, 8
-    q, k, v, g, beta = _inputs(T, H, d)
-    with torch.no_grad(), prefill.OpLedger() as ledger:
+    q, k, v, g, beta = kda_inputs(T, H, d)
+    with torch.no_grad(), OpLedger() as ledger:
         if op == "linear_attn":
             chunk_linear_attn(q, k, v, chunk_size=C)
         else:
             chunk_kda(q, k, v, g, beta, chunk_size=C)
-    assert ledger.macs == H * prefill.k3_cost(op, T, d, C)
+    assert ledger.macs == H * k3_cost(op, T, d, C)
     assert sum(ledger.seconds[name] for name in ("bmm", "matmul")) > 0
 
 
 def test_kda_cost_is_cubic_in_one_chunk():
     """The UT inverse: at C = T the count grows ~T^3, the article's model only ~T^2."""
     d = 64
-    growth = prefill.k3_cost("kda", 8192, d, 8192) / prefill.k3_cost("kda", 4096, d, 4096)
+    growth = k3_cost("kda", 8192, d, 8192) / k3_cost("kda", 4096, d, 4096)
     assert 7.0 < growth < 8.0
-    assert 3.5 < prefill.article_cost(8192, d, 8192) / prefill.article_cost(4096, d, 4096) < 4.0
+    assert 3.5 < article_cost(8192, d, 8192) / article_cost(4096, d, 4096) < 4.0
 
 
 def test_fit_scale_and_slope_recover_known_values():
     costs = [1.0, 2.0, 8.0]
-    assert prefill.fit_scale(costs, [3e-9 * x for x in costs]) == pytest.approx(3e-9)
-    assert prefill.loglog_slope([1, 2, 4, 8], [5 * x ** 2.5 for x in (1, 2, 4, 8)]) == pytest.approx(2.5)
-    assert prefill.error_factor(2.0, 1.0) == prefill.error_factor(1.0, 2.0) == 2.0
-    assert math.isclose(prefill.error_factor(3.0, 3.0), 1.0)
+    assert fit_scale(costs, [3e-9 * x for x in costs]) == pytest.approx(3e-9)
+    assert loglog_slope([1, 2, 4, 8], [5 * x ** 2.5 for x in (1, 2, 4, 8)]) == pytest.approx(2.5)
+    assert error_factor(2.0, 1.0) == error_factor(1.0, 2.0) == 2.0
+    assert math.isclose(error_factor(3.0, 3.0), 1.0)
 
 
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="`op` must be one of"):
-        prefill.k3_cost("delta", 64, 8, 16)
+        k3_cost("delta", 64, 8, 16)
     with pytest.raises(ValueError, match="`C` must be a positive int, got 0"):
-        prefill.article_cost(64, 8, 0)
+        article_cost(64, 8, 0)
     with pytest.raises(ValueError, match="two or more"):
-        prefill.loglog_slope([1.0], [1.0])
+        loglog_slope([1.0], [1.0])
     with pytest.raises(ValueError, match="takes no options"):
         prefill.run("smoke", None, checkpoint="x")

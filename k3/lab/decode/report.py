@@ -1,218 +1,19 @@
-"""`k3 lab decode`: per-token decode latency and cache bytes against context length.
-
-The article: a KV cache "retains vectors for the previous N-1 tokens" and grows O(N), and each decode
-step reads all of it; linear attention and its descendants fold history into a fixed state, so KDA's
-decode state is constant; MLA caches a compressed latent (c and k_pe) instead of per-head keys and
-values; and "Kimi Linear [...] up to 6x higher decode throughput" (the Kimi Linear report: at 1M tokens
-of context).
-
-Measured here, batch size 1, float32, at equal width (hidden_size 128) and each preset's own depth:
-gpt2-tiny (4 MHA layers), kimi-linear-tiny (6 KDA + 2 MLA), kimi-k3-tiny (3 KDA + 2 MLA) and, as the
-reference for "constant", kimi-linear-tiny with every layer KDA. For each context length N a cache
-holding N tokens is built, for every model and N at once; then every (model, N) pair takes one decode
-step per round, round after round, and keeps the median of its steps.
-
-Building the caches. Prefilling 64K tokens through four models would take most of the budget, so the
-caches are filled directly: a real prefill of a few tokens gives every layer its cache (the KDA layers'
-conv and recurrent states, which do not depend on N), then each MHA layer's keys and values and each
-MLA layer's latents are replaced by random tensors of N tokens with the shapes and dtype a prefill
-leaves, and the cache's length is set to N. A decode step's cost depends on those shapes, not on the
-values; `check_fill` compares, at a small N, the decode time from a filled cache with that from a real
-prefill of N tokens (same bytes, same time within noise).
-"""
+"""What `k3 lab decode` writes: its claims with their verdicts, the tables, the notes (the method, the
+models, what extrapolating to 1M tokens means) and the figure, from the measured latencies, bytes and
+fits."""
 
 from __future__ import annotations
 
-import statistics
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from ..models import CausalLM, get_config
-from ..models.kinds import MIXERS
-from ..models.model import HybridCache
-from . import plots
-from .report import Claim, Figure, Result, Table, command
-
-WIDTH = 128  # hidden_size of every model: gpt2-tiny's and kimi-linear-tiny's own; kimi-k3-tiny narrowed from 192
-BASELINE = "gpt2-tiny"
-ALL_KDA = "all-KDA"
-MODELS = (BASELINE, "kimi-linear-tiny", "kimi-k3-tiny", ALL_KDA)
-CLAIMED_CONTEXT = 1 << 20  # the Kimi Linear report's 6x is at 1M tokens
-PROMPT = 8  # tokens of the real prefill that gives every layer its cache before filling
-
-
-@dataclass(frozen=True)
-class Sweep:
-    lengths: tuple[int, ...]  # context lengths N
-    warmup: int  # untimed decode steps of every (model, N) pair first
-    steps: int  # timed decode steps of every (model, N) pair (the median is kept)
-    check_length: int  # N of the filled-versus-prefilled check
-
-
-SWEEPS = {
-    "smoke": Sweep((64, 128, 256), warmup=1, steps=3, check_length=64),
-    "quick": Sweep((1024, 2048, 4096, 8192, 16384, 32768, 65536), warmup=3, steps=31, check_length=1024),
-    "full": Sweep((1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072), warmup=5, steps=101, check_length=2048),
-}
+from ...models import CausalLM
+from .. import plots
+from ..report import Claim, Figure, Table
+from .measure import ALL_KDA, BASELINE, CLAIMED_CONTEXT, PROMPT, WIDTH, Sweep, expected_bytes
 
 # verdict thresholds (stated in the notes)
 CONSTANT_GROWTH = 1.5  # all-KDA latency at the longest N over the shortest: "constant" up to this factor
 ON_FACTOR = 1.5  # a measured throughput ratio "reaches" 6x when it is >= 6 / ON_FACTOR
-
-
-def build_models(max_length: int, seed: int = 0) -> dict[str, CausalLM]:
-    """The four models at width WIDTH, seeded; gpt2-tiny gets learned positions for `max_length` tokens."""
-    models = {}
-    for name in MODELS:
-        torch.manual_seed(seed)
-        if name == BASELINE:
-            config = get_config(name, hidden_size=WIDTH, max_position_embeddings=max_length)
-        elif name == ALL_KDA:
-            base = get_config("kimi-linear-tiny", hidden_size=WIDTH)
-            config = base.replace(name="kimi-linear-tiny-all-kda", layer_types=["kda"] * base.num_layers)
-        else:
-            config = get_config(name, hidden_size=WIDTH)
-        models[name] = CausalLM(config).eval()
-    return models
-
-
-def fill_cache(model: CausalLM, length: int, generator: torch.Generator) -> HybridCache:
-    """A cache that holds `length` tokens: a real prefill of PROMPT tokens, then every KV and latent
-    cache replaced by random tensors of `length` tokens (the shapes a prefill of `length` leaves)."""
-    if length < PROMPT:
-        raise ValueError(f"fill_cache: `length` must be at least {PROMPT} (the real prefill), got {length}")
-    cache = model.new_cache(1)
-    prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=generator)
-    with torch.inference_mode():
-        model(prompt, cache=cache)
-
-    def grown(t: torch.Tensor) -> torch.Tensor:  # [B, PROMPT, ...] -> [B, length, ...]
-        return torch.randn(t.shape[0], length, *t.shape[2:], generator=generator, dtype=t.dtype)
-
-    for layer in cache.layers:
-        for name in layer.sequence_fields:  # the tensors that grow with the sequence; recurrent states do not
-            setattr(layer, name, grown(getattr(layer, name)))
-    cache.length = length
-    return cache
-
-
-def prefill_cache(model: CausalLM, length: int, generator: torch.Generator) -> HybridCache:
-    """A cache that holds `length` tokens, by really running them through the model."""
-    cache = model.new_cache(1)
-    with torch.inference_mode():
-        model(torch.randint(0, model.config.vocab_size, (1, length), generator=generator), cache=cache)
-    return cache
-
-
-def time_steps(entries: dict, warmup: int, steps: int) -> dict:
-    """Median seconds of one decode step (one token, batch 1) for each entry, key -> (model, cache).
-    Steps go round-robin across the entries, so every entry sees the same phases of a noisy machine,
-    in reverse order every other round, so that no entry always follows the same one (the step after
-    another model's runs with colder caches than the step after its own)."""
-    token = torch.ones(1, 1, dtype=torch.long)
-    order = list(entries)
-    times: dict = {key: [] for key in entries}
-    with torch.inference_mode():
-        for step in range(warmup + steps):
-            for key in order if step % 2 == 0 else reversed(order):
-                model, cache = entries[key]
-                start = time.perf_counter()
-                model(token, cache=cache)
-                if step >= warmup:
-                    times[key].append(time.perf_counter() - start)
-    return {key: statistics.median(t) for key, t in times.items()}
-
-
-def check_fill(models: dict[str, CausalLM], length: int, sweep: Sweep, seed: int = 0) -> dict[str, dict]:
-    """At `length` tokens: cache bytes and median decode time from a filled cache and from a real
-    prefill, per model. The layouts must agree exactly (else the method is wrong and this raises)."""
-    gen = torch.Generator().manual_seed(seed)
-    entries = {}
-    for name, model in models.items():
-        real, filled = prefill_cache(model, length, gen), fill_cache(model, length, gen)
-        if real.nbytes() != filled.nbytes() or layout(real) != layout(filled):
-            raise RuntimeError(f"check_fill: {name}: a filled cache of {length} tokens differs from a prefilled "
-                               f"one: {layout(filled)} against {layout(real)}")
-        entries[(name, "prefilled")], entries[(name, "filled")] = (model, real), (model, filled)
-    times = time_steps(entries, sweep.warmup, sweep.steps)
-    return {name: {"bytes": entries[(name, "filled")][1].nbytes(), "prefilled": times[(name, "prefilled")],
-                   "filled": times[(name, "filled")]} for name in models}
-
-
-def layout(cache: HybridCache) -> list[list[tuple]]:
-    """(shape, dtype) of every tensor of every layer's cache."""
-    return [[(tuple(t.shape), t.dtype) for t in layer.tensors()] for layer in cache.layers]
-
-
-def expected_bytes(model: CausalLM, length: int) -> dict[str, int]:
-    """Cache bytes per layer type from the config alone (`k3.models.kinds`, every value float32): MHA
-    2·H·d per token, MLA (kv_lora_rank + qk_rope_head_dim) per token, KDA three conv states H·K·(W-1)
-    and the state H·K·V, whatever the length."""
-    c, size = model.config, 4
-    out: dict[str, int] = {}
-    for kind in c.layer_types:
-        mixer = MIXERS[kind]
-        out[kind] = out.get(kind, 0) + mixer.cache_bytes_per_token(c, size) * length + mixer.state_bytes(c, size)
-    return out
-
-
-def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """(a, b) of y ≈ a + b·x with a, b >= 0 (a fixed cost and a cost per unit of x), least squares on the
-    relative error. When the free fit has a < 0 the line goes through the origin; when b < 0, it is flat."""
-    if len(xs) < 2 or len(xs) != len(ys):
-        raise ValueError(f"fit_line: needs two or more (x, y) pairs, got {len(xs)} x and {len(ys)} y")
-    w = [1.0 / (y * y) for y in ys]
-    sw, sx, sy = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * y for wi, y in zip(w, ys))
-    sxx, sxy = sum(wi * x * x for wi, x in zip(w, xs)), sum(wi * x * y for wi, x, y in zip(w, xs, ys))
-    det = sw * sxx - sx * sx
-    b = (sw * sxy - sx * sy) / det if det > 0 else 0.0
-    if b <= 0:
-        return sy / sw, 0.0
-    a = (sy - b * sx) / sw
-    if a < 0:
-        return 0.0, sxy / sxx
-    return a, b
-
-
-# -- the experiment --------------------------------------------------------------------------------------
-
-def run(mode: str, docs: Path, **options) -> Result:
-    if options:
-        raise ValueError(f"k3 lab decode takes no options, got {sorted(options)}")
-    sweep = SWEEPS[mode]
-    longest = max(sweep.lengths)
-    models = build_models(max_length=longest + sweep.warmup + sweep.steps + PROMPT)
-    check = check_fill(models, sweep.check_length, sweep)
-
-    # every (model, N) pair in one round-robin: the growth with N is measured side by side too
-    gen = torch.Generator().manual_seed(1)
-    entries = {(name, N): (model, fill_cache(model, N, gen)) for N in sweep.lengths for name, model in models.items()}
-    nbytes = {name: {N: entries[(name, N)][1].nbytes_by_type() for N in sweep.lengths} for name in models}
-    exact = all(nbytes[name][N] == expected_bytes(models[name], N) for name in models for N in sweep.lengths)
-    times = time_steps(entries, sweep.warmup, sweep.steps)
-    latency = {name: {N: times[(name, N)] for N in sweep.lengths} for name in models}
-    del entries
-
-    fit_from = [N for N in sweep.lengths if N >= 4096]
-    fit_from = fit_from if len(fit_from) >= 2 else list(sweep.lengths)
-    fits = {name: fit_line(fit_from, [latency[name][N] for N in fit_from]) for name in models}
-    analysis = {"latency": latency, "nbytes": nbytes, "exact": exact, "fits": fits, "fit_from": fit_from,
-                "check": check, "longest": longest}
-
-    figure = _figure(docs, sweep, models, analysis)
-    setup = {"models": {name: f"{' '.join(model.config.layer_types)}; hidden {model.config.hidden_size}; "
-                              f"{model.num_parameters():,} parameters" for name, model in models.items()},
-             "lengths": list(sweep.lengths), "decode": f"batch 1, float32, inference mode, {sweep.warmup} warm-up "
-             f"and {sweep.steps} timed steps per model and length, round-robin, median",
-             "gpt2 positions": models[BASELINE].config.max_position_embeddings, "seed": 0,
-             "threads": torch.get_num_threads()}
-    return Result(name="decode", title="Decode: latency and cache bytes against context length", mode=mode,
-                  command=command("decode", mode), claims=_claims(sweep, models, analysis),
-                  tables=_tables(sweep, models, analysis), figures=[figure], notes=_notes(sweep, models, analysis),
-                  setup=setup)
 
 
 def _throughput_ratio(analysis: dict, name: str, N: int | None = None) -> float:
@@ -232,7 +33,7 @@ def _per_token(nbytes: dict[int, dict[str, int]], kind: str) -> float:
     return (nbytes[Ns[-1]].get(kind, 0) - nbytes[Ns[0]].get(kind, 0)) / (Ns[-1] - Ns[0])
 
 
-def _claims(sweep: Sweep, models: dict, analysis: dict) -> list[Claim]:
+def claims(sweep: Sweep, models: dict, analysis: dict) -> list[Claim]:
     nbytes, latency, longest = analysis["nbytes"], analysis["latency"], analysis["longest"]
     shortest = min(sweep.lengths)
     cfg = models["kimi-linear-tiny"].config
@@ -242,7 +43,7 @@ def _claims(sweep: Sweep, models: dict, analysis: dict) -> list[Claim]:
     mha_slope = _per_token(nbytes[BASELINE], "mha") / mha_layers
     mha_expected = 2 * models[BASELINE].config.hidden_size * 4
     kda_constant = len(kda_sizes) == 1
-    claims = [Claim(
+    out = [Claim(
         "KDA's decode state is constant while a KV cache grows O(N)",
         f"a KDA layer holds {min(kda_sizes):,} bytes at every N from {shortest:,} to {longest:,}"
         + ("" if kda_constant else f" (varies: {sorted(kda_sizes)})")
@@ -255,7 +56,7 @@ def _claims(sweep: Sweep, models: dict, analysis: dict) -> list[Claim]:
     n_mla = cfg.layer_types.count("mla")
     mla_slope = _per_token(nbytes["kimi-linear-tiny"], "mla") / n_mla
     mla_expected = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
-    claims.append(Claim(
+    out.append(Claim(
         "MLA caches only the latent c and k_pe: kv_lora_rank + qk_rope_head_dim values per token per layer "
         "(512 + 64 = 576 at K3 size)",
         f"an MLA layer grows {mla_slope:,.0f} bytes per token = {mla_slope / 4:.0f} floats "
@@ -266,7 +67,7 @@ def _claims(sweep: Sweep, models: dict, analysis: dict) -> list[Claim]:
     a, b = analysis["fits"][BASELINE]
     share = b * longest / (a + b * longest)
     flat, linear = growth[ALL_KDA] <= CONSTANT_GROWTH, share >= 0.5
-    claims.append(Claim(
+    out.append(Claim(
         "Each KV-cache decode step reads the whole cache, O(N) per token; KDA's step does not grow",
         f"from {shortest:,} to {longest:,} tokens the all-KDA model's step changes {growth[ALL_KDA]:.2f}x; "
         f"gpt2-tiny's {growth[BASELINE]:.1f}x, its N-proportional part {share:.0%} of the step at {longest:,}",
@@ -275,17 +76,17 @@ def _claims(sweep: Sweep, models: dict, analysis: dict) -> list[Claim]:
     ratio = {name: _throughput_ratio(analysis, name) for name in ("kimi-linear-tiny", "kimi-k3-tiny")}
     at_claim = {name: _throughput_ratio(analysis, name, CLAIMED_CONTEXT) for name in ratio}
     main = "kimi-linear-tiny"
-    claims.append(Claim(
+    out.append(Claim(
         "Kimi Linear: up to 6× the decode throughput of full attention (at 1M tokens of context)",
         f"at {longest:,} tokens kimi-linear-tiny decodes {ratio[main]:.2f}x as many tokens/s as gpt2-tiny "
         f"(kimi-k3-tiny {ratio['kimi-k3-tiny']:.2f}x); the linear fits extrapolate to {at_claim[main]:.1f}x "
         f"({at_claim['kimi-k3-tiny']:.1f}x) at 1M",
         "holds" if ratio[main] >= 6 / ON_FACTOR
         else "partly" if ratio[main] > 1 or at_claim[main] >= 6 / ON_FACTOR else "does not hold"))
-    return claims
+    return out
 
 
-def _tables(sweep: Sweep, models: dict, analysis: dict) -> list[Table]:
+def tables(sweep: Sweep, models: dict, analysis: dict) -> list[Table]:
     latency, nbytes = analysis["latency"], analysis["nbytes"]
     names = list(models)
     rows = [[f"{N:,}"] + [f"{latency[name][N] * 1e3:.3g}" for name in names]
@@ -333,7 +134,7 @@ def _describe(model: CausalLM) -> str:
     return f"{c.num_layers} layers ({kinds}; {ffn}{', AttnRes' if c.attn_res_block_size else ''})"
 
 
-def _notes(sweep: Sweep, models: dict, analysis: dict) -> list[str]:
+def notes(sweep: Sweep, models: dict, analysis: dict) -> list[str]:
     check, latency = analysis["check"], analysis["latency"]
     shortest, longest = min(sweep.lengths), analysis["longest"]
     ratios = [c["filled"] / c["prefilled"] for c in check.values()]
@@ -379,7 +180,7 @@ def _notes(sweep: Sweep, models: dict, analysis: dict) -> list[str]:
     ]
 
 
-def _figure(docs: Path, sweep: Sweep, models: dict, analysis: dict) -> Figure:
+def figure(docs: Path, sweep: Sweep, models: dict, analysis: dict) -> Figure:
     latency, nbytes = analysis["latency"], analysis["nbytes"]
     Ns = list(sweep.lengths)
     with plots.figure(docs / "figures" / "decode.png", ncols=3) as (fig, axes):

@@ -1,0 +1,74 @@
+"""The two cost models `k3 lab prefill` compares with the clock, per head, in multiply-adds: the
+article's 2·L·d² + 2·L·C·d (`article_cost`) and what k3's chunk ops run, every matmul and triangular
+solve counted (`k3_cost`); and the small fits that set them against measured times (`fit_scale`,
+`error_factor`, `loglog_slope`)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from ...ops.chunk import sub_chunk_size
+
+OPS = ("linear_attn", "kda")  # the ops measured, `chunk_<op>` in k3.ops
+
+
+def _check_shape(T: int, d: int, C: int) -> None:
+    for name, value in (("T", T), ("d", d), ("C", C)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"cost model: `{name}` must be a positive int, got {value!r}")
+
+
+def article_cost(T: int, d: int, C: int) -> float:
+    """The article's cost of the chunked form per head, 2·L·d² + 2·L·C·d (in multiply-adds: it counts a
+    (C x d)(d x d) product as C·d·d). C larger than T means one chunk, C = T."""
+    _check_shape(T, d, C)
+    C = min(C, T)
+    return 2.0 * T * d * d + 2.0 * T * C * d
+
+
+def k3_cost(op: str, T: int, d: int, C: int) -> float:
+    """Multiply-adds per head of k3's `chunk_<op>` (K = V = d), every matmul and triangular solve counted.
+
+    linear_attn: per chunk K_iᵀ V1_i and Q_i S (V1 = [V | 1], d + 1 columns) and the full C x C score
+    block Q_i K_iᵀ times V1_i.
+    kda: per chunk of C = m·s tokens (sub-chunks of s <= 32, as the op splits them) the state steps
+    W S, K_endᵀ U and Q S (3·C·d²); the lower-triangular blocks of A_qk and A_kk (C·d·(C + s)); the UT
+    transform applied to K and V (C·d·(C + s)) and A_qk U (C·d·(C + s)/2); and the inverse of I + A: a
+    triangular solve per diagonal block (s²(s - 1)/2 each) and its block rows, s³·m(m² - 1)/3 — about
+    C³/3, the term the article's model does not have. The last chunk is padded to C tokens."""
+    _check_shape(T, d, C)
+    C = min(C, T)
+    padded = math.ceil(T / C) * C
+    if op == "linear_attn":
+        return padded * (2.0 * d * (d + 1) + C * (2.0 * d + 1))
+    if op == "kda":
+        s = sub_chunk_size(C)
+        m = C // s
+        per_chunk = (3.0 * C * d * d + 2.5 * C * d * (C + s) + m * s * s * (s - 1) / 2
+                     + s ** 3 * m * (m * m - 1) / 3)
+        return padded // C * per_chunk
+    raise ValueError(f"k3_cost: `op` must be one of {OPS}, got {op!r}")
+
+
+def fit_scale(costs: list[float], seconds: list[float]) -> float:
+    """Seconds per unit of cost, least squares on the relative error: minimises sum((a·x/t - 1)²)."""
+    if len(costs) != len(seconds) or not costs:
+        raise ValueError(f"fit_scale: needs as many costs as times, at least one; got {len(costs)} and "
+                         f"{len(seconds)}")
+    ratios = [x / t for x, t in zip(costs, seconds)]
+    return sum(ratios) / sum(r * r for r in ratios)
+
+
+def error_factor(predicted: float, measured: float) -> float:
+    """How far apart two positive numbers are, as a factor >= 1."""
+    return max(predicted / measured, measured / predicted)
+
+
+def loglog_slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of log y against log x (the exponent of a power law)."""
+    if len(xs) < 2 or len(xs) != len(ys):
+        raise ValueError(f"loglog_slope: needs two or more (x, y) pairs, got {len(xs)} x and {len(ys)} y")
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = statistics.fmean(lx), statistics.fmean(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
