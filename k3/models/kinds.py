@@ -14,11 +14,14 @@ the kind.
 Cache bytes come in two parts: what grows with the sequence (`cache_bytes_per_token`: softmax attention's
 keys and values, MLA's latents) and what does not (`state_bytes`: the linear family's recurrent state,
 always float32, and its convolution states), at `dtype_bytes` per cached value.
+
+Every method takes the model's `ModelConfig` as `c` (not imported here: the config imports these
+tables to validate itself).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 from torch import nn
 
@@ -26,9 +29,6 @@ from ..layers import (
     DeltaNet, GatedDeltaNet, GatedMLP, GeluMLP, KimiDeltaAttention, KVCache, LatentCache, LayerCache,
     LinearAttention, MoE, MultiHeadAttention, MultiHeadLatentAttention, RecurrentCache,
 )
-
-if TYPE_CHECKING:  # only for annotations: the config reads these tables
-    from .config import ModelConfig
 
 STATE_BYTES = 4  # recurrent states are kept in float32
 
@@ -39,25 +39,25 @@ class MixerKind:
     name: str
     fixed_state: bool  # decode state of constant size (the linear family) rather than a growing cache
 
-    def check(self, c: "ModelConfig") -> Iterator[str]:
+    def check(self, c) -> Iterator[str]:
         """Problems with the config for this kind (each a sentence naming the field), if any."""
         return iter(())
 
-    def build(self, c: "ModelConfig") -> nn.Module:
+    def build(self, c) -> nn.Module:
         raise NotImplementedError
 
     def new_cache(self) -> LayerCache:
         raise NotImplementedError
 
-    def params(self, c: "ModelConfig") -> int:
+    def params(self, c) -> int:
         """Parameters of one layer of this kind (its constructor's tensors, counted from the config)."""
         raise NotImplementedError
 
-    def cache_bytes_per_token(self, c: "ModelConfig", dtype_bytes: int = 2) -> int:
+    def cache_bytes_per_token(self, c, dtype_bytes: int = 2) -> int:
         """Bytes one layer adds to its cache per token of one sequence."""
         return 0
 
-    def state_bytes(self, c: "ModelConfig", dtype_bytes: int = 2) -> int:
+    def state_bytes(self, c, dtype_bytes: int = 2) -> int:
         """Bytes one layer holds per sequence whatever its length."""
         return 0
 
@@ -216,17 +216,17 @@ class FFNKind:
     name: str
     attribute: str  # the decoder layer's attribute, as the checkpoints name it
 
-    def check(self, c: "ModelConfig") -> Iterator[str]:
+    def check(self, c) -> Iterator[str]:
         return iter(())
 
-    def build(self, c: "ModelConfig") -> nn.Module:
+    def build(self, c) -> nn.Module:
         raise NotImplementedError
 
-    def params(self, c: "ModelConfig") -> dict[str, int]:
+    def params(self, c) -> dict[str, int]:
         """Parameters of one block, by component (the keys of `count_params`' breakdown)."""
         raise NotImplementedError
 
-    def unused_per_token(self, c: "ModelConfig") -> int:
+    def unused_per_token(self, c) -> int:
         """Parameters of one block that a token does not multiply by (the unchosen routed experts)."""
         return 0
 
