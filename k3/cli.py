@@ -55,7 +55,7 @@ def _parse_value(text: str):
 
 
 def _train_config(args):
-    from .training.loop import TrainConfig
+    from .training import TrainConfig
 
     overrides = {}
     for item in args.set or []:
@@ -81,7 +81,7 @@ def _train_config(args):
 
 def _train(args) -> int:
     from .models import PRESETS
-    from .training.loop import train
+    from .training import train
 
     if args.preset not in PRESETS:
         raise ValueError(f"unknown preset {args.preset!r}; choose from: {', '.join(PRESETS)}")

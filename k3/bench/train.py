@@ -11,7 +11,7 @@ import time
 import torch
 
 from ..models import CausalLM, count_params, get_config
-from ..training.loop import TrainConfig, build_optimizer, prepare, train, training_step
+from ..training import TrainConfig, build_optimizer, prepare, train, training_step
 
 
 def matched_gpt2(reference: str = "kimi-k3-tiny", vocab_size: int = 4096) -> tuple[dict, int]:

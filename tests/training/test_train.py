@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from k3.cli import main
-from k3.models import CausalLM
+from k3.models import CausalLM, get_config
 from k3.training import checkpoint as ckpt_module
-from k3.training import loop
+from k3.training import loop, strategy
+from k3.training import TrainConfig, learning_rate, no_decay, train
 from k3.training.checkpoint import CheckpointError
-from k3.training.loop import TrainConfig, learning_rate, no_decay, train
 
 from ..corpus import write_corpus
 
@@ -74,7 +74,7 @@ def test_ctrl_c_finishes_the_step_saves_and_resumes_exactly(corpus, tmp_path, mo
     """Ctrl-C during step 4: the step completes, a checkpoint is saved, the resume command printed,
     and resuming gives the uninterrupted loss sequence."""
     calls = {"n": 0}
-    real = loop.next_token_loss
+    real = strategy.next_token_loss
 
     def interrupted(model, windows):
         calls["n"] += 1
@@ -82,7 +82,7 @@ def test_ctrl_c_finishes_the_step_saves_and_resumes_exactly(corpus, tmp_path, mo
             signal.raise_signal(signal.SIGINT)
         return real(model, windows)
 
-    monkeypatch.setattr(loop, "next_token_loss", interrupted)
+    monkeypatch.setattr(strategy, "next_token_loss", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train(config(corpus, tmp_path / "run"), progress=False)
     monkeypatch.undo()
@@ -109,7 +109,7 @@ def test_schedule_shapes():
 
 
 def test_weight_decay_spares_norms_gates_and_queries():
-    model = CausalLM(loop.get_config("kimi-k3-tiny", vocab_size=64))
+    model = CausalLM(get_config("kimi-k3-tiny", vocab_size=64))
     spared = {n for n, p in model.named_parameters() if no_decay(n, p)}
     assert "model.layers.0.self_attn.A_log" in spared and "model.layers.0.self_attn.dt_bias" in spared
     assert "model.layers.0.attn_res.proj.weight" in spared and "model.norm.weight" in spared

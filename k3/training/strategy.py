@@ -1,0 +1,144 @@
+"""How a run is spread over processes, behind one small interface that `train` asks: `SingleProcess`
+here, and its subclass for the torchrun modes, `Distributed` (k3.training.distributed), which keeps
+this class's step and evaluation and changes only their hooks (the methods whose docstrings begin
+"Hook:"), besides how the data, the model, checkpoints and agreement reach the processes.
+
+A strategy prepares the data (`prepare`), splits the model and builds its optimizer (`setup`), takes
+one optimizer step on the global batch (`step`), measures validation bits per byte over all
+processes (`evaluate`), saves and resumes checkpoints in the single-process layout (`save`,
+`load_optimizer`), and lets the processes agree (`share`, `any`, `is_main`, `close`).
+
+`SingleProcess.step` is the training step: AdamW on the batch's mean next-token loss with clipped
+gradients, then the aux-loss-free MoE bias update from the step's expert loads. The hooks are which
+slice of the batch this process takes (`local_batch`, `local_windows`), how the loss, the expert
+loads and the validation sums are summed over processes (`sum_over_processes`, `sum_totals`), and
+how gradients are synchronised and clipped (`synchronize_gradients`, `clip_gradients`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..models import CausalLM
+from ..tokenizer import Tokenizer
+from .checkpoint import save_training_checkpoint
+from .config import TrainConfig
+from .data import TokenData, prepare
+from .objective import next_token_loss, per_byte, summed_loss
+from .optim import build_optimizer
+
+
+class SingleProcess:
+    """A run on this process alone: the model as it is, on the CPU; no torch.distributed."""
+
+    is_main = True  # the process that logs and writes
+    world_size = 1
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.model: CausalLM | None = None  # the model, as the single process sees it
+        self.net: nn.Module | None = None  # the module to call in training (a wrapper, or `model`)
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def describe(self) -> str:
+        """How the run is split, for the opening message ("" on one process)."""
+        return ""
+
+    def close(self) -> None:
+        """Release what the strategy holds (a process group)."""
+
+    # -- data and model -------------------------------------------------------------------------------
+    def prepare(self, cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> tuple[Tokenizer, TokenData]:
+        """The run's tokenizer and token streams (k3.training.data.prepare)."""
+        return prepare(cfg, tokenizer)
+
+    def setup(self, model: CausalLM, cfg: TrainConfig) -> None:
+        """Take `model` (the same on every process) for training and build its optimizer."""
+        self.model = self.net = model
+        self.optimizer = build_optimizer(model, cfg)
+
+    # -- the training step ----------------------------------------------------------------------------
+    def step(self, windows: torch.Tensor, cfg: TrainConfig) -> float:
+        """One AdamW step on the global batch `windows` [B, T + 1] (clipped gradients), then the MoE
+        bias update. Returns the batch's loss."""
+        loss = next_token_loss(self.net, self.local_batch(windows))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        moes = self.model.moe_layers()
+        global_loss, loads = self.sum_over_processes(loss, moes)
+        self.synchronize_gradients(loads)
+        self.clip_gradients(cfg.grad_clip)
+        self.optimizer.step()
+        for moe, load in zip(moes, loads):
+            moe.update_bias(load, rate=cfg.moe_bias_rate)
+        return global_loss
+
+    def local_batch(self, windows: torch.Tensor) -> torch.Tensor:
+        """Hook: this process's share of the global batch."""
+        return windows
+
+    def sum_over_processes(self, loss: torch.Tensor, moes: list) -> tuple[float, list[torch.Tensor]]:
+        """Hook: the global batch's loss and each MoE layer's expert load [E] summed over processes."""
+        return loss.item(), [moe.last_load for moe in moes]
+
+    def synchronize_gradients(self, loads: list[torch.Tensor]) -> None:
+        """Hook: make the gradients the global batch's (given the summed expert loads)."""
+
+    def clip_gradients(self, max_norm: float) -> None:
+        """Hook: scale the gradients to a total norm of at most `max_norm`."""
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    # -- evaluation -----------------------------------------------------------------------------------
+    def evaluate(self, data: TokenData, windows: torch.Tensor) -> float:
+        """Validation bits per byte over `windows` [n, T + 1], all processes together."""
+        mine, counted = self.local_windows(windows)
+        nats, nbytes = summed_loss(self.model, data, mine, counted=counted, device=self.device)
+        return per_byte(*self.sum_totals(nats, nbytes))
+
+    def local_windows(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hook: the validation windows this process runs, and which of them count (None: all)."""
+        return windows, None
+
+    def sum_totals(self, nats: float, nbytes: int) -> tuple[float, float]:
+        """Hook: summed loss and byte count over processes."""
+        return nats, nbytes
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def save(self, out, tokenizer: Tokenizer, cfg: TrainConfig, step: int, max_steps: int | None,
+             generator: torch.Generator, history: dict) -> None:
+        """`save_training_checkpoint` of the whole model and optimizer, written by the main process."""
+        weights, optimizer_state = self.full_state()
+        self.on_main(lambda: save_training_checkpoint(
+            out, self.model, self.optimizer, tokenizer, cfg, step, max_steps, generator, history,
+            weights=weights, optimizer_state=optimizer_state))
+
+    def full_state(self) -> tuple[dict | None, dict | None]:
+        """The single-process model and optimizer state dicts on the main process (None elsewhere)."""
+        return self.model.state_dict(), self.optimizer.state_dict()
+
+    def load_optimizer(self, saved: dict) -> None:
+        """Load a single-process optimizer state dict (full tensors, torch's numbering)."""
+        self.optimizer.load_state_dict(saved)
+
+    # -- agreement ------------------------------------------------------------------------------------
+    def on_main(self, work):
+        """`work()` on the main process; its error, if any, raised on every process."""
+        return work()
+
+    def share(self, value):
+        """The main process's `value` on every process (a decision only one clock should make)."""
+        return value
+
+    def any(self, flag: bool) -> bool:
+        """True on every process when `flag` is true on some process."""
+        return flag
+
+
+def training_step(model: CausalLM, optimizer: torch.optim.Optimizer, windows: torch.Tensor, cfg: TrainConfig) -> float:
+    """One AdamW step of `model` on a batch of windows [B, T + 1] (clipped gradients), then the MoE bias
+    update: `SingleProcess.step` with a model and optimizer of the caller's. Returns the loss."""
+    strategy = SingleProcess()
+    strategy.model = strategy.net = model
+    strategy.optimizer = optimizer
+    return strategy.step(windows, cfg)
