@@ -27,8 +27,8 @@ from ..corpus import write_corpus
 
 RTOL = 1e-5
 WORLD = 2
-# (preset, mode): kimi-k3-tiny's decoder calls each sub-layer (Block AttnRes), gpt2-tiny's each block
-# (and ties its head to the embedding), so fsdp shards them differently
+# (preset, mode): kimi-k3-tiny has Block AttnRes, KDA, MLA and MoE layers; gpt2-tiny ties its head to the
+# embedding
 CASES = [("kimi-k3-tiny", "ddp"), ("kimi-k3-tiny", "fsdp"), ("kimi-k3-tiny", "ep"), ("gpt2-tiny", "fsdp")]
 STEP_CFG = TrainConfig(lr=3e-3, grad_clip=0.5, moe_bias_rate=1e-2)
 # KDA, KDA + MoE, MLA + MoE with Block AttnRes: kimi-k3-tiny's parts in fewer tensors (each costs
@@ -79,6 +79,11 @@ def _two_steps(preset: str, mode: str) -> dict:
     strategy = distributed.Distributed(mode)
     model = tiny_model(preset)
     strategy.setup(model, STEP_CFG)
+    if mode == "fsdp":  # whole decoder layers are the units, Block AttnRes or not
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+        assert units == [""] + [f"model.layers.{i}" for i in range(len(model.model.layers))], units
     first, second = batches()
     losses = [strategy.step(first, STEP_CFG)]
     grads = _full_grads(model)
