@@ -1,4 +1,5 @@
-"""count_params against real modules, the published figures, and `k3 params`."""
+"""count_params and the kinds' formulas against real modules and caches, the published figures, and
+`k3 params`."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import torch
 
 from k3.cli import main
 from k3.models import CausalLM, count_params, get_config
+from k3.models.kinds import MIXERS
 
-from .conftest import TINY
+from .conftest import TINY, tiny_model
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -55,3 +57,21 @@ def test_k3_params_cli(capsys):
     assert "2,779,484,393,568" in out and "22,329.50" in out and "22,580" in out
     assert main(["params", "nope"]) == 2
     assert "choose from" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_cache_bytes_of_every_kind_equal_a_real_cache(name):
+    """Each mixer kind's byte formulas (k3.models.kinds: per token and per sequence) equal what its layers'
+    caches hold after a prefill, at 4 bytes per value (a float32 model); count_params' figures sum them."""
+    model = tiny_model(name)
+    c = model.config
+    cache = model.new_cache(2)
+    with torch.no_grad():
+        model(torch.zeros(2, 9, dtype=torch.long), cache=cache)
+    want: dict[str, int] = {}
+    for kind in c.layer_types:
+        want[kind] = want.get(kind, 0) + 2 * (MIXERS[kind].cache_bytes_per_token(c, 4) * 9 + MIXERS[kind].state_bytes(c, 4))
+    assert cache.nbytes_by_type() == want
+    pc = count_params(c, cache_dtype_bytes=4)
+    assert 2 * (pc.mla_cache_bytes_per_token + pc.kv_cache_bytes_per_token) * 9 + 2 * pc.recurrent_state_bytes_per_sequence \
+        == cache.nbytes()
