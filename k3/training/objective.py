@@ -33,8 +33,10 @@ def summed_loss(model: CausalLM, data: TokenData, windows: torch.Tensor, batch_s
     model.eval()
     nats, nbytes = 0.0, 0
     for w, keep in zip(windows.split(batch_size), counted.split(batch_size)):
-        logits = model(w[:, :-1].to(device)).float()[keep.to(device)]  # [kept, T, vocab]
-        targets = w[keep][:, 1:]
+        logits = model(w[:, :-1].to(device)).float()  # [b, T, vocab]
+        if not bool(keep.all()):  # (a copy of the logits: only where some windows do not count)
+            logits, w = logits[keep.to(device)], w[keep]
+        targets = w[:, 1:]
         nats += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).to(device),
                                 reduction="sum").item()
         nbytes += int(data.token_bytes[targets].sum())
