@@ -3,33 +3,29 @@
     [q | k | v] = c_attn(x);  o = softmax(q k^T / sqrt(D), causal) v per head;  y = c_proj(o)
 
 The KV cache grows by 2 * H * D values per token per layer: the O(T) memory the linear family avoids.
+It keeps them in buffers with spare room (`k3.layers.cache.SequenceCache`), so a decode step writes one
+row rather than copying the cache.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..ops import attention
-from .cache import LayerCache
+from ..ops.attention import causal_attention
+from .cache import SequenceCache, SequenceField
 from .checks import check_mixer_input
 from .init import init_linear
 
 
-@dataclass
-class KVCache(LayerCache):
-    """Keys and values seen so far, [B, S, H, D] each."""
+class KVCache(SequenceCache):
+    """Keys and values seen so far, [B, S, H, D] each (`KVCache(k=..., v=...)` starts from given ones)."""
 
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
+    k = SequenceField()
+    v = SequenceField()
 
     tensor_fields = sequence_fields = ("k", "v")
-
-    @property
-    def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[1]
 
 
 class MultiHeadAttention(nn.Module):
@@ -55,8 +51,9 @@ class MultiHeadAttention(nn.Module):
         check_mixer_input("MultiHeadAttention", x, self.hidden_size, cache)
         B, T, _ = x.shape
         q, k, v = self.c_attn(x).view(B, T, 3, self.num_heads, -1).unbind(2)  # [B, T, H, D] each
-        past = None if cache is None or cache.k is None else (cache.k, cache.v)
-        o, kv = attention(q, k, v, initial_state=past, output_final_state=cache is not None)
-        if cache is not None:
-            cache.k, cache.v = kv
+        if cache is None:
+            o, _ = attention(q, k, v)
+        else:  # the cache's rows and this call's, then the last T positions attend over them
+            k_all, v_all = cache.append(k=k, v=v)
+            o = causal_attention(q, k_all, v_all, scale=q.shape[-1] ** -0.5)
         return self.c_proj(o.reshape(B, T, self.hidden_size))

@@ -17,11 +17,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.common import cast
 from .norm import upcast
+
+STACK_LIMIT = 1 << 16  # values per source up to which the sources are stacked and mixed in a few batched ops
 
 
 class BlockAttnRes(nn.Module):
-    """One learned depth query (norm.weight * proj.weight) mixing a list of sources [..., D]."""
+    """One learned depth query (norm.weight * proj.weight) mixing a list of sources [..., D].
+
+    Two equal ways to compute the mix. Small sources (decoding: a token or a few, up to STACK_LIMIT
+    values each) are stacked into one [N, ..., D] tensor, so that logits, softmax and the weighted sum
+    are a handful of batched ops whatever N is. Large ones (training, prefill) are read one at a time,
+    which costs a few ops per source but never a stacked copy of all of them."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -38,22 +46,39 @@ class BlockAttnRes(nn.Module):
 
     def weights(self, sources: list[torch.Tensor]) -> torch.Tensor:
         """The softmax weights [N, ...] (float32) this mix gives its N sources [..., D]."""
-        return self._weights([upcast(v) for v in self._check(sources)])
+        query = self._query()
+        return torch.softmax(torch.stack([self._logits(upcast(v), query) for v in self._check(sources)]), dim=0)
 
-    def _weights(self, values: list[torch.Tensor]) -> torch.Tensor:
-        query = upcast(self.norm.weight) * upcast(self.proj.weight).squeeze(0)  # [D]
-        # w . RMS(V_n) = (V_n . w) / rms(V_n): one [..] logit per source, no normalised copy of V
-        logits = torch.stack([(v @ query) * torch.rsqrt(v.pow(2).mean(-1) + self.eps) for v in values])
-        return torch.softmax(logits, dim=0)  # [N, ...]
+    def _query(self) -> torch.Tensor:
+        """w = norm.weight * proj.weight [D], float32."""
+        return upcast(self.norm.weight) * upcast(self.proj.weight).squeeze(0)
+
+    def _logits(self, v: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        """v [..., D] (one source, or N stacked) -> w . RMS(v) [...] = (v . w) / rms(v): no normalised copy of v."""
+        return (v @ query) * torch.rsqrt(v.pow(2).mean(-1) + self.eps)
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
         """sources: N tensors [..., D] (same shape) -> the mix [..., D] in the sources' dtype."""
         values = [upcast(v) for v in self._check(sources)]
-        alpha = self._weights(values)
+        if values[0].numel() <= STACK_LIMIT:
+            mix = self._mix_stacked(torch.stack(values))
+        else:
+            mix = self._mix_each(values)
+        return cast(mix, sources[0].dtype)
+
+    def _mix_stacked(self, V: torch.Tensor) -> torch.Tensor:
+        """V [N, ..., D] -> sum_n alpha_n V_n with alpha = softmax_n(logits), in one pass over the stack."""
+        alpha = torch.softmax(self._logits(V, self._query()), dim=0)  # [N, ...]
+        return (alpha.unsqueeze(-1) * V).sum(0)
+
+    def _mix_each(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """The same mix from the list, one source at a time (no stacked copy of the sources)."""
+        query = self._query()
+        alpha = torch.softmax(torch.stack([self._logits(v, query) for v in values]), dim=0)  # [N, ...]
         mix = values[0] * alpha[0].unsqueeze(-1)
         for a, v in zip(alpha[1:], values[1:]):
             mix = torch.addcmul(mix, v, a.unsqueeze(-1))
-        return mix.to(sources[0].dtype)
+        return mix
 
     @staticmethod
     def _check(sources: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -5,6 +5,11 @@ in place (`KVCache` for softmax attention, `LatentCache` for MLA, `RecurrentCach
 family). Each names its tensors once, in `tensor_fields`; those that grow by one row per token, [B, S, ...],
 are also listed in `sequence_fields` (a recurrent state has none: its size is fixed). Everything else
 (`tensors`, `batch_size`, `nbytes`) follows from that.
+
+The growing fields (`SequenceCache`) live in buffers with spare room along the sequence: appending a
+token writes one row, and a full buffer is replaced by one of twice the capacity, so a token costs
+amortised O(1) copies instead of a copy of the whole cache (what `torch.cat` would do). Reading a field
+gives the rows held so far; assigning one adopts the tensor as the field's buffer.
 """
 
 from __future__ import annotations
@@ -13,28 +18,133 @@ import torch
 
 
 class LayerCache:
-    """Base of the per-layer caches (dataclasses whose fields are tensors, tuples of tensors, or None)."""
+    """Base of the per-layer caches (fields are tensors, tuples of tensors, or None)."""
 
     tensor_fields: tuple[str, ...] = ()
     sequence_fields: tuple[str, ...] = ()
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor held, in field order (tuples flattened; empty fields skipped)."""
-        out: list[torch.Tensor] = []
-        for name in self.tensor_fields:
-            value = getattr(self, name)
-            if isinstance(value, torch.Tensor):
-                out.append(value)
-            elif isinstance(value, (tuple, list)):
-                out.extend(value)
-        return out
+        """Every tensor held, in field order (tuples flattened; empty fields skipped). A growing field
+        gives the tokens held, not its buffer's spare rows."""
+        return _flatten(getattr(self, name) for name in self.tensor_fields)
+
+    def _stored(self, name: str):
+        """Field `name` as stored: for a growing field its whole buffer, spare rows included. Reading it
+        makes no tensor op (a view would), so shape-only questions ask this."""
+        return getattr(self, name)
 
     @property
     def batch_size(self) -> int | None:
         """Rows of the cached tensors, or None while the cache is empty."""
-        tensors = self.tensors()
-        return tensors[0].shape[0] if tensors else None
+        for name in self.tensor_fields:
+            value = self._stored(name)
+            if isinstance(value, (tuple, list)):
+                value = value[0] if value else None
+            if value is not None:
+                return value.shape[0]
+        return None
 
     def nbytes(self) -> int:
-        """Bytes held."""
+        """Bytes of what the cache holds (for a growing field, the tokens seen: the spare capacity of its
+        buffer is not counted; see `allocated_bytes`)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the buffers behind the fields, spare capacity included (>= `nbytes`)."""
+        return sum(t.numel() * t.element_size() for t in _flatten(self._stored(n) for n in self.tensor_fields))
+
+
+def _flatten(values) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (tuple, list)):
+            out.extend(value)
+    return out
+
+
+class SequenceField:
+    """A cache field [B, S, ...] that grows along S (dim 1), declared on a `SequenceCache` subclass.
+
+    Stored as a buffer [B, capacity, ...] whose first S rows are held. Reading the attribute gives those
+    rows (the buffer itself when it is full, else a view); assigning a tensor [B, S, ...] adopts it as
+    the buffer, full (what `fill_cache` and beam search's row reordering do); None empties the field."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, cache, owner=None):
+        if cache is None:
+            return self
+        buffer, held = cache._rows.get(self.name, (None, 0))
+        if buffer is None or held == buffer.shape[1]:
+            return buffer
+        return buffer[:, :held]
+
+    def __set__(self, cache, value: torch.Tensor | None) -> None:
+        cache._rows[self.name] = (value, 0 if value is None else value.shape[1])
+
+
+class SequenceCache(LayerCache):
+    """A cache whose `sequence_fields` are `SequenceField`s: [B, S, ...] tensors that grow by `append`."""
+
+    def __init__(self, **fields: torch.Tensor | None):
+        self._rows: dict[str, tuple[torch.Tensor | None, int]] = {}  # name -> (buffer, rows held)
+        for name in self.sequence_fields:
+            setattr(self, name, fields.pop(name, None))
+        if fields:
+            raise TypeError(f"{type(self).__name__}: unknown fields {sorted(fields)}; it has {self.sequence_fields}")
+
+    def _stored(self, name: str):
+        return self._rows[name][0] if name in self.sequence_fields else getattr(self, name)
+
+    @property
+    def length(self) -> int:
+        """Tokens held (of the first field; every field holds as many once a forward is done)."""
+        return self._rows[self.sequence_fields[0]][1]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the first field's buffer has room for before it must grow."""
+        buffer = self._rows[self.sequence_fields[0]][0]
+        return 0 if buffer is None else buffer.shape[1]
+
+    def append(self, **new: torch.Tensor) -> list[torch.Tensor]:
+        """Append new[name] [B, T, ...] to each named field; return the fields' held rows [B, S + T, ...]
+        in the order given.
+
+        A buffer without room for T more rows is replaced by one with max(2 * capacity, S + T) rows
+        (amortised O(T) per append). While autograd records (a gradient could flow through the new
+        rows), the field is concatenated instead, so that no tensor a backward pass needs is overwritten."""
+        out = []
+        for name, x in new.items():
+            buffer, held = self._rows[name]
+            total = held + x.shape[1]
+            if buffer is None or (torch.is_grad_enabled() and (x.requires_grad or buffer.requires_grad)):
+                buffer = x if buffer is None else torch.cat([buffer[:, :held], x], dim=1)
+            else:
+                if total > buffer.shape[1] or not _writable(buffer, x):
+                    buffer = _regrown(buffer, held, max(2 * buffer.shape[1], total), x)
+                buffer[:, held:total] = x
+            self._rows[name] = (buffer, total)
+            out.append(buffer if total == buffer.shape[1] else buffer[:, :total])
+        return out
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(batch_size={self.batch_size}, length={self.length}, "
+                f"capacity={self.capacity})")
+
+
+def _writable(buffer: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether x's rows can be written into `buffer` in place: same dtype and device, and not an
+    inference tensor outside inference mode (torch forbids writing into one there)."""
+    return (buffer.dtype == x.dtype and buffer.device == x.device
+            and (torch.is_inference_mode_enabled() or not buffer.is_inference()))
+
+
+def _regrown(buffer: torch.Tensor, held: int, capacity: int, x: torch.Tensor) -> torch.Tensor:
+    """A new buffer [B, capacity, ...] for rows like x's, holding buffer's first `held` rows."""
+    grown = x.new_empty(x.shape[0], capacity, *x.shape[2:])
+    grown[:, :held] = buffer[:, :held]
+    return grown

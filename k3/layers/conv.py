@@ -4,7 +4,9 @@ q, k and v (kernel 4, no bias), followed by SiLU.
     y_t = SiLU( sum_{j=0}^{W-1} w_j * x_{t-W+1+j} )        per channel; x_t = 0 before the sequence
 
 For decoding, the last W-1 inputs are the convolution state [N, D, W-1]: feeding a sequence in pieces
-through the returned state gives exactly the one-call result.
+through the returned state gives the one-call result. One token from a state (`step`) is a rolling
+window rather than a convolution: y = SiLU(sum_j w_j [state, x]_j), and the new state is the window
+without its oldest input.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..ops.common import cast
 
 
 class ShortConvolution(nn.Module):
@@ -38,22 +42,54 @@ class ShortConvolution(nn.Module):
             raise ValueError(f"ShortConvolution: `x` must be [B, T, {self.dim}], got {list(x.shape)}")
         B, T, D = x.shape
         W = self.kernel_size
+        if conv_state is not None and tuple(conv_state.shape) != (B, D, W - 1):
+            raise ValueError(f"ShortConvolution: `conv_state` must be [{B}, {D}, {W - 1}] "
+                             f"(batch, channels, kernel_size - 1), got {list(conv_state.shape)}")
+        if T == 1 and conv_state is not None:
+            y, state = self.step(x[:, 0], conv_state)
+            return y.unsqueeze(1), (state if output_final_state else None)
         xt = x.transpose(1, 2)  # [B, D, T]
-        if conv_state is None:
-            history = xt.new_zeros(B, D, W - 1)
-        else:
-            if tuple(conv_state.shape) != (B, D, W - 1):
-                raise ValueError(f"ShortConvolution: `conv_state` must be [{B}, {D}, {W - 1}] "
-                                 f"(batch, channels, kernel_size - 1), got {list(conv_state.shape)}")
-            history = conv_state.to(xt.dtype)
+        history = xt.new_zeros(B, D, W - 1) if conv_state is None else cast(conv_state, xt.dtype)
         if T == 0:
             return x, (history.clone() if output_final_state else None)
         xt = torch.cat([history, xt], dim=-1)  # [B, D, W-1+T]
-        y = F.conv1d(xt, self.weight.to(xt.dtype), groups=D)  # [B, D, T]
+        y = F.conv1d(xt, cast(self.weight, xt.dtype), groups=D)  # [B, D, T]
         if self.activation == "silu":
             y = F.silu(y)
         new_state = xt[..., xt.shape[-1] - (W - 1):].clone() if output_final_state else None
         return y.transpose(1, 2), new_state
 
+    def step(self, x: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token after `conv_state`: x [B, D], conv_state [B, D, W-1] -> (y [B, D], new state
+        [B, D, W-1]); see `rolling_step`."""
+        return rolling_step(x, conv_state, self.weight, self.activation)
+
     def extra_repr(self) -> str:
         return f"{self.dim}, kernel_size={self.kernel_size}, activation={self.activation}"
+
+
+def rolling_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, activation: str | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The convolution at one new position, as a rolling window: x [B, D], conv_state [B, D, W-1],
+    weight [D, 1, W] -> (y [B, D], new state [B, D, W-1]).
+
+        window = [conv_state, x]   [B, D, W];   y = SiLU( sum_j w_j window_j );   new state = window[..., 1:]
+
+    A few elementwise ops instead of a conv1d call. The new state is a view of the window, which
+    nothing else holds: no copy. Unchecked (the decode steps of the layers call it with the state they
+    keep)."""
+    window = torch.cat([cast(conv_state, x.dtype), x.unsqueeze(-1)], dim=-1)
+    y = (window * cast(weight, x.dtype).squeeze(1)).sum(-1)
+    if activation == "silu":
+        y = F.silu(y)
+    return y, window[..., 1:]
+
+
+def joint_step(convs: list[ShortConvolution], xs: list[torch.Tensor], states: list[torch.Tensor]
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`step` of several convolutions (same kernel size and activation) on one token, as one rolling
+    window over their channels side by side: xs [B, D_i], states [B, D_i, W-1] -> (y [B, sum D_i], the
+    new states [B, D_i, W-1]). What the linear family's decode step runs for its q, k and v."""
+    y, state = rolling_step(torch.cat(xs, dim=-1), torch.cat(states, dim=1),
+                            torch.cat([conv.weight for conv in convs]), convs[0].activation)
+    return y, list(state.split([conv.dim for conv in convs], dim=1))

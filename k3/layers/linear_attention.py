@@ -24,6 +24,9 @@ gate (`output_gate`: its form, "low_rank", "full" or None).
 
 Decoding state lives in a `RecurrentCache` the caller owns: the three convolution states and the
 recurrent state [N, H, K, V], updated in place by `forward`. Its size does not grow with the sequence.
+One token from a cache that holds state runs a lean step (`_decode`): the convolutions' rolling window and
+the op's `*_step` function, without the public op's validation, casts and token-loop frame, which the
+prefill already paid for.
 """
 
 from __future__ import annotations
@@ -36,12 +39,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import (
-    chunk_delta_rule, chunk_gated_delta_rule, chunk_kda, chunk_linear_attn, recurrent_delta_rule,
+    chunk_delta_rule, chunk_gated_delta_rule, chunk_kda, chunk_linear_attn, l2norm, recurrent_delta_rule,
     recurrent_gated_delta_rule, recurrent_kda, recurrent_linear_attn,
 )
+from ..ops.common import cast
+from ..ops.delta_rule import delta_rule_step
+from ..ops.gated_delta_rule import gated_delta_rule_step
+from ..ops.kda import kda_step
+from ..ops.linear_attn import linear_attn_step
 from .cache import LayerCache
 from .checks import check_mixer_input
-from .conv import ShortConvolution
+from .conv import ShortConvolution, joint_step
 from .init import init_linear
 from .norm import RMSNorm, upcast
 
@@ -74,10 +82,12 @@ def init_decay(A_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
 
 class _DeltaRuleAttention(nn.Module):
     """Shared body of DeltaNet, GatedDeltaNet and KimiDeltaAttention (see the module docstring). A
-    subclass names its two ops and adds its forget gate (`_make_forget_gate`, `forget_gate`)."""
+    subclass names its ops (chunk, recurrent, and the decode step) and adds its forget gate
+    (`_make_forget_gate`, `forget_gate`)."""
 
     chunk_op = staticmethod(chunk_delta_rule)
     recurrent_op = staticmethod(recurrent_delta_rule)
+    step_op = staticmethod(delta_rule_step)
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, output_gate: str | None = "full",
                  conv_size: int = 4, norm_eps: float = 1e-6, chunk_size: int = 64):
@@ -125,7 +135,7 @@ class _DeltaRuleAttention(nn.Module):
         pass
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Log decay g in float32: None here, [B, T, H] or [B, T, H, K] in the gated layers."""
+        """x [..., hidden_size] -> log decay g in float32: None here, [..., H] or [..., H, K] in the gated layers."""
         return None
 
     def _output_gate(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -137,9 +147,11 @@ class _DeltaRuleAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: RecurrentCache | None = None) -> torch.Tensor:
         """x [B, T, hidden_size] -> y [B, T, hidden_size]. With `cache`, continue from its state and
-        leave the new state in it (prefill runs the chunk form; T = 1 runs the recurrent step)."""
+        leave the new state in it (prefill runs the chunk form; one token after a state runs `_decode`)."""
         check_mixer_input(type(self).__name__, x, self.hidden_size, cache)
         B, T, _ = x.shape
+        if T == 1 and cache is not None and cache.recurrent_state is not None:
+            return self._decode(x, cache)
         H, Dh = self.num_heads, self.head_dim
         conv_in = (None,) * 3 if cache is None or cache.conv_states is None else cache.conv_states
         keep = cache is not None
@@ -153,7 +165,7 @@ class _DeltaRuleAttention(nn.Module):
         gate_args = () if g is None else (g,)
 
         state = None if cache is None else cache.recurrent_state
-        if cache is not None and T == 1:
+        if cache is not None and T == 1:  # a first token, with no state yet
             o, state = self.recurrent_op(q, k, v, *gate_args, beta, initial_state=state, output_final_state=True,
                                          use_qk_l2norm=True)
         else:
@@ -161,10 +173,33 @@ class _DeltaRuleAttention(nn.Module):
                                      use_qk_l2norm=True, chunk_size=self.chunk_size)
         if cache is not None:
             cache.conv_states, cache.recurrent_state = (conv_q, conv_k, conv_v), state
+        return self._output(o, x)
 
+    def _decode(self, x: torch.Tensor, cache: RecurrentCache) -> torch.Tensor:
+        """One token after the state in `cache`: x [B, 1, hidden_size] -> y [B, 1, hidden_size], the same
+        maths as `forward` with every tensor [B, ...] (no time axis): the three short convolutions as one
+        rolling window (`joint_step`), q and k normalised together, and the op's `step_op`."""
+        B = x.shape[0]
+        H, Dh = self.num_heads, self.head_dim
+        h = x[:, 0]  # [B, hidden_size]
+        y, conv_states = joint_step([self.q_conv1d, self.k_conv1d, self.v_conv1d],
+                                    [self.q_proj(h), self.k_proj(h), self.v_proj(h)], list(cache.conv_states))
+        qkv = upcast(y).view(B, 3, H, Dh)
+        q, k = l2norm(qkv[:, :2]).unbind(1)  # [B, H, Dh] each
+        beta = torch.sigmoid(upcast(self.b_proj(h)))  # [B, H]
+        g = self.forget_gate(h)
+        gate_args = () if g is None else (g,)
+        # all float32 (float64 in a float64 model), as the state the prefill left
+        o, cache.recurrent_state = self.step_op(q, k, qkv[:, 2], *gate_args, beta, cache.recurrent_state,
+                                                Dh ** -0.5)
+        cache.conv_states = tuple(conv_states)
+        return self._output(o, h).unsqueeze(1)
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o [..., H, Dh] (the op's output for inputs x [..., hidden_size]) -> o_proj(o_norm(o) * sigmoid(output gate))."""
         out_gate = self._output_gate(x)
-        o = self.o_norm(o, None if out_gate is None else out_gate.view(B, T, H, Dh))
-        return self.o_proj(o.reshape(B, T, H * Dh).to(x.dtype))
+        o = self.o_norm(o, None if out_gate is None else out_gate.view(o.shape))
+        return self.o_proj(cast(o.reshape(*x.shape[:-1], -1), x.dtype))
 
 
 class DeltaNet(_DeltaRuleAttention):
@@ -176,6 +211,7 @@ class GatedDeltaNet(_DeltaRuleAttention):
 
     chunk_op = staticmethod(chunk_gated_delta_rule)
     recurrent_op = staticmethod(recurrent_gated_delta_rule)
+    step_op = staticmethod(gated_delta_rule_step)
 
     def _make_forget_gate(self) -> None:
         self.a_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
@@ -200,6 +236,7 @@ class KimiDeltaAttention(_DeltaRuleAttention):
 
     chunk_op = staticmethod(chunk_kda)
     recurrent_op = staticmethod(recurrent_kda)
+    step_op = staticmethod(kda_step)
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, kda_gate: str = "kimi_linear",
                  output_gate: str | None = "low_rank", **kwargs):
@@ -221,10 +258,10 @@ class KimiDeltaAttention(_DeltaRuleAttention):
         init_decay(self.A_log, self.dt_bias)
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, hidden_size] -> log decay g [B, T, H, K] (float32), by the `kda_gate` formula."""
-        B, T, _ = x.shape
-        f = (upcast(self.f_b_proj(self.f_a_proj(x))) + upcast(self.dt_bias)).view(B, T, self.num_heads, -1)
-        rate = torch.exp(upcast(self.A_log))  # [1, 1, H, 1]
+        """x [..., hidden_size] -> log decay g [..., H, K] (float32), by the `kda_gate` formula."""
+        H = self.num_heads
+        f = (upcast(self.f_b_proj(self.f_a_proj(x))) + upcast(self.dt_bias)).view(*x.shape[:-1], H, -1)
+        rate = torch.exp(upcast(self.A_log)).view(H, 1)  # one rate per head
         if self.kda_gate == "safe":
             return -5.0 * torch.sigmoid(rate * f)
         return -rate * F.softplus(f)
@@ -254,16 +291,24 @@ class LinearAttention(nn.Module):
         """x [B, T, hidden_size] -> y [B, T, hidden_size]; with `cache`, continue from (S, z) and update it."""
         check_mixer_input("LinearAttention", x, self.hidden_size, cache)
         B, T, _ = x.shape
-        shape = (B, T, self.num_heads, self.head_dim)
-        q = F.elu(upcast(self.q_proj(x)).view(shape)) + 1.0
-        k = F.elu(upcast(self.k_proj(x)).view(shape)) + 1.0
-        v = upcast(self.v_proj(x)).view(shape)
         state = None if cache is None else cache.recurrent_state
-        if cache is not None and T == 1:
+        if T == 1 and state is not None:  # decode: [B, ...] tensors and the op's lean step
+            q, k, v = self._features(x[:, 0])
+            o, cache.recurrent_state = linear_attn_step(q, k, v, state, self.head_dim ** -0.5)
+            return self.o_proj(cast(o.reshape(B, -1), x.dtype)).unsqueeze(1)
+        q, k, v = self._features(x)
+        if cache is not None and T == 1:  # a first token, with no state yet
             o, state = recurrent_linear_attn(q, k, v, initial_state=state, output_final_state=True)
         else:
             o, state = chunk_linear_attn(q, k, v, initial_state=state, output_final_state=cache is not None,
                                          chunk_size=self.chunk_size)
         if cache is not None:
             cache.recurrent_state = state
-        return self.o_proj(o.reshape(B, T, -1).to(x.dtype))
+        return self.o_proj(cast(o.reshape(B, T, -1), x.dtype))
+
+    def _features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., hidden_size] -> phi(q), phi(k), v [..., H, head_dim] in float32 (phi = ELU + 1)."""
+        shape = (*x.shape[:-1], self.num_heads, self.head_dim)
+        q = F.elu(upcast(self.q_proj(x)).view(shape)) + 1.0
+        k = F.elu(upcast(self.k_proj(x)).view(shape)) + 1.0
+        return q, k, upcast(self.v_proj(x)).view(shape)

@@ -10,18 +10,18 @@
 The cache holds only the latent c and k_pe: r + dr values per token per layer (512 + 64 = 576 at K3
 size), instead of H * (dn + dr + dv) for a plain KV cache. Decoding can "absorb" kv_b into the query and
 the output: q_nope . (W_uk c) = (W_uk^T q_nope) . c and sum_s p_s W_uv c_s = W_uv (sum_s p_s c_s), so
-attention runs against the latents directly; it equals the plain path.
+attention runs against the latents directly; it equals the plain path. The latents live in buffers
+with spare room (`k3.layers.cache.SequenceCache`): a decode step writes one row, copying nothing else.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..ops import attention
-from .cache import LayerCache
+from ..ops.common import cast
+from .cache import SequenceCache, SequenceField
 from .checks import check_mixer_input
 from .init import init_linear
 from .norm import RMSNorm, upcast
@@ -29,18 +29,13 @@ from .norm import RMSNorm, upcast
 OUTPUT_GATES = (None, "full")
 
 
-@dataclass
-class LatentCache(LayerCache):
+class LatentCache(SequenceCache):
     """MLA decode cache of one layer: the normalised latents c [B, S, r] and the shared keys k_pe [B, S, dr]."""
 
-    c: torch.Tensor | None = None
-    k_pe: torch.Tensor | None = None
+    c = SequenceField()
+    k_pe = SequenceField()
 
     tensor_fields = sequence_fields = ("c", "k_pe")
-
-    @property
-    def length(self) -> int:
-        return 0 if self.c is None else self.c.shape[1]
 
 
 def rotate_half_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -117,12 +112,7 @@ class MultiHeadLatentAttention(nn.Module):
         B, T, _ = x.shape
         past = 0 if cache is None else cache.length
         q, c, k_pe = self._queries_and_latents(x, past)
-        if cache is not None:
-            cache.c = c if cache.c is None else torch.cat([cache.c, c], dim=1)
-            cache.k_pe = k_pe if cache.k_pe is None else torch.cat([cache.k_pe, k_pe], dim=1)
-            c_all, k_pe_all = cache.c, cache.k_pe
-        else:
-            c_all, k_pe_all = c, k_pe
+        c_all, k_pe_all = (c, k_pe) if cache is None else cache.append(c=c, k_pe=k_pe)
         if absorb is None:
             absorb = cache is not None and T == 1
         o = self._absorbed(q, c_all, k_pe_all, past) if absorb else self._plain(q, c_all, k_pe_all, past)
@@ -146,27 +136,38 @@ class MultiHeadLatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.kv_lora_rank)
         return w[:, : self.dn], w[:, self.dn:]
 
-    def _latent_probs(self, q, c_all, k_pe_all, past: int) -> torch.Tensor:
-        """Causal attention probabilities [B, H, T, S] (in q's dtype) against the latents, with
-        scores = (W_uk^T q_nope) . c + q_pe . k_pe: query i sits at position past + i."""
-        w_uk, _ = self._absorbed_weights()
-        q_nope, q_pe = q[..., : self.dn], q[..., self.dn:]
-        q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)  # [B, T, H, r]
-        scores = (torch.einsum("bthr,bsr->bhts", q_latent, c_all)
-                  + torch.einsum("bthd,bsd->bhts", q_pe, k_pe_all)) * self.scale
-        T, S = q.shape[1], c_all.shape[1]
-        allowed = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(past)
-        return torch.softmax(upcast(scores).masked_fill(~allowed, float("-inf")), dim=-1).to(q.dtype)
+    def _latent_probs(self, q, c_all, k_pe_all, past: int, w_uk: torch.Tensor) -> torch.Tensor:
+        """Causal attention probabilities [B, H*T, S] (rows head-major: h * T + i; in q's dtype) against
+        the latents, with scores = (W_uk^T q_nope) . c + q_pe . k_pe; query i sits at position past + i.
+
+        Batched matmuls with the heads folded into the rows, so that the latents c_all [B, S, r] and
+        k_pe_all [B, S, dr] are read as they are (shared by every head: never expanded or copied)."""
+        B, T, H, _ = q.shape
+        S = c_all.shape[1]
+        q_nope = q[..., : self.dn].permute(2, 0, 1, 3).reshape(H, B * T, self.dn)
+        q_latent = torch.bmm(q_nope, w_uk).view(H, B, T, -1).transpose(0, 1).reshape(B, H * T, -1)  # [B, H*T, r]
+        q_pe = q[..., self.dn:].transpose(1, 2).reshape(B, H * T, self.dr)
+        scores = torch.bmm(q_pe, k_pe_all.transpose(1, 2))  # [B, H*T, S]
+        scores = upcast(torch.baddbmm(scores, q_latent, c_all.transpose(1, 2)).mul_(self.scale))
+        if T > 1 or past < S - 1:  # one query after the cache sees every position: nothing to mask
+            allowed = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(past)
+            scores = scores.view(B, H, T, S).masked_fill(~allowed, float("-inf")).view(B, H * T, S)
+        return cast(torch.softmax(scores, dim=-1), q.dtype)
 
     def _absorbed(self, q, c_all, k_pe_all, past: int) -> torch.Tensor:
-        """Attention against the latents: o = W_uv (p . c) with p from `_latent_probs`."""
-        _, w_uv = self._absorbed_weights()
-        o_latent = torch.einsum("bhts,bsr->bthr", self._latent_probs(q, c_all, k_pe_all, past), c_all)  # [B, T, H, r]
-        return torch.einsum("bthr,hvr->bthv", o_latent, w_uv)  # [B, T, H, dv]
+        """Attention against the latents: o = W_uv (p . c) per head with p from `_latent_probs`
+        -> [B, T, H, dv]."""
+        B, T, H, _ = q.shape
+        w_uk, w_uv = self._absorbed_weights()
+        o_latent = torch.bmm(self._latent_probs(q, c_all, k_pe_all, past, w_uk), c_all)  # [B, H*T, r]
+        o_latent = o_latent.view(B, H, T, -1).transpose(0, 1).reshape(H, B * T, -1)  # [H, B*T, r]
+        o = torch.bmm(o_latent, w_uv.transpose(1, 2))  # [H, B*T, dv]
+        return o.view(H, B, T, self.dv).permute(1, 2, 0, 3)
 
     def attention_probs(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, hidden_size] -> the attention probabilities [B, H, T, T] of each head over the sequence
         (causal, no cache): the absorbed path's own softmax, which `forward` decodes with."""
         check_mixer_input("MultiHeadLatentAttention", x, self.hidden_size, None)
         q, c, k_pe = self._queries_and_latents(x, 0)
-        return self._latent_probs(q, c, k_pe, past=0)
+        B, T, H, _ = q.shape
+        return self._latent_probs(q, c, k_pe, 0, self._absorbed_weights()[0]).view(B, H, T, T)

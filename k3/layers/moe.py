@@ -18,9 +18,11 @@ The router's checkpoint name is `gate` (`block_sparse_moe.gate.weight`, as in Ki
 in code it is `MoE.router`, a `Router`: "gate" in k3 means the KDA forget gate and the output gates.
 
 Dispatch (`RoutedExperts`) groups tokens by expert (one sort), so the cost follows the k chosen experts,
-not all E. It is a module of its own so that expert parallelism (k3.training.parallel) plugs in
-from outside: a process keeps a slice of the experts, and hooks on this module gather the tokens
-before it and sum the slices' outputs after it.
+not all E. A few tokens (decoding) take a shorter way: the chosen experts' matrices are stacked and
+run as three batched matmuls, a handful of ops instead of a dozen or more per chosen expert. It is a
+module of its own so that expert parallelism (k3.training.parallel) plugs in from outside: a process
+keeps a slice of the experts, and hooks on this module gather the tokens before it and sum the
+slices' outputs after it.
 """
 
 from __future__ import annotations
@@ -29,9 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.common import cast
 from .ffn import GatedMLP, situ
 from .init import init_linear
 from .norm import RMSNorm, upcast
+
+FEW_ASSIGNMENTS = 32  # (token, expert) pairs up to which the chosen experts are stacked (`RoutedExperts`)
+STACK_LIMIT = 1 << 22  # the most expert-matrix values the stacked path copies in one call
 
 
 class Expert(nn.Module):
@@ -64,10 +70,14 @@ class Expert(nn.Module):
         nn.init.normal_(self.w2, std=std if residual_std is None else residual_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.w1), F.linear(x, self.w3)
+        """x [..., dim] -> w2 act(w1 x, w3 x) [..., dim]."""
+        return F.linear(self.act(F.linear(x, self.w1), F.linear(x, self.w3)), self.w2)
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The gated activation of gate = w1 x and up = w3 x (same shape): SiTU-GLU or SwiGLU."""
         if self.activation == "situ":
-            return F.linear(situ(gate, up, self.situ_beta, self.situ_linear_beta), self.w2)
-        return F.linear(F.silu(gate) * up, self.w2)
+            return situ(gate, up, self.situ_beta, self.situ_linear_beta)
+        return F.silu(gate) * up
 
 
 class Router(nn.Module):
@@ -96,7 +106,7 @@ class Router(nn.Module):
         """The top-k experts [N, k] by `scores` [N, E] plus the correction bias (balanced=False: by the
         bare scores, which the bias exists to correct)."""
         if balanced:
-            scores = scores + self.e_score_correction_bias.to(scores.dtype)
+            scores = scores + cast(self.e_score_correction_bias, scores.dtype)
         return scores.topk(self.top_k, dim=-1).indices
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +120,9 @@ class Router(nn.Module):
 
 class RoutedExperts(nn.ModuleList):
     """The routed experts (`experts.N`), called as one module: sum_i w_i expert_i(z) over each token's
-    k chosen experts, tokens grouped by expert (one sort, then one call per used expert).
+    k chosen experts. Many tokens are grouped by expert (one sort, then one call per used expert); a
+    few (at most FEW_ASSIGNMENTS token-expert pairs) run through the stacked matrices of their chosen
+    experts instead (`_stacked`). The two agree to rounding.
 
     An entry may be None: under expert parallelism a process holds only its own slice of the
     experts, and the tokens routed to the others are computed by the processes that own them."""
@@ -119,6 +131,34 @@ class RoutedExperts(nn.ModuleList):
                 counts: torch.Tensor) -> torch.Tensor:
         """z [N, d], chosen [N, k] expert indices, weights [N, k], counts [E] (tokens per expert,
         the bincount of `chosen`) -> [N, d]."""
+        if 0 < chosen.numel() <= FEW_ASSIGNMENTS:
+            experts = [self[e] for e in chosen.flatten().tolist()]
+            # every chosen expert held here (not split by expert parallelism), and a small copy
+            if None not in experts and 3 * len(experts) * experts[0].w1.numel() <= STACK_LIMIT:
+                return self._stacked(z, experts, weights)
+        return self._grouped(z, chosen, weights, counts)
+
+    def _stacked(self, z: torch.Tensor, experts: list[Expert], weights: torch.Tensor) -> torch.Tensor:
+        """z [N, d], experts: the N*k chosen experts in the order of `chosen` (token by token), weights
+        [N, k] -> [N, d], with the experts' matrices stacked:
+
+            [gate_n1 ... gate_nk] = z_n [W1_{e_n1}; ...; W1_{e_nk}]^T      one matmul per token (and per W3 for up)
+            y_ni = act(gate_ni, up_ni) W2_{e_ni}^T                          one matmul per (token, expert) pair
+            out_n = sum_i w_ni y_ni                                         in float32, as `_grouped`
+
+        Row vectors times transposed matrices: the form batched matmul runs fastest for one row."""
+        N, k = weights.shape
+        d = z.shape[-1]
+        x = z.unsqueeze(1)  # [N, 1, d]
+        gate = torch.bmm(x, torch.cat([e.w1 for e in experts]).view(N, -1, d).transpose(1, 2))  # [N, 1, k*hidden]
+        up = torch.bmm(x, torch.cat([e.w3 for e in experts]).view(N, -1, d).transpose(1, 2))
+        hidden = experts[0].act(gate, up).view(N * k, 1, -1)  # [N*k, 1, hidden]
+        y = torch.bmm(hidden, torch.stack([e.w2 for e in experts]).transpose(1, 2)).view(N, k, d)
+        return cast((y * weights.unsqueeze(-1)).sum(1), z.dtype)
+
+    def _grouped(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                 counts: torch.Tensor) -> torch.Tensor:
+        """`forward` for many tokens: sorted by expert, one call of each used expert on its tokens."""
         k = chosen.shape[1]
         order = torch.argsort(chosen.flatten(), stable=True)  # [N*k], grouped by expert
         out = torch.zeros_like(z, dtype=upcast(z).dtype)
@@ -131,7 +171,7 @@ class RoutedExperts(nn.ModuleList):
             tokens = rows // k
             y = expert(z[tokens]) * weights.flatten()[rows].unsqueeze(-1)
             out.index_add_(0, tokens, upcast(y))
-        return out.to(z.dtype)
+        return cast(out, z.dtype)
 
 
 class MoE(nn.Module):

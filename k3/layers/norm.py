@@ -5,12 +5,18 @@ sigmoid(output gate)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from ..ops.common import cast
+
+WIDE = (torch.float32, torch.float64)  # the dtypes norms, gates and softmax run in
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
-    """x in at least float32 (float64 stays float64): the precision norms, gates and softmax run in."""
-    return x if x.dtype == torch.float64 else x.float()
+    """x in at least float32 (float64 stays float64): the precision norms, gates and softmax run in.
+    A float32 or float64 x comes back as it is, without a call into torch (a decode step makes hundreds)."""
+    return x if x.dtype in WIDE else x.float()
 
 
 class RMSNorm(nn.Module):
@@ -33,11 +39,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., dim] (and gate [..., dim] when given) -> [..., dim] in x's dtype."""
+        if x.dtype in WIDE and self.weight.dtype == x.dtype:
+            # nothing to cast: torch's rms_norm is the same formula, (x * rsqrt(mean(x^2) + eps)) * weight,
+            # in one call instead of six
+            h = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return h if gate is None else cast(h * torch.sigmoid(upcast(gate)), x.dtype)
         h = upcast(x)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if gate is None:
-            return self.weight * h.to(x.dtype)
-        return (upcast(self.weight) * h * torch.sigmoid(upcast(gate))).to(x.dtype)
+            return self.weight * cast(h, x.dtype)
+        return cast(upcast(self.weight) * h * torch.sigmoid(upcast(gate)), x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

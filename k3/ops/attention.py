@@ -17,7 +17,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import check_cu_seqlens, check_qkv, check_scale, check_tensor, compute_dtype, l2norm, run_packed
+from .common import cast, check_cu_seqlens, check_qkv, check_scale, check_tensor, compute_dtype, l2norm, run_packed
+
+
+def causal_attention(q, k, v, scale: float):
+    """The attention of the last T positions of a sequence over all of it (internal: no checks, the
+    core of `attention` and of the decode steps of the attention layers).
+
+    q [B, T, H, K] sits at positions S - T ... S - 1 of k [B, S, H, K] and v [B, S, H, V] (the cache
+    followed by this call's tokens); query i attends to positions <= S - T + i. Computed in the
+    accumulation dtype (float32, float64 for float64 inputs). Returns o [B, T, H, V] in q's dtype."""
+    T, S = q.shape[1], k.shape[1]
+    dtype = compute_dtype(q.dtype)
+    qh, kh, vh = (cast(x, dtype).transpose(1, 2) for x in (q, k, v))  # [B, H, T or S, d]
+    if T == S:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    elif T == 1:  # one query after the cache: it sees every position, no mask to build
+        o = F.scaled_dot_product_attention(qh, kh, vh, scale=scale)
+    else:
+        allowed = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
+    return cast(o.transpose(1, 2), q.dtype)
 
 
 def attention(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -44,20 +64,13 @@ def attention(q, k, v, scale=None, initial_state=None, output_final_state=False,
     else:
         k_all, v_all = k, v
 
-    dtype = compute_dtype(q.dtype)
-    qf, kf, vf = (x.to(dtype) for x in (q, k_all, v_all))
+    qf, kf, vf = q, k_all, v_all
     if use_qk_l2norm:
-        qf, kf = l2norm(qf), l2norm(kf)
+        dtype = compute_dtype(q.dtype)
+        qf, kf = l2norm(cast(qf, dtype)), l2norm(cast(kf, dtype))
 
     def run(q_, k_, v_):
-        past = k_.shape[1] - q_.shape[1]
-        qh, kh, vh = (x.transpose(1, 2) for x in (q_, k_, v_))  # [N, H, T, d]
-        if past == 0:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-        else:  # query i sits at absolute position past + i
-            allowed = torch.ones(q_.shape[1], k_.shape[1], dtype=torch.bool, device=q_.device).tril(past)
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
-        return o.transpose(1, 2), None
+        return causal_attention(q_, k_, v_, scale), None
 
     o, _ = run_packed(run, cu_seqlens, qf, kf, vf)
-    return o.to(q.dtype), ((k_all, v_all) if output_final_state else None)
+    return cast(o, q.dtype), ((k_all, v_all) if output_final_state else None)

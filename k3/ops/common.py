@@ -23,6 +23,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`: x itself when it already is. `x.to(dtype)` would return x too, but only after a trip
+    through the dispatcher, which a decode step pays for on every tensor it touches."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def check_tensor(op: str, name: str, x, shape: tuple, ref: torch.Tensor) -> None:
     """Check that `x` is a tensor of `shape` (None = any size) with `ref`'s dtype and device."""
     if not isinstance(x, torch.Tensor):
@@ -91,7 +97,7 @@ def check_state(op: str, name: str, state, shape: tuple, ref: torch.Tensor) -> t
         raise _fail(op, name, "a floating-point tensor", state.dtype)
     if state.device != ref.device:
         raise _fail(op, name, f"on device {ref.device} (the device of q)", state.device)
-    return state.to(compute_dtype(ref.dtype))
+    return cast(state, compute_dtype(ref.dtype))
 
 
 def check_log_decay(op: str, g: torch.Tensor) -> None:

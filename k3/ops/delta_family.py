@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from .common import (
-    check_chunk_size, check_cu_seqlens, check_log_decay, check_qkv, check_scale, check_state, check_tensor,
+    cast, check_chunk_size, check_cu_seqlens, check_log_decay, check_qkv, check_scale, check_state, check_tensor,
     compute_dtype, inference_unless_grad, l2norm, run_packed,
 )
 
@@ -68,14 +70,33 @@ def run_delta_op(op: str, form: Callable, q, k, v, beta, *, g=None, gate: str | 
         check_log_decay(op, g)
 
     in_dtype, dtype = q.dtype, compute_dtype(q.dtype)
-    q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
+    q, k, v, beta = (cast(x, dtype) for x in (q, k, v, beta))
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
-    g = None if g is None else g.to(dtype)
+    g = None if g is None else cast(g, dtype)
 
     def run(q, k, v, beta, g):
         return form(q, k, v, beta, g=g, initial_state=S0, scale=scale, **chunking)
 
     o, S = run_packed(run, cu_seqlens, q, k, v, beta, g)
-    return o.to(in_dtype), (S if output_final_state else None)
+    return cast(o, in_dtype), (S if output_final_state else None)
 
+
+def delta_step(q, k, v, beta, S, scale: float, decay=None):
+    """One token of the recurrence, as a layer's decode step runs it (the ops' `*_step` functions):
+
+        S' = decay * S;   u = beta (v - k S');   S_new = S' + k^T u;   o = scale * q S_new
+
+    q, k [N, H, K] (already L2-normalised if the layer wants it); v [N, H, V]; beta [N, H];
+    S [N, H, K, V]; decay None (DeltaNet) or a factor that broadcasts against S: [N, H, K, 1] per key
+    channel (KDA), [N, H, 1, 1] per head (Gated DeltaNet). Returns (o [N, H, V], S_new [N, H, K, V]).
+
+    Internal: no argument checks, casts, packing, loop frame or copies. The caller has validated its
+    own input, passes every tensor in S's dtype (float32, or float64), and S is the state a prefill
+    left, so the public `recurrent_*` op's work would be repeated for nothing on every token."""
+    if decay is not None:
+        S = S * decay
+    k_col = k.unsqueeze(-1)  # [N, H, K, 1]
+    u = beta.unsqueeze(-1) * (v - (k_col * S).sum(-2))  # beta (v - k S')  [N, H, V]
+    S = torch.addcmul(S, k_col, u.unsqueeze(-2))
+    return (q.unsqueeze(-1) * S).sum(-2) * scale, S

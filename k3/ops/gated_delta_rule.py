@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .chunk import chunk_delta
-from .delta_family import run_delta_op, token_loop
+from .delta_family import delta_step, run_delta_op, token_loop
 
 
 def _recurrence(q, k, v, g, beta, S):
@@ -37,6 +37,13 @@ def _recurrence(q, k, v, g, beta, S):
         S = S + k_t * (beta[:, t, :, None] * (v[:, t] - v_old)).unsqueeze(-2)
         outputs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2))
     return torch.stack(outputs, dim=1), S
+
+
+def gated_delta_rule_step(q, k, v, g, beta, S, scale: float):
+    """One Gated DeltaNet token from state S, for a layer's decode step (internal: no checks, casts or
+    packing; see `delta_step`). q, k [N,H,K] L2-normalised; v [N,H,V]; g, beta [N,H]; S [N,H,K,V], all
+    in S's dtype. Returns (o [N,H,V], new S [N,H,K,V]), equal to `recurrent_gated_delta_rule` with T = 1."""
+    return delta_step(q, k, v, beta, S, scale, decay=torch.exp(g).view(*g.shape, 1, 1))
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

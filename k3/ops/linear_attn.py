@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import (
-    check_chunk_size, check_cu_seqlens, check_qkv, check_scale, check_state, compute_dtype, from_chunks,
+    cast, check_chunk_size, check_cu_seqlens, check_qkv, check_scale, check_state, compute_dtype, from_chunks,
     l2norm, run_packed, to_chunks,
 )
 
@@ -76,7 +76,7 @@ def _linear_attn(op, form, q, k, v, scale, initial_state, output_final_state, cu
     if chunk_size is not None:
         chunk_size = check_chunk_size(op, chunk_size)
     dtype = compute_dtype(q.dtype)
-    qf, kf, vf = (x.to(dtype) for x in (q, k, v))
+    qf, kf, vf = (cast(x, dtype) for x in (q, k, v))
     if use_qk_l2norm:
         qf, kf = l2norm(qf), l2norm(kf)
     v1 = torch.cat([vf, torch.ones_like(vf[..., :1])], dim=-1)  # padding zeroes the ones column too
@@ -87,7 +87,20 @@ def _linear_attn(op, form, q, k, v, scale, initial_state, output_final_state, cu
     o1, S1 = run_packed(run, cu_seqlens, qf * scale, kf, v1)
     o = o1[..., :V] / (o1[..., V:] + eps) if normalize else o1[..., :V]
     state = (S1[..., :V], S1[..., V]) if output_final_state else None
-    return o.to(q.dtype), state
+    return cast(o, q.dtype), state
+
+
+def linear_attn_step(q, k, v, state, scale: float, eps: float = 1e-6):
+    """One normalised linear-attention token from state (S, z), for a layer's decode step (internal: no
+    checks, casts or packing):
+
+        S_new = S + k^T v;   z_new = z + k;   o = q^ S_new / (q^ . z_new + eps),   q^ = scale * q
+
+    q, k [N,H,K] (feature-mapped); v [N,H,V]; state (S [N,H,K,V], z [N,H,K]), all in S's dtype.
+    Returns (o [N,H,V], (S_new, z_new)), equal to `recurrent_linear_attn` with T = 1."""
+    S, z = state
+    S, z, q = torch.addcmul(S, k.unsqueeze(-1), v.unsqueeze(-2)), z + k, q * scale
+    return (q.unsqueeze(-1) * S).sum(-2) / ((q * z).sum(-1, keepdim=True) + eps), (S, z)
 
 
 def recurrent_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False,

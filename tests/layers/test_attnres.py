@@ -44,3 +44,18 @@ def test_weights_give_the_modules_mix():
     assert alpha.shape == (3, 2, 5) and torch.allclose(alpha.sum(0), torch.ones(2, 5))
     mix = sum(a.unsqueeze(-1) * v for a, v in zip(alpha, sources))
     assert torch.allclose(mix, module(sources), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+def test_stacked_and_one_by_one_mixes_agree(dtype, tol):
+    """Small sources are mixed stacked (a few batched ops), large ones one at a time: the same mix."""
+    torch.manual_seed(0)
+    layer = BlockAttnRes(16).to(dtype)
+    with torch.no_grad():
+        layer.proj.weight.normal_()
+    sources = [torch.randn(2, 3, 16, dtype=dtype) * s for s in (1.0, 2.0, 0.5, 4.0)]
+    values = [v.double() if dtype == torch.float64 else v.float() for v in sources]
+    stacked = layer._mix_stacked(torch.stack(values))
+    each = layer._mix_each(values)
+    assert ((stacked - each).norm() / each.norm()).item() <= tol
+    torch.testing.assert_close(layer(sources), stacked.to(dtype))

@@ -74,3 +74,27 @@ def test_names_follow_kimi_checkpoints():
     assert {"gate.weight", "experts.2.w1", "experts.2.w2", "experts.2.w3",
             "shared_experts.gate_proj.weight"} <= names
     assert "gate.e_score_correction_bias" in MoE(8, num_experts=3, top_k=1, expert_hidden=4).state_dict()
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_few_tokens_stacked_path_equals_grouped(name, tokens, monkeypatch):
+    """A few tokens (decoding) run through the chosen experts' stacked matrices; it equals the grouped
+    dispatch (forced here by allowing no stacked assignments) and the dense reference, with gradients."""
+    import k3.layers.moe as moe_module
+
+    torch.manual_seed(1)
+    moe = MoE(16, **CONFIGS[name]).double()
+    x = torch.randn(tokens, 1, 16, dtype=torch.float64, requires_grad=True)
+    assert tokens * CONFIGS[name]["top_k"] <= moe_module.FEW_ASSIGNMENTS  # the stacked path runs
+    stacked = moe(x)
+    grads = torch.autograd.grad(stacked.sum(), [x, moe.experts[0].w1, moe.experts[3].w2], allow_unused=True)
+    monkeypatch.setattr(moe_module, "FEW_ASSIGNMENTS", 0)
+    grouped = moe(x)
+    ref = torch.autograd.grad(grouped.sum(), [x, moe.experts[0].w1, moe.experts[3].w2], allow_unused=True)
+    torch.testing.assert_close(stacked, grouped, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(stacked, dense_reference(moe, x))
+    for a, b in zip(grads, ref):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
