@@ -1,4 +1,5 @@
-"""Process-level settings that make PyTorch's CPU paths fast on Linux.
+"""Process-level settings that make PyTorch's CPU paths fast on Linux, and the machine's measured matmul
+throughput (`matmul_gflops`, which `k3 train` prints and the benchmarks set their figures beside).
 
 `keep_freed_memory()`: PyTorch's CPU allocator hands every tensor to malloc. glibc serves blocks of a
 megabyte or more with fresh pages (mmap, or a heap it trims back to the OS on every free), so each new
@@ -17,6 +18,9 @@ import ctypes
 import ctypes.util
 import os
 import sys
+import time
+
+import torch
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc's malloc.h
 _THRESHOLD = 1 << 30  # blocks up to 1 GiB come from (and go back to) the heap, which is never trimmed
@@ -37,3 +41,23 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, _THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, _THRESHOLD))
+
+
+def matmul_gflops(n: int = 1024, batch: int | None = None, size: int = 64, repeats: int = 5) -> float:
+    """Measured float32 matmul throughput in GFLOP/s on torch's current threads: one n x n x n GEMM, or
+    `batch` size^3 GEMMs when given; the fastest of `repeats` runs after one warm-up (the minimum is the
+    least noisy estimate on a shared machine)."""
+    if batch is None:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        flops = 2 * n**3
+    else:
+        a, b = torch.randn(batch, size, size), torch.randn(batch, size, size)
+        flops = 2 * batch * size**3
+    best = float("inf")
+    with torch.no_grad():
+        a @ b
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+    return flops / best / 1e9

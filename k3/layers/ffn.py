@@ -9,6 +9,10 @@
 
   computed in float32. As beta -> inf, beta * tanh(gate / beta) -> gate and SiTU -> SiLU, so SiTU-GLU
   becomes SwiGLU. Kimi K3 uses beta = 4, l_beta = 25 everywhere.
+
+`situ` is one autograd function (`_SiTU`) with a hand-derived backward that keeps only its two inputs
+(autograd through the formula keeps every intermediate) and works in place; `situ_reference` is the
+formula as written, which `situ` equals to rounding (tests/layers/test_situ.py).
 """
 
 from __future__ import annotations
@@ -21,19 +25,83 @@ from .init import init_linear
 from .norm import upcast
 
 
-def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float | None = 25.0
-         ) -> torch.Tensor:
-    """SiTU-GLU activation a(gate) * u(up), computed in float32 (float64 for float64 inputs) and
-    returned in gate's dtype."""
+def _half_tanh(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """tanh(x / scale) / 2 in a new tensor (two passes). torch.tanh keeps its relative accuracy near 0,
+    where 2 sigmoid(2x) - 1 would lose it to cancellation: SiTU multiplies the result back by the scale
+    (up to l_beta = 25), so that loss would show as ~1e-4 relative noise on small activations."""
+    return (x * (1 / scale)).tanh_().mul_(0.5)
+
+
+def _check_betas(beta: float, linear_beta: float | None) -> None:
     if beta <= 0:
         raise ValueError(f"situ: `beta` must be > 0, got {beta}")
     if linear_beta is not None and linear_beta <= 0:
         raise ValueError(f"situ: `linear_beta` must be > 0 or None, got {linear_beta}")
+
+
+def situ_reference(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float | None = 25.0
+                   ) -> torch.Tensor:
+    """The SiTU-GLU formula as written (see the module docstring), through autograd: what `situ` equals."""
+    _check_betas(beta, linear_beta)
     g, u = upcast(gate), upcast(up)
     a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
     if linear_beta is not None:
         u = linear_beta * torch.tanh(u / linear_beta)
     return (a * u).to(gate.dtype)
+
+
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float | None = 25.0
+         ) -> torch.Tensor:
+    """SiTU-GLU activation a(gate) * u(up), computed in float32 (float64 for float64 inputs) and
+    returned in gate's dtype; gradients in each input's dtype."""
+    _check_betas(beta, linear_beta)
+    return _SiTU.apply(gate, up, float(beta), None if linear_beta is None else float(linear_beta))
+
+
+class _SiTU(torch.autograd.Function):
+    """out = a(g) u(up) from the halves of the two tanh's, th(x) = tanh(x) / 2 (`_half_tanh`):
+
+        s = sigmoid(g),  p = th(g / beta),  a = beta tanh(g / beta) s = 2 beta p s
+        q = th(up / l_beta),  u = l_beta tanh(up / l_beta) = 2 l_beta q        (u = up without l_beta)
+
+    Backward, with t = tanh(g / beta) = 2p and G the incoming gradient:
+
+        da/dg = (1 - t^2) s + beta t s (1 - s) = 4 s [1/4 - (beta / 2) p r],  r = s + (2 / beta) p - 1
+        d out/d g = G u da/dg,   d out/d up = G a (1 - 4 q^2)   (G a without l_beta)
+
+    Only gate and up are saved; s, p and q are recomputed."""
+
+    @staticmethod
+    def forward(ctx, gate, up, beta: float, linear_beta: float | None):
+        ctx.save_for_backward(gate, up)
+        ctx.beta, ctx.linear_beta = beta, linear_beta
+        g, u = upcast(gate), upcast(up)
+        out = _half_tanh(g, beta).mul_(torch.sigmoid(g))  # p s = a / (2 beta)
+        if linear_beta is None:
+            return out.mul_(u).mul_(2 * beta).to(gate.dtype)
+        q = _half_tanh(u, linear_beta)
+        return out.mul_(q).mul_(4 * beta * linear_beta).to(gate.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        beta, linear_beta = ctx.beta, ctx.linear_beta
+        g, u = upcast(gate), upcast(up)
+        s = torch.sigmoid(g)
+        p = _half_tanh(g, beta)
+        gs = upcast(grad) * s
+        r = torch.add(s, p, alpha=2 / beta).sub_(1)
+        if linear_beta is None:
+            grad_gate = torch.addcmul(g.new_tensor(1.0), p, r, value=-2 * beta).mul_(gs).mul_(u)
+            grad_up = gs.mul_(p).mul_(2 * beta)
+        else:
+            q = _half_tanh(u, linear_beta)
+            # u da/dg = 2 l_beta q 4 s [...]: the 8 l_beta is folded into the addcmul's constants
+            grad_gate = torch.addcmul(g.new_tensor(2 * linear_beta), p, r, value=-4 * beta * linear_beta)
+            grad_gate.mul_(gs).mul_(q)
+            grad_up = torch.addcmul(g.new_tensor(2 * beta), q, q, value=-8 * beta).mul_(p).mul_(gs)
+        return grad_gate.to(gate.dtype), grad_up.to(up.dtype), None, None
 
 
 class GeluMLP(nn.Module):

@@ -30,6 +30,7 @@ from ..layers.init import STD
 from . import checkpoint
 from .config import ModelConfig
 from .kinds import FFNS, MIXERS
+from .loss import head_cross_entropy
 
 
 def build_norm(config: ModelConfig, dim: int) -> nn.Module:
@@ -69,8 +70,13 @@ class HybridCache:
         self.layers = [MIXERS[kind].new_cache() for kind in config.layer_types]
 
     def nbytes(self) -> int:
-        """Bytes held by all layers' caches."""
+        """Bytes held by all layers' caches: the tokens seen and the fixed-size states. The KV and latent
+        caches keep spare room to grow into, which this does not count (`allocated_bytes` does)."""
         return sum(c.nbytes() for c in self.layers)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of all layers' cache buffers, spare capacity included (at most about twice `nbytes`)."""
+        return sum(c.allocated_bytes() for c in self.layers)
 
     def nbytes_by_type(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -198,15 +204,26 @@ class CausalLM(nn.Module):
             raise ValueError(f"new_cache: `batch_size` must be a positive int, got {batch_size!r}")
         return HybridCache(self.config, batch_size)
 
-    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None, *,
+                targets: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
         """input_ids [B, T] (int64) -> logits [B, T, vocab_size]. With `cache`, continue after the tokens
-        it has seen and leave the new state in it (T > 1: chunked prefill; T = 1: recurrent decode step)."""
+        it has seen and leave the new state in it (T > 1: chunked prefill; T = 1: recurrent decode step).
+
+        With `targets` [B, T] (the next token at each position; IGNORE_INDEX = -100 where none counts),
+        return instead the cross-entropy ("mean" over the counted tokens, or "sum"), computed without the
+        whole logits (`k3.models.loss.head_cross_entropy`): what training calls, under DDP and FSDP too."""
         self._check_input(input_ids, cache)
         past = 0 if cache is None else cache.length
         hidden = self.model(input_ids, None if cache is None else cache.layers, past)
         if cache is not None:
             cache.length += input_ids.shape[1]
-        return self.lm_head(hidden)
+        if targets is None:
+            return self.lm_head(hidden)
+        if cache is not None or targets.shape != input_ids.shape:
+            raise ValueError(f"CausalLM: `targets` must be [B, T] like `input_ids` {list(input_ids.shape)} and "
+                             f"come without a cache, got {list(targets.shape)}"
+                             + (" with a cache" if cache is not None else ""))
+        return head_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, targets, reduction)
 
     def _check_input(self, input_ids: torch.Tensor, cache: HybridCache | None) -> None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -214,9 +231,11 @@ class CausalLM(nn.Module):
             raise ValueError(f"CausalLM: `input_ids` must be a [B, T] tensor of token ids, got {got}")
         if input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"CausalLM: `input_ids` must be int64 (or int32), got {input_ids.dtype}")
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
-            raise ValueError(f"CausalLM: token ids must be in [0, {self.config.vocab_size}); got ids from "
-                             f"{int(input_ids.min())} to {int(input_ids.max())} (does the tokenizer match the model?)")
+        if input_ids.numel():
+            low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one pass, one read-back
+            if low < 0 or high >= self.config.vocab_size:
+                raise ValueError(f"CausalLM: token ids must be in [0, {self.config.vocab_size}); got ids from "
+                                 f"{low} to {high} (does the tokenizer match the model?)")
         if cache is not None:
             if not isinstance(cache, HybridCache):
                 raise ValueError(f"CausalLM: `cache` must come from model.new_cache(), got {type(cache).__name__}")

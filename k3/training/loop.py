@@ -27,6 +27,7 @@ import torch
 
 from ..models import CausalLM
 from ..models.checkpoint import load_into
+from ..runtime import matmul_gflops
 from .checkpoint import load_training_checkpoint
 from .config import TrainConfig, model_config
 from .distributed import start
@@ -72,10 +73,11 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
         torch.set_rng_state(state["torch_rng"])
         history, step = state["history"], state["step"]
         max_steps = cfg.max_steps if "max_steps" in changes else state["max_steps"]
-    if strategy.is_main:
+    if strategy.is_main:  # the machine's speed beside the run's, so tokens/s compare across machines
         _say(f"k3 train: {mconfig.name}, {num_parameters:,} parameters, "
              f"{data.train.numel():,} training tokens ({data.val.numel():,} validation), {cfg.batch_size} x "
-             f"{cfg.seq_len} tokens per step, {torch.get_num_threads()} threads" + strategy.describe())
+             f"{cfg.seq_len} tokens per step, {torch.get_num_threads()} threads" + strategy.describe()
+             + f"; this machine's float32 matmul (1024^3): {matmul_gflops():.0f} GFLOP/s")
     val_windows = data.val_windows(cfg.seq_len, cfg.eval_tokens)
     model.train()
     started = time.time() - history["seconds"]

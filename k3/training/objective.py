@@ -2,6 +2,9 @@
 per byte, the summed loss in bits over the bytes the predicted tokens stand for (a figure that does
 not depend on the tokenizer, so byte and BPE runs compare).
 
+The LM head and the cross-entropy run in pieces of tokens, never holding the [B·T, vocab] logits
+whole (`k3.models.loss.head_cross_entropy`, reached through `CausalLM.forward(..., targets=...)`).
+
 The training step that minimises the loss is `SingleProcess.step` (k3.training.strategy).
 """
 
@@ -10,16 +13,17 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ..models import CausalLM
+from ..models.loss import IGNORE_INDEX
 from .data import TokenData
 
 
 def next_token_loss(model: CausalLM, windows: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting windows[:, 1:] from windows[:, :-1] ([B, T + 1] token ids)."""
-    logits = model(windows[:, :-1])
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
+    """Mean cross-entropy of predicting windows[:, 1:] from windows[:, :-1] ([B, T + 1] token ids).
+    `model` is a CausalLM or a wrapper that passes keywords through (DDP); the head and the loss run in
+    pieces (`CausalLM.forward` with `targets`)."""
+    return model(windows[:, :-1], targets=windows[:, 1:])
 
 
 @torch.no_grad()
@@ -33,13 +37,9 @@ def summed_loss(model: CausalLM, data: TokenData, windows: torch.Tensor, batch_s
     model.eval()
     nats, nbytes = 0.0, 0
     for w, keep in zip(windows.split(batch_size), counted.split(batch_size)):
-        logits = model(w[:, :-1].to(device)).float()  # [b, T, vocab]
-        if not bool(keep.all()):  # (a copy of the logits: only where some windows do not count)
-            logits, w = logits[keep.to(device)], w[keep]
-        targets = w[:, 1:]
-        nats += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).to(device),
-                                reduction="sum").item()
-        nbytes += int(data.token_bytes[targets].sum())
+        targets = w[:, 1:].masked_fill(~keep[:, None], IGNORE_INDEX)  # the windows that do not count: ignored
+        nats += model(w[:, :-1].to(device), targets=targets.to(device), reduction="sum").item()
+        nbytes += int(data.token_bytes[w[keep, 1:]].sum())
     model.train(was_training)
     return nats, nbytes
 

@@ -76,11 +76,11 @@ def test_ctrl_c_finishes_the_step_saves_and_resumes_exactly(corpus, tmp_path, mo
     calls = {"n": 0}
     real = strategy.next_token_loss
 
-    def interrupted(model, windows):
+    def interrupted(model, windows, *rest):
         calls["n"] += 1
         if calls["n"] == 4:
             signal.raise_signal(signal.SIGINT)
-        return real(model, windows)
+        return real(model, windows, *rest)
 
     monkeypatch.setattr(strategy, "next_token_loss", interrupted)
     with pytest.raises(KeyboardInterrupt):

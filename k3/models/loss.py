@@ -1,0 +1,94 @@
+"""The language-model loss without the whole logits: the LM head and the cross-entropy in pieces of tokens.
+
+    loss = mean_n [ logsumexp(h_n W^T) - (h_n W^T)[y_n] ]        h [N, d] final hidden states, W [V, d] the head
+
+`head_cross_entropy` never holds the [N, V] logits, their log-softmax or its gradient whole, only one
+piece's [tokens, V] float32 block at a time, and exponentiates the softmax once per token instead of
+twice (forward and backward). With gradients the gradient is formed in the same pass as the loss: the
+loss is the last op of the graph, so its backward only scales what the forward prepared.
+
+`CausalLM.forward(input_ids, targets=...)` returns this loss (the nanoGPT convention of passing the
+targets to the model), so that every way of running a model (alone, under DDP, sharded by FSDP) computes
+it the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layers.norm import upcast
+
+IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default ignore_index)
+
+# logits per piece of the head: 2^21 float32 values, an 8 MB block (512 tokens at vocabulary 4096)
+HEAD_PIECE = 1 << 21
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    """loss = scale · Σ_n [logsumexp(h_n W^T) − (h_n W^T)[y_n]] over pieces of tokens.
+
+    Per piece: logits = h W^T, e = exp(logits − max), lse = max + log Σ e; with gradients,
+    dlogits = scale · (softmax − onehot(y)), dh = dlogits W and dW += dlogits^T h, formed here and
+    scaled by the incoming gradient in backward (which saves no [tokens, vocab] tensor)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, tokens_per_piece: int, scale: float, with_grad: bool):
+        h_all, w = upcast(hidden), upcast(weight)  # [N, d], [V, d]
+        total = h_all.new_zeros(())
+        want_h = with_grad and ctx.needs_input_grad[0]
+        want_w = with_grad and ctx.needs_input_grad[1]
+        dh = torch.empty_like(h_all) if want_h else None
+        dw = torch.zeros_like(w) if want_w else None
+        for start in range(0, h_all.shape[0], tokens_per_piece):
+            h, y = h_all[start:start + tokens_per_piece], targets[start:start + tokens_per_piece, None]
+            logits = h @ w.t()  # [n, V]
+            picked = logits.gather(1, y)  # the target's logit, [n, 1]
+            top = logits.amax(1, keepdim=True)
+            e = logits.sub_(top).exp_()  # in place: the piece's only [n, V] block
+            sums = e.sum(1, keepdim=True)
+            total += (top + sums.log() - picked).sum()
+            if want_h or want_w:
+                grad = e.mul_(scale / sums)  # scale · softmax
+                grad.scatter_add_(1, y, grad.new_full(y.shape, -scale))  # − scale · onehot
+                if want_h:
+                    torch.mm(grad, w, out=dh[start:start + tokens_per_piece])
+                if want_w:
+                    dw.addmm_(grad.t(), h)
+        ctx.save_for_backward(dh, dw)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        return total * scale
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        dh, dw = ctx.saved_tensors
+        if (ctx.needs_input_grad[0] and dh is None) or (ctx.needs_input_grad[1] and dw is None):
+            raise RuntimeError("head_cross_entropy: the gradient is formed in the forward pass; run it with "
+                               "gradients enabled to differentiate it")
+        grad_h = None if dh is None else (dh * grad_loss).to(ctx.dtypes[0])
+        grad_w = None if dw is None else (dw * grad_loss).to(ctx.dtypes[1])
+        return grad_h, grad_w, None, None, None, None
+
+
+def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                       reduction: str = "mean", piece: int = HEAD_PIECE) -> torch.Tensor:
+    """Cross-entropy of the logits hidden @ weight^T against `targets`, without forming them whole.
+
+    hidden [N, d], weight [V, d] (the LM head's, or the tied embedding), targets [N] token ids, where
+    IGNORE_INDEX (-100, PyTorch's and transformers' convention) marks a token that does not count;
+    `reduction` "mean" (over the counted tokens) or "sum". Computed in float32 (float64 for float64 inputs), `piece` logits at
+    a time (whole tokens, at least one); equals F.cross_entropy(hidden @ weight^T, targets) to rounding.
+    With gradients enabled the gradient is formed during this call (see `_HeadCrossEntropy`)."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"head_cross_entropy: `reduction` must be 'mean' or 'sum', got {reduction!r}")
+    targets = targets.reshape(-1)
+    if hidden.dim() != 2 or hidden.shape[0] != targets.numel():
+        raise ValueError(f"head_cross_entropy: `hidden` must be [N, d] with N = {targets.numel()} (the targets), "
+                         f"got {list(hidden.shape)}")
+    counted = targets != IGNORE_INDEX
+    if not bool(counted.all()):  # only the counted tokens go through the head
+        hidden, targets = hidden[counted], targets[counted]
+    scale = 1.0 / max(1, targets.numel()) if reduction == "mean" else 1.0
+    with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    tokens = max(1, piece // weight.shape[0])
+    return _HeadCrossEntropy.apply(hidden, weight, targets, tokens, scale, with_grad)
