@@ -1,4 +1,4 @@
-"""The `k3` command line: `k3 train`, `k3 generate`, `k3 export`, `k3 params`, `k3 bench ops|train`,
+"""The `k3` command line: `k3 train`, `k3 generate`, `k3 export`, `k3 params`, `k3 bench ops|train|models`,
 `k3 lab`, `k3 eval`."""
 
 from __future__ import annotations
@@ -16,6 +16,15 @@ def _bench_ops(args) -> int:
         lengths, chunk_sizes, repeats = tuple(args.T), tuple(args.chunk_sizes), args.repeats
     ops.run(lengths=lengths, chunk_sizes=chunk_sizes, heads=args.heads, dim=args.dim, repeats=repeats,
             json_path=args.json)
+    return 0
+
+
+def _bench_models(args) -> int:
+    from .bench import models
+
+    models.run(quick=args.quick, contexts=args.contexts, prefill=args.prefill, train=args.train, batch=args.batch,
+               rounds=args.rounds, steps=args.steps, models=args.models or models.MODELS, n_threads=args.threads,
+               json_path=args.json)
     return 0
 
 
@@ -237,6 +246,22 @@ def build_parser() -> argparse.ArgumentParser:
     btrain.add_argument("--data", help="corpus (default: Shakespeare)")
     btrain.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     btrain.set_defaults(func=_bench_train)
+    bmodels = bench_sub.add_parser("models", help="whole-model prefill, train step and decode speed, k3 vs GPT-2 "
+                                   "and transformers")
+    bmodels.add_argument("--quick", action="store_true",
+                         help="fewer rounds and steps, a smaller train step: about a minute")
+    bmodels.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    bmodels.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    bmodels.add_argument("--models", nargs="+", metavar="NAME", help="a subset of: kimi-k3-tiny kimi-linear-tiny "
+                         "gpt2-tiny transformers-gpt2 transformers-kimi-linear (default: all)")
+    bmodels.add_argument("--contexts", type=int, nargs="+", help="decode contexts (default 256 4096)")
+    bmodels.add_argument("--prefill", type=int, help="prefill tokens (default 2048)")
+    bmodels.add_argument("--train", type=int, nargs=2, metavar=("B", "T"),
+                         help="train step shape (default 16 256; quick 8 256)")
+    bmodels.add_argument("--batch", type=int, nargs=2, metavar=("B1", "B2"), help="decode batches compared (1 8)")
+    bmodels.add_argument("--rounds", type=int, help="interleaved rounds of prefill and train step (default 3; quick 2)")
+    bmodels.add_argument("--steps", type=int, help="timed decode steps per model and context (default 24; quick 16)")
+    bmodels.set_defaults(func=_bench_models)
     lab = sub.add_parser("lab", help="the article's claims as experiments: tables and plots in docs/results.md")
     lab.add_argument("name", help="an experiment (recall, overwrite, prefill, decode, parts, inspect) or 'all'")
     size = lab.add_mutually_exclusive_group()

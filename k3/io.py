@@ -8,6 +8,7 @@ writing fails or is interrupted.
 - `atomic_write(path, write)`: one file.
 - `atomic_write_files(folder, writers)`: several files; all are written before any is renamed into
   place, so a failure while writing leaves every old file as it was.
+- `write_json(path, obj)`: a JSON file (the benchmarks' figures).
 - `staging_folder(beside)`: a fresh temporary folder beside a target, for writers that produce a
   whole folder (transformers' `save_pretrained`, an unpacked archive); removed on exit.
 """
@@ -15,6 +16,7 @@ writing fails or is interrupted.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -56,6 +58,12 @@ def atomic_write(path: str | os.PathLike, write: Writer) -> None:
     except BaseException:
         _remove([tmp])
         raise
+
+
+def write_json(path: str | os.PathLike, obj, indent: int = 1) -> None:
+    """`obj` as JSON at `path`, atomically."""
+    text = json.dumps(obj, indent=indent)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def atomic_write_files(folder: str | os.PathLike, writers: dict[str, Writer]) -> None:

@@ -14,12 +14,12 @@ for the token loops, which have nothing to warm up).
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
 import torch.nn.functional as F
 
+from ..io import write_json
 from ..ops import chunk_gated_delta_rule, chunk_kda, recurrent_gated_delta_rule, recurrent_kda
 from .timing import interleaved_best, matmul_gflops
 
@@ -106,6 +106,5 @@ def run(lengths=(512, 2048, 8192), chunk_sizes=(16, 32, 64, 128), heads: int = 8
             row["ops"][name] = entry
         results.append(row)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"gemm_gflops": gemm, "batched_gemm_gflops": bgemm, "results": results}, f, indent=1)
+        write_json(json_path, {"gemm_gflops": gemm, "batched_gemm_gflops": bgemm, "results": results})
     return results

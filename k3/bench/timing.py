@@ -17,6 +17,8 @@ from typing import Callable, Hashable
 
 import torch
 
+from .. import runtime
+
 WARMUPS = ("inline", "ahead")
 
 # CPU seconds of the calling thread: when torch runs on one thread, the thread that runs every op; on a
@@ -39,14 +41,9 @@ def best_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> fl
 
 
 def matmul_gflops(n: int = 1024, batch: int | None = None, size: int = 64, repeats: int = 5) -> float:
-    """Measured float32 matmul throughput: one n x n x n GEMM, or `batch` size^3 GEMMs when given."""
-    if batch is None:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        flops = 2 * n**3
-    else:
-        a, b = torch.randn(batch, size, size), torch.randn(batch, size, size)
-        flops = 2 * batch * size**3
-    return flops / best_time(lambda: a @ b, repeats=repeats) / 1e9
+    """Measured float32 matmul throughput: one n x n x n GEMM, or `batch` size^3 GEMMs when given
+    (k3.runtime.matmul_gflops, which `k3 train` prints too)."""
+    return runtime.matmul_gflops(n, batch, size, repeats)
 
 
 def interleaved_best(cases: dict[Hashable, Callable[[], object]], rounds: int, *, warmup: str = "inline",

@@ -5,11 +5,11 @@ wall-clock budget each."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 
 import torch
 
+from ..io import write_json
 from ..models import CausalLM, count_params, get_config
 from ..training import TrainConfig, build_optimizer, prepare, train, training_step
 
@@ -70,6 +70,5 @@ def run(minutes: float = 5.0, speed_steps: int = 5, out: str = "runs/bench-train
     for name, r in results.items():
         print(f"  {name:14s} {r['val_bpb']:.3f}  ({r['steps']} steps)")
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"minutes": minutes, "speed_ratio": ratio, "results": results}, f, indent=2)
+        write_json(json_path, {"minutes": minutes, "speed_ratio": ratio, "results": results}, indent=2)
     return results
