@@ -112,6 +112,8 @@ def _generate(args) -> int:
 
     model = CausalLM.from_pretrained(args.checkpoint).eval()
     tokenizer = Tokenizer.load(args.checkpoint)
+    if args.prompt_file:
+        return _generate_batch(args, model, tokenizer)
     ids = tokenizer.encode(args.prompt)
     if not ids:
         raise ValueError(f"the prompt {args.prompt!r} is empty after tokenization; give some text")
@@ -132,6 +134,38 @@ def _generate(args) -> int:
     print(flush=True)
     print(f"[{len(new)} tokens in {seconds:.2f} s: {len(new) / max(seconds, 1e-9):.1f} tokens/s, prefill of "
           f"{len(ids)} prompt tokens included]", file=sys.stderr)
+    return 0
+
+
+def _generate_batch(args, model, tokenizer) -> int:
+    """`k3 generate --prompt-file`: every line's continuation, generated together."""
+    import time
+    from pathlib import Path
+
+    import torch
+
+    path = Path(args.prompt_file)
+    if not path.is_file():
+        raise ValueError(f"--prompt-file {path}: no such file")
+    texts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not texts:
+        raise ValueError(f"--prompt-file {path}: no prompt in it (one prompt a line)")
+    prompts = [tokenizer.encode(text) for text in texts]
+    for i, (text, ids) in enumerate(zip(texts, prompts)):
+        if not ids:
+            raise ValueError(f"--prompt-file {path}: line {i + 1} ({text!r}) is empty after tokenization")
+    generator = torch.Generator().manual_seed(args.seed)
+    start = time.perf_counter()
+    rows = model.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, generator=generator)
+    seconds = time.perf_counter() - start
+    new = 0
+    for i, (text, ids, row) in enumerate(zip(texts, prompts, rows)):
+        new += row.numel() - len(ids)
+        print(f"--- prompt {i + 1} of {len(texts)}")
+        print(text + tokenizer.decode(row[len(ids):].tolist()), flush=True)
+    print(f"[{len(texts)} prompts ({min(map(len, prompts))} to {max(map(len, prompts))} tokens), {new} new tokens "
+          f"in {seconds:.2f} s: {new / max(seconds, 1e-9):.1f} tokens/s, prefill included]", file=sys.stderr)
     return 0
 
 
@@ -211,7 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
     gen = sub.add_parser("generate", help="stream text from a checkpoint")
     gen.add_argument("--checkpoint", required=True, metavar="DIR")
-    gen.add_argument("--prompt", required=True)
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="one prompt, its continuation streamed")
+    prompt.add_argument("--prompt-file", metavar="FILE", help="one prompt a line (blank lines skipped), generated "
+                        "as one batch of different lengths; each continuation printed when all are done")
     gen.add_argument("--max-new-tokens", type=int, default=200)
     gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     gen.add_argument("--top-k", type=int, default=50)

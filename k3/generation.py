@@ -1,10 +1,17 @@
-"""Sampling and generation through the hybrid cache: one chunked prefill, then one recurrent step per token."""
+"""Sampling and generation through the hybrid cache: one chunked prefill, then one recurrent step per token.
+
+Prompts of different lengths (a list) are prefilled without padding, each length's prompts as one
+batch, and their caches joined (`HybridCache.concat`): no padding token enters a recurrent state or a
+KV cache, and every row generates what it would alone.
+"""
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
+
+Prompts = torch.Tensor | Sequence[Sequence[int] | torch.Tensor]  # [B, T], or B prompts of any lengths
 
 
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -34,19 +41,60 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = N
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def as_prompt_list(prompts, device=None) -> list[torch.Tensor]:
+    """A list of prompts (token-id lists or 1-D tensors, each non-empty) as 1-D int64 tensors."""
+    out = []
+    for i, p in enumerate(prompts):
+        ids = torch.as_tensor(p, dtype=torch.long, device=device)
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise ValueError(f"generate: prompt {i} must be a non-empty sequence of token ids, got shape "
+                             f"{list(ids.shape)}")
+        out.append(ids)
+    if not out:
+        raise ValueError("generate: the list of prompts is empty")
+    return out
+
+
+def prefill(model, prompts: Prompts):
+    """Run the prompts into a new cache: ([B] logits of each prompt's last position, the cache).
+
+    A [B, T] tensor is one batched prefill. A list of prompts of different lengths is prefilled one
+    length at a time (the prompts of equal length as one batch) and the caches joined in the list's
+    order (`HybridCache.concat`), so no row ever sees another's padding."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2 or prompts.shape[1] == 0:
+            raise ValueError(f"generate: the prompt `input_ids` must be [B, T] with T >= 1, got {list(prompts.shape)}")
+        cache = model.new_cache(prompts.shape[0])
+        return model(prompts, cache=cache)[:, -1], cache
+    prompts = as_prompt_list(prompts)
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_length.setdefault(p.numel(), []).append(i)
+    caches, logits, order = [], [], []
+    for rows in by_length.values():
+        cache = model.new_cache(len(rows))
+        logits.append(model(torch.stack([prompts[i] for i in rows]), cache=cache)[:, -1])
+        caches.append(cache)
+        order += rows
+    cache = caches[0] if len(caches) == 1 else type(caches[0]).concat(caches)
+    if order != sorted(order):  # back to the list's order
+        back = torch.argsort(torch.tensor(order))
+        cache.reorder(back)
+        return torch.cat(logits)[back.to(logits[0].device)], cache
+    return torch.cat(logits), cache
+
+
 @torch.no_grad()
-def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+def stream(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
            top_p: float | None = None, eos_token_id: int | None = None,
            generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
     """Yield the next token [B] of every sequence, max_new_tokens times or until all have emitted
-    eos_token_id (a finished sequence keeps yielding eos)."""
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"generate: the prompt `input_ids` must be [B, T] with T >= 1, got {list(input_ids.shape)}")
+    eos_token_id (a finished sequence keeps yielding eos). `input_ids`: [B, T], or a list of B prompts
+    of any lengths."""
     if max_new_tokens < 0:
         raise ValueError(f"generate: `max_new_tokens` must be >= 0, got {max_new_tokens}")
-    cache = model.new_cache(input_ids.shape[0])
-    done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    logits = model(input_ids, cache=cache)[:, -1]
+    logits, cache = prefill(model, input_ids)
+    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     for step in range(max_new_tokens):
         token = sample(logits, temperature, top_k, top_p, generator)
         if eos_token_id is not None:
@@ -59,9 +107,20 @@ def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: flo
             logits = model(token.unsqueeze(1), cache=cache)[:, -1]
 
 
-def generate(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+def generate(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-             generator: torch.Generator | None = None) -> torch.Tensor:
-    """Prompt [B, T] -> prompt and new tokens [B, T + n], n <= max_new_tokens."""
+             generator: torch.Generator | None = None) -> torch.Tensor | list[torch.Tensor]:
+    """Prompt [B, T] -> prompt and new tokens [B, T + n], n <= max_new_tokens. A list of prompts of any
+    lengths -> a list of 1-D tensors, each its prompt and its new tokens, up to and including its first
+    eos_token_id."""
     new = list(stream(model, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator))
-    return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1) if new else input_ids.clone()
+    if isinstance(input_ids, torch.Tensor):
+        return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1) if new else input_ids.clone()
+    prompts = as_prompt_list(input_ids)
+    tokens = torch.stack(new, dim=1) if new else torch.empty(len(prompts), 0, dtype=torch.long)
+    out = []
+    for prompt, row in zip(prompts, tokens):
+        if eos_token_id is not None and bool((row == eos_token_id).any()):
+            row = row[: int((row == eos_token_id).nonzero()[0]) + 1]
+        out.append(torch.cat([prompt, row.to(prompt.device)]))
+    return out

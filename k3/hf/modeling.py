@@ -85,14 +85,7 @@ class K3Cache(HybridCache):
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Beam search: row i continues from the state of row beam_idx[i] (every cached tensor is
         batch-first), in place."""
-        def pick(state):
-            if isinstance(state, torch.Tensor):
-                return state.index_select(0, beam_idx.to(state.device))
-            return tuple(pick(s) for s in state) if isinstance(state, tuple) else state
-
-        for layer in self.layers:
-            for name in layer.tensor_fields:
-                setattr(layer, name, pick(getattr(layer, name)))
+        self.reorder(beam_idx)
 
 
 class K3ForCausalLM(PreTrainedModel, GenerationMixin):

@@ -55,5 +55,5 @@ class MultiHeadAttention(nn.Module):
             o, _ = attention(q, k, v)
         else:  # the cache's rows and this call's, then the last T positions attend over them
             k_all, v_all = cache.append(k=k, v=v)
-            o = causal_attention(q, k_all, v_all, scale=q.shape[-1] ** -0.5)
+            o = causal_attention(q, k_all, v_all, scale=q.shape[-1] ** -0.5, start=cache.pad)
         return self.c_proj(o.reshape(B, T, self.hidden_size))

@@ -10,6 +10,10 @@ The growing fields (`SequenceCache`) live in buffers with spare room along the s
 token writes one row, and a full buffer is replaced by one of twice the capacity, so a token costs
 amortised O(1) copies instead of a copy of the whole cache (what `torch.cat` would do). Reading a field
 gives the rows held so far; assigning one adopts the tensor as the field's buffer.
+
+Rows of different lengths (prompts batched together, `concat`) share one slot axis: a shorter row's
+first slots hold no token. `SequenceCache.pad` [B] counts them per row; attention masks them out and
+positions count from the first real slot, so a row computes exactly what it would alone.
 """
 
 from __future__ import annotations
@@ -53,6 +57,21 @@ class LayerCache:
         """Bytes of the buffers behind the fields, spare capacity included (>= `nbytes`)."""
         return sum(t.numel() * t.element_size() for t in _flatten(self._stored(n) for n in self.tensor_fields))
 
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep rows `index` [B'] (a selection or permutation of the batch, repeats allowed), in place."""
+        for name in self.tensor_fields:
+            setattr(self, name, _map(lambda t: t.index_select(0, index.to(t.device)), getattr(self, name)))
+
+    @classmethod
+    def concat(cls, caches: list["LayerCache"], slots: int) -> "LayerCache":
+        """One cache holding the rows of `caches` one after the other. A fixed-size state is stacked as
+        it is (`slots`, the common length of the growing fields, matters to `SequenceCache` only)."""
+        out = cls()
+        for name in cls.tensor_fields:
+            values = [getattr(c, name) for c in caches]
+            setattr(out, name, None if values[0] is None else _map_many(lambda *ts: torch.cat(ts), values))
+        return out
+
 
 def _flatten(values) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
@@ -62,6 +81,20 @@ def _flatten(values) -> list[torch.Tensor]:
         elif isinstance(value, (tuple, list)):
             out.extend(value)
     return out
+
+
+def _map(fn, value):
+    """fn applied to a tensor field's tensor(s): a tensor, a tuple of tensors, or None."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    return tuple(fn(v) for v in value) if isinstance(value, (tuple, list)) else value
+
+
+def _map_many(fn, values: list):
+    """fn applied across the same field of several caches (tuples position by position)."""
+    if isinstance(values[0], torch.Tensor):
+        return fn(*values)
+    return tuple(fn(*parts) for parts in zip(*values))
 
 
 class SequenceField:
@@ -91,6 +124,7 @@ class SequenceCache(LayerCache):
 
     def __init__(self, **fields: torch.Tensor | None):
         self._rows: dict[str, tuple[torch.Tensor | None, int]] = {}  # name -> (buffer, rows held)
+        self.pad: torch.Tensor | None = None  # [B] leading slots without a token, per row (None: all full)
         for name in self.sequence_fields:
             setattr(self, name, fields.pop(name, None))
         if fields:
@@ -129,6 +163,31 @@ class SequenceCache(LayerCache):
                 buffer[:, held:total] = x
             self._rows[name] = (buffer, total)
             out.append(buffer if total == buffer.shape[1] else buffer[:, :total])
+        return out
+
+    def reorder(self, index: torch.Tensor) -> None:
+        super().reorder(index)
+        if self.pad is not None:
+            self.pad = self.pad.index_select(0, index.to(self.pad.device))
+
+    @classmethod
+    def concat(cls, caches: list["SequenceCache"], slots: int) -> "SequenceCache":
+        """The rows of `caches` one after the other, each field's rows right-aligned on `slots` slots
+        (>= every cache's length): a cache with fewer slots gets empty leading ones (zeros), counted in
+        `pad` and never attended to."""
+        out = cls()
+        for name in cls.sequence_fields:
+            parts = []
+            for c in caches:
+                held = getattr(c, name)
+                if held.shape[1] < slots:
+                    held = torch.cat([held.new_zeros(held.shape[0], slots - held.shape[1], *held.shape[2:]), held], 1)
+                parts.append(held)
+            setattr(out, name, torch.cat(parts))
+        pads = [torch.full((c.batch_size,), slots - c.length, dtype=torch.long) + (0 if c.pad is None else c.pad.cpu())
+                for c in caches]
+        pad = torch.cat(pads)
+        out.pad = pad.to(out._stored(cls.sequence_fields[0]).device) if bool(pad.any()) else None
         return out
 
     def __repr__(self) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops import attention
+from ..ops.attention import causal_attention, causal_mask
 from ..ops.common import cast
 from .cache import SequenceCache, SequenceField
 from .checks import check_mixer_input
@@ -39,13 +39,15 @@ class LatentCache(SequenceCache):
 
 
 def rotate_half_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (rotate-half layout) of x [B, T, *, d] at absolute `positions` [T]."""
+    """Rotary embedding (rotate-half layout) of x [B, T, *, d] at absolute `positions` [T] (or [B, T]:
+    one per row)."""
     d = x.shape[-1]
     dtype = upcast(x).dtype
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=dtype) / d))
-    angles = positions.to(dtype)[:, None] * inv_freq[None, :]  # [T, d/2]
-    cos = torch.cat([angles.cos(), angles.cos()], -1).view(1, -1, *([1] * (x.dim() - 3)), d)
-    sin = torch.cat([angles.sin(), angles.sin()], -1).view(1, -1, *([1] * (x.dim() - 3)), d)
+    angles = positions.to(dtype)[..., None] * inv_freq  # [(B,) T, d/2]
+    shape = (-1 if positions.dim() == 2 else 1, x.shape[1], *([1] * (x.dim() - 3)), d)
+    cos = torch.cat([angles.cos(), angles.cos()], -1).view(shape)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).view(shape)
     xf = upcast(x)
     x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
     return (xf * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
@@ -91,7 +93,9 @@ class MultiHeadLatentAttention(nn.Module):
         for norm in (self.kv_a_layernorm,) + (() if self.q_lora_rank is None else (self.q_a_layernorm,)):
             norm.reset_parameters()
 
-    def _queries_and_latents(self, x: torch.Tensor, past: int):
+    def _queries_and_latents(self, x: torch.Tensor, past: int, pad: torch.Tensor | None = None):
+        """Queries [B, T, H, dn + dr], latents c [B, T, r] and k_pe [B, T, dr] of x, at positions past + i
+        (minus pad [B], a row's empty leading slots, when rows of different lengths share the cache)."""
         B, T, _ = x.shape
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(B, T, self.num_heads, self.dn + self.dr)
@@ -99,6 +103,8 @@ class MultiHeadLatentAttention(nn.Module):
         c = self.kv_a_layernorm(c)
         if self.rope_theta is not None:  # NoPE unless asked: the rope part is carried, never rotated
             positions = torch.arange(past, past + T, device=x.device)
+            if pad is not None:
+                positions = positions - pad.to(x.device)[:, None]  # [B, T]
             q = torch.cat([q[..., : self.dn], rotate_half_rope(q[..., self.dn:], positions, self.rope_theta)], -1)
             k_pe = rotate_half_rope(k_pe.unsqueeze(2), positions, self.rope_theta).squeeze(2)
         return q, c, k_pe
@@ -110,35 +116,35 @@ class MultiHeadLatentAttention(nn.Module):
         against the latents with kv_b folded into the query and the output."""
         check_mixer_input("MultiHeadLatentAttention", x, self.hidden_size, cache)
         B, T, _ = x.shape
-        past = 0 if cache is None else cache.length
-        q, c, k_pe = self._queries_and_latents(x, past)
+        past, pad = (0, None) if cache is None else (cache.length, cache.pad)
+        q, c, k_pe = self._queries_and_latents(x, past, pad)
         c_all, k_pe_all = (c, k_pe) if cache is None else cache.append(c=c, k_pe=k_pe)
         if absorb is None:
             absorb = cache is not None and T == 1
-        o = self._absorbed(q, c_all, k_pe_all, past) if absorb else self._plain(q, c_all, k_pe_all, past)
+        o = self._absorbed(q, c_all, k_pe_all, pad) if absorb else self._plain(q, c_all, k_pe_all, pad)
         o = o.reshape(B, T, self.num_heads * self.dv)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
 
-    def _plain(self, q, c_all, k_pe_all, past: int) -> torch.Tensor:
-        """Expand every cached latent to per-head keys and values, then causal softmax attention."""
+    def _plain(self, q, c_all, k_pe_all, pad: torch.Tensor | None = None) -> torch.Tensor:
+        """Expand every cached latent to per-head keys and values, then causal softmax attention of the
+        T queries (the last T slots) over all S slots (but a row's `pad` leading empty ones)."""
         B, S, _ = c_all.shape
         kv = self.kv_b_proj(c_all).view(B, S, self.num_heads, self.dn + self.dv)
         k_nope, v = torch.split(kv, [self.dn, self.dv], dim=-1)
         k = torch.cat([k_nope, k_pe_all.unsqueeze(2).expand(B, S, self.num_heads, self.dr)], dim=-1)
-        past_kv = None if past == 0 else (k[:, :past], v[:, :past])
-        o, _ = attention(q, k[:, past:], v[:, past:], scale=self.scale, initial_state=past_kv)
-        return o  # [B, T, H, dv]
+        return causal_attention(q, k, v, self.scale, start=pad)  # [B, T, H, dv]
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b's two halves per head: W_uk [H, dn, r] (latent -> key) and W_uv [H, dv, r] (latent -> value)."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.kv_lora_rank)
         return w[:, : self.dn], w[:, self.dn:]
 
-    def _latent_probs(self, q, c_all, k_pe_all, past: int, w_uk: torch.Tensor) -> torch.Tensor:
+    def _latent_probs(self, q, c_all, k_pe_all, w_uk: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention probabilities [B, H*T, S] (rows head-major: h * T + i; in q's dtype) against
-        the latents, with scores = (W_uk^T q_nope) . c + q_pe . k_pe; query i sits at position past + i.
+        the latents, with scores = (W_uk^T q_nope) . c + q_pe . k_pe; query i sits at slot S - T + i
+        (and sees no slot before pad[b], a row's empty leading ones).
 
         Batched matmuls with the heads folded into the rows, so that the latents c_all [B, S, r] and
         k_pe_all [B, S, dr] are read as they are (shared by every head: never expanded or copied)."""
@@ -149,17 +155,17 @@ class MultiHeadLatentAttention(nn.Module):
         q_pe = q[..., self.dn:].transpose(1, 2).reshape(B, H * T, self.dr)
         scores = torch.bmm(q_pe, k_pe_all.transpose(1, 2))  # [B, H*T, S]
         scores = upcast(torch.baddbmm(scores, q_latent, c_all.transpose(1, 2)).mul_(self.scale))
-        if T > 1 or past < S - 1:  # one query after the cache sees every position: nothing to mask
-            allowed = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(past)
+        allowed = causal_mask(T, S, pad, q.device)  # None for one query after a full cache
+        if allowed is not None:
             scores = scores.view(B, H, T, S).masked_fill(~allowed, float("-inf")).view(B, H * T, S)
         return cast(torch.softmax(scores, dim=-1), q.dtype)
 
-    def _absorbed(self, q, c_all, k_pe_all, past: int) -> torch.Tensor:
+    def _absorbed(self, q, c_all, k_pe_all, pad: torch.Tensor | None = None) -> torch.Tensor:
         """Attention against the latents: o = W_uv (p . c) per head with p from `_latent_probs`
         -> [B, T, H, dv]."""
         B, T, H, _ = q.shape
         w_uk, w_uv = self._absorbed_weights()
-        o_latent = torch.bmm(self._latent_probs(q, c_all, k_pe_all, past, w_uk), c_all)  # [B, H*T, r]
+        o_latent = torch.bmm(self._latent_probs(q, c_all, k_pe_all, w_uk, pad), c_all)  # [B, H*T, r]
         o_latent = o_latent.view(B, H, T, -1).transpose(0, 1).reshape(H, B * T, -1)  # [H, B*T, r]
         o = torch.bmm(o_latent, w_uv.transpose(1, 2))  # [H, B*T, dv]
         return o.view(H, B, T, self.dv).permute(1, 2, 0, 3)
@@ -170,4 +176,4 @@ class MultiHeadLatentAttention(nn.Module):
         check_mixer_input("MultiHeadLatentAttention", x, self.hidden_size, None)
         q, c, k_pe = self._queries_and_latents(x, 0)
         B, T, H, _ = q.shape
-        return self._latent_probs(q, c, k_pe, 0, self._absorbed_weights()[0]).view(B, H, T, T)
+        return self._latent_probs(q, c, k_pe, self._absorbed_weights()[0]).view(B, H, T, T)

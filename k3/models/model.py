@@ -63,11 +63,48 @@ def attn_res_source_counts(config: ModelConfig) -> list[int]:
 class HybridCache:
     """Decode state of a whole model: per layer the cache of its mixer kind, a KVCache (MHA), LatentCache
     (MLA: c and k_pe only) or RecurrentCache (linear family: conv states and the fixed-size recurrent
-    state). Updated in place by every forward; `length` counts the tokens it has seen."""
+    state). Updated in place by every forward; `length` counts the tokens it has seen.
+
+    Sequences of different lengths decode together after `concat` of their own caches: `pad` [B] then
+    counts each row's empty leading slots in the KV / latent caches (`length - pad` tokens seen), which
+    attention masks and positions skip; the recurrent states never see them."""
 
     def __init__(self, config: ModelConfig, batch_size: int):
         self.config, self.batch_size, self.length = config, batch_size, 0
+        self.pad: torch.Tensor | None = None  # [B] empty leading slots per row; None: every row is full
         self.layers = [MIXERS[kind].new_cache() for kind in config.layer_types]
+
+    def lengths(self) -> torch.Tensor:
+        """[B] tokens each row has seen."""
+        full = torch.full((self.batch_size,), self.length, dtype=torch.long)
+        return full if self.pad is None else full - self.pad.cpu()
+
+    @classmethod
+    def concat(cls, caches: list["HybridCache"]) -> "HybridCache":
+        """One cache whose rows are those of `caches` in order (same model; any lengths): how prompts of
+        different lengths, each prefilled alone, decode as one batch. A shorter row's KV / latent cache
+        is right-aligned behind empty slots (`pad`), which it never attends to."""
+        if not caches:
+            raise ValueError("HybridCache.concat: `caches` is empty")
+        config = caches[0].config
+        if any(c.config != config for c in caches):
+            raise ValueError("HybridCache.concat: the caches were made for different models")
+        if any(c.length == 0 for c in caches):
+            raise ValueError("HybridCache.concat: every cache must have seen at least one token (prefill first)")
+        out = cls(config, sum(c.batch_size for c in caches))
+        out.length = max(c.length for c in caches)
+        pad = out.length - torch.cat([c.lengths() for c in caches])
+        out.pad = pad if bool(pad.any()) else None
+        out.layers = [type(layers[0]).concat(list(layers), out.length) for layers in zip(*(c.layers for c in caches))]
+        return out
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep rows `index` [B'] of every layer's cache (a selection or permutation; repeats allowed), in place."""
+        for layer in self.layers:
+            layer.reorder(index)
+        if self.pad is not None:
+            self.pad = self.pad.index_select(0, index.cpu())
+        self.batch_size = index.numel()
 
     def nbytes(self) -> int:
         """Bytes held by all layers' caches: the tokens seen and the fixed-size states. The KV and latent
@@ -145,11 +182,16 @@ class Decoder(nn.Module):
             self.final_res = BlockAttnRes(config.hidden_size, eps=config.norm_eps)
         self.norm = build_norm(config, config.hidden_size)
 
-    def forward(self, input_ids: torch.Tensor, caches: list | None, past: int) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, caches: list | None, past: int,
+                pad: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] after `past` cached slots (of which pad [B], when given, are empty in each
+        row) -> the final hidden states [B, T, d]."""
         x = self.embed_tokens(input_ids)
         if self.config.max_position_embeddings:
-            T = input_ids.shape[1]
-            x = x + self.embed_positions(torch.arange(past, past + T, device=input_ids.device))
+            positions = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
+            if pad is not None:
+                positions = positions - pad.to(input_ids.device)[:, None]  # [B, T]: each row's own count
+            x = x + self.embed_positions(positions)
         blocks: list[torch.Tensor] = []  # Block AttnRes: the completed sources, the embedding first
         for layer, cache in zip(self.layers, caches or [None] * len(self.layers)):
             if layer.starts_block:  # the running sum becomes a source of its own
@@ -214,7 +256,8 @@ class CausalLM(nn.Module):
         whole logits (`k3.models.loss.head_cross_entropy`): what training calls, under DDP and FSDP too."""
         self._check_input(input_ids, cache)
         past = 0 if cache is None else cache.length
-        hidden = self.model(input_ids, None if cache is None else cache.layers, past)
+        hidden = self.model(input_ids, None if cache is None else cache.layers, past,
+                            None if cache is None else cache.pad)
         if cache is not None:
             cache.length += input_ids.shape[1]
         if targets is None:
@@ -247,18 +290,24 @@ class CausalLM(nn.Module):
                                  f"has batch size {input_ids.shape[0]}; make a new cache with "
                                  f"new_cache({input_ids.shape[0]})")
         positions = self.config.max_position_embeddings
-        if positions and (0 if cache is None else cache.length) + input_ids.shape[1] > positions:
+        seen = 0 if cache is None else cache.length
+        if positions and cache is not None and cache.pad is not None:
+            seen -= int(cache.pad.min())  # the longest row's tokens
+        if positions and seen + input_ids.shape[1] > positions:
             raise ValueError(f"CausalLM: {self.config.name!r} has learned positions for {positions} tokens; "
-                             f"this call would reach position {(0 if cache is None else cache.length) + input_ids.shape[1]}")
+                             f"this call would reach position {seen + input_ids.shape[1]}")
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+    def generate(self, input_ids: torch.Tensor | list, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None) -> torch.Tensor | list[torch.Tensor]:
         """Prompt [B, T] -> [B, T + n] with n <= max_new_tokens sampled tokens (temperature 0: greedy).
-        Stops early once every sequence has produced `eos_token_id` (later positions repeat it)."""
+        Stops early once every sequence has produced `eos_token_id` (later positions repeat it).
+
+        A list of prompts of different lengths (token-id lists or 1-D tensors) decodes as one batch
+        without padding (k3.generation) and returns a list: each prompt with its new tokens."""
         return generation.generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator)
 
-    def stream(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+    def stream(self, input_ids: torch.Tensor | list, max_new_tokens: int, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
                generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
         """As `generate`, yielding each new token [B] as soon as it is sampled."""

@@ -20,23 +20,34 @@ import torch.nn.functional as F
 from .common import cast, check_cu_seqlens, check_qkv, check_scale, check_tensor, compute_dtype, l2norm, run_packed
 
 
-def causal_attention(q, k, v, scale: float):
+def causal_mask(T: int, S: int, start: torch.Tensor | None = None, device=None) -> torch.Tensor | None:
+    """Which of S slots each of the last T positions may attend to: [T, S], or [B, 1, T, S] with `start`.
+
+    Query i sits at slot S - T + i and sees slots <= S - T + i; with `start` [B] (rows of different
+    lengths batched together: row b's first `start[b]` slots hold no token) only slots >= start[b].
+    None when nothing is masked (one query, no start)."""
+    if start is None:
+        return None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)
+    allowed = torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)
+    filled = torch.arange(S, device=device) >= start.to(device)[:, None]  # [B, S]
+    return (allowed & filled[:, None, :]).unsqueeze(1)
+
+
+def causal_attention(q, k, v, scale: float, start: torch.Tensor | None = None):
     """The attention of the last T positions of a sequence over all of it (internal: no checks, the
     core of `attention` and of the decode steps of the attention layers).
 
-    q [B, T, H, K] sits at positions S - T ... S - 1 of k [B, S, H, K] and v [B, S, H, V] (the cache
-    followed by this call's tokens); query i attends to positions <= S - T + i. Computed in the
-    accumulation dtype (float32, float64 for float64 inputs). Returns o [B, T, H, V] in q's dtype."""
+    q [B, T, H, K] sits at slots S - T ... S - 1 of k [B, S, H, K] and v [B, S, H, V] (the cache
+    followed by this call's tokens); query i attends to slots <= S - T + i, and, with `start` [B], to
+    none before start[b] (see `causal_mask`). Computed in the accumulation dtype (float32, float64 for
+    float64 inputs). Returns o [B, T, H, V] in q's dtype."""
     T, S = q.shape[1], k.shape[1]
     dtype = compute_dtype(q.dtype)
     qh, kh, vh = (cast(x, dtype).transpose(1, 2) for x in (q, k, v))  # [B, H, T or S, d]
-    if T == S:
+    if T == S and start is None:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-    elif T == 1:  # one query after the cache: it sees every position, no mask to build
-        o = F.scaled_dot_product_attention(qh, kh, vh, scale=scale)
     else:
-        allowed = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_mask(T, S, start, q.device), scale=scale)
     return cast(o.transpose(1, 2), q.dtype)
 
 

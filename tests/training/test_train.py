@@ -127,6 +127,24 @@ def test_cli_train_then_generate(corpus, tmp_path, capsys):
     assert captured.out.startswith("to be") and "tokens/s" in captured.err
     assert main(["generate", "--checkpoint", str(out), "--prompt", ""]) == 2
     assert "empty after tokenization" in capsys.readouterr().err
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("to be\n\nwhat light through yonder\nO\n")
+    assert main(["generate", "--checkpoint", str(out), "--prompt-file", str(prompts), "--max-new-tokens", "4",
+                 "--temperature", "0"]) == 0
+    captured = capsys.readouterr()
+    blocks = captured.out.split("--- prompt ")[1:]
+    texts = ["to be", "what light through yonder", "O"]
+    assert [b.split("\n", 1)[1].startswith(t) for b, t in zip(blocks, texts)] == [True] * 3
+    assert len(blocks) == 3 and "3 prompts" in captured.err
+    alone = []
+    for text in texts:
+        assert main(["generate", "--checkpoint", str(out), "--prompt", text, "--max-new-tokens", "4",
+                     "--temperature", "0"]) == 0
+        alone.append(capsys.readouterr().out.rstrip("\n"))
+    # each line as if alone (greedy; streaming holds back a last incomplete character)
+    assert all(b.split("\n", 1)[1].startswith(a) for b, a in zip(blocks, alone))
+    assert main(["generate", "--checkpoint", str(out), "--prompt-file", str(tmp_path / "none.txt")]) == 2
+    assert "no such file" in capsys.readouterr().err
     assert main(["train", "--preset", "gpt5", "--max-steps", "1"]) == 2
     assert "unknown preset 'gpt5'; choose from" in capsys.readouterr().err
     assert main(["train", "--data", str(tmp_path / "nothing"), "--max-steps", "1", "--out", str(tmp_path / "x")]) == 2
