@@ -24,5 +24,6 @@ def test_readme_models_example_runs():
     namespace: dict = {}
     exec(compile(code, str(README), "exec"), namespace)  # noqa: S102 - our own README
     assert namespace["out"].shape == (2, 24)
+    assert [len(r) for r in namespace["rows"]] == [7, 5, 6]
     assert namespace["step"].shape == (2, 1, namespace["config"].vocab_size)
     assert namespace["k3"].num_parameters() == 2_779_484_393_568

@@ -20,7 +20,7 @@ class TrainConfig:
     vocab_size: int = 4096
     val_fraction: float = 0.1
     seq_len: int = 256
-    batch_size: int = 16
+    batch_size: int = 8  # measured: 2.12 vs 2.19 bits/byte at 16, in the same 10-minute budget
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50

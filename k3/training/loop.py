@@ -153,11 +153,17 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
 
 def _replan(cfg: TrainConfig, step: int, elapsed: float, calibration: tuple[float, int], max_steps: int,
             bar) -> int:
-    """A time-budget run on a machine that slowed down: when the steps left no longer fit, shorten
-    the schedule to what does (never lengthen it). Exact resume is a property of --max-steps runs."""
+    """Re-time a time-budget run every few steps. Until the warm-up ends (where the learning rate does
+    not depend on the schedule's length yet) the step count follows the measured speed both ways: the
+    first steps, timed for the first plan, run slower than the rest. After it, a machine that slowed
+    down shortens the schedule to what fits (never lengthens it). Exact resume is a property of
+    --max-steps runs."""
     per_step = (time.time() - calibration[0]) / max(1, step - calibration[1])
     budget_left = cfg.time_budget * 60 - elapsed
     fits = _steps_in_budget(cfg, step, elapsed, per_step)
+    if step + 10 <= cfg.warmup_steps:  # the next replan is still inside the warm-up
+        bar.total = fits
+        return fits
     if fits < max_steps and (max_steps - step) * per_step > 1.02 * budget_left:
         bar.total = fits
         bar.write(f"k3 train: the machine slowed to {per_step:.2f} s/step; shortening the run to {fits} steps "

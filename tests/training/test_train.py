@@ -3,6 +3,8 @@ lose nothing, Ctrl-C, the schedule and the weight-decay groups."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import errno
 import hashlib
 import signal
@@ -172,9 +174,15 @@ def test_a_slowed_machine_shortens_a_time_budget_run():
 
     import time
 
-    cfg = TrainConfig(max_steps=None, time_budget=2.0, eval_every=100, eval_tokens=4096, final_eval_tokens=4096)
+    cfg = TrainConfig(max_steps=None, time_budget=2.0, eval_every=100, eval_tokens=4096, final_eval_tokens=4096,
+                      warmup_steps=5)
     # 10 steps took 100 s: at 10 s/step about a dozen of the planned 1000 fit in the 20 s left
     shorter = loop._replan(cfg, 10, 100.0, (time.time() - 100.0, 0), 1000, Bar())
     assert 10 < shorter < 20
-    # on a machine that keeps its speed (0.1 s/step) the plan stands
+    # on a machine that keeps its speed (0.1 s/step) the plan stands: after the warm-up it never grows
     assert loop._replan(cfg, 10, 1.0, (time.time() - 1.0, 0), 1000, Bar()) == 1000
+    # within the warm-up the plan follows the measured speed both ways (the first steps ran slow)
+    warm = dataclasses.replace(cfg, warmup_steps=50)
+    grown = loop._replan(warm, 10, 1.0, (time.time() - 1.0, 0), 1000, Bar())
+    assert abs(grown - loop._steps_in_budget(warm, 10, 1.0, 0.1)) <= 2 and grown > 1000
+    assert loop._replan(warm, 10, 100.0, (time.time() - 100.0, 0), 1000, Bar()) < 20
