@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import shutil
 import sys
 import time
 
@@ -61,3 +62,13 @@ def matmul_gflops(n: int = 1024, batch: int | None = None, size: int = 64, repea
             a @ b
             best = min(best, time.perf_counter() - start)
     return flops / best / 1e9
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch.compile's CPU backend (inductor) would build its kernels with: $CXX, else
+    g++, c++ or clang++ on the PATH; None if there is none."""
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        path = shutil.which(name) if name else None
+        if path:
+            return path
+    return None

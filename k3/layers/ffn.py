@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.common import cast
 from .init import init_linear
 from .norm import upcast
 
@@ -55,7 +56,20 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: f
     """SiTU-GLU activation a(gate) * u(up), computed in float32 (float64 for float64 inputs) and
     returned in gate's dtype; gradients in each input's dtype."""
     _check_betas(beta, linear_beta)
-    return _SiTU.apply(gate, up, float(beta), None if linear_beta is None else float(linear_beta))
+    linear_beta = None if linear_beta is None else float(linear_beta)
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SiTU.apply(gate, up, float(beta), linear_beta)
+    return _situ_forward(gate, up, float(beta), linear_beta)  # nothing to save: no autograd node
+
+
+def _situ_forward(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """SiTU-GLU's value (see `_SiTU` for the form): 2 beta p s u, or 4 beta l_beta p s q."""
+    g, u = upcast(gate), upcast(up)
+    out = _half_tanh(g, beta).mul_(torch.sigmoid(g))  # p s = a / (2 beta)
+    if linear_beta is None:
+        return cast(out.mul_(u).mul_(2 * beta), gate.dtype)
+    q = _half_tanh(u, linear_beta)
+    return cast(out.mul_(q).mul_(4 * beta * linear_beta), gate.dtype)
 
 
 class _SiTU(torch.autograd.Function):
@@ -75,12 +89,7 @@ class _SiTU(torch.autograd.Function):
     def forward(ctx, gate, up, beta: float, linear_beta: float | None):
         ctx.save_for_backward(gate, up)
         ctx.beta, ctx.linear_beta = beta, linear_beta
-        g, u = upcast(gate), upcast(up)
-        out = _half_tanh(g, beta).mul_(torch.sigmoid(g))  # p s = a / (2 beta)
-        if linear_beta is None:
-            return out.mul_(u).mul_(2 * beta).to(gate.dtype)
-        q = _half_tanh(u, linear_beta)
-        return out.mul_(q).mul_(4 * beta * linear_beta).to(gate.dtype)
+        return _situ_forward(gate, up, beta, linear_beta)
 
     @staticmethod
     @torch.autograd.function.once_differentiable

@@ -17,12 +17,13 @@ Balancing: after each training step, `update_bias(load)` moves each expert's cor
 The router's checkpoint name is `gate` (`block_sparse_moe.gate.weight`, as in Kimi Linear and DeepSeek);
 in code it is `MoE.router`, a `Router`: "gate" in k3 means the KDA forget gate and the output gates.
 
-Dispatch (`RoutedExperts`) groups tokens by expert (one sort), so the cost follows the k chosen experts,
-not all E. A few tokens (decoding) take a shorter way: the chosen experts' matrices are stacked and
-run as three batched matmuls, a handful of ops instead of a dozen or more per chosen expert. It is a
-module of its own so that expert parallelism (k3.training.parallel) plugs in from outside: a process
-keeps a slice of the experts, and hooks on this module gather the tokens before it and sum the
-slices' outputs after it.
+Dispatch (`RoutedExperts`) costs what the k chosen experts cost, not all E, three ways: many tokens
+with a balanced routing run every expert at once as three batched matmuls over the tokens grouped by
+expert (padded to the busiest expert's count); an unbalanced routing sorts the tokens by expert and
+calls each used expert once; a few tokens (decoding) run through the stacked matrices of their chosen
+experts. It is a module of its own so that expert parallelism (k3.training.parallel) plugs in from
+outside: a process keeps a slice of the experts, and hooks on this module gather the tokens before it
+and sum the slices' outputs after it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .norm import RMSNorm, upcast
 
 FEW_ASSIGNMENTS = 32  # (token, expert) pairs up to which the chosen experts are stacked (`RoutedExperts`)
 STACK_LIMIT = 1 << 22  # the most expert-matrix values the stacked path copies in one call
+PADDING_LIMIT = 2  # all experts at once while E x (the busiest expert's tokens) <= this x the assignments
 
 
 class Expert(nn.Module):
@@ -120,9 +122,10 @@ class Router(nn.Module):
 
 class RoutedExperts(nn.ModuleList):
     """The routed experts (`experts.N`), called as one module: sum_i w_i expert_i(z) over each token's
-    k chosen experts. Many tokens are grouped by expert (one sort, then one call per used expert); a
-    few (at most FEW_ASSIGNMENTS token-expert pairs) run through the stacked matrices of their chosen
-    experts instead (`_stacked`). The two agree to rounding.
+    k chosen experts, three ways that agree to rounding: a few tokens (at most FEW_ASSIGNMENTS
+    token-expert pairs) through the stacked matrices of their chosen experts (`_stacked`); many tokens
+    with a balanced routing through all experts at once, each expert's tokens padded to the busiest
+    one's count (`_batched`); otherwise sorted by expert, one call per used expert (`_grouped`).
 
     An entry may be None: under expert parallelism a process holds only its own slice of the
     experts, and the tokens routed to the others are computed by the processes that own them."""
@@ -136,7 +139,36 @@ class RoutedExperts(nn.ModuleList):
             # every chosen expert held here (not split by expert parallelism), and a small copy
             if None not in experts and 3 * len(experts) * experts[0].w1.numel() <= STACK_LIMIT:
                 return self._stacked(z, experts, weights)
+        if chosen.numel() and None not in list(self):
+            capacity = int(counts.max())
+            if len(self) * capacity <= PADDING_LIMIT * chosen.numel():  # routing balanced enough
+                return self._batched(z, chosen, weights, counts, capacity)
         return self._grouped(z, chosen, weights, counts)
+
+    def _batched(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
+                 capacity: int) -> torch.Tensor:
+        """`forward` for many tokens with every expert at once: each expert's tokens fill a row of a
+        [E, capacity, d] block (zeros pad the experts that got fewer; the activation of 0 is 0, and the
+        padded rows are never read back), then three batched matmuls against the stacked matrices:
+
+            H_e = act(X_e W1_e^T, X_e W3_e^T);   Y_e = H_e W2_e^T;   out_n = sum_i w_ni Y_{e_ni}[slot_ni]
+
+        A handful of ops whatever the number of experts, where `_grouped` makes a dozen per expert
+        (forward and backward): the better way when the experts are small and the routing is balanced."""
+        E, (N, k), d = len(self), chosen.shape, z.shape[-1]
+        flat = chosen.flatten()
+        order = torch.argsort(flat, stable=True)  # [N*k] assignments, grouped by expert
+        expert_of = flat[order]
+        first = torch.cumsum(counts.to(flat.device), 0) - counts.to(flat.device)  # each expert's first assignment
+        slot = torch.arange(N * k, device=flat.device) - first[expert_of]  # place within its expert's group
+        tokens = order // k
+        X = z.new_zeros(E, capacity, d).index_put((expert_of, slot), z[tokens])
+        W1, W3, W2 = (torch.stack([getattr(e, name) for e in self]) for name in ("w1", "w3", "w2"))
+        H = self[0].act(torch.bmm(X, W1.transpose(1, 2)), torch.bmm(X, W3.transpose(1, 2)))  # [E, capacity, hidden]
+        Y = torch.bmm(H, W2.transpose(1, 2))  # [E, capacity, d]
+        y = Y[expert_of, slot] * weights.flatten()[order].unsqueeze(-1)
+        out = torch.zeros_like(z, dtype=upcast(z).dtype).index_add_(0, tokens, upcast(y))
+        return cast(out, z.dtype)
 
     def _stacked(self, z: torch.Tensor, experts: list[Expert], weights: torch.Tensor) -> torch.Tensor:
         """z [N, d], experts: the N*k chosen experts in the order of `chosen` (token by token), weights

@@ -21,6 +21,7 @@ from ..io import atomic_write_files
 from ..models.checkpoint import restore_tied_head, weights_to_save
 from ..tokenizer import Tokenizer
 from .config import TrainConfig
+from .optim import portable_state
 from .plot import plot_history
 
 FILES = ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt", "loss.png")
@@ -40,7 +41,7 @@ def save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step: int, m
 
     out = Path(out)
     state = weights_to_save(model, weights)
-    optimizer_state = optimizer.state_dict() if optimizer_state is None else optimizer_state
+    optimizer_state = portable_state(optimizer.state_dict() if optimizer_state is None else optimizer_state)
     writers = {
         "model.safetensors": lambda p: save_file(state, p, metadata={"format": "pt", "step": str(step)}),
         "config.json": lambda p: Path(p).write_text(json.dumps(

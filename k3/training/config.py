@@ -40,6 +40,7 @@ class TrainConfig:
     out: str = "runs/k3"
     seed: int = 0
     threads: int | None = None
+    compile: bool = False  # torch.compile the decoder (k3.training.strategy.compile_decoder)
 
     def __post_init__(self):
         self.betas = tuple(self.betas)

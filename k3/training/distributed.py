@@ -34,9 +34,9 @@ from ..models import CausalLM
 from ..tokenizer import Tokenizer
 from .config import TrainConfig
 from .data import TokenData, prepare
-from .optim import build_optimizer
+from .optim import build_optimizer, load_keeping_implementation
 from .parallel import check_expert_split, held_expert_parameters, parallelize
-from .strategy import SingleProcess
+from .strategy import SingleProcess, compile_decoder
 
 __all__ = ["MODES", "Distributed", "check_expert_split", "start"]
 
@@ -111,6 +111,8 @@ class Distributed(SingleProcess):
         self._full_groups = _group_names(model, build_optimizer(model, cfg))  # the single-process numbering
         self.model = model.to(self.device)
         self.net = parallelize(model, self.mode, self.device)
+        if cfg.compile:
+            compile_decoder(model)
         self.optimizer = build_optimizer(model, cfg)
         self._expert_params = {id(p) for p in held_expert_parameters(model)}
         self._expert_names = {n for n, p in model.named_parameters() if id(p) in self._expert_params}
@@ -211,6 +213,9 @@ class Distributed(SingleProcess):
 
     def load_optimizer(self, saved: dict) -> None:
         """Load a single-process optimizer state dict (full tensors, torch's numbering) into this rank's part."""
+        load_keeping_implementation(self.optimizer, lambda: self._load_optimizer(saved))
+
+    def _load_optimizer(self, saved: dict) -> None:
         if self.mode == "ddp":
             self.optimizer.load_state_dict(saved)
         elif self.mode == "fsdp":

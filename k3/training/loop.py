@@ -16,6 +16,7 @@ strategy's part (k3.training.strategy: `SingleProcess`; k3.training.distributed:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import signal
 import sys
@@ -89,6 +90,7 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
         strategy.save(out, tokenizer, cfg, step, max_steps, generator, history)
 
     calibration = None
+    step_times: collections.deque = collections.deque(maxlen=50)  # the last steps' seconds (evaluations apart)
     with _stop_on_ctrl_c() as stop:
         try:
             while max_steps is None or step < max_steps:
@@ -97,7 +99,9 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
                 for group in strategy.optimizer.param_groups:
                     group["lr"] = lr
                 windows = data.batch(cfg.batch_size, cfg.seq_len, generator)
+                step_started = time.time()
                 loss = strategy.step(windows, cfg)
+                step_times.append(time.time() - step_started)
                 step += 1
                 history["step"].append(step)
                 history["loss"].append(loss)
@@ -107,7 +111,7 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
                 if cfg.time_budget is not None and max_steps is not None and calibration is not None \
                         and step % 10 == 0 and step < max_steps:
                     if strategy.is_main:
-                        max_steps = _replan(cfg, step, elapsed, calibration, max_steps, bar)
+                        max_steps = _replan(cfg, step, elapsed, sum(step_times) / len(step_times), max_steps, bar)
                     max_steps = strategy.share(max_steps)  # one clock decides
                 if max_steps is None:  # time budget: time a few steps past the first two, then fix the schedule
                     if calibration is None and step >= 2:
@@ -151,25 +155,25 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
     return history
 
 
-def _replan(cfg: TrainConfig, step: int, elapsed: float, calibration: tuple[float, int], max_steps: int,
-            bar) -> int:
-    """Re-time a time-budget run every few steps. Until the warm-up ends (where the learning rate does
-    not depend on the schedule's length yet) the step count follows the measured speed both ways: the
-    first steps, timed for the first plan, run slower than the rest. After it, a machine that slowed
-    down shortens the schedule to what fits (never lengthens it). Exact resume is a property of
-    --max-steps runs."""
-    per_step = (time.time() - calibration[0]) / max(1, step - calibration[1])
-    budget_left = cfg.time_budget * 60 - elapsed
+def _replan(cfg: TrainConfig, step: int, elapsed: float, per_step: float, max_steps: int, bar) -> int:
+    """Re-time a time-budget run every few steps from the recent steps' speed (`per_step` seconds), so
+    that it ends on time and uses the budget: the first steps run slower than the rest, and a shared
+    machine speeds up and slows down. Until the warm-up ends (where the learning rate does not depend on
+    the schedule's length yet) the step count follows the estimate exactly; after it, it moves when the
+    estimate differs by more than 3% (the schedule stretches or shrinks with it, a small change of the
+    learning rate at that step). Exact resume is a property of --max-steps runs."""
     fits = _steps_in_budget(cfg, step, elapsed, per_step)
     if step + 10 <= cfg.warmup_steps:  # the next replan is still inside the warm-up
         bar.total = fits
         return fits
-    if fits < max_steps and (max_steps - step) * per_step > 1.02 * budget_left:
-        bar.total = fits
-        bar.write(f"k3 train: the machine slowed to {per_step:.2f} s/step; shortening the run to {fits} steps "
-                  f"to stay within {cfg.time_budget:g} min", file=sys.stderr)
-        return fits
-    return max_steps
+    if abs(fits - max_steps) <= 0.03 * max_steps:
+        return max_steps
+    bar.total = fits
+    if abs(fits - max_steps) > 0.1 * max_steps:  # said only when it is news
+        what = "slowed" if fits < max_steps else "sped up"
+        bar.write(f"k3 train: the machine {what} to {per_step:.2f} s/step; {fits} steps now fit in "
+                  f"{cfg.time_budget:g} min", file=sys.stderr)
+    return fits
 
 
 class _stop_on_ctrl_c:

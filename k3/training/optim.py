@@ -43,4 +43,29 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
     for name, p in model.named_parameters():
         (keep if no_decay(name, p) else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": keep, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
+    # torch's fused AdamW (one kernel over all parameters) where every parameter is a plain CPU / CUDA
+    # tensor; sharded ones (FSDP's DTensors) take the default implementation
+    params = decay + keep
+    fused = bool(params) and all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused or None)
+
+
+# settings of torch's optimizers that choose an implementation (a fused kernel, foreach), not the maths
+IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
+
+
+def portable_state(state: dict) -> dict:
+    """An optimizer state dict without the implementation settings: what a checkpoint records, so that
+    a run saved by one implementation (fused on plain tensors, the default on FSDP's shards) resumes
+    under another."""
+    groups = [{k: v for k, v in g.items() if k not in IMPLEMENTATION} for g in state["param_groups"]]
+    return {**state, "param_groups": groups}
+
+
+def load_keeping_implementation(optimizer: torch.optim.Optimizer, load) -> None:
+    """Run `load()` (which loads a state dict into `optimizer`), then give the optimizer back its own
+    implementation settings (a checkpoint's, or their absence, must not switch them)."""
+    own = [{k: g[k] for k in IMPLEMENTATION if k in g} for g in optimizer.param_groups]
+    load()
+    for group, settings in zip(optimizer.param_groups, own):
+        group.update(settings)

@@ -21,12 +21,13 @@ import torch
 from torch import nn
 
 from ..models import CausalLM
+from ..runtime import cxx_compiler
 from ..tokenizer import Tokenizer
 from .checkpoint import save_training_checkpoint
 from .config import TrainConfig
 from .data import TokenData, prepare
 from .objective import next_token_loss, per_byte, summed_loss
-from .optim import build_optimizer
+from .optim import build_optimizer, load_keeping_implementation
 
 
 class SingleProcess:
@@ -55,6 +56,8 @@ class SingleProcess:
 
     def setup(self, model: CausalLM, cfg: TrainConfig) -> None:
         """Take `model` (the same on every process) for training and build its optimizer."""
+        if cfg.compile:
+            compile_decoder(model)
         self.model = self.net = model
         self.optimizer = build_optimizer(model, cfg)
 
@@ -119,7 +122,7 @@ class SingleProcess:
 
     def load_optimizer(self, saved: dict) -> None:
         """Load a single-process optimizer state dict (full tensors, torch's numbering)."""
-        self.optimizer.load_state_dict(saved)
+        load_keeping_implementation(self.optimizer, lambda: self.optimizer.load_state_dict(saved))
 
     # -- agreement ------------------------------------------------------------------------------------
     def on_main(self, work):
@@ -142,3 +145,18 @@ def training_step(model: CausalLM, optimizer: torch.optim.Optimizer, windows: to
     strategy.model = strategy.net = model
     strategy.optimizer = optimizer
     return strategy.step(windows, cfg)
+
+
+def compile_decoder(model: CausalLM) -> None:
+    """`k3 train --compile`: torch.compile the decoder in place (`nn.Module.compile`: parameter names and
+    checkpoints unchanged), so that its elementwise work (SiTU, norms, gates) runs as fused kernels.
+
+    Measured on kimi-k3-tiny (16 x 256 tokens, 2 CPU threads): a step in 0.78x the eager time, after
+    about 2.5 minutes of compiling in the first step. It pays on runs of an hour, not on the
+    13-minute demo, so it is off by default. On a CPU, inductor builds C++ kernels: without a C++
+    compiler it cannot run, and this says so before any work is done."""
+    if model.lm_head.weight.device.type == "cpu" and cxx_compiler() is None:
+        raise ValueError("--compile: torch.compile builds C++ kernels for the CPU and no C++ compiler was found "
+                         "(looked for $CXX, g++, c++, clang++); install one (e.g. apt install g++) or train without "
+                         "--compile")
+    model.model.compile()

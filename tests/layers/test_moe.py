@@ -98,3 +98,40 @@ def test_few_tokens_stacked_path_equals_grouped(name, tokens, monkeypatch):
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_all_experts_at_once_equals_one_call_per_expert(name, monkeypatch):
+    """Many tokens with a balanced routing run all experts at once (padded to the busiest one); it
+    equals the per-expert loop and the dense reference, values and gradients; an unbalanced routing
+    (beyond PADDING_LIMIT) takes the loop."""
+    import k3.layers.moe as moe_module
+
+    torch.manual_seed(2)
+    moe = MoE(16, **CONFIGS[name]).double()
+    x = torch.randn(4, 9, 16, dtype=torch.float64, requires_grad=True)
+    params = [x, moe.experts[1].w1, moe.experts[5].w3, moe.experts[2].w2]
+    calls = []
+    real_batched, real_grouped = moe_module.RoutedExperts._batched, moe_module.RoutedExperts._grouped
+    monkeypatch.setattr(moe_module.RoutedExperts, "_batched",
+                        lambda self, *a: calls.append("batched") or real_batched(self, *a))
+    monkeypatch.setattr(moe_module.RoutedExperts, "_grouped",
+                        lambda self, *a: calls.append("grouped") or real_grouped(self, *a))
+    batched = moe(x)
+    batched_grads = torch.autograd.grad(batched.sum(), params, allow_unused=True)
+    monkeypatch.setattr(moe_module, "PADDING_LIMIT", 0)
+    grouped = moe(x)
+    grouped_grads = torch.autograd.grad(grouped.sum(), params, allow_unused=True)
+    assert calls == ["batched", "grouped"]
+    torch.testing.assert_close(batched, grouped, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(batched, dense_reference(moe, x))
+    for a, b in zip(batched_grads, grouped_grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():  # every token to the same experts: far beyond the padding limit
+        moe.gate.e_score_correction_bias.copy_(torch.arange(8, dtype=torch.float64) * 100)
+    calls.clear()
+    monkeypatch.setattr(moe_module, "PADDING_LIMIT", 2)
+    torch.testing.assert_close(moe(x), dense_reference(moe, x))
+    assert calls == ["grouped"]
