@@ -227,7 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences per step (default 8: in a fixed time budget, more smaller steps learn more)")
     train.add_argument("--lr", type=float, default=3e-3)
     train.add_argument("--warmup", type=int, default=50, help="warmup steps")
-    train.add_argument("--schedule", choices=("cosine", "wsd"), default="cosine")
+    train.add_argument("--schedule", choices=("cosine", "wsd"), default="wsd",
+                       help="after the warmup: constant then a linear decay over the last 20%% (wsd, the default: "
+                            "a time budget re-planned on the way changes nothing before the decay), or cosine")
     train.add_argument("--weight-decay", type=float, default=0.1)
     train.add_argument("--grad-clip", type=float, default=1.0)
     train.add_argument("--max-steps", type=int, help="training steps (default 1000 unless --time-budget)")

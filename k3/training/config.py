@@ -24,7 +24,7 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
-    schedule: str = "cosine"  # "cosine" | "wsd"
+    schedule: str = "wsd"  # "wsd" | "cosine"; measured: 2.070 vs 2.083 bits/byte in the same 10-minute budget
     wsd_decay_fraction: float = 0.2
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)

@@ -102,9 +102,10 @@ def test_resume_with_another_model_lists_the_mismatched_tensors(corpus, tmp_path
 
 
 def test_schedule_shapes():
-    cfg = TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10)
+    cfg = TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10, schedule="cosine")
     assert learning_rate(cfg, 0, 100) == pytest.approx(0.1) and learning_rate(cfg, 9, 100) == pytest.approx(1.0)
     assert learning_rate(cfg, 99, 100) == pytest.approx(0.1, abs=1e-3)
+    assert 0.1 < learning_rate(cfg, 50, 100) < 1.0  # cosine: already decaying half way
     wsd = TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10, schedule="wsd", wsd_decay_fraction=0.2)
     assert learning_rate(wsd, 50, 100) == 1.0 and learning_rate(wsd, 99, 100) == pytest.approx(0.1)
     assert 0.1 < learning_rate(wsd, 90, 100) < 1.0
