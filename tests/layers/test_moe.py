@@ -76,6 +76,17 @@ def test_names_follow_kimi_checkpoints():
     assert "gate.e_score_correction_bias" in MoE(8, num_experts=3, top_k=1, expert_hidden=4).state_dict()
 
 
+def assert_same_paths(moe: MoE, x: torch.Tensor, fast: tuple, loop: tuple) -> None:
+    """(output, gradients) of a dispatch path equal the per-expert loop's (float64 rounding) and the
+    output the dense reference."""
+    torch.testing.assert_close(fast[0], loop[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fast[0], dense_reference(moe, x))
+    for a, b in zip(fast[1], loop[1]):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_few_tokens_stacked_path_equals_grouped(name, tokens, monkeypatch):
@@ -92,12 +103,7 @@ def test_few_tokens_stacked_path_equals_grouped(name, tokens, monkeypatch):
     monkeypatch.setattr(moe_module, "FEW_ASSIGNMENTS", 0)
     grouped = moe(x)
     ref = torch.autograd.grad(grouped.sum(), [x, moe.experts[0].w1, moe.experts[3].w2], allow_unused=True)
-    torch.testing.assert_close(stacked, grouped, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(stacked, dense_reference(moe, x))
-    for a, b in zip(grads, ref):
-        assert (a is None) == (b is None)
-        if a is not None:
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert_same_paths(moe, x, (stacked, grads), (grouped, ref))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -123,12 +129,7 @@ def test_all_experts_at_once_equals_one_call_per_expert(name, monkeypatch):
     grouped = moe(x)
     grouped_grads = torch.autograd.grad(grouped.sum(), params, allow_unused=True)
     assert calls == ["batched", "grouped"]
-    torch.testing.assert_close(batched, grouped, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(batched, dense_reference(moe, x))
-    for a, b in zip(batched_grads, grouped_grads):
-        assert (a is None) == (b is None)
-        if a is not None:
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert_same_paths(moe, x, (batched, batched_grads), (grouped, grouped_grads))
     with torch.no_grad():  # every token to the same experts: far beyond the padding limit
         moe.gate.e_score_correction_bias.copy_(torch.arange(8, dtype=torch.float64) * 100)
     calls.clear()
