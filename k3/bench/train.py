@@ -5,13 +5,13 @@ wall-clock budget each."""
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 
 from ..io import write_json
 from ..models import CausalLM, count_params, get_config
 from ..training import TrainConfig, build_optimizer, prepare, train, training_step
+from .timing import interleaved_best, matmul_gflops
 
 
 def matched_gpt2(reference: str = "kimi-k3-tiny", vocab_size: int = 4096) -> tuple[dict, int]:
@@ -23,16 +23,15 @@ def matched_gpt2(reference: str = "kimi-k3-tiny", vocab_size: int = 4096) -> tup
     return {"hidden_size": width, "num_layers": best}, target
 
 
-def tokens_per_second(model: CausalLM, cfg: TrainConfig, data, steps: int) -> float:
-    optimizer = build_optimizer(model, cfg)
+def step_cases(models: dict[str, CausalLM], cfg: TrainConfig, data) -> dict:
+    """One training step of each model (its own optimizer, a fresh batch each call) as a timing case."""
     generator = torch.Generator().manual_seed(0)
-    times = []
-    for _ in range(steps + 1):  # the first step warms up
-        windows = data.batch(cfg.batch_size, cfg.seq_len, generator)
-        start = time.perf_counter()
-        training_step(model, optimizer, windows, cfg)
-        times.append(time.perf_counter() - start)
-    return cfg.batch_size * cfg.seq_len / (sum(times[1:]) / steps)
+    cases = {}
+    for name, model in models.items():
+        optimizer = build_optimizer(model, cfg)
+        cases[name] = (lambda m=model, o=optimizer: training_step(
+            m, o, data.batch(cfg.batch_size, cfg.seq_len, generator), cfg))
+    return cases
 
 
 def run(minutes: float = 5.0, speed_steps: int = 5, out: str = "runs/bench-train", json_path: str | None = None,
@@ -45,16 +44,15 @@ def run(minutes: float = 5.0, speed_steps: int = 5, out: str = "runs/bench-train
     results: dict = {}
     print(f"k3 bench train: kimi-k3-tiny vs gpt2-tiny (width {gpt_overrides['hidden_size']}, "
           f"{gpt_overrides['num_layers']} layers to match {target:,} parameters), {base.batch_size} x "
-          f"{base.seq_len} tokens per step, {torch.get_num_threads()} threads")
-    # speed, interleaved so both see the same machine state
+          f"{base.seq_len} tokens per step, {torch.get_num_threads()} threads; machine matmul "
+          f"{matmul_gflops():.0f} GFLOP/s (1024^3 float32)")
+    # speed: one step of each model in turn, `speed_steps` rounds after a warm-up, the fastest kept (the
+    # least disturbed by the machine's other work), so both see the same machine state
     models = {name: CausalLM(get_config(name, **{**o, "vocab_size": tokenizer.vocab_size})) for name, o in runs.items()}
-    speeds = {name: [] for name in runs}
-    for _ in range(2):
-        for name, model in models.items():
-            speeds[name].append(tokens_per_second(model, base, token_data, speed_steps))
+    best = interleaved_best(step_cases(models, base, token_data), speed_steps, grad=True)
     for name, model in models.items():
-        results[name] = {"parameters": model.num_parameters(),
-                         "active": count_params(model.config).active, "tokens_per_s": max(speeds[name])}
+        results[name] = {"parameters": model.num_parameters(), "active": count_params(model.config).active,
+                         "tokens_per_s": base.batch_size * base.seq_len / best[name]}
     ratio = results["kimi-k3-tiny"]["tokens_per_s"] / results["gpt2-tiny"]["tokens_per_s"]
     for name, r in results.items():
         print(f"  {name:14s} {r['parameters']:>10,} parameters ({r['active']:,} active)  "
