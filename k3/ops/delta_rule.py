@@ -27,13 +27,12 @@ def _recurrence(q, k, v, beta, S):
         v_old = k_t S_{t-1};  S_t = S_{t-1} + beta_t k_t^T (v_t - v_old);  o_t = q_t S_t
 
     q, k [N,T,H,K]; v [N,T,H,V]; beta [N,T,H]; S [N,H,K,V] the state before token 0.
-    Returns (o [N,T,H,V] before the scale, which `token_loop` applies; S_T [N,H,K,V])."""
+    Each token is `delta_step`, the update a layer's decode step runs. Returns (o [N,T,H,V] before
+    the scale, which `token_loop` applies; S_T [N,H,K,V])."""
     outputs = []
     for t in range(q.shape[1]):
-        k_t = k[:, t].unsqueeze(-1)  # [N,H,K,1]
-        v_old = (k_t * S).sum(-2)  # k_t S_{t-1}  [N,H,V]
-        S = S + k_t * (beta[:, t, :, None] * (v[:, t] - v_old)).unsqueeze(-2)
-        outputs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2))
+        o_t, S = delta_step(q[:, t], k[:, t], v[:, t], beta[:, t], S, 1.0)
+        outputs.append(o_t)
     return torch.stack(outputs, dim=1), S
 
 
