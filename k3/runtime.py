@@ -44,24 +44,30 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, _THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, _THRESHOLD))
 
 
+def best_time(fn, repeats: int = 3, warmup: int = 1) -> float:
+    """Fastest of `repeats` runs of fn() after `warmup` runs, in seconds, without autograd (the minimum
+    is the least noisy estimate on a shared machine)."""
+    with torch.no_grad():
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return min(times)
+
+
 def matmul_gflops(n: int = 1024, batch: int | None = None, size: int = 64, repeats: int = 5) -> float:
     """Measured float32 matmul throughput in GFLOP/s on torch's current threads: one n x n x n GEMM, or
-    `batch` size^3 GEMMs when given; the fastest of `repeats` runs after one warm-up (the minimum is the
-    least noisy estimate on a shared machine)."""
+    `batch` size^3 GEMMs when given; the fastest of `repeats` runs after one warm-up."""
     if batch is None:
         a, b = torch.randn(n, n), torch.randn(n, n)
         flops = 2 * n**3
     else:
         a, b = torch.randn(batch, size, size), torch.randn(batch, size, size)
         flops = 2 * batch * size**3
-    best = float("inf")
-    with torch.no_grad():
-        a @ b
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - start)
-    return flops / best / 1e9
+    return flops / best_time(lambda: a @ b, repeats=repeats) / 1e9
 
 
 def cxx_compiler() -> str | None:

@@ -1,5 +1,6 @@
 """Timing helpers for `k3 bench` and `k3 lab`, each with one meaning: the best of a few runs of one
-callable (`best_time`), the machine's matmul throughput (`matmul_gflops`), several candidates timed
+callable (`best_time`) and the machine's matmul throughput (`matmul_gflops`), both defined in k3.runtime
+(`k3 train` prints the latter too), several candidates timed
 round after round (`interleaved_best`), a clock that reads one thread's CPU time (`thread_clock`) and
 torch's thread count for the length of a block (`threads`).
 
@@ -17,33 +18,13 @@ from typing import Callable, Hashable
 
 import torch
 
-from .. import runtime
+from ..runtime import best_time, matmul_gflops  # noqa: F401 - timing's public names
 
 WARMUPS = ("inline", "ahead")
 
 # CPU seconds of the calling thread: when torch runs on one thread, the thread that runs every op; on a
 # quiet machine the wall time, on a busy one without the moments the thread waited for a core
 thread_clock = time.thread_time
-
-
-def best_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
-    """Fastest of `repeats` runs after `warmup` runs, in seconds (the minimum is the least noisy
-    estimate on a shared machine)."""
-    with torch.no_grad():
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def matmul_gflops(n: int = 1024, batch: int | None = None, size: int = 64, repeats: int = 5) -> float:
-    """Measured float32 matmul throughput: one n x n x n GEMM, or `batch` size^3 GEMMs when given
-    (k3.runtime.matmul_gflops, which `k3 train` prints too)."""
-    return runtime.matmul_gflops(n, batch, size, repeats)
 
 
 def interleaved_best(cases: dict[Hashable, Callable[[], object]], rounds: int, *, warmup: str = "inline",

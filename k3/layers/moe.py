@@ -159,7 +159,8 @@ class RoutedExperts(nn.ModuleList):
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)  # [N*k] assignments, grouped by expert
         expert_of = flat[order]
-        first = torch.cumsum(counts.to(flat.device), 0) - counts.to(flat.device)  # each expert's first assignment
+        counts = counts.to(flat.device)
+        first = torch.cumsum(counts, 0) - counts  # each expert's first assignment
         slot = torch.arange(N * k, device=flat.device) - first[expert_of]  # place within its expert's group
         tokens = order // k
         X = z.new_zeros(E, capacity, d).index_put((expert_of, slot), z[tokens])
