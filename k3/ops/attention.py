@@ -26,9 +26,11 @@ def causal_mask(T: int, S: int, start: torch.Tensor | None = None, device=None) 
     Query i sits at slot S - T + i and sees slots <= S - T + i; with `start` [B] (rows of different
     lengths batched together: row b's first `start[b]` slots hold no token) only slots >= start[b].
     None when nothing is masked (one query, no start)."""
-    if start is None:
-        return None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)
+    if start is None and T == 1:
+        return None
     allowed = torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)
+    if start is None:
+        return allowed
     filled = torch.arange(S, device=device) >= start.to(device)[:, None]  # [B, S]
     return (allowed & filled[:, None, :]).unsqueeze(1)
 

@@ -89,40 +89,38 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
         history["seconds"] = time.time() - started
         strategy.save(out, tokenizer, cfg, step, max_steps, generator, history)
 
-    calibration = None
+    # a time-budget run sets its own step count from the speed of its steps (a resumed one keeps its plan)
+    plans = cfg.time_budget is not None and max_steps is None
     step_times: collections.deque = collections.deque(maxlen=50)  # the last steps' seconds (evaluations apart)
     with _stop_on_ctrl_c() as stop:
         try:
             while max_steps is None or step < max_steps:
-                total = max_steps or 10 ** 6  # before calibration: warmup only
+                total = max_steps or 10 ** 6  # before the plan: warmup only
                 lr = learning_rate(cfg, step, total)
                 for group in strategy.optimizer.param_groups:
                     group["lr"] = lr
-                windows = data.batch(cfg.batch_size, cfg.seq_len, generator)
                 step_started = time.time()
+                windows = data.batch(cfg.batch_size, cfg.seq_len, generator)
                 loss = strategy.step(windows, cfg)
-                step_times.append(time.time() - step_started)
+                if step >= 2:  # the first two steps warm up allocators and caches: not timed
+                    step_times.append(time.time() - step_started)
                 step += 1
                 history["step"].append(step)
                 history["loss"].append(loss)
                 history["lr"].append(lr)
                 history["tokens"] += windows[:, 1:].numel()
                 elapsed = time.time() - started
-                if cfg.time_budget is not None and max_steps is not None and calibration is not None \
-                        and step % 10 == 0 and step < max_steps:
+                per_step = sum(step_times) / max(1, len(step_times))
+                if plans and max_steps is not None and step % 10 == 0 and step < max_steps:
                     if strategy.is_main:
-                        max_steps = _replan(cfg, step, elapsed, sum(step_times) / len(step_times), max_steps, bar)
+                        max_steps = _replan(cfg, step, elapsed, per_step, max_steps, bar)
                     max_steps = strategy.share(max_steps)  # one clock decides
-                if max_steps is None:  # time budget: time a few steps past the first two, then fix the schedule
-                    if calibration is None and step >= 2:
-                        calibration = (time.time(), step)
-                    elif calibration is not None and step - calibration[1] >= cfg.calibration_steps:
-                        per_step = (time.time() - calibration[0]) / (step - calibration[1])
-                        max_steps = strategy.share(_steps_in_budget(cfg, step, elapsed, per_step))
-                        bar.total = max_steps
-                        if strategy.is_main:
-                            bar.write(f"k3 train: {per_step:.2f} s/step; {max_steps} steps fit in "
-                                      f"{cfg.time_budget:g} min with the evaluations", file=sys.stderr)
+                if plans and max_steps is None and len(step_times) >= cfg.calibration_steps:
+                    max_steps = strategy.share(_steps_in_budget(cfg, step, elapsed, per_step))
+                    bar.total = max_steps
+                    if strategy.is_main:
+                        bar.write(f"k3 train: {per_step:.2f} s/step; {max_steps} steps fit in "
+                                  f"{cfg.time_budget:g} min with the evaluations", file=sys.stderr)
                 if step % cfg.eval_every == 0 or step == max_steps:
                     bpb = strategy.evaluate(data, val_windows)
                     history["val_step"].append(step)
