@@ -66,7 +66,7 @@ def prefill(model, prompts: Prompts):
             raise ValueError(f"generate: the prompt `input_ids` must be [B, T] with T >= 1, got {list(prompts.shape)}")
         cache = model.new_cache(prompts.shape[0])
         return model(prompts, cache=cache)[:, -1], cache
-    prompts = as_prompt_list(prompts)
+    prompts = as_prompt_list(prompts, device=next(model.parameters()).device)  # where the model runs
     by_length: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         by_length.setdefault(p.numel(), []).append(i)
