@@ -3,8 +3,8 @@
 Every experiment is a module (a package for the larger ones: what it measures apart from what it writes)
 with `run(mode, docs) -> Result` (`k3.lab.report.Result`); `mode` is "smoke" (seconds; what the tests run),
 "quick" (`k3 lab all --quick` runs all of them in under 30 minutes on a 2-core CPU) or "full" (the larger
-sweeps). Figures go to `docs/figures/`, the result to `docs/lab/NAME.json`, and
-`docs/results.md` is re-rendered from all saved results.
+sweeps). In the output folder `docs` (`runs/lab` unless given; the repository's page is `docs/`) figures go
+to `figures/`, the result to `lab/NAME.json`, and `results.md` is re-rendered from all saved results.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
 }
 
 
-def run(name: str, mode: str = "quick", docs: str | Path = "docs", **options) -> Result:
+def run(name: str, mode: str = "quick", docs: str | Path = "runs/lab", **options) -> Result:
     """Run one experiment, save its result and figures under `docs`, and re-render `docs/results.md`."""
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose from: {', '.join(EXPERIMENTS)} (or 'all')")

@@ -53,3 +53,11 @@ def test_unknown_experiment_and_mode(tmp_path):
     with pytest.raises(ValueError, match="mode must be one of"):
         lab.run("recall", "fast", tmp_path)
     assert command("recall", "full") == "k3 lab recall --full"
+
+
+def test_lab_writes_under_runs_unless_told_docs():
+    """`k3 lab NAME` never overwrites the repository's docs/ unless asked with --docs."""
+    from k3.cli import build_parser
+
+    assert build_parser().parse_args(["lab", "recall"]).docs == "runs/lab"
+    assert build_parser().parse_args(["lab", "all", "--docs", "docs"]).docs == "docs"
