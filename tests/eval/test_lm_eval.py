@@ -18,6 +18,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model, model_registry  # noqa: E402
 
 import k3  # noqa: E402
+from k3.models import CausalLM, get_config  # noqa: E402
 from k3.eval.lm_eval import K3LM, main  # noqa: E402
 
 from ..corpus import WORDS  # noqa: E402
@@ -231,11 +232,11 @@ def test_k3_eval_is_lm_evals_command_line_with_model_k3(monkeypatch):
 
 
 # -- lm-eval end to end, offline -------------------------------------------------------------------
-def test_simple_evaluate_on_local_tasks(k3_checkpoint, no_network, monkeypatch):
+def test_simple_evaluate_on_local_tasks(k3_checkpoint, no_network, monkeypatch, tmp_path):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    monkeypatch.chdir(TASKS)  # the tasks' data_files are relative paths
+    monkeypatch.chdir(tmp_path)  # the tasks find their data next to their YAML, from any working directory
     out = simple_evaluate(model="k3", model_args={"checkpoint": str(k3_checkpoint), "batch_size": 4},
                           tasks=["k3_tiny_mc", "k3_tiny_gen", "k3_tiny_ppl"], log_samples=True,
                           task_manager=TaskManager(include_path=str(TASKS), include_defaults=False))
@@ -299,7 +300,7 @@ def test_lm_eval_command_line(command, k3_checkpoint, tmp_path):
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([*COMMANDS[command](), "--model", "k3", "--model_args",
                            f"checkpoint={k3_checkpoint},batch_size=4", "--tasks", "k3_tiny_mc", "k3_tiny_gen",
-                           "--include_path", str(TASKS)], cwd=TASKS, env=env, capture_output=True, text=True,
+                           "--include_path", str(TASKS)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "network access attempted" not in proc.stderr
@@ -346,3 +347,28 @@ def test_k3_eval_without_lm_eval_says_how_to_install_it(monkeypatch, capsys):
     monkeypatch.delitem(sys.modules, "k3.eval.lm_eval")
     assert k3_main(["eval", "--tasks", "x"]) == 2
     assert "lm-evaluation-harness is not installed; pip install 'k3[eval]'" in capsys.readouterr().err
+
+
+def test_lm_eval_hf_runs_a_kimi_linear_export(corpus, no_network, tmp_path, monkeypatch):
+    """k3[eval] brings what `lm_eval --model hf` needs (accelerate): a Kimi Linear export of a k3 model is
+    scored by lm-eval's own transformers adapter, offline, from any working directory."""
+    pytest.importorskip("transformers")
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from k3.hf.export import export
+    from k3.tokenizer import train_bpe
+
+    checkpoint = tmp_path / "checkpoint"
+    torch.manual_seed(0)
+    tokenizer = train_bpe([p.read_text() for p in corpus.iterdir()], vocab_size=300)
+    CausalLM(get_config("kimi-linear-tiny", vocab_size=tokenizer.vocab_size, hidden_size=32)).save_pretrained(checkpoint)
+    tokenizer.save(checkpoint / "tokenizer.json")
+    export(checkpoint, tmp_path / "export", format="kimi-linear")
+    monkeypatch.chdir(tmp_path)
+    out = simple_evaluate(model="hf", model_args={"pretrained": str(tmp_path / "export"), "dtype": "float32"},
+                          tasks=["k3_tiny_mc"], device="cpu", batch_size=4, log_samples=True,
+                          task_manager=TaskManager(include_path=str(TASKS), include_defaults=False))
+    assert no_network == []
+    assert len(out["samples"]["k3_tiny_mc"]) == 4
+    assert 0.0 <= out["results"]["k3_tiny_mc"]["acc,none"] <= 1.0
