@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.k3-installed
 EVAL_STAMP := $(VENV)/.k3-eval-installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench docs install clean
 
 # torch==2.13.0 is the CPU wheel these machines carry; installing it first keeps pip from
 # resolving `torch>=2.6` to a multi-GB CUDA build.
@@ -32,6 +32,10 @@ demo: $(STAMP)
 
 test: $(EVAL_STAMP)
 	$(PY) -m pytest -q
+
+# the API reference, from the docstrings: build/api/index.html
+docs: $(STAMP)
+	$(VENV)/bin/pdoc --docformat markdown -o build/api k3
 
 bench: $(STAMP)
 	$(VENV)/bin/k3 bench ops

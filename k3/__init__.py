@@ -21,7 +21,6 @@ _EXPORTS = {
     "count_params": "k3.models", "PRESETS": "k3.models",
     "TrainConfig": "k3.training", "train": "k3.training",
 }
-__all__ = ["__version__", *_EXPORTS]
 
 
 def __getattr__(name: str):
@@ -31,4 +30,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted([*globals(), *_EXPORTS])
