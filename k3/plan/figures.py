@@ -51,4 +51,6 @@ def _show(value: float, unit: str) -> str:
         return "yes" if value else "no"
     if unit in ("count", "tokens", "sequences", "GPUs", "steps", "micro-batches", "GPU-hours", "nodes"):
         return f"{value:,.0f} {unit}"
+    if unit == "s" and value >= 3600:
+        return f"{value:,.0f} s ({value / 3600:,.1f} hours, {value / 86400:,.2f} days)"
     return f"{value:,.4g} {unit}"
