@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from ..models import ModelConfig, count_params
 from .costs import RECOMPUTE, activation_bytes_per_token, train_flops_per_token
 from .figures import Figures
-from .hardware import GPUS, Gpu
+from .hardware import GPUS, Gpu, get_gpu
 from .shapes import Layout, ModelShapes, model_shapes, rank_values, unsharded_layer_values
 
 OPTIMIZERS = ("adamw", "muon")
@@ -105,7 +105,7 @@ def plan_training(config: ModelConfig, s: TrainSettings, shapes: ModelShapes | N
     for name in ("seq_len", "micro_batch"):
         if getattr(s, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
-    gpu = GPUS.get(s.gpu) or _unknown_gpu(s.gpu)
+    gpu = get_gpu(s.gpu)
     peak = gpu.peak_flops(s.precision)
     shapes = shapes or model_shapes(config)
     layout = layout_of(config, s)
@@ -124,6 +124,7 @@ def plan_training(config: ModelConfig, s: TrainSettings, shapes: ModelShapes | N
     pc = count_params(config)
     f.add("parameters", pc.total, "count")
     f.add("active parameters per token", pc.active, "count")
+    f.add("parameter values on rank 0", sum(rank_values(shapes, layout, 0).values()), "count")
     parts = memory(config, shapes, layout, s, recompute)
     for name, value in parts.items():
         f.add(f"memory: {name}", value, "bytes")
@@ -147,10 +148,6 @@ def plan_training(config: ModelConfig, s: TrainSettings, shapes: ModelShapes | N
                        f"({gpu.memory_bytes / 1e9:.0f} GB x 0.9).")
         f.notes += smallest_changes(config, shapes, s, layout, recompute, gpu)
     return f
-
-
-def _unknown_gpu(name: str) -> Gpu:
-    raise ValueError(f"--gpu must be one of {', '.join(GPUS)}, got {name!r}")
 
 
 def smallest_changes(config, shapes, s: TrainSettings, layout: Layout, recompute: str, gpu: Gpu) -> list[str]:
@@ -186,6 +183,8 @@ def smallest_changes(config, shapes, s: TrainSettings, layout: Layout, recompute
         if ok:
             lines.append(f"smallest change that fits on the same GPUs: {text} ({total / 1e9:,.1f} GB per GPU)")
             break
+    else:
+        lines.append(f"no change of recomputation, micro-batch, ep, pp or optimizer fits on these {layout.gpus} GPUs")
     for times in (2 ** k for k in range(1, 11)):
         settings = replace(s, gpus=layout.gpus * times, fsdp=layout.fsdp * times, pp=layout.pp, ep=None)
         candidate = layout_of(config, settings)
@@ -199,4 +198,6 @@ def smallest_changes(config, shapes, s: TrainSettings, layout: Layout, recompute
             if _fits(config, shapes, layout, replace(s, **fixed), recompute, other)[0]:
                 lines.append(f"or a GPU with more memory: --gpu {other.name} ({other.memory_bytes / 1e9:.0f} GB)")
                 break
-    return lines or ["no change tried fits (recomputation, ep, pp, Muon, up to 1024x the GPUs, other GPU types)"]
+    if len(lines) == 1:
+        lines.append("nor up to 1024 times the GPUs, nor another GPU type")
+    return lines
