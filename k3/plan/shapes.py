@@ -96,8 +96,9 @@ def model_shapes(config: ModelConfig) -> ModelShapes:
     """The shapes of `config`'s parameters, from one decoder layer of each (mixer, FFN) kind and the
     root modules, all built on the meta device."""
     with torch.device("meta"):
-        # the root: a one-layer model of the same config, its layer left out
-        one = dataclasses.replace(config, num_layers=1, layer_types=config.layer_types[:1], mlp_types=["dense"])
+        # the root: a one-layer model of the same config (its first layer kept), that layer left out
+        one = dataclasses.replace(config, num_layers=1, layer_types=config.layer_types[:1],
+                                  mlp_types=config.mlp_types[:1])
         root = [(n, p) for n, p in CausalLM(one).named_parameters() if not n.startswith("model.layers.")]
         kinds: dict[tuple[str, str], tuple[list[Param], list[Param]]] = {}
         for i, key in enumerate(zip(config.layer_types, config.mlp_types)):

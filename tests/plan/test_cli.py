@@ -22,3 +22,13 @@ def test_train_and_serve_json(capsys):
 def test_bad_model_is_a_clear_error(capsys):
     assert main(["plan", "no-such-model"]) == 2
     assert "neither a preset" in capsys.readouterr().err
+
+
+def test_config_dir(capsys, tmp_path):
+    """A directory with a k3 config.json plans like its preset."""
+    from k3.models import get_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"k3": get_config("kimi-k3-tiny").to_dict()}))
+    from_dir = _json(capsys, str(tmp_path), "--serve")
+    from_preset = _json(capsys, "kimi-k3-tiny", "--serve")
+    assert from_dir["figures"] == from_preset["figures"]
