@@ -1,5 +1,5 @@
 """The `k3` command line: `k3 train`, `k3 generate`, `k3 export`, `k3 params`, `k3 bench ops|train|models`,
-`k3 lab`, `k3 eval`."""
+`k3 plan`, `k3 lab`, `k3 eval`."""
 
 from __future__ import annotations
 
@@ -44,6 +44,19 @@ def _params(args) -> int:
         print(json.dumps({"preset": args.preset, **dataclasses.asdict(count_params(config))}, indent=2))
     else:
         print(format_report(config, vs))
+    return 0
+
+
+def _plan(args) -> int:
+    import json
+
+    from .plan.commands import run_plan
+
+    plans = run_plan(args)
+    if args.json:
+        print(json.dumps([f.to_json() for f in plans] if len(plans) > 1 else plans[0].to_json(), indent=2))
+    else:
+        print("\n\n".join(f.format() for f in plans))
     return 0
 
 
@@ -273,6 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_argument("--vs", metavar="PRESET", help="also print the ratio of total parameters to this preset")
     params.add_argument("--json", action="store_true", help="print the figures as JSON")
     params.set_defaults(func=_params)
+    plan = sub.add_parser("plan", help="what training or serving a model takes at cluster scale, on paper")
+    from .plan.commands import add_plan_arguments
+
+    add_plan_arguments(plan)
+    plan.set_defaults(func=_plan)
     bench = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     ops = bench_sub.add_parser("ops", help="recurrent vs chunk mixers vs causal SDPA")

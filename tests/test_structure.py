@@ -21,6 +21,7 @@ LAYERS = [
     {"k3.training"},
     {"k3.bench", "k3.hf", "k3.eval"},
     {"k3.lab"},
+    {"k3.plan"},
     {"k3.cli"},
     {"k3.__main__"},
 ]

@@ -1,0 +1,78 @@
+"""`k3 plan PRESET|CONFIG_DIR [--train | --serve] [--json]`: the arguments and what they run."""
+
+from __future__ import annotations
+
+import argparse
+
+from .hardware import GPUS
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", metavar="PRESET|CONFIG_DIR",
+                        help="a preset (k3 params lists them) or a directory with a config.json")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--train", action="store_true", help="a training plan (the default)")
+    mode.add_argument("--serve", action="store_true", help="a serving plan")
+    mode.add_argument("--published", action="store_true",
+                      help="the planner against published figures (DeepSeek-V3, Kimi K3's repository, nanoGPT)")
+    parser.add_argument("--json", action="store_true", help="every figure with its unit, as JSON")
+    parser.add_argument("--gpu", choices=tuple(GPUS), default="h200", help="GPU type (default h200)")
+    parser.add_argument("--gpus", type=int, help="training: GPUs in all (default 8); serving: GPUs per replica "
+                        "(default: the fewest whole nodes that hold the weights)")
+    train = parser.add_argument_group("training")
+    train.add_argument("--fsdp", type=int, help="FSDP ranks per pipeline stage (default: gpus / pp)")
+    train.add_argument("--ep", type=int, help="expert-parallel ranks (default: the largest up to 64 that divides "
+                       "the experts and --fsdp)")
+    train.add_argument("--pp", type=int, help="pipeline stages (default 1)")
+    train.add_argument("--seq-len", type=int, default=4096)
+    train.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
+    train.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (default: one "
+                       "micro-batch per rank)")
+    train.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
+    train.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="whose dense peak the MFU is of")
+    train.add_argument("--mfu", type=float, default=0.40, help="assumed model FLOP utilisation (default 0.40)")
+    train.add_argument("--recompute", choices=("none", "selective", "full"),
+                       help="activation recomputation (default: the least that fits)")
+    serve = parser.add_argument_group("serving")
+    serve.add_argument("--context", type=int, default=1 << 20, help="tokens per sequence (default 1,048,576)")
+    serve.add_argument("--experts", choices=("bf16", "mxfp4"), default="mxfp4",
+                       help="routed experts' format (default mxfp4, as Kimi K3 is published)")
+    serve.add_argument("--concurrent", type=int, help="sequences decoded together (default: as many as fit)")
+
+
+def load_config(name: str):
+    """A preset by name, or the config.json of a directory (a k3 checkpoint or a Kimi config)."""
+    from pathlib import Path
+
+    from ..models import PRESETS, get_config
+
+    if name in PRESETS:
+        return get_config(name)
+    path = Path(name)
+    if path.is_dir():
+        from ..models.checkpoint import read_config
+
+        return read_config(path)[0]
+    raise ValueError(f"{name!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with a config.json")
+
+
+def run_plan(args) -> list:
+    """The Figures `k3 plan` prints for `args`."""
+    if args.published:
+        from .published import CHECKS
+
+        return [check() for check in CHECKS.values()]
+    if args.model is None:
+        raise ValueError("give a preset or a config directory (or --published)")
+    config = load_config(args.model)
+    if args.serve:
+        from .serving import ServeSettings, plan_serving
+
+        return [plan_serving(config, ServeSettings(gpu=args.gpu, gpus=args.gpus, context=args.context,
+                                                   experts=args.experts, concurrent=args.concurrent))]
+    from .training import TrainSettings, plan_training
+
+    return [plan_training(config, TrainSettings(
+        gpus=args.gpus or 8, gpu=args.gpu, pp=args.pp, fsdp=args.fsdp, ep=args.ep, seq_len=args.seq_len,
+        global_batch_tokens=args.global_batch_tokens, micro_batch=args.micro_batch, optimizer=args.optimizer,
+        precision=args.precision, mfu=args.mfu, recompute=args.recompute))]

@@ -1,0 +1,203 @@
+"""`k3 plan --train`: memory per GPU by part, FLOPs per token, step time and GPU-hours at an assumed MFU,
+and, when the plan does not fit, the smallest change that does.
+
+Memory per GPU (the worst rank, the first of its pipeline stage, whose FSDP shards are the largest):
+
+- parameters: fp32 master weights, sharded (`k3.plan.shapes`: exact per-rank values);
+- gradients: fp32 (FSDP2's reduce dtype), sharded alike;
+- optimizer state: AdamW's two fp32 moments; Muon's one fp32 momentum on the matrices (routed experts
+  included) and AdamW's two on the embeddings, head and vectors (Moonlight's split);
+- FSDP all-gather buffers: the largest FSDP unit unsharded, twice in bf16 (the layer computing and the
+  one prefetched) and once in fp32 (its gradient before the reduce-scatter);
+- activations: one micro-batch's (`k3.plan.costs`), times the micro-batches a stage holds at once under
+  1F1B pipelining (pp - stage);
+- MoE dispatch buffers: k3's expert parallelism all-gathers every rank's routed tokens in the ep group
+  (latent z and the chosen experts with their weights) and reduce-scatters the partial outputs: two
+  [ep x tokens, width] bf16 tensors for one layer at a time.
+
+Time: step = global batch tokens x FLOPs per token / (GPUs x dense peak x MFU), stretched by the
+pipeline bubble (pp - 1) / (micro-batches + pp - 1). MFU counts the model's FLOPs only: recomputation
+is one of the costs an assumed MFU absorbs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from ..models import ModelConfig, count_params
+from .costs import RECOMPUTE, activation_bytes_per_token, train_flops_per_token
+from .figures import Figures
+from .hardware import GPUS, Gpu, get_gpu
+from .shapes import Layout, ModelShapes, model_shapes, rank_values, unsharded_layer_values
+
+OPTIMIZERS = ("adamw", "muon")
+DEFAULT_MFU = 0.40  # DeepSeek-V3's implied MFU on bf16 peak (k3.plan.published); about what large MoE runs report
+MAX_EP = 64  # the planner's default ep: DeepSeek-V3's EP64 (8 nodes); k3's all-gather dispatch grows with ep
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    gpus: int = 8
+    gpu: str = "h200"
+    pp: int | None = None
+    fsdp: int | None = None
+    ep: int | None = None
+    seq_len: int = 4096
+    global_batch_tokens: int | None = None
+    micro_batch: int = 1  # sequences per micro-batch
+    optimizer: str = "adamw"
+    precision: str = "bf16"
+    mfu: float = DEFAULT_MFU
+    recompute: str | None = None  # None: the least that fits
+
+
+def default_ep(config: ModelConfig, fsdp: int) -> int:
+    """The largest expert split up to MAX_EP that divides both the experts and the stage's ranks."""
+    if "moe" not in config.mlp_types:
+        return 1
+    return max(e for e in range(1, MAX_EP + 1) if config.num_experts % e == 0 and fsdp % e == 0)
+
+
+def layout_of(config: ModelConfig, s: TrainSettings) -> Layout:
+    pp = s.pp or (s.gpus // s.fsdp if s.fsdp else 1)
+    fsdp = s.fsdp or s.gpus // pp
+    layout = Layout(s.gpus, pp, fsdp, s.ep or default_ep(config, fsdp))
+    layout.check(config)
+    return layout
+
+
+def memory(config: ModelConfig, shapes: ModelShapes, layout: Layout, s: TrainSettings, recompute: str) -> dict:
+    """Bytes on the fullest GPU by part (see the module docstring)."""
+    worst: dict[str, float] = {}
+    tokens = s.micro_batch * s.seq_len
+    for stage in range(layout.pp):
+        held = rank_values(shapes, layout, stage * layout.fsdp)
+        n = sum(held.values())
+        adam_only = held.get("embedding", 0) + held.get("vector", 0)
+        optimizer = 8 * n if s.optimizer == "adamw" else 4 * (n - adam_only) + 8 * adam_only
+        layers = layout.stage_layers(config.num_layers, stage)
+        per_token = sum(activation_bytes_per_token(config, layers, recompute).values())
+        parts = {"parameters (fp32, sharded)": 4.0 * n, "gradients (fp32, sharded)": 4.0 * n,
+                 f"optimizer state ({s.optimizer})": float(optimizer),
+                 "FSDP all-gather buffers": 8.0 * unsharded_layer_values(shapes, layout),
+                 "activations": tokens * per_token * (layout.pp - stage)}
+        if any(config.mlp_types[i] == "moe" for i in layers):
+            width = config.moe_latent_size or config.hidden_size
+            parts["MoE dispatch buffers"] = tokens * layout.ep * (4.0 * width + 12 * config.num_experts_per_tok)
+        if sum(parts.values()) > sum(worst.values()):
+            worst = parts
+    return worst
+
+
+def _fits(config, shapes, layout, s, recompute, gpu: Gpu) -> tuple[bool, float]:
+    total = sum(memory(config, shapes, layout, s, recompute).values())
+    return total <= gpu.usable_bytes, total
+
+
+def plan_training(config: ModelConfig, s: TrainSettings, shapes: ModelShapes | None = None) -> Figures:
+    """The training plan of `config` under settings `s` (unset ones chosen and marked as such)."""
+    for name, value, allowed in (("optimizer", s.optimizer, OPTIMIZERS), ("recompute", s.recompute, RECOMPUTE)):
+        if value is not None and value not in allowed:
+            raise ValueError(f"--{name} must be one of {', '.join(allowed)}, got {value!r}")
+    if not 0 < s.mfu <= 1:
+        raise ValueError(f"--mfu must be in (0, 1], got {s.mfu}")
+    for name in ("seq_len", "micro_batch"):
+        if getattr(s, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
+    gpu = get_gpu(s.gpu)
+    peak = gpu.peak_flops(s.precision)
+    shapes = shapes or model_shapes(config)
+    layout = layout_of(config, s)
+    chosen = [name for name, v in (("pp", s.pp), ("fsdp", s.fsdp), ("ep", s.ep), ("recompute", s.recompute),
+                                   ("global batch tokens", s.global_batch_tokens)) if v is None]
+    recompute = s.recompute or next((r for r in RECOMPUTE if _fits(config, shapes, layout, s, r, gpu)[0]), "full")
+    micro_tokens = s.micro_batch * s.seq_len
+    micro_batches = max(1, math.ceil((s.global_batch_tokens or 0) / (layout.fsdp * micro_tokens)))
+    batch = micro_batches * layout.fsdp * micro_tokens
+    f = Figures(f"k3 plan --train {config.name}: {layout.gpus} x {gpu.name} ({gpu.source})")
+    f.inputs = {"gpus": layout.gpus, "gpu": gpu.name, "pp": layout.pp, "fsdp": layout.fsdp, "ep": layout.ep,
+                "seq len": s.seq_len, "micro-batch": f"{s.micro_batch} x {s.seq_len} tokens",
+                "global batch tokens": batch, "optimizer": s.optimizer, "precision": s.precision, "mfu": s.mfu,
+                "recompute": recompute}
+    f.chosen = chosen
+    pc = count_params(config)
+    f.add("parameters", pc.total, "count")
+    f.add("active parameters per token", pc.active, "count")
+    f.add("parameter values on rank 0", sum(rank_values(shapes, layout, 0).values()), "count")
+    parts = memory(config, shapes, layout, s, recompute)
+    for name, value in parts.items():
+        f.add(f"memory: {name}", value, "bytes")
+    total = f.add("memory per GPU", sum(parts.values()), "bytes")
+    f.add("usable memory per GPU", gpu.usable_bytes, "bytes")
+    fits = total <= gpu.usable_bytes
+    f.add("fits", float(fits), "bool")
+    flops = train_flops_per_token(config, s.seq_len)
+    for name, value in flops.items():
+        f.add(f"FLOPs per token: {name}", value, "FLOP")
+    per_token = f.add("FLOPs per token", sum(flops.values()), "FLOP")
+    bubble = (layout.pp - 1) / (micro_batches + layout.pp - 1)
+    f.add("micro-batches per step per rank", micro_batches, "micro-batches")
+    f.add("pipeline bubble", bubble, "fraction")
+    step = batch * per_token / (layout.gpus * peak * s.mfu) / (1 - bubble)
+    f.add("step time", step, "s")
+    f.add("tokens per day", batch / step * 86400, "tokens")
+    f.add("GPU-hours per trillion tokens", layout.gpus * step / batch * 1e12 / 3600, "GPU-hours")
+    if not fits:
+        f.notes.append(f"DOES NOT FIT: {total / 1e9:,.1f} GB per GPU, {gpu.usable_bytes / 1e9:,.1f} GB usable "
+                       f"({gpu.memory_bytes / 1e9:.0f} GB x 0.9).")
+        f.notes += smallest_changes(config, shapes, s, layout, recompute, gpu)
+    return f
+
+
+def smallest_changes(config, shapes, s: TrainSettings, layout: Layout, recompute: str, gpu: Gpu) -> list[str]:
+    """The first change that fits without more hardware (in the order: more recomputation, a smaller
+    micro-batch, a larger ep, pipeline stages, Muon), and the fewest GPUs (doublings) and the smallest
+    GPU type that fit with the rest as it is."""
+    fixed = dict(pp=layout.pp, fsdp=layout.fsdp, ep=layout.ep)
+    free: list[tuple[str, TrainSettings, str]] = []
+    for r in RECOMPUTE[RECOMPUTE.index(recompute) + 1:]:
+        free.append((f"--recompute {r}", replace(s, **fixed), r))
+    micro = s.micro_batch
+    while micro > 1:
+        micro //= 2
+        free.append((f"--micro-batch {micro}", replace(s, **fixed, micro_batch=micro), recompute))
+    for ep in range(layout.ep + 1, layout.fsdp + 1):
+        if layout.fsdp % ep == 0 and "moe" in config.mlp_types and config.num_experts % ep == 0:
+            free.append((f"--ep {ep}", replace(s, pp=layout.pp, fsdp=layout.fsdp, ep=ep), recompute))
+    pp = layout.pp * 2
+    while pp <= min(layout.gpus, config.num_layers):
+        if layout.gpus % pp == 0:
+            fsdp = layout.gpus // pp
+            free.append((f"--pp {pp} --fsdp {fsdp}", replace(s, pp=pp, fsdp=fsdp, ep=None), recompute))
+        pp *= 2
+    if s.optimizer == "adamw":
+        free.append(("--optimizer muon", replace(s, **fixed, optimizer="muon"), recompute))
+    lines = []
+    for text, settings, r in free:
+        try:
+            candidate = layout_of(config, settings)
+        except ValueError:
+            continue
+        ok, total = _fits(config, shapes, candidate, settings, r, gpu)
+        if ok:
+            lines.append(f"smallest change that fits on the same GPUs: {text} ({total / 1e9:,.1f} GB per GPU)")
+            break
+    else:
+        lines.append(f"no change of recomputation, micro-batch, ep, pp or optimizer fits on these {layout.gpus} GPUs")
+    for times in (2 ** k for k in range(1, 11)):
+        settings = replace(s, gpus=layout.gpus * times, fsdp=layout.fsdp * times, pp=layout.pp, ep=None)
+        candidate = layout_of(config, settings)
+        ok, total = _fits(config, shapes, candidate, settings, recompute, gpu)
+        if ok:
+            lines.append(f"fewest GPUs that fit: --gpus {candidate.gpus} (ep {candidate.ep}, recompute {recompute}: "
+                         f"{total / 1e9:,.1f} GB per GPU)")
+            break
+    for other in sorted(GPUS.values(), key=lambda g: g.memory_bytes):
+        if other.memory_bytes > gpu.memory_bytes:
+            if _fits(config, shapes, layout, replace(s, **fixed), recompute, other)[0]:
+                lines.append(f"or a GPU with more memory: --gpu {other.name} ({other.memory_bytes / 1e9:.0f} GB)")
+                break
+    if len(lines) == 1:
+        lines.append("nor up to 1024 times the GPUs, nor another GPU type")
+    return lines

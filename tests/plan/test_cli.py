@@ -1,0 +1,34 @@
+"""`k3 plan ... --json` parses, every figure with a value and a unit."""
+
+import json
+
+from k3.cli import main
+
+
+def _json(capsys, *argv):
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_train_and_serve_json(capsys):
+    train = _json(capsys, "kimi-k3-tiny", "--gpus", "4", "--mfu", "0.3")
+    assert train["inputs"]["gpus"] == 4 and "ep" in train["chosen_by_planner"]
+    assert all(set(v) == {"value", "unit"} for v in train["figures"].values())
+    assert train["figures"]["memory per GPU"]["unit"] == "bytes"
+    serve = _json(capsys, "kimi-k3-tiny", "--serve", "--context", "8192")
+    assert serve["figures"]["cache per sequence"]["unit"] == "bytes"
+
+
+def test_bad_model_is_a_clear_error(capsys):
+    assert main(["plan", "no-such-model"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+
+
+def test_config_dir(capsys, tmp_path):
+    """A directory with a k3 config.json plans like its preset."""
+    from k3.models import get_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"k3": get_config("kimi-k3-tiny").to_dict()}))
+    from_dir = _json(capsys, str(tmp_path), "--serve")
+    from_preset = _json(capsys, "kimi-k3-tiny", "--serve")
+    assert from_dir["figures"] == from_preset["figures"]
