@@ -11,9 +11,11 @@ Memory per GPU (the worst rank, the first of its pipeline stage, whose FSDP shar
   one prefetched) and once in fp32 (its gradient before the reduce-scatter);
 - activations: one micro-batch's (`k3.plan.costs`), times the micro-batches a stage holds at once under
   1F1B pipelining (pp - stage);
-- MoE dispatch buffers: k3's expert parallelism all-gathers every rank's routed tokens in the ep group
-  (latent z and the chosen experts with their weights) and reduce-scatters the partial outputs: two
-  [ep x tokens, width] bf16 tensors for one layer at a time.
+- MoE dispatch buffers: k3's expert parallelism sends each token (latent z, its chosen experts and
+  weights) once to every rank of the ep group that owns one of its experts, by all-to-all, and gets one
+  row back from each: at most min(k, ep) rows per token received and returned, two [min(k, ep) x
+  tokens, width] bf16 tensors for one layer at a time (an upper bound: a token whose experts share a
+  rank travels less).
 
 Time: step = global batch tokens x FLOPs per token / (GPUs x dense peak x MFU), stretched by the
 pipeline bubble (pp - 1) / (micro-batches + pp - 1). MFU counts the model's FLOPs only: recomputation
@@ -33,7 +35,7 @@ from .shapes import Layout, ModelShapes, model_shapes, rank_values, unsharded_la
 
 OPTIMIZERS = ("adamw", "muon")
 DEFAULT_MFU = 0.40  # DeepSeek-V3's implied MFU on bf16 peak (k3.plan.published); about what large MoE runs report
-MAX_EP = 64  # the planner's default ep: DeepSeek-V3's EP64 (8 nodes); k3's all-gather dispatch grows with ep
+MAX_EP = 64  # the planner's default ep: DeepSeek-V3's EP64 (8 nodes)
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,8 @@ def memory(config: ModelConfig, shapes: ModelShapes, layout: Layout, s: TrainSet
                  "activations": tokens * per_token * (layout.pp - stage)}
         if any(config.mlp_types[i] == "moe" for i in layers):
             width = config.moe_latent_size or config.hidden_size
-            parts["MoE dispatch buffers"] = tokens * layout.ep * (4.0 * width + 12 * config.num_experts_per_tok)
+            visits = min(config.num_experts_per_tok, layout.ep)  # ranks a token is sent to, at most
+            parts["MoE dispatch buffers"] = tokens * visits * (4.0 * width + 12 * config.num_experts_per_tok)
         if sum(parts.values()) > sum(worst.values()):
             worst = parts
     return worst

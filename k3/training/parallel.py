@@ -7,11 +7,14 @@ job (the default process group), the same CausalLM on every process to begin wit
 - **fsdp**: FSDP2 `fully_shard` on every decoder layer, then on the root: each rank stores 1/N of the
   parameters, gradients and AdamW moments and all-gathers a layer's weights just before using them.
 - **ep**: expert parallelism. Rank r owns the routed experts [r E/N, (r+1) E/N) of every MoE layer (the
-  other entries of `experts` are None) and replicates everything else. In each MoE layer the ranks
-  all-gather their routed tokens (latent z, chosen experts, weights), each runs its own experts on
-  every token routed to them, and a reduce-scatter sums the N partial outputs and hands each rank
-  back its own tokens' rows: an all-reduce of the combined output, each rank keeping its rows. Both
-  are forward hooks on the MoE layer's `RoutedExperts`, which the model does not know about.
+  other entries of `experts` are None) and replicates everything else. In each MoE layer a token is
+  sent once to each rank that owns one of its chosen experts and nowhere else (an all-to-all with
+  per-rank counts, the dispatch of DeepSeek-V3, torchtitan and Megatron), that rank returns the
+  token's weighted sum over its own chosen experts, and a second all-to-all brings those rows home,
+  where they are summed. A token travels to at most min(k, R) - 1 other ranks (R ranks, top-k), so the
+  traffic per rank is bounded by k whatever R; an all-gather of every token grows with R. Both
+  exchanges are forward hooks on the MoE layer's `RoutedExperts`, which the model does not know
+  about; backward runs them in reverse.
 
 What the training step does about gradients in each mode is k3.training.distributed's part.
 """
@@ -19,12 +22,15 @@ What the training step does about gradients in each mode is k3.training.distribu
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..layers.norm import upcast
 from ..models import CausalLM
+from ..ops.common import cast
 
 
 def parallelize(model: CausalLM, mode: str, device: torch.device) -> nn.Module:
@@ -33,7 +39,9 @@ def parallelize(model: CausalLM, mode: str, device: torch.device) -> nn.Module:
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        # an expert that none of a rank's tokens chose has no gradient there
+        # an expert that none of a rank's tokens chose has no gradient there; on a step where every
+        # expert was chosen DDP would warn that it found no unused parameter: expected with MoE
+        warnings.filterwarnings("ignore", message="find_unused_parameters=True was specified in DDP constructor")
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                        find_unused_parameters=bool(model.moe_layers()))
     _broadcast_from_main(model)  # ddp does this itself
@@ -86,64 +94,72 @@ def _fully_shard(model: CausalLM, mesh) -> None:
 
 
 def _shard_experts(model: CausalLM, rank: int, world_size: int) -> None:
-    """Keep this rank's slice of every MoE layer's routed experts and hook the collectives around them."""
+    """Keep this rank's slice of every MoE layer's routed experts and hook the token exchange around them."""
     for moe in model.moe_layers():
         per_rank = len(moe.experts) // world_size
         own = range(rank * per_rank, (rank + 1) * per_rank)
         for e in range(len(moe.experts)):
             if e not in own:
                 moe.experts[e] = None
-        moe.experts.register_forward_pre_hook(_gather_tokens)
+        moe.experts.register_forward_pre_hook(_dispatch_tokens)
         moe.experts.register_forward_hook(_combine_outputs)
 
 
-def _gather_tokens(experts: nn.Module, args: tuple) -> tuple:
-    """Before the routed experts: every rank's tokens, in rank order."""
+@dataclass
+class _Route:
+    """What `_combine_outputs` needs of the dispatch: which token each sent row was, and the counts."""
+
+    tokens: torch.Tensor  # [S] the token of each row sent, grouped by destination rank
+    num_tokens: int  # N
+    sent: list[int]  # rows sent to each rank
+    received: list[int]  # rows received from each rank
+
+
+def _dispatch_tokens(experts: nn.Module, args: tuple) -> tuple:
+    """Before the routed experts: each token goes once to every rank that owns at least one of its k
+    chosen experts (an all-to-all with per-rank counts), with its chosen experts and routing weights.
+    There the experts run as in one process, skipping the experts held elsewhere (None), and return
+    each received token's weighted sum over that rank's experts."""
     z, chosen, weights, _ = args
-    chosen = _GatherRows.apply(chosen)
-    counts = torch.bincount(chosen.flatten(), minlength=len(experts))
-    return _GatherRows.apply(z), chosen, _GatherRows.apply(weights), counts
+    world = dist.get_world_size()
+    owner = chosen // (len(experts) // world)  # [N, k] the rank holding each chosen expert
+    needs = torch.zeros(world, len(z), dtype=torch.bool, device=z.device)
+    needs[owner.T, torch.arange(len(z), device=z.device).expand_as(owner.T)] = True  # [rank, token]
+    destination, tokens = needs.nonzero(as_tuple=True)  # grouped by rank
+    sent_counts = torch.bincount(destination, minlength=world)
+    received_counts = torch.empty_like(sent_counts)
+    dist.all_to_all_single(received_counts, sent_counts)
+    sent, received = sent_counts.tolist(), received_counts.tolist()
+    rows = _AllToAllRows.apply(z[tokens], sent, received)
+    row_weights = _AllToAllRows.apply(weights[tokens], sent, received)
+    row_chosen = chosen.new_empty((sum(received), chosen.shape[1]))
+    dist.all_to_all_single(row_chosen, chosen[tokens].contiguous(), received, sent)
+    experts._route = _Route(tokens, len(z), sent, received)
+    return rows, row_chosen, row_weights, torch.bincount(row_chosen.flatten(), minlength=len(experts))
 
 
 def _combine_outputs(experts: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-    """After them: the sum over ranks of each one's experts' outputs, this rank's rows."""
-    return _SumScatterRows.apply(out)
+    """After them: each row goes back to its token's rank (the reverse all-to-all), where a token's
+    rows (one per rank it visited) are summed in float32, as one process sums its k experts."""
+    route: _Route = experts.__dict__.pop("_route")
+    y = _AllToAllRows.apply(out, route.received, route.sent)
+    combined = torch.zeros(route.num_tokens, out.shape[-1], dtype=upcast(out).dtype, device=out.device)
+    return cast(combined.index_add_(0, route.tokens, upcast(y)), out.dtype)
 
 
-class _GatherRows(torch.autograd.Function):
-    """[n, ...] on each rank -> [world * n, ...], the ranks' rows in rank order. Backward: the
-    gradient of this rank's rows summed over the ranks (a reduce-scatter)."""
+class _AllToAllRows(torch.autograd.Function):
+    """Rows [sum(sent), ...] -> [sum(received), ...]: the first sent[0] rows go to rank 0, the next
+    sent[1] to rank 1, ...; what arrives is stacked in rank order. Backward: the same exchange reversed."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        out = x.new_empty((dist.get_world_size() * x.shape[0], *x.shape[1:]))
-        _all_gather(out, x.contiguous())
+    def forward(ctx, x: torch.Tensor, sent: list[int], received: list[int]) -> torch.Tensor:
+        ctx.sent, ctx.received = sent, received
+        out = x.new_empty((sum(received), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), received, sent)
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        out = grad.new_empty((grad.shape[0] // dist.get_world_size(), *grad.shape[1:]))
-        _reduce_scatter(out, grad.contiguous())
-        return out
-
-
-class _SumScatterRows(torch.autograd.Function):
-    """[world * n, ...] on each rank -> its rows [n, ...] of the sum over ranks (a reduce-scatter).
-    Backward: every rank's gradient of its rows, gathered (an all-gather)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        out = x.new_empty((x.shape[0] // dist.get_world_size(), *x.shape[1:]))
-        _reduce_scatter(out, x.contiguous())
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        out = grad.new_empty((dist.get_world_size() * grad.shape[0], *grad.shape[1:]))
-        _all_gather(out, grad.contiguous())
-        return out
-
-
-# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    def backward(ctx, grad: torch.Tensor):
+        out = grad.new_empty((sum(ctx.sent), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), ctx.sent, ctx.received)
+        return out, None, None

@@ -144,15 +144,15 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def assert_same_tensors(got: dict, want: dict, what: str, atol: float = 0.0) -> None:
-    """Each tensor within RTOL of the reference (in norm), or every entry within `atol`."""
+def assert_same_tensors(got: dict, want: dict, what: str, atol: float = 0.0, rtol: float = RTOL) -> None:
+    """Each tensor within `rtol` of the reference (in norm), or every entry within `atol`."""
     assert got.keys() == want.keys(), f"{what}: keys differ: {sorted(set(got) ^ set(want))[:5]}"
     for name, w in want.items():
         g = got[name]
         assert (g is None) == (w is None), f"{what} {name}: one is None"
         if w is not None:
             worst = float((g - w).abs().max()) if w.numel() else 0.0
-            assert relative(g, w) <= RTOL or worst <= atol, \
+            assert relative(g, w) <= rtol or worst <= atol, \
                 f"{what} {name}: relative difference {relative(g, w):.2e}, largest {worst:.2e}"
 
 
@@ -174,8 +174,8 @@ def test_two_processes_take_the_single_process_steps(runs, preset, mode):
     want = optimizer.state_dict()
     # the same settings, up to the implementation (fused AdamW on plain tensors, the default on FSDP's shards)
     assert portable_state(got["optimizer"])["param_groups"] == portable_state(want)["param_groups"]
-    for i, moments in want["state"].items():
-        assert_same_tensors(got["optimizer"]["state"][i], moments, f"AdamW state of parameter {i}")
+    for i, moments in want["state"].items():  # exp_avg_sq holds g^2: twice the gradient's relative error
+        assert_same_tensors(got["optimizer"]["state"][i], moments, f"AdamW state of parameter {i}", rtol=2 * RTOL)
     losses.append(training_step(model, optimizer, second, STEP_CFG))
     assert got["losses"] == pytest.approx(losses, rel=RTOL)
     if "moe" in model.config.mlp_types:  # the paths for experts unused on one rank, or on all, were taken
