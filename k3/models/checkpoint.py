@@ -36,31 +36,39 @@ def convert_kimi_state_dict(state: dict[str, torch.Tensor], config: ModelConfig)
     """Map a Kimi checkpoint's tensors (either layout above) to k3's parameter names."""
     out: dict[str, torch.Tensor] = {}
     for key, t in state.items():
-        ffn = _layer_ffn(config, key)
-        if key.endswith("self_attn.conv1d.weight"):  # transformers: fused q|k|v short convolution
-            prefix = key[: -len("conv1d.weight")]
-            for name, part in zip(("q", "k", "v"), t.chunk(3, dim=0)):
-                out[f"{prefix}{name}_conv1d.weight"] = part
-            continue
-        key = key.replace("self_attn.forget_gate.", "self_attn.")
-        if ffn == "moe":
-            key = key.replace(".mlp.", ".block_sparse_moe.")
-        elif ffn == "dense":
-            key = key.replace(".block_sparse_moe.", ".mlp.")
-        if key.endswith("experts.gate_up_proj"):  # transformers: [E, 2h, d], gate rows then up rows
-            prefix = key[: -len("gate_up_proj")]
-            gate, up = t.chunk(2, dim=1)
-            for e in range(t.shape[0]):
-                out[f"{prefix}{e}.w1"], out[f"{prefix}{e}.w3"] = gate[e], up[e]
-            continue
-        if key.endswith("experts.down_proj"):  # transformers: [E, d, h]
-            prefix = key[: -len("down_proj")]
-            for e, w2 in enumerate(t):
-                out[f"{prefix}{e}.w2"] = w2
-            continue
-        key = re.sub(r"(experts\.\d+\.w[123])\.weight$", r"\1", key)
-        out[key] = t
+        out.update(convert_kimi_tensor(key, t, config))
     return out
+
+
+def kimi_tensor_name(key: str, config: ModelConfig) -> str:
+    """The k3 name of a Kimi checkpoint tensor that maps one to one (everything but the fused tensors of
+    transformers' in-memory layout, which `convert_kimi_tensor` splits)."""
+    ffn = _layer_ffn(config, key)
+    key = key.replace("self_attn.forget_gate.", "self_attn.")
+    if ffn == "moe":
+        key = key.replace(".mlp.", ".block_sparse_moe.")
+    elif ffn == "dense":
+        key = key.replace(".block_sparse_moe.", ".mlp.")
+    return re.sub(r"(experts\.\d+\.w[123])\.weight$", r"\1", key)
+
+
+def convert_kimi_tensor(key: str, t: torch.Tensor, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """One Kimi checkpoint tensor -> {k3 name: tensor}: one entry, or several for a fused tensor."""
+    if key.endswith("self_attn.conv1d.weight"):  # transformers: fused q|k|v short convolution
+        prefix = key[: -len("conv1d.weight")]
+        return {f"{prefix}{name}_conv1d.weight": part for name, part in zip(("q", "k", "v"), t.chunk(3, dim=0))}
+    key = kimi_tensor_name(key, config)
+    if key.endswith("experts.gate_up_proj"):  # transformers: [E, 2h, d], gate rows then up rows
+        prefix = key[: -len("gate_up_proj")]
+        gate, up = t.chunk(2, dim=1)
+        out = {}
+        for e in range(t.shape[0]):
+            out[f"{prefix}{e}.w1"], out[f"{prefix}{e}.w3"] = gate[e], up[e]
+        return out
+    if key.endswith("experts.down_proj"):  # transformers: [E, d, h]
+        prefix = key[: -len("down_proj")]
+        return {f"{prefix}{e}.w2": w2 for e, w2 in enumerate(t)}
+    return {key: t}
 
 
 def kimi_state_dict(model) -> dict[str, torch.Tensor]:
@@ -115,17 +123,20 @@ def read_config(directory: Path) -> tuple[ModelConfig, bool]:
 def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Strict load with an error that lists what is missing, unexpected or mis-shaped."""
     own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
     shapes = sorted(f"{k}: checkpoint {list(state[k].shape)}, model {list(own[k].shape)}"
                     for k in set(own) & set(state) if state[k].shape != own[k].shape)
+    raise_mismatch(source, sorted(set(own) - set(state)), sorted(set(state) - set(own)), shapes)
+    model.load_state_dict(state, strict=True)
+
+
+def raise_mismatch(source: str, missing: list[str], unexpected: list[str], shapes: list[str]) -> None:
+    """The error of a checkpoint that does not fit the model (nothing when all three lists are empty)."""
     if missing or unexpected or shapes:
         def head(items):
             return ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
         problems = [f"missing {head(missing)}" if missing else "", f"unexpected {head(unexpected)}" if unexpected else "",
                     f"shape mismatch {head(shapes)}" if shapes else ""]
         raise ValueError(f"{source} does not match the model's configuration: " + "; ".join(p for p in problems if p))
-    model.load_state_dict(state, strict=True)
 
 
 def read_pretrained(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
