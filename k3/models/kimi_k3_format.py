@@ -24,10 +24,13 @@
 
 from __future__ import annotations
 
+import math
 import re
+from typing import Callable, NamedTuple
 
 import torch
 
+from ..ops import mxfp4
 from .config import ModelConfig
 from .hf_config import MXFP4_FORMAT, MXFP4_WEIGHTS, config_to_hf
 
@@ -137,3 +140,58 @@ def published_config(config: ModelConfig, quantized: bool) -> dict:
     if quantized and config.num_experts:
         text["quantization_config"] = QUANTIZATION_CONFIG
     return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"], "text_config": text}
+
+
+class Entry(NamedTuple):
+    """One tensor of a published checkpoint, made on demand: its name, shape, dtype and maker."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def published_entries(model, quantize: bool) -> list[Entry]:
+    """The tensors of `model` in the published layout, in the model's order (`quantize`: routed experts in
+    MXFP4: codes an MXFP4 model holds are written as they are, full-precision experts are encoded;
+    otherwise MXFP4 experts are decoded to bfloat16). Nothing is computed until an entry's `make`."""
+    from .checkpoint import weights_to_save
+
+    state = weights_to_save(model)
+    head_dim = model.config.linear_head_dim
+    entries: list[Entry] = []
+    for key, t in state.items():
+        if key.endswith(".weight_scale"):
+            continue  # written with its `.weight_packed`
+        if key.endswith(".weight_packed"):  # an MXFP4Expert's matrix
+            base, scale = key[: -len(".weight_packed")], state[key[: -len("packed")] + "scale"]
+            if quantize:
+                entries += [Entry(PREFIX + key, tuple(t.shape), t.dtype, lambda t=t: t),
+                            Entry(PREFIX + base + ".weight_scale", tuple(scale.shape), scale.dtype, lambda s=scale: s)]
+            else:
+                shape = (t.shape[0], 2 * t.shape[1])
+                entries.append(Entry(PREFIX + base + ".weight", shape, torch.bfloat16,
+                                     lambda t=t, s=scale: mxfp4.decode(t, s, torch.bfloat16)))
+            continue
+        name = to_published_name(key)
+        if quantize and EXPERT_MATRIX.search(key):
+            rows, cols = t.shape
+            codes = {}  # encode once for both parts
+
+            def part(i, t=t, codes=codes):
+                if "pair" not in codes:
+                    codes["pair"] = mxfp4.encode(t)
+                return codes["pair"][i] if i == 0 else codes.pop("pair")[i]
+            entries += [Entry(name + "_packed", (rows, cols // 2), torch.uint8, lambda p=part: p(0)),
+                        Entry(name + "_scale", (rows, cols // mxfp4.GROUP_SIZE), torch.uint8, lambda p=part: p(1))]
+        elif key.endswith("self_attn.A_log"):
+            entries.append(Entry(name, (max(head_dim, t.numel()),), torch.float32,
+                                 lambda t=t: pad_a_log(t, head_dim)))
+        else:
+            dtype = stored_dtype(key, t)
+            entries.append(Entry(name, tuple(t.shape), dtype, lambda t=t, d=dtype: t.to(d).contiguous()))
+    return entries
