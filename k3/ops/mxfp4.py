@@ -60,7 +60,8 @@ def _check(name: str, t: torch.Tensor) -> None:
 
 def decode(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`weight_packed` [..., out, in / 2] and `weight_scale` [..., out, in / 32] (uint8) -> W [..., out, in]
-    in `dtype` (exact in float32 and bfloat16, which share float32's exponent range)."""
+    in `dtype` (exact in float32 and bfloat16, which share float32's exponent range: scales up to 252;
+    beyond, 6 x 2^(s - 127) overflows to infinity)."""
     _check("weight_packed", packed)
     _check("weight_scale", scale)
     columns = packed.shape[-1] * 2
