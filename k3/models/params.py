@@ -86,8 +86,8 @@ def config_for(source: str) -> ModelConfig:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ValueError(f"k3 params: {source!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint "
-                         f"directory or config.json")
+        raise ValueError(f"k3 params: {source!r} is neither a preset (choose from: {', '.join(PRESETS)}) nor a "
+                         f"checkpoint directory or config.json")
     raw = json.loads(path.read_text())
     return ModelConfig.from_dict(raw["k3"]) if "k3" in raw else ModelConfig.from_hf(raw)
 

@@ -35,6 +35,16 @@ def test_published_config_is_the_kimi_k3_preset(published):
     assert config_for(str(FIXTURE.parent)) == config  # `k3 params DIR`
 
 
+def test_k3_params_reads_a_checkpoint_directory(capsys):
+    from k3.cli import main
+
+    assert main(["params", str(FIXTURE.parent)]) == 0
+    from_dir = capsys.readouterr().out
+    assert main(["params", "kimi-k3"]) == 0
+    assert from_dir == capsys.readouterr().out and "2,779,484,393,568" in from_dir
+    assert "routed experts MXFP4" in from_dir
+
+
 def test_old_k3_names_still_read(published):
     text = copy.deepcopy(published["text_config"])
     lin = text["linear_attn_config"]
