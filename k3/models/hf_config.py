@@ -112,6 +112,8 @@ def _refusals(cfg: dict, lin: dict) -> list[str]:
          f"k3 routes over all experts"),
         (cfg.get("moe_renormalize", cfg.get("norm_topk_prob", True)) is False,
          "routing without renormalised top-k weights (`moe_renormalize: false`)"),
+        (_first(cfg, "num_experts_per_token", "num_experts_per_tok", default=0) == 1,
+         "top-1 routing (`num_experts_per_token: 1`): the official code keeps the bare score, k3 renormalises to 1"),
         (cfg.get("moe_router_activation_func", "sigmoid") != "sigmoid",
          f"`moe_router_activation_func` {cfg.get('moe_router_activation_func')!r} (k3's router is sigmoid)"),
         (cfg.get("topk_method", "noaux_tc") not in ("noaux_tc", "greedy"),

@@ -64,6 +64,7 @@ def test_situ_defaults_follow_the_official_code(published):
 @pytest.mark.parametrize("change, message", [
     ({"num_expert_group": 8, "topk_group": 4}, "group-limited routing"),
     ({"moe_renormalize": False}, "moe_renormalize"),
+    ({"num_experts_per_token": 1}, "top-1 routing"),
     ({"moe_router_activation_func": "softmax"}, "moe_router_activation_func"),
     ({"mla_use_nope": False}, "RoPE MLA"),
     ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers"),
