@@ -3,8 +3,9 @@
 A directory with `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). k3 writes its config under the key "k3" (so does k3.hf's K3Config,
 whose weights carry the prefix `k3.`); anything else is read as a Kimi `config.json`
-(`ModelConfig.from_hf`). Kimi weights come in two layouts, both mapped to k3's
-names here:
+(`ModelConfig.from_hf`). `k3.models.loading` reads the tensors one at a time with the mappings here;
+Kimi K3's published layout (`language_model.` and K3's own names) is `k3.models.kimi_k3_format`'s.
+Kimi Linear weights come in two layouts, both mapped to k3's names here:
 
 - the Hub's (also what transformers' save_pretrained writes): k3's names except
   `...experts.N.w{1,2,3}.weight` (k3: `experts.N.w{1,2,3}`) and a dense first layer that transformers
@@ -94,21 +95,6 @@ def restore_tied_head(state: dict[str, torch.Tensor], tied: bool) -> dict[str, t
     return state
 
 
-def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
-    if single.exists():
-        return load_file(single)
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        state: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            state.update(load_file(directory / shard))
-        return state
-    raise FileNotFoundError(f"{directory}: no model.safetensors or model.safetensors.index.json")
-
-
 def read_config(directory: Path) -> tuple[ModelConfig, bool]:
     """(config, is_k3_checkpoint) from directory/config.json."""
     path = directory / "config.json"
@@ -137,19 +123,6 @@ def raise_mismatch(source: str, missing: list[str], unexpected: list[str], shape
         problems = [f"missing {head(missing)}" if missing else "", f"unexpected {head(unexpected)}" if unexpected else "",
                     f"shape mismatch {head(shapes)}" if shapes else ""]
         raise ValueError(f"{source} does not match the model's configuration: " + "; ".join(p for p in problems if p))
-
-
-def read_pretrained(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The config described by path/config.json and its weights under k3's names (k3 or Kimi layout),
-    ready for `load_into` (`CausalLM.from_pretrained`)."""
-    directory = Path(path)
-    config, native = read_config(directory)
-    state = read_safetensors(directory)
-    if not native:
-        state = convert_kimi_state_dict(state, config)
-    elif state and all(k.startswith("k3.") for k in state):  # saved by k3.hf.K3ForCausalLM (transformers)
-        state = {k[len("k3."):]: t for k, t in state.items()}
-    return config, restore_tied_head(state, config.tie_word_embeddings)
 
 
 def save_pretrained(model, path: str | os.PathLike) -> None:

@@ -64,11 +64,6 @@ QUANTIZATION_CONFIG = {
 }
 
 
-def is_published(raw_config: dict, keys) -> bool:
-    """Whether a checkpoint is in this layout: its config says kimi_k3 or its tensors carry `language_model.`."""
-    return raw_config.get("model_type") == "kimi_k3" or any(k.startswith(PREFIX) for k in keys)
-
-
 def is_vision(key: str) -> bool:
     return key.startswith(VISION_PREFIXES)
 

@@ -124,6 +124,15 @@ class _Filler:
         checkpoint.raise_mismatch(self.source, missing, sorted(self.unexpected), sorted(self.shapes))
 
 
+def _renumbered(name: str, renumber: dict[int, int] | None) -> str | None:
+    """`name` with its decoder-layer index renumbered for a layer subset (None: a layer left out)."""
+    m = LAYER_KEY.match(name)
+    if renumber is None or m is None:
+        return name
+    index = int(m.group(1))
+    return f"model.layers.{renumber[index]}.{name[m.end():]}" if index in renumber else None
+
+
 def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None, experts: str | None = None,
                     layers=None) -> torch.nn.Module:
     """See the module docstring; `cls` is CausalLM."""
@@ -131,7 +140,6 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None,
 
     directory = Path(path)
     config, native = checkpoint.read_config(directory)
-    raw = json.loads((directory / "config.json").read_text())
     renumber = None
     if layers is not None:
         config, renumber = subset_config(config, layers)
@@ -141,28 +149,18 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None,
     model.to_empty(device=device or "cpu")
     if config.tie_word_embeddings:  # to_empty gives each module its own tensor
         model.lm_head.weight = model.model.embed_tokens.weight
-    files = shard_files(directory)
     filler, skipped = _Filler(model, str(directory)), 0
-    published = None
-    for file in files:
+    for file in shard_files(directory):
         with safe_open(str(file), framework="pt") as f:
-            keys = list(f.keys())
-            if published is None:
-                published = not native and kimi_k3_format.is_published(raw, keys)
-            for key in keys:
-                if native:
-                    name = key.removeprefix("k3.")
-                elif kimi_k3_format.is_vision(key):
+            for key in f.keys():
+                if not native and kimi_k3_format.is_vision(key):
                     skipped += 1
                     continue
-                else:
-                    name = kimi_k3_format.to_kimi_name(key) if published else key
-                if renumber is not None:
-                    m = LAYER_KEY.match(name)
-                    if m and int(m.group(1)) not in renumber:
-                        continue
-                    if m:
-                        name = f"model.layers.{renumber[int(m.group(1))]}." + name[m.end():]
+                # k3's names (k3.hf's under `k3.`), or a Kimi layout: K3's published names first
+                name = key.removeprefix("k3.") if native else kimi_k3_format.to_kimi_name(key)
+                name = _renumbered(name, renumber)
+                if name is None:
+                    continue
                 t = f.get_tensor(key)
                 if native:
                     filler.put(name, t)
