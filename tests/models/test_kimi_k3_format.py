@@ -15,6 +15,7 @@ import torch
 
 from k3.layers.mxfp4_expert import MXFP4Expert
 from k3.models import CausalLM, ModelConfig, get_config
+from k3.models.hf_config import config_to_hf
 from k3.models.params import config_for, count_params
 
 from .kimi_k3_files import SATURATING, tiny_config, write_published
@@ -53,6 +54,12 @@ def test_old_k3_names_still_read(published):
     text["moe_latent_size"] = text.pop("routed_expert_hidden_size")
     text["situ_beta"], text["situ_linear_beta"] = text.pop("activation_situ_beta"), text.pop("activation_situ_linear_beta")
     assert ModelConfig.from_hf({**published, "text_config": text}) == get_config("kimi-k3")
+    # ... but never written: k3 writes the published names
+    written = config_to_hf(get_config("kimi-k3"))
+    old = {"linear_lower_bound", "use_full_rank_gate", "moe_latent_size", "situ_beta", "situ_linear_beta"}
+    assert not old & set(written)
+    assert {k: written[k] for k in published["text_config"] if k in written} == \
+        {k: v for k, v in published["text_config"].items() if k in written}
 
 
 def test_situ_defaults_follow_the_official_code(published):
