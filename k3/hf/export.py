@@ -51,6 +51,8 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, format: str = 
     if quantize not in QUANTIZE or (quantize and format != "kimi-k3"):
         raise ValueError(f"export: `quantize` must be one of {QUANTIZE} (mxfp4 with format 'kimi-k3' only), "
                          f"got {quantize!r} with format {format!r}")
+    if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"export: `max_shard_bytes` must be a positive int, got {max_shard_bytes!r}")
     checkpoint, out = Path(checkpoint), Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"export: the output {out} exists and is not a directory")
@@ -97,8 +99,6 @@ def _write_kimi_k3(model, config: dict, directory: Path, special: dict, quantize
 
     from ..models.kimi_k3_format import published_entries
 
-    if max_shard_bytes < 1:
-        raise ValueError(f"export: `max_shard_bytes` must be positive, got {max_shard_bytes}")
     shards: list[list] = [[]]
     size = 0
     for entry in published_entries(model, quantize):
