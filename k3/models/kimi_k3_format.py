@@ -58,7 +58,7 @@ QUANTIZATION_CONFIG = {
         "weights": {**MXFP4_WEIGHTS, "scale_dtype": "torch.uint8", "dynamic": False},
         "input_activations": None, "output_activations": None}},
     # everything that is not a routed expert
-    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*\.mlp\..*",
+    "ignore": ["re:.*lm_head$", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*\.mlp\..*",
                r"re:.*block_sparse_moe\.gate$", r"re:.*routed_expert_(down|up)_proj$",
                "re:vision_tower.*", "re:mm_projector.*"],
 }

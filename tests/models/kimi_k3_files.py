@@ -37,7 +37,7 @@ QUANT = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
                                        "weights": {"num_bits": 4, "type": "float", "symmetric": True,
                                                    "strategy": "group", "group_size": 32,
                                                    "scale_dtype": "torch.uint8"}}},
-         "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*"]}
+         "ignore": ["re:.*lm_head$", "re:.*self_attn.*", "re:.*shared_experts.*"]}
 
 
 def tiny_config(**overrides):
