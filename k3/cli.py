@@ -30,12 +30,12 @@ def _bench_models(args) -> int:
 
 def _params(args) -> int:
     from .models import PRESETS, get_config
-    from .models.params import count_params, format_report
+    from .models.params import config_for, count_params, format_report
 
     if args.preset is None:
         print("presets: " + ", ".join(PRESETS))
         return 0
-    config = get_config(args.preset)
+    config = config_for(args.preset)
     vs = get_config(args.vs) if args.vs else None
     if args.json:
         import dataclasses
@@ -190,7 +190,7 @@ def _export(args) -> int:
             raise
         raise ValueError(str(e)) from e
 
-    names = export(args.checkpoint, args.out, format=args.format)
+    names = export(args.checkpoint, args.out, format=args.format, quantize=args.quantize)
     print(f"wrote {', '.join(names)} to {args.out} ({args.format} format)")
     return 0
 
@@ -277,12 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a checkpoint in Hugging Face transformers' format (needs k3[hf])")
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="a k3 checkpoint directory (k3 train --out)")
     export.add_argument("out", metavar="DIR", help="output directory")
-    export.add_argument("--format", choices=("k3", "kimi-linear"), default="k3",
+    export.add_argument("--format", choices=("k3", "kimi-linear", "kimi-k3"), default="k3",
                         help="k3: model_type k3, loads after `import k3.hf` (default); kimi-linear: Kimi "
-                             "Linear's own format, for kimi-linear* models")
+                             "Linear's own format, for kimi-linear* models; kimi-k3: Kimi K3's published layout")
+    export.add_argument("--quantize", choices=("mxfp4",), help="kimi-k3: routed experts in MXFP4 (compressed-tensors)")
     export.set_defaults(func=_export)
     params = sub.add_parser("params", help="parameter count, active parameters and decode memory of a preset")
-    params.add_argument("preset", nargs="?", help="a preset name (omit to list them)")
+    params.add_argument("preset", nargs="?", metavar="PRESET|DIR",
+                        help="a preset name, a checkpoint directory or a config.json (omit to list the presets)")
     params.add_argument("--vs", metavar="PRESET", help="also print the ratio of total parameters to this preset")
     params.add_argument("--json", action="store_true", help="print the figures as JSON")
     params.set_defaults(func=_params)

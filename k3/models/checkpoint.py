@@ -3,8 +3,9 @@
 A directory with `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). k3 writes its config under the key "k3" (so does k3.hf's K3Config,
 whose weights carry the prefix `k3.`); anything else is read as a Kimi `config.json`
-(`ModelConfig.from_hf`). Kimi weights come in two layouts, both mapped to k3's
-names here:
+(`ModelConfig.from_hf`). `k3.models.loading` reads the tensors one at a time with the mappings here;
+Kimi K3's published layout (`language_model.` and K3's own names) is `k3.models.kimi_k3_format`'s.
+Kimi Linear weights come in two layouts, both mapped to k3's names here:
 
 - the Hub's (also what transformers' save_pretrained writes): k3's names except
   `...experts.N.w{1,2,3}.weight` (k3: `experts.N.w{1,2,3}`) and a dense first layer that transformers
@@ -36,31 +37,39 @@ def convert_kimi_state_dict(state: dict[str, torch.Tensor], config: ModelConfig)
     """Map a Kimi checkpoint's tensors (either layout above) to k3's parameter names."""
     out: dict[str, torch.Tensor] = {}
     for key, t in state.items():
-        ffn = _layer_ffn(config, key)
-        if key.endswith("self_attn.conv1d.weight"):  # transformers: fused q|k|v short convolution
-            prefix = key[: -len("conv1d.weight")]
-            for name, part in zip(("q", "k", "v"), t.chunk(3, dim=0)):
-                out[f"{prefix}{name}_conv1d.weight"] = part
-            continue
-        key = key.replace("self_attn.forget_gate.", "self_attn.")
-        if ffn == "moe":
-            key = key.replace(".mlp.", ".block_sparse_moe.")
-        elif ffn == "dense":
-            key = key.replace(".block_sparse_moe.", ".mlp.")
-        if key.endswith("experts.gate_up_proj"):  # transformers: [E, 2h, d], gate rows then up rows
-            prefix = key[: -len("gate_up_proj")]
-            gate, up = t.chunk(2, dim=1)
-            for e in range(t.shape[0]):
-                out[f"{prefix}{e}.w1"], out[f"{prefix}{e}.w3"] = gate[e], up[e]
-            continue
-        if key.endswith("experts.down_proj"):  # transformers: [E, d, h]
-            prefix = key[: -len("down_proj")]
-            for e, w2 in enumerate(t):
-                out[f"{prefix}{e}.w2"] = w2
-            continue
-        key = re.sub(r"(experts\.\d+\.w[123])\.weight$", r"\1", key)
-        out[key] = t
+        out.update(convert_kimi_tensor(key, t, config))
     return out
+
+
+def kimi_tensor_name(key: str, config: ModelConfig) -> str:
+    """The k3 name of a Kimi checkpoint tensor that maps one to one (everything but the fused tensors of
+    transformers' in-memory layout, which `convert_kimi_tensor` splits)."""
+    ffn = _layer_ffn(config, key)
+    key = key.replace("self_attn.forget_gate.", "self_attn.")
+    if ffn == "moe":
+        key = key.replace(".mlp.", ".block_sparse_moe.")
+    elif ffn == "dense":
+        key = key.replace(".block_sparse_moe.", ".mlp.")
+    return re.sub(r"(experts\.\d+\.w[123])\.weight$", r"\1", key)
+
+
+def convert_kimi_tensor(key: str, t: torch.Tensor, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """One Kimi checkpoint tensor -> {k3 name: tensor}: one entry, or several for a fused tensor."""
+    if key.endswith("self_attn.conv1d.weight"):  # transformers: fused q|k|v short convolution
+        prefix = key[: -len("conv1d.weight")]
+        return {f"{prefix}{name}_conv1d.weight": part for name, part in zip(("q", "k", "v"), t.chunk(3, dim=0))}
+    key = kimi_tensor_name(key, config)
+    if key.endswith("experts.gate_up_proj"):  # transformers: [E, 2h, d], gate rows then up rows
+        prefix = key[: -len("gate_up_proj")]
+        gate, up = t.chunk(2, dim=1)
+        out = {}
+        for e in range(t.shape[0]):
+            out[f"{prefix}{e}.w1"], out[f"{prefix}{e}.w3"] = gate[e], up[e]
+        return out
+    if key.endswith("experts.down_proj"):  # transformers: [E, d, h]
+        prefix = key[: -len("down_proj")]
+        return {f"{prefix}{e}.w2": w2 for e, w2 in enumerate(t)}
+    return {key: t}
 
 
 def kimi_state_dict(model) -> dict[str, torch.Tensor]:
@@ -86,21 +95,6 @@ def restore_tied_head(state: dict[str, torch.Tensor], tied: bool) -> dict[str, t
     return state
 
 
-def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
-    if single.exists():
-        return load_file(single)
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        state: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            state.update(load_file(directory / shard))
-        return state
-    raise FileNotFoundError(f"{directory}: no model.safetensors or model.safetensors.index.json")
-
-
 def read_config(directory: Path) -> tuple[ModelConfig, bool]:
     """(config, is_k3_checkpoint) from directory/config.json."""
     path = directory / "config.json"
@@ -115,30 +109,20 @@ def read_config(directory: Path) -> tuple[ModelConfig, bool]:
 def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Strict load with an error that lists what is missing, unexpected or mis-shaped."""
     own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
     shapes = sorted(f"{k}: checkpoint {list(state[k].shape)}, model {list(own[k].shape)}"
                     for k in set(own) & set(state) if state[k].shape != own[k].shape)
+    raise_mismatch(source, sorted(set(own) - set(state)), sorted(set(state) - set(own)), shapes)
+    model.load_state_dict(state, strict=True)
+
+
+def raise_mismatch(source: str, missing: list[str], unexpected: list[str], shapes: list[str]) -> None:
+    """The error of a checkpoint that does not fit the model (nothing when all three lists are empty)."""
     if missing or unexpected or shapes:
         def head(items):
             return ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
         problems = [f"missing {head(missing)}" if missing else "", f"unexpected {head(unexpected)}" if unexpected else "",
                     f"shape mismatch {head(shapes)}" if shapes else ""]
         raise ValueError(f"{source} does not match the model's configuration: " + "; ".join(p for p in problems if p))
-    model.load_state_dict(state, strict=True)
-
-
-def read_pretrained(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The config described by path/config.json and its weights under k3's names (k3 or Kimi layout),
-    ready for `load_into` (`CausalLM.from_pretrained`)."""
-    directory = Path(path)
-    config, native = read_config(directory)
-    state = read_safetensors(directory)
-    if not native:
-        state = convert_kimi_state_dict(state, config)
-    elif state and all(k.startswith("k3.") for k in state):  # saved by k3.hf.K3ForCausalLM (transformers)
-        state = {k[len("k3."):]: t for k, t in state.items()}
-    return config, restore_tied_head(state, config.tie_word_embeddings)
 
 
 def save_pretrained(model, path: str | os.PathLike) -> None:

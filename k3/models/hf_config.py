@@ -3,12 +3,19 @@
 Both spellings of Kimi Linear are read: the Hub's (`linear_attn_config` with 1-based `full_attn_layers`
 / `kda_layers`, `first_k_dense_replace`, `num_experts`, `num_experts_per_token`, `num_shared_experts`)
 and transformers' (`layer_types`, `mlp_layer_types`, `linear_head_dim`, `num_local_experts`, ...). A
-multimodal wrapper's nested `text_config` is used when present.
+multimodal wrapper's nested `text_config` is used when present (Kimi K3's: `model_type: "kimi_k3"`).
 
-Kimi K3's own fields are not public in a config.json; k3 reads them under these names (and writes
-them so in its checkpoints): `linear_lower_bound` (the safe KDA gate g = lower_bound * sigmoid(.);
-K3: -5), `use_full_rank_gate` (full-rank KDA output gate), `mla_use_output_gate` (gated MLA),
-`moe_latent_size`, `hidden_act: "situ"` with `situ_beta` / `situ_linear_beta`, `attn_res_block_size`.
+Kimi K3's own fields, as its published config.json spells them: `linear_attn_config.gate_lower_bound`
+(the safe KDA gate g = lower_bound * sigmoid(.); K3: -5), `linear_attn_config.use_full_rank_gate`
+(full-rank KDA output gate), `mla_use_output_gate` (gated MLA), `routed_expert_hidden_size` (the latent
+MoE width) with `latent_moe_use_norm`, `hidden_act: "situ"` with `activation_situ_beta` /
+`activation_situ_linear_beta` (absent: beta 1 and no clamp, as the official code), `attn_res_block_size`.
+Older k3 checkpoints used names of k3's own (`linear_lower_bound`, top-level `use_full_rank_gate`,
+`moe_latent_size`, `situ_beta`, `situ_linear_beta`): they are still read, never written.
+
+What k3 cannot compute is refused with the field's name: grouped routing, a router other than sigmoid
+top-k with renormalised weights, RoPE MLA, multi-token-prediction layers, a `quantization_config` other
+than compressed-tensors MXFP4 for the routed experts (`check_quantization`).
 
 `ModelConfig.from_hf` builds a config from `fields_from_hf`; the writers take any ModelConfig.
 """
@@ -53,6 +60,76 @@ def _mlp_types(cfg: dict, n: int) -> list[str]:
     return ["moe" if i >= first_dense and i % freq == 0 else "dense" for i in range(n)]
 
 
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+# the weights' quantization args of compressed-tensors' MXFP4 scheme, as Kimi K3's config.json gives them
+MXFP4_WEIGHTS = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32}
+
+
+def check_quantization(quant: dict | None) -> None:
+    """Refuse a `quantization_config` that k3 cannot read: anything but compressed-tensors MXFP4
+    (`format: "mxfp4-pack-quantized"`, 4-bit float weights in groups of 32, uint8 E8M0 scales, no
+    activation quantization). None (an unquantized checkpoint) passes."""
+    if quant is None:
+        return
+    if not isinstance(quant, dict):
+        raise ValueError(f"ModelConfig.from_hf: `quantization_config` must be a dict, got {type(quant).__name__}")
+    method = quant.get("quant_method")
+    groups = quant.get("config_groups") or {}
+    formats = {quant.get("format")} | {g.get("format") for g in groups.values() if g.get("format")}
+    problems = [] if method == "compressed-tensors" else [f"`quant_method` {method!r} (k3 reads 'compressed-tensors')"]
+    if formats - {None} != {MXFP4_FORMAT}:
+        problems.append(f"`format` {sorted(f for f in formats if f)} (k3 reads {MXFP4_FORMAT!r})")
+    for name, group in groups.items():
+        weights = group.get("weights") or {}
+        wrong = {k: weights.get(k) for k, v in MXFP4_WEIGHTS.items() if weights.get(k) != v}
+        if weights.get("scale_dtype") not in (None, "torch.uint8"):
+            wrong["scale_dtype"] = weights["scale_dtype"]
+        if wrong:
+            problems.append(f"`config_groups.{name}.weights` {wrong} (k3 reads {MXFP4_WEIGHTS})")
+        if group.get("input_activations"):
+            problems.append(f"`config_groups.{name}.input_activations` (k3 quantizes weights only)")
+    if problems:
+        raise ValueError("ModelConfig.from_hf: this `quantization_config` is not one k3 can read: " + "; ".join(problems))
+
+
+def _situ(cfg: dict) -> tuple[float, float | None]:
+    """(beta, linear beta) of SiTU: the published names, else k3's old ones, else the official defaults."""
+    if "activation_situ_beta" in cfg or "activation_situ_linear_beta" in cfg:
+        return cfg.get("activation_situ_beta", 1.0), cfg.get("activation_situ_linear_beta")
+    if "situ_beta" in cfg:  # written by k3 before the published names were known
+        return cfg["situ_beta"], cfg.get("situ_linear_beta")
+    return 1.0, None
+
+
+def _refusals(cfg: dict, lin: dict) -> list[str]:
+    """What k3 cannot compute in this text config, each naming its field."""
+    groups, topk_groups = _first(cfg, "num_expert_group", "n_group", default=1), _first(cfg, "topk_group", default=1)
+    lower = _first(lin, "gate_lower_bound", default=cfg.get("linear_lower_bound"))
+    act = cfg.get("hidden_act", "silu")
+    checks = (
+        (groups > 1 and topk_groups < groups,
+         f"group-limited routing ({topk_groups} of {groups} expert groups, `num_expert_group` / `topk_group`); "
+         f"k3 routes over all experts"),
+        (cfg.get("moe_renormalize", cfg.get("norm_topk_prob", True)) is False,
+         "routing without renormalised top-k weights (`moe_renormalize: false`)"),
+        (_first(cfg, "num_experts_per_token", "num_experts_per_tok", default=0) == 1,
+         "top-1 routing (`num_experts_per_token: 1`): the official code keeps the bare score, k3 renormalises to 1"),
+        (cfg.get("moe_router_activation_func", "sigmoid") != "sigmoid",
+         f"`moe_router_activation_func` {cfg.get('moe_router_activation_func')!r} (k3's router is sigmoid)"),
+        (cfg.get("topk_method", "noaux_tc") not in ("noaux_tc", "greedy"),
+         f"`topk_method` {cfg.get('topk_method')!r} (k3 chooses by score + correction bias: 'noaux_tc')"),
+        (cfg.get("mla_use_nope") is False, "RoPE MLA (`mla_use_nope: false`); k3's MLA is NoPE"),
+        (bool(cfg.get("num_nextn_predict_layers")),
+         f"{cfg.get('num_nextn_predict_layers')} multi-token-prediction layers (`num_nextn_predict_layers`)"),
+        (act not in ("silu", "situ"), f"`hidden_act` {act!r} (silu or situ)"),
+        (lower is not None and lower != -5,
+         f"KDA gate lower bound {lower} (`gate_lower_bound`); k3's safe KDA gate is g = -5 sigmoid(.)"),
+        (cfg.get("latent_moe_use_norm") is False,
+         "a latent MoE without its RMSNorm (`latent_moe_use_norm: false`)"),
+    )
+    return [what for bad, what in checks if bad]
+
+
 def fields_from_hf(hf: dict) -> dict:
     """The ModelConfig fields (a dict for `ModelConfig(**fields)`) that a Kimi config.json describes."""
     cfg = hf.get("text_config") or hf
@@ -63,22 +140,15 @@ def fields_from_hf(hf: dict) -> dict:
         raise ValueError(f"ModelConfig.from_hf: the config has no {missing}; is this a Kimi Linear / Kimi K3 config.json?")
     n = cfg["num_hidden_layers"]
     lin = cfg.get("linear_attn_config") or {}
-    groups, topk_groups = _first(cfg, "num_expert_group", "n_group", default=1), _first(cfg, "topk_group", default=1)
-    if groups > 1 and topk_groups < groups:
-        raise ValueError(f"ModelConfig.from_hf: group-limited routing ({topk_groups} of {groups} expert groups) "
-                         f"is not supported; k3 routes over all experts")
-    if cfg.get("moe_renormalize", cfg.get("norm_topk_prob", True)) is False:
-        raise ValueError("ModelConfig.from_hf: routing without renormalised top-k weights is not supported")
-    if cfg.get("mla_use_nope") is False:
-        raise ValueError("ModelConfig.from_hf: `mla_use_nope: false` (RoPE MLA) checkpoints are not supported yet")
+    problems = _refusals(cfg, lin)
+    if problems:
+        raise ValueError("ModelConfig.from_hf: k3 cannot compute " + "; ".join(problems))
+    check_quantization(cfg.get("quantization_config", hf.get("quantization_config")))
+    lower = _first(lin, "gate_lower_bound", default=cfg.get("linear_lower_bound"))
     act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "situ"):
-        raise ValueError(f"ModelConfig.from_hf: `hidden_act` {act!r} is not supported (silu or situ)")
-    lower = cfg.get("linear_lower_bound")
-    if lower is not None and lower != -5:
-        raise ValueError(f"ModelConfig.from_hf: k3's safe KDA gate is g = -5 sigmoid(.); got `linear_lower_bound` {lower}")
+    situ = dict(zip(("situ_beta", "situ_linear_beta"), _situ(cfg))) if act == "situ" else {}
     return dict(
-        name=hf.get("_name_or_path") or cfg.get("model_type", "hf"),
+        name=hf.get("_name_or_path") or hf.get("model_type", cfg.get("model_type", "hf")).replace("_", "-"),
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], num_layers=n,
         layer_types=_layer_types(cfg, n), mlp_types=_mlp_types(cfg, n),
         norm="rmsnorm", norm_eps=cfg.get("rms_norm_eps", 1e-6),
@@ -88,25 +158,26 @@ def fields_from_hf(hf: dict) -> dict:
         linear_head_dim=_first(lin, "head_dim", default=_first(cfg, "linear_head_dim", default=128)),
         conv_size=_first(lin, "short_conv_kernel_size", default=_first(cfg, "linear_conv_kernel_dim", default=4)),
         kda_gate="safe" if lower is not None else "kimi_linear",
-        linear_output_gate="full" if cfg.get("use_full_rank_gate") else "low_rank",
+        linear_output_gate="full" if _first(lin, "use_full_rank_gate", default=cfg.get("use_full_rank_gate"))
+        else "low_rank",
         q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg.get("kv_lora_rank", 512),
         qk_nope_head_dim=cfg.get("qk_nope_head_dim", 128), qk_rope_head_dim=cfg.get("qk_rope_head_dim", 64),
         v_head_dim=cfg.get("v_head_dim") or 128, mla_output_gate=bool(cfg.get("mla_use_output_gate", False)),
         ffn_activation="situ" if act == "situ" else "swiglu",
-        intermediate_size=cfg.get("intermediate_size", 4 * cfg["hidden_size"]),
-        situ_beta=cfg.get("situ_beta", 4.0), situ_linear_beta=cfg.get("situ_linear_beta", 25.0),
+        intermediate_size=cfg.get("intermediate_size", 4 * cfg["hidden_size"]), **situ,
         num_experts=_first(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0),
         num_experts_per_tok=_first(cfg, "num_experts_per_token", "num_experts_per_tok", default=0),
         moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
         num_shared_experts=_first(cfg, "num_shared_experts", "n_shared_experts", default=0),
-        moe_latent_size=cfg.get("moe_latent_size"),
+        moe_latent_size=_first(cfg, "routed_expert_hidden_size", "moe_latent_size"),
         routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0),
         attn_res_block_size=cfg.get("attn_res_block_size"),
     )
 
 
 def config_to_hf(config) -> dict:
-    """The Kimi Linear `config.json` fields (Hub spelling) for a KDA/MLA config; K3 fields as above."""
+    """The Kimi Linear `config.json` fields (Hub spelling) for a KDA/MLA config; K3 fields by their
+    published names (module docstring)."""
     c = config
     if not set(c.layer_types) <= {"kda", "mla"} or c.norm != "rmsnorm":
         raise ValueError(f"config_to_hf: only KDA/MLA models have a Kimi config.json; {c.name!r} has "
@@ -123,8 +194,8 @@ def config_to_hf(config) -> dict:
         "num_experts": c.num_experts, "num_experts_per_token": c.num_experts_per_tok,
         "moe_intermediate_size": c.moe_intermediate_size, "num_shared_experts": c.num_shared_experts,
         "routed_scaling_factor": c.routed_scaling_factor, "moe_renormalize": True,
-        "moe_router_activation_func": "sigmoid", "first_k_dense_replace": first_dense, "moe_layer_freq": 1,
-        "num_expert_group": 1, "topk_group": 1,
+        "moe_router_activation_func": "sigmoid", "topk_method": "noaux_tc", "first_k_dense_replace": first_dense,
+        "moe_layer_freq": 1, "num_expert_group": 1, "topk_group": 1, "num_nextn_predict_layers": 0,
         "linear_attn_config": {
             "full_attn_layers": [i + 1 for i, t in enumerate(c.layer_types) if t == "mla"],
             "kda_layers": [i + 1 for i, t in enumerate(c.layer_types) if t == "kda"],
@@ -132,16 +203,19 @@ def config_to_hf(config) -> dict:
             "short_conv_kernel_size": c.conv_size,
         },
     }
+    lin = out["linear_attn_config"]
     if c.kda_gate == "safe":
-        out["linear_lower_bound"] = -5
+        lin["gate_lower_bound"] = -5.0
     if c.linear_output_gate == "full":
-        out["use_full_rank_gate"] = True
+        lin["use_full_rank_gate"] = True
     if c.mla_output_gate:
         out["mla_use_output_gate"] = True
     if c.moe_latent_size:
-        out["moe_latent_size"] = c.moe_latent_size
+        out.update(routed_expert_hidden_size=c.moe_latent_size, latent_moe_use_norm=True)
     if c.ffn_activation == "situ":
-        out.update(situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta)
+        out["activation_situ_beta"] = c.situ_beta
+        if c.situ_linear_beta is not None:  # absent: no clamp of `up`
+            out["activation_situ_linear_beta"] = c.situ_linear_beta
     if c.attn_res_block_size:
         out["attn_res_block_size"] = c.attn_res_block_size
     return out

@@ -27,7 +27,7 @@ from torch import nn
 from .. import generation
 from ..layers import BlockAttnRes, MoE, RMSNorm
 from ..layers.init import STD
-from . import checkpoint
+from . import checkpoint, loading
 from .config import ModelConfig
 from .kinds import FFNS, MIXERS
 from .loss import head_cross_entropy
@@ -315,13 +315,14 @@ class CausalLM(nn.Module):
 
     # -- weights in and out ---------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype | None = None) -> "CausalLM":
-        """Load a k3 checkpoint or a Kimi Linear / Kimi K3 checkpoint (Hub or transformers layout)
-        from a directory with config.json and safetensors weights."""
-        config, state = checkpoint.read_pretrained(path)
-        model = cls(config)
-        checkpoint.load_into(model, state, str(path))
-        return model if dtype is None else model.to(dtype)
+    def from_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None, experts: str | None = None,
+                        layers=None) -> "CausalLM":
+        """Load a k3 checkpoint, a Kimi Linear checkpoint (Hub or transformers layout) or Kimi K3's published
+        one (sharded, MXFP4 experts) from a directory with config.json and safetensors weights, one tensor
+        at a time. `dtype`: the model's dtype; `experts="mxfp4"`: keep the routed experts MXFP4 (decoded
+        when they run); `layers`: only these decoder layers (indices); `device="meta"`: no weights at all.
+        See `k3.models.loading`."""
+        return loading.load_pretrained(cls, path, dtype, device=device, experts=experts, layers=layers)
 
     def save_pretrained(self, path) -> None:
         """Write config.json and model.safetensors (k3 layout), never leaving a half-written file."""

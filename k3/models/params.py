@@ -8,7 +8,9 @@ meta device (full presets).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .config import ModelConfig
 from .kinds import FFNS, MIXERS
@@ -73,6 +75,43 @@ def count_params(config: ModelConfig, cache_dtype_bytes: int = 2) -> ParamCount:
         recurrent_state_bytes_per_sequence=sum(MIXERS[t].state_bytes(c, cache_dtype_bytes) for t in c.layer_types))
 
 
+def config_for(source: str) -> ModelConfig:
+    """A preset's name, a checkpoint directory or a config.json path (k3's or a Kimi one: the published
+    Kimi K3 config.json gives the kimi-k3 preset) -> its ModelConfig."""
+    from .presets import PRESETS, get_config
+
+    if source in PRESETS:
+        return get_config(source)
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"k3 params: {source!r} is neither a preset (choose from: {', '.join(PRESETS)}) nor a "
+                         f"checkpoint directory or config.json")
+    raw = json.loads(path.read_text())
+    return ModelConfig.from_dict(raw["k3"]) if "k3" in raw else ModelConfig.from_hf(raw)
+
+
+def weight_bytes(config: ModelConfig, mxfp4_experts: bool = False) -> int:
+    """Bytes of the weights in bfloat16, or with the routed experts in MXFP4 (4.25 bits a weight: a
+    4-bit code each and a scale byte per 32) and the rest in bfloat16."""
+    pc = count_params(config)
+    routed = pc.breakdown.get("routed experts", 0) if mxfp4_experts else 0
+    return 2 * (pc.total - routed) + routed * 17 // 32
+
+
+def layer_bytes(config: ModelConfig, index: int, mxfp4_experts: bool = False) -> int:
+    """Bytes of decoder layer `index`'s weights (as `weight_bytes`): what `from_pretrained(layers=...)`
+    holds per layer, besides the embedding, head and final norms."""
+    c = config
+    ffn = FFNS[c.mlp_types[index]].params(c)
+    routed = ffn.get("routed experts", 0) if mxfp4_experts else 0
+    n = MIXERS[c.layer_types[index]].params(c) + sum(ffn.values()) + 2 * _norm_params(c, c.hidden_size)
+    if c.attn_res_block_size is not None:
+        n += 2 * 2 * c.hidden_size
+    return 2 * (n - routed) + routed * 17 // 32
+
+
 def _human(n: float) -> str:
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= size:
@@ -89,6 +128,16 @@ def format_report(config: ModelConfig, vs: ModelConfig | None = None) -> str:
              f"  active per token   {pc.active:>20,}  ({_human(pc.active)})", "", "  breakdown:"]
     for key, n in sorted(pc.breakdown.items(), key=lambda kv: -kv[1]):
         lines.append(f"    {key:<26} {n:>20,}  {100 * n / pc.total:6.2f}%")
+    lines += ["", "  weights in memory:",
+              f"    bf16                   {_bytes(weight_bytes(config))}"]
+    if pc.breakdown.get("routed experts"):
+        lines.append(f"    routed experts MXFP4   {_bytes(weight_bytes(config, True))}  (4.25 bits a weight; the "
+                     f"rest bf16)")
+    i = next((i for i, t in enumerate(config.mlp_types) if t == "moe"), 0)
+    kind = f"{config.layer_types[i]} + {config.mlp_types[i]}"
+    lines.append(f"    decoder layer {i:<8} {_bytes(layer_bytes(config, i))}  ({kind}, bf16)")
+    if config.mlp_types[i] == "moe":
+        lines.append(f"      routed experts MXFP4 {_bytes(layer_bytes(config, i, True))}")
     lines += ["", "  decode memory (bf16 caches, fp32 recurrent states):"]
     if pc.mla_cache_bytes_per_token:
         per_layer = (config.kv_lora_rank + config.qk_rope_head_dim) * 2
@@ -110,6 +159,10 @@ def format_report(config: ModelConfig, vs: ModelConfig | None = None) -> str:
             lines.append(f"  the article's figure is the rounded totals' ratio: 2.8T / 124M = {2.8e12 / 124e6:,.1f}; "
                          f"exact counts give {pc.total / 1e12:.4f}T / {other.total / 1e6:.2f}M")
     return "\n".join(lines)
+
+
+def _bytes(n: float) -> str:
+    return f"{n:>20,.0f} bytes ({n / 2**30:,.1f} GiB)"
 
 
 def _layer_summary(c: ModelConfig) -> str:

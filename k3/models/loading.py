@@ -1,0 +1,176 @@
+"""`CausalLM.from_pretrained`: a checkpoint directory -> a model, one tensor at a time.
+
+Reads k3's own checkpoints, Kimi Linear's (the Hub's or transformers' layout, `checkpoint`) and Kimi K3's
+published one (`kimi_k3_format`): the model is built on the meta device, given memory (no random
+initialisation), and each tensor of each shard is read, renamed and copied into place, so the peak is
+about the model plus one tensor. Every parameter must be filled exactly once; what is missing,
+unexpected or mis-shaped is reported together (`checkpoint.load_into`'s message).
+
+Options:
+- `dtype`: the model's dtype (MXFP4 experts decode straight to it);
+- `experts="mxfp4"`: routed experts stay MXFP4 (`k3.layers.mxfp4_expert`; a checkpoint with unquantized
+  experts is encoded on the way in), ~4.25 bits a weight;
+- `layers`: decoder-layer indices to keep (in order), for studying a model too large to hold; the
+  result is a model of those layers, whose Block AttnRes blocks are counted in the new numbering
+  (a prefix `range(n)` keeps the original blocks);
+- `device`: where the weights go; "meta" builds the model with no weights at all (nothing is read).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..layers import MoE
+from ..layers.mxfp4_expert import MXFP4Expert
+from ..ops import mxfp4
+from . import checkpoint, kimi_k3_format
+from .config import ModelConfig
+
+EXPERTS = (None, "mxfp4")
+LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def shard_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory, in order."""
+    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+    if single.exists():
+        return [single]
+    if index.exists():
+        return [directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    raise FileNotFoundError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+
+
+def subset_config(config: ModelConfig, layers) -> tuple[ModelConfig, dict[int, int]]:
+    """The config of decoder layers `layers` (indices into config's) and {old index: new index}."""
+    layers = list(layers)
+    bad = [i for i in layers if not isinstance(i, int) or not 0 <= i < config.num_layers]
+    if not layers or bad or len(set(layers)) != len(layers):
+        raise ValueError(f"from_pretrained: `layers` must be distinct layer indices in [0, {config.num_layers}), "
+                         f"got {layers}")
+    sub = config.replace(num_layers=len(layers), layer_types=[config.layer_types[i] for i in layers],
+                         mlp_types=[config.mlp_types[i] for i in layers])
+    return sub, {old: new for new, old in enumerate(layers)}
+
+
+def quantize_experts(model: torch.nn.Module) -> None:
+    """Swap every routed expert for an MXFP4Expert of the same shape (on the expert's device)."""
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        for i, expert in enumerate(moe.experts):
+            hidden, dim = expert.w1.shape
+            with torch.device(expert.w1.device):
+                moe.experts[i] = MXFP4Expert(dim, hidden, expert.activation, expert.situ_beta,
+                                             expert.situ_linear_beta, expert.w1.dtype)
+
+
+def build(cls, config: ModelConfig, dtype: torch.dtype | None, experts: str | None) -> torch.nn.Module:
+    """The model on the meta device, in `dtype`, with MXFP4 experts when asked."""
+    if experts not in EXPERTS:
+        raise ValueError(f"from_pretrained: `experts` must be one of {EXPERTS}, got {experts!r}")
+    with torch.device("meta"):
+        model = cls(config)
+    if experts == "mxfp4":
+        quantize_experts(model)
+    return model if dtype is None else model.to(dtype)
+
+
+class _Filler:
+    """Copies named tensors into a model's state, checking names and shapes, pairing MXFP4 halves."""
+
+    def __init__(self, model: torch.nn.Module, source: str):
+        self.model, self.source = model, source
+        self.own = model.state_dict()
+        self.filled: set[str] = set()
+        self.unexpected: list[str] = []
+        self.shapes: list[str] = []
+        self.halves: dict[str, dict[str, torch.Tensor]] = {}  # expert matrix -> the MXFP4 parts seen so far
+
+    def put(self, key: str, t: torch.Tensor) -> None:
+        part = next((p for p in kimi_k3_format.QUANTIZED_PARTS if key.endswith(p)), None)
+        if part is not None and key not in self.own:  # MXFP4 in the file, full precision in the model
+            base = key[: -len(part)]
+            halves = self.halves.setdefault(base, {})
+            halves[part] = t
+            if len(halves) == 2:
+                del self.halves[base]
+                self._copy(base, mxfp4.decode(halves[".weight_packed"], halves[".weight_scale"]))
+            return
+        if key not in self.own and key + ".weight_packed" in self.own:  # full precision in, MXFP4 kept
+            packed, scale = mxfp4.encode(t)
+            self._copy(key + ".weight_packed", packed)
+            self._copy(key + ".weight_scale", scale)
+            return
+        self._copy(key, t)
+
+    def _copy(self, key: str, t: torch.Tensor) -> None:
+        if key not in self.own:
+            self.unexpected.append(key)
+        elif self.own[key].shape != t.shape:
+            self.shapes.append(f"{key}: checkpoint {list(t.shape)}, model {list(self.own[key].shape)}")
+        else:
+            with torch.no_grad():
+                self.own[key].copy_(t)
+            self.filled.add(key)
+
+    def finish(self, tied: bool) -> None:
+        if tied and "model.embed_tokens.weight" in self.filled:
+            self.filled.add("lm_head.weight")
+        self.unexpected += [base + part for base, halves in self.halves.items() for part in halves]
+        missing = sorted(set(self.own) - self.filled)
+        checkpoint.raise_mismatch(self.source, missing, sorted(self.unexpected), sorted(self.shapes))
+
+
+def _renumbered(name: str, renumber: dict[int, int] | None) -> str | None:
+    """`name` with its decoder-layer index renumbered for a layer subset (None: a layer left out)."""
+    m = LAYER_KEY.match(name)
+    if renumber is None or m is None:
+        return name
+    index = int(m.group(1))
+    return f"model.layers.{renumber[index]}.{name[m.end():]}" if index in renumber else None
+
+
+def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None, experts: str | None = None,
+                    layers=None) -> torch.nn.Module:
+    """See the module docstring; `cls` is CausalLM."""
+    from safetensors import safe_open
+
+    directory = Path(path)
+    config, native = checkpoint.read_config(directory)
+    renumber = None
+    if layers is not None:
+        config, renumber = subset_config(config, layers)
+    model = build(cls, config, dtype, experts)
+    if device is not None and torch.device(device).type == "meta":
+        return model
+    model.to_empty(device=device or "cpu")
+    if config.tie_word_embeddings:  # to_empty gives each module its own tensor
+        model.lm_head.weight = model.model.embed_tokens.weight
+    filler, skipped = _Filler(model, str(directory)), 0
+    for file in shard_files(directory):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if not native and kimi_k3_format.is_vision(key):
+                    skipped += 1
+                    continue
+                # k3's names (k3.hf's under `k3.`), or a Kimi layout: K3's published names first
+                name = key.removeprefix("k3.") if native else kimi_k3_format.to_kimi_name(key)
+                name = _renumbered(name, renumber)
+                if name is None:
+                    continue
+                t = f.get_tensor(key)
+                if native:
+                    filler.put(name, t)
+                    continue
+                if name.endswith("self_attn.A_log"):
+                    t = kimi_k3_format.unpad_a_log(t, config.linear_num_heads, key)
+                for k3_name, part in checkpoint.convert_kimi_tensor(name, t, config).items():
+                    filler.put(k3_name, part)
+    if skipped:
+        warnings.warn(f"{directory}: skipped {skipped} vision tensors (vision_tower.*, mm_projector.*): "
+                      f"k3 loads the text model", stacklevel=3)
+    filler.finish(config.tie_word_embeddings)
+    return model

@@ -1,0 +1,106 @@
+"""`k3 export --format kimi-k3 [--quantize mxfp4]`: Kimi K3's published layout out, and back in.
+
+A checkpoint in the published layout (tests/models/kimi_k3_files.py) -> k3 -> export gives back the same
+tensors: the MXFP4 codes and scales byte for byte, everything else bit for bit (A_log's padding is
+written as zeros), the same model config; k3's own checkpoints export too."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from k3.hf.export import export
+from k3.models import CausalLM, ModelConfig
+from k3.models.kimi_k3_format import published_entries
+from tests.models.kimi_k3_files import write_published
+
+
+def read_all(directory) -> dict[str, torch.Tensor]:
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    out = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(str(directory / shard), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    assert set(out) == set(index["weight_map"])
+    return out
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def quietly(fn, *args, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the skipped vision tensors
+        return fn(*args, **kw)
+
+
+@pytest.mark.parametrize("canonical", [False, True])
+def test_published_checkpoint_round_trips(tmp_path, canonical):
+    src = tmp_path / "src"
+    write_published(src, canonical=canonical)
+    names = quietly(export, src, tmp_path / "out", format="kimi-k3", quantize="mxfp4", max_shard_bytes=200_000)
+    out = tmp_path / "out"
+    assert "model.safetensors.index.json" in names and sum(n.startswith("model-0") for n in names) > 1
+    before, after = read_all(src), read_all(out)
+    assert set(after) == {k for k in before if k.startswith("language_model.")}  # the vision side is not k3's
+    for key, t in after.items():
+        if key.endswith("A_log"):
+            heads = 4
+            assert same_bytes(t[:heads], before[key][:heads]) and not t[heads:].any(), key
+        else:
+            assert same_bytes(t, before[key]), key
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "kimi_k3" and config["architectures"] == ["KimiK3ForConditionalGeneration"]
+    assert config["text_config"]["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    src_config = json.loads((src / "config.json").read_text())
+    assert ModelConfig.from_hf(config) == ModelConfig.from_hf(src_config)
+
+
+def test_dequantized_model_reencodes_canonical_codes(tmp_path):
+    # loaded with the experts decoded (float32), then encoded again on the way out: the same bytes
+    write_published(tmp_path, canonical=True)
+    model = quietly(CausalLM.from_pretrained, tmp_path)
+    before = read_all(tmp_path)
+    for entry in published_entries(model, quantize=True):
+        if entry.name.endswith((".weight_packed", ".weight_scale")):
+            assert same_bytes(entry.make(), before[entry.name]), entry.name
+
+
+def test_unquantized_export_writes_bf16_experts(tmp_path):
+    write_published(tmp_path / "src")
+    quietly(export, tmp_path / "src", tmp_path / "out", format="kimi-k3")
+    out = read_all(tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in config["text_config"]
+    w1 = out["language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight"]
+    assert w1.dtype == torch.bfloat16 and w1.shape == (64, 64)
+    assert out["language_model.model.layers.0.self_attn.A_log"].dtype == torch.float32
+    assert out["language_model.model.layers.1.self_attention_res_proj.weight"].shape == (1, 192)
+    assert "language_model.model.layers.1.block_sparse_moe.routed_expert_norm.weight" in out
+    ids = torch.randint(0, 512, (1, 7))
+    with torch.no_grad():
+        a = quietly(CausalLM.from_pretrained, tmp_path / "src").eval()(ids)
+        b = CausalLM.from_pretrained(tmp_path / "out").eval()(ids)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_k3_checkpoint_exports_to_the_published_layout(tmp_path):
+    torch.manual_seed(0)
+    from k3.models import get_config
+
+    model = CausalLM(get_config("kimi-k3-tiny", vocab_size=256)).eval()
+    model.save_pretrained(tmp_path / "k3")
+    export(tmp_path / "k3", tmp_path / "out", format="kimi-k3", quantize="mxfp4")
+    again = CausalLM.from_pretrained(tmp_path / "out").eval()
+    assert again.config == model.config.replace(name="kimi-k3")
+    ids = torch.randint(0, 256, (1, 9))
+    with torch.no_grad():  # experts now MXFP4, the rest bf16: close, not equal
+        rel = ((again(ids) - model(ids)).norm() / model(ids).norm()).item()
+    assert rel < 0.05
+    with pytest.raises(ValueError, match="`quantize` must be one of"):
+        export(tmp_path / "k3", tmp_path / "bad", format="kimi-linear", quantize="mxfp4")
