@@ -42,15 +42,25 @@ def causal_attention(q, k, v, scale: float, start: torch.Tensor | None = None):
     q [B, T, H, K] sits at slots S - T ... S - 1 of k [B, S, H, K] and v [B, S, H, V] (the cache
     followed by this call's tokens); query i attends to slots <= S - T + i, and, with `start` [B], to
     none before start[b] (see `causal_mask`). Computed in the accumulation dtype (float32, float64 for
-    float64 inputs). Returns o [B, T, H, V] in q's dtype."""
+    float64 inputs). Returns o [B, T, H, V] in q's dtype.
+
+    Keys and values of different head sizes (MLA: K = dn + dr, V = dv) are zero-padded to one size:
+    the fused kernel, which never holds the [T, S] scores of a head, takes only one; without it the
+    scores of every head are materialised (quadratic memory in a long prefill). Zero columns change
+    neither the scores (the scale is given) nor the kept output columns."""
     T, S = q.shape[1], k.shape[1]
+    K, V = q.shape[-1], v.shape[-1]
     dtype = compute_dtype(q.dtype)
     qh, kh, vh = (cast(x, dtype).transpose(1, 2) for x in (q, k, v))  # [B, H, T or S, d]
+    if V < K:
+        vh = F.pad(vh, (0, K - V))
+    elif K < V:
+        qh, kh = F.pad(qh, (0, V - K)), F.pad(kh, (0, V - K))
     if T == S and start is None:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     else:
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_mask(T, S, start, q.device), scale=scale)
-    return cast(o.transpose(1, 2), q.dtype)
+    return cast(o[..., :V].transpose(1, 2), q.dtype)
 
 
 def attention(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
