@@ -142,9 +142,11 @@ def inference_unless_grad(*tensors: torch.Tensor | None):
 def nonfinite_onwards(*xs: torch.Tensor | None) -> torch.Tensor | None:
     """[N, T, H] bool: the positions at and after the first NaN or inf in any of xs ([N, T, H, ...] each;
     None entries skipped) in their sequence and head. None when every value is finite: the common case
-    costs one sum per tensor and one read-back (a finite sum that overflows only takes the slow path)."""
+    costs one sum per tensor and one read-back (a finite sum that overflows only takes the slow path).
+    Always None while torch.compile traces (`--compile` training), where the read-back would break the
+    graph and a non-finite loss ends the run anyway."""
     xs = [x for x in xs if x is not None]
-    if not xs or bool(torch.isfinite(sum(x.sum() for x in xs))):
+    if not xs or torch.compiler.is_compiling() or bool(torch.isfinite(sum(x.sum() for x in xs))):
         return None
     bad = None
     for x in xs:
