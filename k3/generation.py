@@ -1,4 +1,8 @@
-"""Sampling and generation through the hybrid cache: one chunked prefill, then one recurrent step per token.
+"""Sampling and generation through the hybrid cache: a chunked prefill, then one recurrent step per token.
+
+A long prompt is prefilled a piece at a time (`k3.models.model.PREFILL_PIECE` tokens), each piece after
+the cache the previous one left: memory grows linearly with the prompt, and only the last position's
+logits are computed.
 
 Prompts of different lengths (a list) are prefilled without padding, each length's prompts as one
 batch, and their caches joined (`HybridCache.concat`): no padding token enters a recurrent state or a
@@ -55,25 +59,46 @@ def as_prompt_list(prompts, device=None) -> list[torch.Tensor]:
     return out
 
 
-def prefill(model, prompts: Prompts):
+def check_positions(model, lengths: Sequence[int], max_new_tokens: int = 1) -> None:
+    """A model with learned positions (GPT-2: `max_position_embeddings`) must fit every prompt and the
+    tokens fed back after it (max_new_tokens - 1: the last one is only sampled); a clear error if not."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if not positions:
+        return
+    longest = max(lengths)
+    index = list(lengths).index(longest)
+    which = "the prompt" if len(lengths) == 1 else f"prompt {index}"
+    if longest > positions:
+        raise ValueError(f"generate: {which} has {longest} tokens; {model.config.name!r} has learned positions "
+                         f"for {positions} tokens (max_position_embeddings): shorten it to at most {positions}")
+    if longest + max_new_tokens - 1 > positions:
+        raise ValueError(f"generate: {which} has {longest} tokens and `max_new_tokens` is {max_new_tokens}, "
+                         f"{longest + max_new_tokens - 1} positions in all; {model.config.name!r} has learned "
+                         f"positions for {positions}: ask for at most {positions - longest + 1} new tokens")
+
+
+def prefill(model, prompts: Prompts, max_new_tokens: int = 1):
     """Run the prompts into a new cache: ([B] logits of each prompt's last position, the cache).
 
     A [B, T] tensor is one batched prefill. A list of prompts of different lengths is prefilled one
     length at a time (the prompts of equal length as one batch) and the caches joined in the list's
-    order (`HybridCache.concat`), so no row ever sees another's padding."""
+    order (`HybridCache.concat`), so no row ever sees another's padding. Each prefill runs in pieces
+    (see the module docstring). `max_new_tokens`: how many tokens will follow, for the position check."""
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() != 2 or prompts.shape[1] == 0:
             raise ValueError(f"generate: the prompt `input_ids` must be [B, T] with T >= 1, got {list(prompts.shape)}")
+        check_positions(model, [prompts.shape[1]], max_new_tokens)
         cache = model.new_cache(prompts.shape[0])
-        return model(prompts, cache=cache)[:, -1], cache
+        return model(prompts, cache=cache, logits_to_keep=1)[:, -1], cache
     prompts = as_prompt_list(prompts, device=next(model.parameters()).device)  # where the model runs
+    check_positions(model, [p.numel() for p in prompts], max_new_tokens)
     by_length: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         by_length.setdefault(p.numel(), []).append(i)
     caches, logits, order = [], [], []
     for rows in by_length.values():
         cache = model.new_cache(len(rows))
-        logits.append(model(torch.stack([prompts[i] for i in rows]), cache=cache)[:, -1])
+        logits.append(model(torch.stack([prompts[i] for i in rows]), cache=cache, logits_to_keep=1)[:, -1])
         caches.append(cache)
         order += rows
     cache = caches[0] if len(caches) == 1 else type(caches[0]).concat(caches)
@@ -93,7 +118,7 @@ def stream(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 
     of any lengths."""
     if max_new_tokens < 0:
         raise ValueError(f"generate: `max_new_tokens` must be >= 0, got {max_new_tokens}")
-    logits, cache = prefill(model, input_ids)
+    logits, cache = prefill(model, input_ids, max(max_new_tokens, 1))
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     for step in range(max_new_tokens):
         token = sample(logits, temperature, top_k, top_p, generator)

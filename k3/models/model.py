@@ -32,6 +32,10 @@ from .config import ModelConfig
 from .kinds import FFNS, MIXERS
 from .loss import head_cross_entropy
 
+# Tokens per forward when a long input runs into a cache: prefill memory grows linearly with the prompt
+# (the recurrent states are fixed; attention scores are at most a piece of queries by the cached keys).
+PREFILL_PIECE = 2048
+
 
 def build_norm(config: ModelConfig, dim: int) -> nn.Module:
     if config.norm == "layernorm":
@@ -247,26 +251,52 @@ class CausalLM(nn.Module):
         return HybridCache(self.config, batch_size)
 
     def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None, *,
-                targets: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
+                targets: torch.Tensor | None = None, reduction: str = "mean", logits_to_keep: int = 0,
+                prefill_piece: int | None = None) -> torch.Tensor:
         """input_ids [B, T] (int64) -> logits [B, T, vocab_size]. With `cache`, continue after the tokens
-        it has seen and leave the new state in it (T > 1: chunked prefill; T = 1: recurrent decode step).
+        it has seen and leave the new state in it (T > 1: chunked prefill, `prefill_piece` tokens at a
+        time, default PREFILL_PIECE; T = 1: recurrent decode step). `logits_to_keep` n > 0 returns the
+        logits of the last n positions only (transformers' name; 0: all).
 
         With `targets` [B, T] (the next token at each position; IGNORE_INDEX = -100 where none counts),
         return instead the cross-entropy ("mean" over the counted tokens, or "sum"), computed without the
         whole logits (`k3.models.loss.head_cross_entropy`): what training calls, under DDP and FSDP too."""
         self._check_input(input_ids, cache)
-        past = 0 if cache is None else cache.length
-        hidden = self.model(input_ids, None if cache is None else cache.layers, past,
-                            None if cache is None else cache.pad)
-        if cache is not None:
-            cache.length += input_ids.shape[1]
-        if targets is None:
-            return self.lm_head(hidden)
-        if cache is not None or targets.shape != input_ids.shape:
-            raise ValueError(f"CausalLM: `targets` must be [B, T] like `input_ids` {list(input_ids.shape)} and "
-                             f"come without a cache, got {list(targets.shape)}"
-                             + (" with a cache" if cache is not None else ""))
-        return head_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, targets, reduction)
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"CausalLM: `logits_to_keep` must be an int >= 0 (0: all), got {logits_to_keep!r}")
+        if targets is not None:
+            if cache is not None or targets.shape != input_ids.shape:
+                raise ValueError(f"CausalLM: `targets` must be [B, T] like `input_ids` {list(input_ids.shape)} "
+                                 f"and come without a cache, got {list(targets.shape)}"
+                                 + (" with a cache" if cache is not None else ""))
+            hidden = self.model(input_ids, None, 0)
+            return head_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, targets, reduction)
+        if cache is None:
+            hidden = self.model(input_ids, None, 0)
+        else:
+            hidden = self._through_cache(input_ids, cache, logits_to_keep, self._piece(prefill_piece))
+        return self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+
+    @staticmethod
+    def _piece(prefill_piece: int | None) -> int:
+        piece = PREFILL_PIECE if prefill_piece is None else prefill_piece
+        if isinstance(piece, bool) or not isinstance(piece, int) or piece < 1:
+            raise ValueError(f"CausalLM: `prefill_piece` must be a positive int (tokens per prefill forward), "
+                             f"got {piece!r}")
+        return piece
+
+    def _through_cache(self, input_ids: torch.Tensor, cache: HybridCache, keep: int, piece: int) -> torch.Tensor:
+        """The final hidden states of input_ids [B, T] after the tokens in `cache`, run `piece` tokens at a
+        time, each piece after the cache the previous one left: [B, T, d], or with keep > 0 at least the
+        last `keep` positions (the hidden states of earlier pieces are dropped as soon as they are not
+        needed)."""
+        hidden: list[torch.Tensor] = []
+        for ids in input_ids.split(piece, dim=1) if input_ids.shape[1] > piece else (input_ids,):
+            hidden.append(self.model(ids, cache.layers, cache.length, cache.pad))
+            cache.length += ids.shape[1]
+            while keep and len(hidden) > 1 and sum(h.shape[1] for h in hidden[1:]) >= keep:
+                hidden.pop(0)
+        return hidden[0] if len(hidden) == 1 else torch.cat(hidden, dim=1)
 
     def _check_input(self, input_ids: torch.Tensor, cache: HybridCache | None) -> None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:

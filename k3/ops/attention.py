@@ -17,7 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import cast, check_cu_seqlens, check_qkv, check_scale, check_tensor, compute_dtype, l2norm, run_packed
+from .common import (
+    cast, check_cu_seqlens, check_qkv, check_scale, check_tensor, compute_dtype, keep_causal, l2norm, nonfinite_onwards,
+    run_packed,
+)
 
 
 def causal_mask(T: int, S: int, start: torch.Tensor | None = None, device=None) -> torch.Tensor | None:
@@ -42,15 +45,40 @@ def causal_attention(q, k, v, scale: float, start: torch.Tensor | None = None):
     q [B, T, H, K] sits at slots S - T ... S - 1 of k [B, S, H, K] and v [B, S, H, V] (the cache
     followed by this call's tokens); query i attends to slots <= S - T + i, and, with `start` [B], to
     none before start[b] (see `causal_mask`). Computed in the accumulation dtype (float32, float64 for
-    float64 inputs). Returns o [B, T, H, V] in q's dtype."""
+    float64 inputs). Returns o [B, T, H, V] in q's dtype.
+
+    Keys and values of different head sizes (MLA: K = dn + dr, V = dv) are zero-padded to one size:
+    the fused kernel, which never holds the [T, S] scores of a head, takes only one; without it the
+    scores of every head are materialised (quadratic memory in a long prefill). Zero columns change
+    neither the scores (the scale is given) nor the kept output columns. A NaN or inf among this
+    call's keys or values reaches no earlier query (`k3.ops.common.keep_causal`)."""
     T, S = q.shape[1], k.shape[1]
     dtype = compute_dtype(q.dtype)
-    qh, kh, vh = (cast(x, dtype).transpose(1, 2) for x in (q, k, v))  # [B, H, T or S, d]
+    qf, kf, vf = (cast(x, dtype) for x in (q, k, v))
+    # a NaN or inf among this call's keys or values reaches no earlier query (k3.ops.common.keep_causal)
+    onwards = None if T == 1 else nonfinite_onwards(kf[:, S - T:], vf[:, S - T:])
+    o = _fused_attention(qf, kf, vf, scale, start)
+    o = keep_causal(o, onwards, lambda zero: _fused_attention(
+        qf, torch.cat([kf[:, : S - T], zero(kf[:, S - T:])], 1), torch.cat([vf[:, : S - T], zero(vf[:, S - T:])], 1),
+        scale, start))
+    return cast(o, q.dtype)
+
+
+def _fused_attention(q, k, v, scale: float, start: torch.Tensor | None) -> torch.Tensor:
+    """`causal_attention` of inputs in the accumulation dtype, by torch's fused kernel (keys and values
+    padded to one head size)."""
+    T, S = q.shape[1], k.shape[1]
+    K, V = q.shape[-1], v.shape[-1]
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, T or S, d]
+    if V < K:
+        vh = F.pad(vh, (0, K - V))
+    elif K < V:
+        qh, kh = F.pad(qh, (0, V - K)), F.pad(kh, (0, V - K))
     if T == S and start is None:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     else:
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_mask(T, S, start, q.device), scale=scale)
-    return cast(o.transpose(1, 2), q.dtype)
+    return o[..., :V].transpose(1, 2)
 
 
 def attention(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,

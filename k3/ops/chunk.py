@@ -35,7 +35,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from .common import inference_unless_grad
+from .common import inference_unless_grad, keep_causal, nonfinite_onwards
 from .numerics import DECAY_FLUSH, FACTOR_EXP_LIMIT, LOG_DECAY_FLOOR, decay_exp
 from .ut import BlockLower
 
@@ -197,8 +197,18 @@ def chunk_delta(q, k, v, beta, *, g=None, initial_state=None, scale: float, chun
 
     q, k [N,T,H,K]; v [N,T,H,V]; beta [N,T,H]; g None (DeltaNet), [N,T,H] (Gated DeltaNet) or
     [N,T,H,K] (KDA) log decay; initial_state None or [N,H,K,V].
-    Returns (o [N,T,H,V], final state [N,H,K,V]), ordinary tensors even when run in inference mode."""
-    S0 = initial_state
+    Returns (o [N,T,H,V], final state [N,H,K,V]), ordinary tensors even when run in inference mode.
+
+    A NaN or inf in k, v or beta reaches no earlier output (`k3.ops.common.keep_causal`; q only ever
+    reaches its own row, and g is a validated log decay whose -inf is clamped)."""
+    onwards = nonfinite_onwards(k, v, beta)
+    o, S = _chunk_delta(q, k, v, beta, g, initial_state, scale, chunk_size)
+    return keep_causal(o, onwards, lambda zero: _chunk_delta(q, zero(k), zero(v), zero(beta), zero(g),
+                                                              initial_state, scale, chunk_size)[0]), S
+
+
+def _chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int):
+    """`chunk_delta` for inputs whose rows are taken as they are."""
     N, T, H, K = q.shape
     V = v.shape[-1]
     if T == 0:

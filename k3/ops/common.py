@@ -4,6 +4,13 @@ Every op takes `[B, T, H, K]` inputs (DESIGN.md §1). The helpers here validate 
 accumulation dtype (float32, or float64 for float64 inputs), and turn packed variable-length input
 (`cu_seqlens`, B = 1) into a padded batch `[N, T_max, ...]` and back. Padding is *neutral*: k = v = 0,
 beta = 0 and g = 0, so a padded step leaves the recurrent state exactly as it was.
+
+Non-finite inputs. The chunkwise forms mix the rows of a chunk in matmuls and triangular solves, where a
+zero coefficient times a NaN or inf of a *later* row is NaN: without care, a bad value at position p
+would reach the outputs before p, which the recurrence never lets happen. `nonfinite_onwards` finds the
+positions at and after the first bad value (one sum per input and one read-back when all are finite);
+a chunk form then runs once more with neutral steps there (`zero_onwards`) and takes the outputs before
+p from that run (`keep_causal`).
 """
 
 from __future__ import annotations
@@ -130,6 +137,42 @@ def inference_unless_grad(*tensors: torch.Tensor | None):
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return contextlib.nullcontext()
     return torch.inference_mode()
+
+
+def nonfinite_onwards(*xs: torch.Tensor | None) -> torch.Tensor | None:
+    """[N, T, H] bool: the positions at and after the first NaN or inf in any of xs ([N, T, H, ...] each;
+    None entries skipped) in their sequence and head. None when every value is finite: the common case
+    costs one sum per tensor and one read-back (a finite sum that overflows only takes the slow path).
+    Always None while torch.compile traces (`--compile` training), where the read-back would break the
+    graph and a non-finite loss ends the run anyway."""
+    xs = [x for x in xs if x is not None]
+    if not xs or torch.compiler.is_compiling() or bool(torch.isfinite(sum(x.sum() for x in xs))):
+        return None
+    bad = None
+    for x in xs:
+        flags = ~torch.isfinite(x)
+        flags = flags.flatten(3).any(-1) if x.dim() > 3 else flags
+        bad = flags if bad is None else bad | flags
+    onwards = bad.cumsum(dim=1) > 0
+    return onwards if bool(onwards.any()) else None
+
+
+def zero_onwards(onwards: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor | None:
+    """x [N, T, H, ...] with 0 (a neutral step: k = v = beta = g = 0) where onwards [N, T, H] is set."""
+    if x is None:
+        return None
+    return torch.where(onwards.view(*onwards.shape, *([1] * (x.dim() - 3))), 0.0, x)
+
+
+def keep_causal(o: torch.Tensor, onwards: torch.Tensor | None, rerun) -> torch.Tensor:
+    """o [N, T, H, V] of a chunk form, with the outputs before the first non-finite input (`onwards`, from
+    `nonfinite_onwards`) taken from `rerun(zero)`, the same form run on inputs passed through `zero`
+    (`zero_onwards` with those positions), so that no later value reaches them. o as it is when all
+    inputs were finite."""
+    if onwards is None:
+        return o
+    before = rerun(lambda x: zero_onwards(onwards, x))
+    return torch.where(onwards.unsqueeze(-1), o, before)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

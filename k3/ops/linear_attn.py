@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .common import (
     cast, check_chunk_size, check_cu_seqlens, check_qkv, check_scale, check_state, compute_dtype, from_chunks,
-    l2norm, run_packed, to_chunks,
+    keep_causal, l2norm, nonfinite_onwards, run_packed, to_chunks,
 )
 
 
@@ -41,7 +41,15 @@ def _recurrence(q, k, v1, S0):
 
 def _chunked(q, k, v1, S0, chunk_size):
     """Chunkwise: O = Q S_n + tril(Q K^T) V1 per chunk, with S_n = S_0 + sum of K_m^T V1_m over the
-    earlier chunks m < n (one cumulative sum, no loop). Same arguments and result as `_recurrence`."""
+    earlier chunks m < n (one cumulative sum, no loop). Same arguments and result as `_recurrence`;
+    a NaN or inf in k or v reaches no earlier output (`k3.ops.common.keep_causal`)."""
+    onwards = nonfinite_onwards(k, v1)
+    o, S = _chunk_form(q, k, v1, S0, chunk_size)
+    return keep_causal(o, onwards, lambda zero: _chunk_form(q, zero(k), zero(v1), S0, chunk_size)[0]), S
+
+
+def _chunk_form(q, k, v1, S0, chunk_size):
+    """`_chunked` for inputs whose rows are taken as they are."""
     N, T, H, K = q.shape
     V1 = v1.shape[-1]
     S0 = q.new_zeros(N, H, K, V1) if S0 is None else S0
@@ -54,8 +62,7 @@ def _chunked(q, k, v1, S0, chunk_size):
     qc, kc, vc = to_chunks(q, C), to_chunks(k, C), to_chunks(v1, C)  # [n, M, C, d]
     increments = kc.transpose(-1, -2) @ vc  # K_n^T V_n  [n, M, K, V1]
     states = torch.cat([S0.reshape(1, N * H, K, V1), increments]).cumsum(0)  # S at each chunk start
-    mask = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()
-    o = qc @ states[:-1] + ((qc @ kc.transpose(-1, -2)) * mask) @ vc
+    o = qc @ states[:-1] + (qc @ kc.transpose(-1, -2)).tril_() @ vc
     return from_chunks(o, N, H)[:, :T], states[-1].view(N, H, K, V1)
 
 
