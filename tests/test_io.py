@@ -34,7 +34,7 @@ def test_atomic_write_files_renames_only_when_all_are_written(tmp_path):
     with pytest.raises(OSError, match="No space"):
         atomic_write_files(tmp_path / "ckpt", {"a": lambda t: Path(t).write_text("a2"), "b": fails})
     folder = tmp_path / "ckpt"
-    assert sorted(p.name for p in folder.iterdir()) == ["a", "b"]
+    assert sorted(p.name for p in folder.iterdir()) == [".k3-manifest.json", "a", "b"]
     assert (folder / "a").read_text() == "a1" and (folder / "b").read_text() == "b1"
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..io import atomic_write_files
+from ..io import CheckpointError, atomic_write_files, checked_folder
 from .config import ModelConfig
 
 
@@ -130,10 +130,14 @@ def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: st
 
 def read_pretrained(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The config described by path/config.json and its weights under k3's names (k3 or Kimi layout),
-    ready for `load_into` (`CausalLM.from_pretrained`)."""
+    ready for `load_into` (`CausalLM.from_pretrained`). The files are checked against the folder's
+    manifest where k3 wrote one (`k3.io.checked_folder`), and a k3 training checkpoint's config and
+    weights must come from the same step."""
     directory = Path(path)
-    config, native = read_config(directory)
-    state = read_safetensors(directory)
+    with checked_folder(directory, WEIGHT_FILES):
+        config, native = read_config(directory)
+        state = read_safetensors(directory)
+        _check_same_step(directory)
     if not native:
         state = convert_kimi_state_dict(state, config)
     elif state and all(k.startswith("k3.") for k in state):  # saved by k3.hf.K3ForCausalLM (transformers)
@@ -141,12 +145,37 @@ def read_pretrained(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, tor
     return config, restore_tied_head(state, config.tie_word_embeddings)
 
 
+WEIGHT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json")  # what read_pretrained reads
+
+
+def _check_same_step(directory: Path) -> None:
+    from safetensors import safe_open
+
+    weights = directory / "model.safetensors"
+    config_step = json.loads((directory / "config.json").read_text()).get("step")
+    if config_step is None or not weights.exists():
+        return
+    with safe_open(weights, "pt") as f:
+        weights_step = (f.metadata() or {}).get("step")
+    if weights_step is not None and int(weights_step) != config_step:
+        raise CheckpointError(f"{directory}: config.json is from step {config_step} but model.safetensors from step "
+                              f"{weights_step}: the files come from different saves. Restore the checkpoint from "
+                              f"a copy")
+
+
 def save_pretrained(model, path: str | os.PathLike) -> None:
-    """Write path/model.safetensors and path/config.json (k3 layout); both are complete before either
-    replaces an earlier file (`k3.io.atomic_write_files`)."""
+    """Write path/model.safetensors and path/config.json (k3 layout) as one set (`k3.io.atomic_write_files`):
+    a failure raises CheckpointError and leaves the folder's earlier files as they were."""
     from safetensors.torch import save_file
 
     state = weights_to_save(model)
     config = json.dumps({"k3": model.config.to_dict()}, indent=2)
-    atomic_write_files(path, {"model.safetensors": lambda tmp: save_file(state, tmp, metadata={"format": "pt"}),
-                              "config.json": lambda tmp: Path(tmp).write_text(config)})
+    try:
+        atomic_write_files(path, {"model.safetensors": lambda tmp: save_file(state, tmp, metadata={"format": "pt"}),
+                                  "config.json": lambda tmp: Path(tmp).write_text(config)})
+    except CheckpointError:
+        raise
+    except Exception as e:  # a full disk reaches us as OSError or SafetensorError
+        detail = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"could not save the model to {path}: {detail}; the files there before (if any) "
+                              f"are intact") from e
