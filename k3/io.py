@@ -15,7 +15,9 @@ single rename can swap it. It is committed through a journal:
 2. the journal `.k3-commit.json` is written atomically, listing each temporary -> final name with the
    file's size and sha256: its appearance is the commit point;
 3. the temporaries are renamed into place, the manifest `.k3-manifest.json` (the names, sizes and
-   hashes, and the checkpoint's step) is written atomically, and the journal is removed.
+   hashes, and the checkpoint's step) is written atomically, and the journal is removed. Training
+   checkpoints start a manifest; sets written for other programs (`save_pretrained`, an export) do
+   not, but keep one already in the folder true to its files.
 
 The next writer and every reader first `recover` the folder: a journal means a save died after its
 commit point, and its renames are finished (roll forward); without one, the temporaries of a save
@@ -172,12 +174,15 @@ def describe(path: str | os.PathLike) -> dict:
     return {"size": os.path.getsize(path), "sha256": sha.hexdigest()}
 
 
-def atomic_write_files(folder: str | os.PathLike, writers: dict[str, Writer], step: int | None = None) -> None:
+def atomic_write_files(folder: str | os.PathLike, writers: dict[str, Writer], step: int | None = None,
+                       manifest: bool = False) -> None:
     """Write every file `name` of `writers` in `folder` (created if needed) with writer(tmp_path), and
-    make them current together (the journal of the module's docstring); `step` goes in the manifest.
-    A failure while writing removes the temporaries, leaves the folder's files as they were and
-    raises the writer's error; a failure after the commit point raises CheckpointError, and the new
-    files are put in place at the next read or save."""
+    make them current together (the journal of the module's docstring). With `manifest` the folder's
+    manifest becomes these files (and `step`): a k3 training checkpoint. Without it no manifest is
+    started (a folder for other programs, e.g. `save_pretrained`'s), but one already there is updated
+    with the new files. A failure while writing removes the temporaries, leaves the folder's files as
+    they were and raises the writer's error; a failure after the commit point raises CheckpointError,
+    and the new files are put in place at the next read or save."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     with folder_lock(folder):
@@ -190,7 +195,7 @@ def atomic_write_files(folder: str | os.PathLike, writers: dict[str, Writer], st
                 _settle(tmp)
             files = {name: {"from": Path(tmp).name, **describe(tmp)} for name, tmp in temps.items()}
             _sync_folder(folder)
-            write_json(folder / JOURNAL, {"step": step, "files": files})  # the commit point
+            write_json(folder / JOURNAL, {"step": step, "manifest": manifest, "files": files})  # the commit point
         except BaseException:
             if (folder / JOURNAL).exists():  # interrupted just after the commit point: the new set stands
                 _roll_forward(folder)
@@ -227,7 +232,10 @@ def _roll_forward(folder: Path) -> None:
                                       f"incomplete (restore it from a copy)")
         _sync_folder(folder)
         files = {name: {"size": e["size"], "sha256": e["sha256"]} for name, e in journal["files"].items()}
-        write_json(folder / MANIFEST, {"step": journal["step"], "files": files})
+        if journal["manifest"]:
+            write_json(folder / MANIFEST, {"step": journal["step"], "files": files})
+        elif (folder / MANIFEST).exists():  # keep an earlier manifest true to the files it lists
+            _update_manifest(folder, files)
         os.unlink(journal_path)
         _sync_folder(folder)
     except CheckpointError:
@@ -237,6 +245,16 @@ def _roll_forward(folder: Path) -> None:
         raise CheckpointError(f"{folder}: a save was committed (its journal {JOURNAL} is there) but could not be "
                               f"put in place: {detail}. Make the folder writable and load or save it again to "
                               f"complete it") from e
+
+
+def _update_manifest(folder: Path, files: dict) -> None:
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest["files"].update(files)
+    except (ValueError, KeyError, TypeError, AttributeError):  # unreadable: it cannot vouch for anything
+        os.unlink(folder / MANIFEST)
+        return
+    write_json(folder / MANIFEST, manifest)
 
 
 def recover(folder: str | os.PathLike) -> None:

@@ -40,7 +40,7 @@ def test_atomic_write_files_renames_only_when_all_are_written(tmp_path):
     with pytest.raises(OSError, match="No space"):
         atomic_write_files(tmp_path / "ckpt", {"a": lambda t: Path(t).write_text("a2"), "b": fails})
     folder = tmp_path / "ckpt"
-    assert sorted(p.name for p in folder.iterdir()) == [".k3-manifest.json", "a", "b"]
+    assert sorted(p.name for p in folder.iterdir()) == ["a", "b"]
     assert (folder / "a").read_text() == "a1" and (folder / "b").read_text() == "b1"
 
 
@@ -69,7 +69,8 @@ def _umask() -> int:
 def _interrupted_after_the_commit(folder: Path, monkeypatch) -> None:
     """Leave `folder` as a save that died just after writing its journal: "a" and "b" at version 1 in
     place, version 2 in temporaries named by the journal."""
-    atomic_write_files(folder, {"a": lambda t: Path(t).write_text("a1"), "b": lambda t: Path(t).write_text("b1")}, step=1)
+    atomic_write_files(folder, {"a": lambda t: Path(t).write_text("a1"), "b": lambda t: Path(t).write_text("b1")}, step=1,
+                       manifest=True)
 
     def died(folder):
         raise KeyboardInterrupt
@@ -78,7 +79,7 @@ def _interrupted_after_the_commit(folder: Path, monkeypatch) -> None:
         patch.setattr(k3.io, "_roll_forward", died)
         with pytest.raises(KeyboardInterrupt):
             atomic_write_files(folder, {"a": lambda t: Path(t).write_text("a22"), "b": lambda t: Path(t).write_text("b2")},
-                               step=2)
+                               step=2, manifest=True)
     assert (folder / JOURNAL).exists() and (folder / "a").read_text() == "a1"
 
 
@@ -108,7 +109,7 @@ def test_a_committed_save_in_a_read_only_folder_is_a_clear_error(tmp_path, monke
 
 def test_an_uncommitted_saves_temporaries_are_removed_by_the_next_reader_or_writer(tmp_path):
     folder = tmp_path / "ckpt"
-    atomic_write_files(folder, {"a": lambda t: Path(t).write_text("a1")})
+    atomic_write_files(folder, {"a": lambda t: Path(t).write_text("a1")}, manifest=True)
     (folder / ".a.k3-x1y2z3w4.tmp").write_text("half of a2")  # left by a save killed before its commit
     (folder / ".notes.tmp").write_text("the user's")
     with checked_folder(folder):
@@ -121,7 +122,8 @@ def test_an_uncommitted_saves_temporaries_are_removed_by_the_next_reader_or_writ
 
 def test_a_file_that_differs_from_the_manifest_is_refused_by_name(tmp_path):
     folder = tmp_path / "ckpt"
-    atomic_write_files(folder, {"a": lambda t: Path(t).write_text("a1"), "b": lambda t: Path(t).write_text("b1")}, step=7)
+    atomic_write_files(folder, {"a": lambda t: Path(t).write_text("a1"), "b": lambda t: Path(t).write_text("b1")}, step=7,
+                       manifest=True)
     (folder / "b").write_text("b2")
     with pytest.raises(CheckpointError, match=rf"{folder / 'b'} has sha256 .*, its manifest says .*: the checkpoint's "
                                               r"files are not the ones the save at step 7 wrote together"):
@@ -137,13 +139,23 @@ def test_a_file_that_differs_from_the_manifest_is_refused_by_name(tmp_path):
     assert check_manifest(folder) is None
 
 
+def test_a_manifest_is_kept_true_by_a_save_that_does_not_start_one(tmp_path):
+    folder = tmp_path / "ckpt"
+    atomic_write_files(folder, {"a": lambda t: Path(t).write_text("a1")})
+    assert not (folder / MANIFEST).exists()
+    atomic_write_files(folder, {"a": lambda t: Path(t).write_text("a1"), "b": lambda t: Path(t).write_text("b1")},
+                       step=3, manifest=True)
+    atomic_write_files(folder, {"b": lambda t: Path(t).write_text("b22")})  # save_pretrained over a checkpoint
+    assert check_manifest(folder)["files"]["b"]["size"] == 3
+
+
 def test_a_set_of_files_gets_the_permissions_open_gives(tmp_path):
     from safetensors.torch import save_file
 
     previous = os.umask(0o027)
     try:
         atomic_write_files(tmp_path / "ckpt", {"w.safetensors": lambda t: save_file({"x": torch.zeros(2)}, t),
-                                               "c.json": lambda t: Path(t).write_text("{}")})
+                                               "c.json": lambda t: Path(t).write_text("{}")}, manifest=True)
     finally:
         os.umask(previous)
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "ckpt").iterdir()}

@@ -67,7 +67,7 @@ def save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step: int, m
     }
     _refuse_non_finite(state, out, step)
     try:
-        atomic_write_files(out, writers, step=step)
+        atomic_write_files(out, writers, step=step, manifest=True)
     except CheckpointError:
         raise
     except Exception as e:  # a full disk reaches us as OSError, SafetensorError or torch's RuntimeError
