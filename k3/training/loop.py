@@ -119,7 +119,7 @@ def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: 
                 except NonFiniteLossError as e:
                     bar.close()
                     raise NonFiniteLossError(
-                        f"k3 train: step {step + 1}: {e}; stopped there without saving it (the checkpoint in "
+                        f"step {step + 1}: {e}; stopped there without saving it (the checkpoint in "
                         f"{out}, if any, is from before). Lower --lr or raise --warmup, then resume or start "
                         f"again") from None
                 if step >= 2:  # the first two steps warm up allocators and caches: not timed
