@@ -57,6 +57,9 @@ Writer = Callable[[str], object]  # writes the file at the path it is given
 JOURNAL = ".k3-commit.json"
 MANIFEST = ".k3-manifest.json"
 _TEMPORARY = re.compile(r"^\..+\.k3-[^.]+\.tmp$")  # the names temp_beside gives
+# and those it gave a checkpoint's files before it marked them "k3-" (mkstemp's 8 random characters)
+_EARLIER_TEMPORARY = re.compile(r"^\.(model\.safetensors|config\.json|tokenizer\.json|trainer_state\.pt|loss\.png)"
+                                r"\.[a-z0-9_]{8}\.tmp$")
 
 
 class CheckpointError(OSError):
@@ -267,7 +270,7 @@ def recover(folder: str | os.PathLike) -> None:
     if (folder / JOURNAL).exists():
         _roll_forward(folder)
     for leftover in folder.iterdir():
-        if _TEMPORARY.match(leftover.name) and leftover.is_file():
+        if (_TEMPORARY.match(leftover.name) or _EARLIER_TEMPORARY.match(leftover.name)) and leftover.is_file():
             with contextlib.suppress(OSError):
                 leftover.unlink()
 

@@ -111,6 +111,7 @@ def test_an_uncommitted_saves_temporaries_are_removed_by_the_next_reader_or_writ
     folder = tmp_path / "ckpt"
     atomic_write_files(folder, {"a": lambda t: Path(t).write_text("a1")}, manifest=True)
     (folder / ".a.k3-x1y2z3w4.tmp").write_text("half of a2")  # left by a save killed before its commit
+    (folder / ".model.safetensors.x1y2z3w4.tmp").write_text("?")  # by one of an earlier k3
     (folder / ".notes.tmp").write_text("the user's")
     with checked_folder(folder):
         pass

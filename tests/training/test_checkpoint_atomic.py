@@ -231,8 +231,9 @@ SAVER = textwrap.dedent("""
 
     for i, state in enumerate(saves):
         save(state, sys.argv[1] + f".ref{i}")
+    save(saves[0], sys.argv[1])  # a checkpoint to start from (a kill during the first save leaves none)
     print("ready", flush=True)
-    i = 0
+    i = 1
     while True:
         save(saves[i % len(saves)], sys.argv[1])
         i += 1
