@@ -1,14 +1,35 @@
-"""Writing files so that a reader never sees a half-written one.
+"""Writing files so that a reader never sees a half-written one, nor a set of files from two saves.
 
 Every file k3 writes (checkpoints, exports, the lab's results and figures, the unpacked corpus) goes
-through this module: the content is written under a temporary name in the target's own folder (the
-same filesystem, so the final `os.replace` is an atomic rename), and the temporary is removed if
-writing fails or is interrupted.
+through this module. Files get the permissions a plain `open()` would give under the user's umask.
 
-- `atomic_write(path, write)`: one file.
-- `atomic_write_files(folder, writers)`: several files; all are written before any is renamed into
-  place, so a failure while writing leaves every old file as it was.
-- `write_json(path, obj)`: a JSON file (the benchmarks' figures).
+One file (`atomic_write`, `write_json`): the content is written under a temporary name in the
+target's own folder (the same filesystem, so the final `os.replace` is an atomic rename), flushed to
+disk and renamed over the target; the temporary is removed if writing fails or is interrupted.
+
+A set of files (`atomic_write_files`, `move_files_into`: a checkpoint, an export) keeps the names
+other programs look for (model.safetensors, config.json, ...) side by side in one folder, so no
+single rename can swap it. It is committed through a journal:
+
+1. each new file is written under a temporary name beside its target and flushed (fsync);
+2. the journal `.k3-commit.json` is written atomically, listing each temporary -> final name with the
+   file's size and sha256: its appearance is the commit point;
+3. the temporaries are renamed into place, the manifest `.k3-manifest.json` (the names, sizes and
+   hashes, and the checkpoint's step) is written atomically, and the journal is removed. Training
+   checkpoints start a manifest; sets written for other programs (`save_pretrained`, an export) do
+   not, but keep one already in the folder true to its files.
+
+The next writer and every reader first `recover` the folder: a journal means a save died after its
+commit point, and its renames are finished (roll forward); without one, the temporaries of a save
+that died before it are removed. A kill at any instant therefore leaves the previous set or the new
+one, never a mix. Readers then compare the files they read with the manifest (`checked_folder`) and
+refuse one that differs, naming it; a folder without a manifest (written before it existed, or by
+another program) is read as it is.
+
+Writers and readers of one folder take turns through a lock on the folder itself (`folder_lock`:
+fcntl.flock of the directory, so no lock file, and it works in a read-only folder), reentrant within
+a process: a reader never recovers a folder while a live process is saving into it.
+
 - `staging_folder(beside)`: a fresh temporary folder beside a target, for writers that produce a
   whole folder (transformers' `save_pretrained`, an unpacked archive); removed on exit.
 """
@@ -16,14 +37,34 @@ writing fails or is interrupted.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; the journal still makes a save all-or-nothing
+    fcntl = None
 
 Writer = Callable[[str], object]  # writes the file at the path it is given
+
+JOURNAL = ".k3-commit.json"
+MANIFEST = ".k3-manifest.json"
+_TEMPORARY = re.compile(r"^\..+\.k3-[^.]+\.tmp$")  # the names temp_beside gives
+# and those it gave a checkpoint's files before it marked them "k3-" (mkstemp's 8 random characters)
+_EARLIER_TEMPORARY = re.compile(r"^\.(model\.safetensors|config\.json|tokenizer\.json|trainer_state\.pt|loss\.png)"
+                                r"\.[a-z0-9_]{8}\.tmp$")
+
+
+class CheckpointError(OSError):
+    """A checkpoint (a set of files) could not be written or read whole; the message names the
+    folder and file, and says what is left on disk."""
 
 
 def _umask() -> int:
@@ -32,32 +73,93 @@ def _umask() -> int:
     return umask
 
 
+def file_mode() -> int:
+    """The permissions `open()` gives a new file under the current umask."""
+    return 0o666 & ~_umask()
+
+
 def temp_beside(path: str | os.PathLike) -> str:
     """A new empty temporary file in path's folder, with the permissions a plain open() would give
     (mkstemp makes it owner-only)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.k3-", suffix=".tmp")
     os.close(fd)
-    os.chmod(tmp, 0o666 & ~_umask())
+    os.chmod(tmp, file_mode())
     return tmp
 
 
-def _remove(paths) -> None:
+def _settle(path: str | os.PathLike) -> None:
+    """Give a written file open()'s permissions (some writers, safetensors, make it owner-only) and
+    flush it to disk."""
+    os.chmod(path, file_mode())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush the folder's entries (renames) to disk, where the filesystem allows it."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _remove(paths: Iterable) -> None:
     for tmp in paths:
-        if os.path.exists(tmp):
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+_held: dict[str, list] = {}  # folder -> [fd or None, depth]: the locks this process holds
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive lock on `folder` (flock of the directory) while the block runs; reentrant
+    within the process. Without a folder, or where the filesystem has no locks, it does nothing."""
+    key = os.path.realpath(folder)
+    if key in _held:
+        _held[key][1] += 1
+        try:
+            yield
+        finally:
+            _held[key][1] -= 1
+        return
+    fd = None
+    if fcntl is not None and os.path.isdir(key):
+        try:
+            fd = os.open(key, os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            if fd is not None:
+                os.close(fd)
+            fd = None
+    _held[key] = [fd, 1]
+    try:
+        yield
+    finally:
+        del _held[key]
+        if fd is not None:
+            os.close(fd)  # releases the lock
 
 
 def atomic_write(path: str | os.PathLike, write: Writer) -> None:
     """Call write(tmp_path) on a temporary file beside `path`, then rename it over `path`: readers see
     the old file or the new one, never a partial one."""
-    tmp = temp_beside(path)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        _remove([tmp])
-        raise
+    with folder_lock(Path(path).parent):
+        tmp = temp_beside(path)
+        try:
+            write(tmp)
+            _settle(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            _remove([tmp])
+            raise
 
 
 def write_json(path: str | os.PathLike, obj, indent: int = 1) -> None:
@@ -66,22 +168,152 @@ def write_json(path: str | os.PathLike, obj, indent: int = 1) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
-def atomic_write_files(folder: str | os.PathLike, writers: dict[str, Writer]) -> None:
-    """Write every file `name` of `writers` in `folder` (created if needed) with writer(tmp_path); only
-    once all are complete are they renamed into place, in the order given. A failure while writing
-    removes the temporaries and leaves the folder's files as they were."""
+def describe(path: str | os.PathLike) -> dict:
+    """{"size": bytes, "sha256": hex digest} of a file."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            sha.update(block)
+    return {"size": os.path.getsize(path), "sha256": sha.hexdigest()}
+
+
+def atomic_write_files(folder: str | os.PathLike, writers: dict[str, Writer], step: int | None = None,
+                       manifest: bool = False) -> None:
+    """Write every file `name` of `writers` in `folder` (created if needed) with writer(tmp_path), and
+    make them current together (the journal of the module's docstring). With `manifest` the folder's
+    manifest becomes these files (and `step`): a k3 training checkpoint. Without it no manifest is
+    started (a folder for other programs, e.g. `save_pretrained`'s), but one already there is updated
+    with the new files. A failure while writing removes the temporaries, leaves the folder's files as
+    they were and raises the writer's error; a failure after the commit point raises CheckpointError,
+    and the new files are put in place at the next read or save."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    temps: dict[str, str] = {}
+    with folder_lock(folder):
+        recover(folder)
+        temps: dict[str, str] = {}
+        try:
+            for name, write in writers.items():
+                temps[name] = tmp = temp_beside(folder / name)
+                write(tmp)
+                _settle(tmp)
+            files = {name: {"from": Path(tmp).name, **describe(tmp)} for name, tmp in temps.items()}
+            _sync_folder(folder)
+            write_json(folder / JOURNAL, {"step": step, "manifest": manifest, "files": files})  # the commit point
+        except BaseException:
+            if (folder / JOURNAL).exists():  # interrupted just after the commit point: the new set stands
+                _roll_forward(folder)
+            else:
+                _remove(temps.values())
+            raise
+        _roll_forward(folder)
+
+
+def move_files_into(staging: str | os.PathLike, folder: str | os.PathLike) -> list[str]:
+    """Move every file of `staging` into `folder` (created if needed) as one set (`atomic_write_files`),
+    with the permissions a plain open() would give; returns their names, sorted."""
+    staging = Path(staging)
+    names = sorted(p.name for p in staging.iterdir())
+
+    def mover(name: str) -> Writer:
+        return lambda tmp: os.replace(staging / name, tmp)
+
+    atomic_write_files(folder, {name: mover(name) for name in names})
+    return names
+
+
+def _roll_forward(folder: Path) -> None:
+    """Finish the save that the folder's journal commits: renames, manifest, journal removed."""
+    journal_path = folder / JOURNAL
     try:
-        for name, write in writers.items():
-            temps[name] = tmp = temp_beside(folder / name)
-            write(tmp)
-    except BaseException:
-        _remove(temps.values())
+        journal = json.loads(journal_path.read_text())
+        for name, entry in journal["files"].items():
+            if os.path.lexists(folder / entry["from"]):
+                os.replace(folder / entry["from"], folder / name)
+            elif not (folder / name).exists():
+                raise CheckpointError(f"{folder}: the journal {JOURNAL} of an interrupted save lists {name}, but "
+                                      f"neither it nor its temporary {entry['from']} is there; the checkpoint is "
+                                      f"incomplete (restore it from a copy)")
+        _sync_folder(folder)
+        files = {name: {"size": e["size"], "sha256": e["sha256"]} for name, e in journal["files"].items()}
+        if journal["manifest"]:
+            write_json(folder / MANIFEST, {"step": journal["step"], "files": files})
+        elif (folder / MANIFEST).exists():  # keep an earlier manifest true to the files it lists
+            _update_manifest(folder, files)
+        os.unlink(journal_path)
+        _sync_folder(folder)
+    except CheckpointError:
         raise
-    for name, tmp in temps.items():
-        os.replace(tmp, folder / name)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        detail = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"{folder}: a save was committed (its journal {JOURNAL} is there) but could not be "
+                              f"put in place: {detail}. Make the folder writable and load or save it again to "
+                              f"complete it") from e
+
+
+def _update_manifest(folder: Path, files: dict) -> None:
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest["files"].update(files)
+    except (ValueError, KeyError, TypeError, AttributeError):  # unreadable: it cannot vouch for anything
+        os.unlink(folder / MANIFEST)
+        return
+    write_json(folder / MANIFEST, manifest)
+
+
+def recover(folder: str | os.PathLike) -> None:
+    """Bring `folder` back to one complete set of files after a save that died (the caller holds its
+    lock): finish a committed save, or remove the temporaries of one that had not committed (left
+    where the folder is read-only: they do not change what is read)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    if (folder / JOURNAL).exists():
+        _roll_forward(folder)
+    for leftover in folder.iterdir():
+        if (_TEMPORARY.match(leftover.name) or _EARLIER_TEMPORARY.match(leftover.name)) and leftover.is_file():
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+
+
+def check_manifest(folder: str | os.PathLike, names: Iterable[str] | None = None) -> dict | None:
+    """The folder's manifest, after checking the size and sha256 of each file it lists that matches
+    one of the glob patterns `names` (all when None); None where there is no manifest. A file that is
+    missing or differs raises CheckpointError naming it."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        listed = {name: (int(e["size"]), str(e["sha256"])) for name, e in manifest["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: not a readable k3 manifest ({type(e).__name__}: {e}); delete it to load "
+                              f"the checkpoint's files without checking them") from e
+    saved = f"the save at step {manifest['step']}" if manifest.get("step") is not None else "the save"
+    advice = (f"the checkpoint's files are not the ones {saved} wrote together (replaced, edited or damaged "
+              f"since). Restore the file, or delete {MANIFEST} to load the files as they are")
+    for name, (size, sha256) in listed.items():
+        if names is not None and not any(fnmatch.fnmatchcase(name, pattern) for pattern in names):
+            continue
+        file = folder / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing: {advice}")
+        actual = describe(file)
+        if actual["size"] != size:
+            raise CheckpointError(f"{file} has {actual['size']} bytes, its manifest says {size}: {advice}")
+        if actual["sha256"] != sha256:
+            raise CheckpointError(f"{file} has sha256 {actual['sha256'][:16]}..., its manifest says "
+                                  f"{sha256[:16]}...: {advice}")
+    return manifest
+
+
+@contextlib.contextmanager
+def checked_folder(folder: str | os.PathLike, names: Iterable[str] | None = None) -> Iterator[dict | None]:
+    """For reading a set of files: hold the folder's lock, `recover` it, check the files matching
+    `names` against the manifest, and yield the manifest (None without one)."""
+    with folder_lock(folder):
+        recover(folder)
+        yield check_manifest(folder, names)
 
 
 @contextlib.contextmanager
@@ -95,16 +327,3 @@ def staging_folder(beside: str | os.PathLike) -> Iterator[Path]:
         yield staging
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def move_files_into(staging: str | os.PathLike, folder: str | os.PathLike) -> list[str]:
-    """Rename every file of `staging` into `folder` (created if needed), with the permissions a plain
-    open() would give; returns their names, sorted."""
-    staging, folder = Path(staging), Path(folder)
-    names = sorted(p.name for p in staging.iterdir())
-    folder.mkdir(parents=True, exist_ok=True)
-    mode = 0o666 & ~_umask()
-    for name in names:
-        os.chmod(staging / name, mode)  # some writers (safetensors) make owner-only files
-        os.replace(staging / name, folder / name)
-    return names

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..io import atomic_write_files
+from ..io import CheckpointError, atomic_write_files
 from .config import ModelConfig
 
 
@@ -125,12 +125,38 @@ def raise_mismatch(source: str, missing: list[str], unexpected: list[str], shape
         raise ValueError(f"{source} does not match the model's configuration: " + "; ".join(p for p in problems if p))
 
 
+WEIGHT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json")  # what from_pretrained reads
+
+
+def check_same_step(directory: Path) -> None:
+    """A k3 training checkpoint's config.json and model.safetensors must come from the same save."""
+    from safetensors import safe_open
+
+    weights = directory / "model.safetensors"
+    config_step = json.loads((directory / "config.json").read_text()).get("step")
+    if config_step is None or not weights.exists():
+        return
+    with safe_open(weights, "pt") as f:
+        weights_step = (f.metadata() or {}).get("step")
+    if weights_step is not None and int(weights_step) != config_step:
+        raise CheckpointError(f"{directory}: config.json is from step {config_step} but model.safetensors from step "
+                              f"{weights_step}: the files come from different saves. Restore the checkpoint from "
+                              f"a copy")
+
+
 def save_pretrained(model, path: str | os.PathLike) -> None:
-    """Write path/model.safetensors and path/config.json (k3 layout); both are complete before either
-    replaces an earlier file (`k3.io.atomic_write_files`)."""
+    """Write path/model.safetensors and path/config.json (k3 layout) as one set (`k3.io.atomic_write_files`):
+    a failure raises CheckpointError and leaves the folder's earlier files as they were."""
     from safetensors.torch import save_file
 
     state = weights_to_save(model)
     config = json.dumps({"k3": model.config.to_dict()}, indent=2)
-    atomic_write_files(path, {"model.safetensors": lambda tmp: save_file(state, tmp, metadata={"format": "pt"}),
-                              "config.json": lambda tmp: Path(tmp).write_text(config)})
+    try:
+        atomic_write_files(path, {"model.safetensors": lambda tmp: save_file(state, tmp, metadata={"format": "pt"}),
+                                  "config.json": lambda tmp: Path(tmp).write_text(config)})
+    except CheckpointError:
+        raise
+    except Exception as e:  # a full disk reaches us as OSError or SafetensorError
+        detail = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"could not save the model to {path}: {detail}; the files there before (if any) "
+                              f"are intact") from e

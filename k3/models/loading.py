@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..io import checked_folder
 from ..layers import MoE
 from ..layers.mxfp4_expert import MXFP4Expert
 from ..ops import mxfp4
@@ -136,20 +137,36 @@ def _renumbered(name: str, renumber: dict[int, int] | None) -> str | None:
 def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None, experts: str | None = None,
                     layers=None) -> torch.nn.Module:
     """See the module docstring; `cls` is CausalLM."""
+    directory = Path(path)
+    # a save still in progress there is finished first; files are checked against k3's manifest
+    with checked_folder(directory, checkpoint.WEIGHT_FILES):
+        checkpoint.check_same_step(directory)
+        config, native = checkpoint.read_config(directory)
+        renumber = None
+        if layers is not None:
+            config, renumber = subset_config(config, layers)
+        model = build(cls, config, dtype, experts)
+        if device is not None and torch.device(device).type == "meta":
+            return model
+        model.to_empty(device=device or "cpu")
+        if config.tie_word_embeddings:  # to_empty gives each module its own tensor
+            model.lm_head.weight = model.model.embed_tokens.weight
+        filler = _Filler(model, str(directory))
+        skipped = _read_shards(directory, config, native, renumber, filler)
+    if skipped:
+        warnings.warn(f"{directory}: skipped {skipped} vision tensors (vision_tower.*, mm_projector.*): "
+                      f"k3 loads the text model", stacklevel=3)
+    filler.finish(config.tie_word_embeddings)
+    return model
+
+
+def _read_shards(directory: Path, config: ModelConfig, native: bool, renumber: dict[int, int] | None,
+                 filler: _Filler) -> int:
+    """Every tensor of the checkpoint's shards, one at a time, into `filler` under k3's names; returns
+    the number of vision tensors skipped."""
     from safetensors import safe_open
 
-    directory = Path(path)
-    config, native = checkpoint.read_config(directory)
-    renumber = None
-    if layers is not None:
-        config, renumber = subset_config(config, layers)
-    model = build(cls, config, dtype, experts)
-    if device is not None and torch.device(device).type == "meta":
-        return model
-    model.to_empty(device=device or "cpu")
-    if config.tie_word_embeddings:  # to_empty gives each module its own tensor
-        model.lm_head.weight = model.model.embed_tokens.weight
-    filler, skipped = _Filler(model, str(directory)), 0
+    skipped = 0
     for file in shard_files(directory):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
@@ -157,8 +174,7 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None,
                     skipped += 1
                     continue
                 # k3's names (k3.hf's under `k3.`), or a Kimi layout: K3's published names first
-                name = key.removeprefix("k3.") if native else kimi_k3_format.to_kimi_name(key)
-                name = _renumbered(name, renumber)
+                name = _renumbered(key.removeprefix("k3.") if native else kimi_k3_format.to_kimi_name(key), renumber)
                 if name is None:
                     continue
                 t = f.get_tensor(key)
@@ -169,8 +185,4 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None,
                     t = kimi_k3_format.unpad_a_log(t, config.linear_num_heads, key)
                 for k3_name, part in checkpoint.convert_kimi_tensor(name, t, config).items():
                     filler.put(k3_name, part)
-    if skipped:
-        warnings.warn(f"{directory}: skipped {skipped} vision tensors (vision_tower.*, mm_projector.*): "
-                      f"k3 loads the text model", stacklevel=3)
-    filler.finish(config.tie_word_embeddings)
-    return model
+    return skipped

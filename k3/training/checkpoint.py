@@ -4,20 +4,29 @@
     tokenizer.json      the tokenizer                    trainer_state.pt   optimizer, step, schedule length,
     loss.png            the loss curve                                      RNG states, history
 
-Saving writes every file to a temporary name first and renames them into place only once all are
-complete, so a failure while writing (a full disk, Ctrl-C) leaves the previous checkpoint as it was.
+A save is all-or-nothing (`k3.io.atomic_write_files`: temporaries, then a journal as the commit
+point, then the renames and a manifest of sizes and sha256): a kill at any instant, a full disk or a
+library error leaves the previous checkpoint or the new one, never a mix, and the leftovers of an
+interrupted save are cleared at the next save or load. Loading checks the files against the manifest
+and their steps against each other (checkpoints written before the manifest existed have only the
+latter). A checkpoint never holds a NaN or an infinity in its weights.
 `CausalLM.from_pretrained(dir)` reads the model part of it.
+
+`claim_output(out)` readies `k3 train --out` before the first step: the folder is created and written
+to, and `.k3-train.lock` (flock, holding the pid) keeps a second `k3 train` out of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import torch
 
-from ..io import atomic_write_files
+from ..io import CheckpointError, atomic_write_files, checked_folder
 from ..models.checkpoint import restore_tied_head, weights_to_save
 from ..tokenizer import Tokenizer
 from .config import TrainConfig
@@ -25,10 +34,14 @@ from .optim import portable_state
 from .plot import plot_history
 
 FILES = ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt", "loss.png")
+LOCK = ".k3-train.lock"
+
+__all__ = ["CheckpointError", "OutputFolderError", "save_training_checkpoint", "load_training_checkpoint",
+           "claim_output"]
 
 
-class CheckpointError(OSError):
-    """Saving failed; the previous checkpoint is intact."""
+class OutputFolderError(OSError):
+    """`--out` cannot take the run: not a folder, not writable, or another `k3 train` is using it."""
 
 
 def save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step: int, max_steps: int | None,
@@ -52,23 +65,110 @@ def save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step: int, m
             "data_rng": generator.get_state(), "torch_rng": torch.get_rng_state(), "history": history}, p),
         "loss.png": lambda p: plot_history(history, p, title=f"{model.config.name}, step {step}"),
     }
+    _refuse_non_finite(state, out, step)
     try:
-        atomic_write_files(out, writers)
-    except OSError as e:
-        raise CheckpointError(f"could not save the checkpoint to {out}: {e.strerror or e}; the previous "
+        atomic_write_files(out, writers, step=step, manifest=True)
+    except CheckpointError:
+        raise
+    except Exception as e:  # a full disk reaches us as OSError, SafetensorError or torch's RuntimeError
+        detail = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"could not save the checkpoint to {out}: {detail}; the previous "
                               f"checkpoint there (if any) is intact") from e
 
 
+def _refuse_non_finite(weights: dict, out: Path, step: int) -> None:
+    for name, tensor in weights.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"not saving the checkpoint of step {step} to {out}: {name} holds NaN or "
+                                  f"infinite values; the previous checkpoint there (if any) is intact")
+
+
 def load_training_checkpoint(path) -> dict:
-    """Everything `train` needs to continue: configs, weights, optimizer, RNG states, history."""
+    """Everything `train` needs to continue: configs, weights, optimizer, RNG states, history. A
+    checkpoint whose files disagree (with its manifest, or in their steps) raises CheckpointError."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     path = Path(path)
-    missing = [f for f in FILES[:4] if not (path / f).exists()]
-    if missing:
-        raise FileNotFoundError(f"--resume {path}: not a k3 training checkpoint (missing {', '.join(missing)})")
-    config = json.loads((path / "config.json").read_text())
-    state = torch.load(path / "trainer_state.pt", weights_only=True)
-    weights = restore_tied_head(load_file(path / "model.safetensors"), bool(config["k3"].get("tie_word_embeddings")))
-    return {**state, "train_config": TrainConfig(**config["train"]), "model": weights,
-            "tokenizer": Tokenizer.load(path / "tokenizer.json")}
+    with checked_folder(path) as manifest:
+        missing = [f for f in FILES[:4] if not (path / f).exists()]
+        if missing:
+            raise FileNotFoundError(f"--resume {path}: not a k3 training checkpoint (missing {', '.join(missing)})")
+        config = json.loads((path / "config.json").read_text())
+        state = torch.load(path / "trainer_state.pt", weights_only=True)
+        with safe_open(path / "model.safetensors", "pt") as weights_file:
+            weights_step = (weights_file.metadata() or {}).get("step")
+        weights = load_file(path / "model.safetensors")
+        tokenizer = Tokenizer.load(path / "tokenizer.json")
+    steps = {"config.json": config.get("step"), "trainer_state.pt": state.get("step"),
+             "model.safetensors": None if weights_step is None else int(weights_step)}
+    if manifest is not None and manifest.get("step") is not None:
+        steps[".k3-manifest.json"] = manifest["step"]
+    known = {name: s for name, s in steps.items() if s is not None}
+    if len(set(known.values())) > 1:
+        raise CheckpointError(f"{path}: its files come from different saves ("
+                              + ", ".join(f"{name} at step {s}" for name, s in known.items())
+                              + "); resuming would not continue either run. Restore the checkpoint from a copy")
+    weights = restore_tied_head(weights, bool(config["k3"].get("tie_word_embeddings")))
+    return {**state, "train_config": TrainConfig(**config["train"]), "model": weights, "tokenizer": tokenizer}
+
+
+class claim_output:
+    """Ready the output folder `out` of a run and hold it until `release()` (or the end of a `with`):
+    create it, check that files can be written in it, and take `.k3-train.lock` (an exclusive flock,
+    the file holding this process's pid). A second `k3 train` on the folder gets OutputFolderError
+    naming the first one's pid; the kernel drops the lock of a process that dies, so a lock file left
+    by a killed run does not block."""
+
+    def __init__(self, out):
+        self.out, self.path, self.fd = Path(out), Path(out) / LOCK, None
+        if self.out.exists() and not self.out.is_dir():
+            raise OutputFolderError(f"--out {self.out}: is a file, expected a folder for the checkpoint; "
+                                    f"choose another --out")
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            while self.fd is None:
+                self.fd = self._lock()
+        except OSError as e:
+            if isinstance(e, OutputFolderError):
+                raise
+            raise OutputFolderError(f"--out {self.out}: cannot write the checkpoint there ({e.strerror or e}); "
+                                    f"choose a writable folder with --out") from e
+
+    def _lock(self) -> int | None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            import fcntl
+        except ImportError:  # Windows: the folder is checked, not locked
+            return fd
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise OutputFolderError(f"--out {self.out}: another k3 train (pid {pid}) is writing its checkpoint "
+                                    f"there; wait for it to end, stop it, or choose another --out") from None
+        try:  # the file we locked may have been removed by the run that held it before us: then again
+            same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+        except FileNotFoundError:
+            same = False
+        if not same:
+            os.close(fd)
+            return None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)  # before the lock goes, so that no one locks a file about to vanish
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+        return False

@@ -153,15 +153,16 @@ class Distributed(SingleProcess):
             if p.grad is not None and id(p) in self._expert_params:
                 p.grad /= self.world_size
 
-    def clip_gradients(self, max_norm: float) -> None:
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
         if self.mode != "ep":  # ddp: the gradients are the same on every rank; fsdp: DTensors know their shards
-            super().clip_gradients(max_norm)
-            return
+            return super().clip_gradients(max_norm)
         params = [p for p in self.model.parameters() if p.grad is not None]
         shared = torch.nn.utils.get_total_norm([p.grad for p in params if id(p) not in self._expert_params])
         experts = torch.nn.utils.get_total_norm([p.grad for p in params if id(p) in self._expert_params]) ** 2
         dist.all_reduce(experts)  # each rank holds a different slice of the experts
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, (shared ** 2 + experts).sqrt())
+        norm = (shared ** 2 + experts).sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
 
     # -- evaluation's hooks ---------------------------------------------------------------------------
     def local_windows(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

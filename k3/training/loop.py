@@ -29,11 +29,11 @@ import torch
 from ..models import CausalLM
 from ..models.checkpoint import load_into
 from ..runtime import matmul_gflops
-from .checkpoint import load_training_checkpoint
+from .checkpoint import claim_output, load_training_checkpoint
 from .config import TrainConfig, model_config
 from .distributed import start
 from .optim import learning_rate
-from .strategy import SingleProcess
+from .strategy import NonFiniteLossError, SingleProcess
 
 __all__ = ["train", "TrainConfig"]
 
@@ -44,9 +44,9 @@ def _say(msg: str) -> None:
 
 def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, parallel: str = "none") -> dict:
     """Train (or resume from the checkpoint directory `resume`); returns the run's history.
-    `parallel`: "none", or under torchrun "ddp", "fsdp" or "ep" (k3.training.distributed)."""
-    from tqdm import tqdm
-
+    `parallel`: "none", or under torchrun "ddp", "fsdp" or "ep" (k3.training.distributed).
+    The output folder is created and locked before any work (OutputFolderError: unusable, or another
+    run holds it); a NaN or infinite loss or gradient norm stops the run (NonFiniteLossError)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     strategy = start(parallel, cfg.batch_size) or SingleProcess()  # start: a torchrun mode's, else None
@@ -57,6 +57,19 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
         changes.setdefault("out", str(resume))
         cfg = dataclasses.replace(state["train_config"], **changes)
     out = Path(cfg.out)
+    lock = strategy.on_main(lambda: claim_output(out))  # before any work: a bad --out costs nothing
+    try:
+        return _run(cfg, strategy, state, changes, resume, out, progress)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: str | None, out: Path,
+         progress: bool) -> dict:
+    """`train` once the run's configuration is known and its output folder claimed."""
+    from tqdm import tqdm
+
     tokenizer, data = strategy.prepare(cfg, state["tokenizer"] if state else None)
     torch.manual_seed(cfg.seed)
     mconfig = model_config(cfg, tokenizer.vocab_size)
@@ -101,7 +114,14 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
                     group["lr"] = lr
                 step_started = time.time()
                 windows = data.batch(cfg.batch_size, cfg.seq_len, generator)
-                loss = strategy.step(windows, cfg)
+                try:
+                    loss = strategy.step(windows, cfg)
+                except NonFiniteLossError as e:
+                    bar.close()
+                    raise NonFiniteLossError(
+                        f"step {step + 1}: {e}; stopped there without saving it (the checkpoint in "
+                        f"{out}, if any, is from before). Lower --lr or raise --warmup, then resume or start "
+                        f"again") from None
                 if step >= 2:  # the first two steps warm up allocators and caches: not timed
                     step_times.append(time.time() - step_started)
                 step += 1

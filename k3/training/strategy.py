@@ -17,6 +17,8 @@ how gradients are synchronised and clipped (`synchronize_gradients`, `clip_gradi
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -28,6 +30,15 @@ from .config import TrainConfig
 from .data import TokenData, prepare
 from .objective import next_token_loss, per_byte, summed_loss
 from .optim import build_optimizer, load_keeping_implementation
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training met a NaN or infinite loss or gradient norm; the run stops without saving it."""
+
+
+def _value(norm: torch.Tensor) -> float:
+    """A gradient norm as a float (fsdp's is a replicated DTensor)."""
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 class SingleProcess:
@@ -64,14 +75,19 @@ class SingleProcess:
     # -- the training step ----------------------------------------------------------------------------
     def step(self, windows: torch.Tensor, cfg: TrainConfig) -> float:
         """One AdamW step on the global batch `windows` [B, T + 1] (clipped gradients), then the MoE
-        bias update. Returns the batch's loss."""
+        bias update. Returns the batch's loss. A non-finite loss or gradient norm raises
+        NonFiniteLossError before the weights change (on every process alike: both are global)."""
         loss = next_token_loss(self.net, self.local_batch(windows))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         moes = self.model.moe_layers()
         global_loss, loads = self.sum_over_processes(loss, moes)
+        if not math.isfinite(global_loss):
+            raise NonFiniteLossError(f"the training loss is {global_loss}")
         self.synchronize_gradients(loads)
-        self.clip_gradients(cfg.grad_clip)
+        norm = self.clip_gradients(cfg.grad_clip)
+        if norm is not None and not math.isfinite(_value(norm)):
+            raise NonFiniteLossError(f"the gradient norm is {_value(norm)} (the loss is {global_loss:.4f})")
         self.optimizer.step()
         for moe, load in zip(moes, loads):
             moe.update_bias(load, rate=cfg.moe_bias_rate)
@@ -88,9 +104,10 @@ class SingleProcess:
     def synchronize_gradients(self, loads: list[torch.Tensor]) -> None:
         """Hook: make the gradients the global batch's (given the summed expert loads)."""
 
-    def clip_gradients(self, max_norm: float) -> None:
-        """Hook: scale the gradients to a total norm of at most `max_norm`."""
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+    def clip_gradients(self, max_norm: float) -> torch.Tensor | None:
+        """Hook: scale the gradients to a total norm of at most `max_norm`; returns the norm before
+        clipping (None: not known here)."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     # -- evaluation -----------------------------------------------------------------------------------
     def evaluate(self, data: TokenData, windows: torch.Tensor) -> float:

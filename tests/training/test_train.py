@@ -51,7 +51,7 @@ def test_resume_gives_the_uninterrupted_loss_sequence(corpus, tmp_path):
 def test_checkpoint_holds_everything_and_loads(corpus, tmp_path):
     train(config(corpus, tmp_path, max_steps=2), progress=False)
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["config.json", "loss.png", "model.safetensors", "tokenizer.json", "trainer_state.pt"]
+    assert names == [".k3-manifest.json", "config.json", "loss.png", "model.safetensors", "tokenizer.json", "trainer_state.pt"]
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     model = CausalLM.from_pretrained(tmp_path)
     assert model.config.hidden_size == 32 and model.config.vocab_size == 257
