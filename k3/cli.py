@@ -1,9 +1,17 @@
 """The `k3` command line: `k3 train`, `k3 generate`, `k3 export`, `k3 params`, `k3 bench ops|train|models`,
-`k3 lab`, `k3 eval`."""
+`k3 lab`, `k3 eval`.
+
+A failure the user can cause ends in one line, `k3 <command>: error: ...` (the value, what was expected,
+what to do), and exit code 2: a flag out of range (checked as it is parsed), a ValueError or OSError
+raised for bad input (a setting, a file that is missing, damaged or too big for memory), argparse's
+own errors. Ctrl-C ends with exit code 130 (`k3 generate` keeps what it printed; `k3 train` saves a
+checkpoint first). Any other exception is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 
@@ -89,12 +97,11 @@ def _train_config(args):
 
 
 def _train(args) -> int:
-    from .models import PRESETS
     from .training import train
 
-    if args.preset not in PRESETS:
-        raise ValueError(f"unknown preset {args.preset!r}; choose from: {', '.join(PRESETS)}")
     cfg = _train_config(args)
+    if args.resume:
+        _check_training_checkpoint(f"--resume {args.resume}", args.resume)
     try:
         train(cfg, resume=args.resume, progress=not args.no_progress, parallel=args.parallel)
     except KeyboardInterrupt:
@@ -103,33 +110,41 @@ def _train(args) -> int:
 
 
 def _generate(args) -> int:
+    """Everything the user gave is checked (tokenizer, prompts, the checkpoint's files, its size)
+    before the model is built; Ctrl-C stops the stream, keeps what was printed and exits with 130."""
     import time
 
     import torch
 
     from .models import CausalLM
+    from .models.preflight import check_pretrained
     from .tokenizer import Tokenizer
 
-    model = CausalLM.from_pretrained(args.checkpoint).eval()
     tokenizer = Tokenizer.load(args.checkpoint)
+    texts, prompts = _prompts(args, tokenizer)
+    check_pretrained(args.checkpoint, f"--checkpoint {args.checkpoint}")
+    model = CausalLM.from_pretrained(args.checkpoint).eval()
     if args.prompt_file:
-        return _generate_batch(args, model, tokenizer)
-    ids = tokenizer.encode(args.prompt)
-    if not ids:
-        raise ValueError(f"the prompt {args.prompt!r} is empty after tokenization; give some text")
+        return _generate_batch(args, model, tokenizer, texts, prompts)
+    ids = prompts[0]
     generator = torch.Generator().manual_seed(args.seed)
     prompt = torch.tensor([ids])
     print(args.prompt, end="", flush=True)
     new: list[int] = []
     shown = ""
     start = time.perf_counter()
-    for token in model.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, generator=generator):
-        new.append(int(token[0]))
-        text = tokenizer.decode(new)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            print(text[len(shown):], end="", flush=True)
-            shown = text
+    try:
+        for token in model.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                  top_p=args.top_p, generator=generator):
+            new.append(int(token[0]))
+            text = tokenizer.decode(new)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                print(text[len(shown):], end="", flush=True)
+                shown = text
+    except KeyboardInterrupt:
+        print(flush=True)
+        print(f"[interrupted (Ctrl-C) after {len(new)} tokens]", file=sys.stderr)
+        return 130
     seconds = time.perf_counter() - start
     print(flush=True)
     print(f"[{len(new)} tokens in {seconds:.2f} s: {len(new) / max(seconds, 1e-9):.1f} tokens/s, prefill of "
@@ -137,23 +152,42 @@ def _generate(args) -> int:
     return 0
 
 
-def _generate_batch(args, model, tokenizer) -> int:
-    """`k3 generate --prompt-file`: every line's continuation, generated together."""
-    import time
+def _prompts(args, tokenizer) -> tuple[list[str], list[list[int]]]:
+    """(texts, their token ids): `--prompt`, or each non-blank line of `--prompt-file`, checked."""
     from pathlib import Path
 
-    import torch
-
+    if not args.prompt_file:
+        try:
+            ids = tokenizer.encode(args.prompt)
+        except ValueError as e:
+            raise ValueError(f"--prompt: {e}") from None
+        if not ids:
+            raise ValueError(f"the prompt {args.prompt!r} is empty after tokenization; give some text")
+        return [args.prompt], [ids]
     path = Path(args.prompt_file)
     if not path.is_file():
         raise ValueError(f"--prompt-file {path}: no such file")
-    texts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file {path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                         f"{e.start}); save it as UTF-8") from None
+    texts = [line for line in lines if line.strip()]
     if not texts:
         raise ValueError(f"--prompt-file {path}: no prompt in it (one prompt a line)")
     prompts = [tokenizer.encode(text) for text in texts]
     for i, (text, ids) in enumerate(zip(texts, prompts)):
         if not ids:
             raise ValueError(f"--prompt-file {path}: line {i + 1} ({text!r}) is empty after tokenization")
+    return texts, prompts
+
+
+def _generate_batch(args, model, tokenizer, texts: list[str], prompts: list[list[int]]) -> int:
+    """`k3 generate --prompt-file`: every line's continuation, generated together."""
+    import time
+
+    import torch
+
     generator = torch.Generator().manual_seed(args.seed)
     start = time.perf_counter()
     rows = model.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -176,7 +210,9 @@ def _export(args) -> int:
         if e.name != "transformers":
             raise
         raise ValueError(str(e)) from e
+    from .models.preflight import check_pretrained
 
+    check_pretrained(args.checkpoint, f"checkpoint {args.checkpoint}")
     names = export(args.checkpoint, args.out, format=args.format)
     print(f"wrote {', '.join(names)} to {args.out} ({args.format} format)")
     return 0
@@ -189,6 +225,8 @@ def _lab(args) -> int:
     options = {"checkpoint": args.checkpoint} if args.checkpoint else {}
     if options and args.name != "inspect":
         raise ValueError(f"--checkpoint is for `k3 lab inspect`, not `k3 lab {args.name}`")
+    if options:
+        _check_training_checkpoint(f"--checkpoint {args.checkpoint}", args.checkpoint)
     names = list(lab.EXPERIMENTS) if args.name == "all" else [args.name]
     for name in names:
         if name in lab.EXPERIMENTS:
@@ -198,6 +236,32 @@ def _lab(args) -> int:
               f"{result.seconds / 60:.1f} min; {len(result.figures)} figures", flush=True)
     print(f"wrote {args.docs}/results.md")
     return 0
+
+
+def _check_training_checkpoint(what: str, directory) -> None:
+    """Refuse a checkpoint folder whose files cannot all be read, before any work is done on it: the
+    model's (`check_pretrained`), tokenizer.json, and trainer_state.pt where there is one (mapped, so
+    its tensors are not read)."""
+    import pickle
+    import zipfile
+    from pathlib import Path
+
+    import torch
+
+    from .models.preflight import check_pretrained
+    from .tokenizer import Tokenizer
+
+    check_pretrained(directory, what)
+    Tokenizer.load(directory)
+    state = Path(directory) / "trainer_state.pt"
+    if state.exists():
+        try:
+            if not zipfile.is_zipfile(state):
+                raise RuntimeError("not a zip archive, which torch.save writes")
+            torch.load(state, weights_only=True, mmap=True)
+        except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
+            raise ValueError(f"{what}: trainer_state.pt is damaged or not written by k3 train "
+                             f"({str(e).splitlines()[0]}); restore it from the run that wrote it") from None
 
 
 def _eval(args) -> int:
@@ -210,37 +274,71 @@ def _eval(args) -> int:
     return lm_eval_main(args.lm_eval_args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (the usage of `k3 train` alone takes a dozen)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _count(low: int, what: str):
+    """An argparse type: an integer >= low; `what` says what it counts."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, an integer >= {low}, got {text!r}")
+        return value
+    return parse
+
+
+def _number(low: float, what: str, above: bool = False, high: float = math.inf):
+    """An argparse type: a finite number >= low (> low when `above`) and <= high."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
+            bounds = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
+            raise argparse.ArgumentTypeError(f"expected {what}, a finite number {bounds}, got {text!r}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="k3", description="Kimi K3 and its lineage in PyTorch.")
+    parser = _Parser(prog="k3", description="Kimi K3 and its lineage in PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model on a text corpus (default: Shakespeare)")
     train.add_argument("--preset", default="kimi-k3-tiny", help="model preset (k3 params lists them)")
-    train.add_argument("--hidden-size", type=int, help="override the preset's width")
-    train.add_argument("--num-layers", type=int, help="override the preset's depth (its layer pattern is kept)")
+    train.add_argument("--hidden-size", type=_count(1, "a width"), help="override the preset's width")
+    train.add_argument("--num-layers", type=_count(1, "a depth"), help="override the preset's depth (its layer pattern is kept)")
     train.add_argument("--set", action="append", metavar="FIELD=VALUE",
                        help="override any ModelConfig field, e.g. --set num_experts=8 (repeatable)")
     train.add_argument("--data", help="a UTF-8 text file or folder (default: Shakespeare's works, fetched once)")
     train.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe")
-    train.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
-    train.add_argument("--seq-len", type=int, default=256)
-    train.add_argument("--batch-size", type=int, default=8,
+    train.add_argument("--vocab-size", type=_count(257, "BPE entries (256 bytes + <|endoftext|> + merges)"), default=4096, help="BPE vocabulary size")
+    train.add_argument("--seq-len", type=_count(1, "tokens per sequence"), default=256)
+    train.add_argument("--batch-size", type=_count(1, "sequences per step"), default=8,
                        help="sequences per step (default 8: in a fixed time budget, more smaller steps learn more)")
-    train.add_argument("--lr", type=float, default=3e-3)
-    train.add_argument("--warmup", type=int, default=50, help="warmup steps")
+    train.add_argument("--lr", type=_number(0, "a learning rate", above=True), default=3e-3)
+    train.add_argument("--warmup", type=_count(0, "warmup steps"), default=50, help="warmup steps")
     train.add_argument("--schedule", choices=("cosine", "wsd"), default="wsd",
                        help="after the warmup: constant then a linear decay over the last 20%% (wsd, the default: "
                             "a time budget re-planned on the way changes nothing before the decay), or cosine")
-    train.add_argument("--weight-decay", type=float, default=0.1)
-    train.add_argument("--grad-clip", type=float, default=1.0)
-    train.add_argument("--max-steps", type=int, help="training steps (default 1000 unless --time-budget)")
-    train.add_argument("--time-budget", type=float, metavar="MIN", help="train for about this many minutes")
-    train.add_argument("--eval-every", type=int, default=100)
-    train.add_argument("--eval-tokens", type=int, default=32768, help="validation tokens per evaluation")
-    train.add_argument("--checkpoint-every", type=int, help="also save every N steps (always at the end)")
+    train.add_argument("--weight-decay", type=_number(0, "a weight decay"), default=0.1)
+    train.add_argument("--grad-clip", type=_number(0, "a gradient norm", above=True), default=1.0)
+    train.add_argument("--max-steps", type=_count(1, "training steps"), help="training steps (default 1000 unless --time-budget)")
+    train.add_argument("--time-budget", type=_number(0, "minutes", above=True), metavar="MIN", help="train for about this many minutes")
+    train.add_argument("--eval-every", type=_count(1, "steps between evaluations"), default=100)
+    train.add_argument("--eval-tokens", type=_count(1, "validation tokens"), default=32768, help="validation tokens per evaluation")
+    train.add_argument("--checkpoint-every", type=_count(1, "steps between checkpoints"), help="also save every N steps (always at the end)")
     train.add_argument("--out", default="runs/k3", help="checkpoint directory")
     train.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR")
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    train.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
     train.add_argument("--compile", action="store_true",
                        help="torch.compile the decoder: ~0.8x the step time after ~2.5 min of compiling (CPU, "
                             "kimi-k3-tiny); worth it for long runs, not the 13-minute demo; needs a C++ compiler")
@@ -255,10 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="one prompt, its continuation streamed")
     prompt.add_argument("--prompt-file", metavar="FILE", help="one prompt a line (blank lines skipped), generated "
                         "as one batch of different lengths; each continuation printed when all are done")
-    gen.add_argument("--max-new-tokens", type=int, default=200)
-    gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    gen.add_argument("--top-k", type=int, default=50)
-    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--max-new-tokens", type=_count(0, "tokens to generate"), default=200)
+    gen.add_argument("--temperature", type=_number(0, "a sampling temperature (0: greedy)"), default=0.8, help="0: greedy")
+    gen.add_argument("--top-k", type=_count(1, "tokens kept"), default=50)
+    gen.add_argument("--top-p", type=_number(0, "a probability mass", above=True, high=1))
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=_generate)
     export = sub.add_parser("export", help="write a checkpoint in Hugging Face transformers' format (needs k3[hf])")
@@ -325,17 +423,23 @@ def main(argv: list[str] | None = None) -> int:
     from .runtime import keep_freed_memory
 
     parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
+    try:
+        args, rest = parser.parse_known_args(argv)
+        if args.command != "eval" and rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    except SystemExit as e:  # argparse's errors (2, already printed) and --help (0)
+        return e.code if isinstance(e.code, int) else 2
     if args.command == "eval":
         args.lm_eval_args = rest
-    elif rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     keep_freed_memory()
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, OSError) as e:  # bad input: say what is wrong, no traceback
+    except (ValueError, OSError) as e:  # bad input: say what is wrong, no traceback
         print(f"k3 {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\nk3 {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .runtime import refuse_if_over_memory
+
 EOT = "<|endoftext|>"
 
 
@@ -39,10 +41,10 @@ class Tokenizer:
         return self.inner.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self.inner.encode(text).ids
+        return self.inner.encode(_unicode(text)).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.inner.encode_batch(texts)]
+        return [e.ids for e in self.inner.encode_batch([_unicode(t) for t in texts])]
 
     def decode(self, ids) -> str:
         return self.inner.decode(list(ids), skip_special_tokens=False)
@@ -59,7 +61,26 @@ class Tokenizer:
             path = path / "tokenizer.json"
         if not path.exists():
             raise FileNotFoundError(f"no tokenizer at {path}")
-        return cls(HFTokenizer.from_file(str(path)))
+        try:
+            inner = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{path} is not a readable tokenizer.json ({e}); it is damaged or not a Hugging "
+                             f"Face tokenizers file: restore it from the run that wrote it") from e
+        return cls(inner)
+
+
+def _unicode(text: str) -> str:
+    """`text`, refused with its position when it holds a lone surrogate, which no UTF-8 text has: Python
+    makes one of each byte of a command-line argument that is not valid UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text has {text[e.start]!r} at character {e.start}, a lone surrogate, not a "
+                         f"character (invalid UTF-8 bytes in a command-line argument become these); give "
+                         f"UTF-8 text") from None
+    except AttributeError:
+        raise TypeError(f"expected text (str), got {type(text).__name__}") from None
+    return text
 
 
 def _byte_level(model):
@@ -77,6 +98,10 @@ def train_bpe(texts: list[str], vocab_size: int = 4096) -> Tokenizer:
 
     if vocab_size < 257:
         raise ValueError(f"train_bpe: `vocab_size` must be at least 257 (256 bytes + {EOT}), got {vocab_size}")
+    # the trainer (Rust) reserves a table of `vocab_size` entries up front, ~100 bytes each, and aborts
+    # the process when that allocation fails
+    refuse_if_over_memory(f"a BPE vocabulary of {vocab_size:,} entries", 100 * vocab_size,
+                          "ask for fewer entries (`vocab_size`, k3 train --vocab-size; 4096 by default)")
     tok = _byte_level(models.BPE())
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..runtime import refuse_if_over_memory
 from .config import ModelConfig
 from .kinds import FFNS, MIXERS
 
@@ -71,6 +72,14 @@ def count_params(config: ModelConfig, cache_dtype_bytes: int = 2) -> ParamCount:
         total=total, active=total - unused - lookups, breakdown=parts,
         mla_cache_bytes_per_token=per_token("mla"), kv_cache_bytes_per_token=per_token("mha"),
         recurrent_state_bytes_per_sequence=sum(MIXERS[t].state_bytes(c, cache_dtype_bytes) for t in c.layer_types))
+
+
+def refuse_if_too_big(config: ModelConfig, bytes_per_parameter: int, purpose: str, fix: str) -> None:
+    """ValueError, before anything is allocated, when `config`'s parameters at `bytes_per_parameter`
+    bytes each (4: float32 weights; 16: training with AdamW) are more than this machine's memory."""
+    total = count_params(config).total
+    refuse_if_over_memory(f"{purpose} {config.name!r} ({total:,} parameters x {bytes_per_parameter} bytes)",
+                          total * bytes_per_parameter, fix)
 
 
 def _human(n: float) -> str:
