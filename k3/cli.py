@@ -314,12 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model on a text corpus (default: Shakespeare)")
     train.add_argument("--preset", default="kimi-k3-tiny", help="model preset (k3 params lists them)")
     train.add_argument("--hidden-size", type=_count(1, "a width"), help="override the preset's width")
-    train.add_argument("--num-layers", type=_count(1, "a depth"), help="override the preset's depth (its layer pattern is kept)")
+    train.add_argument("--num-layers", type=_count(1, "a depth"),
+                       help="override the preset's depth (its layer pattern is kept)")
     train.add_argument("--set", action="append", metavar="FIELD=VALUE",
                        help="override any ModelConfig field, e.g. --set num_experts=8 (repeatable)")
     train.add_argument("--data", help="a UTF-8 text file or folder (default: Shakespeare's works, fetched once)")
     train.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe")
-    train.add_argument("--vocab-size", type=_count(257, "BPE entries (256 bytes + <|endoftext|> + merges)"), default=4096, help="BPE vocabulary size")
+    train.add_argument("--vocab-size", type=_count(257, "BPE entries (256 bytes + <|endoftext|> + merges)"),
+                       default=4096, help="BPE vocabulary size")
     train.add_argument("--seq-len", type=_count(1, "tokens per sequence"), default=256)
     train.add_argument("--batch-size", type=_count(1, "sequences per step"), default=8,
                        help="sequences per step (default 8: in a fixed time budget, more smaller steps learn more)")
@@ -330,11 +332,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "a time budget re-planned on the way changes nothing before the decay), or cosine")
     train.add_argument("--weight-decay", type=_number(0, "a weight decay"), default=0.1)
     train.add_argument("--grad-clip", type=_number(0, "a gradient norm", above=True), default=1.0)
-    train.add_argument("--max-steps", type=_count(1, "training steps"), help="training steps (default 1000 unless --time-budget)")
-    train.add_argument("--time-budget", type=_number(0, "minutes", above=True), metavar="MIN", help="train for about this many minutes")
+    train.add_argument("--max-steps", type=_count(1, "training steps"),
+                       help="training steps (default 1000 unless --time-budget)")
+    train.add_argument("--time-budget", type=_number(0, "minutes", above=True), metavar="MIN",
+                       help="train for about this many minutes")
     train.add_argument("--eval-every", type=_count(1, "steps between evaluations"), default=100)
-    train.add_argument("--eval-tokens", type=_count(1, "validation tokens"), default=32768, help="validation tokens per evaluation")
-    train.add_argument("--checkpoint-every", type=_count(1, "steps between checkpoints"), help="also save every N steps (always at the end)")
+    train.add_argument("--eval-tokens", type=_count(1, "validation tokens"), default=32768,
+                       help="validation tokens per evaluation")
+    train.add_argument("--checkpoint-every", type=_count(1, "steps between checkpoints"),
+                       help="also save every N steps (always at the end)")
     train.add_argument("--out", default="runs/k3", help="checkpoint directory")
     train.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR")
     train.add_argument("--seed", type=int, default=0)
@@ -354,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-file", metavar="FILE", help="one prompt a line (blank lines skipped), generated "
                         "as one batch of different lengths; each continuation printed when all are done")
     gen.add_argument("--max-new-tokens", type=_count(0, "tokens to generate"), default=200)
-    gen.add_argument("--temperature", type=_number(0, "a sampling temperature (0: greedy)"), default=0.8, help="0: greedy")
+    gen.add_argument("--temperature", type=_number(0, "a sampling temperature (0: greedy)"), default=0.8,
+                     help="0: greedy")
     gen.add_argument("--top-k", type=_count(1, "tokens kept"), default=50)
     gen.add_argument("--top-p", type=_number(0, "a probability mass", above=True, high=1))
     gen.add_argument("--seed", type=int, default=0)

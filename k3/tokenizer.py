@@ -14,8 +14,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .runtime import refuse_if_over_memory
-
 EOT = "<|endoftext|>"
 
 
@@ -92,16 +90,19 @@ def _byte_level(model):
     return tok
 
 
+def bpe_trainer_bytes(vocab_size: int) -> int:
+    """What `train_bpe` allocates before it starts: the trainer (Rust) reserves a table of `vocab_size`
+    entries, about 100 bytes each, and aborts the whole process when that allocation fails, so a caller
+    compares this with the memory it has first (`k3.runtime.refuse_if_over_memory`)."""
+    return 100 * vocab_size
+
+
 def train_bpe(texts: list[str], vocab_size: int = 4096) -> Tokenizer:
     """Byte-level BPE with `vocab_size` entries (256 bytes + <|endoftext|> + merges) learned from texts."""
     from tokenizers import models, pre_tokenizers, trainers
 
     if vocab_size < 257:
         raise ValueError(f"train_bpe: `vocab_size` must be at least 257 (256 bytes + {EOT}), got {vocab_size}")
-    # the trainer (Rust) reserves a table of `vocab_size` entries up front, ~100 bytes each, and aborts
-    # the process when that allocation fails
-    refuse_if_over_memory(f"a BPE vocabulary of {vocab_size:,} entries", 100 * vocab_size,
-                          "ask for fewer entries (`vocab_size`, k3 train --vocab-size; 4096 by default)")
     tok = _byte_level(models.BPE())
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())

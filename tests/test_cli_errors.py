@@ -15,8 +15,10 @@ from k3 import runtime
 from k3.cli import main
 from k3.generation import sample
 from k3.models import CausalLM
-from k3.tokenizer import Tokenizer
-from k3.training import TrainConfig
+from k3.tokenizer import Tokenizer, byte_tokenizer
+from k3.training import TrainConfig, build_optimizer
+from k3.training.checkpoint import save_training_checkpoint
+from k3.training.config import model_config
 
 from .corpus import write_corpus
 
@@ -31,8 +33,14 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run(corpus, tmp_path_factory):
+    """A checkpoint as `k3 train --data corpus --max-steps 1 TINY_RUN` writes it, without the training."""
     out = tmp_path_factory.mktemp("run")
-    assert main(["train", "--data", str(corpus), "--max-steps", "1", "--out", str(out), *TINY_RUN]) == 0
+    cfg = TrainConfig(model_overrides={"hidden_size": 32}, data=str(corpus), tokenizer="byte", seq_len=32,
+                      batch_size=2, max_steps=1, out=str(out))
+    model = CausalLM(model_config(cfg, 257))
+    history = {"step": [], "loss": [], "lr": [], "val_step": [], "val_bpb": [], "tokens": 0, "seconds": 0.0}
+    save_training_checkpoint(out, model, build_optimizer(model, cfg), byte_tokenizer(), cfg, 0, 1,
+                             torch.Generator(), history)
     return out
 
 
