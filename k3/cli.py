@@ -101,7 +101,9 @@ def _train(args) -> int:
 
     cfg = _train_config(args)
     if args.resume:
-        _check_training_checkpoint(f"--resume {args.resume}", args.resume)
+        from .models.preflight import check_checkpoint
+
+        check_checkpoint(args.resume, f"--resume {args.resume}")
     try:
         train(cfg, resume=args.resume, progress=not args.no_progress, parallel=args.parallel)
     except KeyboardInterrupt:
@@ -226,7 +228,9 @@ def _lab(args) -> int:
     if options and args.name != "inspect":
         raise ValueError(f"--checkpoint is for `k3 lab inspect`, not `k3 lab {args.name}`")
     if options:
-        _check_training_checkpoint(f"--checkpoint {args.checkpoint}", args.checkpoint)
+        from .models.preflight import check_checkpoint
+
+        check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
     names = list(lab.EXPERIMENTS) if args.name == "all" else [args.name]
     for name in names:
         if name in lab.EXPERIMENTS:
@@ -236,32 +240,6 @@ def _lab(args) -> int:
               f"{result.seconds / 60:.1f} min; {len(result.figures)} figures", flush=True)
     print(f"wrote {args.docs}/results.md")
     return 0
-
-
-def _check_training_checkpoint(what: str, directory) -> None:
-    """Refuse a checkpoint folder whose files cannot all be read, before any work is done on it: the
-    model's (`check_pretrained`), tokenizer.json, and trainer_state.pt where there is one (mapped, so
-    its tensors are not read)."""
-    import pickle
-    import zipfile
-    from pathlib import Path
-
-    import torch
-
-    from .models.preflight import check_pretrained
-    from .tokenizer import Tokenizer
-
-    check_pretrained(directory, what)
-    Tokenizer.load(directory)
-    state = Path(directory) / "trainer_state.pt"
-    if state.exists():
-        try:
-            if not zipfile.is_zipfile(state):
-                raise RuntimeError("not a zip archive, which torch.save writes")
-            torch.load(state, weights_only=True, mmap=True)
-        except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
-            raise ValueError(f"{what}: trainer_state.pt is damaged or not written by k3 train "
-                             f"({str(e).splitlines()[0]}); restore it from the run that wrote it") from None
 
 
 def _eval(args) -> int:

@@ -9,6 +9,9 @@ that names the folder and the file:
 - weights of other names or shapes than config.json's model (a config.json from another run), checked
   against the model built on the meta device, which holds no data.
 
+`check_checkpoint(path)` also reads a training checkpoint's other files: tokenizer.json, and
+trainer_state.pt where there is one (mapped: its tensors are not read).
+
 The loading itself stays in `k3.models.checkpoint`; this module only asks whether it can succeed.
 """
 
@@ -16,10 +19,13 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import zipfile
 from pathlib import Path
 
 import torch
 
+from ..tokenizer import Tokenizer
 from .checkpoint import convert_kimi_state_dict, load_into, read_config, restore_tied_head
 from .config import ModelConfig
 from .model import CausalLM
@@ -55,6 +61,24 @@ def check_pretrained(path: str | os.PathLike, what: str | None = None) -> ModelC
     with torch.device("meta"):
         model = CausalLM(config)
     load_into(model, restore_tied_head(state, config.tie_word_embeddings), what)
+    return config
+
+
+def check_checkpoint(path: str | os.PathLike, what: str | None = None) -> ModelConfig:
+    """`check_pretrained`, and the folder's tokenizer.json and trainer_state.pt (where there is one)
+    read: a folder written by `k3 train` that can be resumed, generated from or inspected."""
+    what = what or str(path)
+    config = check_pretrained(path, what)
+    Tokenizer.load(path)
+    state = Path(path) / "trainer_state.pt"
+    if state.exists():
+        try:
+            if not zipfile.is_zipfile(state):
+                raise RuntimeError("not a zip archive, which torch.save writes")
+            torch.load(state, weights_only=True, mmap=True)
+        except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
+            raise ValueError(f"{what}: trainer_state.pt is damaged or not written by k3 train "
+                             f"({str(e).splitlines()[0]}); restore it from the run that wrote it") from None
     return config
 
 
