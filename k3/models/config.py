@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -157,7 +158,7 @@ _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "tru
 def _type_problems(config: ModelConfig) -> list[str]:
     """A line for each field whose value is not of its declared type (a value given as text, say)."""
     problems = []
-    for name, hint in typing.get_type_hints(ModelConfig).items():
+    for name, hint in _hints().items():
         value = getattr(config, name)
         allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
         if value is None and type(None) in allowed:
@@ -167,6 +168,11 @@ def _type_problems(config: ModelConfig) -> list[str]:
             expected = " or ".join([_TYPE_NAMES[k] for k in kinds] + (["null"] if type(None) in allowed else []))
             problems.append(f"`{name}` must be {expected}, got {value!r}")
     return problems
+
+
+@functools.cache
+def _hints() -> dict:
+    return typing.get_type_hints(ModelConfig)
 
 
 def _is(value, kind: type) -> bool:

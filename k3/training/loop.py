@@ -232,7 +232,8 @@ def _resume_overrides(requested: TrainConfig, saved: TrainConfig) -> dict:
     return changes
 
 
-RESUME_ADJUSTABLE = ("max_steps", "eval_every", "eval_tokens", "checkpoint_every", "threads", "out", "compile")
+RESUME_ADJUSTABLE = ("max_steps", "eval_every", "eval_tokens", "final_eval_tokens", "checkpoint_every", "threads",
+                     "out", "compile")
 
 
 def _same_setting(name: str, a, b) -> bool:
