@@ -11,6 +11,7 @@ KV cache, and every row generates what it would alone.
 
 from __future__ import annotations
 
+import math
 from typing import Iterator, Sequence
 
 import torch
@@ -22,8 +23,8 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = N
            generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [B, V] -> token ids [B]. temperature 0 is greedy; top_k keeps the k most likely tokens,
     top_p the smallest set whose probability reaches p (nucleus); both apply before sampling."""
-    if temperature < 0:
-        raise ValueError(f"sample: `temperature` must be >= 0, got {temperature}")
+    if not 0 <= temperature < math.inf:  # NaN fails both comparisons
+        raise ValueError(f"sample: `temperature` must be a finite number >= 0 (0: greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"sample: `top_k` must be >= 1 or None, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:

@@ -1,5 +1,7 @@
 """Process-level settings that make PyTorch's CPU paths fast on Linux, and the machine's measured matmul
-throughput (`matmul_gflops`, which `k3 train` prints and the benchmarks set their figures beside).
+throughput (`matmul_gflops`, which `k3 train` prints and the benchmarks set their figures beside), and
+its memory (`available_memory`), against which sizes that cannot fit are refused before allocating
+(`refuse_if_over_memory`).
 
 `keep_freed_memory()`: PyTorch's CPU allocator hands every tensor to malloc. glibc serves blocks of a
 megabyte or more with fresh pages (mmap, or a heap it trims back to the OS on every free), so each new
@@ -78,3 +80,35 @@ def cxx_compiler() -> str | None:
         if path:
             return path
     return None
+
+
+def available_memory() -> int | None:
+    """The memory this process can have now, in bytes: Linux's MemAvailable (free memory and caches it
+    can drop), else the machine's RAM, capped by a cgroup (container) limit; None where the system does
+    not say."""
+    total = None
+    try:
+        with open("/proc/meminfo") as f:
+            total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        try:
+            total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):
+            return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
+def refuse_if_over_memory(what: str, nbytes: int, fix: str) -> None:
+    """ValueError when `nbytes`, the estimated memory of `what`, is more than this machine has: refused
+    before anything is allocated, instead of an allocator's abort or a machine that swaps to a halt."""
+    total = available_memory()
+    if total is not None and nbytes > total:
+        raise ValueError(f"{what} needs about {nbytes / 2**30:,.1f} GiB ({nbytes:,} bytes), more than the "
+                         f"{total / 2**30:,.1f} GiB of memory available on this machine; {fix}")

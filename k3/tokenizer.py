@@ -39,10 +39,10 @@ class Tokenizer:
         return self.inner.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self.inner.encode(text).ids
+        return self.inner.encode(_unicode(text)).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.inner.encode_batch(texts)]
+        return [e.ids for e in self.inner.encode_batch([_unicode(t) for t in texts])]
 
     def decode(self, ids) -> str:
         return self.inner.decode(list(ids), skip_special_tokens=False)
@@ -59,7 +59,26 @@ class Tokenizer:
             path = path / "tokenizer.json"
         if not path.exists():
             raise FileNotFoundError(f"no tokenizer at {path}")
-        return cls(HFTokenizer.from_file(str(path)))
+        try:
+            inner = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{path} is not a readable tokenizer.json ({e}); it is damaged or not a Hugging "
+                             f"Face tokenizers file: restore it from the run that wrote it") from e
+        return cls(inner)
+
+
+def _unicode(text: str) -> str:
+    """`text`, refused with its position when it holds a lone surrogate, which no UTF-8 text has: Python
+    makes one of each byte of a command-line argument that is not valid UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text has {text[e.start]!r} at character {e.start}, a lone surrogate, not a "
+                         f"character (invalid UTF-8 bytes in a command-line argument become these); give "
+                         f"UTF-8 text") from None
+    except AttributeError:
+        raise TypeError(f"expected text (str), got {type(text).__name__}") from None
+    return text
 
 
 def _byte_level(model):
@@ -69,6 +88,13 @@ def _byte_level(model):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return tok
+
+
+def bpe_trainer_bytes(vocab_size: int) -> int:
+    """What `train_bpe` allocates before it starts: the trainer (Rust) reserves a table of `vocab_size`
+    entries, about 100 bytes each, and aborts the whole process when that allocation fails, so a caller
+    compares this with the memory it has first (`k3.runtime.refuse_if_over_memory`)."""
+    return 100 * vocab_size
 
 
 def train_bpe(texts: list[str], vocab_size: int = 4096) -> Tokenizer:

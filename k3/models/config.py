@@ -14,6 +14,10 @@ What each kind requires of these fields is checked by the kind itself (`k3.model
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import types
+import typing
 from dataclasses import dataclass, field
 
 from . import kinds
@@ -83,6 +87,8 @@ class ModelConfig:
             if not ok:
                 raise ValueError(f"ModelConfig({self.name!r}): {what}" + (f"; {fix}" if fix else ""))
 
+        for problem in _type_problems(self):
+            need(False, problem)
         for name in ("vocab_size", "hidden_size", "num_layers", "intermediate_size", "chunk_size"):
             need(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
         for name, values in (("layer_types", self.layer_types), ("mlp_types", self.mlp_types)):
@@ -122,10 +128,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"ModelConfig.from_dict: unknown fields {unknown}")
+        check_field_names(d, "ModelConfig.from_dict")
         return cls(**d)
 
     @classmethod
@@ -134,3 +137,47 @@ class ModelConfig:
         `text_config` is used when present). See `k3.models.hf_config` for the field mapping."""
         return cls(**fields_from_hf(hf))
 
+
+
+def check_field_names(names, where: str) -> None:
+    """ValueError naming each of `names` that is no ModelConfig field, with the fields it resembles."""
+    fields = [f.name for f in dataclasses.fields(ModelConfig)]
+    unknown = [name for name in names if name not in fields]
+    if unknown:
+        close = {name: difflib.get_close_matches(name, fields, n=2, cutoff=0.6) for name in unknown}
+        if all(close.values()):
+            hint = "; ".join(f"did you mean {' or '.join(map(repr, c))} for {name!r}?" for name, c in close.items())
+        else:
+            hint = f"the fields are: {', '.join(fields)}"
+        raise ValueError(f"{where}: no ModelConfig field {', '.join(map(repr, unknown))}; {hint}")
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list"}
+
+
+def _type_problems(config: ModelConfig) -> list[str]:
+    """A line for each field whose value is not of its declared type (a value given as text, say)."""
+    problems = []
+    for name, hint in _hints().items():
+        value = getattr(config, name)
+        allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        if value is None and type(None) in allowed:
+            continue
+        kinds = [typing.get_origin(t) or t for t in allowed if t is not type(None)]
+        if not any(_is(value, kind) for kind in kinds):
+            expected = " or ".join([_TYPE_NAMES[k] for k in kinds] + (["null"] if type(None) in allowed else []))
+            problems.append(f"`{name}` must be {expected}, got {value!r}")
+    return problems
+
+
+@functools.cache
+def _hints() -> dict:
+    return typing.get_type_hints(ModelConfig)
+
+
+def _is(value, kind: type) -> bool:
+    if kind is float:  # an integer is a number too; a bool is neither
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)

@@ -28,6 +28,7 @@ import torch
 from ..io import checked_folder
 from ..layers import MoE
 from ..layers.mxfp4_expert import MXFP4Expert
+from ..runtime import refuse_if_over_memory
 from ..ops import mxfp4
 from . import checkpoint, kimi_k3_format
 from .config import ModelConfig
@@ -42,7 +43,14 @@ def shard_files(directory: Path) -> list[Path]:
     if single.exists():
         return [single]
     if index.exists():
-        return [directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
+            raise ValueError(f"{index}: not a safetensors index (a JSON object with a `weight_map`): {e}") from None
+        missing = [name for name in names if not (directory / name).exists()]
+        if missing:
+            raise FileNotFoundError(f"{directory}: no {', '.join(missing)} (named by model.safetensors.index.json)")
+        return [directory / name for name in names]
     raise FileNotFoundError(f"{directory}: no model.safetensors or model.safetensors.index.json")
 
 
@@ -148,6 +156,10 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None,
         model = build(cls, config, dtype, experts)
         if device is not None and torch.device(device).type == "meta":
             return model
+        check_weights(model, directory, native, renumber)
+        nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        refuse_if_over_memory(f"{directory}: loading {config.name!r}", nbytes,
+                              "load it on a machine with more memory, or a subset (layers=...) or experts='mxfp4'")
         model.to_empty(device=device or "cpu")
         if config.tie_word_embeddings:  # to_empty gives each module its own tensor
             model.lm_head.weight = model.model.embed_tokens.weight
@@ -160,29 +172,54 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None,
     return model
 
 
+def check_weights(model: torch.nn.Module, directory: Path, native: bool, renumber: dict[int, int] | None = None,
+                  source: str | None = None) -> None:
+    """The checkpoint's tensors, from the safetensors headers alone (no data read), against `model` on
+    the meta device: the same names and shapes as the load would find, or the load's ValueError (naming
+    `source`, default the folder), before anything is allocated. A damaged file is a ValueError naming it."""
+    filler = _Filler(model, source or str(directory))
+    _read_shards(directory, model.config, native, renumber, filler, header_only=True)
+    filler.finish(model.config.tie_word_embeddings)
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                      "F8_E5M2": torch.float8_e5m2}
+
+
 def _read_shards(directory: Path, config: ModelConfig, native: bool, renumber: dict[int, int] | None,
-                 filler: _Filler) -> int:
-    """Every tensor of the checkpoint's shards, one at a time, into `filler` under k3's names; returns
-    the number of vision tensors skipped."""
-    from safetensors import safe_open
+                 filler: _Filler, header_only: bool = False) -> int:
+    """Every tensor of the checkpoint's shards, one at a time, into `filler` under k3's names (as meta
+    tensors of the header's shapes when `header_only`); returns the number of vision tensors skipped."""
+    from safetensors import SafetensorError, safe_open
 
     skipped = 0
     for file in shard_files(directory):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                if not native and kimi_k3_format.is_vision(key):
-                    skipped += 1
-                    continue
-                # k3's names (k3.hf's under `k3.`), or a Kimi layout: K3's published names first
-                name = _renumbered(key.removeprefix("k3.") if native else kimi_k3_format.to_kimi_name(key), renumber)
-                if name is None:
-                    continue
-                t = f.get_tensor(key)
-                if native:
-                    filler.put(name, t)
-                    continue
-                if name.endswith("self_attn.A_log"):
-                    t = kimi_k3_format.unpad_a_log(t, config.linear_num_heads, key)
-                for k3_name, part in checkpoint.convert_kimi_tensor(name, t, config).items():
-                    filler.put(k3_name, part)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    if not native and kimi_k3_format.is_vision(key):
+                        skipped += 1
+                        continue
+                    # k3's names (k3.hf's under `k3.`), or a Kimi layout: K3's published names first
+                    name = _renumbered(key.removeprefix("k3.") if native else kimi_k3_format.to_kimi_name(key),
+                                       renumber)
+                    if name is None:
+                        continue
+                    if header_only:
+                        part = f.get_slice(key)
+                        t = torch.empty(part.get_shape(), dtype=SAFETENSORS_DTYPES[part.get_dtype()], device="meta")
+                    else:
+                        t = f.get_tensor(key)
+                    if native:
+                        filler.put(name, t)
+                        continue
+                    if name.endswith("self_attn.A_log"):
+                        t = kimi_k3_format.unpad_a_log(t, config.linear_num_heads, key)
+                    for k3_name, part in checkpoint.convert_kimi_tensor(name, t, config).items():
+                        filler.put(k3_name, part)
+        except SafetensorError as e:
+            raise ValueError(f"{directory}: {file.name} is damaged or not a safetensors file ({e}); restore it "
+                             f"from the run that wrote it") from None
     return skipped

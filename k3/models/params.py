@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..runtime import refuse_if_over_memory
 from .config import ModelConfig
 from .kinds import FFNS, MIXERS
 
@@ -110,6 +111,14 @@ def layer_bytes(config: ModelConfig, index: int, mxfp4_experts: bool = False) ->
     if c.attn_res_block_size is not None:
         n += 2 * 2 * c.hidden_size
     return 2 * (n - routed) + routed * 17 // 32
+
+
+def refuse_if_too_big(config: ModelConfig, bytes_per_parameter: int, purpose: str, fix: str) -> None:
+    """ValueError, before anything is allocated, when `config`'s parameters at `bytes_per_parameter`
+    bytes each (4: float32 weights; 16: training with AdamW) are more than this machine's memory."""
+    total = count_params(config).total
+    refuse_if_over_memory(f"{purpose} {config.name!r} ({total:,} parameters x {bytes_per_parameter} bytes)",
+                          total * bytes_per_parameter, fix)
 
 
 def _human(n: float) -> str:

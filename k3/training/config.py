@@ -1,14 +1,22 @@
-"""`TrainConfig`: every setting of a training run, checked when it is made.
+"""`TrainConfig`: every setting of a training run, checked when it is made (a value out of range, of
+the wrong type, a model override that names no field or that the preset refuses: a ValueError that
+names the field, the value and what is expected).
 
 It is saved in each checkpoint (config.json, "train") and rebuilt from there on resume, so its fields
-are plain values; `model_config` turns the preset and overrides into the model's ModelConfig.
+are plain values; `model_config` turns the preset and overrides into the model's ModelConfig, and
+refuses one whose training state cannot fit in this machine's memory before anything is allocated.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from ..models import ModelConfig, get_config
+from ..models import PRESETS, ModelConfig, get_config
+from ..models.config import check_field_names
+from ..models.params import refuse_if_too_big
+
+TRAINING_BYTES_PER_PARAMETER = 16  # float32 weights, gradients and AdamW's two moments (activations aside)
 
 
 @dataclass
@@ -50,11 +58,74 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: `tokenizer` must be 'bpe' or 'byte', got {self.tokenizer!r}")
         if self.max_steps is None and self.time_budget is None:
             raise ValueError("TrainConfig: give `max_steps` or `time_budget`")
-        for name in ("seq_len", "batch_size", "eval_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainConfig: `{name}` must be >= 1, got {getattr(self, name)}")
+        for name, (ok, expected) in _RULES.items():
+            value = getattr(self, name)
+            if not ok(value):
+                raise ValueError(f"TrainConfig: `{name}` must be {expected}, got {value!r}")
+        if not (len(self.betas) == 2 and all(_number(b) and 0 <= b < 1 for b in self.betas)):
+            raise ValueError(f"TrainConfig: `betas` must be two numbers in [0, 1), got {self.betas!r}")
+        if self.tokenizer == "bpe" and self.vocab_size < 257:
+            raise ValueError(f"TrainConfig: `vocab_size` must be at least 257 (256 bytes + <|endoftext|>) for "
+                             f"a BPE tokenizer, got {self.vocab_size}")
+        if self.preset not in PRESETS:
+            raise ValueError(f"TrainConfig: unknown preset {self.preset!r}; choose from: {', '.join(PRESETS)}")
+        _check_model_overrides(self)
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
-    """The model the run trains: `cfg.preset` with `cfg.model_overrides` and the tokenizer's vocabulary."""
-    return get_config(cfg.preset, **{**cfg.model_overrides, "vocab_size": vocab_size})
+    """The model the run trains: `cfg.preset` with `cfg.model_overrides` and the tokenizer's vocabulary;
+    a ValueError with the estimate when its training state cannot fit in this machine's memory."""
+    config = get_config(cfg.preset, **{**cfg.model_overrides, "vocab_size": vocab_size})
+    refuse_if_too_big(config, TRAINING_BYTES_PER_PARAMETER, "training",
+                          "choose a smaller preset, --hidden-size or --num-layers")
+    return config
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(low: int, none: bool = False):
+    return lambda v: (none and v is None) or (isinstance(v, int) and not isinstance(v, bool) and v >= low)
+
+
+def _in(low: float, high: float = math.inf, low_open: bool = False, high_open: bool = False, none: bool = False):
+    return lambda v: (none and v is None) or (_number(v) and (low < v if low_open else low <= v)
+                                              and (v < high if high_open else v <= high))
+
+
+_RULES = {  # field: (check, what it expects)
+    "vocab_size": (_count(1), "an integer >= 1"),
+    "val_fraction": (_in(0, 1, low_open=True, high_open=True), "a number in (0, 1)"),
+    "seq_len": (_count(1), "an integer >= 1"),
+    "batch_size": (_count(1), "an integer >= 1"),
+    "lr": (_in(0, low_open=True), "a finite number > 0"),
+    "min_lr_ratio": (_in(0, 1), "a number in [0, 1]"),
+    "warmup_steps": (_count(0), "an integer >= 0"),
+    "wsd_decay_fraction": (_in(0, 1), "a number in [0, 1]"),
+    "weight_decay": (_in(0), "a finite number >= 0"),
+    "grad_clip": (_in(0, low_open=True), "a finite number > 0"),
+    "moe_bias_rate": (_in(0), "a finite number >= 0"),
+    "max_steps": (_count(1, none=True), "an integer >= 1 (or None with a `time_budget`)"),
+    "time_budget": (_in(0, low_open=True, none=True), "a finite number of minutes > 0, or None"),
+    "calibration_steps": (_count(1), "an integer >= 1"),
+    "eval_every": (_count(1), "an integer >= 1"),
+    "eval_tokens": (_count(1), "an integer >= 1"),
+    "final_eval_tokens": (_count(1, none=True), "an integer >= 1, or None (all validation tokens)"),
+    "checkpoint_every": (_count(1, none=True), "an integer >= 1, or None (a checkpoint at the end only)"),
+    "seed": (_count(-(2 ** 63)), "an integer"),
+    "threads": (_count(1, none=True), "an integer >= 1, or None (all cores)"),
+    "model_overrides": (lambda v: isinstance(v, dict), "a dict of ModelConfig fields"),
+}
+
+
+def _check_model_overrides(cfg: TrainConfig) -> None:
+    """The overrides name ModelConfig fields that a preset takes, with values it accepts (built here
+    without the vocabulary, which comes from the tokenizer; nothing is allocated)."""
+    where = f"TrainConfig: `model_overrides` of preset {cfg.preset!r}"
+    check_field_names(cfg.model_overrides, where)
+    pattern = sorted({"layer_types", "mlp_types"} & set(cfg.model_overrides))
+    if pattern:
+        raise ValueError(f"{where}: {', '.join(pattern)} follow(s) the preset's pattern and cannot be set; "
+                         f"change `num_layers` (--num-layers) or choose another preset")
+    get_config(cfg.preset, **{k: v for k, v in cfg.model_overrides.items() if k != "vocab_size"})

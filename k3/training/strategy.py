@@ -32,7 +32,7 @@ from .objective import next_token_loss, per_byte, summed_loss
 from .optim import build_optimizer, load_keeping_implementation
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(FloatingPointError):
     """Training met a NaN or infinite loss or gradient norm; the run stops without saving it."""
 
 

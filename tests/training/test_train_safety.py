@@ -199,3 +199,15 @@ def test_checkpoint_files_get_the_permissions_open_gives(checkpoint, tmp_path):
         os.umask(previous)
     for path in [*folder.iterdir(), *(tmp_path / "pretrained").iterdir()]:
         assert oct(path.stat().st_mode & 0o777) == oct(0o640), path
+
+
+def test_k3_train_says_a_nan_loss_in_one_line(corpus, tmp_path, monkeypatch, capsys):
+    """The command line ends a diverged run with one line and exit code 2, not a traceback."""
+    from k3.cli import main
+
+    real = strategy.next_token_loss
+    monkeypatch.setattr(strategy, "next_token_loss", lambda model, windows, *rest: real(model, windows, *rest) * math.nan)
+    code = main(["train", "--preset", "gpt2-tiny", "--data", str(corpus), "--tokenizer", "byte", "--seq-len", "16",
+                 "--batch-size", "2", "--max-steps", "3", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("k3 train: error: step 1: the training loss is nan"), err

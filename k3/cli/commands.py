@@ -1,0 +1,254 @@
+"""What each `k3` subcommand does, given its parsed arguments (`k3.cli.parser` defines them)."""
+
+from __future__ import annotations
+
+import sys
+
+def _bench_ops(args) -> int:
+    from ..bench import ops
+
+    if args.quick:
+        lengths, chunk_sizes, repeats = (512, 2048), (32, 64), 2
+    else:
+        lengths, chunk_sizes, repeats = tuple(args.T), tuple(args.chunk_sizes), args.repeats
+    ops.run(lengths=lengths, chunk_sizes=chunk_sizes, heads=args.heads, dim=args.dim, repeats=repeats,
+            json_path=args.json)
+    return 0
+
+
+def _bench_models(args) -> int:
+    from ..bench import models
+
+    models.run(quick=args.quick, contexts=args.contexts, prefill=args.prefill, train=args.train, batch=args.batch,
+               rounds=args.rounds, steps=args.steps, models=args.models or models.MODELS, n_threads=args.threads,
+               json_path=args.json)
+    return 0
+
+
+def _params(args) -> int:
+    from ..models import PRESETS, get_config
+    from ..models.params import config_for, count_params, format_report
+
+    if args.preset is None:
+        print("presets: " + ", ".join(PRESETS))
+        return 0
+    config = config_for(args.preset)
+    vs = get_config(args.vs) if args.vs else None
+    if args.json:
+        import dataclasses
+        import json
+
+        print(json.dumps({"preset": args.preset, **dataclasses.asdict(count_params(config))}, indent=2))
+    else:
+        print(format_report(config, vs))
+    return 0
+
+
+def _plan(args) -> int:
+    import json
+
+    from ..plan.commands import run_plan
+
+    plans = run_plan(args)
+    if args.json:
+        print(json.dumps([f.to_json() for f in plans] if len(plans) > 1 else plans[0].to_json(), indent=2))
+    else:
+        print("\n\n".join(f.format() for f in plans))
+    return 0
+
+
+def _bench_train(args) -> int:
+    from ..bench import train
+
+    train.run(minutes=args.minutes, json_path=args.json, data=args.data)
+    return 0
+
+
+def _parse_value(text: str):
+    import json
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _train_config(args):
+    from ..training import TrainConfig
+
+    overrides = {}
+    for item in args.set or []:
+        if "=" not in item:
+            raise ValueError(f"--set expects FIELD=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        overrides[key.strip()] = _parse_value(value)
+    for flag, key in (("hidden_size", "hidden_size"), ("num_layers", "num_layers")):
+        if getattr(args, flag) is not None:
+            overrides[key] = getattr(args, flag)
+    fields = dict(preset=args.preset, model_overrides=overrides, data=args.data, tokenizer=args.tokenizer,
+                  vocab_size=args.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+                  warmup_steps=args.warmup, schedule=args.schedule, weight_decay=args.weight_decay,
+                  grad_clip=args.grad_clip, max_steps=args.max_steps, time_budget=args.time_budget,
+                  eval_every=args.eval_every, eval_tokens=args.eval_tokens, checkpoint_every=args.checkpoint_every,
+                  out=args.out, seed=args.seed, threads=args.threads, compile=args.compile)
+    if args.time_budget is not None and args.max_steps is None:
+        fields["max_steps"] = None
+    elif fields["max_steps"] is None:
+        fields["max_steps"] = TrainConfig().max_steps
+    return TrainConfig(**fields)
+
+
+def _train(args) -> int:
+    from ..training import train
+
+    cfg = _train_config(args)
+    if args.resume:
+        from ..models.preflight import check_checkpoint
+
+        check_checkpoint(args.resume, f"--resume {args.resume}")
+    try:
+        train(cfg, resume=args.resume, progress=not args.no_progress, parallel=args.parallel)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _generate(args) -> int:
+    """Everything the user gave is checked (tokenizer, prompts, the checkpoint's files, its size)
+    before the model is built; Ctrl-C stops the stream, keeps what was printed and exits with 130."""
+    import time
+
+    import torch
+
+    from ..models import CausalLM
+    from ..models.preflight import check_pretrained
+    from ..tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(args.checkpoint)
+    texts, prompts = _prompts(args, tokenizer)
+    check_pretrained(args.checkpoint, f"--checkpoint {args.checkpoint}")
+    model = CausalLM.from_pretrained(args.checkpoint).eval()
+    if args.prompt_file:
+        return _generate_batch(args, model, tokenizer, texts, prompts)
+    ids = prompts[0]
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.tensor([ids])
+    print(args.prompt, end="", flush=True)
+    new: list[int] = []
+    shown = ""
+    start = time.perf_counter()
+    try:
+        for token in model.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                  top_p=args.top_p, generator=generator):
+            new.append(int(token[0]))
+            text = tokenizer.decode(new)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                print(text[len(shown):], end="", flush=True)
+                shown = text
+    except KeyboardInterrupt:
+        print(flush=True)
+        print(f"[interrupted (Ctrl-C) after {len(new)} tokens]", file=sys.stderr)
+        return 130
+    seconds = time.perf_counter() - start
+    print(flush=True)
+    print(f"[{len(new)} tokens in {seconds:.2f} s: {len(new) / max(seconds, 1e-9):.1f} tokens/s, prefill of "
+          f"{len(ids)} prompt tokens included]", file=sys.stderr)
+    return 0
+
+
+def _prompts(args, tokenizer) -> tuple[list[str], list[list[int]]]:
+    """(texts, their token ids): `--prompt`, or each non-blank line of `--prompt-file`, checked."""
+    from pathlib import Path
+
+    if not args.prompt_file:
+        try:
+            ids = tokenizer.encode(args.prompt)
+        except ValueError as e:
+            raise ValueError(f"--prompt: {e}") from None
+        if not ids:
+            raise ValueError(f"the prompt {args.prompt!r} is empty after tokenization; give some text")
+        return [args.prompt], [ids]
+    path = Path(args.prompt_file)
+    if not path.is_file():
+        raise ValueError(f"--prompt-file {path}: no such file")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file {path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                         f"{e.start}); save it as UTF-8") from None
+    texts = [line for line in lines if line.strip()]
+    if not texts:
+        raise ValueError(f"--prompt-file {path}: no prompt in it (one prompt a line)")
+    prompts = [tokenizer.encode(text) for text in texts]
+    for i, (text, ids) in enumerate(zip(texts, prompts)):
+        if not ids:
+            raise ValueError(f"--prompt-file {path}: line {i + 1} ({text!r}) is empty after tokenization")
+    return texts, prompts
+
+
+def _generate_batch(args, model, tokenizer, texts: list[str], prompts: list[list[int]]) -> int:
+    """`k3 generate --prompt-file`: every line's continuation, generated together."""
+    import time
+
+    import torch
+
+    generator = torch.Generator().manual_seed(args.seed)
+    start = time.perf_counter()
+    rows = model.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, generator=generator)
+    seconds = time.perf_counter() - start
+    new = 0
+    for i, (text, ids, row) in enumerate(zip(texts, prompts, rows)):
+        new += row.numel() - len(ids)
+        print(f"--- prompt {i + 1} of {len(texts)}")
+        print(text + tokenizer.decode(row[len(ids):].tolist()), flush=True)
+    print(f"[{len(texts)} prompts ({min(map(len, prompts))} to {max(map(len, prompts))} tokens), {new} new tokens "
+          f"in {seconds:.2f} s: {new / max(seconds, 1e-9):.1f} tokens/s, prefill included]", file=sys.stderr)
+    return 0
+
+
+def _export(args) -> int:
+    try:
+        from ..hf.export import export
+    except ModuleNotFoundError as e:  # transformers missing: say so without a traceback
+        if e.name != "transformers":
+            raise
+        raise ValueError(str(e)) from e
+    from ..models.preflight import check_pretrained
+
+    check_pretrained(args.checkpoint, f"checkpoint {args.checkpoint}")
+    names = export(args.checkpoint, args.out, format=args.format, quantize=args.quantize)
+    print(f"wrote {', '.join(names)} to {args.out} ({args.format} format)")
+    return 0
+
+
+def _lab(args) -> int:
+    from .. import lab
+
+    mode = "full" if args.full else "smoke" if args.smoke else "quick"
+    options = {"checkpoint": args.checkpoint} if args.checkpoint else {}
+    if options and args.name != "inspect":
+        raise ValueError(f"--checkpoint is for `k3 lab inspect`, not `k3 lab {args.name}`")
+    if options:
+        from ..models.preflight import check_checkpoint
+
+        check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
+    names = list(lab.EXPERIMENTS) if args.name == "all" else [args.name]
+    for name in names:
+        if name in lab.EXPERIMENTS:
+            print(f"k3 lab {name} ({mode}): {lab.EXPERIMENTS[name][1]}", flush=True)
+        result = lab.run(name, mode, args.docs, **options)
+        print(f"  {sum(c.verdict == 'holds' for c in result.claims)} of {len(result.claims)} claims hold; "
+              f"{result.seconds / 60:.1f} min; {len(result.figures)} figures", flush=True)
+    print(f"wrote {args.docs}/results.md")
+    return 0
+
+
+def _eval(args) -> int:
+    try:
+        from ..eval.lm_eval import main as lm_eval_main
+    except ModuleNotFoundError as e:
+        if e.name is None or not e.name.startswith("lm_eval"):
+            raise
+        raise ValueError("lm-evaluation-harness is not installed; pip install 'k3[eval]' (or lm-eval)") from e
+    return lm_eval_main(args.lm_eval_args)

@@ -1,0 +1,169 @@
+"""The `k3` command line's arguments: every subcommand, with each number checked as it is parsed."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from .commands import (_bench_models, _bench_ops, _bench_train, _eval, _export, _generate, _lab, _params, _plan,
+                       _train)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (the usage of `k3 train` alone takes a dozen)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _count(low: int, what: str):
+    """An argparse type: an integer >= low; `what` says what it counts."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, an integer >= {low}, got {text!r}")
+        return value
+    return parse
+
+
+def _number(low: float, what: str, above: bool = False, high: float = math.inf):
+    """An argparse type: a finite number >= low (> low when `above`) and <= high."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
+            bounds = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
+            raise argparse.ArgumentTypeError(f"expected {what}, a finite number {bounds}, got {text!r}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="k3", description="Kimi K3 and its lineage in PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model on a text corpus (default: Shakespeare)")
+    train.add_argument("--preset", default="kimi-k3-tiny", help="model preset (k3 params lists them)")
+    train.add_argument("--hidden-size", type=_count(1, "a width"), help="override the preset's width")
+    train.add_argument("--num-layers", type=_count(1, "a depth"),
+                       help="override the preset's depth (its layer pattern is kept)")
+    train.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                       help="override any ModelConfig field, e.g. --set num_experts=8 (repeatable)")
+    train.add_argument("--data", help="a UTF-8 text file or folder (default: Shakespeare's works, fetched once)")
+    train.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe")
+    train.add_argument("--vocab-size", type=_count(257, "BPE entries (256 bytes + <|endoftext|> + merges)"),
+                       default=4096, help="BPE vocabulary size")
+    train.add_argument("--seq-len", type=_count(1, "tokens per sequence"), default=256)
+    train.add_argument("--batch-size", type=_count(1, "sequences per step"), default=8,
+                       help="sequences per step (default 8: in a fixed time budget, more smaller steps learn more)")
+    train.add_argument("--lr", type=_number(0, "a learning rate", above=True), default=3e-3)
+    train.add_argument("--warmup", type=_count(0, "warmup steps"), default=50, help="warmup steps")
+    train.add_argument("--schedule", choices=("cosine", "wsd"), default="wsd",
+                       help="after the warmup: constant then a linear decay over the last 20%% (wsd, the default: "
+                            "a time budget re-planned on the way changes nothing before the decay), or cosine")
+    train.add_argument("--weight-decay", type=_number(0, "a weight decay"), default=0.1)
+    train.add_argument("--grad-clip", type=_number(0, "a gradient norm", above=True), default=1.0)
+    train.add_argument("--max-steps", type=_count(1, "training steps"),
+                       help="training steps (default 1000 unless --time-budget)")
+    train.add_argument("--time-budget", type=_number(0, "minutes", above=True), metavar="MIN",
+                       help="train for about this many minutes")
+    train.add_argument("--eval-every", type=_count(1, "steps between evaluations"), default=100)
+    train.add_argument("--eval-tokens", type=_count(1, "validation tokens"), default=32768,
+                       help="validation tokens per evaluation")
+    train.add_argument("--checkpoint-every", type=_count(1, "steps between checkpoints"),
+                       help="also save every N steps (always at the end)")
+    train.add_argument("--out", default="runs/k3", help="checkpoint directory")
+    train.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
+    train.add_argument("--compile", action="store_true",
+                       help="torch.compile the decoder: ~0.8x the step time after ~2.5 min of compiling (CPU, "
+                            "kimi-k3-tiny); worth it for long runs, not the 13-minute demo; needs a C++ compiler")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--parallel", choices=("none", "ddp", "fsdp", "ep"), default="none",
+                       help="under torchrun: split each step over the processes (data parallel, fully sharded, "
+                            "or expert parallel); see the README")
+    train.set_defaults(func=_train)
+    gen = sub.add_parser("generate", help="stream text from a checkpoint")
+    gen.add_argument("--checkpoint", required=True, metavar="DIR")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="one prompt, its continuation streamed")
+    prompt.add_argument("--prompt-file", metavar="FILE", help="one prompt a line (blank lines skipped), generated "
+                        "as one batch of different lengths; each continuation printed when all are done")
+    gen.add_argument("--max-new-tokens", type=_count(0, "tokens to generate"), default=200)
+    gen.add_argument("--temperature", type=_number(0, "a sampling temperature (0: greedy)"), default=0.8,
+                     help="0: greedy")
+    gen.add_argument("--top-k", type=_count(1, "tokens kept"), default=50)
+    gen.add_argument("--top-p", type=_number(0, "a probability mass", above=True, high=1))
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(func=_generate)
+    export = sub.add_parser("export", help="write a checkpoint in Hugging Face transformers' format (needs k3[hf])")
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a k3 checkpoint directory (k3 train --out)")
+    export.add_argument("out", metavar="DIR", help="output directory")
+    export.add_argument("--format", choices=("k3", "kimi-linear", "kimi-k3"), default="k3",
+                        help="k3: model_type k3, loads after `import k3.hf` (default); kimi-linear: Kimi "
+                             "Linear's own format, for kimi-linear* models; kimi-k3: Kimi K3's published layout")
+    export.add_argument("--quantize", choices=("mxfp4",), help="kimi-k3: routed experts in MXFP4 (compressed-tensors)")
+    export.set_defaults(func=_export)
+    params = sub.add_parser("params", help="parameter count, active parameters and decode memory of a preset")
+    params.add_argument("preset", nargs="?", metavar="PRESET|DIR",
+                        help="a preset name, a checkpoint directory or a config.json (omit to list the presets)")
+    params.add_argument("--vs", metavar="PRESET", help="also print the ratio of total parameters to this preset")
+    params.add_argument("--json", action="store_true", help="print the figures as JSON")
+    params.set_defaults(func=_params)
+    plan = sub.add_parser("plan", help="what training or serving a model takes at cluster scale, on paper")
+    from ..plan.commands import add_plan_arguments
+
+    add_plan_arguments(plan)
+    plan.set_defaults(func=_plan)
+    bench = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    ops = bench_sub.add_parser("ops", help="recurrent vs chunk mixers vs causal SDPA")
+    ops.add_argument("--quick", action="store_true", help="T in {512, 2048}, C in {32, 64}: about a minute")
+    ops.add_argument("--T", type=int, nargs="+", default=[512, 2048, 8192], help="sequence lengths")
+    ops.add_argument("--chunk-sizes", type=int, nargs="+", default=[16, 32, 64, 128])
+    ops.add_argument("--heads", type=int, default=8)
+    ops.add_argument("--dim", type=int, default=64, help="head dim K = V")
+    ops.add_argument("--repeats", type=int, default=3, help="timed runs per case (the best is kept)")
+    ops.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    ops.set_defaults(func=_bench_ops)
+    btrain = bench_sub.add_parser("train", help="kimi-k3-tiny vs a GPT-2 of equal width and parameters")
+    btrain.add_argument("--minutes", type=float, default=5.0, help="training budget of each model")
+    btrain.add_argument("--data", help="corpus (default: Shakespeare)")
+    btrain.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    btrain.set_defaults(func=_bench_train)
+    bmodels = bench_sub.add_parser("models", help="whole-model prefill, train step and decode speed, k3 vs GPT-2 "
+                                   "and transformers")
+    bmodels.add_argument("--quick", action="store_true",
+                         help="fewer rounds and steps, a smaller train step: about a minute")
+    bmodels.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    bmodels.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    bmodels.add_argument("--models", nargs="+", metavar="NAME", help="a subset of: kimi-k3-tiny kimi-linear-tiny "
+                         "gpt2-tiny transformers-gpt2 transformers-kimi-linear (default: all)")
+    bmodels.add_argument("--contexts", type=int, nargs="+", help="decode contexts (default 256 4096)")
+    bmodels.add_argument("--prefill", type=int, help="prefill tokens (default 2048)")
+    bmodels.add_argument("--train", type=int, nargs=2, metavar=("B", "T"),
+                         help="train step shape (default 16 256; quick 8 256)")
+    bmodels.add_argument("--batch", type=int, nargs=2, metavar=("B1", "B2"), help="decode batches compared (1 8)")
+    bmodels.add_argument("--rounds", type=int, help="interleaved rounds of prefill and train step (default 3; quick 2)")
+    bmodels.add_argument("--steps", type=int, help="timed decode steps per model and context (default 24; quick 16)")
+    bmodels.set_defaults(func=_bench_models)
+    lab = sub.add_parser("lab", help="the article's claims as experiments: tables and plots in runs/lab/results.md")
+    lab.add_argument("name", help="an experiment (recall, overwrite, prefill, decode, parts, inspect) or 'all'")
+    size = lab.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="the default: all experiments in under 30 minutes")
+    size.add_argument("--full", action="store_true", help="the larger sweeps")
+    size.add_argument("--smoke", action="store_true", help="seconds per experiment: checks that it runs")
+    lab.add_argument("--docs", default="runs/lab", help="where results.md, lab/*.json and figures/ go (default "
+                     "runs/lab; --docs docs regenerates the repository's docs/results.md)")
+    lab.add_argument("--checkpoint", help="k3 lab inspect: a checkpoint folder (default: train one briefly)")
+    lab.set_defaults(func=_lab)
+    # everything after `k3 eval` goes to lm-eval's command line (main passes it on as lm_eval_args)
+    lm_eval = sub.add_parser("eval", add_help=False, help="lm-evaluation-harness with the k3 model: k3 eval "
+                             "--model_args checkpoint=DIR --tasks TASK ... (lm_eval's options)")
+    lm_eval.set_defaults(func=_eval)
+    return parser

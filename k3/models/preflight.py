@@ -1,0 +1,72 @@
+"""Whether a checkpoint folder will load, found out before anything is allocated.
+
+`check_pretrained(path)` reads what `CausalLM.from_pretrained(path)` reads, except the weights' data:
+config.json, and the safetensors headers (names, shapes). It refuses, each with a one-line ValueError
+that names the folder and the file:
+
+- a damaged weights file (empty, truncated, not safetensors: the header does not cover the file);
+- a model whose float32 weights are more than this machine's memory (the estimate in bytes);
+- weights of other names or shapes than config.json's model (a config.json from another run), checked
+  by the loader's own pass over the headers (`k3.models.loading.check_weights`, every layout it reads)
+  against the model built on the meta device, which holds no data.
+
+`check_checkpoint(path)` also reads a training checkpoint's other files: tokenizer.json, and
+trainer_state.pt where there is one (mapped: its tensors are not read).
+
+`CausalLM.from_pretrained` makes the same header pass and memory check itself; this module adds the
+CLI's wording and a training checkpoint's other files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import zipfile
+from pathlib import Path
+
+import torch
+
+from ..tokenizer import Tokenizer
+from .checkpoint import read_config
+from .config import ModelConfig
+from .loading import check_weights
+from .model import CausalLM
+from .params import refuse_if_too_big
+
+
+def check_pretrained(path: str | os.PathLike, what: str | None = None) -> ModelConfig:
+    """The folder's ModelConfig, once its files are known to load (see the module); `what` names the
+    folder in errors (e.g. "--checkpoint runs/k3")."""
+    directory = Path(path)
+    what = what or str(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{what}: no such folder (expected a checkpoint folder, e.g. k3 train --out)")
+    try:
+        config, native = read_config(directory)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what}: config.json is not valid JSON ({e}); it is damaged: restore it from the run "
+                         f"that wrote it") from None
+    refuse_if_too_big(config, 4, f"{what}: loading", "this checkpoint needs a machine with more memory")
+    with torch.device("meta"):
+        model = CausalLM(config)
+    check_weights(model, directory, native, source=what)
+    return config
+
+
+def check_checkpoint(path: str | os.PathLike, what: str | None = None) -> ModelConfig:
+    """`check_pretrained`, and the folder's tokenizer.json and trainer_state.pt (where there is one)
+    read: a folder written by `k3 train` that can be resumed, generated from or inspected."""
+    what = what or str(path)
+    config = check_pretrained(path, what)
+    Tokenizer.load(path)
+    state = Path(path) / "trainer_state.pt"
+    if state.exists():
+        try:
+            if not zipfile.is_zipfile(state):
+                raise RuntimeError("not a zip archive, which torch.save writes")
+            torch.load(state, weights_only=True, mmap=True)
+        except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
+            raise ValueError(f"{what}: trainer_state.pt is damaged or not written by k3 train "
+                             f"({str(e).splitlines()[0]}); restore it from the run that wrote it") from None
+    return config

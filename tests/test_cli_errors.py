@@ -1,0 +1,190 @@
+"""Every failure a user can cause ends in one line, `k3 <command>: error: ...`, and exit code 2 (Ctrl-C in
+`k3 generate`: exit 130, the text so far kept): bad flags, bad --set, sizes that cannot fit, damaged
+checkpoint files, bad prompts, --resume with settings it would ignore."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from k3 import runtime
+from k3.cli import main
+from k3.generation import sample
+from k3.models import CausalLM
+from k3.tokenizer import Tokenizer, byte_tokenizer
+from k3.training import TrainConfig, build_optimizer
+from k3.training.checkpoint import save_training_checkpoint
+from k3.training.config import model_config
+
+from .corpus import write_corpus
+
+TINY_RUN = ["--tokenizer", "byte", "--hidden-size", "32", "--seq-len", "32", "--batch-size", "2", "--eval-every", "1",
+            "--eval-tokens", "64", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"), docs=4, words=300)
+
+
+@pytest.fixture(scope="module")
+def run(corpus, tmp_path_factory):
+    """A checkpoint as `k3 train --data corpus --max-steps 1 TINY_RUN` writes it, without the training."""
+    out = tmp_path_factory.mktemp("run")
+    cfg = TrainConfig(model_overrides={"hidden_size": 32}, data=str(corpus), tokenizer="byte", seq_len=32,
+                      batch_size=2, max_steps=1, out=str(out))
+    model = CausalLM(model_config(cfg, 257))
+    history = {"step": [], "loss": [], "lr": [], "val_step": [], "val_bpb": [], "tokens": 0, "seconds": 0.0}
+    save_training_checkpoint(out, model, build_optimizer(model, cfg), byte_tokenizer(), cfg, 0, 1,
+                             torch.Generator(), history)
+    return out
+
+
+@pytest.fixture
+def damaged(run, tmp_path):
+    """A copy of the run's checkpoint, to damage."""
+    return lambda: shutil.copytree(run, tmp_path / "copy")
+
+
+def fails(capsys, argv: list[str], *expected: str) -> str:
+    """main(argv) exits with 2 and one line on stderr, `k3 <command>: error: ...`, holding `expected`."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"k3 {argv[0]}: error: "), err
+    for text in expected:
+        assert text in err, err
+    return err
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--max-steps", "0"], "--max-steps: expected training steps, an integer >= 1, got '0'"),
+    (["--max-steps", "-3"], "got '-3'"),
+    (["--time-budget", "-1"], "--time-budget: expected minutes, a finite number > 0, got '-1'"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every: expected steps between checkpoints, an integer >= 1"),
+    (["--warmup", "-5"], "--warmup: expected warmup steps, an integer >= 0, got '-5'"),
+    (["--threads", "-1"], "--threads: expected torch threads, an integer >= 1, got '-1'"),
+    (["--lr", "nan"], "--lr: expected a learning rate, a finite number > 0, got 'nan'"),
+    (["--vocab-size", "100"], "--vocab-size: expected BPE entries"),
+    (["--set", "bogus_field=1"], "no ModelConfig field 'bogus_field'; the fields are: name, vocab_size, hidden_size"),
+    (["--set", "hiden_size=64"], "did you mean 'hidden_size'"),
+    (["--set", "hidden_size=abc"], "`hidden_size` must be an integer, got 'abc'"),
+    (["--set", "layer_types=[]"], "layer_types follow(s) the preset's pattern"),
+    (["--set", "hidden_size"], "--set expects FIELD=VALUE, got 'hidden_size'"),
+])
+def test_bad_train_settings_are_refused_before_any_work(capsys, tmp_path, flags, expected):
+    fails(capsys, ["train", "--data", str(tmp_path / "never read"), "--out", str(tmp_path / "out"), *flags], expected)
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_config_checks_its_fields():
+    for bad, expected in [({"max_steps": 0}, "`max_steps` must be an integer >= 1"),
+                          ({"time_budget": float("nan")}, "`time_budget` must be a finite number"),
+                          ({"warmup_steps": -5}, "`warmup_steps` must be an integer >= 0, got -5"),
+                          ({"threads": 0}, "`threads` must be an integer >= 1"),
+                          ({"checkpoint_every": -1}, "`checkpoint_every` must be an integer >= 1"),
+                          ({"betas": (0.9, 1.5)}, "`betas` must be two numbers in [0, 1)"),
+                          ({"preset": "gpt5"}, "unknown preset 'gpt5'")]:
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            TrainConfig(**bad)
+
+
+def test_a_vocabulary_that_cannot_fit_is_refused_before_the_bpe_trainer_allocates(corpus, tmp_path, capsys,
+                                                                                monkeypatch):
+    monkeypatch.setattr(runtime, "available_memory", lambda: 8 << 30)  # the same answer on any machine
+    fails(capsys, ["train", "--data", str(corpus), "--tokenizer", "bpe", "--vocab-size", "1000000000", "--max-steps",
+                   "1", "--out", str(tmp_path / "out")],
+          "a BPE vocabulary of 1,000,000,000 entries needs about 93.1 GiB (100,000,000,000 bytes)", "8.0 GiB")
+
+
+def test_a_model_that_cannot_fit_is_refused_before_training_allocates(corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(runtime, "available_memory", lambda: 1 << 20)
+    fails(capsys, ["train", "--data", str(corpus), *TINY_RUN, "--max-steps", "1", "--out", str(tmp_path / "out")],
+          "training 'kimi-k3-tiny' (1,067,916 parameters x 16 bytes) needs about 0.0 GiB (17,086,656 bytes), more "
+          "than the 0.0 GiB of memory available")
+
+
+def test_a_config_json_of_another_size_is_refused_before_the_model_is_built(damaged, capsys, monkeypatch):
+    copy = damaged()
+    config = json.loads((copy / "config.json").read_text())
+    config["k3"]["hidden_size"] = 200_000
+    (copy / "config.json").write_text(json.dumps(config))
+    built = []
+    monkeypatch.setattr(CausalLM, "from_pretrained", lambda *a, **k: built.append(1))
+    argv = ["generate", "--checkpoint", str(copy), "--prompt", "to be"]
+    fails(capsys, argv, f"--checkpoint {copy} does not match", "model [257, 200000]")
+    monkeypatch.setattr(runtime, "available_memory", lambda: 1 << 30)
+    fails(capsys, argv, f"--checkpoint {copy}: loading 'kimi-k3-tiny' (", "parameters x 4 bytes) needs about",
+          "more than the 1.0 GiB of memory available")
+    assert not built
+
+
+@pytest.mark.parametrize("content, expected", [(b"", "header too small"), (None, "file not fully covered")])
+def test_a_damaged_model_safetensors_is_named(damaged, capsys, content, expected):
+    copy = damaged()
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100] if content is None else content)
+    for argv in (["generate", "--checkpoint", str(copy), "--prompt", "to be"],
+                 ["train", "--resume", str(copy), "--max-steps", "2"],
+                 ["lab", "inspect", "--checkpoint", str(copy), "--smoke"]):
+        fails(capsys, argv, f"{copy}: model.safetensors is damaged or not a safetensors file", expected)
+
+
+def test_a_malformed_tokenizer_json_is_named(damaged, capsys):
+    copy = damaged()
+    (copy / "tokenizer.json").write_text((copy / "tokenizer.json").read_text()[:100])
+    fails(capsys, ["generate", "--checkpoint", str(copy), "--prompt", "to be"],
+          f"{copy / 'tokenizer.json'} is not a readable tokenizer.json (EOF while parsing")
+
+
+@pytest.mark.parametrize("state", [b"not a zip archive", "truncated"])
+def test_lab_inspect_refuses_a_damaged_trainer_state_before_the_analysis(damaged, capsys, monkeypatch, state):
+    import k3.lab
+
+    copy = damaged()
+    path = copy / "trainer_state.pt"
+    path.write_bytes(path.read_bytes()[:200] if state == "truncated" else state)
+    monkeypatch.setattr(k3.lab, "run", lambda *a, **k: pytest.fail("the analysis ran"))
+    fails(capsys, ["lab", "inspect", "--checkpoint", str(copy), "--smoke", "--docs", str(copy / "docs")],
+          f"--checkpoint {copy}: trainer_state.pt is damaged")
+
+
+def test_bad_prompts_and_sampling_flags(run, tmp_path, capsys):
+    generate = ["generate", "--checkpoint", str(run)]
+    fails(capsys, [*generate, "--prompt", "to b\udcff"], "--prompt: the text has '\\udcff' at character 4, a lone "
+          "surrogate", "give UTF-8 text")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"to be\nor \xff not\n")
+    fails(capsys, [*generate, "--prompt-file", str(prompts)], "not UTF-8 text (byte 0xff at offset 9)")
+    for value in ("nan", "-1", "inf"):
+        fails(capsys, [*generate, "--prompt", "to be", "--temperature", value],
+              f"--temperature: expected a sampling temperature (0: greedy), a finite number >= 0, got '{value}'")
+    fails(capsys, [*generate, "--prompt", "to be", "--top-p", "1.5"], "a finite number > 0 and <= 1, got '1.5'")
+    with pytest.raises(ValueError, match="`temperature` must be a finite number >= 0"):
+        sample(torch.zeros(1, 4), temperature=float("nan"))
+
+
+def test_ctrl_c_in_generate_keeps_the_text_and_exits_130(run, capsys, monkeypatch):
+    def stream(self, prompt, *args, **kwargs):
+        for token in Tokenizer.load(run).encode("xy"):
+            yield torch.tensor([token])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(CausalLM, "stream", stream)
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "to be"]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == "to bexy\n" and "interrupted (Ctrl-C) after 2 tokens" in captured.err
+
+
+def test_resume_refuses_settings_it_would_ignore(run, corpus, tmp_path, capsys):
+    other = write_corpus(tmp_path, docs=2, words=50)
+    resume = ["train", "--resume", str(run), "--max-steps", "2", "--no-progress"]
+    fails(capsys, [*resume, "--data", str(other)], f"`data` '{other}' (the checkpoint's: '{corpus}')",
+          "drop the others to resume")
+    fails(capsys, [*resume, "--hidden-size", "48"], "`model_overrides` {'hidden_size': 48} (the checkpoint's: "
+          "{'hidden_size': 32})")
+    fails(capsys, [*resume, "--lr", "0.01", "--seed", "3"], "`lr` 0.01", "; `seed` 3 (the checkpoint's: 0)")
