@@ -11,7 +11,7 @@ The three delta-rule layers share one body (DESIGN.md §3) and differ only in th
     g       = none (DeltaNet)
             | -exp(A_log[h]) * softplus(a_proj(x) + dt_bias[h])                         Gated DeltaNet, [B, T, H]
             | -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias)                          KDA (Kimi Linear), [B, T, H, K]
-            | -5 * sigmoid(exp(A_log[h]) * (f_b(f_a(x)) + dt_bias))                     KDA (Kimi K3's safe gate)
+            | lower_bound * sigmoid(exp(A_log[h]) * (f_b(f_a(x)) + dt_bias))            KDA (Kimi K3's safe gate: -5)
     o       = the mixer of `k3.ops` (chunkwise for prefill, recurrent for one-token decode)
     y       = o_proj( RMSNorm_per_head(o) * sigmoid(output gate) )
 
@@ -230,7 +230,8 @@ class KimiDeltaAttention(_DeltaRuleAttention):
     """KDA: a decay per head, token and key channel from a low-rank forget gate f = f_b(f_a(x)).
 
     kda_gate="kimi_linear": g = -exp(A_log[h]) softplus(f + dt_bias)         (unbounded below)
-    kda_gate="safe" (K3):   g = -5 sigmoid(exp(A_log[h]) (f + dt_bias))      (every step g >= -5)
+    kda_gate="safe" (K3):   g = b sigmoid(exp(A_log[h]) (f + dt_bias))       (every step g >= b; K3: b = -5,
+                                                                              `gate_lower_bound`)
     output_gate defaults to the low-rank g_b(g_a(x)) of Kimi Linear; K3 uses "full".
     """
 
@@ -239,10 +240,12 @@ class KimiDeltaAttention(_DeltaRuleAttention):
     step_op = staticmethod(kda_step)
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, kda_gate: str = "kimi_linear",
-                 output_gate: str | None = "low_rank", **kwargs):
+                 gate_lower_bound: float = -5.0, output_gate: str | None = "low_rank", **kwargs):
         if kda_gate not in KDA_GATES:
             raise ValueError(f"KimiDeltaAttention: `kda_gate` must be 'kimi_linear' or 'safe', got {kda_gate!r}")
-        self.kda_gate = kda_gate
+        if not gate_lower_bound < 0:
+            raise ValueError(f"KimiDeltaAttention: `gate_lower_bound` must be negative, got {gate_lower_bound}")
+        self.kda_gate, self.gate_lower_bound = kda_gate, float(gate_lower_bound)
         super().__init__(hidden_size, num_heads, head_dim, output_gate=output_gate, **kwargs)
 
     def _make_forget_gate(self) -> None:
@@ -263,7 +266,7 @@ class KimiDeltaAttention(_DeltaRuleAttention):
         f = (upcast(self.f_b_proj(self.f_a_proj(x))) + upcast(self.dt_bias)).view(*x.shape[:-1], H, -1)
         rate = torch.exp(upcast(self.A_log)).view(H, 1)  # one rate per head
         if self.kda_gate == "safe":
-            return -5.0 * torch.sigmoid(rate * f)
+            return self.gate_lower_bound * torch.sigmoid(rate * f)
         return -rate * F.softplus(f)
 
 

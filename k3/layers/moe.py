@@ -4,7 +4,10 @@ Routing (DeepSeek-V3 style, aux-loss-free):
 
     s        = sigmoid(x W_router^T)                         in float32, [N, E]
     chosen   = top-k of (s + e_score_correction_bias)        the bias steers selection only
-    w_i      = s_i / sum_{j in chosen} s_j * routed_scaling_factor      for i in chosen
+    w_i      = s_i / (sum_{j in chosen} s_j + 1e-20) * routed_scaling_factor      for i in chosen
+
+(renormalised only when `renormalize` and k > 1, as Kimi K3's code does: otherwise w_i = s_i times the
+factor)
 
 Routed path: Kimi Linear runs the experts on x; K3 first projects to a latent space,
 z = latent_down_proj(x) [d -> d_latent], sums w_i expert_i(z), normalises (RMSNorm over d_latent) and
@@ -85,11 +88,12 @@ class Expert(nn.Module):
 class Router(nn.Module):
     """Sigmoid router with the aux-loss-free correction bias (`weight` [E, d], `e_score_correction_bias` [E])."""
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, routed_scaling_factor: float = 1.0):
+    def __init__(self, dim: int, num_experts: int, top_k: int, routed_scaling_factor: float = 1.0,
+                 renormalize: bool = True):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"Router: `top_k` must be in [1, num_experts = {num_experts}], got {top_k}")
-        self.top_k, self.routed_scaling_factor = top_k, routed_scaling_factor
+        self.top_k, self.routed_scaling_factor, self.renormalize = top_k, routed_scaling_factor, renormalize
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
         self.reset_parameters()
@@ -116,7 +120,9 @@ class Router(nn.Module):
         scores = self.scores(x)  # [N, E]
         chosen = self.choose(scores)
         weights = scores.gather(-1, chosen)
-        weights = weights / weights.sum(-1, keepdim=True) * self.routed_scaling_factor
+        if self.renormalize and self.top_k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights * self.routed_scaling_factor
         return chosen, weights
 
 
@@ -212,11 +218,11 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, num_experts: int, top_k: int, expert_hidden: int, *, num_shared: int = 1,
                  latent_dim: int | None = None, activation: str = "swiglu", situ_beta: float = 4.0,
-                 situ_linear_beta: float | None = 25.0, routed_scaling_factor: float = 1.0,
+                 situ_linear_beta: float | None = 25.0, routed_scaling_factor: float = 1.0, renormalize: bool = True,
                  norm_eps: float = 1e-6):
         super().__init__()
         expert_dim = dim if latent_dim is None else latent_dim
-        self.gate = Router(dim, num_experts, top_k, routed_scaling_factor)
+        self.gate = Router(dim, num_experts, top_k, routed_scaling_factor, renormalize)
         self.experts = RoutedExperts(Expert(expert_dim, expert_hidden, activation, situ_beta, situ_linear_beta)
                                      for _ in range(num_experts))
         self.shared_experts = (GatedMLP(dim, num_shared * expert_hidden, activation, situ_beta, situ_linear_beta)

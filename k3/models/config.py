@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -50,7 +51,8 @@ class ModelConfig:
     linear_num_heads: int = 12
     linear_head_dim: int = 64
     conv_size: int = 4
-    kda_gate: str = "kimi_linear"  # "kimi_linear" | "safe" (K3: g = -5 sigmoid(.))
+    kda_gate: str = "kimi_linear"  # "kimi_linear" | "safe" (K3: g = lower_bound sigmoid(.))
+    kda_gate_lower_bound: float = -5.0  # the safe gate's floor (K3's `gate_lower_bound`: -5)
     linear_output_gate: str | None = "low_rank"  # None | "low_rank" | "full" (K3)
     chunk_size: int = 64
     # MLA
@@ -74,6 +76,7 @@ class ModelConfig:
     num_shared_experts: int = 0
     moe_latent_size: int | None = None  # K3's latent MoE
     routed_scaling_factor: float = 1.0
+    moe_renormalize: bool = True  # top-k weights divided by their sum (when k > 1), as K3 and DeepSeek-V3 do
     # Block Attention Residuals (K3): a new depth source every `attn_res_block_size` layers
     attn_res_block_size: int | None = None
 
@@ -103,6 +106,8 @@ class ModelConfig:
         need(self.ffn_activation in ("gelu", "swiglu", "situ"),
              f"`ffn_activation` must be 'gelu', 'swiglu' or 'situ', got {self.ffn_activation!r}")
         need(self.kda_gate in ("kimi_linear", "safe"), f"`kda_gate` must be 'kimi_linear' or 'safe', got {self.kda_gate!r}")
+        need(math.isfinite(self.kda_gate_lower_bound) and self.kda_gate_lower_bound < 0,
+             f"`kda_gate_lower_bound` must be a finite negative number, got {self.kda_gate_lower_bound}")
         need(self.linear_output_gate in (None, "low_rank", "full"),
              f"`linear_output_gate` must be None, 'low_rank' or 'full', got {self.linear_output_gate!r}")
         for name in dict.fromkeys(self.layer_types):

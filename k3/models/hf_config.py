@@ -13,8 +13,9 @@ MoE width) with `latent_moe_use_norm`, `hidden_act: "situ"` with `activation_sit
 Older k3 checkpoints used names of k3's own (`linear_lower_bound`, top-level `use_full_rank_gate`,
 `moe_latent_size`, `situ_beta`, `situ_linear_beta`): they are still read, never written.
 
-What k3 cannot compute is refused with the field's name: grouped routing, a router other than sigmoid
-top-k with renormalised weights, RoPE MLA, multi-token-prediction layers, a `quantization_config` other
+`moe_renormalize` is read (top-k weights over their sum plus 1e-20 when k > 1, as K3's code; false:
+the bare sigmoid scores). What k3 cannot compute is refused with the field's name: grouped routing, a
+router other than sigmoid top-k, RoPE MLA, multi-token-prediction layers, a `quantization_config` other
 than compressed-tensors MXFP4 for the routed experts (`check_quantization`).
 
 `ModelConfig.from_hf` builds a config from `fields_from_hf`; the writers take any ModelConfig.
@@ -104,16 +105,11 @@ def _situ(cfg: dict) -> tuple[float, float | None]:
 def _refusals(cfg: dict, lin: dict) -> list[str]:
     """What k3 cannot compute in this text config, each naming its field."""
     groups, topk_groups = _first(cfg, "num_expert_group", "n_group", default=1), _first(cfg, "topk_group", default=1)
-    lower = _first(lin, "gate_lower_bound", default=cfg.get("linear_lower_bound"))
     act = cfg.get("hidden_act", "silu")
     checks = (
         (groups > 1 and topk_groups < groups,
          f"group-limited routing ({topk_groups} of {groups} expert groups, `num_expert_group` / `topk_group`); "
          f"k3 routes over all experts"),
-        (cfg.get("moe_renormalize", cfg.get("norm_topk_prob", True)) is False,
-         "routing without renormalised top-k weights (`moe_renormalize: false`)"),
-        (_first(cfg, "num_experts_per_token", "num_experts_per_tok", default=0) == 1,
-         "top-1 routing (`num_experts_per_token: 1`): the official code keeps the bare score, k3 renormalises to 1"),
         (cfg.get("moe_router_activation_func", "sigmoid") != "sigmoid",
          f"`moe_router_activation_func` {cfg.get('moe_router_activation_func')!r} (k3's router is sigmoid)"),
         (cfg.get("topk_method", "noaux_tc") not in ("noaux_tc", "greedy"),
@@ -122,8 +118,6 @@ def _refusals(cfg: dict, lin: dict) -> list[str]:
         (bool(cfg.get("num_nextn_predict_layers")),
          f"{cfg.get('num_nextn_predict_layers')} multi-token-prediction layers (`num_nextn_predict_layers`)"),
         (act not in ("silu", "situ"), f"`hidden_act` {act!r} (silu or situ)"),
-        (lower is not None and lower != -5,
-         f"KDA gate lower bound {lower} (`gate_lower_bound`); k3's safe KDA gate is g = -5 sigmoid(.)"),
         (cfg.get("latent_moe_use_norm") is False,
          "a latent MoE without its RMSNorm (`latent_moe_use_norm: false`)"),
     )
@@ -158,6 +152,7 @@ def fields_from_hf(hf: dict) -> dict:
         linear_head_dim=_first(lin, "head_dim", default=_first(cfg, "linear_head_dim", default=128)),
         conv_size=_first(lin, "short_conv_kernel_size", default=_first(cfg, "linear_conv_kernel_dim", default=4)),
         kda_gate="safe" if lower is not None else "kimi_linear",
+        kda_gate_lower_bound=float(lower) if lower is not None else -5.0,
         linear_output_gate="full" if _first(lin, "use_full_rank_gate", default=cfg.get("use_full_rank_gate"))
         else "low_rank",
         q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg.get("kv_lora_rank", 512),
@@ -171,6 +166,7 @@ def fields_from_hf(hf: dict) -> dict:
         num_shared_experts=_first(cfg, "num_shared_experts", "n_shared_experts", default=0),
         moe_latent_size=_first(cfg, "routed_expert_hidden_size", "moe_latent_size"),
         routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0),
+        moe_renormalize=bool(cfg.get("moe_renormalize", cfg.get("norm_topk_prob", True))),
         attn_res_block_size=cfg.get("attn_res_block_size"),
     )
 
@@ -193,7 +189,7 @@ def config_to_hf(config) -> dict:
         "v_head_dim": c.v_head_dim, "mla_use_nope": True, "hidden_act": "situ" if c.ffn_activation == "situ" else "silu",
         "num_experts": c.num_experts, "num_experts_per_token": c.num_experts_per_tok,
         "moe_intermediate_size": c.moe_intermediate_size, "num_shared_experts": c.num_shared_experts,
-        "routed_scaling_factor": c.routed_scaling_factor, "moe_renormalize": True,
+        "routed_scaling_factor": c.routed_scaling_factor, "moe_renormalize": c.moe_renormalize,
         "moe_router_activation_func": "sigmoid", "topk_method": "noaux_tc", "first_k_dense_replace": first_dense,
         "moe_layer_freq": 1, "num_expert_group": 1, "topk_group": 1, "num_nextn_predict_layers": 0,
         "linear_attn_config": {
@@ -205,7 +201,7 @@ def config_to_hf(config) -> dict:
     }
     lin = out["linear_attn_config"]
     if c.kda_gate == "safe":
-        lin["gate_lower_bound"] = -5.0
+        lin["gate_lower_bound"] = c.kda_gate_lower_bound
     if c.linear_output_gate == "full":
         lin["use_full_rank_gate"] = True
     if c.mla_output_gate:

@@ -197,7 +197,7 @@ class KimiDeltaAttentionKind(DeltaRule):
     name, layer = "kda", KimiDeltaAttention
 
     def layer_options(self, c):
-        return {**super().layer_options(c), "kda_gate": c.kda_gate}
+        return {**super().layer_options(c), "kda_gate": c.kda_gate, "gate_lower_bound": c.kda_gate_lower_bound}
 
     def forget_gate_params(self, c):
         d, H, K = c.hidden_size, c.linear_num_heads, c.linear_head_dim
@@ -269,7 +269,7 @@ class MixtureOfExperts(FFNKind):
         return MoE(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
                    num_shared=c.num_shared_experts, latent_dim=c.moe_latent_size, activation=c.ffn_activation,
                    situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta,
-                   routed_scaling_factor=c.routed_scaling_factor, norm_eps=c.norm_eps)
+                   routed_scaling_factor=c.routed_scaling_factor, renormalize=c.moe_renormalize, norm_eps=c.norm_eps)
 
     def _per_expert(self, c) -> int:
         return 3 * (c.moe_latent_size or c.hidden_size) * c.moe_intermediate_size

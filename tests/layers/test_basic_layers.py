@@ -111,3 +111,32 @@ def test_short_conv_bad_input():
         conv(torch.randn(2, 3, 4), conv_state=torch.zeros(2, 4, 2))
     with pytest.raises(ValueError, match="`kernel_size`"):
         ShortConvolution(4, 0)
+
+
+def test_kda_safe_gate_follows_its_lower_bound():
+    """g = b sigmoid(exp(A_log) (f + dt_bias)) for the configured floor b (K3's `gate_lower_bound`)."""
+    from k3.layers.linear_attention import KimiDeltaAttention
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    for bound in (-5.0, -3.0):
+        layer = KimiDeltaAttention(32, 2, 8, kda_gate="safe", gate_lower_bound=bound).double()
+        f = (layer.f_b_proj(layer.f_a_proj(x)) + layer.dt_bias).view(2, 5, 2, 8)
+        want = bound * torch.sigmoid(torch.exp(layer.A_log).view(2, 1) * f)
+        torch.testing.assert_close(layer.forget_gate(x), want, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="gate_lower_bound"):
+        KimiDeltaAttention(32, 2, 8, kda_gate="safe", gate_lower_bound=0.0)
+
+
+@pytest.mark.parametrize("top_k, renormalize", [(2, True), (2, False), (1, True)])
+def test_router_weights_follow_kimi_k3s_renormalisation(top_k, renormalize):
+    """w = s / (sum of the chosen s + 1e-20) x factor when renormalising with k > 1; otherwise s x factor."""
+    from k3.layers.moe import Router
+
+    torch.manual_seed(0)
+    router = Router(16, 6, top_k, routed_scaling_factor=2.5, renormalize=renormalize)
+    x = torch.randn(7, 16)
+    chosen, weights = router(x)
+    scores = router.scores(x).gather(-1, chosen)
+    want = scores / (scores.sum(-1, keepdim=True) + 1e-20) if renormalize and top_k > 1 else scores
+    torch.testing.assert_close(weights, want * 2.5)

@@ -68,24 +68,30 @@ def test_situ_defaults_follow_the_official_code(published):
     assert (config.situ_beta, config.situ_linear_beta) == (1.0, None)
 
 
+def test_gate_lower_bound_and_renormalisation_are_read_and_written(published):
+    """`gate_lower_bound` and `moe_renormalize` are fields of the model, not fixed at K3's values."""
+    text = copy.deepcopy(published["text_config"])
+    text["linear_attn_config"]["gate_lower_bound"] = -3.0
+    text["moe_renormalize"] = False
+    config = ModelConfig.from_hf({**published, "text_config": text})
+    assert (config.kda_gate_lower_bound, config.moe_renormalize) == (-3.0, False)
+    written = config_to_hf(config)
+    assert written["linear_attn_config"]["gate_lower_bound"] == -3.0 and written["moe_renormalize"] is False
+
+
 @pytest.mark.parametrize("change, message", [
     ({"num_expert_group": 8, "topk_group": 4}, "group-limited routing"),
-    ({"moe_renormalize": False}, "moe_renormalize"),
-    ({"num_experts_per_token": 1}, "top-1 routing"),
     ({"moe_router_activation_func": "softmax"}, "moe_router_activation_func"),
     ({"mla_use_nope": False}, "RoPE MLA"),
     ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers"),
     ({"latent_moe_use_norm": False}, "latent_moe_use_norm"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"linear_attn_config": "lower"}, "gate_lower_bound"),
     ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}, "quant_method.*'fp8'"),
     ({"quantization_config": "group_size"}, "group_size"),
 ])
 def test_unsupported_fields_are_refused_by_name(published, change, message):
     text = copy.deepcopy(published["text_config"])
-    if change.get("linear_attn_config") == "lower":
-        text["linear_attn_config"]["gate_lower_bound"] = -3.0
-    elif change.get("quantization_config") == "group_size":
+    if change.get("quantization_config") == "group_size":
         text["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 16
     else:
         text.update(change)
