@@ -145,7 +145,7 @@ def nonfinite_onwards(*xs: torch.Tensor | None) -> torch.Tensor | None:
     costs one sum per tensor and one read-back (a finite sum that overflows only takes the slow path).
     Always None while torch.compile traces (`--compile` training), where the read-back would break the
     graph and a non-finite loss ends the run anyway."""
-    xs = [x for x in xs if x is not None]
+    xs = [x.detach() for x in xs if x is not None]  # a check, not part of the graph
     if not xs or torch.compiler.is_compiling() or bool(torch.isfinite(sum(x.sum() for x in xs))):
         return None
     bad = None
