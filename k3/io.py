@@ -88,10 +88,8 @@ def temp_beside(path: str | os.PathLike) -> str:
     return tmp
 
 
-def _settle(path: str | os.PathLike) -> None:
-    """Give a written file open()'s permissions (some writers, safetensors, make it owner-only) and
-    flush it to disk."""
-    os.chmod(path, file_mode())
+def _fsync(path: str | os.PathLike) -> None:
+    """Flush a file's data, or a folder's entries (renames), to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -99,14 +97,17 @@ def _settle(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _settle(path: str | os.PathLike) -> None:
+    """Give a written file open()'s permissions (some writers, safetensors, make it owner-only) and
+    flush it to disk."""
+    os.chmod(path, file_mode())
+    _fsync(path)
+
+
 def _sync_folder(folder: Path) -> None:
     """Flush the folder's entries (renames) to disk, where the filesystem allows it."""
     with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(folder)
 
 
 def _remove(paths: Iterable) -> None:
