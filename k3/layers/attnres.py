@@ -15,6 +15,7 @@ business (`k3.models.model.Decoder`).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..ops.common import cast
@@ -67,8 +68,9 @@ class BlockAttnRes(nn.Module):
         return cast(mix, sources[0].dtype)
 
     def _mix_stacked(self, V: torch.Tensor) -> torch.Tensor:
-        """V [N, ..., D] -> sum_n alpha_n V_n with alpha = softmax_n(logits), in one pass over the stack."""
-        alpha = torch.softmax(self._logits(V, self._query()), dim=0)  # [N, ...]
+        """V [N, ..., D] -> sum_n alpha_n V_n with alpha = softmax_n(logits), in one pass over the stack;
+        the logits as RMSNorm(V) . w (torch's fused rms_norm: the stack is small, its normalised copy too)."""
+        alpha = torch.softmax(F.rms_norm(V, V.shape[-1:], eps=self.eps) @ self._query(), dim=0)  # [N, ...]
         return (alpha.unsqueeze(-1) * V).sum(0)
 
     def _mix_each(self, values: list[torch.Tensor]) -> torch.Tensor:
