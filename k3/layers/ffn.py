@@ -63,13 +63,14 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: f
 
 
 def _situ_forward(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
-    """SiTU-GLU's value (see `_SiTU` for the form): 2 beta p s u, or 4 beta l_beta p s q."""
+    """SiTU-GLU's value (see `_SiTU` for the form), with the whole tanh's: beta t s u, or beta l_beta t s t_u
+    for t = tanh(g / beta), t_u = tanh(up / l_beta) (2p and 2q: the same bits as the halves' form, one
+    pass fewer for each tanh)."""
     g, u = upcast(gate), upcast(up)
-    out = _half_tanh(g, beta).mul_(torch.sigmoid(g))  # p s = a / (2 beta)
+    out = (g * (1 / beta)).tanh_().mul_(torch.sigmoid(g))  # t s = a / beta
     if linear_beta is None:
-        return cast(out.mul_(u).mul_(2 * beta), gate.dtype)
-    q = _half_tanh(u, linear_beta)
-    return cast(out.mul_(q).mul_(4 * beta * linear_beta), gate.dtype)
+        return cast(out.mul_(u).mul_(beta), gate.dtype)
+    return cast(out.mul_((u * (1 / linear_beta)).tanh_()).mul_(beta * linear_beta), gate.dtype)
 
 
 class _SiTU(torch.autograd.Function):
