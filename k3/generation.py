@@ -7,6 +7,9 @@ logits are computed.
 Prompts of different lengths (a list) are prefilled without padding, each length's prompts as one
 batch, and their caches joined (`HybridCache.concat`): no padding token enters a recurrent state or a
 KV cache, and every row generates what it would alone.
+
+A stream can also continue a cache that has seen earlier tokens (`stream(..., cache=)`, `extend`): a
+conversation's next turn runs only its own tokens.
 """
 
 from __future__ import annotations
@@ -60,15 +63,16 @@ def as_prompt_list(prompts, device=None) -> list[torch.Tensor]:
     return out
 
 
-def check_positions(model, lengths: Sequence[int], max_new_tokens: int = 1) -> None:
+def check_positions(model, lengths: Sequence[int], max_new_tokens: int = 1, which: str | None = None) -> None:
     """A model with learned positions (GPT-2: `max_position_embeddings`) must fit every prompt and the
-    tokens fed back after it (max_new_tokens - 1: the last one is only sampled); a clear error if not."""
+    tokens fed back after it (max_new_tokens - 1: the last one is only sampled); a clear error if not.
+    `which` names the sequence in the error (default: "the prompt", or "prompt i" of several)."""
     positions = getattr(model.config, "max_position_embeddings", None)
     if not positions:
         return
     longest = max(lengths)
     index = list(lengths).index(longest)
-    which = "the prompt" if len(lengths) == 1 else f"prompt {index}"
+    which = which or ("the prompt" if len(lengths) == 1 else f"prompt {index}")
     if longest > positions:
         raise ValueError(f"generate: {which} has {longest} tokens; {model.config.name!r} has learned positions "
                          f"for {positions} tokens (max_position_embeddings): shorten it to at most {positions}")
@@ -110,16 +114,37 @@ def prefill(model, prompts: Prompts, max_new_tokens: int = 1):
     return torch.cat(logits), cache
 
 
+def extend(model, input_ids: torch.Tensor, cache, max_new_tokens: int = 1) -> torch.Tensor:
+    """Run `input_ids` [B, T] into a cache after the tokens it has seen (a conversation's next turn):
+    [B] logits of the last position; the cache is updated in place."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        shape = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"generate: with a `cache`, `input_ids` must be a [B, T] tensor with T >= 1, got {shape}")
+    if input_ids.shape[0] != cache.batch_size:
+        raise ValueError(f"generate: the cache holds {cache.batch_size} sequences, `input_ids` has "
+                         f"{input_ids.shape[0]}")
+    check_positions(model, [cache.length + input_ids.shape[1]], max_new_tokens,
+                    which=f"the context ({cache.length} tokens in the cache, {input_ids.shape[1]} new)")
+    return model(input_ids, cache=cache, logits_to_keep=1)[:, -1]
+
+
 @torch.no_grad()
 def stream(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
            top_p: float | None = None, eos_token_id: int | None = None,
-           generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
+           generator: torch.Generator | None = None, cache=None) -> Iterator[torch.Tensor]:
     """Yield the next token [B] of every sequence, max_new_tokens times or until all have emitted
     eos_token_id (a finished sequence keeps yielding eos). `input_ids`: [B, T], or a list of B prompts
-    of any lengths."""
+    of any lengths.
+
+    With `cache` (a HybridCache of earlier tokens, e.g. the conversation so far), `input_ids` [B, T]
+    continue after what it has seen, and it is updated in place: at the end it has seen everything but
+    the last token yielded (sampled, not yet fed back; the next turn starts with it)."""
     if max_new_tokens < 0:
         raise ValueError(f"generate: `max_new_tokens` must be >= 0, got {max_new_tokens}")
-    logits, cache = prefill(model, input_ids, max(max_new_tokens, 1))
+    if cache is None:
+        logits, cache = prefill(model, input_ids, max(max_new_tokens, 1))
+    else:
+        logits = extend(model, input_ids, cache, max(max_new_tokens, 1))
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     for step in range(max_new_tokens):
         token = sample(logits, temperature, top_k, top_p, generator)

@@ -115,7 +115,8 @@ def _train(args) -> int:
 
 def _generate(args) -> int:
     """Everything the user gave is checked (tokenizer, prompts, the checkpoint's files, its size)
-    before the model is built; Ctrl-C stops the stream, keeps what was printed and exits with 130."""
+    before the model is built; Ctrl-C stops the stream, keeps what was printed and exits with 130.
+    Without --prompt or --prompt-file: prompts from stdin (`k3.cli.interactive`)."""
     import time
 
     import torch
@@ -123,43 +124,42 @@ def _generate(args) -> int:
     from ..models import CausalLM
     from ..models.preflight import check_pretrained
     from ..tokenizer import Tokenizer
+    from .interactive import interactive, report, stream_text
 
+    if args.chat and (args.prompt is not None or args.prompt_file):
+        raise ValueError("--chat is for the interactive mode (prompts from stdin): drop --prompt / --prompt-file, "
+                         "or --chat")
     tokenizer = Tokenizer.load(args.checkpoint)
     texts, prompts = _prompts(args, tokenizer)
     check_pretrained(args.checkpoint, f"--checkpoint {args.checkpoint}")
     model = CausalLM.from_pretrained(args.checkpoint).eval()
+    if not prompts:
+        return interactive(args, model, tokenizer)
     if args.prompt_file:
         return _generate_batch(args, model, tokenizer, texts, prompts)
     ids = prompts[0]
     generator = torch.Generator().manual_seed(args.seed)
-    prompt = torch.tensor([ids])
     print(args.prompt, end="", flush=True)
     new: list[int] = []
-    shown = ""
     start = time.perf_counter()
     try:
-        for token in model.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                  top_p=args.top_p, generator=generator):
-            new.append(int(token[0]))
-            text = tokenizer.decode(new)
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                print(text[len(shown):], end="", flush=True)
-                shown = text
+        stream_text(model, tokenizer, ids, args, generator, new)
     except KeyboardInterrupt:
         print(flush=True)
         print(f"[interrupted (Ctrl-C) after {len(new)} tokens]", file=sys.stderr)
         return 130
-    seconds = time.perf_counter() - start
     print(flush=True)
-    print(f"[{len(new)} tokens in {seconds:.2f} s: {len(new) / max(seconds, 1e-9):.1f} tokens/s, prefill of "
-          f"{len(ids)} prompt tokens included]", file=sys.stderr)
+    report(len(new), time.perf_counter() - start, len(ids))
     return 0
 
 
 def _prompts(args, tokenizer) -> tuple[list[str], list[list[int]]]:
-    """(texts, their token ids): `--prompt`, or each non-blank line of `--prompt-file`, checked."""
+    """(texts, their token ids): `--prompt`, or each non-blank line of `--prompt-file`, checked; none
+    without either (the interactive mode reads them)."""
     from pathlib import Path
 
+    if args.prompt is None and not args.prompt_file:
+        return [], []
     if not args.prompt_file:
         try:
             ids = tokenizer.encode(args.prompt)

@@ -88,12 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="under torchrun: split each step over the processes (data parallel, fully sharded, "
                             "or expert parallel); see the README")
     train.set_defaults(func=_train)
-    gen = sub.add_parser("generate", help="stream text from a checkpoint")
+    gen = sub.add_parser("generate", help="stream text from a checkpoint",
+                         description="Stream text from a checkpoint. Without --prompt or --prompt-file, read "
+                         "prompts from stdin, one a line (typed or piped), and stream each continuation; Ctrl-C "
+                         "stops a generation, Ctrl-D ends.")
     gen.add_argument("--checkpoint", required=True, metavar="DIR")
-    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt = gen.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="one prompt, its continuation streamed")
     prompt.add_argument("--prompt-file", metavar="FILE", help="one prompt a line (blank lines skipped), generated "
                         "as one batch of different lengths; each continuation printed when all are done")
+    gen.add_argument("--chat", action="store_true",
+                     help="prompts from stdin: each one continues the conversation (every prompt and "
+                          "continuation so far is the context, its cache kept between turns) instead of "
+                          "starting afresh with an empty cache, the default")
     gen.add_argument("--max-new-tokens", type=_count(0, "tokens to generate"), default=200)
     gen.add_argument("--temperature", type=_number(0, "a sampling temperature (0: greedy)"), default=0.8,
                      help="0: greedy")
@@ -105,8 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="a k3 checkpoint directory (k3 train --out)")
     export.add_argument("out", metavar="DIR", help="output directory")
     export.add_argument("--format", choices=("k3", "kimi-linear", "kimi-k3"), default="k3",
-                        help="k3: model_type k3, loads after `import k3.hf` (default); kimi-linear: Kimi "
-                             "Linear's own format, for kimi-linear* models; kimi-k3: Kimi K3's published layout")
+                        help="k3: model_type k3, loads with transformers' Auto classes and pipeline with "
+                             "trust_remote_code=True (k3 installed) or after `import k3.hf` (default); kimi-linear: "
+                             "Kimi Linear's own format, for kimi-linear* models; kimi-k3: Kimi K3's published layout")
     export.add_argument("--quantize", choices=("mxfp4",), help="kimi-k3: routed experts in MXFP4 (compressed-tensors)")
     export.set_defaults(func=_export)
     params = sub.add_parser("params", help="parameter count, active parameters and decode memory of a preset")

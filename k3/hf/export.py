@@ -5,8 +5,9 @@ Three formats:
 
 - "k3" (default, any k3 model): what K3ForCausalLM.save_pretrained writes — config.json with
   model_type "k3" and the k3 ModelConfig under "k3", model.safetensors with k3's names under `k3.`,
-  generation_config.json. Loads with AutoModelForCausalLM after `import k3.hf`, and with k3's own
-  CausalLM.from_pretrained.
+  generation_config.json, and transformers' remote code: an `auto_map` in config.json naming
+  configuration_k3.py and modeling_k3.py, beside it (`k3.hf.remote_code`: they import k3's classes). Loads with AutoModelForCausalLM after `import k3.hf`, or with `trust_remote_code=True` in
+  an interpreter that never imported k3 (k3 installed), and with k3's own CausalLM.from_pretrained.
 - "kimi-linear" (kimi-linear* models): Kimi Linear's own format — config.json with model_type
   "kimi_linear" in the Hub's spelling (`hf_config.kimi_linear_config`, which refuses what Kimi Linear
   cannot express) and model.safetensors in the Hub's names (`checkpoint.kimi_state_dict`). Loads with
@@ -77,7 +78,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, format: str = 
 def _write_k3(model, directory: Path, special: dict) -> None:
     from .modeling import K3ForCausalLM
 
-    K3ForCausalLM.from_k3(model, **special).save_pretrained(directory)
+    K3ForCausalLM.from_k3(model, **special).save_pretrained(directory)  # with the remote code
 
 
 def _write_kimi_linear(model, config: dict, directory: Path, special: dict) -> None:

@@ -24,6 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..models.config import LINEAR_MIXERS, ModelConfig
 from ..models.model import CausalLM, HybridCache
+from .remote_code import AUTO_MAP, REMOTE_CODE_FILES
 
 # transformers 5 renamed the cache argument and output field `past_key_values` to `cache`
 CACHE_ARG = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -90,7 +91,8 @@ class K3Cache(HybridCache):
 
 class K3ForCausalLM(PreTrainedModel, GenerationMixin):
     """A k3 CausalLM (`.k3`) as a transformers causal LM: `from_pretrained`, `save_pretrained`,
-    `generate`, the Auto classes (after `import k3.hf`). Logits are CausalLM's, bit for bit."""
+    `generate`, the Auto classes (after `import k3.hf`, or with `trust_remote_code=True` on a folder it
+    saved). Logits are CausalLM's, bit for bit."""
 
     config_class = K3Config
     base_model_prefix = "k3"
@@ -142,6 +144,19 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("K3ForCausalLM.from_pretrained: the checkpoint does not match its config: "
                              + "; ".join(problems))
         return (model, info) if want_info else model
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save_pretrained, plus transformers' remote code (`k3.hf.remote_code`): the config
+        gets an `auto_map`, and configuration_k3.py and modeling_k3.py are written beside config.json,
+        so the folder loads with `trust_remote_code=True` where k3 is installed but not imported."""
+        import shutil
+        from pathlib import Path
+
+        self.config.auto_map = dict(AUTO_MAP)
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        for name in REMOTE_CODE_FILES:
+            shutil.copyfile(Path(__file__).parent / "remote_code" / name, Path(save_directory) / name)
+        return out
 
     def new_cache(self, batch_size: int) -> K3Cache:
         """An empty cache for `batch_size` sequences (forward makes one itself when use_cache is set)."""

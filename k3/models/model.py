@@ -339,9 +339,11 @@ class CausalLM(nn.Module):
 
     def stream(self, input_ids: torch.Tensor | list, max_new_tokens: int, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-               generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
-        """As `generate`, yielding each new token [B] as soon as it is sampled."""
-        return generation.stream(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator)
+               generator: torch.Generator | None = None, cache: HybridCache | None = None) -> Iterator[torch.Tensor]:
+        """As `generate`, yielding each new token [B] as soon as it is sampled. With `cache`, `input_ids`
+        [B, T] continue the tokens it has seen (a conversation; see `k3.generation.stream`)."""
+        return generation.stream(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator,
+                                 cache)
 
     # -- weights in and out ---------------------------------------------------------------------------
     @classmethod

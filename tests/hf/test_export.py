@@ -69,7 +69,8 @@ def test_cli_export_k3_format(kimi_linear, tmp_path, capsys):
     out = tmp_path / "hf"
     assert main(["export", str(checkpoint), str(out)]) == 0
     assert "k3 format" in capsys.readouterr().out
-    names = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    names = ["config.json", "configuration_k3.py", "generation_config.json", "model.safetensors", "modeling_k3.py",
+             "tokenizer.json", "tokenizer_config.json"]  # the .py files: remote code (test_remote_code.py)
     assert sorted(os.listdir(out)) == names
     umask = os.umask(0)
     os.umask(umask)
@@ -108,6 +109,7 @@ def test_export_kimi_linear_format_loads_in_transformers(kimi_linear, tmp_path):
     export(checkpoint, out, format="kimi-linear")
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "kimi_linear" and config["eos_token_id"] == tokenizer.eot_id
+    assert "auto_map" not in config and not list(out.glob("*.py"))  # transformers' own class loads it
     hf, info = transformers.KimiLinearForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     hf.eval()

@@ -77,6 +77,7 @@ def test_unquantized_export_writes_bf16_experts(tmp_path):
     out = read_all(tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "quantization_config" not in config["text_config"]
+    assert "auto_map" not in config and not list((tmp_path / "out").glob("*.py"))  # Kimi K3's own code loads it
     w1 = out["language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight"]
     assert w1.dtype == torch.bfloat16 and w1.shape == (64, 64)
     assert out["language_model.model.layers.0.self_attn.A_log"].dtype == torch.float32

@@ -1,0 +1,114 @@
+"""`k3 generate` streaming text: the continuation of one prompt as it is sampled (`stream_text`), and the
+interactive mode, `k3 generate` without `--prompt` or `--prompt-file` (`interactive`).
+
+Interactive mode reads prompts from stdin, one a line, and streams each one's continuation. Each
+prompt starts afresh (a new cache), or with `--chat` continues the conversation: every prompt (on a
+new line, "\\n" + prompt) and every continuation so far is the context, held in one HybridCache that is
+kept between turns, so a turn feeds only its own tokens (and the last token sampled, not yet fed).
+Ctrl-D (end of input) ends the session, exit 0; Ctrl-C during a generation stops that one and returns
+to the prompt (the text so far is kept, and with --chat stays in the conversation; the cache, which a
+Ctrl-C may leave half-updated, is rebuilt from the conversation's tokens); Ctrl-C at the prompt exits
+with 130. With a terminal, a `> ` prompt is shown and the continuation follows the typed line; with
+piped input, each prompt is printed before its continuation, as `k3 generate --prompt` does. A prompt
+that cannot be used (nothing after tokenization, too long for learned positions) is reported on stderr
+and skipped.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def stream_text(model, tokenizer, ids: list[int], args, generator, new: list[int], cache=None) -> None:
+    """Print the continuation of the tokens `ids` as it is sampled (`args`: max_new_tokens and the
+    sampling flags), a character split over several tokens once it is whole; each token is appended to
+    `new`, which holds what was generated if a Ctrl-C ends it early. With `cache`, `ids` continue the
+    tokens it has seen (`CausalLM.stream`)."""
+    import torch
+
+    prompt = torch.tensor([ids], device=model.lm_head.weight.device)
+    shown = ""
+    for token in model.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, generator=generator, cache=cache):
+        new.append(int(token[0]))
+        text = tokenizer.decode(new)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            print(text[len(shown):], end="", flush=True)
+            shown = text
+    text = tokenizer.decode(new)
+    if text != shown:  # the stream ended inside a character: show what there is
+        print(text[len(shown):], end="", flush=True)
+
+
+def report(new: int, seconds: float, prefill: int) -> None:
+    """The speed line on stderr after a continuation."""
+    print(f"[{new} tokens in {seconds:.2f} s: {new / max(seconds, 1e-9):.1f} tokens/s, prefill of {prefill} "
+          f"prompt tokens included]", file=sys.stderr)
+
+
+def _read_line(tty: bool) -> str | None:
+    """The next line of stdin without its newline; None at the end of input (Ctrl-D)."""
+    try:
+        return input("> " if tty else "")
+    except EOFError:
+        if tty:
+            print(file=sys.stderr)  # the terminal's cursor sits after "> "
+        return None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"stdin: not UTF-8 text (byte {e.object[e.start]:#04x}); give UTF-8 text") from None
+
+
+def interactive(args, model, tokenizer) -> int:
+    """The interactive loop (see the module docstring); returns the exit code."""
+    import torch
+
+    tty = sys.stdin.isatty()
+    if tty:
+        mode = "--chat: each prompt continues the conversation" if args.chat else "each prompt on its own"
+        print(f"k3 generate: one prompt a line ({mode}); Ctrl-C stops a generation, Ctrl-D ends", file=sys.stderr)
+    generator = torch.Generator().manual_seed(args.seed)
+    conversation: list[int] = []  # --chat: every token so far, prompts and continuations
+    cache = None  # --chat: has seen conversation[:cache.length]
+    number = 0
+    while (line := _read_line(tty)) is not None:
+        if not line.strip():
+            continue
+        number += 1
+        text = "\n" + line if args.chat and conversation else line
+        try:
+            ids = tokenizer.encode(text)
+        except ValueError as e:
+            print(f"k3 generate: error: prompt {number}: {e}; skipped", file=sys.stderr)
+            continue
+        if not ids:
+            print(f"k3 generate: error: prompt {number} ({line!r}) is empty after tokenization; skipped",
+                  file=sys.stderr)
+            continue
+        if args.chat:
+            cache = cache if cache is not None else model.new_cache(1)
+            feed = conversation[cache.length:] + ids
+        else:
+            feed = ids
+        if not tty:
+            print(line, end="", flush=True)
+        new: list[int] = []
+        start = time.perf_counter()
+        try:
+            stream_text(model, tokenizer, feed, args, generator, new, cache)
+        except KeyboardInterrupt:
+            print(flush=True)
+            print(f"[interrupted (Ctrl-C) after {len(new)} tokens]", file=sys.stderr)
+            if args.chat:
+                conversation += ids + new
+                cache = None  # a forward stopped midway leaves it unknown: rebuilt from `conversation`
+            continue
+        except ValueError as e:  # raised before the model runs (e.g. past the learned positions)
+            print(flush=True)
+            print(f"k3 generate: error: prompt {number}: {e}; skipped", file=sys.stderr)
+            continue
+        print(flush=True)
+        report(len(new), time.perf_counter() - start, len(feed))
+        if args.chat:
+            conversation += ids + new
+    return 0
