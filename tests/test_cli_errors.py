@@ -188,3 +188,8 @@ def test_resume_refuses_settings_it_would_ignore(run, corpus, tmp_path, capsys):
     fails(capsys, [*resume, "--hidden-size", "48"], "`model_overrides` {'hidden_size': 48} (the checkpoint's: "
           "{'hidden_size': 32})")
     fails(capsys, [*resume, "--lr", "0.01", "--seed", "3"], "`lr` 0.01", "; `seed` 3 (the checkpoint's: 0)")
+
+
+def test_generate_from_a_missing_folder_says_so(capsys, tmp_path):
+    assert main(["generate", "--checkpoint", str(tmp_path / "nowhere"), "--prompt", "hi"]) == 2
+    assert "no such folder" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 def _bench_ops(args) -> int:
     from ..bench import ops
@@ -129,6 +130,9 @@ def _generate(args) -> int:
     if args.chat and (args.prompt is not None or args.prompt_file):
         raise ValueError("--chat is for the interactive mode (prompts from stdin): drop --prompt / --prompt-file, "
                          "or --chat")
+    if not Path(args.checkpoint).is_dir():
+        raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no such folder (expected a checkpoint folder, "
+                                f"e.g. what k3 train --out wrote)")
     tokenizer = Tokenizer.load(args.checkpoint)
     texts, prompts = _prompts(args, tokenizer)
     check_pretrained(args.checkpoint, f"--checkpoint {args.checkpoint}")
