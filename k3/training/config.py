@@ -102,7 +102,11 @@ def _in(low: float, high: float = math.inf, low_open: bool = False, high_open: b
                                               and (v < high if high_open else v <= high))
 
 
-_CHOICES = {"device": ("auto", "cpu", "cuda", "mps"), "precision": ("fp32", "bf16"), "log": (None, "tensorboard", "wandb")}
+_CHOICES = {  # field: the values it takes
+    "device": ("auto", "cpu", "cuda", "mps"),
+    "precision": ("fp32", "bf16"),
+    "log": (None, "tensorboard", "wandb"),
+}
 
 _RULES = {  # field: (check, what it expects)
     "vocab_size": (_count(1), "an integer >= 1"),
