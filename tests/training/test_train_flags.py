@@ -208,3 +208,21 @@ def test_tensorboard_and_wandb_get_the_metrics_lines(tmp_path, monkeypatch):
                        ("val/val_bpb", 1.5, 5), "closed"]
     assert logged == [({"train/loss": 2.5, "train/lr": 1e-3, "train/tokens_per_s": 100.0, "val/val_bpb": 1.5}, 5),
                       "finished"]
+
+
+def test_the_head_under_autocast_runs_bf16_matmuls_and_a_float32_softmax():
+    from k3.models.loss import head_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(50, 32, generator=g, requires_grad=True)
+    weight = torch.randn(300, 32, generator=g, requires_grad=True)
+    targets = torch.randint(0, 300, (50,), generator=g)
+    loss = head_cross_entropy(hidden, weight, targets, piece=1000)  # 3 tokens a piece
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = head_cross_entropy(hidden, weight, targets, piece=1000)
+    low_grads = torch.autograd.grad(low, (hidden, weight))
+    low, loss = low.detach(), loss.detach()
+    assert low.dtype == torch.float32 and float(low) == pytest.approx(float(loss), rel=1e-2) and low != loss
+    for a, b in zip(low_grads, grads):
+        assert a.dtype == torch.float32 and float((a - b).norm() / b.norm()) < 2e-2
