@@ -84,12 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="N", help="validation tokens of the final evaluation (default 262144; 0 skips it)")
     train.add_argument("--checkpoint-every", type=_count(1, "steps between checkpoints"),
                        help="also save every N steps (always at the end)")
-    train.add_argument("--out", default="runs/k3", help="checkpoint directory")
+    train.add_argument("--out", default="runs/k3", help="checkpoint directory (and the run's metrics.jsonl)")
     train.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--threads", type=_count(1, "torch threads"),
-                       help="torch threads (default: all cores); 1 is faster on a machine busy with other work, "
-                            "where threads wait for each other")
+                       help="torch threads (default: all cores); 1 is often faster on a machine busy with other "
+                            "work, where threads wait for each other")
     train.add_argument("--device", choices=DEVICES,
                        help="where to train: auto (the default) picks CUDA, then Apple's MPS, then the CPU")
     train.add_argument("--precision", choices=("fp32", "bf16"),
