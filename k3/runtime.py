@@ -112,3 +112,23 @@ def refuse_if_over_memory(what: str, nbytes: int, fix: str) -> None:
     if total is not None and nbytes > total:
         raise ValueError(f"{what} needs about {nbytes / 2**30:,.1f} GiB ({nbytes:,} bytes), more than the "
                          f"{total / 2**30:,.1f} GiB of memory available on this machine; {fix}")
+
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+def resolve_device(name: str, flag: str = "--device") -> torch.device:
+    """The device `name` stands for (`k3 train` and `k3 generate --device`): "auto" picks a CUDA GPU, then
+    Apple's MPS, then the CPU; a device this machine's PyTorch cannot use is a ValueError naming `flag`."""
+    if name not in DEVICES:
+        raise ValueError(f"{flag} must be one of {', '.join(DEVICES)}, got {name!r}")
+    cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
+    if name == "auto":
+        return torch.device("cuda" if cuda else "mps" if mps else "cpu")
+    if name == "cuda" and not cuda:
+        raise ValueError(f"{flag} cuda: this PyTorch sees no CUDA GPU (torch.cuda.is_available() is False: no GPU, "
+                         f"no driver, or a CPU-only build of torch {torch.__version__}); use {flag} cpu or auto")
+    if name == "mps" and not mps:
+        raise ValueError(f"{flag} mps: Apple's MPS is not available here (torch.backends.mps.is_available() is "
+                         f"False: it needs a Mac with Apple silicon and macOS 12.3+); use {flag} cpu or auto")
+    return torch.device(name)

@@ -92,11 +92,18 @@ def _train_config(args):
                   grad_clip=args.grad_clip, max_steps=args.max_steps, time_budget=args.time_budget,
                   eval_every=args.eval_every, eval_tokens=args.eval_tokens, checkpoint_every=args.checkpoint_every,
                   out=args.out, seed=args.seed, threads=args.threads, compile=args.compile)
+    # given only when asked for (a resumed run takes them even where they equal the defaults)
+    for key in _ASKED_BY_NAME:
+        if getattr(args, key) is not None:
+            fields[key] = None if getattr(args, key) == "none" else getattr(args, key)
     if args.time_budget is not None and args.max_steps is None:
         fields["max_steps"] = None
     elif fields["max_steps"] is None:
         fields["max_steps"] = TrainConfig().max_steps
     return TrainConfig(**fields)
+
+
+_ASKED_BY_NAME = ("device", "precision", "grad_accum", "log", "final_eval_tokens")
 
 
 def _train(args) -> int:
@@ -107,8 +114,9 @@ def _train(args) -> int:
         from ..models.preflight import check_checkpoint
 
         check_checkpoint(args.resume, f"--resume {args.resume}")
+    asked = tuple(key for key in _ASKED_BY_NAME if getattr(args, key) is not None)
     try:
-        train(cfg, resume=args.resume, progress=not args.no_progress, parallel=args.parallel)
+        train(cfg, resume=args.resume, progress=not args.no_progress, parallel=args.parallel, asked=asked)
     except KeyboardInterrupt:
         return 130
     return 0
@@ -124,6 +132,7 @@ def _generate(args) -> int:
 
     from ..models import CausalLM
     from ..models.preflight import check_pretrained
+    from ..runtime import resolve_device
     from ..tokenizer import Tokenizer
     from .interactive import interactive, report, stream_text
 
@@ -133,16 +142,17 @@ def _generate(args) -> int:
     if not Path(args.checkpoint).is_dir():
         raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no such folder (expected a checkpoint folder, "
                                 f"e.g. what k3 train --out wrote)")
+    device = resolve_device(args.device)
     tokenizer = Tokenizer.load(args.checkpoint)
     texts, prompts = _prompts(args, tokenizer)
     check_pretrained(args.checkpoint, f"--checkpoint {args.checkpoint}")
-    model = CausalLM.from_pretrained(args.checkpoint).eval()
+    model = CausalLM.from_pretrained(args.checkpoint).to(device).eval()
     if not prompts:
         return interactive(args, model, tokenizer)
     if args.prompt_file:
         return _generate_batch(args, model, tokenizer, texts, prompts)
     ids = prompts[0]
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator(device).manual_seed(args.seed)  # sampling draws on the model's device
     print(args.prompt, end="", flush=True)
     new: list[int] = []
     start = time.perf_counter()
@@ -153,7 +163,7 @@ def _generate(args) -> int:
         print(f"[interrupted (Ctrl-C) after {len(new)} tokens]", file=sys.stderr)
         return 130
     print(flush=True)
-    report(len(new), time.perf_counter() - start, len(ids))
+    report(len(new), time.perf_counter() - start, len(ids), device)
     return 0
 
 
@@ -196,7 +206,8 @@ def _generate_batch(args, model, tokenizer, texts: list[str], prompts: list[list
 
     import torch
 
-    generator = torch.Generator().manual_seed(args.seed)
+    device = model.lm_head.weight.device
+    generator = torch.Generator(device).manual_seed(args.seed)
     start = time.perf_counter()
     rows = model.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, generator=generator)
@@ -207,7 +218,8 @@ def _generate_batch(args, model, tokenizer, texts: list[str], prompts: list[list
         print(f"--- prompt {i + 1} of {len(texts)}")
         print(text + tokenizer.decode(row[len(ids):].tolist()), flush=True)
     print(f"[{len(texts)} prompts ({min(map(len, prompts))} to {max(map(len, prompts))} tokens), {new} new tokens "
-          f"in {seconds:.2f} s: {new / max(seconds, 1e-9):.1f} tokens/s, prefill included]", file=sys.stderr)
+          f"in {seconds:.2f} s: {new / max(seconds, 1e-9):.1f} tokens/s, prefill included; on {device}]",
+          file=sys.stderr)
     return 0
 
 

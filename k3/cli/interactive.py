@@ -41,10 +41,11 @@ def stream_text(model, tokenizer, ids: list[int], args, generator, new: list[int
         print(text[len(shown):], end="", flush=True)
 
 
-def report(new: int, seconds: float, prefill: int) -> None:
+def report(new: int, seconds: float, prefill: int, device=None) -> None:
     """The speed line on stderr after a continuation."""
+    where = f"; on {device}" if device is not None else ""
     print(f"[{new} tokens in {seconds:.2f} s: {new / max(seconds, 1e-9):.1f} tokens/s, prefill of {prefill} "
-          f"prompt tokens included]", file=sys.stderr)
+          f"prompt tokens included{where}]", file=sys.stderr)
 
 
 def _read_line(tty: bool) -> str | None:
@@ -67,7 +68,7 @@ def interactive(args, model, tokenizer) -> int:
     if tty:
         mode = "--chat: each prompt continues the conversation" if args.chat else "each prompt on its own"
         print(f"k3 generate: one prompt a line ({mode}); Ctrl-C stops a generation, Ctrl-D ends", file=sys.stderr)
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator(model.lm_head.weight.device).manual_seed(args.seed)
     conversation: list[int] = []  # --chat: every token so far, prompts and continuations
     cache = None  # --chat: has seen conversation[:cache.length]
     number = 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..runtime import DEVICES
+
 from .commands import (_bench_models, _bench_ops, _bench_train, _eval, _export, _generate, _lab, _params, _plan,
                        _train)
 
@@ -59,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                        default=4096, help="BPE vocabulary size")
     train.add_argument("--seq-len", type=_count(1, "tokens per sequence"), default=256)
     train.add_argument("--batch-size", type=_count(1, "sequences per step"), default=8,
-                       help="sequences per step (default 8: in a fixed time budget, more smaller steps learn more)")
+                       help="sequences per step, or per micro-batch with --grad-accum (default 8: in a fixed time "
+                            "budget, more smaller steps learn more)")
+    train.add_argument("--grad-accum", type=_count(1, "micro-batches per optimizer step"), metavar="N",
+                       help="N micro-batches of --batch-size per optimizer step (default 1): the step of an N "
+                            "times larger batch, in the memory of one micro-batch")
     train.add_argument("--lr", type=_number(0, "a learning rate", above=True), default=3e-3)
     train.add_argument("--warmup", type=_count(0, "warmup steps"), default=50, help="warmup steps")
     train.add_argument("--schedule", choices=("cosine", "wsd"), default="wsd",
@@ -73,13 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
                        help="train for about this many minutes")
     train.add_argument("--eval-every", type=_count(1, "steps between evaluations"), default=100)
     train.add_argument("--eval-tokens", type=_count(1, "validation tokens"), default=32768,
-                       help="validation tokens per evaluation")
+                       help="validation tokens per periodic evaluation (default 32768)")
+    train.add_argument("--final-eval-tokens", type=_count(0, "validation tokens (0: no final evaluation)"),
+                       metavar="N", help="validation tokens of the final evaluation (default 262144; 0 skips it)")
     train.add_argument("--checkpoint-every", type=_count(1, "steps between checkpoints"),
                        help="also save every N steps (always at the end)")
-    train.add_argument("--out", default="runs/k3", help="checkpoint directory")
+    train.add_argument("--out", default="runs/k3", help="checkpoint directory (and the run's metrics.jsonl)")
     train.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR")
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
+    train.add_argument("--threads", type=_count(1, "torch threads"),
+                       help="torch threads (default: all cores); 1 is often faster on a machine busy with other "
+                            "work, where threads wait for each other")
+    train.add_argument("--device", choices=DEVICES,
+                       help="where to train: auto (the default) picks CUDA, then Apple's MPS, then the CPU")
+    train.add_argument("--precision", choices=("fp32", "bf16"),
+                       help="bf16: the forward passes under bfloat16 autocast, float32 weights and AdamW states, "
+                            "float32 states in the linear-attention ops (default fp32)")
+    train.add_argument("--log", choices=("tensorboard", "wandb", "none"),
+                       help="also send OUT/metrics.jsonl's figures to TensorBoard (OUT/tensorboard) or wandb "
+                            "(needs the package; default none)")
     train.add_argument("--compile", action="store_true",
                        help="torch.compile the decoder: ~0.8x the step time after ~2.5 min of compiling (CPU, "
                             "kimi-k3-tiny); worth it for long runs, not the 13-minute demo; needs a C++ compiler")
@@ -107,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=_count(1, "tokens kept"), default=50)
     gen.add_argument("--top-p", type=_number(0, "a probability mass", above=True, high=1))
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", choices=DEVICES, default="auto",
+                     help="where to generate: auto (the default) picks CUDA, then Apple's MPS, then the CPU")
     gen.set_defaults(func=_generate)
     export = sub.add_parser("export", help="write a checkpoint in Hugging Face transformers' format (needs k3[hf])")
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="a k3 checkpoint directory (k3 train --out)")

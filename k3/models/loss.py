@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.norm import upcast
+from ..ops.common import autocast_dtype, without_autocast
 
 IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default ignore_index)
 
@@ -34,6 +35,12 @@ class _HeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, tokens_per_piece: int, scale: float, with_grad: bool):
         h_all, w = upcast(hidden), upcast(weight)  # [N, d], [V, d]
+        # under autocast (k3 train --precision bf16) the head's three matmuls run in its dtype, as
+        # F.linear's would; the softmax, the loss and the gradients' sums stay float32
+        low = autocast_dtype(h_all)
+        if low is not None:
+            return _HeadCrossEntropy._autocast_forward(ctx, hidden, weight, targets, tokens_per_piece, scale,
+                                                       with_grad, low)
         total = h_all.new_zeros(())
         want_h = with_grad and ctx.needs_input_grad[0]
         want_w = with_grad and ctx.needs_input_grad[1]
@@ -54,6 +61,37 @@ class _HeadCrossEntropy(torch.autograd.Function):
                     torch.mm(grad, w, out=dh[start:start + tokens_per_piece])
                 if want_w:
                     dw.addmm_(grad.t(), h)
+        ctx.save_for_backward(dh, dw)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        return total * scale
+
+    @staticmethod
+    def _autocast_forward(ctx, hidden, weight, targets, tokens_per_piece, scale, with_grad, low):
+        """`forward` with the matmuls in `low` (autocast's dtype): logits = (h W^T) in `low`, then the
+        same float32 softmax; dh and dW from `low` products, dW summed over pieces in float32."""
+        h_all, w = hidden.to(low), weight.to(low)  # [N, d], [V, d]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        want_h = with_grad and ctx.needs_input_grad[0]
+        want_w = with_grad and ctx.needs_input_grad[1]
+        dh = torch.empty(h_all.shape, dtype=torch.float32, device=hidden.device) if want_h else None
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
+        with without_autocast(h_all):
+            for start in range(0, h_all.shape[0], tokens_per_piece):
+                h, y = h_all[start:start + tokens_per_piece], targets[start:start + tokens_per_piece, None]
+                logits = (h @ w.t()).float()  # [n, V]
+                picked = logits.gather(1, y)
+                top = logits.amax(1, keepdim=True)
+                e = logits.sub_(top).exp_()
+                sums = e.sum(1, keepdim=True)
+                total += (top + sums.log() - picked).sum()
+                if want_h or want_w:
+                    grad = e.mul_(scale / sums)
+                    grad.scatter_add_(1, y, grad.new_full(y.shape, -scale))
+                    grad = grad.to(low)
+                    if want_h:
+                        dh[start:start + tokens_per_piece] = grad @ w
+                    if want_w:
+                        dw += grad.t() @ h
         ctx.save_for_backward(dh, dw)
         ctx.dtypes = hidden.dtype, weight.dtype
         return total * scale

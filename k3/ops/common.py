@@ -36,6 +36,19 @@ def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast runs matmuls in on x's device (bfloat16 under `k3 train --precision bf16`), or
+    None when autocast is off there."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def without_autocast(x: torch.Tensor):
+    """A context in which autocast is off on x's device: the delta family's recurrences keep their
+    states and matmuls in the accumulation dtype whatever precision the model around them trains in."""
+    return torch.autocast(x.device.type, enabled=False)
+
+
 def check_tensor(op: str, name: str, x, shape: tuple, ref: torch.Tensor) -> None:
     """Check that `x` is a tensor of `shape` (None = any size) with `ref`'s dtype and device."""
     if not isinstance(x, torch.Tensor):

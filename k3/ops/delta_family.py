@@ -20,7 +20,7 @@ import torch
 
 from .common import (
     cast, check_chunk_size, check_cu_seqlens, check_log_decay, check_qkv, check_scale, check_state, check_tensor,
-    compute_dtype, inference_unless_grad, l2norm, run_packed,
+    compute_dtype, inference_unless_grad, l2norm, run_packed, without_autocast,
 )
 
 
@@ -78,7 +78,8 @@ def run_delta_op(op: str, form: Callable, q, k, v, beta, *, g=None, gate: str | 
     def run(q, k, v, beta, g):
         return form(q, k, v, beta, g=g, initial_state=S0, scale=scale, **chunking)
 
-    o, S = run_packed(run, cu_seqlens, q, k, v, beta, g)
+    with without_autocast(q):  # under bf16 autocast too, the state and its matmuls stay in `dtype`
+        o, S = run_packed(run, cu_seqlens, q, k, v, beta, g)
     return cast(o, in_dtype), (S if output_final_state else None)
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .common import (
     cast, check_chunk_size, check_cu_seqlens, check_qkv, check_scale, check_state, compute_dtype, from_chunks,
-    keep_causal, l2norm, nonfinite_onwards, run_packed, to_chunks,
+    keep_causal, l2norm, nonfinite_onwards, run_packed, to_chunks, without_autocast,
 )
 
 
@@ -91,7 +91,8 @@ def _linear_attn(op, form, q, k, v, scale, initial_state, output_final_state, cu
     def run(q_, k_, v_):
         return form(q_, k_, v_, S0) if chunk_size is None else form(q_, k_, v_, S0, chunk_size)
 
-    o1, S1 = run_packed(run, cu_seqlens, qf * scale, kf, v1)
+    with without_autocast(q):  # the state and its matmuls in the accumulation dtype under bf16 autocast too
+        o1, S1 = run_packed(run, cu_seqlens, qf * scale, kf, v1)
     o = o1[..., :V] / (o1[..., V:] + eps) if normalize else o1[..., :V]
     state = (S1[..., :V], S1[..., V]) if output_final_state else None
     return cast(o, q.dtype), state

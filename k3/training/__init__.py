@@ -5,7 +5,7 @@ parallelism.
 The modules, each below the next: config (TrainConfig), optim (AdamW and the learning-rate schedule),
 data (corpus, tokenizer, token streams), objective (the loss and bits per byte), checkpoint, strategy
 (the training step; SingleProcess), parallel (ddp / fsdp / ep applied to a model) and distributed
-(the torchrun strategy), loop (`train`).
+(the torchrun strategy), metrics (metrics.jsonl, TensorBoard, wandb), loop (`train`).
 """
 
 from .config import TrainConfig

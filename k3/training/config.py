@@ -49,11 +49,19 @@ class TrainConfig:
     seed: int = 0
     threads: int | None = None
     compile: bool = False  # torch.compile the decoder (k3.training.strategy.compile_decoder)
+    device: str = "auto"  # "auto" (CUDA, then MPS, then the CPU) | "cpu" | "cuda" | "mps"
+    precision: str = "fp32"  # "fp32" | "bf16": autocast over float32 weights and AdamW states
+    grad_accum: int = 1  # micro-batches of `batch_size` per optimizer step (the batch is their sum)
+    log: str | None = None  # besides metrics.jsonl: "tensorboard" | "wandb" | None
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
         if self.schedule not in ("cosine", "wsd"):
             raise ValueError(f"TrainConfig: `schedule` must be 'cosine' or 'wsd', got {self.schedule!r}")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"TrainConfig: `{name}` must be one of {', '.join(map(repr, choices))}, got "
+                                 f"{getattr(self, name)!r}")
         if self.tokenizer not in ("bpe", "byte"):
             raise ValueError(f"TrainConfig: `tokenizer` must be 'bpe' or 'byte', got {self.tokenizer!r}")
         if self.max_steps is None and self.time_budget is None:
@@ -94,6 +102,12 @@ def _in(low: float, high: float = math.inf, low_open: bool = False, high_open: b
                                               and (v < high if high_open else v <= high))
 
 
+_CHOICES = {  # field: the values it takes
+    "device": ("auto", "cpu", "cuda", "mps"),
+    "precision": ("fp32", "bf16"),
+    "log": (None, "tensorboard", "wandb"),
+}
+
 _RULES = {  # field: (check, what it expects)
     "vocab_size": (_count(1), "an integer >= 1"),
     "val_fraction": (_in(0, 1, low_open=True, high_open=True), "a number in (0, 1)"),
@@ -111,7 +125,9 @@ _RULES = {  # field: (check, what it expects)
     "calibration_steps": (_count(1), "an integer >= 1"),
     "eval_every": (_count(1), "an integer >= 1"),
     "eval_tokens": (_count(1), "an integer >= 1"),
-    "final_eval_tokens": (_count(1, none=True), "an integer >= 1, or None (all validation tokens)"),
+    "final_eval_tokens": (_count(0, none=True), "an integer >= 0 (0: no final evaluation), or None (all "
+                                                "validation tokens)"),
+    "grad_accum": (_count(1), "an integer >= 1"),
     "checkpoint_every": (_count(1, none=True), "an integer >= 1, or None (a checkpoint at the end only)"),
     "seed": (_count(-(2 ** 63)), "an integer"),
     "threads": (_count(1, none=True), "an integer >= 1, or None (all cores)"),

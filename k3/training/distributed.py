@@ -20,7 +20,12 @@ How each mode splits the model is k3.training.parallel's (`parallelize`); what t
 The MoE balancing update uses the load summed over ranks, as the single process sees it. Checkpoints
 are the single-process ones (full tensors; the optimizer state in torch's own numbering), gathered to
 rank 0 and written by it while the others wait for the outcome: a run resumes at any world size and
-in any mode. On CPUs the processes talk through gloo; with CUDA, through NCCL, one GPU per process.
+in any mode. On CPUs the processes talk through gloo; with CUDA, through NCCL, one GPU per process
+(`device` "auto" or "cuda"; "cpu" keeps them on the CPUs; MPS has no multi-process backend).
+
+Gradient accumulation (`grad_accum` N) splits each micro-batch over the ranks as the whole batch would
+be: ddp skips its gradient all-reduce (`no_sync`) on all but the last micro-batch; fsdp reduce-scatters
+after each (the shards' gradients add up); ep reduces by hand once, after the last.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from .config import TrainConfig
 from .data import TokenData, prepare
 from .optim import build_optimizer, load_keeping_implementation
 from .parallel import check_expert_split, held_expert_parameters, parallelize
-from .strategy import SingleProcess, compile_decoder
+from .strategy import SingleProcess, compile_decoder, to_cpu
 
 __all__ = ["MODES", "Distributed", "check_expert_split", "start"]
 
@@ -44,9 +49,10 @@ MODES = ("none", "ddp", "fsdp", "ep")
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def start(mode: str, batch_size: int) -> "Distributed | None":
+def start(mode: str, batch_size: int, device: str = "auto") -> "Distributed | None":
     """The Distributed strategy of this process for `mode` ("none": None, a single-process run). The
-    other modes read torchrun's environment; the global batch must split evenly over the processes."""
+    other modes read torchrun's environment; the global batch (a micro-batch of it, with gradient
+    accumulation) must split evenly over the processes."""
     if mode not in MODES:
         raise ValueError(f"--parallel must be one of {', '.join(MODES)}, got {mode!r}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -62,17 +68,20 @@ def start(mode: str, batch_size: int) -> "Distributed | None":
     if batch_size % world:
         raise ValueError(f"--batch-size must be a multiple of the {world} processes (each takes an equal share of "
                          f"the global batch), got {batch_size}")
-    return Distributed(mode)
+    return Distributed(mode, device)
 
 
 class Distributed(SingleProcess):
     """This process's part in a torchrun job: rank, world size, device, and how the model is split."""
 
-    def __init__(self, mode: str):
-        super().__init__()
+    def __init__(self, mode: str, device: str = "auto"):
+        if device == "mps":
+            raise ValueError(f"--device mps: --parallel {mode} runs its processes on CUDA GPUs (NCCL) or CPUs "
+                             f"(gloo); MPS has no multi-process backend. Use --device cpu, or one process")
+        super().__init__("cpu" if device == "auto" else device)  # (checks that a named device exists)
         self.mode = mode
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if torch.cuda.is_available():
+        if device != "cpu" and torch.cuda.is_available():
             self.device, backend = torch.device("cuda", int(os.environ["LOCAL_RANK"])), "nccl"
             torch.cuda.set_device(self.device)
         else:
@@ -110,6 +119,7 @@ class Distributed(SingleProcess):
         build the optimizer over this rank's parameters."""
         self._full_groups = _group_names(model, build_optimizer(model, cfg))  # the single-process numbering
         self.model = model.to(self.device)
+        self.precision = cfg.precision
         self.net = parallelize(model, self.mode, self.device)
         if cfg.compile:
             compile_decoder(model)
@@ -122,6 +132,12 @@ class Distributed(SingleProcess):
         """This rank's contiguous share of the global batch [B, T + 1]."""
         b = windows.shape[0] // self.world_size
         return windows[self.rank * b:(self.rank + 1) * b].to(self.device)
+
+    def accumulating(self, last: bool):
+        """ddp: no gradient all-reduce before the step's last micro-batch (the gradients add up locally)."""
+        if self.mode == "ddp" and not last:
+            return self.net.no_sync()
+        return super().accumulating(last)
 
     def sum_over_processes(self, loss: torch.Tensor, moes: list) -> tuple[float, list[torch.Tensor]]:
         """One all-reduce for the loss and the expert loads of every MoE layer, summed over ranks."""
@@ -185,7 +201,7 @@ class Distributed(SingleProcess):
         if self.mode == "ddp":
             if not self.is_main:
                 return None, None
-            return _to_cpu(model.state_dict()), _to_cpu(optimizer.state_dict())
+            return to_cpu(model.state_dict()), to_cpu(optimizer.state_dict())
         if self.mode == "fsdp":
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
@@ -196,8 +212,8 @@ class Distributed(SingleProcess):
             named = get_optimizer_state_dict(model, optimizer, options=options)
             return (weights, _numbered(named)) if self.is_main else (None, None)
         # ep: rank 0 collects the other ranks' experts and their AdamW moments
-        local = _named(_to_cpu(optimizer.state_dict()), _flat(_group_names(model, optimizer)))
-        weights = _to_cpu(model.state_dict())
+        local = _named(to_cpu(optimizer.state_dict()), _flat(_group_names(model, optimizer)))
+        weights = to_cpu(model.state_dict())
         if not self.is_main:  # the replicated rest is rank 0's own
             weights = {n: t for n, t in weights.items() if n in self._expert_names}
             local["state"] = {n: s for n, s in local["state"].items() if n in self._expert_names}
@@ -282,12 +298,3 @@ def _numbered(state: dict) -> dict:
     return {"state": {index[n]: s for n, s in state["state"].items()},
             "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
 
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj

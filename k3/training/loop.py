@@ -1,4 +1,4 @@
-"""`k3 train`: next-token training of any preset on a text corpus, on a CPU.
+"""`k3 train`: next-token training of any preset on a text corpus, on a CPU or a GPU.
 
 AdamW (no weight decay on norms, biases, A_log, dt_bias or the AttnRes queries), linear warmup then
 cosine or WSD (warmup-stable-decay) learning rate, gradient clipping, the MoE bias update after every
@@ -7,6 +7,11 @@ sequence of a resumed run equals the uninterrupted one (same seed, same machine 
 
 With `time_budget` (minutes) the number of steps is fixed after the first few steps from their speed,
 and stored in the checkpoint, so a resumed run follows the same schedule.
+
+Each step appends a line to `metrics.jsonl` in the output folder (k3.training.metrics), and to
+TensorBoard or wandb with `log`. `device` picks where the run trains, `precision` "bf16" runs the
+forward passes under bfloat16 autocast, `grad_accum` takes each step in micro-batches
+(k3.training.strategy).
 
 `train` reads the same on one process and under torchrun: what differs between them (which slice
 of the batch a process takes, how gradients and losses are summed, who writes the checkpoint) is the
@@ -32,6 +37,7 @@ from ..runtime import matmul_gflops
 from .checkpoint import claim_output, load_training_checkpoint
 from .config import TrainConfig, model_config
 from .distributed import start
+from .metrics import MetricsLog, check_logger
 from .optim import learning_rate
 from .strategy import NonFiniteLossError, SingleProcess
 
@@ -42,20 +48,25 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, parallel: str = "none") -> dict:
+def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, parallel: str = "none",
+          asked: tuple[str, ...] = ()) -> dict:
     """Train (or resume from the checkpoint directory `resume`); returns the run's history.
-    `parallel`: "none", or under torchrun "ddp", "fsdp" or "ep" (k3.training.distributed).
+    `parallel`: "none", or under torchrun "ddp", "fsdp" or "ep" (k3.training.distributed). `asked`:
+    fields of `cfg` given by name, which a resumed run takes even where they equal the default
+    (`k3 train --resume DIR --precision fp32` on a bf16 run).
     The output folder is created and locked before any work (OutputFolderError: unusable, or another
     run holds it); a NaN or infinite loss or gradient norm stops the run (NonFiniteLossError)."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    strategy = start(parallel, cfg.batch_size) or SingleProcess()  # start: a torchrun mode's, else None
     state, changes = None, {}
     if resume is not None:
         state = load_training_checkpoint(resume)
-        changes = _resume_overrides(cfg, state["train_config"])
+        changes = _resume_overrides(cfg, state["train_config"], asked)
         changes.setdefault("out", str(resume))
         cfg = dataclasses.replace(state["train_config"], **changes)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    check_logger(cfg.log)  # a missing package before any work
+    # start: a torchrun mode's strategy, else None
+    strategy = start(parallel, cfg.batch_size, cfg.device) or SingleProcess(cfg.device)
     out = Path(cfg.out)
     lock = strategy.on_main(lambda: claim_output(out))  # before any work: a bad --out costs nothing
     try:
@@ -68,8 +79,6 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
 def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: str | None, out: Path,
          progress: bool) -> dict:
     """`train` once the run's configuration is known and its output folder claimed."""
-    from tqdm import tqdm
-
     tokenizer, data = strategy.prepare(cfg, state["tokenizer"] if state else None)
     torch.manual_seed(cfg.seed)
     mconfig = model_config(cfg, tokenizer.vocab_size)
@@ -88,12 +97,46 @@ def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: 
         history, step = state["history"], state["step"]
         max_steps = cfg.max_steps if "max_steps" in changes else state["max_steps"]
     if strategy.is_main:  # the machine's speed beside the run's, so tokens/s compare across machines
+        precision = "bf16 autocast (float32 weights and AdamW states)" if cfg.precision == "bf16" else "float32"
         _say(f"k3 train: {mconfig.name}, {num_parameters:,} parameters, "
-             f"{data.train.numel():,} training tokens ({data.val.numel():,} validation), {cfg.batch_size} x "
-             f"{cfg.seq_len} tokens per step, {torch.get_num_threads()} threads" + strategy.describe()
-             + f"; this machine's float32 matmul (1024^3): {matmul_gflops():.0f} GFLOP/s")
+             f"{data.train.numel():,} training tokens ({data.val.numel():,} validation), {_batch_words(cfg)}, "
+             f"on {_device_words(cfg, strategy.device)}, {precision}, {_threads_words()}{strategy.describe()}; "
+             f"this machine's float32 matmul (1024^3): {matmul_gflops():.0f} GFLOP/s")
+    metrics = MetricsLog(out, step, Path(resume) if resume else None, cfg.log,
+                         dataclasses.asdict(cfg)) if strategy.is_main else None
+    try:
+        return _loop(cfg, strategy, data, tokenizer, generator, history, step, max_steps, out, progress, metrics)
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+def _batch_words(cfg: TrainConfig) -> str:
+    if cfg.grad_accum == 1:
+        return f"{cfg.batch_size} x {cfg.seq_len} tokens per step"
+    return (f"{cfg.batch_size * cfg.grad_accum} x {cfg.seq_len} tokens per step in {cfg.grad_accum} micro-batches "
+            f"of {cfg.batch_size}")
+
+
+def _threads_words() -> str:
+    n = torch.get_num_threads()
+    return f"{n} CPU thread{'' if n == 1 else 's'}"
+
+
+def _device_words(cfg: TrainConfig, device: torch.device) -> str:
+    """Where the run trains, and why when --device auto chose it."""
+    if cfg.device != "auto":
+        return str(device)
+    return f"{device} (--device auto: CUDA, else MPS, else the CPU)"
+
+
+def _loop(cfg: TrainConfig, strategy, data, tokenizer, generator: torch.Generator, history: dict, step: int,
+          max_steps: int | None, out: Path, progress: bool, metrics: MetricsLog | None) -> dict:
+    """The steps, the evaluations and the saves of `_run`, from `step`; returns the history."""
+    from tqdm import tqdm
+
     val_windows = data.val_windows(cfg.seq_len, cfg.eval_tokens)
-    model.train()
+    strategy.model.train()
     started = time.time() - history["seconds"]
     bar = tqdm(total=max_steps, initial=step, disable=not (progress and strategy.is_main), unit="step",
                dynamic_ncols=True, desc="train", file=sys.stderr)
@@ -113,7 +156,7 @@ def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: 
                 for group in strategy.optimizer.param_groups:
                     group["lr"] = lr
                 step_started = time.time()
-                windows = data.batch(cfg.batch_size, cfg.seq_len, generator)
+                windows = data.batch(cfg.batch_size * cfg.grad_accum, cfg.seq_len, generator)
                 try:
                     loss = strategy.step(windows, cfg)
                 except NonFiniteLossError as e:
@@ -122,8 +165,9 @@ def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: 
                         f"step {step + 1}: {e}; stopped there without saving it (the checkpoint in "
                         f"{out}, if any, is from before). Lower --lr or raise --warmup, then resume or start "
                         f"again") from None
+                step_seconds = time.time() - step_started
                 if step >= 2:  # the first two steps warm up allocators and caches: not timed
-                    step_times.append(time.time() - step_started)
+                    step_times.append(step_seconds)
                 step += 1
                 history["step"].append(step)
                 history["loss"].append(loss)
@@ -141,12 +185,18 @@ def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: 
                     if strategy.is_main:
                         bar.write(f"k3 train: {per_step:.2f} s/step; {max_steps} steps fit in "
                                   f"{cfg.time_budget:g} min with the evaluations", file=sys.stderr)
+                record = {"step": step, "loss": loss, "lr": lr,
+                          "tokens_per_s": windows[:, 1:].numel() / max(step_seconds, 1e-9),
+                          "grad_norm": strategy.grad_norm}
                 if step % cfg.eval_every == 0 or step == max_steps:
                     bpb = strategy.evaluate(data, val_windows)
                     history["val_step"].append(step)
                     history["val_bpb"].append(bpb)
+                    record["val_bpb"] = bpb
                     if strategy.is_main:
                         bar.write(f"step {step}: train loss {loss:.3f}, validation {bpb:.3f} bits/byte", file=sys.stderr)
+                if metrics is not None:
+                    metrics.write(record)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{history['tokens'] / max(elapsed, 1e-9):.0f}", lr=f"{lr:.1e}")
                 bar.update(1)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != max_steps:
@@ -161,14 +211,21 @@ def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: 
                 _say(f"\ninterrupted at step {step}; checkpoint saved. Resume with:\n  k3 train --resume {out}")
             raise
     bar.close()
-    final_windows = data.val_windows(cfg.seq_len, cfg.final_eval_tokens)
-    final = strategy.evaluate(data, final_windows)
-    history["final_val_bpb"] = final
+    if cfg.final_eval_tokens == 0:  # asked for no final evaluation
+        history.pop("final_val_bpb", None)
+        said = "no final evaluation (final_eval_tokens 0)"
+    else:
+        final_windows = data.val_windows(cfg.seq_len, cfg.final_eval_tokens)
+        final = strategy.evaluate(data, final_windows)
+        history["final_val_bpb"] = final
+        said = (f"validation {final:.3f} bits per byte ({final_windows[:, 1:].numel():,} of {data.val.numel():,} "
+                f"validation tokens)")
+        if metrics is not None:
+            metrics.write({"step": step, "final_val_bpb": final, "final_eval_tokens": final_windows[:, 1:].numel()})
     save()
     if strategy.is_main:
         _say(f"k3 train: done, {step} steps, {history['tokens']:,} tokens in {history['seconds'] / 60:.1f} min "
-             f"({history['tokens'] / history['seconds']:.0f} tokens/s); validation {final:.3f} bits per byte "
-             f"({final_windows[:, 1:].numel():,} of {data.val.numel():,} validation tokens); checkpoint in {out}")
+             f"({history['tokens'] / history['seconds']:.0f} tokens/s); {said}; checkpoint in {out}")
     strategy.close()
     return history
 
@@ -221,23 +278,25 @@ class _stop_on_ctrl_c:
 def _steps_in_budget(cfg: TrainConfig, step: int, elapsed: float, step_seconds: float) -> int:
     """Steps that fit in the time budget, counting periodic and final evaluations (a forward pass
     costs about a third of a training step per token)."""
-    eval_seconds = step_seconds / 3 / (cfg.batch_size * cfg.seq_len)  # per validation token
-    final = (cfg.final_eval_tokens or cfg.eval_tokens * 8) * eval_seconds
+    eval_seconds = step_seconds / 3 / (cfg.batch_size * cfg.grad_accum * cfg.seq_len)  # per validation token
+    final_tokens = cfg.eval_tokens * 8 if cfg.final_eval_tokens is None else cfg.final_eval_tokens
+    final = final_tokens * eval_seconds
     per_step = step_seconds + cfg.eval_tokens * eval_seconds / cfg.eval_every
     left = cfg.time_budget * 60 - elapsed - final
     return max(step + 1, step + int(0.97 * left / per_step))
 
 
-def _resume_overrides(requested: TrainConfig, saved: TrainConfig) -> dict:
-    """On resume the saved configuration rules. A field of `requested` that differs from the default
-    was asked for: the run's length, evaluation and machine settings (RESUME_ADJUSTABLE) change; any
-    other that differs from the checkpoint's (its data, model, tokenizer, optimizer, seed...) is an
-    error that names it, instead of being silently ignored or silently changing the model."""
+def _resume_overrides(requested: TrainConfig, saved: TrainConfig, asked: tuple[str, ...] = ()) -> dict:
+    """On resume the saved configuration rules. A field of `requested` that differs from the default,
+    or is named in `asked`, was asked for: the run's length, evaluation, machine and logging settings
+    (RESUME_ADJUSTABLE) change; any other that differs from the checkpoint's (its data, model,
+    tokenizer, optimizer, batch, seed...) is an error that names it, instead of being silently ignored
+    or silently changing the model."""
     defaults = TrainConfig()
     changes, conflicts = {}, []
     for f in dataclasses.fields(TrainConfig):
         value = getattr(requested, f.name)
-        if value == getattr(defaults, f.name):
+        if value == getattr(defaults, f.name) and f.name not in asked:
             continue
         if f.name in RESUME_ADJUSTABLE:
             changes[f.name] = value
@@ -253,7 +312,7 @@ def _resume_overrides(requested: TrainConfig, saved: TrainConfig) -> dict:
 
 
 RESUME_ADJUSTABLE = ("max_steps", "eval_every", "eval_tokens", "final_eval_tokens", "checkpoint_every", "threads",
-                     "out", "compile")
+                     "out", "compile", "device", "precision", "log")
 
 
 def _same_setting(name: str, a, b) -> bool:

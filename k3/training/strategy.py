@@ -9,21 +9,29 @@ processes (`evaluate`), saves and resumes checkpoints in the single-process layo
 `load_optimizer`), and lets the processes agree (`share`, `any`, `is_main`, `close`).
 
 `SingleProcess.step` is the training step: AdamW on the batch's mean next-token loss with clipped
-gradients, then the aux-loss-free MoE bias update from the step's expert loads. The hooks are which
-slice of the batch this process takes (`local_batch`, `local_windows`), how the loss, the expert
-loads and the validation sums are summed over processes (`sum_over_processes`, `sum_totals`), and
-how gradients are synchronised and clipped (`synchronize_gradients`, `clip_gradients`).
+gradients, then the aux-loss-free MoE bias update from the step's expert loads. With `grad_accum` N
+the batch is N micro-batches whose gradients add up before the one optimizer step: each micro-batch's
+mean loss is divided by N (every micro-batch has the same number of tokens, so the sum is the mean
+over the whole batch), their expert loads are summed, and the MoE bias update, the clipping and the
+step happen once. With `precision` "bf16" the forward passes run under torch.autocast in bfloat16
+over the float32 weights; the backward, the AdamW states and the update stay float32.
+
+The hooks are which slice of the batch this process takes (`local_batch`, `local_windows`), how the
+loss, the expert loads and the validation sums are summed over processes (`sum_over_processes`,
+`sum_totals`), and how gradients are synchronised and clipped (`accumulating`,
+`synchronize_gradients`, `clip_gradients`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 from torch import nn
 
 from ..models import CausalLM
-from ..runtime import cxx_compiler
+from ..runtime import cxx_compiler, resolve_device
 from ..tokenizer import Tokenizer
 from .checkpoint import save_training_checkpoint
 from .config import TrainConfig
@@ -42,16 +50,19 @@ def _value(norm: torch.Tensor) -> float:
 
 
 class SingleProcess:
-    """A run on this process alone: the model as it is, on the CPU; no torch.distributed."""
+    """A run on this process alone, on one device (`device`: "auto" picks CUDA, then MPS, then the
+    CPU); no torch.distributed."""
 
     is_main = True  # the process that logs and writes
     world_size = 1
-    device = torch.device("cpu")
 
-    def __init__(self):
+    def __init__(self, device: str = "auto"):
+        self.device = resolve_device(device)
         self.model: CausalLM | None = None  # the model, as the single process sees it
         self.net: nn.Module | None = None  # the module to call in training (a wrapper, or `model`)
         self.optimizer: torch.optim.Optimizer | None = None
+        self.precision = "fp32"
+        self.grad_norm: float | None = None  # the last step's gradient norm before clipping
 
     def describe(self) -> str:
         """How the run is split, for the opening message ("" on one process)."""
@@ -66,36 +77,61 @@ class SingleProcess:
         return prepare(cfg, tokenizer)
 
     def setup(self, model: CausalLM, cfg: TrainConfig) -> None:
-        """Take `model` (the same on every process) for training and build its optimizer."""
+        """Take `model` (the same on every process) for training on this process's device and build
+        its optimizer."""
+        model.to(self.device)
         if cfg.compile:
             compile_decoder(model)
         self.model = self.net = model
         self.optimizer = build_optimizer(model, cfg)
+        self.precision = cfg.precision
+
+    def autocast(self):
+        """The context the forward passes run in: bfloat16 autocast with `precision` "bf16", else none."""
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     # -- the training step ----------------------------------------------------------------------------
     def step(self, windows: torch.Tensor, cfg: TrainConfig) -> float:
-        """One AdamW step on the global batch `windows` [B, T + 1] (clipped gradients), then the MoE
-        bias update. Returns the batch's loss. A non-finite loss or gradient norm raises
-        NonFiniteLossError before the weights change (on every process alike: both are global)."""
-        loss = next_token_loss(self.net, self.local_batch(windows))
+        """One AdamW step on the global batch `windows` [B, T + 1] (clipped gradients), taken as
+        `cfg.grad_accum` equal micro-batches, then the MoE bias update. Returns the batch's loss. A
+        non-finite loss or gradient norm raises NonFiniteLossError before the weights change (on every
+        process alike: both are global)."""
+        parts = windows.chunk(cfg.grad_accum)
+        if len(parts) != cfg.grad_accum or windows.shape[0] % cfg.grad_accum:
+            raise ValueError(f"a batch of {windows.shape[0]} windows does not split into grad_accum = "
+                             f"{cfg.grad_accum} equal micro-batches")
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
         moes = self.model.moe_layers()
-        global_loss, loads = self.sum_over_processes(loss, moes)
+        global_loss, loads = 0.0, [0] * len(moes)
+        for i, part in enumerate(parts):
+            with self.accumulating(last=i == len(parts) - 1):
+                with self.autocast():
+                    loss = next_token_loss(self.net, self.local_batch(part))
+                (loss / len(parts)).backward()
+            part_loss, part_loads = self.sum_over_processes(loss.detach(), moes)
+            global_loss += part_loss / len(parts)
+            loads = [total + load for total, load in zip(loads, part_loads)]
         if not math.isfinite(global_loss):
             raise NonFiniteLossError(f"the training loss is {global_loss}")
         self.synchronize_gradients(loads)
         norm = self.clip_gradients(cfg.grad_clip)
-        if norm is not None and not math.isfinite(_value(norm)):
-            raise NonFiniteLossError(f"the gradient norm is {_value(norm)} (the loss is {global_loss:.4f})")
+        self.grad_norm = None if norm is None else _value(norm)
+        if norm is not None and not math.isfinite(self.grad_norm):
+            raise NonFiniteLossError(f"the gradient norm is {self.grad_norm} (the loss is {global_loss:.4f})")
         self.optimizer.step()
         for moe, load in zip(moes, loads):
             moe.update_bias(load, rate=cfg.moe_bias_rate)
         return global_loss
 
     def local_batch(self, windows: torch.Tensor) -> torch.Tensor:
-        """Hook: this process's share of the global batch."""
-        return windows
+        """Hook: this process's share of the global batch (a micro-batch of it), on its device."""
+        return windows.to(self.device)
+
+    def accumulating(self, last: bool):
+        """Hook: the context of one micro-batch's forward and backward (`last`: the step's last one)."""
+        return contextlib.nullcontext()
 
     def sum_over_processes(self, loss: torch.Tensor, moes: list) -> tuple[float, list[torch.Tensor]]:
         """Hook: the global batch's loss and each MoE layer's expert load [E] summed over processes."""
@@ -113,7 +149,8 @@ class SingleProcess:
     def evaluate(self, data: TokenData, windows: torch.Tensor) -> float:
         """Validation bits per byte over `windows` [n, T + 1], all processes together."""
         mine, counted = self.local_windows(windows)
-        nats, nbytes = summed_loss(self.model, data, mine, counted=counted, device=self.device)
+        with self.autocast():
+            nats, nbytes = summed_loss(self.model, data, mine, counted=counted, device=self.device)
         return per_byte(*self.sum_totals(nats, nbytes))
 
     def local_windows(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -134,8 +171,11 @@ class SingleProcess:
             weights=weights, optimizer_state=optimizer_state))
 
     def full_state(self) -> tuple[dict | None, dict | None]:
-        """The single-process model and optimizer state dicts on the main process (None elsewhere)."""
-        return self.model.state_dict(), self.optimizer.state_dict()
+        """The single-process model and optimizer state dicts on the main process (None elsewhere), on
+        the CPU (a checkpoint written on a GPU resumes anywhere)."""
+        if self.device.type == "cpu":
+            return self.model.state_dict(), self.optimizer.state_dict()
+        return to_cpu(self.model.state_dict()), to_cpu(self.optimizer.state_dict())
 
     def load_optimizer(self, saved: dict) -> None:
         """Load a single-process optimizer state dict (full tensors, torch's numbering)."""
@@ -157,11 +197,25 @@ class SingleProcess:
 
 def training_step(model: CausalLM, optimizer: torch.optim.Optimizer, windows: torch.Tensor, cfg: TrainConfig) -> float:
     """One AdamW step of `model` on a batch of windows [B, T + 1] (clipped gradients), then the MoE bias
-    update: `SingleProcess.step` with a model and optimizer of the caller's. Returns the loss."""
-    strategy = SingleProcess()
+    update: `SingleProcess.step` with a model and optimizer of the caller's, on the model's device, in
+    `cfg.precision`, in `cfg.grad_accum` micro-batches. Returns the loss."""
+    strategy = SingleProcess("cpu")
+    strategy.device = next(model.parameters()).device
     strategy.model = strategy.net = model
     strategy.optimizer = optimizer
+    strategy.precision = cfg.precision
     return strategy.step(windows, cfg)
+
+
+def to_cpu(obj):
+    """Every tensor in `obj` (nested dicts, lists, tuples) detached and on the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
 
 
 def compile_decoder(model: CausalLM) -> None:

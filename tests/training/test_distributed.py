@@ -1,7 +1,7 @@
 """k3 train on 2 CPU processes (gloo): ddp, fsdp and expert parallelism give the single process's
 losses (two steps), clipped gradients, and the weights, AdamW moments and MoE biases a checkpoint
 holds after a step; checkpoints move between world sizes both ways and the resumed runs follow the
-single-process loss sequence.
+single-process loss sequence; --grad-accum 2 in each mode follows the single process's larger batch.
 
 Tolerance: fp32, relative 1e-5 in norm (the ranks sum in another order than the single process;
 measured: losses 1e-7, gradients 9e-7); weights entrywise within 1e-2 lr (see below). One spawn of 2
@@ -104,6 +104,9 @@ def _worker(rank: int, port: int, corpus: str, root: str) -> None:
     for mode in ("fsdp", "ep"):
         results[f"resumed_{mode}"] = train(TrainConfig(max_steps=4), resume=f"{root}/single2_{mode}",
                                            progress=False, parallel=mode)
+    for mode in ("ddp", "fsdp", "ep"):  # 2 micro-batches of 2 windows, one per rank: the reference's steps
+        results[f"accumulated_{mode}"] = train(run_cfg(corpus, f"{root}/accumulated_{mode}", batch_size=2,
+                                                       grad_accum=2), progress=False, parallel=mode)
     if rank == 0:
         torch.save(results, f"{root}/results.pt")
     torch.distributed.destroy_process_group()
@@ -194,6 +197,13 @@ def assert_follows(history: dict, reference: dict) -> None:
     assert history["loss"] == pytest.approx(reference["loss"], rel=RTOL)
     assert history["val_bpb"] == pytest.approx(reference["val_bpb"], rel=RTOL)
     assert history["final_val_bpb"] == pytest.approx(reference["final_val_bpb"], rel=RTOL)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "ep"])
+def test_gradient_accumulation_over_two_processes_takes_the_single_process_steps(runs, mode):
+    """--grad-accum 2 with 2 windows a micro-batch, one per rank, follows the single process's batch of 4."""
+    _, reference, results = runs
+    assert_follows(results[f"accumulated_{mode}"], reference)
 
 
 def test_a_two_process_checkpoint_resumes_in_one_process(runs):
