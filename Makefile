@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.k3-installed
 EVAL_STAMP := $(VENV)/.k3-eval-installed
 
-.PHONY: demo test bench docs install clean
+.PHONY: demo test test-slow bench docs install clean
 
 # torch==2.13.0 is the CPU wheel these machines carry; installing it first keeps pip from
 # resolving `torch>=2.6` to a multi-GB CUDA build.
@@ -30,8 +30,12 @@ demo: $(STAMP)
 	$(VENV)/bin/k3 train --time-budget $(DEMO_MINUTES) --out runs/demo
 	$(VENV)/bin/k3 generate --checkpoint runs/demo --prompt "ROMEO:" --max-new-tokens 300
 
+# the default suite; the tests marked slow (processes and fresh interpreters) run with test-slow
 test: $(EVAL_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: $(EVAL_STAMP)
+	$(PY) -m pytest -q -m slow
 
 # the API reference, from the docstrings: build/api/index.html
 docs: $(STAMP)

@@ -14,6 +14,8 @@ from k3.models import CausalLM, get_config
 
 from .corpus import write_corpus
 
+pytestmark = pytest.mark.slow  # each example in a fresh interpreter
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from k3.bench import train as bench_train
 
 from ..corpus import write_corpus
 
 
+@pytest.mark.slow  # two models trained for a (tiny) wall-clock budget
 def test_tiny_run_reports_speed_and_validation(tmp_path, capsys):
     (tmp_path / "corpus").mkdir()
     corpus = write_corpus(tmp_path / "corpus", docs=6, words=2000)

@@ -289,6 +289,7 @@ def lm_eval_script() -> Path | None:
 COMMANDS = {"lm_eval": lambda: [str(lm_eval_script())], "k3 eval": lambda: [sys.executable, "-m", "k3", "eval"]}
 
 
+@pytest.mark.slow  # two fresh interpreters importing lm-eval
 @pytest.mark.parametrize("command", COMMANDS)
 def test_lm_eval_command_line(command, k3_checkpoint, tmp_path):
     """`lm_eval --model k3 ...` (lm-eval's own command, installed k3) and `k3 eval --model k3 ...`, each in a

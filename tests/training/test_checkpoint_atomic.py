@@ -240,6 +240,7 @@ SAVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a real SIGKILL of a saving subprocess, three times
 def test_a_save_killed_by_sigkill_leaves_one_whole_checkpoint(run, tmp_path):
     """A process saves the step-2 and step-4 checkpoints in turn into one folder until it is killed
     (SIGKILL) after a random delay; the folder then reads as one of the two, whole."""

@@ -25,6 +25,8 @@ from k3.training.optim import portable_state
 
 from ..corpus import write_corpus
 
+pytestmark = pytest.mark.slow  # 2 spawned processes (gloo) for every mode
+
 RTOL = 1e-5
 WORLD = 2
 # (preset, mode): kimi-k3-tiny has Block AttnRes, KDA, MLA and MoE layers; gpt2-tiny ties its head to the
