@@ -164,3 +164,36 @@ def test_piped_into_the_command(checkpoint, tmp_path):
                           cwd=tmp_path, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("to be") and "\nor not" in done.stdout and done.stderr.count("[3 tokens in") == 2
+
+
+@pytest.mark.parametrize("mode", ["prompt", "prompt-file"])
+def test_a_continuation_ends_at_endoftext_unless_ignored(checkpoint, monkeypatch, capsys, tmp_path, mode):
+    """The sampler says <|endoftext|> at the third step: the continuation ends there and the token is not
+    printed; --ignore-eot goes on to --max-new-tokens."""
+    from k3 import generation
+    from k3.tokenizer import Tokenizer
+
+    eot = Tokenizer.load(checkpoint).eot_id
+    real, calls = generation.sample, []
+
+    def eot_third(logits, *args, **kwargs):
+        calls.append(None)
+        token = real(logits, *args, **kwargs)
+        return torch.full_like(token, eot) if len(calls) % 10 == 3 else token.masked_fill(token == eot, 65)
+
+    monkeypatch.setattr(generation, "sample", eot_third)
+    source = ["--prompt", "ab"] if mode == "prompt" else ["--prompt-file", str(tmp_path / "p.txt")]
+    (tmp_path / "p.txt").write_text("ab\n")
+    outs = []
+    for extra in ([], ["--ignore-eot"]):
+        calls.clear()
+        code, out, err = run(monkeypatch, capsys, ["generate", "--checkpoint", str(checkpoint), *source,
+                                                   "--max-new-tokens", "6", "--temperature", "0", *extra], "")
+        assert code == 0, err
+        outs.append((out, err))
+    (stopped, stopped_err), (full, _) = outs
+    assert "<|endoftext|>" not in stopped
+    if mode == "prompt":
+        assert stopped_err.startswith("[3 tokens") and len(full.rstrip("\n")) > len(stopped.rstrip("\n"))
+    else:
+        assert "3 new tokens" in stopped_err

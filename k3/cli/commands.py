@@ -209,14 +209,15 @@ def _generate_batch(args, model, tokenizer, texts: list[str], prompts: list[list
     device = model.lm_head.weight.device
     generator = torch.Generator(device).manual_seed(args.seed)
     start = time.perf_counter()
+    eot = None if args.ignore_eot else tokenizer.eot_id
     rows = model.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, generator=generator)
+                          top_p=args.top_p, eos_token_id=eot, generator=generator)
     seconds = time.perf_counter() - start
     new = 0
     for i, (text, ids, row) in enumerate(zip(texts, prompts, rows)):
         new += row.numel() - len(ids)
         print(f"--- prompt {i + 1} of {len(texts)}")
-        print(text + tokenizer.decode(row[len(ids):].tolist()), flush=True)
+        print(text + tokenizer.decode([t for t in row[len(ids):].tolist() if t != eot]), flush=True)
     print(f"[{len(texts)} prompts ({min(map(len, prompts))} to {max(map(len, prompts))} tokens), {new} new tokens "
           f"in {seconds:.2f} s: {new / max(seconds, 1e-9):.1f} tokens/s, prefill included; on {device}]",
           file=sys.stderr)

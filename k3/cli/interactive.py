@@ -24,19 +24,23 @@ def stream_text(model, tokenizer, ids: list[int], args, generator, new: list[int
     """Print the continuation of the tokens `ids` as it is sampled (`args`: max_new_tokens and the
     sampling flags), a character split over several tokens once it is whole; each token is appended to
     `new`, which holds what was generated if a Ctrl-C ends it early. With `cache`, `ids` continue the
-    tokens it has seen (`CausalLM.stream`)."""
+    tokens it has seen (`CausalLM.stream`). The continuation ends at <|endoftext|> (kept in `new`, not
+    printed) unless args.ignore_eot."""
     import torch
 
     prompt = torch.tensor([ids], device=model.lm_head.weight.device)
+    eot = None if args.ignore_eot else tokenizer.eot_id
     shown = ""
     for token in model.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, generator=generator, cache=cache):
+                              top_p=args.top_p, eos_token_id=eot, generator=generator, cache=cache):
         new.append(int(token[0]))
+        if new[-1] == eot:
+            break
         text = tokenizer.decode(new)
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
             print(text[len(shown):], end="", flush=True)
             shown = text
-    text = tokenizer.decode(new)
+    text = tokenizer.decode([t for t in new if t != eot])
     if text != shown:  # the stream ended inside a character: show what there is
         print(text[len(shown):], end="", flush=True)
 

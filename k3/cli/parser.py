@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "continuation so far is the context, its cache kept between turns) instead of "
                           "starting afresh with an empty cache, the default")
     gen.add_argument("--max-new-tokens", type=_count(0, "tokens to generate"), default=200)
+    gen.add_argument("--ignore-eot", action="store_true",
+                     help="keep generating past <|endoftext|> (by default a continuation ends there, as the "
+                          "corpus's documents do; the token itself is not printed)")
     gen.add_argument("--temperature", type=_number(0, "a sampling temperature (0: greedy)"), default=0.8,
                      help="0: greedy")
     gen.add_argument("--top-k", type=_count(1, "tokens kept"), default=50)
