@@ -34,64 +34,30 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, tokens_per_piece: int, scale: float, with_grad: bool):
-        h_all, w = upcast(hidden), upcast(weight)  # [N, d], [V, d]
-        # under autocast (k3 train --precision bf16) the head's three matmuls run in its dtype, as
-        # F.linear's would; the softmax, the loss and the gradients' sums stay float32
-        low = autocast_dtype(h_all)
-        if low is not None:
-            return _HeadCrossEntropy._autocast_forward(ctx, hidden, weight, targets, tokens_per_piece, scale,
-                                                       with_grad, low)
-        total = h_all.new_zeros(())
-        want_h = with_grad and ctx.needs_input_grad[0]
-        want_w = with_grad and ctx.needs_input_grad[1]
-        dh = torch.empty_like(h_all) if want_h else None
-        dw = torch.zeros_like(w) if want_w else None
-        for start in range(0, h_all.shape[0], tokens_per_piece):
-            h, y = h_all[start:start + tokens_per_piece], targets[start:start + tokens_per_piece, None]
-            logits = h @ w.t()  # [n, V]
-            picked = logits.gather(1, y)  # the target's logit, [n, 1]
-            top = logits.amax(1, keepdim=True)
-            e = logits.sub_(top).exp_()  # in place: the piece's only [n, V] block
-            sums = e.sum(1, keepdim=True)
-            total += (top + sums.log() - picked).sum()
-            if want_h or want_w:
-                grad = e.mul_(scale / sums)  # scale · softmax
-                grad.scatter_add_(1, y, grad.new_full(y.shape, -scale))  # − scale · onehot
-                if want_h:
-                    torch.mm(grad, w, out=dh[start:start + tokens_per_piece])
-                if want_w:
-                    dw.addmm_(grad.t(), h)
-        ctx.save_for_backward(dh, dw)
-        ctx.dtypes = hidden.dtype, weight.dtype
-        return total * scale
-
-    @staticmethod
-    def _autocast_forward(ctx, hidden, weight, targets, tokens_per_piece, scale, with_grad, low):
-        """`forward` with the matmuls in `low` (autocast's dtype): logits = (h W^T) in `low`, then the
-        same float32 softmax; dh and dW from `low` products, dW summed over pieces in float32."""
+        # the three matmuls run in the sums' dtype `acc` (float32; float64 for float64), or under autocast
+        # (k3 train --precision bf16) in its dtype, as F.linear's would, with float32 sums
+        low = autocast_dtype(hidden)
+        acc = upcast(hidden).dtype if low is None else torch.float32
+        low = low or acc
         h_all, w = hidden.to(low), weight.to(low)  # [N, d], [V, d]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=acc, device=hidden.device)
         want_h = with_grad and ctx.needs_input_grad[0]
         want_w = with_grad and ctx.needs_input_grad[1]
-        dh = torch.empty(h_all.shape, dtype=torch.float32, device=hidden.device) if want_h else None
-        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
+        dh = torch.empty(h_all.shape, dtype=acc, device=hidden.device) if want_h else None
+        dw = torch.zeros(w.shape, dtype=acc, device=w.device) if want_w else None
         with without_autocast(h_all):
             for start in range(0, h_all.shape[0], tokens_per_piece):
                 h, y = h_all[start:start + tokens_per_piece], targets[start:start + tokens_per_piece, None]
-                logits = (h @ w.t()).float()  # [n, V]
-                picked = logits.gather(1, y)
+                logits = (h @ w.t()).to(acc)  # [n, V]
+                picked = logits.gather(1, y)  # the target's logit, [n, 1]
                 top = logits.amax(1, keepdim=True)
-                e = logits.sub_(top).exp_()
+                e = logits.sub_(top).exp_()  # in place: the piece's only [n, V] block
                 sums = e.sum(1, keepdim=True)
                 total += (top + sums.log() - picked).sum()
                 if want_h or want_w:
-                    grad = e.mul_(scale / sums)
-                    grad.scatter_add_(1, y, grad.new_full(y.shape, -scale))
-                    grad = grad.to(low)
-                    if want_h:
-                        dh[start:start + tokens_per_piece] = grad @ w
-                    if want_w:
-                        dw += grad.t() @ h
+                    grad = e.mul_(scale / sums)  # scale · softmax
+                    grad.scatter_add_(1, y, grad.new_full(y.shape, -scale))  # − scale · onehot
+                    _accumulate(grad.to(low), h, w, dh, dw, start)
         ctx.save_for_backward(dh, dw)
         ctx.dtypes = hidden.dtype, weight.dtype
         return total * scale
@@ -106,6 +72,24 @@ class _HeadCrossEntropy(torch.autograd.Function):
         grad_h = None if dh is None else (dh * grad_loss).to(ctx.dtypes[0])
         grad_w = None if dw is None else (dw * grad_loss).to(ctx.dtypes[1])
         return grad_h, grad_w, None, None, None, None
+
+
+def _accumulate(grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, dh: torch.Tensor | None,
+                dw: torch.Tensor | None, start: int) -> None:
+    """dh[piece] = grad W and dW += grad^T h for one piece; in place when the matmuls run in the sums'
+    dtype, else (autocast's bf16 products) added in float32."""
+    n = grad.shape[0]
+    same = grad.dtype == (dh if dh is not None else dw).dtype
+    if dh is not None:
+        if same:
+            torch.mm(grad, w, out=dh[start:start + n])
+        else:
+            dh[start:start + n] = grad @ w
+    if dw is not None:
+        if same:
+            dw.addmm_(grad.t(), h)
+        else:
+            dw += grad.t() @ h
 
 
 def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
