@@ -1,0 +1,128 @@
+"""What `k3 lab parts` writes about Block Attention Residuals: the claim with its verdict, the tables, the
+notes and the figure, from `time_attn_res` over the widths of one K3 block (`k3_block_config`) and the
+fit of the overhead against the width (`fit_overhead`), carried to K3's width. Returns (claims, tables,
+figures, notes) as the other sections of `report` do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ...models import ModelConfig
+from ...models.model import attn_res_source_counts
+from ...models.params import count_params
+from .. import plots
+from ..report import Claim, Figure, Table
+from .attn_res import (ATTN_RES_LATENCY, BLOCK_ATTN_RES, BLOCK_EXPERTS, BLOCK_LAYERS, BLOCK_VOCAB, HOLDS_AT_MOST,
+                       K3_WIDTH, PARTLY_AT_MOST, PHASES, attn_res_flops, attn_res_verdict, fit_overhead,
+                       mean_sources)
+
+
+def attn_res_part(docs: Path, k3: ModelConfig, timed: list, sizes: dict, rounds: int):
+    """`timed`: (config, `time_attn_res` result) per width of the K3 block, narrowest first; `sizes`: the
+    mode's prefill and decode lengths."""
+    widths = [cfg.hidden_size for cfg, _ in timed]
+    fits = {phase: fit_overhead(widths, [ar[("on", phase)] for _, ar in timed],
+                                [ar[("off", phase)] for _, ar in timed]) for phase in PHASES}
+    at_k3 = {phase: fits[phase].overhead(K3_WIDTH) for phase in PHASES}
+    measured = {phase: [ar[("on", phase)] / ar[("off", phase)] - 1 for _, ar in timed] for phase in PHASES}
+    block = timed[-1][0]
+    sources, k3_sources = mean_sources(block), mean_sources(k3)
+    setting = (f"prefill of {sizes['prefill']} tokens, decode after {sizes['decode_prompt']} (mean of "
+               f"{sizes['decode_steps']} steps), batch 1, float32, one thread, best of {rounds} interleaved rounds")
+    rows = [[w] + [x for phase in PHASES for x in (1e3 * ar[("off", phase)], 1e3 * ar[("on", phase)],
+                                                   f"{100 * measured[phase][i]:+.1f}%")]
+            for i, (w, (_, ar)) in enumerate(zip(widths, timed))]
+    rows.append([f"{K3_WIDTH:,} (fit, extrapolated)"]
+                + [x for phase in PHASES for x in (1e3 * fits[phase].off_seconds(K3_WIDTH),
+                                                   1e3 * (fits[phase].off_seconds(K3_WIDTH)
+                                                          + fits[phase].extra_seconds(K3_WIDTH)),
+                                                   f"{100 * at_k3[phase]:+.1f}%")])
+    tables = [Table(f"AttnRes on against off in one K3 block ({BLOCK_LAYERS} layers at K3's proportions) of width d: "
+                    + setting, ["d", "prefill off ms", "prefill on ms", "prefill overhead", "decode off ms",
+                                "decode on ms", "decode overhead"], rows)]
+    tables.append(Table(
+        "The fit per phase, seconds against width d: without AttnRes a + b·d + c·d² (a, b, c >= 0), what AttnRes "
+        "adds p + q·d; the overhead (p + q·d) / (a + b·d + c·d²) at the widest width measured and at K3's",
+        ["phase", "a (ms)", "b (ms per 1k d)", "c (ms per (1k d)²)", "p (ms)", "q (ms per 1k d)",
+         f"fit at d {widths[-1]}", f"fit at d {K3_WIDTH:,} (extrapolated)"],
+        [[phase, 1e3 * f.off[0], 1e6 * f.off[1], 1e9 * f.off[2], 1e3 * f.extra[0], 1e6 * f.extra[1],
+          f"{100 * f.overhead(widths[-1]):+.2f}%", f"{100 * at_k3[phase]:+.2f}%"] for phase, f in fits.items()]))
+    paper_rows = []
+    for name, cfg in ((f"one K3 block (d {block.hidden_size})", block), ("kimi-k3", k3)):
+        on, off = count_params(cfg), count_params(cfg.replace(attn_res_block_size=None))
+        paper_rows.append([name, f"{off.total:,}", f"{on.total - off.total:,}",
+                           f"{100 * (on.total - off.total) / on.total:.5f}%", f"{attn_res_flops(cfg):,}",
+                           f"{100 * attn_res_flops(cfg) / (2 * on.active):.4f}%"])
+    tables.append(Table(
+        "AttnRes parameters and FLOPs per token on paper (~6·N·d FLOPs per mix over N sources, against "
+        "2 x the active parameters of the model)",
+        ["model", "parameters without", "AttnRes parameters", "share", "AttnRes FLOPs / token", "share of FLOPs"],
+        paper_rows))
+    k3_on = count_params(k3)
+    scale = k3_sources / sources
+    claims = [Claim(
+        f"AttnRes \"adds roughly {100 * ATTN_RES_LATENCY:g}% inference latency\"",
+        f"one K3 block ({BLOCK_LAYERS} layers), measured at d {widths[0]}-{widths[-1]}: prefill "
+        + ", ".join(f"{100 * o:+.1f}%" for o in measured["prefill"]) + "; decode "
+        + ", ".join(f"{100 * o:+.1f}%" for o in measured["decode"])
+        + f". Fitted and extrapolated to K3's d {K3_WIDTH:,} (an extrapolation, {K3_WIDTH / widths[-1]:.1f}x past "
+        f"the widest measured): prefill {100 * at_k3['prefill']:+.1f}%, decode {100 * at_k3['decode']:+.1f}% "
+        f"(up to {100 * scale * at_k3['prefill']:+.1f}% and {100 * scale * at_k3['decode']:+.1f}% if all of "
+        f"AttnRes' time grew with K3's {k3_sources:.1f} sources per mix against {sources:.1f} here). On paper at "
+        f"K3's size {100 * attn_res_flops(k3) / (2 * k3_on.active):.3f}% of the FLOPs",
+        attn_res_verdict(list(at_k3.values())))]
+    notes = [f"AttnRes verdict (set before the run): from the fitted overhead extrapolated to K3's width "
+             f"{K3_WIDTH:,}: holds when prefill and decode are both within +{100 * HOLDS_AT_MOST:g}%, partly "
+             f"within +{100 * PARTLY_AT_MOST:g}%, else it does not hold",
+             "AttnRes fit: the block's time without AttnRes is a + b·d + c·d² (fixed per-op costs; work in d: norms, "
+             "elementwise ops, the KDA state at K3's head size; work in d²: the matmuls), what AttnRes adds is "
+             "p + q·d (a few ops per mix, each reading sources of width d); fitted on relative residuals (each "
+             "divided by that width's time without AttnRes), a, b, c kept >= 0. The overhead then falls like 1/d "
+             "once the matmuls dominate; the value at K3's width is an extrapolation of that model, not a "
+             "measurement",
+             f"The K3 block: kimi-k3's layers KDA, KDA, KDA, MLA at width d, every size scaled by d / {K3_WIDTH:,} "
+             "(LoRA ranks, expert width, latent size; rounded to multiples of 8) and the head count with it, the head "
+             "dims kept at K3's (128, MLA 128 + 64 rope) so attention keeps K3's width per d. Simplifications: "
+             f"{BLOCK_EXPERTS} routed experts instead of 896 (top-16 and the expert width kept: the work per token "
+             "is K3's); all four layers MoE (K3's first layer is dense); AttnRes over blocks of "
+             f"{BLOCK_ATTN_RES} layer, the most sources four layers give (mixes read {sources:.1f} sources on "
+             f"average, K3's {k3_sources:.1f}); a {BLOCK_VOCAB}-token vocabulary and only the last position's "
+             "logits in prefill (the embedding and the head are not part of the block); float32 on one CPU thread, "
+             "where a GPU would run K3 in bf16 with fused kernels",
+             f"How k3 runs the experts shapes the time without AttnRes: prefill stacks the {BLOCK_EXPERTS} experts' matrices once "
+             "per call and runs them batched; decode (16 (token, expert) pairs) calls the 16 chosen experts one "
+             "by one, reading each one's weights once, as a serving kernel would"]
+    _attn_res_figure(docs / "figures" / "parts_attnres.png", widths, measured, fits, k3)
+    figures = [Figure("figures/parts_attnres.png", "AttnRes latency overhead in one K3 block against width: "
+                                                   "measured (dots), fitted (line), extrapolated to K3's width "
+                                                   "(open marker) (left); sources each K3 AttnRes mix reads (right)")]
+    return claims, tables, figures, notes
+
+
+def _attn_res_figure(path: Path, widths: list[int], measured: dict, fits: dict, k3: ModelConfig) -> None:
+    with plots.figure(path, ncols=2, size=(10.0, 3.8)) as (fig, axes):
+        ax = axes[0]
+        inside = np.geomspace(widths[0], widths[-1], 100)
+        beyond = np.geomspace(widths[-1], K3_WIDTH, 50)
+        for phase, color in zip(PHASES, ("tab:blue", "tab:orange")):
+            fit = fits[phase]
+            ax.plot(widths, [100 * o for o in measured[phase]], "o", color=color, label=f"{phase}, measured")
+            ax.plot(inside, [100 * fit.overhead(d) for d in inside], "-", color=color, label=f"{phase}, fit")
+            ax.plot(beyond, [100 * fit.overhead(d) for d in beyond], ":", color=color)
+            ax.plot([K3_WIDTH], [100 * fit.overhead(K3_WIDTH)], "o", mfc="none", color=color, ms=9)
+        ax.axhline(100 * ATTN_RES_LATENCY, ls="--", color="gray", label=f"article: +{100 * ATTN_RES_LATENCY:g}%")
+        ax.axhline(0, color="black", lw=0.8)
+        ax.axvline(K3_WIDTH, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(f"width d (K3: {K3_WIDTH:,}, extrapolated)")
+        ax.set_ylabel("latency overhead of AttnRes, %")
+        ax.set_title(f"one K3 block ({BLOCK_LAYERS} layers)")
+        ax.legend(fontsize=7)
+        ax = axes[1]
+        counts = attn_res_source_counts(k3)
+        ax.plot(range(len(counts)), counts, drawstyle="steps-post")
+        ax.set_xlabel("AttnRes mix (2 per layer, then the final norm)")
+        ax.set_ylabel("sources read")
+        ax.set_title(f"K3: {k3.num_layers} layers, block {k3.attn_res_block_size}")
