@@ -12,7 +12,7 @@ import torch
 import k3.lab
 from k3.bench.timing import interleaved_best, thread_clock
 from k3.lab.parts.attn_res import (attn_res_flops, attn_res_pair, attn_res_verdict, fit_overhead, k3_block_config,
-                                   mean_sources)
+                                   leave_one_out, mean_sources)
 from k3.lab.parts.latent_moe import moe_flop_ratios, moe_flops
 from k3.lab.parts.situ import best_fused, situ_ratios, situ_verdicts, time_activations, time_elementwise
 from k3.models import get_config
@@ -32,7 +32,7 @@ def test_smoke_run_writes_claims_tables_figures(tmp_path):
     assert "k3 fused situ (eager)" in result.claims[1].measured  # smoke mode does not compile: k3's fused
     assert "torch.compile" not in result.claims[1].measured  # SiTU is the only fused one measured
     assert "extrapolat" in result.claims[3].measured and "7,168" in result.claims[3].measured
-    assert set(saved["data"]["attn_res"]) == {"16", "24", "32"}
+    assert set(saved["data"]["attn_res"]) == {"16", "24", "32", "40"}
     assert torch.get_num_threads() == threads  # timed on one thread, then the count is restored
 
 
@@ -94,6 +94,11 @@ def test_fit_overhead_recovers_a_synthetic_curve_and_extrapolates_it():
     # a term that would fit negative is left out (non-negative least squares): off = c d^2 exactly
     fit = fit_overhead([1, 2, 3, 4], [1.1, 4.1, 9.1, 16.1], [1.0, 4.0, 9.0, 16.0])
     assert fit.off == pytest.approx((0.0, 0.0, 1.0), abs=1e-9) and fit.extra == pytest.approx((0.1, 0.0), abs=1e-9)
+    widths = [256, 512, 1024, 2048, 4096]
+    off = [a + b * d + c * d * d for d in widths]
+    exact = (p + q * 7168) / (a + b * 7168 + c * 7168 ** 2)
+    assert leave_one_out(widths, [t + p + q * d for t, d in zip(off, widths)], off, 7168) == \
+        pytest.approx((exact, exact), rel=1e-6)  # every subset recovers an exact curve
     with pytest.raises(ValueError, match="needs three distinct widths"):
         fit_overhead([256, 256, 512], [1.0, 1.0, 2.0], [1.0, 1.0, 2.0])
     with pytest.raises(ValueError, match="one entry each"):

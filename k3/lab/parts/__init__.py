@@ -43,11 +43,11 @@ SIZES = {  # per mode: SiTU MLP (tokens, width, hidden), MoE at K3's proportions
     # widths for AttnRes (the widest fills about 3.5 GB in quick mode, 8 GB in full mode), its prefill and
     # decode lengths and rounds (the block's widest widths take most of the minutes)
     "smoke": dict(ffn=(64, 32, 96), moe=dict(tokens=64, dim=64, latent=32, hidden=32, experts=8, top_k=4),
-                  rounds=1, attn_res_widths=(16, 24, 32), prefill=16, decode_prompt=4, decode_steps=2,
+                  rounds=1, attn_res_widths=(16, 24, 32, 40), prefill=16, decode_prompt=4, decode_steps=2,
                   attn_res_rounds=1),
     "quick": dict(ffn=(2048, 256, 768), moe=dict(tokens=512, dim=512, latent=256, hidden=224, experts=64, top_k=16),
-                  rounds=7, attn_res_widths=(256, 512, 1024, 2048), prefill=64, decode_prompt=16, decode_steps=8,
-                  attn_res_rounds=3),
+                  rounds=7, attn_res_widths=(256, 512, 1024, 2048), prefill=128, decode_prompt=16, decode_steps=8,
+                  attn_res_rounds=4),
     "full": dict(ffn=(4096, 512, 1536), moe=dict(tokens=1024, dim=512, latent=256, hidden=224, experts=64, top_k=16),
                  rounds=15, attn_res_widths=(256, 512, 1024, 1536, 2048, 3072), prefill=256, decode_prompt=64,
                  decode_steps=16, attn_res_rounds=5),

@@ -167,6 +167,16 @@ def fit_overhead(widths: list[int], on: list[float], off: list[float]) -> Overhe
     return OverheadFit(tuple(float(v) for v in best), tuple(float(v) for v in extra))
 
 
+def leave_one_out(widths: list[int], on: list[float], off: list[float], width: float) -> tuple[float, float]:
+    """The lowest and highest fitted overhead at `width` over the fits that leave one measured width out
+    (needs four widths): how much the extrapolation rests on any single point."""
+    if len(widths) < 4:
+        raise ValueError(f"leave_one_out: needs four widths, got {len(widths)}")
+    got = [fit_overhead(*(v[:i] + v[i + 1:] for v in (list(widths), list(on), list(off)))).overhead(width)
+           for i in range(len(widths))]
+    return min(got), max(got)
+
+
 def attn_res_verdict(overheads: list[float]) -> str:
     """From the fitted overhead at K3's width in each phase: "roughly 2%" holds when every phase is within
     HOLDS_AT_MOST (4%), partly within PARTLY_AT_MOST (10%), else it does not hold."""

@@ -16,7 +16,7 @@ from .. import plots
 from ..report import Claim, Figure, Table
 from .attn_res import (ATTN_RES_LATENCY, BLOCK_ATTN_RES, BLOCK_EXPERTS, BLOCK_LAYERS, BLOCK_VOCAB, HOLDS_AT_MOST,
                        K3_WIDTH, PARTLY_AT_MOST, PHASES, attn_res_flops, attn_res_verdict, fit_overhead,
-                       mean_sources)
+                       leave_one_out, mean_sources)
 
 
 def attn_res_part(docs: Path, k3: ModelConfig, timed: list, sizes: dict, rounds: int):
@@ -26,6 +26,9 @@ def attn_res_part(docs: Path, k3: ModelConfig, timed: list, sizes: dict, rounds:
     fits = {phase: fit_overhead(widths, [ar[("on", phase)] for _, ar in timed],
                                 [ar[("off", phase)] for _, ar in timed]) for phase in PHASES}
     at_k3 = {phase: fits[phase].overhead(K3_WIDTH) for phase in PHASES}
+    spread = {phase: leave_one_out(widths, [ar[("on", phase)] for _, ar in timed],
+                                   [ar[("off", phase)] for _, ar in timed], K3_WIDTH)
+              for phase in PHASES} if len(widths) >= 4 else {}
     measured = {phase: [ar[("on", phase)] / ar[("off", phase)] - 1 for _, ar in timed] for phase in PHASES}
     block = timed[-1][0]
     sources, k3_sources = mean_sources(block), mean_sources(k3)
@@ -46,9 +49,10 @@ def attn_res_part(docs: Path, k3: ModelConfig, timed: list, sizes: dict, rounds:
         "The fit per phase, seconds against width d: without AttnRes a + b·d + c·d² (a, b, c >= 0), what AttnRes "
         "adds p + q·d; the overhead (p + q·d) / (a + b·d + c·d²) at the widest width measured and at K3's",
         ["phase", "a (ms)", "b (ms per 1k d)", "c (ms per (1k d)²)", "p (ms)", "q (ms per 1k d)",
-         f"fit at d {widths[-1]}", f"fit at d {K3_WIDTH:,} (extrapolated)"],
+         f"fit at d {widths[-1]}", f"fit at d {K3_WIDTH:,} (extrapolated)", "leaving one width out"],
         [[phase, 1e3 * f.off[0], 1e6 * f.off[1], 1e9 * f.off[2], 1e3 * f.extra[0], 1e6 * f.extra[1],
-          f"{100 * f.overhead(widths[-1]):+.2f}%", f"{100 * at_k3[phase]:+.2f}%"] for phase, f in fits.items()]))
+          f"{100 * f.overhead(widths[-1]):+.2f}%", f"{100 * at_k3[phase]:+.2f}%", _range(spread.get(phase))]
+         for phase, f in fits.items()]))
     paper_rows = []
     for name, cfg in ((f"one K3 block (d {block.hidden_size})", block), ("kimi-k3", k3)):
         on, off = count_params(cfg), count_params(cfg.replace(attn_res_block_size=None))
@@ -68,10 +72,12 @@ def attn_res_part(docs: Path, k3: ModelConfig, timed: list, sizes: dict, rounds:
         + ", ".join(f"{100 * o:+.1f}%" for o in measured["prefill"]) + "; decode "
         + ", ".join(f"{100 * o:+.1f}%" for o in measured["decode"])
         + f". Fitted and extrapolated to K3's d {K3_WIDTH:,} (an extrapolation, {K3_WIDTH / widths[-1]:.1f}x past "
-        f"the widest measured): prefill {100 * at_k3['prefill']:+.1f}%, decode {100 * at_k3['decode']:+.1f}% "
-        f"(up to {100 * scale * at_k3['prefill']:+.1f}% and {100 * scale * at_k3['decode']:+.1f}% if all of "
-        f"AttnRes' time grew with K3's {k3_sources:.1f} sources per mix against {sources:.1f} here). On paper at "
-        f"K3's size {100 * attn_res_flops(k3) / (2 * k3_on.active):.3f}% of the FLOPs",
+        f"the widest measured): prefill {100 * at_k3['prefill']:+.1f}%, decode {100 * at_k3['decode']:+.1f}%"
+        + (f"; leaving one width out of the fit: prefill {_range(spread['prefill'])}, decode "
+           f"{_range(spread['decode'])}" if spread else "")
+        + f"; if all of AttnRes' time grew with K3's {k3_sources:.1f} sources per mix against {sources:.1f} here: "
+        f"prefill {100 * scale * at_k3['prefill']:+.1f}%, decode {100 * scale * at_k3['decode']:+.1f}%. On paper "
+        f"at K3's size {100 * attn_res_flops(k3) / (2 * k3_on.active):.3f}% of the FLOPs",
         attn_res_verdict(list(at_k3.values())))]
     notes = [f"AttnRes verdict (set before the run): from the fitted overhead extrapolated to K3's width "
              f"{K3_WIDTH:,}: holds when prefill and decode are both within +{100 * HOLDS_AT_MOST:g}%, partly "
@@ -81,7 +87,8 @@ def attn_res_part(docs: Path, k3: ModelConfig, timed: list, sizes: dict, rounds:
              "p + q·d (a few ops per mix, each reading sources of width d); fitted on relative residuals (each "
              "divided by that width's time without AttnRes), a, b, c kept >= 0. The overhead then falls like 1/d "
              "once the matmuls dominate; the value at K3's width is an extrapolation of that model, not a "
-             "measurement",
+             "measurement. The range beside it: the lowest and highest extrapolation of the fits that leave one "
+             "measured width out",
              f"The K3 block: kimi-k3's layers KDA, KDA, KDA, MLA at width d, every size scaled by d / {K3_WIDTH:,} "
              "(LoRA ranks, expert width, latent size; rounded to multiples of 8) and the head count with it, the head "
              "dims kept at K3's (128, MLA 128 + 64 rope) so attention keeps K3's width per d. Simplifications: "
@@ -99,6 +106,10 @@ def attn_res_part(docs: Path, k3: ModelConfig, timed: list, sizes: dict, rounds:
                                                    "measured (dots), fitted (line), extrapolated to K3's width "
                                                    "(open marker) (left); sources each K3 AttnRes mix reads (right)")]
     return claims, tables, figures, notes
+
+
+def _range(bounds: tuple[float, float] | None) -> str:
+    return "-" if bounds is None else f"{100 * bounds[0]:+.1f}% to {100 * bounds[1]:+.1f}%"
 
 
 def _attn_res_figure(path: Path, widths: list[int], measured: dict, fits: dict, k3: ModelConfig) -> None:
