@@ -47,7 +47,7 @@ SIZES = {  # per mode: SiTU MLP (tokens, width, hidden), MoE at K3's proportions
                   attn_res_rounds=1),
     "quick": dict(ffn=(2048, 256, 768), moe=dict(tokens=512, dim=512, latent=256, hidden=224, experts=64, top_k=16),
                   rounds=7, attn_res_widths=(256, 512, 1024, 2048), prefill=128, decode_prompt=16, decode_steps=8,
-                  attn_res_rounds=4),
+                  attn_res_rounds=6),
     "full": dict(ffn=(4096, 512, 1536), moe=dict(tokens=1024, dim=512, latent=256, hidden=224, experts=64, top_k=16),
                  rounds=15, attn_res_widths=(256, 512, 1024, 1536, 2048, 3072), prefill=256, decode_prompt=64,
                  decode_steps=16, attn_res_rounds=5),
