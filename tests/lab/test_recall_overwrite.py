@@ -2,10 +2,16 @@
 measurements (they are computed, never fixed)."""
 
 import json
+import math
+
+import pytest
+import torch
 
 from k3 import lab
 from k3.lab import overwrite, recall
-from k3.lab.synthetic import MIXERS, Size, mixer_config
+from k3.lab.synthetic import MIXERS, Size, best_over_rates, hybrid_layers, lr_scale, mixer_config
+from k3.lab.tasks import Vocab, mqar
+from k3.models import CausalLM
 
 
 def test_mixer_configs_differ_only_in_the_mixer():
@@ -15,21 +21,78 @@ def test_mixer_configs_differ_only_in_the_mixer():
     assert configs["softmax"].layer_types == ["mha"] * 4
     for c in configs.values():
         assert (c.hidden_size, c.num_layers, c.vocab_size, c.intermediate_size) == (32, 4, 100, 64)
+    # attention mixers: one head as wide as the model; linear mixers: heads of head_dim (their state size)
+    assert configs["softmax"].num_heads == 1 and configs["kda+mla"].qk_nope_head_dim == 32
+    assert configs["kda"].linear_num_heads == 4 and configs["kda"].linear_head_dim == 8
+
+
+def test_hybrid_keeps_an_mla_layer_at_any_depth():
+    assert hybrid_layers(2) == ["kda", "mla"] and hybrid_layers(1) == ["mla"]
+    assert hybrid_layers(8) == ["kda", "kda", "kda", "mla"] * 2
+    with pytest.raises(ValueError, match="attention_heads"):
+        mixer_config("softmax", 100, Size(width=32, head_dim=8, attention_heads=3))
+
+
+def test_schedule_warms_up_holds_then_decays_to_zero():
+    steps = 100
+    scales = [lr_scale(s, steps, warmup=10) for s in range(steps)]
+    assert scales[0] == pytest.approx(0.1) and scales[9] == 1.0
+    assert all(x == 1.0 for x in scales[10:80]) and scales[80] == 1.0
+    assert scales[90] == pytest.approx(0.5) and scales[-1] == pytest.approx(0.05)
+
+
+def test_best_over_rates_keeps_each_cells_best():
+    by_rate = {1e-3: {1: 0.9, 2: 0.1, 3: math.nan}, 3e-3: {1: 0.5, 2: 0.7, 3: 0.2}}
+    best, rate = best_over_rates(by_rate)
+    assert best == {1: 0.9, 2: 0.7, 3: 0.2} and rate == {1: 1e-3, 2: 3e-3, 3: 3e-3}
+
+
+def test_mla_retrieval_reads_the_attention_on_the_bound_value():
+    torch.manual_seed(0)
+    model = CausalLM(mixer_config("kda+mla", Vocab(8, 8).size, Size(width=16, layers=2, head_dim=4))).eval()
+    batch = mqar(4, 12, 3, Vocab(8, 8), generator=torch.Generator().manual_seed(0))
+    out = recall.mla_retrieval(model, batch)
+    assert len(out["value"]) == 1 and len(out["value"][0]) == 1  # one MLA layer, one head
+    # one filler token, then queries at positions 7, 9, 11 of every row: uniform gives the mean of 1/8, 1/10, 1/12
+    assert out["uniform"] == pytest.approx((1 / 8 + 1 / 10 + 1 / 12) / 3)
+    # checked by hand against the full attention matrix
+    x = {}
+    hook = model.model.layers[1].self_attn.register_forward_pre_hook(lambda m, a: x.setdefault("x", a[0]))
+    model(batch.inputs)
+    hook.remove()
+    probs = model.model.layers[1].self_attn.attention_probs(x["x"])[:, 0]
+    expected = []
+    for b in range(4):
+        for t in (7, 9, 11):
+            binding = int((batch.inputs[b, :6] == batch.inputs[b, t]).nonzero()[0])
+            expected.append(probs[b, t, binding + 1].item())
+    assert out["value"][0][0] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+
+
+def test_retrieval_verdict_follows_the_attention():
+    acc = {1: 1.0, 16: 0.95}
+    def claim(value):
+        return recall.judge_retrieval({"value": [[0.01, value]], "key": [[0.0, 0.0]], "uniform": 0.02}, acc, acc)
+    assert claim(0.8).verdict == "holds" and "MLA layer 0, head 1" in claim(0.8).measured
+    assert claim(0.1).verdict == "partly" and claim(0.03).verdict == "does not hold"
 
 
 def test_recall_smoke(tmp_path):
     result = lab.run("recall", "smoke", tmp_path)
     assert (tmp_path / "figures" / "recall.png").stat().st_size > 1000
-    assert len(result.claims) == 4 and len(result.tables[0].rows) == len(MIXERS)
+    assert len(result.claims) == 5 and len(result.tables[0].rows) == len(MIXERS)
+    assert result.tables[1].header == ["mixer", "5e-4", "1e-3", "3e-3"]  # the swept rates
     saved = json.loads((tmp_path / "lab" / "recall.json").read_text())
-    assert set(saved["data"]["accuracy"]["D=4,T=24"]) == set(MIXERS)
+    assert set(saved["data"]["accuracy"]["width=16,D=4"]) == set(MIXERS)
+    assert set(saved["data"]["sweep"]["width=16,D=4"]["kda"]) == {"5e-4", "1e-3", "3e-3"}
     assert "## Associative recall" in (tmp_path / "results.md").read_text()
 
 
 def test_overwrite_smoke(tmp_path):
     result = lab.run("overwrite", "smoke", tmp_path)
     assert (tmp_path / "figures" / "overwrite.png").exists()
-    assert len(result.claims) == 3 and len(result.tables[0].header) == 5
+    assert len(result.claims) == 3 and len(result.tables[0].header) == 6
+    assert result.tables[1].header == ["mixer", "5e-4", "1e-3", "3e-3"]
 
 
 def _scores(value):
