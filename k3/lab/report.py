@@ -117,7 +117,25 @@ def machine_summary() -> dict:
 
     return {"summary": f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads",
             "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")}
+            "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"), "commit": source_commit()}
+
+
+def source_commit() -> str | None:
+    """The git commit of the k3 source that ran ("+changes" when its files differ from it), or None outside
+    a git checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "k3"], cwd=root,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def save_result(result: Result, docs: Path) -> Path:
@@ -152,6 +170,9 @@ def write_results(docs: Path, order: list[str]) -> Path:
     """Render `docs/results.md` from every saved result."""
     results = load_results(docs, order)
     parts = [HEADER]
+    commits = sorted({str(r.machine.get("commit")) for r in results if r.machine.get("commit")})
+    if commits:
+        parts.append(f"Generated from k3 commit {', '.join(commits)}.\n")
     if results:
         parts.append("| experiment | claims holding | mode | minutes |\n|---|---|---|---|")
         for r in results:

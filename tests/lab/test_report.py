@@ -61,3 +61,12 @@ def test_lab_writes_under_runs_unless_told_docs():
 
     assert build_parser().parse_args(["lab", "recall"]).docs == "runs/lab"
     assert build_parser().parse_args(["lab", "all", "--docs", "docs"]).docs == "docs"
+
+
+def test_results_md_names_the_commit_that_ran(tmp_path):
+    for name, commit in (("recall", "abc1234"), ("overwrite", "abc1234")):
+        r = result(name)
+        r.machine = {"commit": commit}
+        save_result(r, tmp_path)
+    text = write_results(tmp_path, list(EXPERIMENTS)).read_text()
+    assert "Generated from k3 commit abc1234." in text
