@@ -260,7 +260,9 @@ def mla_part(docs: Path, attention: Recorder, tokenizer, ids: list[int], period:
                                                                                      "uniform"], rows)
     note = (f"MLA verdict: holds when the best head puts >= {RETRIEVAL} of its attention on the earlier copy "
             "(same token or the one after), partly when >= 3x what uniform attention gives. Whether a model "
-            "trained for minutes has learned such retrieval heads is the question this picture answers")
+            "trained for minutes has learned such retrieval heads is the question this picture answers; the same "
+            "claim is measured on a model that has learned to retrieve (the KDA+MLA model of the recall section, "
+            "on MQAR) in the recall section")
     return ([Claim(claim, measured, retrieval_verdict(best[0], uniform))], [table],
             [Figure("figures/inspect_mla.png", "MLA attention probabilities per layer and head on the sample "
                                                 "prompt (rows: queries, columns: keys; square-root colour scale; "
