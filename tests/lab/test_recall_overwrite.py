@@ -125,3 +125,21 @@ def test_a_mixer_that_did_not_learn_makes_only_its_claims_unmeasurable():
     scores = _scores(lambda m, p: 0.03 if m in ("kda", "kda+mla") else (0.2 if m == "linear_attn" and p > 4 else 1.0))
     verdicts = [c.verdict for c in recall.judge(scores, 4)]
     assert verdicts == ["holds", "holds", "not measurable here", "holds"]
+
+
+def test_lab_softmax_reads_through_a_causal_convolution():
+    from k3.lab.synthetic import ConvAttention, build_model
+
+    torch.manual_seed(0)
+    config = mixer_config("softmax", 20, Size(width=16, layers=2, head_dim=4, max_len=12))
+    model = build_model(config).eval()
+    assert all(isinstance(layer.self_attn, ConvAttention) for layer in model.model.layers)
+    ids = torch.randint(0, 20, (2, 12))
+    later = ids.clone()
+    later[:, 7:] = (later[:, 7:] + 1) % 20
+    with torch.no_grad():
+        a, b = model(ids), model(later)
+    torch.testing.assert_close(a[:, :7], b[:, :7])  # causal: the future never leaks back
+    assert (a[:, 7:] - b[:, 7:]).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="no decoding cache"):
+        model(ids, cache=model.new_cache(2))
