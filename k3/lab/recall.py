@@ -72,8 +72,8 @@ def score_mixer(plan: Plan, mixer: str, width: int, head_dim: int, lr: float) ->
 
 
 def plan_vocab(plan: Plan) -> Vocab:
-    """Enough keys for the most pairs (at least 32 keys and 32 values)."""
-    n = max(32, max(plan.pairs))
+    """Keys to draw from: twice the most pairs, at least 32 (as many values)."""
+    n = max(32, 2 * max(plan.pairs))
     return Vocab(num_keys=n, num_values=n)
 
 
