@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from .inspect.stats import RETRIEVAL, retrieval_verdict
 from .report import Claim, Figure, Result, Table, command
-from .synthetic import (LABELS, MIXERS, Size, accuracy_by_kind, best_over_rates, mixer_config, run_jobs,
-                        train_on_task)
+from .synthetic import (LABELS, MIXERS, Size, accuracy_by_kind, best_over_rates, hybrid_layers, mixer_config,
+                        run_jobs, train_on_task)
 from .tasks import IGNORE, Vocab, mqar
 
 
@@ -120,8 +120,6 @@ def state_floats(mixer: str, size: Size) -> str:
     if mixer == "softmax":
         return f"KV cache: {2 * size.width}·T"
     if mixer == "kda+mla":
-        from .synthetic import hybrid_layers
-
         mla = hybrid_layers(size.layers).count("mla")
         return f"{(size.layers - mla) * per_layer:,} + latent cache {mla * size.width // 2}·T"
     return f"{size.layers * per_layer:,}"

@@ -29,10 +29,10 @@ from ..models import CausalLM, ModelConfig
 from ..ops import attention
 from .tasks import IGNORE, Batch
 
-# the lineage, as the article walks it; "kda+mla" is Kimi Linear's 3:1 hybrid
+# the lineage, as the article walks it; "kda+mla" is Kimi Linear's hybrid (`hybrid_layers`: 3:1 from 4 layers)
 MIXERS = ("softmax", "linear_attn", "deltanet", "gated_deltanet", "kda", "kda+mla")
 LABELS = {"softmax": "softmax attention", "linear_attn": "linear attention", "deltanet": "DeltaNet",
-          "gated_deltanet": "Gated DeltaNet", "kda": "KDA", "kda+mla": "KDA+MLA 3:1"}
+          "gated_deltanet": "Gated DeltaNet", "kda": "KDA", "kda+mla": "KDA+MLA hybrid"}
 
 
 @dataclass(frozen=True)
