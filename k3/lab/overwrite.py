@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 from .report import Claim, Figure, Result, Table, command
-from .synthetic import (LABELS, MIXERS, Size, accuracy_by_kind, best_over_rates, mixer_config, run_jobs,
-                        train_on_task)
+from .synthetic import (LABELS, MIXERS, Size, accuracy_by_kind, best_over_rates, mixer_config, rate_label,
+                        run_jobs, train_on_task)
 from .tasks import Batch, Vocab, context_switch, overwrite
 
 
@@ -115,10 +115,6 @@ def judge(scores: dict[str, dict[str, float]]) -> list[Claim]:
     return claims
 
 
-def _rate(lr: float) -> str:
-    return f"{lr:.0e}".replace("e-0", "e-")
-
-
 def run(mode: str, docs: Path, **options) -> Result:
     plan = PLANS[mode]
     docs = Path(docs)
@@ -138,17 +134,17 @@ def run(mode: str, docs: Path, **options) -> Result:
         f"{plan.switch_len}; {plan.layers} layers, width {plan.width}, linear mixers' state "
         f"{size_of(plan).state_per_head()}; {plan.steps} steps of {plan.batch} sequences)",
         ["mixer"] + labels + ["best rate"],
-        [[LABELS[m]] + [f"{scores[m][c]:.0%}" for c in labels] + [_rate(max(sweep[m], key=sweep[m].get))]
+        [[LABELS[m]] + [f"{scores[m][c]:.0%}" for c in labels] + [rate_label(max(sweep[m], key=sweep[m].get))]
          for m in MIXERS])
     sweep_table = Table("The learning-rate sweep: mean accuracy over the four kinds of query per rate",
-                        ["mixer"] + [_rate(lr) for lr in plan.lrs],
+                        ["mixer"] + [rate_label(lr) for lr in plan.lrs],
                         [[LABELS[m]] + [f"{sweep[m][lr]:.0%}" for lr in plan.lrs] for m in MIXERS])
     path = "figures/overwrite.png"
     _plot(docs / path, scores, labels)
     notes = [
         "One model per mixer and learning rate learns both tasks (each step a batch of re-binding or of "
         "context-switch sequences, by a coin flip); held-out sequences score each kind of query separately. "
-        "Rates " + ", ".join(_rate(lr) for lr in plan.lrs) + "; each cell reports its best, as Zoology does. "
+        "Rates " + ", ".join(rate_label(lr) for lr in plan.lrs) + "; each cell reports its best, as Zoology does. "
         "The recipe (depth, batch, schedule, heads) is the recall section's.",
         f"A stale key must be answered with the NONE token; a blend of old values, or the old value, is wrong. "
         f"Chance on values is 1/{VOCAB.num_values}.",
@@ -161,7 +157,7 @@ def run(mode: str, docs: Path, **options) -> Result:
                                         "re-bound keys test overwriting, stale keys after a context switch test "
                                         "forgetting")],
                   notes=notes, setup={"plan": plan.__dict__, "vocab": VOCAB.__dict__},
-                  data={"accuracy": scores, "sweep": {m: {_rate(lr): a for lr, a in sweep[m].items()}
+                  data={"accuracy": scores, "sweep": {m: {rate_label(lr): a for lr, a in sweep[m].items()}
                                                       for m in MIXERS}})
 
 

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from .inspect.recorder import Recorder
 from .inspect.stats import RETRIEVAL, retrieval_verdict
 from .report import Claim, Figure, Result, Table, command
 from .synthetic import (LABELS, MIXERS, Size, accuracy_by_kind, best_over_rates, hybrid_layers, mixer_config,
-                        run_jobs, train_on_task)
+                        rate_label, run_jobs, train_on_task)
 from .tasks import IGNORE, Vocab, mqar
 
 
@@ -83,22 +84,14 @@ def mla_retrieval(model, batch) -> dict[str, float | list[list[float]]]:
     query key to the value bound to that key (the token after the key's binding: the one to copy), and what
     uniform attention over the visible tokens would give. {"value": [layer][head], "key": [layer][head]
     (attention on the key's binding itself), "uniform": float}."""
-    layers = [layer.self_attn for layer, kind in zip(model.model.layers, model.config.layer_types) if kind == "mla"]
-    inputs: dict[int, torch.Tensor] = {}
-    hooks = [mla.register_forward_pre_hook(lambda module, args, i=i: inputs.__setitem__(i, args[0]))
-             for i, mla in enumerate(layers)]
-    try:
+    with Recorder(model, keep_attention=True) as recorded:
         model(batch.inputs)
-    finally:
-        for hook in hooks:
-            hook.remove()
     rows, cols = (batch.targets != IGNORE).nonzero(as_tuple=True)  # every query
     queried = batch.inputs[rows, cols]
     # a query's binding: the first position holding the same key (the bindings come first)
     binding = (batch.inputs[rows] == queried[:, None]).int().argmax(1)
     value, key = [], []
-    for i, mla in enumerate(layers):
-        probs = mla.attention_probs(inputs[i])  # [B, H, T, T]
+    for probs in recorded.mla.values():  # [B, H, T, T] per MLA layer, in layer order
         value.append(probs[rows, :, cols, binding + 1].mean(0).tolist())
         key.append(probs[rows, :, cols, binding].mean(0).tolist())
     uniform = (1.0 / (cols.double() + 1)).mean().item()
@@ -191,10 +184,6 @@ def judge_retrieval(retrieval: dict, hybrid: dict[int, float], kda: dict[int, fl
         retrieval_verdict(best, retrieval["uniform"]))
 
 
-def _rate(lr: float) -> str:
-    return f"{lr:.0e}".replace("e-0", "e-")
-
-
 def run(mode: str, docs: Path, **options) -> Result:
     plan = PLANS[mode]
     docs = Path(docs)
@@ -219,10 +208,10 @@ def run(mode: str, docs: Path, **options) -> Result:
             f"linear mixers' state {size.state_per_head()}; {plan.steps} steps of {plan.batch} sequences)",
             ["mixer", "state floats"] + [f"{p} pairs" for p in plan.pairs] + ["pairs at ≥ 90%", "best rate"],
             [[LABELS[m], state_floats(m, size)] + [f"{scores[w, d, m][p]:.0%}" for p in plan.pairs]
-             + [capacity(scores[w, d, m]), _rate(max(sweep[w, d, m], key=sweep[w, d, m].get))] for m in MIXERS]))
+             + [capacity(scores[w, d, m]), rate_label(max(sweep[w, d, m], key=sweep[w, d, m].get))] for m in MIXERS]))
         tables.append(Table(
             f"The learning-rate sweep (width {w}, state {d}×{d}): mean accuracy over the pair counts per rate",
-            ["mixer"] + [_rate(lr) for lr in plan.lrs],
+            ["mixer"] + [rate_label(lr) for lr in plan.lrs],
             [[LABELS[m]] + [f"{sweep[w, d, m][lr]:.0%}" for lr in plan.lrs] for m in MIXERS]))
     path = "figures/recall.png"
     _plot(docs / path, plan, runs, scores)
@@ -233,7 +222,7 @@ def run(mode: str, docs: Path, **options) -> Result:
     retrieval = found[(*main, "kda+mla", hybrid_lr)]["retrieval"]
     claims.append(judge_retrieval(retrieval, main_scores["kda+mla"], main_scores["kda"]))
     tables.append(Table(
-        f"MLA attention in the KDA+MLA model (rate {_rate(hybrid_lr)}) at {max(plan.pairs)} pairs: mean attention "
+        f"MLA attention in the KDA+MLA model (rate {rate_label(hybrid_lr)}) at {max(plan.pairs)} pairs: mean attention "
         "from a query key on the value bound to it and on the key's own binding", ["MLA layer", "head",
                                                                                    "on the bound value",
                                                                                    "on the key", "uniform"],
@@ -245,7 +234,7 @@ def run(mode: str, docs: Path, **options) -> Result:
         f"Every mixer: width {', '.join(map(str, plan.widths))}, {plan.layers} layers (the hybrid: "
         f"{' + '.join(mixer_config('kda+mla', vocab.size, plan.size(*main)).layer_types).upper()}), a SwiGLU MLP "
         f"of twice the width, the same {plan.steps} steps of {plan.batch} fresh sequences (one pair count per "
-        "step, drawn uniformly), the same seed; learning rates " + ", ".join(_rate(lr) for lr in plan.lrs) +
+        "step, drawn uniformly), the same seed; learning rates " + ", ".join(rate_label(lr) for lr in plan.lrs) +
         " (AdamW, warm-up then constant, linear decay over the last fifth); each cell reports its best rate, as "
         "Zoology does. Softmax attention and MLA use one head as wide as the model; the linear mixers heads of "
         "size D (their state D×D per head).",
@@ -271,7 +260,7 @@ def run(mode: str, docs: Path, **options) -> Result:
                                         "head's key dimension")],
                   notes=notes, setup={"plan": plan.__dict__, "vocab": vocab.__dict__},
                   data={"accuracy": {f"width={w},D={d}": {m: scores[w, d, m] for m in MIXERS} for w, d in runs},
-                        "sweep": {f"width={w},D={d}": {m: {_rate(lr): a for lr, a in sweep[w, d, m].items()}
+                        "sweep": {f"width={w},D={d}": {m: {rate_label(lr): a for lr, a in sweep[w, d, m].items()}
                                                        for m in MIXERS} for w, d in runs},
                         "retrieval": retrieval})
 

@@ -203,5 +203,10 @@ def best_over_rates(by_rate: dict[float, dict]) -> tuple[dict, dict]:
     return {c: by_rate[best_rate[c]][c] for c in cells}, best_rate
 
 
+def rate_label(lr: float) -> str:
+    """A learning rate as the tables print it: 0.0005 -> "5e-4"."""
+    return f"{lr:.0e}".replace("e-0", "e-")
+
+
 def _ordered(accuracy: float) -> float:
     return -1.0 if accuracy != accuracy else accuracy  # a NaN cell (no such query) never wins

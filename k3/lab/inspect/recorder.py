@@ -33,7 +33,7 @@ class Recorder:
         self.attn_res: dict[str, dict] = {}  # mix -> {"weights": sum over tokens [N], "entropy": sum, "tokens"}
         self.moe: dict[str, dict] = {}  # layer -> {"with": load [E], "without": load [E]}
         self.kda: dict[str, dict] = {}  # layer -> {"g_sum": [H, K], "tokens": n, "g": [list of samples]}
-        self.mla: dict[str, torch.Tensor] = {}  # layer -> probs [H, T, T] of the last batch's first sequence
+        self.mla: dict[str, torch.Tensor] = {}  # layer -> probs [B, H, T, T] of the last batch
         self._handles = []
 
     def __enter__(self):
@@ -88,7 +88,7 @@ class Recorder:
         rec["samples"].append(g.flatten()[:: max(1, g.numel() // 20000)])
 
     def _on_mla(self, module, inputs, output):
-        self.mla[self._layer_name(module)] = module.attention_probs(inputs[0])[0].float()
+        self.mla[self._layer_name(module)] = module.attention_probs(inputs[0]).float()
 
 
 @torch.no_grad()
@@ -102,7 +102,9 @@ def record(model: CausalLM, windows: torch.Tensor, batch_size: int = 8) -> Recor
 
 @torch.no_grad()
 def record_attention(model: CausalLM, ids: list[int]) -> Recorder:
-    """Statistics as `record`'s, and the attention probabilities of every MLA layer, on one prompt `ids`."""
+    """Statistics as `record`'s, and the attention probabilities [H, T, T] of every MLA layer, on one prompt
+    `ids`."""
     with Recorder(model, keep_attention=True) as rec:
         model(torch.tensor([ids]))
+    rec.mla = {name: probs[0] for name, probs in rec.mla.items()}
     return rec
