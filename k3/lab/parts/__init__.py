@@ -20,9 +20,9 @@ candidates round after round and keep each one's best round. The figures that ma
 
 The package: one module per claim, each with its FLOP model, its timing and its verdict (`situ`,
 `latent_moe`, `attn_res`), the closures they time (`cases`), and `report` and `report_attn_res`
-(claims, tables, notes, figures); here `run`. Timing is `k3.bench.timing.interleaved_best` with a warm-up call of every case
-ahead of the first round, gradients left on (the forward cases turn them off themselves) and
-`thread_clock`.
+(claims, tables, notes, figures); here `run`. Timing is `k3.bench.timing.interleaved_best` with a warm-up
+call of every case ahead of the first round, gradients left on (the forward cases turn them off
+themselves) and `thread_clock`.
 """
 
 from __future__ import annotations
