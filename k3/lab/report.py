@@ -138,8 +138,14 @@ def source_commit() -> str | None:
     return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
+def result_file(name: str, mode: str) -> str:
+    """Where a result is kept under docs/lab: NAME.json, and NAME-full.json for a --full run, so that the
+    larger sweep sits beside the quick one instead of replacing it."""
+    return f"{name}-full.json" if mode == "full" else f"{name}.json"
+
+
 def save_result(result: Result, docs: Path) -> Path:
-    path = Path(docs) / "lab" / f"{result.name}.json"
+    path = Path(docs) / "lab" / result_file(result.name, result.mode)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(result.to_dict(), indent=1)
     atomic_write(path, lambda tmp: Path(tmp).write_text(text))
@@ -150,9 +156,9 @@ def load_results(docs: Path, order: list[str]) -> list[Result]:
     folder = Path(docs) / "lab"
     results = []
     for name in order:
-        path = folder / f"{name}.json"
-        if path.exists():
-            results.append(Result.from_dict(json.loads(path.read_text())))
+        for path in (folder / result_file(name, "quick"), folder / result_file(name, "full")):
+            if path.exists():
+                results.append(Result.from_dict(json.loads(path.read_text())))
     return results
 
 

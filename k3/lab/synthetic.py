@@ -5,13 +5,14 @@ as Zoology does), keeping the best.
 The recipe was found by trial on these tasks (a 2-core CPU, minutes per model): two layers (Zoology's depth),
 batches of 64 sequences, AdamW with a warm-up, a constant rate and a linear decay over the last fifth of the steps
 (warmup-stable-decay), and one attention head as wide as the model for the attention mixers (softmax attention,
-MLA) — the linear mixers keep many small heads, since their head size is their state size — and softmax
-attention reading q, k and v through the same short causal convolution the linear family has
-(`ConvAttention`), so that what differs between the mixers is the memory, not the token shift. Without it,
-softmax attention learns MQAR only by a sudden transition (a previous-token head, then an induction head,
-must form from learned positions) that came after 700 steps for some seeds and not within 1,000 for others;
-with four layers, batches of 32, filler tokens between bindings and queries, or a cosine decay, it stayed at
-the 1/pairs accuracy of copying a random value from the context for thousands of steps."""
+MLA); the linear mixers keep many small heads, since their head size is their state size. Softmax attention
+reads q, k and v through the same short causal convolution the linear family has (`ConvAttention`), and linear
+attention is DeltaNet's layer with the additive update (`AdditiveLinearAttention`), so that what differs between
+the mixers is the memory, not the token shift or the features. Without the convolution, softmax attention
+learns MQAR only by a sudden transition (a previous-token head, then an induction head, must form from learned
+positions) that came after 700 steps for some seeds and not within 1,000 for others; with four layers, batches
+of 32, filler tokens between bindings and queries, or a cosine decay, it stayed at the 1/pairs accuracy of
+copying a random value from the context for thousands of steps."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ import torch.nn.functional as F
 from ..bench.timing import threads
 from ..layers.attention import MultiHeadAttention
 from ..layers.conv import ShortConvolution
+from ..layers.linear_attention import DeltaNet
 from ..models import CausalLM, ModelConfig
-from ..ops import attention
+from ..ops import attention, chunk_linear_attn
 from .tasks import IGNORE, Batch
 
 # the lineage, as the article walks it; "kda+mla" is Kimi Linear's hybrid (`hybrid_layers`: 3:1 from 4 layers)
@@ -107,14 +109,46 @@ class ConvAttention(MultiHeadAttention):
         return self.c_proj(o.reshape(B, T, self.hidden_size))
 
 
+def additive_rule(q, k, v, beta, *, initial_state=None, output_final_state=False, use_qk_l2norm=True,
+                  chunk_size=64):
+    """Linear attention's update in the delta family's calling convention: S_t = S_{t-1} + k_t^T v_t,
+    o_t = q_t S_t (no normaliser; the write strength beta is not used: linear attention only adds)."""
+    return chunk_linear_attn(q, k, v, initial_state=initial_state, output_final_state=output_final_state,
+                             use_qk_l2norm=use_qk_l2norm, normalize=False, chunk_size=chunk_size)
+
+
+class AdditiveLinearAttention(DeltaNet):
+    """The lab's linear attention: DeltaNet's layer (q, k, v = SiLU(ShortConv(W x)), q and k L2-normalised,
+    per-head RMSNorm on the output) with DeltaNet's delta rule replaced by linear attention's additive update
+    S_t = S_{t-1} + k_t^T v_t, o_t = q_t S_t. The two differ only in how the memory is written, which is what
+    the recall and overwrite claims are about. (k3.layers.LinearAttention, the article's normalised ELU+1 form
+    without a short convolution, did not learn to recall past a few pairs here: see the recall notes.)
+    Training and scoring only (no cache)."""
+
+    chunk_op = staticmethod(additive_rule)
+
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        if cache is not None:
+            raise ValueError("AdditiveLinearAttention: a lab model for training and scoring; it has no decoding "
+                             "cache")
+        return super().forward(x)
+
+
 def build_model(config: ModelConfig) -> CausalLM:
-    """CausalLM(config), its softmax attention layers (if any) made `ConvAttention` (same initial weights)."""
+    """CausalLM(config), its softmax attention layers (if any) made `ConvAttention` and its linear attention
+    layers `AdditiveLinearAttention` (same initial weights for what they share)."""
     model = CausalLM(config)
     for layer, kind in zip(model.model.layers, config.layer_types):
         if kind == "mha":
             conv = ConvAttention(config.hidden_size, config.num_heads, config.conv_size)
-            conv.load_state_dict(layer.self_attn.state_dict(), strict=False)
-            layer.self_attn = conv
+        elif kind == "linear_attn":
+            conv = AdditiveLinearAttention(config.hidden_size, config.linear_num_heads, config.linear_head_dim,
+                                           output_gate=None, conv_size=config.conv_size,
+                                           chunk_size=config.chunk_size)
+        else:
+            continue
+        conv.load_state_dict(layer.self_attn.state_dict(), strict=False)
+        layer.self_attn = conv
     return model
 
 

@@ -143,3 +143,50 @@ def test_lab_softmax_reads_through_a_causal_convolution():
     assert (a[:, 7:] - b[:, 7:]).abs().max() > 1e-4
     with pytest.raises(ValueError, match="no decoding cache"):
         model(ids, cache=model.new_cache(2))
+
+
+def test_lab_linear_attention_is_deltanet_with_the_additive_update():
+    from k3.lab.synthetic import AdditiveLinearAttention, additive_rule, build_model
+    from k3.ops.common import l2norm
+
+    torch.manual_seed(0)
+    B, T, H, D = 2, 11, 3, 5  # T not a multiple of the chunk, odd head size
+    q, k, v = (torch.randn(B, T, H, D, dtype=torch.float64) for _ in range(3))
+    o, _ = additive_rule(q, k, v, torch.rand(B, T, H, dtype=torch.float64), chunk_size=4)
+    qn, kn = l2norm(q) * D ** -0.5, l2norm(k)
+    S = torch.zeros(B, H, D, D, dtype=torch.float64)
+    for t in range(T):  # S_t = S_{t-1} + k_t^T v_t, o_t = q_t S_t: beta and any normaliser play no part
+        S = S + kn[:, t, :, :, None] * v[:, t, :, None, :]
+        torch.testing.assert_close(o[:, t], (qn[:, t, :, None, :] @ S).squeeze(-2))
+
+    config = mixer_config("linear_attn", 20, Size(width=16, layers=2, head_dim=4, max_len=12))
+    model = build_model(config)
+    assert all(isinstance(layer.self_attn, AdditiveLinearAttention) for layer in model.model.layers)
+    ids = torch.randint(0, 20, (2, 12))
+    assert model(ids).shape == (2, 12, 20)
+    with pytest.raises(ValueError, match="no decoding cache"):
+        model(ids, cache=model.new_cache(2))
+
+
+def test_ordering_verdict_follows_the_means():
+    def means(soft, hybrid, family, linear):
+        return {"softmax": soft, "kda+mla": hybrid, "deltanet": family, "gated_deltanet": family, "kda": family,
+                "linear_attn": linear}
+
+    published = means(1.0, 0.9, 0.7, 0.3)
+    assert recall.judge_ordering({64: published, 128: published}).verdict == "holds"
+    # the hybrid behind the DeltaNet family at one width: 5 of 6 relations
+    assert recall.judge_ordering({64: published, 128: means(1.0, 0.6, 0.7, 0.3)}).verdict == "partly"
+    reversed_order = means(0.3, 0.5, 0.7, 0.9)
+    assert recall.judge_ordering({64: reversed_order, 128: reversed_order}).verdict == "does not hold"
+    table = recall.ordering_table({64: published, 128: reversed_order})
+    assert table.rows[0][-3:] == [1, 6, 1] and table.rows[1][-3:] == [6, 1, 4]  # softmax, linear attention
+
+
+def test_a_full_run_is_kept_beside_the_quick_one(tmp_path):
+    from k3.lab.report import Result, load_results, save_result
+
+    for mode in ("quick", "full"):
+        save_result(Result(name="recall", title=f"recall {mode}", mode=mode, command="c"), tmp_path)
+    assert sorted(p.name for p in (tmp_path / "lab").iterdir()) == ["recall-full.json", "recall.json"]
+    assert [r.mode for r in load_results(tmp_path, ["recall"])] == ["quick", "full"]
