@@ -305,7 +305,6 @@ def run(mode: str, docs: Path, **options) -> Result:
                         "pairs only, neither softmax attention nor KDA left chance level (loss ln 128) within 600 "
                         "steps; trained on short sequences from 1 pair up, softmax attention answers 97–99% at "
                         "T = 256 with filler. Zoology, too, trains on a range of pair counts and lengths.")
-    if mode == "full":
         notes += LITERATURE
     title = "Associative recall against state size" + (", at scale" if mode == "full" else "")
     return Result(name="recall", title=title, mode=mode,

@@ -121,9 +121,9 @@ class AdditiveLinearAttention(DeltaNet):
     """The lab's linear attention: DeltaNet's layer (q, k, v = SiLU(ShortConv(W x)), q and k L2-normalised,
     per-head RMSNorm on the output) with DeltaNet's delta rule replaced by linear attention's additive update
     S_t = S_{t-1} + k_t^T v_t, o_t = q_t S_t. The two differ only in how the memory is written, which is what
-    the recall and overwrite claims are about. (k3.layers.LinearAttention, the article's normalised ELU+1 form
-    without a short convolution, did not learn to recall past a few pairs here: see the recall notes.)
-    Training and scoring only (no cache)."""
+    the recall and overwrite claims are about; DeltaNet's write strength beta (b_proj) is computed and left
+    unused. (k3.layers.LinearAttention, the article's normalised ELU+1 form without a short convolution, did
+    not learn to recall past a few pairs here: see the recall notes.) Training and scoring only (no cache)."""
 
     chunk_op = staticmethod(additive_rule)
 
