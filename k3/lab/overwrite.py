@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 from .report import Claim, Figure, Result, Table, command
-from .synthetic import (LABELS, MIXERS, Size, accuracy_by_kind, best_over_rates, mixer_config, rate_label,
-                        run_jobs, train_on_task)
+from .synthetic import (LABELS, MIXERS, Size, accuracy_by_kind, best_over_rates, mean_per_rate, mixer_config,
+                        rate_label, run_jobs, train_on_task)
 from .tasks import Batch, Vocab, context_switch, overwrite
 
 
@@ -127,7 +127,7 @@ def run(mode: str, docs: Path, **options) -> Result:
     for m in MIXERS:
         by_rate = {lr: found[m, lr] for lr in plan.lrs}
         scores[m], _ = best_over_rates(by_rate)
-        sweep[m] = {lr: sum(a.values()) / len(a) for lr, a in by_rate.items()}
+        sweep[m] = mean_per_rate(by_rate)
     table = Table(
         f"Query accuracy by kind, best over learning rates per cell ({plan.pairs} bindings, {plan.rebound} "
         f"re-bound, T = {plan.overwrite_len}; a switch between {plan.pairs} and {plan.pairs} bindings, T = "

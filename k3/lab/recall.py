@@ -19,8 +19,8 @@ import torch
 from .inspect.recorder import Recorder
 from .inspect.stats import RETRIEVAL, retrieval_verdict
 from .report import Claim, Figure, Result, Table, command
-from .synthetic import (LABELS, MIXERS, Size, accuracy_by_kind, best_over_rates, hybrid_layers, mixer_config,
-                        rate_label, run_jobs, train_on_task)
+from .synthetic import (LABELS, MIXERS, Size, accuracy_by_kind, best_over_rates, hybrid_layers, mean_per_rate,
+                        mixer_config, rate_label, run_jobs, train_on_task)
 from .tasks import IGNORE, Vocab, mqar
 
 
@@ -226,12 +226,12 @@ def run(mode: str, docs: Path, **options) -> Result:
     outputs = run_jobs(score_mixer, jobs, "k3 lab recall", workers=1 if mode == "smoke" else None,
                        show=mode != "smoke")
     found = {(w, d, m, lr): out for (_, m, w, d, lr), out in zip(jobs, outputs)}
-    scores, rates, sweep = {}, {}, {}
+    scores, sweep = {}, {}
     for w, d in runs:
         for m in MIXERS:
             by_rate = {lr: found[w, d, m, lr]["accuracy"] for lr in plan.lrs}
-            scores[w, d, m], rates[w, d, m] = best_over_rates(by_rate)
-            sweep[w, d, m] = {lr: sum(a.values()) / len(a) for lr, a in by_rate.items()}
+            scores[w, d, m], _ = best_over_rates(by_rate)
+            sweep[w, d, m] = mean_per_rate(by_rate)
 
     tables = []
     for w, d in runs:

@@ -237,6 +237,11 @@ def best_over_rates(by_rate: dict[float, dict]) -> tuple[dict, dict]:
     return {c: by_rate[best_rate[c]][c] for c in cells}, best_rate
 
 
+def mean_per_rate(by_rate: dict[float, dict]) -> dict[float, float]:
+    """The sweep table's reading: each rate's mean accuracy over its cells. `by_rate` {lr: {cell: accuracy}}."""
+    return {lr: sum(cells.values()) / len(cells) for lr, cells in by_rate.items()}
+
+
 def rate_label(lr: float) -> str:
     """A learning rate as the tables print it: 0.0005 -> "5e-4"."""
     return f"{lr:.0e}".replace("e-0", "e-")
