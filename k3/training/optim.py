@@ -37,15 +37,20 @@ def no_decay(name: str, param: torch.Tensor) -> bool:
             or name.endswith(".bias") or "norm" in name)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over `model`'s parameters in two groups: decayed (cfg.weight_decay), then exempt (0)."""
+def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """`model`'s parameters as two optimizer groups: decayed (`weight_decay`), then exempt (`no_decay`: 0)."""
     decay, keep = [], []
     for name, p in model.named_parameters():
         (keep if no_decay(name, p) else decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": keep, "weight_decay": 0.0}]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over `model`'s parameters in two groups: decayed (cfg.weight_decay), then exempt (0)."""
+    groups = decay_groups(model, cfg.weight_decay)
     # torch's fused AdamW (one kernel over all parameters) where every parameter is a plain CPU / CUDA
     # tensor; sharded ones (FSDP's DTensors) take the default implementation
-    params = decay + keep
+    params = [p for group in groups for p in group["params"]]
     fused = bool(params) and all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused or None)
 

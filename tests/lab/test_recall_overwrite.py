@@ -190,3 +190,26 @@ def test_a_full_run_is_kept_beside_the_quick_one(tmp_path):
         save_result(Result(name="recall", title=f"recall {mode}", mode=mode, command="c"), tmp_path)
     assert sorted(p.name for p in (tmp_path / "lab").iterdir()) == ["recall-full.json", "recall.json"]
     assert [r.mode for r in load_results(tmp_path, ["recall"])] == ["quick", "full"]
+
+
+def test_lab_kda_uses_k3s_safe_gate_and_decays_only_matrices(monkeypatch):
+    from k3.lab.synthetic import train_on_task
+    size = Size(width=16, layers=2, head_dim=4)
+    assert mixer_config("kda", 40, size).kda_gate == "safe" and mixer_config("kda+mla", 40, size).kda_gate == "safe"
+    vocab = Vocab(8, 8)
+    seen = {}
+    real = torch.optim.AdamW
+
+    def spy(groups, **kw):
+        seen["groups"] = groups
+        return real(groups, **kw)
+
+    monkeypatch.setattr(torch.optim, "AdamW", spy)
+    model, _ = train_on_task(mixer_config("kda", vocab.size, size), lambda g: mqar(2, 8, 2, vocab, generator=g),
+                             steps=1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed, kept = ({names[id(p)] for p in g["params"]} for g in seen["groups"])
+    assert seen["groups"][0]["weight_decay"] > 0 and seen["groups"][1]["weight_decay"] == 0
+    assert any(n.endswith("A_log") for n in kept) and any(n.endswith("dt_bias") for n in kept)
+    assert not any(n.endswith(("A_log", "dt_bias")) or "norm" in n for n in decayed)
+    assert any(n.endswith("q_proj.weight") for n in decayed)
