@@ -27,6 +27,7 @@ from ..bench.timing import threads
 from ..layers.attention import MultiHeadAttention
 from ..layers.conv import ShortConvolution
 from ..layers.linear_attention import DeltaNet
+from ..layers.mla import MultiHeadLatentAttention
 from ..models import CausalLM, ModelConfig
 from ..ops import attention, chunk_linear_attn
 from ..training.optim import decay_groups
@@ -114,6 +115,40 @@ class ConvAttention(MultiHeadAttention):
         return self.c_proj(o.reshape(B, T, self.hidden_size))
 
 
+class ConvLatentAttention(MultiHeadLatentAttention):
+    """MLA whose latent c_t passes through a depthwise causal convolution (kernel `conv_size`, no activation)
+    before keys and values are expanded from it: the short convolution `ConvAttention` gives softmax attention,
+    so that both attentions of the lab read through the same token shift (a two-layer model has no earlier
+    layer to build one). Keys and values at t then carry tokens t-3..t, so a query can find a key's binding at
+    any of the W latents that hold it (`window`). Training and scoring only (no cache)."""
+
+    def __init__(self, *args, conv_size: int = 4, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.latent_conv1d = ShortConvolution(self.kv_lora_rank, conv_size, activation=None)
+
+    @property
+    def window(self) -> int:
+        return self.latent_conv1d.kernel_size
+
+    @classmethod
+    def like(cls, mla: MultiHeadLatentAttention, conv_size: int) -> "ConvLatentAttention":
+        return cls(mla.hidden_size, mla.num_heads, q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
+                   qk_nope_head_dim=mla.dn, qk_rope_head_dim=mla.dr, v_head_dim=mla.dv,
+                   output_gate=None if mla.g_proj is None else "full", rope_theta=mla.rope_theta,
+                   norm_eps=mla.kv_a_layernorm.eps, conv_size=conv_size)
+
+    def _queries_and_latents(self, x: torch.Tensor, past: int, pad: torch.Tensor | None = None):
+        if past or pad is not None:
+            raise ValueError("ConvLatentAttention: a lab model for training and scoring; it has no decoding cache")
+        q, c, k_pe = super()._queries_and_latents(x, past, pad)
+        return q, self.latent_conv1d(c)[0], k_pe
+
+    def forward(self, x: torch.Tensor, cache=None, absorb: bool | None = None) -> torch.Tensor:
+        if cache is not None:
+            raise ValueError("ConvLatentAttention: a lab model for training and scoring; it has no decoding cache")
+        return super().forward(x, None, absorb)
+
+
 def additive_rule(q, k, v, beta, *, initial_state=None, output_final_state=False, use_qk_l2norm=True,
                   chunk_size=64):
     """Linear attention's update in the delta family's calling convention: S_t = S_{t-1} + k_t^T v_t,
@@ -140,12 +175,15 @@ class AdditiveLinearAttention(DeltaNet):
 
 
 def build_model(config: ModelConfig) -> CausalLM:
-    """CausalLM(config), its softmax attention layers (if any) made `ConvAttention` and its linear attention
-    layers `AdditiveLinearAttention` (same initial weights for what they share)."""
+    """CausalLM(config), its softmax attention layers (if any) made `ConvAttention`, its MLA layers
+    `ConvLatentAttention` and its linear attention layers `AdditiveLinearAttention` (same initial weights for
+    what they share)."""
     model = CausalLM(config)
     for layer, kind in zip(model.model.layers, config.layer_types):
         if kind == "mha":
             conv = ConvAttention(config.hidden_size, config.num_heads, config.conv_size)
+        elif kind == "mla":
+            conv = ConvLatentAttention.like(layer.self_attn, config.conv_size)
         elif kind == "linear_attn":
             conv = AdditiveLinearAttention(config.hidden_size, config.linear_num_heads, config.linear_head_dim,
                                            output_gate=None, conv_size=config.conv_size,

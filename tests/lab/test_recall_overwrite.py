@@ -213,3 +213,40 @@ def test_lab_kda_uses_k3s_safe_gate_and_decays_only_matrices(monkeypatch):
     assert any(n.endswith("A_log") for n in kept) and any(n.endswith("dt_bias") for n in kept)
     assert not any(n.endswith(("A_log", "dt_bias")) or "norm" in n for n in decayed)
     assert any(n.endswith("q_proj.weight") for n in decayed)
+
+
+def test_lab_mla_reads_its_latents_through_a_causal_convolution():
+    from k3.lab.synthetic import ConvLatentAttention, build_model
+    torch.manual_seed(0)
+    config = mixer_config("kda+mla", 20, Size(width=16, layers=2, head_dim=4))
+    plain = CausalLM(config).model.layers[1].self_attn
+    conv = ConvLatentAttention.like(plain, 4)
+    conv.load_state_dict(plain.state_dict(), strict=False)
+    x = torch.randn(2, 9, 16)
+    with torch.no_grad():
+        conv.latent_conv1d.weight.zero_()[..., -1] = 1.0  # the identity: the current latent only
+        assert torch.allclose(conv(x), plain(x), atol=1e-6)
+        conv.latent_conv1d.weight.zero_()[..., -2] = 1.0  # a shift by one: position t reads latent t - 1
+        shifted = conv.attention_probs(x)
+        assert not torch.allclose(shifted, plain.attention_probs(x), atol=1e-3)
+    with pytest.raises(ValueError, match="no decoding cache"):
+        conv(x, cache=object())
+    model = build_model(config)
+    assert isinstance(model.model.layers[1].self_attn, ConvLatentAttention)
+    # retrieval counts the W latents that hold the bound value; uniform scales by W
+    batch = mqar(4, 12, 3, Vocab(8, 8), generator=torch.Generator().manual_seed(0))
+    model = build_model(mixer_config("kda+mla", Vocab(8, 8).size, Size(width=16, layers=2, head_dim=4))).eval()
+    out = recall.mla_retrieval(model, batch)
+    assert out["uniform"] == pytest.approx((4 / 8 + 4 / 10 + 4 / 12) / 3)
+    layer = model.model.layers[1].self_attn
+    x = {}
+    hook = layer.register_forward_pre_hook(lambda m, a: x.setdefault("x", a[0]))
+    model(batch.inputs)
+    hook.remove()
+    probs = layer.attention_probs(x["x"])[:, 0]
+    expected = []
+    for b in range(4):
+        for t in (7, 9, 11):
+            binding = int((batch.inputs[b, :6] == batch.inputs[b, t]).nonzero()[0])
+            expected.append(probs[b, t, binding + 1:binding + 5].sum().item())
+    assert out["value"][0][0] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
