@@ -138,8 +138,6 @@ class ConvLatentAttention(MultiHeadLatentAttention):
                    norm_eps=mla.kv_a_layernorm.eps, conv_size=conv_size)
 
     def _queries_and_latents(self, x: torch.Tensor, past: int, pad: torch.Tensor | None = None):
-        if past or pad is not None:
-            raise ValueError("ConvLatentAttention: a lab model for training and scoring; it has no decoding cache")
         q, c, k_pe = super()._queries_and_latents(x, past, pad)
         return q, self.latent_conv1d(c)[0], k_pe
 
@@ -209,8 +207,8 @@ def lr_scale(step: int, steps: int, warmup: int = 50, decay: float = 0.2) -> flo
 def train_on_task(config: ModelConfig, sample: Callable[[torch.Generator], Batch], steps: int, lr: float = 1e-3,
                   seed: int = 0, warmup: int = 50, progress=None) -> tuple[CausalLM, list[float]]:
     """AdamW on `lr_scale`'s schedule (weight decay 0.1 on the matrices only, as `k3 train`: not on norms, biases,
-    KDA's and Gated DeltaNet's A_log and dt_bias); `sample(generator)` gives each step's batch (fresh data every step, as in
-    Zoology). Returns the model (in eval mode) and the loss per step."""
+    KDA's and Gated DeltaNet's A_log and dt_bias); `sample(generator)` gives each step's batch (fresh data every
+    step, as in Zoology). Returns the model (in eval mode) and the loss per step."""
     torch.manual_seed(seed)
     model = build_model(config)
     opt = torch.optim.AdamW(decay_groups(model, 0.1), lr=lr, betas=(0.9, 0.98))
