@@ -160,22 +160,26 @@ class RoutedExperts(nn.ModuleList):
             H_e = act(X_e W1_e^T, X_e W3_e^T);   Y_e = H_e W2_e^T;   out_n = sum_i w_ni Y_{e_ni}[slot_ni]
 
         A handful of ops whatever the number of experts, where `_grouped` makes a dozen per expert
-        (forward and backward): the better way when the experts are small and the routing is balanced."""
+        (forward and backward): the better way when the experts are small and the routing is balanced.
+        Rows move by one flat index, `source` [E * capacity] (the token each row holds; N, a zero row,
+        for padding): a gather in, a scatter-add out, whose backwards are a scatter-add and a gather
+        (advanced indexing's backward, an accumulating index_put, costs several times as much on CPU)."""
         E, (N, k), d = len(self), chosen.shape, z.shape[-1]
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)  # [N*k] assignments, grouped by expert
         expert_of = flat[order]
         counts = counts.to(flat.device)
         first = torch.cumsum(counts, 0) - counts  # each expert's first assignment
-        slot = torch.arange(N * k, device=flat.device) - first[expert_of]  # place within its expert's group
-        tokens = order // k
-        X = z.new_zeros(E, capacity, d).index_put((expert_of, slot), z[tokens])
+        row = expert_of * capacity + torch.arange(N * k, device=flat.device) - first[expert_of]  # in [E * capacity]
+        source = torch.full((E * capacity,), N, dtype=torch.long, device=flat.device).index_copy_(0, row, order // k)
+        X = torch.cat([z, z.new_zeros(1, d)]).index_select(0, source).view(E, capacity, d)
         W1, W3, W2 = (torch.stack([getattr(e, name) for e in self]) for name in ("w1", "w3", "w2"))
         H = self[0].act(torch.bmm(X, W1.transpose(1, 2)), torch.bmm(X, W3.transpose(1, 2)))  # [E, capacity, hidden]
-        Y = torch.bmm(H, W2.transpose(1, 2))  # [E, capacity, d]
-        y = Y[expert_of, slot] * weights.flatten()[order].unsqueeze(-1)
-        out = torch.zeros_like(z, dtype=upcast(z).dtype).index_add_(0, tokens, upcast(y))
-        return cast(out, z.dtype)
+        Y = torch.bmm(H, W2.transpose(1, 2)).view(E * capacity, d)
+        row_weight = weights.new_zeros(E * capacity).index_copy(0, row, weights.flatten().index_select(0, order))
+        y = upcast(Y) * row_weight.unsqueeze(-1)  # padding rows: weight 0
+        out = y.new_zeros(N + 1, d).index_add_(0, source, y)
+        return cast(out[:N], z.dtype)
 
     def _stacked(self, z: torch.Tensor, experts: list[Expert], weights: torch.Tensor) -> torch.Tensor:
         """z [N, d], experts: the N*k chosen experts in the order of `chosen` (token by token), weights
