@@ -74,16 +74,51 @@ class BlockAttnRes(nn.Module):
         return (alpha.unsqueeze(-1) * V).sum(0)
 
     def _mix_each(self, values: list[torch.Tensor]) -> torch.Tensor:
-        """The same mix from the list, one source at a time (no stacked copy of the sources)."""
-        query = self._query()
-        alpha = torch.softmax(torch.stack([self._logits(v, query) for v in values]), dim=0)  # [N, ...]
-        mix = values[0] * alpha[0].unsqueeze(-1)
-        for a, v in zip(alpha[1:], values[1:]):
-            mix = torch.addcmul(mix, v, a.unsqueeze(-1))
-        return mix
+        """The same mix from the list, one source at a time (no stacked copy of the sources), as one
+        autograd function (`_DepthMix`)."""
+        return _DepthMix.apply(self._query(), self.eps, *values)
 
     @staticmethod
     def _check(sources: list[torch.Tensor]) -> list[torch.Tensor]:
         if not sources:
             raise ValueError("BlockAttnRes: `sources` must hold at least one tensor, got none")
         return sources
+
+
+class _DepthMix(torch.autograd.Function):
+    """mix = sum_n alpha_n V_n, alpha = softmax_n(l), l_n = (V_n . w) r_n, r_n = (mean(V_n^2) + eps)^-1/2,
+    for sources V_n [..., D] and the query w [D], one source at a time. Backward, with G = dL/dmix:
+
+        a_n = G . V_n,   e_n = alpha_n (a_n - sum_m alpha_m a_m)          (dL/dl_n)
+        dV_n = alpha_n G + e_n r_n w - e_n (V_n . w) r_n^3 / D  V_n,   dw = sum_n sum_tokens e_n r_n V_n
+
+    It saves only the small per-token alpha and r (the sources are the model's own activations, held
+    anyway): autograd through the formula would keep a few [..., D] intermediates per source and run
+    a dozen ops per source backward."""
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, eps: float, *values: torch.Tensor) -> torch.Tensor:
+        r = torch.stack([torch.rsqrt(v.pow(2).mean(-1) + eps) for v in values])  # [N, ...]
+        dots = torch.stack([v @ query for v in values])  # V_n . w
+        alpha = torch.softmax(dots * r, dim=0)
+        mix = values[0] * alpha[0].unsqueeze(-1)
+        for a, v in zip(alpha[1:], values[1:]):
+            mix = torch.addcmul(mix, v, a.unsqueeze(-1))
+        ctx.save_for_backward(query, alpha, r, dots, *values)
+        return mix
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        query, alpha, r, dots, *values = ctx.saved_tensors
+        D = query.shape[0]
+        a = torch.stack([torch.linalg.vecdot(grad, v) for v in values])  # [N, ...]
+        e = alpha * (a - (alpha * a).sum(0, keepdim=True))
+        er = e * r
+        shrink = er * dots * r.square() * (1.0 / D)  # the rms's share of dL/dV_n, per token
+        grads = []
+        for alpha_n, er_n, shrink_n, v in zip(alpha, er, shrink, values):
+            g = torch.addcmul(grad * alpha_n.unsqueeze(-1), er_n.unsqueeze(-1), query)
+            grads.append(g.addcmul_(shrink_n.unsqueeze(-1), v, value=-1.0))
+        grad_query = sum(er_n.reshape(-1) @ v.reshape(-1, D) for er_n, v in zip(er, values))
+        return (grad_query, None, *grads)
