@@ -167,11 +167,14 @@ def _state_scan(W, U0, K_end, decay_end, S0, buffer=None):
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (W, U0, K_end, decay_end, S0))
     if needs_grad:
+        # chunks taken by unbind, not by indexing: the backward of x[i] writes its gradient into a zeroed
+        # copy of the whole x, once per chunk; unbind's stacks the chunks' gradients once
+        decays = (None,) * n if decay_end is None else decay_end.unsqueeze(-1).unbind(0)
         states, corrections = [S0], []
-        for i in range(n):
-            U_i = torch.baddbmm(U0[i], W[i], states[i], alpha=-1.0)
-            S = states[i] if decay_end is None else states[i] * decay_end[i].unsqueeze(-1)
-            states.append(torch.baddbmm(S, K_end_T[i], U_i))
+        for U0_i, W_i, KT_i, d_i in zip(U0.unbind(0), W.unbind(0), K_end_T.unbind(0), decays):
+            U_i = torch.baddbmm(U0_i, W_i, states[-1], alpha=-1.0)
+            S = states[-1] if d_i is None else states[-1] * d_i
+            states.append(torch.baddbmm(S, KT_i, U_i))
             corrections.append(U_i)
         return torch.stack(corrections), torch.stack(states)
     # Inference: update U0 in place into U, states into one preallocated buffer.
