@@ -189,8 +189,29 @@ def keep_causal(o: torch.Tensor, onwards: torch.Tensor | None, rerun) -> torch.T
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim (the delta family's key/query normalization)."""
+    """x / sqrt(sum(x^2) + eps) over the last dim (the delta family's key/query normalization); with a
+    gradient to take, `_L2Norm`'s."""
+    if torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
+        return _L2Norm.apply(x, eps)
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+class _L2Norm(torch.autograd.Function):
+    """y = x r, r = (sum(x^2) + eps)^-1/2 per row, saving y and r; backward dL/dx = r (G - y sum(G y))
+    (half the passes of autograd through the formula)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
+        r = torch.rsqrt(x.pow(2).sum(-1, keepdim=True).add_(eps))
+        y = x * r
+        ctx.save_for_backward(y, r)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        y, r = ctx.saved_tensors
+        return torch.addcmul(grad, y, (grad * y).sum(-1, keepdim=True), value=-1.0).mul_(r), None
 
 
 @dataclass
