@@ -28,12 +28,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class _RMSNorm(torch.autograd.Function):
-    """y = x r w with r = (mean(x^2) + eps)^-1/2 per row; saves x and r. With x^ = x r, G = dL/dy and D
-    the row size:
+    """y = x r w with r = (mean(x^2) + eps)^-1/2 per row; saves x and r. With x^ = x r and G = dL/dy:
 
         dL/dw = sum_rows G x^,      dL/dx = r (G w - x^ mean(G w x^))
 
-    (on a CPU, autograd through torch's composite rms_norm runs about twice the ops and time)."""
+    (on a CPU, autograd through torch's composite rms_norm takes about 1.6 times as long: 3.1 against
+    1.9 ms forward + backward on [8, 256, 192])."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
