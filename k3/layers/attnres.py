@@ -56,7 +56,7 @@ class BlockAttnRes(nn.Module):
 
     def _logits(self, v: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
         """v [..., D] (one source, or N stacked) -> w . RMS(v) [...] = (v . w) / rms(v): no normalised copy of v."""
-        return (v @ query) * torch.rsqrt(v.pow(2).mean(-1) + self.eps)
+        return (v @ query) * _inverse_rms(v, self.eps)
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
         """sources: N tensors [..., D] (same shape) -> the mix [..., D] in the sources' dtype."""
@@ -85,6 +85,11 @@ class BlockAttnRes(nn.Module):
         return sources
 
 
+def _inverse_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """v [..., D] -> 1 / rms(v) = (mean(v^2) + eps)^-1/2 per token [...]."""
+    return torch.rsqrt(v.pow(2).mean(-1) + eps)
+
+
 class _DepthMix(torch.autograd.Function):
     """mix = sum_n alpha_n V_n, alpha = softmax_n(l), l_n = (V_n . w) r_n, r_n = (mean(V_n^2) + eps)^-1/2,
     for sources V_n [..., D] and the query w [D], one source at a time. Backward, with G = dL/dmix:
@@ -92,13 +97,13 @@ class _DepthMix(torch.autograd.Function):
         a_n = G . V_n,   e_n = alpha_n (a_n - sum_m alpha_m a_m)          (dL/dl_n)
         dV_n = alpha_n G + e_n r_n w - e_n (V_n . w) r_n^3 / D  V_n,   dw = sum_n sum_tokens e_n r_n V_n
 
-    It saves only the small per-token alpha and r (the sources are the model's own activations, held
-    anyway): autograd through the formula would keep a few [..., D] intermediates per source and run
-    a dozen ops per source backward."""
+    Besides the query it saves only the small per-token alpha, r and V_n . w (the sources are the model's
+    own activations, held anyway): autograd through the formula would keep a few [..., D] intermediates
+    per source and run a dozen ops per source backward."""
 
     @staticmethod
     def forward(ctx, query: torch.Tensor, eps: float, *values: torch.Tensor) -> torch.Tensor:
-        r = torch.stack([torch.rsqrt(v.pow(2).mean(-1) + eps) for v in values])  # [N, ...]
+        r = torch.stack([_inverse_rms(v, eps) for v in values])  # [N, ...]
         dots = torch.stack([v @ query for v in values])  # V_n . w
         alpha = torch.softmax(dots * r, dim=0)
         mix = values[0] * alpha[0].unsqueeze(-1)
