@@ -10,7 +10,7 @@ format; its logits are checked against k3's before anything is timed).
 Columns, per model:
 - prefill: one forward of T tokens (batch 1) into a fresh cache, in inference mode;
 - train step: AdamW on B x T tokens, forward + backward + clipped step (k3: `training_step` with a
-  `TrainConfig()`; transformers: its loss from labels, backward, the same clip, AdamW);
+  `TrainConfig(optimizer="adamw")`; transformers: its loss from labels, backward, the same clip, AdamW);
 - decode: ms per token at batch 1 after a context of N tokens (prefilled once, untimed), the median of
   single-token steps taken round-robin across every model (so all see the same machine phases; each
   context grows by the steps taken);
@@ -230,7 +230,8 @@ def measure(runners: dict[str, Runner], s: Settings, seed: int = 0) -> dict[str,
                 res[name]["batch_decode_s"] = {small: times[(name, small)], big: t}
                 res[name]["batch_speedup"] = (big / t) / (small / times[(name, small)])
         del entries
-    cfg = TrainConfig(batch_size=s.train[0], seq_len=s.train[1])
+    # AdamW for every model: transformers' models train with torch's AdamW here, so the step is like for like
+    cfg = TrainConfig(batch_size=s.train[0], seq_len=s.train[1], optimizer="adamw")
     windows = ids(s.train[0], s.train[1] + 1)
     cases = {name: r.train_case(windows, cfg) for name, r in runners.items()}
     for name, t in interleaved_best(cases, s.rounds, grad=True).items():

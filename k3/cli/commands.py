@@ -103,7 +103,7 @@ def _train_config(args):
     return TrainConfig(**fields)
 
 
-_ASKED_BY_NAME = ("device", "precision", "grad_accum", "log", "final_eval_tokens")
+_ASKED_BY_NAME = ("device", "precision", "grad_accum", "log", "final_eval_tokens", "optimizer")
 
 
 def _train(args) -> int:

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--grad-accum", type=_count(1, "micro-batches per optimizer step"), metavar="N",
                        help="N micro-batches of --batch-size per optimizer step (default 1): the step of an N "
                             "times larger batch, in the memory of one micro-batch")
+    train.add_argument("--optimizer", choices=("muon", "adamw"),
+                       help="muon (the default, as Kimi trains): Muon on the hidden matrices, AdamW on the "
+                            "embeddings, head and vectors, one learning rate for both; or adamw on everything")
     train.add_argument("--lr", type=_number(0, "a learning rate", above=True), default=3e-3)
     train.add_argument("--warmup", type=_count(0, "warmup steps"), default=50, help="warmup steps")
     train.add_argument("--schedule", choices=("cosine", "wsd"), default="wsd",
@@ -93,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device", choices=DEVICES,
                        help="where to train: auto (the default) picks CUDA, then Apple's MPS, then the CPU")
     train.add_argument("--precision", choices=("fp32", "bf16"),
-                       help="bf16: the forward passes under bfloat16 autocast, float32 weights and AdamW states, "
+                       help="bf16: the forward passes under bfloat16 autocast, float32 weights and optimizer states, "
                             "float32 states in the linear-attention ops (default fp32)")
     train.add_argument("--log", choices=("tensorboard", "wandb", "none"),
                        help="also send OUT/metrics.jsonl's figures to TensorBoard (OUT/tensorboard) or wandb "

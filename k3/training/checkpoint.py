@@ -29,7 +29,7 @@ import torch
 from ..io import CheckpointError, atomic_write_files, checked_folder
 from ..models.checkpoint import restore_tied_head, weights_to_save
 from ..tokenizer import Tokenizer
-from .config import TrainConfig
+from .config import saved_train_config
 from .optim import portable_state
 from .plot import plot_history
 
@@ -110,7 +110,7 @@ def load_training_checkpoint(path) -> dict:
                               + ", ".join(f"{name} at step {s}" for name, s in known.items())
                               + "); resuming would not continue either run. Restore the checkpoint from a copy")
     weights = restore_tied_head(weights, bool(config["k3"].get("tie_word_embeddings")))
-    return {**state, "train_config": TrainConfig(**config["train"]), "model": weights, "tokenizer": tokenizer}
+    return {**state, "train_config": saved_train_config(config["train"]), "model": weights, "tokenizer": tokenizer}
 
 
 class claim_output:

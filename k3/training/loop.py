@@ -97,9 +97,11 @@ def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: 
         history, step = state["history"], state["step"]
         max_steps = cfg.max_steps if "max_steps" in changes else state["max_steps"]
     if strategy.is_main:  # the machine's speed beside the run's, so tokens/s compare across machines
-        precision = "bf16 autocast (float32 weights and AdamW states)" if cfg.precision == "bf16" else "float32"
+        precision = "bf16 autocast (float32 weights and optimizer states)" if cfg.precision == "bf16" else "float32"
+        optimizer = "Muon (matrices) + AdamW" if cfg.optimizer == "muon" else "AdamW"
         _say(f"k3 train: {mconfig.name}, {num_parameters:,} parameters, "
              f"{data.train.numel():,} training tokens ({data.val.numel():,} validation), {_batch_words(cfg)}, "
+             f"{optimizer}, "
              f"on {_device_words(cfg, strategy.device)}, {precision}, {_threads_words()}{strategy.describe()}; "
              f"this machine's float32 matmul (1024^3): {matmul_gflops():.0f} GFLOP/s")
     metrics = MetricsLog(out, step, Path(resume) if resume else None, cfg.log,

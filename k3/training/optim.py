@@ -1,5 +1,6 @@
-"""The optimizer and its schedule: AdamW with weight decay on the matrices only, and the learning
-rate of each step (linear warmup, then cosine or WSD).
+"""The optimizer and its schedule: Muon on the hidden matrices and AdamW on the rest (`k3.training.muon`,
+the default), or AdamW on everything; weight decay on the matrices only; the learning rate of each step
+(linear warmup, then cosine or WSD).
 
 Which parameters are exempt from weight decay is decided here, by name and shape, in one place: the
 layers do not mark their parameters. Norm weights, biases, the gates' decay parameters `A_log` and
@@ -14,6 +15,7 @@ import math
 import torch
 
 from .config import TrainConfig
+from .muon import Muon, takes_muon
 
 
 def learning_rate(cfg: TrainConfig, step: int, total: int) -> float:
@@ -45,13 +47,29 @@ def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over `model`'s parameters in two groups: decayed (cfg.weight_decay), then exempt (0)."""
-    groups = decay_groups(model, cfg.weight_decay)
+def muon_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """`model`'s parameters as three groups: the hidden matrices (Muon, decayed), then AdamW's decayed
+    (the embedding table, the LM head) and exempt (`no_decay`) ones."""
+    matrices, decay, keep = [], [], []
+    for name, p in model.named_parameters():
+        if no_decay(name, p):
+            keep.append(p)
+        else:
+            (matrices if takes_muon(name, p) else decay).append(p)
+    return [{"params": matrices, "weight_decay": weight_decay, "use_muon": True},
+            {"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """cfg.optimizer over `model`'s parameters: "muon" (`muon_groups`) or "adamw" in two groups,
+    decayed (cfg.weight_decay), then exempt (0)."""
+    groups = muon_groups(model, cfg.weight_decay) if cfg.optimizer == "muon" else decay_groups(model, cfg.weight_decay)
     # torch's fused AdamW (one kernel over all parameters) where every parameter is a plain CPU / CUDA
     # tensor; sharded ones (FSDP's DTensors) take the default implementation
     params = [p for group in groups for p in group["params"]]
     fused = bool(params) and all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda") for p in params)
+    if cfg.optimizer == "muon":
+        return Muon(groups, lr=cfg.lr, betas=cfg.betas, fused=fused or None)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused or None)
 
 

@@ -217,7 +217,7 @@ def test_checkpoints_record_the_maths_and_a_load_keeps_the_optimizers_implementa
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
-    fused = build_optimizer(model, TrainConfig())
+    fused = build_optimizer(model, TrainConfig(optimizer="adamw"))
     assert all(g["fused"] for g in fused.param_groups)  # plain CPU tensors: torch's fused AdamW
     model(torch.randn(2, 4)).sum().backward()
     fused.step()

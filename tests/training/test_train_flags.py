@@ -54,10 +54,11 @@ def test_grad_accum_takes_the_step_of_a_larger_batch(corpus, tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         assert float((a[name] - b[name]).abs().max()) <= 0.05 * LR, name
-    # AdamW stepped 3 times (an expert that no token chose in a step has no gradient then, in both runs)
+    # AdamW stepped 3 times (an expert that no token chose in a step has no gradient then, in both runs;
+    # Muon's matrices keep a momentum and no count)
     steps = [[float(s["step"]) for s in torch.load(tmp_path / run / "trainer_state.pt", weights_only=True)
-              ["optimizer"]["state"].values()] for run in ("accum", "whole")]
-    assert steps[0] == steps[1] and max(steps[0]) == 3.0
+              ["optimizer"]["state"].values() if "step" in s] for run in ("accum", "whole")]
+    assert steps[0] and steps[0] == steps[1] and max(steps[0]) == 3.0
 
 
 def test_bf16_trains_float32_weights_and_states_close_to_float32(corpus):

@@ -77,7 +77,7 @@ def trained_checkpoint(mode: str, root: Path | None = None) -> tuple[Path, bool]
 def load(checkpoint: Path):
     """(model in eval mode, tokenizer, train config or None) from a k3 checkpoint folder."""
     from ...tokenizer import Tokenizer
-    from ...training import TrainConfig
+    from ...training.config import saved_train_config
 
     checkpoint = Path(checkpoint)
     if not (checkpoint / "config.json").exists():
@@ -88,7 +88,7 @@ def load(checkpoint: Path):
     model = CausalLM.from_pretrained(checkpoint).eval()
     tokenizer = Tokenizer.load(checkpoint)
     saved = json.loads((checkpoint / "config.json").read_text())
-    cfg = TrainConfig(**saved["train"]) if isinstance(saved.get("train"), dict) else None
+    cfg = saved_train_config(saved["train"]) if isinstance(saved.get("train"), dict) else None
     return model, tokenizer, cfg
 
 
