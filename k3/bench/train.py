@@ -44,7 +44,7 @@ def run(minutes: float = 5.0, speed_steps: int = 5, out: str = "runs/bench-train
     results: dict = {}
     print(f"k3 bench train: kimi-k3-tiny vs gpt2-tiny (width {gpt_overrides['hidden_size']}, "
           f"{gpt_overrides['num_layers']} layers to match {target:,} parameters), {base.batch_size} x "
-          f"{base.seq_len} tokens per step, {torch.get_num_threads()} threads; machine matmul "
+          f"{base.seq_len} tokens per step, {base.optimizer}, {torch.get_num_threads()} threads; machine matmul "
           f"{matmul_gflops():.0f} GFLOP/s (1024^3 float32)")
     # speed: one step of each model in turn, `speed_steps` rounds after a warm-up, the fastest kept (the
     # least disturbed by the machine's other work), so both see the same machine state

@@ -2,18 +2,20 @@
 with exact resume, checkpoints, validation in bits per byte, and torchrun's data, fully sharded and expert
 parallelism.
 
-The modules, each below the next: config (TrainConfig), optim (AdamW and the learning-rate schedule),
-data (corpus, tokenizer, token streams), objective (the loss and bits per byte), checkpoint, strategy
-(the training step; SingleProcess), parallel (ddp / fsdp / ep applied to a model) and distributed
-(the torchrun strategy), metrics (metrics.jsonl, TensorBoard, wandb), loop (`train`).
+The modules, each below the next: config (TrainConfig), muon (Muon on the matrices + AdamW), optim (the
+optimizer and the learning-rate schedule), data (corpus, tokenizer, token streams), objective (the loss
+and bits per byte), checkpoint, strategy (the training step; SingleProcess), parallel (ddp / fsdp / ep
+applied to a model) and distributed (the torchrun strategy), metrics (metrics.jsonl, TensorBoard,
+wandb), loop (`train`).
 """
 
 from .config import TrainConfig
 from .data import TokenData, prepare
 from .loop import train
+from .muon import Muon
 from .objective import bits_per_byte, next_token_loss
 from .optim import build_optimizer, learning_rate, no_decay
 from .strategy import SingleProcess, training_step
 
 __all__ = ["TrainConfig", "TokenData", "train", "prepare", "build_optimizer", "training_step", "learning_rate",
-           "no_decay", "next_token_loss", "bits_per_byte", "SingleProcess"]
+           "no_decay", "next_token_loss", "bits_per_byte", "SingleProcess", "Muon"]
