@@ -36,7 +36,7 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz (Keller Jor
 
 
 def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """G [..., A, B] -> about U V^T for each matrix (G = U S V^T): the quintic iteration
+    """G [A, B] or a stack [N, A, B] -> about U V^T for each matrix (G = U S V^T): the quintic iteration
     X <- a X + (b X X^T + c (X X^T)^2) X from X = G / ||G||_F, which drives every singular value
     towards 1 (to within about [0.7, 1.2] after five steps: not exactly, by design, and enough)."""
     a, b, c = NS_COEFFICIENTS
