@@ -135,3 +135,16 @@ def test_a_checkpoint_from_before_the_optimizer_field_resumes_with_adamw():
 
 def test_muon_scale_matches_adamw_rms():
     assert muon_scale(torch.Size([64, 256])) == pytest.approx(0.2 * 16)
+
+
+def test_the_cli_flag_reaches_the_config_and_a_resume_keeps_the_checkpoints():
+    from k3.cli import build_parser
+    from k3.cli.commands import _train_config
+    from k3.training.loop import _resume_overrides
+
+    assert _train_config(build_parser().parse_args(["train", "--optimizer", "adamw"])).optimizer == "adamw"
+    assert _train_config(build_parser().parse_args(["train"])).optimizer == "muon"
+    saved = TrainConfig(optimizer="adamw")
+    assert _resume_overrides(TrainConfig(), saved) == {}  # not asked: the checkpoint's AdamW goes on
+    with pytest.raises(ValueError, match="`optimizer` 'muon' \\(the checkpoint's: 'adamw'\\)"):
+        _resume_overrides(TrainConfig(), saved, asked=("optimizer",))
