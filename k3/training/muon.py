@@ -91,7 +91,11 @@ class Muon(torch.optim.Optimizer):
     """Muon for the groups marked `use_muon`, AdamW for the others (one optimizer, one state dict).
 
     Every group takes lr, weight_decay, betas (AdamW's), eps (AdamW's), momentum (Muon's) and ns_steps;
-    the training loop sets one lr on all groups."""
+    the training loop sets one lr on all groups. A group is AdamW's unless it says `use_muon`:
+    `k3.training.optim.muon_groups(model, weight_decay)` splits a k3 model (what `k3 train` uses), or
+
+        Muon([{"params": hidden_matrices, "use_muon": True}, {"params": everything_else}], lr=3e-3)
+    """
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8,
                  momentum: float = 0.95, ns_steps: int = 5, fused: bool | None = None):
