@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.common import cast
-from .norm import upcast
+from .norm import inverse_rms, upcast
 
 STACK_LIMIT = 1 << 16  # values per source up to which the sources are stacked and mixed in a few batched ops
 
@@ -56,7 +56,7 @@ class BlockAttnRes(nn.Module):
 
     def _logits(self, v: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
         """v [..., D] (one source, or N stacked) -> w . RMS(v) [...] = (v . w) / rms(v): no normalised copy of v."""
-        return (v @ query) * _inverse_rms(v, self.eps)
+        return (v @ query) * inverse_rms(v, self.eps)
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
         """sources: N tensors [..., D] (same shape) -> the mix [..., D] in the sources' dtype."""
@@ -85,11 +85,6 @@ class BlockAttnRes(nn.Module):
         return sources
 
 
-def _inverse_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """v [..., D] -> 1 / rms(v) = (mean(v^2) + eps)^-1/2 per token [...]."""
-    return torch.rsqrt(v.pow(2).mean(-1) + eps)
-
-
 class _DepthMix(torch.autograd.Function):
     """mix = sum_n alpha_n V_n, alpha = softmax_n(l), l_n = (V_n . w) r_n, r_n = (mean(V_n^2) + eps)^-1/2,
     for sources V_n [..., D] and the query w [D], one source at a time. Backward, with G = dL/dmix:
@@ -103,7 +98,7 @@ class _DepthMix(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query: torch.Tensor, eps: float, *values: torch.Tensor) -> torch.Tensor:
-        r = torch.stack([_inverse_rms(v, eps) for v in values])  # [N, ...]
+        r = torch.stack([inverse_rms(v, eps) for v in values])  # [N, ...]
         dots = torch.stack([v @ query for v in values])  # V_n . w
         alpha = torch.softmax(dots * r, dim=0)
         mix = values[0] * alpha[0].unsqueeze(-1)

@@ -19,6 +19,11 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in WIDE else x.float()
 
 
+def inverse_rms(x: torch.Tensor, eps: float, keepdim: bool = False) -> torch.Tensor:
+    """x [..., D] -> 1 / rms(x) = (mean(x^2) + eps)^-1/2 per row: [...] ([..., 1] with keepdim)."""
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=keepdim).add_(eps))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight over the last dimension (x and weight of one dtype): torch's
     rms_norm, with `_RMSNorm`'s backward when a gradient is wanted."""
@@ -37,7 +42,7 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
+        r = inverse_rms(x, eps, keepdim=True)
         ctx.save_for_backward(x, weight, r)
         return x * r * weight
 
@@ -77,7 +82,7 @@ class RMSNorm(nn.Module):
             h = rms_norm(x, self.weight, self.eps)
             return h if gate is None else cast(h * torch.sigmoid(upcast(gate)), x.dtype)
         h = upcast(x)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = h * inverse_rms(h, self.eps, keepdim=True)
         if gate is None:
             return self.weight * cast(h, x.dtype)
         return cast(upcast(self.weight) * h * torch.sigmoid(upcast(gate)), x.dtype)

@@ -193,7 +193,12 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     gradient to take, `_L2Norm`'s."""
     if torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
         return _L2Norm.apply(x, eps)
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+    return x * _inverse_norm(x, eps)
+
+
+def _inverse_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """(sum(x^2) + eps)^-1/2 over the last dim, kept as a size-1 dim."""
+    return torch.rsqrt(x.pow(2).sum(-1, keepdim=True).add_(eps))
 
 
 class _L2Norm(torch.autograd.Function):
@@ -202,7 +207,7 @@ class _L2Norm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
-        r = torch.rsqrt(x.pow(2).sum(-1, keepdim=True).add_(eps))
+        r = _inverse_norm(x, eps)
         y = x * r
         ctx.save_for_backward(y, r)
         return y
