@@ -6,22 +6,40 @@ Three formats:
 - "k3" (default, any k3 model): what K3ForCausalLM.save_pretrained writes — config.json with
   model_type "k3" and the k3 ModelConfig under "k3", model.safetensors with k3's names under `k3.`,
   generation_config.json, and transformers' remote code: an `auto_map` in config.json naming
-  configuration_k3.py and modeling_k3.py, beside it (`k3.hf.remote_code`: they import k3's classes). Loads with AutoModelForCausalLM after `import k3.hf`, or with `trust_remote_code=True` in
-  an interpreter that never imported k3 (k3 installed), and with k3's own CausalLM.from_pretrained.
+  configuration_k3.py and modeling_k3.py, beside it (`k3.hf.remote_code`: they import k3's classes).
+  Loads with AutoModelForCausalLM after `import k3.hf`, or with `trust_remote_code=True` in an
+  interpreter that never imported k3 (k3 installed), and with k3's own CausalLM.from_pretrained.
 - "kimi-linear" (kimi-linear* models): Kimi Linear's own format — config.json with model_type
   "kimi_linear" in the Hub's spelling (`hf_config.kimi_linear_config`, which refuses what Kimi Linear
   cannot express) and model.safetensors in the Hub's names (`checkpoint.kimi_state_dict`). Loads with
   transformers' KimiLinearForCausalLM (transformers 5), no k3 needed.
 - "kimi-k3" (KDA/MLA models): Kimi K3's published layout (`k3.models.kimi_k3_format`) — config.json
-  with `text_config` and the published field names, tensors under `language_model.` with K3's names,
-  A_log padded to [head_dim], sharded safetensors (`model-0000i-of-0000n.safetensors`) with
-  `model.safetensors.index.json`; with `quantize="mxfp4"` the routed experts in compressed-tensors
-  MXFP4 (codes that the source already holds are copied byte for byte).
+  with `text_config` and the published field names, tensors under `language_model.` with K3's names
+  in the published dtypes (float32 for A_log, dt_bias, the short convolutions, o_norm and the router's
+  correction bias; bfloat16 for the rest), A_log padded to [head_dim] (with the source's padding when
+  it has one), sharded safetensors (`model-0000i-of-0000n.safetensors`) with
+  `model.safetensors.index.json`. The routed experts (`quantize`): by default as the checkpoint stores
+  them — MXFP4 codes and scales copied byte for byte, full precision written bfloat16 — so a published
+  checkpoint read by k3 exports to the same tensors, byte for byte; `quantize="mxfp4"` stores them in
+  compressed-tensors MXFP4 (encoding full-precision ones), `quantize="bf16"` in bfloat16 (decoding MXFP4
+  ones, exactly).
+
+The output must be a new or an empty directory: an export never writes over files (a training
+checkpoint's config.json and model.safetensors have the names an export writes), so an existing
+non-empty `out`, the checkpoint itself, a folder inside it or one holding it are refused before anything
+is read (FileExistsError / ValueError: `k3 export` says so in one line, exit 2), and checked again, under
+the folder's lock, just before the files are moved in.
 
 When the checkpoint has a tokenizer.json (k3 train writes one), it is copied with a
-tokenizer_config.json naming PreTrainedTokenizerFast, so AutoTokenizer.from_pretrained(dir) loads it,
-and the config's bos/eos token is <|endoftext|>. Every file is written to a temporary folder beside
-the output first and moved into place once all are complete (`k3.io`).
+tokenizer_config.json naming PreTrainedTokenizerFast (transformers' own class, no remote code), and the
+config's bos/eos token is <|endoftext|>. `AutoTokenizer.from_pretrained(dir)` loads the Kimi Linear and
+Kimi K3 formats with no flag and no prompt. It reads config.json first, through AutoConfig: for the k3
+format, whose model_type "k3" transformers resolves only through the remote code of config.json's
+auto_map, it needs what the model needs — `import k3.hf` first or `trust_remote_code=True` — or it
+asks whether to run that code (transformers 5.24); for Kimi K3's model_type "kimi_k3", which this
+transformers does not know, it logs "You are using a model of type `kimi_k3` to instantiate a model of
+type ``" (its fallback to the base config class) and loads the tokenizer. Every file is written to a
+temporary folder beside the output first and moved into place once all are complete (`k3.io`).
 """
 
 from __future__ import annotations
@@ -30,18 +48,20 @@ import json
 import os
 from pathlib import Path
 
-from ..io import move_files_into, staging_folder
+from ..io import folder_lock, move_files_into, staging_folder
 
 FORMATS = ("k3", "kimi-linear", "kimi-k3")
-QUANTIZE = (None, "mxfp4")
+QUANTIZE = (None, "mxfp4", "bf16")  # kimi-k3's routed experts: as stored, MXFP4, bfloat16
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default shard size, "5GB"
 
 
 def export(checkpoint: str | os.PathLike, out: str | os.PathLike, format: str = "k3", quantize: str | None = None,
            max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
     """Write `checkpoint` (a k3 training or model checkpoint directory, or any checkpoint
-    `CausalLM.from_pretrained` reads) to `out` in `format`; `quantize="mxfp4"` (kimi-k3 only) stores
-    the routed experts in MXFP4. Returns the names of the files written."""
+    `CausalLM.from_pretrained` reads) to `out`, a new or empty directory, in `format`. `quantize`
+    (kimi-k3 only) says how the routed experts are stored: None, as the checkpoint stores them (MXFP4
+    stays MXFP4, byte for byte); "mxfp4", MXFP4; "bf16", bfloat16. The other formats hold full-precision
+    experts (MXFP4 ones are decoded). Returns the names of the files written."""
     from ..models import CausalLM
     from ..models.hf_config import kimi_linear_config
     from ..models.kimi_k3_format import published_config
@@ -50,29 +70,83 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, format: str = 
     if format not in FORMATS:
         raise ValueError(f"export: `format` must be one of {FORMATS}, got {format!r}")
     if quantize not in QUANTIZE or (quantize and format != "kimi-k3"):
-        raise ValueError(f"export: `quantize` must be one of {QUANTIZE} (mxfp4 with format 'kimi-k3' only), "
-                         f"got {quantize!r} with format {format!r}")
+        raise ValueError(f"export: `quantize` must be one of {QUANTIZE} (mxfp4 and bf16 with format 'kimi-k3' "
+                         f"only), got {quantize!r} with format {format!r}")
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"export: `max_shard_bytes` must be a positive int, got {max_shard_bytes!r}")
-    checkpoint, out = Path(checkpoint), Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"export: the output {out} exists and is not a directory")
-    model = CausalLM.from_pretrained(checkpoint, experts=quantize).eval()
+    checkpoint, out = Path(checkpoint), Path(out).resolve()  # resolved: the staging folder goes beside it
+    check_output(checkpoint, out)
+    stored_mxfp4, a_log_pad = False, {}
+    if format == "kimi-k3" and checkpoint.is_dir():  # (from_pretrained says what a missing folder needs)
+        stored_mxfp4, a_log_pad = _stored_layout(checkpoint)
+    mxfp4_out = quantize == "mxfp4" or (quantize is None and stored_mxfp4)
+    # MXFP4 experts stay MXFP4 in memory (decoded to bfloat16 only as they are written, for "bf16")
+    experts = "mxfp4" if format == "kimi-k3" and (mxfp4_out or stored_mxfp4) else None
+    model = CausalLM.from_pretrained(checkpoint, experts=experts).eval()
     tokenizer = Tokenizer.load(checkpoint) if (checkpoint / "tokenizer.json").exists() else None
     # Kimi Linear's config.json, made (or refused) before anything is written
     kimi_config = kimi_linear_config(model.config) if format == "kimi-linear" else None
-    k3_config = published_config(model.config, quantize == "mxfp4") if format == "kimi-k3" else None
+    k3_config = published_config(model.config, mxfp4_out) if format == "kimi-k3" else None
     special = {} if tokenizer is None else dict(bos_token_id=tokenizer.eot_id, eos_token_id=tokenizer.eot_id)
     with staging_folder(out) as staging:
         if k3_config is not None:
-            _write_kimi_k3(model, k3_config, staging, special, quantize == "mxfp4", max_shard_bytes)
+            _write_kimi_k3(model, k3_config, staging, special, mxfp4_out, max_shard_bytes, a_log_pad)
         elif kimi_config is None:
             _write_k3(model, staging, special)
         else:
             _write_kimi_linear(model, kimi_config, staging, special)
         if tokenizer is not None:
             _write_tokenizer(tokenizer, model.config, staging)
-        return move_files_into(staging, out)
+        out.mkdir(parents=True, exist_ok=True)
+        with folder_lock(out):  # nothing may have appeared there while the files were written
+            check_output(checkpoint, out)
+            return move_files_into(staging, out)
+
+
+def check_output(checkpoint: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Refuse an export's output directory that could overwrite files: `out` must not exist or be an
+    empty directory, and be neither the checkpoint, nor inside it (the export would become part of the
+    training run's folder), nor hold it (ValueError for those three, FileExistsError for a file or a
+    directory with entries, each naming `out` and what is there)."""
+    source, target = Path(checkpoint).resolve(), Path(out).resolve()
+    for bad, what in ((target == source, "is the checkpoint being exported"),
+                      (target.is_relative_to(source), f"is inside the checkpoint being exported ({checkpoint})"),
+                      (source.is_relative_to(target), f"holds the checkpoint being exported ({checkpoint})")):
+        if bad:
+            raise ValueError(f"export: `out` must be a new or empty directory outside the checkpoint, got {out}, "
+                             f"which {what}")
+    if os.path.lexists(out) and not Path(out).is_dir():
+        raise FileExistsError(f"export: `out` must be a new or empty directory, got {out}, which is a file")
+    entries = sorted(p.name for p in Path(out).iterdir()) if Path(out).is_dir() else []
+    if entries:
+        shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
+        raise FileExistsError(f"export: `out` must be a new or empty directory, got {out}, which holds {shown}; "
+                              f"export to another directory, or empty it first")
+
+
+def _stored_layout(checkpoint: Path) -> tuple[bool, dict]:
+    """(does the checkpoint store routed experts in MXFP4, its published A_log tensors' padding by name),
+    from the safetensors headers and the A_log tensors alone."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    from ..models.checkpoint import read_config
+    from ..models.kimi_k3_format import PREFIX, a_log_padding
+    from ..models.loading import shard_files
+
+    stored_mxfp4, a_logs = False, {}
+    with folder_lock(checkpoint):
+        config, _ = read_config(checkpoint)
+        for file in shard_files(checkpoint):
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    for key in f.keys():
+                        stored_mxfp4 |= key.endswith(".weight_packed")
+                        if key.startswith(PREFIX) and key.endswith("self_attn.A_log"):
+                            a_logs[key] = f.get_tensor(key).to(torch.float32)
+            except SafetensorError as e:
+                raise ValueError(f"{checkpoint}: {file.name} is damaged or not a safetensors file ({e})") from None
+    return stored_mxfp4, a_log_padding(a_logs, config.linear_num_heads, config.linear_head_dim)
 
 
 def _write_k3(model, directory: Path, special: dict) -> None:
@@ -93,7 +167,8 @@ def _write_kimi_linear(model, config: dict, directory: Path, special: dict) -> N
     (directory / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def _write_kimi_k3(model, config: dict, directory: Path, special: dict, quantize: bool, max_shard_bytes: int) -> None:
+def _write_kimi_k3(model, config: dict, directory: Path, special: dict, quantize: bool, max_shard_bytes: int,
+                   a_log_pad: dict) -> None:
     """Kimi K3's published layout: shards of at most `max_shard_bytes` (a bigger tensor gets one of its
     own), each tensor made when its shard is written, and the index."""
     from safetensors.torch import save_file
@@ -102,7 +177,7 @@ def _write_kimi_k3(model, config: dict, directory: Path, special: dict, quantize
 
     shards: list[list] = [[]]
     size = 0
-    for entry in published_entries(model, quantize):
+    for entry in published_entries(model, quantize, a_log_pad):
         if shards[-1] and size + entry.nbytes > max_shard_bytes:
             shards.append([])
             size = 0

@@ -18,8 +18,10 @@
       self_attn.A_log [1, 1, H, 1]             self_attn.A_log [head_dim] float32, the first H entries used
       experts.E.w1                             experts.E.w1.weight (bf16) or .weight_packed / .weight_scale (MXFP4)
 
-- dtypes: bfloat16 everywhere but `A_log` and the router's `e_score_correction_bias` (float32) and the
-  MXFP4 experts (uint8).
+- dtypes: float32 for KDA's small per-channel tensors (`self_attn.A_log`, `dt_bias`, the short
+  convolutions `{q,k,v}_conv1d.weight`, the output norm `o_norm.weight`) and the router's
+  `e_score_correction_bias`; uint8 for the MXFP4 experts' codes and scales; bfloat16 for the rest.
+  Written back in the same dtypes, a published checkpoint read by k3 exports to the same bytes.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ RENAMES = (
     (".latent_norm.weight", ".routed_expert_norm.weight"),
     (".latent_up_proj.weight", ".routed_expert_up_proj.weight"),
 )
-FLOAT32_TENSORS = ("self_attn.A_log", "e_score_correction_bias")
+# the tensors the published checkpoint stores in float32 (name endings)
+FLOAT32_TENSORS = ("self_attn.A_log", "self_attn.dt_bias", "self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight",
+                   "self_attn.v_conv1d.weight", "self_attn.o_norm.weight", "gate.e_score_correction_bias")
 QUANTIZED_PARTS = (".weight_packed", ".weight_scale")
 EXPERT_MATRIX = re.compile(r"block_sparse_moe\.experts\.\d+\.w[123]$")
 QUANTIZATION_CONFIG = {
@@ -100,16 +104,32 @@ def unpad_a_log(t: torch.Tensor, num_heads: int, key: str) -> torch.Tensor:
     return t[:num_heads].reshape(1, 1, num_heads, 1)
 
 
-def pad_a_log(t: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """k3's A_log [1, 1, H, 1] -> the published [head_dim] float32, zeros after the first H entries."""
+def pad_a_log(t: torch.Tensor, head_dim: int, padding: torch.Tensor | None = None) -> torch.Tensor:
+    """k3's A_log [1, 1, H, 1] -> the published [head_dim] float32: the H values, then `padding` (the
+    entries after the first H of the checkpoint k3 read it from, which no model uses: kept so that a
+    published checkpoint exports to the same bytes) or zeros."""
     heads = t.numel()
     out = torch.zeros(max(head_dim, heads), dtype=torch.float32)
     out[:heads] = t.detach().flatten().float()
+    if padding is not None:
+        if padding.shape != (out.numel() - heads,):
+            raise ValueError(f"pad_a_log: `padding` must hold {out.numel() - heads} entries (head_dim {head_dim} - "
+                             f"{heads} heads), got shape {list(padding.shape)}")
+        out[heads:] = padding.float()
     return out
 
 
+def a_log_padding(published: dict[str, torch.Tensor], num_heads: int, head_dim: int) -> dict[str, torch.Tensor]:
+    """{published name: the entries after the first `num_heads`} of each A_log among `published`
+    (tensors under their published names) padded as the layout pads it (1-D, `head_dim` entries), for
+    `published_entries` to write back."""
+    return {k: t[num_heads:] for k, t in published.items() if k.startswith(PREFIX) and k.endswith("self_attn.A_log")
+            and t.dim() == 1 and t.numel() == head_dim > num_heads}
+
+
 def stored_dtype(key: str, t: torch.Tensor) -> torch.dtype:
-    """The dtype a k3 tensor is written in: float32 for A_log and the correction bias, else bfloat16."""
+    """The dtype a k3 tensor is written in: float32 for the published float32 tensors (FLOAT32_TENSORS),
+    else bfloat16; integer tensors keep theirs."""
     if not t.is_floating_point():
         return t.dtype
     return torch.float32 if key.endswith(FLOAT32_TENSORS) else torch.bfloat16
@@ -150,10 +170,12 @@ class Entry(NamedTuple):
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def published_entries(model, quantize: bool) -> list[Entry]:
+def published_entries(model, quantize: bool, a_log_pad: dict[str, torch.Tensor] | None = None) -> list[Entry]:
     """The tensors of `model` in the published layout, in the model's order (`quantize`: routed experts in
     MXFP4: codes an MXFP4 model holds are written as they are, full-precision experts are encoded;
-    otherwise MXFP4 experts are decoded to bfloat16). Nothing is computed until an entry's `make`."""
+    otherwise MXFP4 experts are decoded to bfloat16), each in its published dtype (`stored_dtype`).
+    `a_log_pad`: A_log padding by published name (`a_log_padding` of the checkpoint the model was read
+    from), zeros where absent. Nothing is computed until an entry's `make`."""
     from .checkpoint import weights_to_save
 
     state = weights_to_save(model)
@@ -184,8 +206,9 @@ def published_entries(model, quantize: bool) -> list[Entry]:
             entries += [Entry(name + "_packed", (rows, cols // 2), torch.uint8, lambda p=part: p(0)),
                         Entry(name + "_scale", (rows, cols // mxfp4.GROUP_SIZE), torch.uint8, lambda p=part: p(1))]
         elif key.endswith("self_attn.A_log"):
+            pad = (a_log_pad or {}).get(name)
             entries.append(Entry(name, (max(head_dim, t.numel()),), torch.float32,
-                                 lambda t=t: pad_a_log(t, head_dim)))
+                                 lambda t=t, pad=pad: pad_a_log(t, head_dim, pad)))
         else:
             dtype = stored_dtype(key, t)
             entries.append(Entry(name, tuple(t.shape), dtype, lambda t=t, d=dtype: t.to(d).contiguous()))

@@ -1,7 +1,9 @@
 """Tiny checkpoints in Kimi K3's published layout, written here from the issue's description (not with
 k3's own writer): the wrapper config.json with `text_config`, `language_model.` names, K3's AttnRes and
-latent-MoE names, A_log [head_dim] float32 with padding, MXFP4 routed experts, vision tensors to skip,
-and three shards with an index in which an expert's codes and scales can sit in different shards.
+latent-MoE names, A_log [head_dim] float32 with padding, the published dtypes (F32 for KDA's A_log,
+dt_bias, short convolutions and o_norm and the router's correction bias, U8 for the MXFP4 routed experts'
+codes and scales, BF16 for the rest), vision tensors to skip, and three shards with an index in which an
+expert's codes and scales can sit in different shards.
 
 `write_published` returns the truth: every k3 parameter's expected value (what loading must give).
 """
@@ -31,6 +33,9 @@ PUBLISHED_NAMES = [
     (".latent_norm.weight", ".routed_expert_norm.weight"),
     (".latent_up_proj.weight", ".routed_expert_up_proj.weight"),
 ]
+# stored F32 in the published checkpoint (with full float32 values here: a bf16 round trip would show)
+FLOAT32 = ("self_attn.A_log", "self_attn.dt_bias", "self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight",
+           "self_attn.v_conv1d.weight", "self_attn.o_norm.weight", "e_score_correction_bias")
 SATURATING = 30.0  # A_log padding: exp(30) * (f + dt_bias) would pin every gate at -5 or 0
 QUANT = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
          "config_groups": {"group_0": {"targets": ["Linear"], "format": "mxfp4-pack-quantized",
@@ -54,7 +59,8 @@ def published_name(key: str) -> str:
 def write_published(directory: Path, config=None, seed: int = 0, canonical: bool = False,
                     shards: int = 3) -> dict[str, torch.Tensor]:
     """Write a published-layout checkpoint of `config` (kimi-k3-tiny by default) with random values
-    (bf16-exact; experts from random MXFP4 bytes, or `canonical`: from the encoder) -> the k3 truth."""
+    (bf16-exact where stored BF16; experts from random MXFP4 bytes, or `canonical`: from the encoder)
+    -> the k3 truth."""
     config = config or tiny_config()
     g = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
@@ -74,13 +80,15 @@ def write_published(directory: Path, config=None, seed: int = 0, canonical: bool
             files[f"language_model.{key}.weight_scale"] = scale
             truth[key] = mxfp4.decode(packed, scale)
             continue
-        t = (torch.randn(meta.shape, generator=g) * 0.1).to(torch.bfloat16).float()
+        t = torch.randn(meta.shape, generator=g) * 0.1
+        if not key.endswith(FLOAT32):
+            t = t.to(torch.bfloat16).float()
         if key.endswith("self_attn.A_log"):
             padded = torch.full((head_dim,), SATURATING)
             padded[:heads] = t.flatten()
             files[published_name(key)] = padded
-        elif key.endswith("e_score_correction_bias"):
-            files[published_name(key)] = t  # float32
+        elif key.endswith(FLOAT32):
+            files[published_name(key)] = t
         else:
             files[published_name(key)] = t.to(torch.bfloat16)
         truth[key] = t
