@@ -49,11 +49,28 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = N
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def refuse_text(prompts) -> None:
+    """A TypeError for a prompt given as text: the model takes token ids (`tokenizer.encode(text)`)."""
+    texts = [prompts] if isinstance(prompts, str) else (
+        [p for p in prompts if isinstance(p, str)] if isinstance(prompts, (list, tuple)) else [])
+    if texts:
+        raise TypeError(f"generate: the prompt is text ({texts[0][:40]!r}), but the model takes token ids; encode it "
+                        f"first: tokenizer = k3.tokenizer.Tokenizer.load(checkpoint); "
+                        f"model.generate([tokenizer.encode(text)], ...), then tokenizer.decode(row)")
+
+
 def as_prompt_list(prompts, device=None) -> list[torch.Tensor]:
     """A list of prompts (token-id lists or 1-D tensors, each non-empty) as 1-D int64 tensors."""
+    refuse_text(prompts)
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"generate: the prompts must be a [B, T] tensor or a list of token-id lists, got "
+                        f"{type(prompts).__name__}")
     out = []
     for i, p in enumerate(prompts):
-        ids = torch.as_tensor(p, dtype=torch.long, device=device)
+        try:
+            ids = torch.as_tensor(p, dtype=torch.long, device=device)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"generate: prompt {i} must be a sequence of token ids (ints), got {p!r:.60}") from None
         if ids.dim() != 1 or ids.numel() == 0:
             raise ValueError(f"generate: prompt {i} must be a non-empty sequence of token ids, got shape "
                              f"{list(ids.shape)}")
@@ -139,8 +156,8 @@ def stream(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 
     With `cache` (a HybridCache of earlier tokens, e.g. the conversation so far), `input_ids` [B, T]
     continue after what it has seen, and it is updated in place: at the end it has seen everything but
     the last token yielded (sampled, not yet fed back; the next turn starts with it)."""
-    if max_new_tokens < 0:
-        raise ValueError(f"generate: `max_new_tokens` must be >= 0, got {max_new_tokens}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"generate: `max_new_tokens` must be an int >= 0, got {max_new_tokens!r}")
     if cache is None:
         logits, cache = prefill(model, input_ids, max(max_new_tokens, 1))
     else:

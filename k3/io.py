@@ -169,6 +169,19 @@ def write_json(path: str | os.PathLike, obj, indent: int = 1) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
+def read_json(path: str | os.PathLike):
+    """The JSON value in the file `path`; a file that is not UTF-8 JSON is a ValueError naming the file and
+    where it breaks (json's own message names neither)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); fix the file or "
+                         f"restore it from a copy") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}), so not a "
+                         f"JSON file; restore it from a copy") from None
+
+
 def describe(path: str | os.PathLike) -> dict:
     """{"size": bytes, "sha256": hex digest} of a file."""
     sha = hashlib.sha256()

@@ -72,6 +72,27 @@ def matmul_gflops(n: int = 1024, batch: int | None = None, size: int = 64, repea
     return flops / best_time(lambda: a @ b, repeats=repeats) / 1e9
 
 
+def machine_speed_words(device: torch.device) -> str:
+    """What `k3 train`'s header says of the machine it trains on: the CPU's float32 matmul (1024^3) GFLOP/s
+    on torch's threads, or for a GPU its name, memory and own float32 and bfloat16 matmul speeds (4096^3:
+    a 1024^3 GEMM is too small to fill one), so that runs on different machines compare."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"this machine's float32 matmul (1024^3): {matmul_gflops():.0f} GFLOP/s"
+    props = torch.cuda.get_device_properties(device)
+    speeds = []
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(4096, 4096, device=device, dtype=dtype)
+        b = torch.randn(4096, 4096, device=device, dtype=dtype)
+
+        def run():
+            a @ b
+            torch.cuda.synchronize(device)
+        speeds.append(2 * 4096 ** 3 / best_time(run, repeats=5) / 1e12)
+    return (f"GPU {props.name}, {props.total_memory / 2 ** 30:.0f} GiB; its matmul (4096^3): float32 "
+            f"{speeds[0]:.1f} TFLOP/s, bfloat16 {speeds[1]:.1f} TFLOP/s")
+
+
 def cxx_compiler() -> str | None:
     """The C++ compiler torch.compile's CPU backend (inductor) would build its kernels with: $CXX, else
     g++, c++ or clang++ on the PATH; None if there is none."""

@@ -73,7 +73,13 @@ def fails(capsys, argv: list[str], *expected: str) -> str:
     (["--set", "bogus_field=1"], "no ModelConfig field 'bogus_field'; the fields are: name, vocab_size, hidden_size"),
     (["--set", "hiden_size=64"], "did you mean 'hidden_size'"),
     (["--set", "hidden_size=abc"], "`hidden_size` must be an integer, got 'abc'"),
-    (["--set", "layer_types=[]"], "layer_types follow(s) the preset's pattern"),
+    (["--set", "layer_types=[]"], "`layer_types` is empty; give one entry per layer"),
+    (["--set", 'layer_types=["kda", "mla"]', "--num-layers", "3"], "`layer_types` has 2, `num_layers` is 3"),
+    (["--set", "vocab_size=10", "--tokenizer", "byte"],
+     "--set vocab_size=10: the model's vocabulary is the tokenizer's (--tokenizer byte gives 257 tokens)"),
+    (["--set", "hidden_size=64", "--hidden-size", "96"], "--set hidden_size=64 and --hidden-size 96 both set"),
+    (["--set", "num_layers=3", "--num-layers", "4"], "--set num_layers=3 and --num-layers 4 both set"),
+    (["--max-steps", "2", "--time-budget", "1"], "--max-steps 2 and --time-budget 1 both set the run's length"),
     (["--set", "hidden_size"], "--set expects FIELD=VALUE, got 'hidden_size'"),
 ])
 def test_bad_train_settings_are_refused_before_any_work(capsys, tmp_path, flags, expected):
@@ -84,7 +90,10 @@ def test_bad_train_settings_are_refused_before_any_work(capsys, tmp_path, flags,
 def test_train_config_checks_its_fields():
     for bad, expected in [({"max_steps": 0}, "`max_steps` must be an integer >= 1"),
                           ({"time_budget": float("nan")}, "`time_budget` must be a finite number"),
-                          ({"warmup_steps": -5}, "`warmup_steps` must be an integer >= 0, got -5"),
+                          ({"warmup_steps": -5}, "`warmup_steps` must be an integer >= 0, or None (5% of the steps, at most 50), got -5"),
+                          ({"max_steps": 2, "time_budget": 1.0}, "`max_steps` 2 and `time_budget` 1.0 both set"),
+                          ({"model_overrides": {"vocab_size": 10}}, "`vocab_size` 10 would be replaced by the "
+                                                                     "tokenizer's vocabulary"),
                           ({"threads": 0}, "`threads` must be an integer >= 1"),
                           ({"checkpoint_every": -1}, "`checkpoint_every` must be an integer >= 1"),
                           ({"betas": (0.9, 1.5)}, "`betas` must be two numbers in [0, 1)"),

@@ -83,9 +83,20 @@ def _train_config(args):
             raise ValueError(f"--set expects FIELD=VALUE, got {item!r}")
         key, value = item.split("=", 1)
         overrides[key.strip()] = _parse_value(value)
-    for flag, key in (("hidden_size", "hidden_size"), ("num_layers", "num_layers")):
-        if getattr(args, flag) is not None:
-            overrides[key] = getattr(args, flag)
+    for key, flag in (("hidden_size", "--hidden-size"), ("num_layers", "--num-layers")):
+        if getattr(args, key) is not None:
+            if key in overrides:
+                raise ValueError(f"--set {key}={overrides[key]!r} and {flag} {getattr(args, key)} both set "
+                                 f"`{key}`; give one")
+            overrides[key] = getattr(args, key)
+    if "vocab_size" in overrides:
+        vocabulary = "--tokenizer byte gives 257 tokens" if args.tokenizer == "byte" else \
+            f"--vocab-size {args.vocab_size} gives the BPE tokenizer's"
+        raise ValueError(f"--set vocab_size={overrides['vocab_size']!r}: the model's vocabulary is the tokenizer's "
+                         f"({vocabulary}); drop --set vocab_size and use --vocab-size N (BPE) or --tokenizer byte")
+    if args.max_steps is not None and args.time_budget is not None:
+        raise ValueError(f"--max-steps {args.max_steps} and --time-budget {args.time_budget:g} both set the run's "
+                         f"length; give one (steps or minutes)")
     fields = dict(preset=args.preset, model_overrides=overrides, data=args.data, tokenizer=args.tokenizer,
                   vocab_size=args.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
                   warmup_steps=args.warmup, schedule=args.schedule, weight_decay=args.weight_decay,
@@ -96,14 +107,10 @@ def _train_config(args):
     for key in _ASKED_BY_NAME:
         if getattr(args, key) is not None:
             fields[key] = None if getattr(args, key) == "none" else getattr(args, key)
-    if args.time_budget is not None and args.max_steps is None:
-        fields["max_steps"] = None
-    elif fields["max_steps"] is None:
-        fields["max_steps"] = TrainConfig().max_steps
     return TrainConfig(**fields)
 
 
-_ASKED_BY_NAME = ("device", "precision", "grad_accum", "log", "final_eval_tokens", "optimizer")
+_ASKED_BY_NAME = ("device", "precision", "grad_accum", "log", "final_eval_tokens", "optimizer", "max_steps")
 
 
 def _train(args) -> int:
@@ -131,7 +138,7 @@ def _generate(args) -> int:
     import torch
 
     from ..models import CausalLM
-    from ..models.preflight import check_pretrained
+    from ..models.preflight import check_checkpoint
     from ..runtime import resolve_device
     from ..tokenizer import Tokenizer
     from .interactive import interactive, report, stream_text
@@ -142,10 +149,13 @@ def _generate(args) -> int:
     if not Path(args.checkpoint).is_dir():
         raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no such folder (expected a checkpoint folder, "
                                 f"e.g. what k3 train --out wrote)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
+    # every file against the save's manifest, the weights' names and shapes, as `k3 train --resume` does
+    check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
     tokenizer = Tokenizer.load(args.checkpoint)
     texts, prompts = _prompts(args, tokenizer)
-    check_pretrained(args.checkpoint, f"--checkpoint {args.checkpoint}")
     model = CausalLM.from_pretrained(args.checkpoint).to(device).eval()
     if not prompts:
         return interactive(args, model, tokenizer)

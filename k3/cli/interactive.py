@@ -55,13 +55,21 @@ def report(new: int, seconds: float, prefill: int, device=None) -> None:
 def _read_line(tty: bool) -> str | None:
     """The next line of stdin without its newline; None at the end of input (Ctrl-D)."""
     try:
-        return input("> " if tty else "")
+        line = input("> " if tty else "")
     except EOFError:
         if tty:
             print(file=sys.stderr)  # the terminal's cursor sits after "> "
         return None
     except UnicodeDecodeError as e:
         raise ValueError(f"stdin: not UTF-8 text (byte {e.object[e.start]:#04x}); give UTF-8 text") from None
+    try:  # under a C locale Python reads bytes that are not UTF-8 as lone surrogates (surrogateescape)
+        line.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(line[e.start]) - 0xDC00
+        shown = f"byte {byte:#04x}" if 0x80 <= byte <= 0xFF else f"{line[e.start]!r}"
+        raise ValueError(f"stdin: not UTF-8 text ({shown} at character {e.start} of the line); give UTF-8 "
+                         f"text") from None
+    return line
 
 
 def interactive(args, model, tokenizer) -> int:

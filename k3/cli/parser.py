@@ -11,8 +11,25 @@ from .commands import (_bench_models, _bench_ops, _bench_train, _eval, _export, 
                        _train)
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """`--help` shows each option's default, "(default: X)", unless the help already says it or there is
+    none to show (a flag that is off, an option whose default is "not given")."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        default = " ".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {default})" if text else f"default: {default}"
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse with its errors on one line (the usage of `k3 train` alone takes a dozen)."""
+    """argparse with its errors on one line (the usage of `k3 train` alone takes a dozen) and every
+    default in `--help`."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -56,10 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", metavar="FIELD=VALUE",
                        help="override any ModelConfig field, e.g. --set num_experts=8 (repeatable)")
     train.add_argument("--data", help="a UTF-8 text file or folder (default: Shakespeare's works, fetched once)")
-    train.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe")
+    train.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe",
+                       help="byte-level BPE trained on the corpus, or the 256 bytes themselves")
     train.add_argument("--vocab-size", type=_count(257, "BPE entries (256 bytes + <|endoftext|> + merges)"),
                        default=4096, help="BPE vocabulary size")
-    train.add_argument("--seq-len", type=_count(1, "tokens per sequence"), default=256)
+    train.add_argument("--seq-len", type=_count(1, "tokens per sequence"), default=256, help="tokens per sequence")
     train.add_argument("--batch-size", type=_count(1, "sequences per step"), default=8,
                        help="sequences per step, or per micro-batch with --grad-accum (default 8: in a fixed time "
                             "budget, more smaller steps learn more)")
@@ -69,27 +87,33 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--optimizer", choices=("muon", "adamw"),
                        help="muon (the default, as Kimi trains): Muon on the hidden matrices, AdamW on the "
                             "embeddings, head and vectors, one learning rate for both; or adamw on everything")
-    train.add_argument("--lr", type=_number(0, "a learning rate", above=True), default=3e-3)
-    train.add_argument("--warmup", type=_count(0, "warmup steps"), default=50, help="warmup steps")
+    train.add_argument("--lr", type=_number(0, "a learning rate", above=True), default=3e-3,
+                       help="peak learning rate (Muon's and AdamW's)")
+    train.add_argument("--warmup", type=_count(0, "warmup steps"),
+                       help="linear warm-up steps (default: 5%% of the run's steps, at most 50)")
     train.add_argument("--schedule", choices=("cosine", "wsd"), default="wsd",
                        help="after the warmup: constant then a linear decay over the last 20%% (wsd, the default: "
                             "a time budget re-planned on the way changes nothing before the decay), or cosine")
-    train.add_argument("--weight-decay", type=_number(0, "a weight decay"), default=0.1)
-    train.add_argument("--grad-clip", type=_number(0, "a gradient norm", above=True), default=1.0)
+    train.add_argument("--weight-decay", type=_number(0, "a weight decay"), default=0.1,
+                       help="decoupled weight decay of the matrices (norms, biases and gate parameters: none)")
+    train.add_argument("--grad-clip", type=_number(0, "a gradient norm", above=True), default=1.0,
+                       help="clip the gradient norm to this")
     train.add_argument("--max-steps", type=_count(1, "training steps"),
-                       help="training steps (default 1000 unless --time-budget)")
+                       help="training steps (default 1000 unless --time-budget; not with --time-budget)")
     train.add_argument("--time-budget", type=_number(0, "minutes", above=True), metavar="MIN",
-                       help="train for about this many minutes")
-    train.add_argument("--eval-every", type=_count(1, "steps between evaluations"), default=100)
+                       help="train for about this many minutes (the step count planned from the steps' speed; "
+                            "not with --max-steps)")
+    train.add_argument("--eval-every", type=_count(1, "steps between evaluations"), default=100,
+                       help="evaluate on the validation split every N steps")
     train.add_argument("--eval-tokens", type=_count(1, "validation tokens"), default=32768,
                        help="validation tokens per periodic evaluation (default 32768)")
     train.add_argument("--final-eval-tokens", type=_count(0, "validation tokens (0: no final evaluation)"),
                        metavar="N", help="validation tokens of the final evaluation (default 262144; 0 skips it)")
     train.add_argument("--checkpoint-every", type=_count(1, "steps between checkpoints"),
-                       help="also save every N steps (always at the end)")
+                       help="also save every N steps (default: at the end only)")
     train.add_argument("--out", default="runs/k3", help="checkpoint directory (and the run's metrics.jsonl)")
     train.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data order")
     train.add_argument("--threads", type=_count(1, "torch threads"),
                        help="torch threads (default: all cores); 1 is often faster on a machine busy with other "
                             "work, where threads wait for each other")
@@ -113,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Stream text from a checkpoint. Without --prompt or --prompt-file, read "
                          "prompts from stdin, one a line (typed or piped), and stream each continuation; Ctrl-C "
                          "stops a generation, Ctrl-D ends.")
-    gen.add_argument("--checkpoint", required=True, metavar="DIR")
+    gen.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint folder (k3 train --out)")
     prompt = gen.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="one prompt, its continuation streamed")
     prompt.add_argument("--prompt-file", metavar="FILE", help="one prompt a line (blank lines skipped), generated "
@@ -122,15 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompts from stdin: each one continues the conversation (every prompt and "
                           "continuation so far is the context, its cache kept between turns) instead of "
                           "starting afresh with an empty cache, the default")
-    gen.add_argument("--max-new-tokens", type=_count(0, "tokens to generate"), default=200)
+    gen.add_argument("--max-new-tokens", type=_count(0, "tokens to generate"), default=200,
+                     help="tokens to generate after each prompt")
     gen.add_argument("--ignore-eot", action="store_true",
                      help="keep generating past <|endoftext|> (by default a continuation ends there, as the "
                           "corpus's documents do; the token itself is not printed)")
     gen.add_argument("--temperature", type=_number(0, "a sampling temperature (0: greedy)"), default=0.8,
                      help="0: greedy")
-    gen.add_argument("--top-k", type=_count(1, "tokens kept"), default=50)
-    gen.add_argument("--top-p", type=_number(0, "a probability mass", above=True, high=1))
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--top-k", type=_count(1, "tokens kept"), default=50,
+                     help="sample from the k likeliest tokens")
+    gen.add_argument("--top-p", type=_number(0, "a probability mass", above=True, high=1),
+                     help="sample from the likeliest tokens whose probabilities sum to p (default: off)")
+    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    gen.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
     gen.add_argument("--device", choices=DEVICES, default="auto",
                      help="where to generate: auto (the default) picks CUDA, then Apple's MPS, then the CPU")
     gen.set_defaults(func=_generate)
@@ -159,8 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     ops = bench_sub.add_parser("ops", help="recurrent vs chunk mixers vs causal SDPA")
     ops.add_argument("--quick", action="store_true", help="T in {512, 2048}, C in {32, 64}: about a minute")
     ops.add_argument("--T", type=int, nargs="+", default=[512, 2048, 8192], help="sequence lengths")
-    ops.add_argument("--chunk-sizes", type=int, nargs="+", default=[16, 32, 64, 128])
-    ops.add_argument("--heads", type=int, default=8)
+    ops.add_argument("--chunk-sizes", type=int, nargs="+", default=[16, 32, 64, 128], help="chunk sizes C")
+    ops.add_argument("--heads", type=int, default=8, help="heads H")
     ops.add_argument("--dim", type=int, default=64, help="head dim K = V")
     ops.add_argument("--repeats", type=int, default=3, help="timed runs per case (the best is kept)")
     ops.add_argument("--json", metavar="PATH", help="also write the figures as JSON")

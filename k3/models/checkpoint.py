@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..io import CheckpointError, atomic_write_files
+from ..io import CheckpointError, atomic_write_files, read_json
 from .config import ModelConfig
 
 
@@ -99,8 +99,11 @@ def read_config(directory: Path) -> tuple[ModelConfig, bool]:
     """(config, is_k3_checkpoint) from directory/config.json."""
     path = directory / "config.json"
     if not path.exists():
-        raise FileNotFoundError(f"{directory}: no config.json (expected a checkpoint directory)")
-    raw = json.loads(path.read_text())
+        raise FileNotFoundError(f"{directory}: no config.json (expected a checkpoint folder: config.json and "
+                                f"model.safetensors, or shards listed in model.safetensors.index.json)")
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object (a model configuration), got {type(raw).__name__}")
     if "k3" in raw:
         return ModelConfig.from_dict(raw["k3"]), True
     return ModelConfig.from_hf(raw), False
@@ -133,7 +136,10 @@ def check_same_step(directory: Path) -> None:
     from safetensors import safe_open
 
     weights = directory / "model.safetensors"
-    config_step = json.loads((directory / "config.json").read_text()).get("step")
+    if not (directory / "config.json").exists():
+        return  # read_config says what is missing
+    config = read_json(directory / "config.json")
+    config_step = config.get("step") if isinstance(config, dict) else None
     if config_step is None or not weights.exists():
         return
     with safe_open(weights, "pt") as f:

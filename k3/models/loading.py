@@ -96,6 +96,7 @@ class _Filler:
         self.filled: set[str] = set()
         self.unexpected: list[str] = []
         self.shapes: list[str] = []
+        self.misshaped: set[str] = set()  # in the checkpoint, with another shape: not also "missing"
         self.halves: dict[str, dict[str, torch.Tensor]] = {}  # expert matrix -> the MXFP4 parts seen so far
 
     def put(self, key: str, t: torch.Tensor) -> None:
@@ -120,16 +121,17 @@ class _Filler:
             self.unexpected.append(key)
         elif self.own[key].shape != t.shape:
             self.shapes.append(f"{key}: checkpoint {list(t.shape)}, model {list(self.own[key].shape)}")
+            self.misshaped.add(key)
         else:
             with torch.no_grad():
                 self.own[key].copy_(t)
             self.filled.add(key)
 
     def finish(self, tied: bool) -> None:
-        if tied and "model.embed_tokens.weight" in self.filled:
+        if tied and "model.embed_tokens.weight" in self.filled | self.misshaped:
             self.filled.add("lm_head.weight")
         self.unexpected += [base + part for base, halves in self.halves.items() for part in halves]
-        missing = sorted(set(self.own) - self.filled)
+        missing = sorted(set(self.own) - self.filled - self.misshaped)
         checkpoint.raise_mismatch(self.source, missing, sorted(self.unexpected), sorted(self.shapes))
 
 
@@ -146,6 +148,10 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None,
                     layers=None) -> torch.nn.Module:
     """See the module docstring; `cls` is CausalLM."""
     directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"from_pretrained: {directory}: no such folder; a checkpoint folder holds config.json "
+                                f"and model.safetensors (or shards listed in model.safetensors.index.json), as k3 "
+                                f"train --out, save_pretrained and k3 export write them")
     # a save still in progress there is finished first; files are checked against k3's manifest
     with checked_folder(directory, checkpoint.WEIGHT_FILES):
         checkpoint.check_same_step(directory)

@@ -30,7 +30,7 @@ from ..layers.init import STD
 from . import checkpoint, loading
 from .config import ModelConfig
 from .kinds import FFNS, MIXERS
-from .loss import head_cross_entropy
+from .loss import IGNORE_INDEX, head_cross_entropy
 
 # Tokens per forward when a long input runs into a cache: prefill memory grows linearly with the prompt
 # (the recurrent states are fixed; attention scores are at most a piece of queries by the cached keys).
@@ -269,6 +269,7 @@ class CausalLM(nn.Module):
                 raise ValueError(f"CausalLM: `targets` must be [B, T] like `input_ids` {list(input_ids.shape)} "
                                  f"and come without a cache, got {list(targets.shape)}"
                                  + (" with a cache" if cache is not None else ""))
+            self._check_targets(targets)
             hidden = self.model(input_ids, None, 0)
             return head_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, targets, reduction)
         if cache is None:
@@ -298,12 +299,26 @@ class CausalLM(nn.Module):
                 hidden.pop(0)
         return hidden[0] if len(hidden) == 1 else torch.cat(hidden, dim=1)
 
+    def _check_targets(self, targets: torch.Tensor) -> None:
+        """Targets are token ids of the vocabulary, or IGNORE_INDEX where no token counts."""
+        if targets.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"CausalLM: `targets` must be int64 (or int32) token ids, got {targets.dtype}")
+        counted = targets[targets != IGNORE_INDEX]
+        if counted.numel():
+            low, high = torch.stack(torch.aminmax(counted)).tolist()
+            if low < 0 or high >= self.config.vocab_size:
+                raise ValueError(f"CausalLM: `targets` must be token ids in [0, {self.config.vocab_size}) or "
+                                 f"{IGNORE_INDEX} (not counted); got ids from {low} to {high}")
+
     def _check_input(self, input_ids: torch.Tensor, cache: HybridCache | None) -> None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             got = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise ValueError(f"CausalLM: `input_ids` must be a [B, T] tensor of token ids, got {got}")
         if input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"CausalLM: `input_ids` must be int64 (or int32), got {input_ids.dtype}")
+        if input_ids.numel() == 0:
+            raise ValueError(f"CausalLM: `input_ids` {list(input_ids.shape)} holds no tokens; give at least one "
+                             f"sequence of at least one token ([B, T] with B, T >= 1)")
         if input_ids.numel():
             low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one pass, one read-back
             if low < 0 or high >= self.config.vocab_size:

@@ -8,10 +8,10 @@ meta device (full presets).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..io import read_json
 from ..runtime import refuse_if_over_memory
 from .config import ModelConfig
 from .kinds import FFNS, MIXERS
@@ -87,9 +87,9 @@ def config_for(source: str) -> ModelConfig:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ValueError(f"k3 params: {source!r} is neither a preset (choose from: {', '.join(PRESETS)}) nor a "
+        raise ValueError(f"{source!r} is neither a preset (choose from: {', '.join(PRESETS)}) nor a "
                          f"checkpoint directory or config.json")
-    raw = json.loads(path.read_text())
+    raw = read_json(path)
     return ModelConfig.from_dict(raw["k3"]) if "k3" in raw else ModelConfig.from_hf(raw)
 
 
@@ -171,7 +171,16 @@ def format_report(config: ModelConfig, vs: ModelConfig | None = None) -> str:
 
 
 def _bytes(n: float) -> str:
-    return f"{n:>20,.0f} bytes ({n / 2**30:,.1f} GiB)"
+    return f"{n:>20,.0f} bytes ({_binary(n)})"
+
+
+def _binary(n: float) -> str:
+    """`n` bytes in the largest binary unit that leaves at least 1 (KiB, MiB, GiB, TiB), 3 significant digits."""
+    for unit, size in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size:
+            value = n / size
+            return f"{value:,.{max(0, 2 - len(str(int(value))) + 1)}f} {unit}"
+    return f"{n:,.0f} bytes"
 
 
 def _layer_summary(c: ModelConfig) -> str:

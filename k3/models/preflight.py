@@ -19,7 +19,6 @@ CLI's wording and a training checkpoint's other files.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import zipfile
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..io import check_manifest
 from ..tokenizer import Tokenizer
 from .checkpoint import read_config
 from .config import ModelConfig
@@ -42,11 +42,7 @@ def check_pretrained(path: str | os.PathLike, what: str | None = None) -> ModelC
     what = what or str(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"{what}: no such folder (expected a checkpoint folder, e.g. k3 train --out)")
-    try:
-        config, native = read_config(directory)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{what}: config.json is not valid JSON ({e}); it is damaged: restore it from the run "
-                         f"that wrote it") from None
+    config, native = read_config(directory)  # a config.json that is not JSON: a ValueError naming it
     refuse_if_too_big(config, 4, f"{what}: loading", "this checkpoint needs a machine with more memory")
     with torch.device("meta"):
         model = CausalLM(config)
@@ -55,8 +51,9 @@ def check_pretrained(path: str | os.PathLike, what: str | None = None) -> ModelC
 
 
 def check_checkpoint(path: str | os.PathLike, what: str | None = None) -> ModelConfig:
-    """`check_pretrained`, and the folder's tokenizer.json and trainer_state.pt (where there is one)
-    read: a folder written by `k3 train` that can be resumed, generated from or inspected."""
+    """`check_pretrained`, with every file checked against the folder's manifest (where there is one),
+    and the folder's tokenizer.json and trainer_state.pt (where there is one) read: a folder written by
+    `k3 train` that can be resumed, generated from or inspected."""
     what = what or str(path)
     config = check_pretrained(path, what)
     Tokenizer.load(path)
@@ -69,4 +66,5 @@ def check_checkpoint(path: str | os.PathLike, what: str | None = None) -> ModelC
         except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
             raise ValueError(f"{what}: trainer_state.pt is damaged or not written by k3 train "
                              f"({str(e).splitlines()[0]}); restore it from the run that wrote it") from None
+    check_manifest(path)  # last: a file that reads but is not the one the save wrote (the checks above name worse)
     return config

@@ -2,14 +2,16 @@
 Kimi Linear → Kimi K3, each at its published size and as a `-tiny` that a 2-core CPU trains in minutes.
 
 `get_config(name, **overrides)` builds one; `num_layers` rebuilds the preset's layer pattern at that depth,
-any other ModelConfig field is set as given.
+`layer_types` / `mlp_types` set your own pattern (the depth follows them), any other ModelConfig field is
+set as given.
 """
 
 from __future__ import annotations
 
+import difflib
 from typing import Callable
 
-from .config import ModelConfig
+from .config import ModelConfig, check_field_names
 
 
 def _hybrid(num_layers: int, period: int = 4, last_mla: bool = True) -> list[str]:
@@ -77,6 +79,10 @@ _TINY_MLA = dict(kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_he
 _TINY_MOE = dict(intermediate_size=512, moe_intermediate_size=64)
 
 
+# arguments of a preset's builder that are no ModelConfig field
+_PRESET_ARGUMENTS = ("last_mla",)
+
+
 def _tiny(build: Callable[..., ModelConfig], name: str, num_layers: int, **sizes):
     def tiny(num_layers: int = num_layers, **kw) -> ModelConfig:
         return build(num_layers, **{"name": name, **_TINY_COMMON, **sizes, **kw})
@@ -113,7 +119,36 @@ PRESETS.update({
 
 
 def get_config(name: str, **overrides) -> ModelConfig:
-    """The preset `name` (see PRESETS), with `overrides` applied; `num_layers` rebuilds its pattern."""
+    """The preset `name` (see PRESETS) with `overrides` applied: any ModelConfig field. `num_layers`
+    rebuilds the preset's layer pattern at that depth; `layer_types` and/or `mlp_types` give your own
+    pattern, and `num_layers` follows their length (the other list keeps the preset's pattern):
+
+        get_config("kimi-linear-tiny", layer_types=["kda", "kda", "kda", "mla"] * 2)   # 8 layers, 3:1
+    """
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from: {', '.join(PRESETS)}")
-    return PRESETS[name](**overrides)
+        close = difflib.get_close_matches(str(name), PRESETS, n=3, cutoff=0.5)
+        hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+        raise ValueError(f"get_config: unknown preset {name!r}; {hint}the presets are: {', '.join(PRESETS)}")
+    check_field_names([k for k in overrides if k not in _PRESET_ARGUMENTS], f"get_config({name!r})")
+    pattern = {}
+    for key in ("layer_types", "mlp_types"):
+        if key in overrides:
+            value = overrides.pop(key)
+            if isinstance(value, str) or not isinstance(value, (list, tuple)):
+                raise TypeError(f"get_config({name!r}): `{key}` must be a list with one entry per layer, e.g. "
+                                f"['kda', 'kda', 'kda', 'mla'], got {value!r}")
+            pattern[key] = list(value)
+    if pattern:
+        lengths = {key: len(value) for key, value in pattern.items()}
+        if "num_layers" in overrides:
+            lengths["num_layers"] = overrides["num_layers"]
+        if len(set(lengths.values())) > 1:
+            given = ", ".join(f"`{key}` {'is' if key == 'num_layers' else 'has'} {n}" for key, n in lengths.items())
+            raise ValueError(f"get_config({name!r}): {given}: the layer lists give the depth; give them one "
+                             f"entry per layer each (num_layers may be left out: it follows them)")
+        depth = next(iter(lengths.values()))
+        if depth < 1:
+            raise ValueError(f"get_config({name!r}): `{next(iter(pattern))}` is empty; give one entry per layer")
+        overrides["num_layers"] = depth
+    config = PRESETS[name](**overrides)
+    return config.replace(**pattern) if pattern else config

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..io import CheckpointError, atomic_write_files, checked_folder
+from ..io import CheckpointError, atomic_write_files, checked_folder, read_json
 from ..models.checkpoint import restore_tied_head, weights_to_save
 from ..tokenizer import Tokenizer
 from .config import saved_train_config
@@ -94,7 +94,7 @@ def load_training_checkpoint(path) -> dict:
         missing = [f for f in FILES[:4] if not (path / f).exists()]
         if missing:
             raise FileNotFoundError(f"--resume {path}: not a k3 training checkpoint (missing {', '.join(missing)})")
-        config = json.loads((path / "config.json").read_text())
+        config = read_json(path / "config.json")
         state = torch.load(path / "trainer_state.pt", weights_only=True)
         with safe_open(path / "model.safetensors", "pt") as weights_file:
             weights_step = (weights_file.metadata() or {}).get("step")
@@ -118,13 +118,16 @@ class claim_output:
     create it, check that files can be written in it, and take `.k3-train.lock` (an exclusive flock,
     the file holding this process's pid). A second `k3 train` on the folder gets OutputFolderError
     naming the first one's pid; the kernel drops the lock of a process that dies, so a lock file left
-    by a killed run does not block."""
+    by a killed run does not block. The folders it created are removed again at `release()` if they are
+    still empty then: a run refused before its first save (a missing corpus, a model too big) leaves
+    nothing behind."""
 
     def __init__(self, out):
         self.out, self.path, self.fd = Path(out), Path(out) / LOCK, None
         if self.out.exists() and not self.out.is_dir():
             raise OutputFolderError(f"--out {self.out}: is a file, expected a folder for the checkpoint; "
                                     f"choose another --out")
+        self.created = [p for p in (self.out, *self.out.parents) if not p.exists()]  # innermost first
         try:
             self.out.mkdir(parents=True, exist_ok=True)
             while self.fd is None:
@@ -165,6 +168,12 @@ class claim_output:
                 os.unlink(self.path)  # before the lock goes, so that no one locks a file about to vanish
             os.close(self.fd)
             self.fd = None
+        for folder in self.created:
+            try:
+                folder.rmdir()  # only if empty
+            except OSError:
+                break
+        self.created = []
 
     def __enter__(self):
         return self

@@ -16,6 +16,8 @@ from ..models import PRESETS, ModelConfig, get_config
 from ..models.config import check_field_names
 from ..models.params import refuse_if_too_big
 
+DEFAULT_MAX_STEPS = 1000  # without a time budget
+WARMUP_FRACTION, MAX_WARMUP_STEPS = 0.05, 50  # the default warm-up: 50 steps of a 1,000-step run, 2 of 30
 TRAINING_BYTES_PER_PARAMETER = 16  # float32 weights, gradients and AdamW's two moments (activations aside)
 
 
@@ -32,14 +34,14 @@ class TrainConfig:
     optimizer: str = "muon"  # "muon" (hidden matrices; AdamW on the rest) | "adamw"; measured below
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
+    warmup_steps: int | None = None  # None: WARMUP_FRACTION of the run's steps, at most MAX_WARMUP_STEPS
     schedule: str = "wsd"  # "wsd" | "cosine"; measured: 2.070 vs 2.083 bits/byte in the same 10-minute budget
     wsd_decay_fraction: float = 0.2
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     moe_bias_rate: float = 1e-3
-    max_steps: int | None = 1000
+    max_steps: int | None = None  # training steps; DEFAULT_MAX_STEPS unless time_budget gives the run's length
     time_budget: float | None = None  # minutes; fixes max_steps after calibration_steps
     calibration_steps: int = 5
     eval_every: int = 100
@@ -65,8 +67,11 @@ class TrainConfig:
                                  f"{getattr(self, name)!r}")
         if self.tokenizer not in ("bpe", "byte"):
             raise ValueError(f"TrainConfig: `tokenizer` must be 'bpe' or 'byte', got {self.tokenizer!r}")
+        if self.max_steps is not None and self.time_budget is not None:
+            raise ValueError(f"TrainConfig: `max_steps` {self.max_steps!r} and `time_budget` {self.time_budget!r} "
+                             f"both set the run's length; give one (steps or minutes)")
         if self.max_steps is None and self.time_budget is None:
-            raise ValueError("TrainConfig: give `max_steps` or `time_budget`")
+            self.max_steps = DEFAULT_MAX_STEPS
         for name, (ok, expected) in _RULES.items():
             value = getattr(self, name)
             if not ok(value):
@@ -83,8 +88,14 @@ class TrainConfig:
 
 def saved_train_config(fields: dict) -> TrainConfig:
     """The TrainConfig a checkpoint's config.json recorded; one saved before the `optimizer` field
-    existed trained with AdamW."""
-    return TrainConfig(**{"optimizer": "adamw", **fields})
+    existed trained with AdamW. A `vocab_size` among the model overrides of an older checkpoint never
+    took effect (the tokenizer's vocabulary replaced it) and is dropped, and so is a `time_budget` saved
+beside a `max_steps` (older code ran the steps)."""
+    overrides = {k: v for k, v in fields.get("model_overrides", {}).items() if k != "vocab_size"}
+    fields = {"optimizer": "adamw", **fields, "model_overrides": overrides}
+    if fields.get("max_steps") is not None and fields.get("time_budget") is not None:
+        fields["time_budget"] = None  # both saved by older code, which then ran `max_steps`
+    return TrainConfig(**fields)
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
@@ -123,7 +134,7 @@ _RULES = {  # field: (check, what it expects)
     "batch_size": (_count(1), "an integer >= 1"),
     "lr": (_in(0, low_open=True), "a finite number > 0"),
     "min_lr_ratio": (_in(0, 1), "a number in [0, 1]"),
-    "warmup_steps": (_count(0), "an integer >= 0"),
+    "warmup_steps": (_count(0, none=True), "an integer >= 0, or None (5% of the steps, at most 50)"),
     "wsd_decay_fraction": (_in(0, 1), "a number in [0, 1]"),
     "weight_decay": (_in(0), "a finite number >= 0"),
     "grad_clip": (_in(0, low_open=True), "a finite number > 0"),
@@ -148,8 +159,9 @@ def _check_model_overrides(cfg: TrainConfig) -> None:
     without the vocabulary, which comes from the tokenizer; nothing is allocated)."""
     where = f"TrainConfig: `model_overrides` of preset {cfg.preset!r}"
     check_field_names(cfg.model_overrides, where)
-    pattern = sorted({"layer_types", "mlp_types"} & set(cfg.model_overrides))
-    if pattern:
-        raise ValueError(f"{where}: {', '.join(pattern)} follow(s) the preset's pattern and cannot be set; "
-                         f"change `num_layers` (--num-layers) or choose another preset")
-    get_config(cfg.preset, **{k: v for k, v in cfg.model_overrides.items() if k != "vocab_size"})
+    if "vocab_size" in cfg.model_overrides:
+        vocabulary = "257 tokens with tokenizer 'byte'" if cfg.tokenizer == "byte" else f"vocab_size {cfg.vocab_size}"
+        raise ValueError(f"{where}: `vocab_size` {cfg.model_overrides['vocab_size']!r} would be replaced by the "
+                         f"tokenizer's vocabulary ({vocabulary}); drop it from the overrides (--set) and choose "
+                         f"the vocabulary with --vocab-size (BPE) or --tokenizer byte")
+    get_config(cfg.preset, **cfg.model_overrides)

@@ -33,12 +33,12 @@ import torch
 
 from ..models import CausalLM
 from ..models.checkpoint import load_into
-from ..runtime import matmul_gflops
+from ..runtime import machine_speed_words
 from .checkpoint import claim_output, load_training_checkpoint
 from .config import TrainConfig, model_config
 from .distributed import start
 from .metrics import MetricsLog, check_logger
-from .optim import learning_rate
+from .optim import learning_rate, warmup_steps
 from .strategy import NonFiniteLossError, SingleProcess
 
 __all__ = ["train", "TrainConfig"]
@@ -62,13 +62,16 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
         changes = _resume_overrides(cfg, state["train_config"], asked)
         changes.setdefault("out", str(resume))
         cfg = dataclasses.replace(state["train_config"], **changes)
+        if _nothing_to_do(state, cfg, changes, resume):
+            return state["history"]
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     check_logger(cfg.log)  # a missing package before any work
     # start: a torchrun mode's strategy, else None
     strategy = start(parallel, cfg.batch_size, cfg.device) or SingleProcess(cfg.device)
     out = Path(cfg.out)
-    lock = strategy.on_main(lambda: claim_output(out))  # before any work: a bad --out costs nothing
+    # before any work: a bad --out costs nothing; a run refused before its first save leaves nothing behind
+    lock = strategy.on_main(lambda: claim_output(out))
     try:
         return _run(cfg, strategy, state, changes, resume, out, progress)
     finally:
@@ -76,10 +79,28 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
             lock.release()
 
 
+def _nothing_to_do(state: dict, cfg: TrainConfig, changes: dict, resume: str) -> bool:
+    """True (said) when the checkpoint has trained every step the resumed run asks for: nothing is
+    trained, evaluated or written. Fewer steps than it has trained is an error: a run cannot go back."""
+    done = state["step"]
+    target = cfg.max_steps if "max_steps" in changes else state["max_steps"]
+    if target is None or done < target:
+        return False
+    if "max_steps" in changes and target < done:
+        raise ValueError(f"--max-steps {target}: the checkpoint in {resume} has trained {done} steps already; "
+                         f"give --max-steps above {done} to train on (a run cannot go back)")
+    _say(f"k3 train: nothing to do: the checkpoint in {resume} has trained all its {done} steps; give --max-steps "
+         f"above {done} to train on (nothing was written)")
+    return True
+
+
 def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: str | None, out: Path,
          progress: bool) -> dict:
     """`train` once the run's configuration is known and its output folder claimed."""
     tokenizer, data = strategy.prepare(cfg, state["tokenizer"] if state else None)
+    # a corpus too short for one window is refused before anything is said or written
+    data.batch(1, cfg.seq_len, torch.Generator())
+    data.val_windows(cfg.seq_len, cfg.seq_len)
     torch.manual_seed(cfg.seed)
     mconfig = model_config(cfg, tokenizer.vocab_size)
     model = CausalLM(mconfig)
@@ -96,6 +117,9 @@ def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: 
         torch.set_rng_state(state["torch_rng"])
         history, step = state["history"], state["step"]
         max_steps = cfg.max_steps if "max_steps" in changes else state["max_steps"]
+        if strategy.is_main:
+            _say(f"k3 train: resumed {resume} at step {step} of {max_steps or 'a time budget'} "
+                 f"({history['tokens']:,} tokens, {history['seconds'] / 60:.1f} min trained so far)")
     if strategy.is_main:  # the machine's speed beside the run's, so tokens/s compare across machines
         precision = "bf16 autocast (float32 weights and optimizer states)" if cfg.precision == "bf16" else "float32"
         optimizer = "Muon (matrices) + AdamW" if cfg.optimizer == "muon" else "AdamW"
@@ -103,7 +127,7 @@ def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: 
              f"{data.train.numel():,} training tokens ({data.val.numel():,} validation), {_batch_words(cfg)}, "
              f"{optimizer}, "
              f"on {_device_words(cfg, strategy.device)}, {precision}, {_threads_words()}{strategy.describe()}; "
-             f"this machine's float32 matmul (1024^3): {matmul_gflops():.0f} GFLOP/s")
+             f"{machine_speed_words(strategy.device)}")
     metrics = MetricsLog(out, step, Path(resume) if resume else None, cfg.log,
                          dataclasses.asdict(cfg)) if strategy.is_main else None
     try:
@@ -140,6 +164,7 @@ def _loop(cfg: TrainConfig, strategy, data, tokenizer, generator: torch.Generato
     val_windows = data.val_windows(cfg.seq_len, cfg.eval_tokens)
     strategy.model.train()
     started = time.time() - history["seconds"]
+    start = {"step": step, "tokens": history["tokens"], "seconds": history["seconds"]}  # this run's own figures
     bar = tqdm(total=max_steps, initial=step, disable=not (progress and strategy.is_main), unit="step",
                dynamic_ncols=True, desc="train", file=sys.stderr)
 
@@ -153,8 +178,7 @@ def _loop(cfg: TrainConfig, strategy, data, tokenizer, generator: torch.Generato
     with _stop_on_ctrl_c() as stop:
         try:
             while max_steps is None or step < max_steps:
-                total = max_steps or 10 ** 6  # before the plan: warmup only
-                lr = learning_rate(cfg, step, total)
+                lr = learning_rate(cfg, step, max_steps)  # None before a time budget's plan: warmup only
                 for group in strategy.optimizer.param_groups:
                     group["lr"] = lr
                 step_started = time.time()
@@ -226,10 +250,20 @@ def _loop(cfg: TrainConfig, strategy, data, tokenizer, generator: torch.Generato
             metrics.write({"step": step, "final_val_bpb": final, "final_eval_tokens": final_windows[:, 1:].numel()})
     save()
     if strategy.is_main:
-        _say(f"k3 train: done, {step} steps, {history['tokens']:,} tokens in {history['seconds'] / 60:.1f} min "
-             f"({history['tokens'] / history['seconds']:.0f} tokens/s); {said}; checkpoint in {out}")
+        _say(f"k3 train: done, {_run_words(step, history, start)}; {said}; checkpoint in {out}")
     strategy.close()
     return history
+
+
+def _run_words(step: int, history: dict, start: dict) -> str:
+    """This run's steps, tokens, minutes and speed; for a resumed run, the checkpoint's totals beside them."""
+    steps, tokens = step - start["step"], history["tokens"] - start["tokens"]
+    seconds = max(history["seconds"] - start["seconds"], 1e-9)
+    words = f"{steps} steps, {tokens:,} tokens in {seconds / 60:.1f} min ({tokens / seconds:.0f} tokens/s)"
+    if start["step"] == 0:
+        return words
+    return (f"this run {words} from step {start['step']}; in all {step} steps, {history['tokens']:,} tokens, "
+            f"{history['seconds'] / 60:.1f} min")
 
 
 def _replan(cfg: TrainConfig, step: int, elapsed: float, per_step: float, max_steps: int, bar) -> int:
@@ -240,7 +274,7 @@ def _replan(cfg: TrainConfig, step: int, elapsed: float, per_step: float, max_st
     estimate differs by more than 3% (the schedule stretches or shrinks with it, a small change of the
     learning rate at that step). Exact resume is a property of --max-steps runs."""
     fits = _steps_in_budget(cfg, step, elapsed, per_step)
-    if step + 10 <= cfg.warmup_steps:  # the next replan is still inside the warm-up
+    if step + 10 <= warmup_steps(cfg, fits):  # the next replan is still inside the warm-up
         bar.total = fits
         return fits
     if abs(fits - max_steps) <= 0.03 * max_steps:

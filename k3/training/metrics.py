@@ -72,22 +72,31 @@ class MetricsLog:
 
     def __init__(self, out: Path, step: int, previous: Path | None = None, log: str | None = None,
                  run_config: dict | None = None):
-        path = Path(out) / METRICS_FILE
+        self.path = Path(out) / METRICS_FILE
+        self._start = (Path(out), step, None if previous is None else Path(previous), log, run_config or {})
+        self._file = self._backend = None
+
+    def _open(self) -> None:
+        """At the first record, not before: a run that ends before its first step (refused input) leaves
+        the folder's log as it was."""
+        out, step, previous, log, run_config = self._start
+        path = self.path
         if previous is None:  # a new run in this folder: a log of an earlier run there is replaced
             atomic_write(path, lambda tmp: Path(tmp).write_text(""))
         else:
-            old = Path(previous) / METRICS_FILE
+            old = previous / METRICS_FILE
             records = read_metrics(old)
             kept = [r for r in records if isinstance(r.get("step"), int) and r["step"] <= step]
             if old.resolve() != path.resolve() or kept != records or _ends_cut(old):
                 text = "".join(json.dumps(r) + "\n" for r in kept)
                 atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
-        self.path = path
         self._file = open(path, "a", encoding="utf-8")
-        self._backend = _open_backend(log, Path(out), run_config or {})
+        self._backend = _open_backend(log, out, run_config)
 
     def write(self, record: dict) -> None:
         """Append `record` (a step's figures) as one line, flushed; a non-finite number is written as null."""
+        if self._file is None:
+            self._open()
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
@@ -95,7 +104,9 @@ class MetricsLog:
             self._backend.write(clean)
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
         if self._backend is not None:
             self._backend.close()
             self._backend = None

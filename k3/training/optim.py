@@ -14,18 +14,33 @@ import math
 
 import torch
 
-from .config import TrainConfig
+from .config import MAX_WARMUP_STEPS, WARMUP_FRACTION, TrainConfig
 from .muon import Muon, takes_muon
 
 
-def learning_rate(cfg: TrainConfig, step: int, total: int) -> float:
-    """Linear warmup to cfg.lr, then cosine to min_lr_ratio * lr, or constant then a linear decay
-    over the last wsd_decay_fraction of the steps (WSD)."""
+def warmup_steps(cfg: TrainConfig, total: int | None) -> int:
+    """The warm-up of a run of `total` steps: cfg.warmup_steps when given, else WARMUP_FRACTION of the
+    steps (at least 1, at most MAX_WARMUP_STEPS), so that a short run leaves its warm-up and reaches
+    WSD's decay. `total` None (a time-budget run before its step count is planned): the longest."""
+    if cfg.warmup_steps is not None:
+        return cfg.warmup_steps
+    if total is None:
+        return MAX_WARMUP_STEPS
+    return max(1, min(MAX_WARMUP_STEPS, round(WARMUP_FRACTION * total)))
+
+
+def learning_rate(cfg: TrainConfig, step: int, total: int | None) -> float:
+    """Linear warmup to cfg.lr (`warmup_steps`), then cosine to min_lr_ratio * lr, or constant then a
+    linear decay over the last wsd_decay_fraction of the steps (WSD). `total` None: the step count is
+    not known yet (a time-budget run's first steps), so only the warm-up and the constant part apply."""
     low = cfg.lr * cfg.min_lr_ratio
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+    warmup = warmup_steps(cfg, total)
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    if total is None:
+        return cfg.lr
     if cfg.schedule == "cosine":
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return low + 0.5 * (cfg.lr - low) * (1 + math.cos(math.pi * progress))
     decay_start = total - int(cfg.wsd_decay_fraction * total)
     if step < decay_start:

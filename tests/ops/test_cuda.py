@@ -45,3 +45,12 @@ def test_cu_seqlens_on_cuda(mixer):
         part = {name: t[:, a:b] for name, t in xc.items()}
         o_ref, _ = mixer("recurrent", part)
         assert_rel(o[:, a:b], o_ref, tol_for(torch.float64), f"sequence [{a}, {b})")
+
+
+def test_the_training_header_names_the_gpu_and_measures_it():
+    """On a GPU, `k3 train`'s header gives the GPU's name, memory and its own matmul speeds, not the CPU's."""
+    from k3.runtime import machine_speed_words
+
+    words = machine_speed_words(torch.device("cuda"))
+    assert torch.cuda.get_device_name() in words and "GiB" in words and "TFLOP/s" in words
+    assert "1024^3" not in words

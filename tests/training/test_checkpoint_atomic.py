@@ -120,7 +120,8 @@ def run(tmp_path_factory):
     corpus = write_corpus(root / "corpus", docs=4, words=300)
     cfg = TrainConfig(preset="gpt2-tiny", model_overrides={"hidden_size": 16}, data=str(corpus), tokenizer="byte",
                       seq_len=16, batch_size=2, max_steps=6, warmup_steps=2, eval_every=3, eval_tokens=64,
-                      final_eval_tokens=128, checkpoint_every=2, out=str(root / "full"), val_fraction=0.2, threads=1)
+                      final_eval_tokens=128, checkpoint_every=2, out=str(root / "full"), val_fraction=0.2, threads=1,
+                      device="cpu")
     saves = {}
     real = strategy.save_training_checkpoint
 

@@ -55,7 +55,8 @@ def batches() -> list[torch.Tensor]:
 def run_cfg(corpus, out, **kw) -> TrainConfig:
     base = dict(preset="kimi-k3-tiny", model_overrides=SMALL, data=str(corpus), tokenizer="byte",
                 seq_len=16, batch_size=4, max_steps=4, warmup_steps=2, eval_every=2, eval_tokens=128,
-                final_eval_tokens=256, out=str(out), val_fraction=0.2)
+                final_eval_tokens=256, out=str(out), val_fraction=0.2,
+                device="cpu")
     return TrainConfig(**{**base, **kw})
 
 

@@ -32,7 +32,8 @@ def corpus(tmp_path_factory):
 def config(corpus, out, **kw) -> TrainConfig:
     base = dict(preset="kimi-k3-tiny", model_overrides={"hidden_size": 32}, data=str(corpus), tokenizer="byte",
                 seq_len=32, batch_size=2, max_steps=6, warmup_steps=2, eval_every=3, eval_tokens=256,
-                final_eval_tokens=512, out=str(out), val_fraction=0.2)
+                final_eval_tokens=512, out=str(out), val_fraction=0.2,
+                device="cpu")
     return TrainConfig(**{**base, **kw})
 
 

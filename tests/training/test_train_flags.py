@@ -37,7 +37,8 @@ def corpus(tmp_path_factory):
 def config(corpus, out, **kw) -> TrainConfig:
     base = dict(preset="kimi-k3-tiny", model_overrides={"hidden_size": 32}, data=str(corpus), tokenizer="byte",
                 seq_len=32, batch_size=2, max_steps=3, warmup_steps=1, eval_every=3, eval_tokens=256,
-                final_eval_tokens=256, out=str(out), val_fraction=0.2, moe_bias_rate=1e-2, lr=LR)
+                final_eval_tokens=256, out=str(out), val_fraction=0.2, moe_bias_rate=1e-2, lr=LR,
+                device="cpu")
     return TrainConfig(**{**base, **kw})
 
 
@@ -106,7 +107,7 @@ def test_linear_attention_ops_keep_float32_under_autocast(op, gate):
 
 def test_metrics_log_has_every_step_and_continues_on_resume(corpus, tmp_path, capsys):
     out = tmp_path / "run"
-    train(config(corpus, out, max_steps=2, eval_every=2, threads=1), progress=False)
+    train(config(corpus, out, max_steps=2, eval_every=2, threads=1, device="auto"), progress=False)
     header = capsys.readouterr().err.splitlines()[0]
     assert "on cpu (--device auto: CUDA, else MPS, else the CPU)" in header and "float32, 1 CPU thread;" in header
     first = read_metrics(out / METRICS_FILE)

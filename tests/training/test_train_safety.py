@@ -39,7 +39,8 @@ def corpus(tmp_path_factory):
 def config(corpus, out, **kw) -> TrainConfig:
     base = dict(preset="gpt2-tiny", model_overrides={"hidden_size": 16}, data=str(corpus), tokenizer="byte",
                 seq_len=16, batch_size=2, max_steps=4, warmup_steps=1, eval_every=2, eval_tokens=64,
-                final_eval_tokens=128, out=str(out), val_fraction=0.2, threads=1)
+                final_eval_tokens=128, out=str(out), val_fraction=0.2, threads=1,
+                device="cpu")
     return TrainConfig(**{**base, **kw})
 
 
