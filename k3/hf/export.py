@@ -196,6 +196,8 @@ def _write_kimi_k3(model, config: dict, directory: Path, special: dict, quantize
 
 
 def _write_tokenizer(tokenizer, config, directory: Path) -> None:
+    """tokenizer.json and a tokenizer_config.json naming transformers' own PreTrainedTokenizerFast, with
+    no auto_map (the tokenizer is never remote code, in any format), <|endoftext|> as bos and eos."""
     from ..tokenizer import EOT
 
     tokenizer.save(directory / "tokenizer.json")
