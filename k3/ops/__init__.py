@@ -7,7 +7,8 @@ token-by-token reference form (`recurrent_*`, also the decode step) and a chunkw
 Layout: one file per op, its token loop beside its chunk form (attention, linear_attn, delta_rule,
 gated_delta_rule, kda). The delta family shares delta_family (argument checks, the token-loop frame),
 chunk (the chunkwise engine), ut (the UT transform) and numerics (gate clamps and flushes); common holds
-the checks and packing every op uses.
+the checks and packing every op uses; cost counts the multiply-adds the chunk forms run (for the
+capacity planner and `k3 lab prefill`).
 """
 
 from .attention import attention

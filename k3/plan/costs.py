@@ -7,7 +7,7 @@ everything a token multiplies by, the k chosen experts only); the sequence terms
 - softmax attention (mha) and MLA, causal: a query at position t scores t keys and sums t values,
   (T + 1) / 2 on average over a sequence of T: H (d_qk + d_v) (T + 1) / 2 multiply-adds per token;
 - the linear family (KDA, DeltaNet, Gated DeltaNet, linear attention), chunked: k3's cost model of its
-  own chunk ops (`k3.lab.prefill.cost.k3_cost`: every matmul and triangular solve `chunk_kda` and
+  own chunk ops (`k3.ops.cost.k3_cost`: every matmul and triangular solve `chunk_kda` and
   `chunk_linear_attn` run, UT transform included), per head, divided by T.
 
 Training is 3 x forward (the backward pass is two matmuls for each of the forward's). Decoding one
@@ -28,7 +28,7 @@ An estimate of what a good implementation keeps, not a measurement of k3's (whic
 
 from __future__ import annotations
 
-from ..lab.prefill.cost import k3_cost
+from ..ops.cost import k3_cost
 from ..models import ModelConfig, count_params
 
 RECOMPUTE = ("none", "selective", "full")

@@ -23,7 +23,8 @@ and the prediction is compared with every point, the C = T ones included (out of
 of one call by aten op (`OpLedger`) shows why one constant cannot fit all C: much of the time is in
 work that has no multiply-adds at all.
 
-The package: `cost` (the two cost models and the fits), `measure` (the sweeps and the timings),
+The two cost models are k3's ops' own (`k3.ops.cost`: the capacity planner prices the linear family
+with the same count). The package: `fits` (the fits), `measure` (the sweeps and the timings),
 `ledger` (`OpLedger`, the per-op breakdown's instrument), `report` (claims, tables, notes, figures);
 here `run` and `analyse`, which fits the models to the times.
 """
@@ -38,7 +39,8 @@ import torch
 from ...bench.timing import matmul_gflops
 from ..report import Result, command
 from . import report
-from .cost import OPS, article_cost, error_factor, fit_scale, k3_cost, loglog_slope
+from ...ops.cost import OPS, article_cost, k3_cost
+from .fits import error_factor, fit_scale, loglog_slope
 from .measure import FULL, SWEEPS, Sweep, measure_times, time_breakdown
 
 

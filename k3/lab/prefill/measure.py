@@ -15,7 +15,7 @@ import torch
 from ...bench.ops import kda_inputs
 from ...bench.timing import interleaved_best
 from ...ops import chunk_kda, chunk_linear_attn
-from .cost import OPS
+from ...ops.cost import OPS
 from .ledger import MATMULS, OpLedger
 
 FULL = "T"  # the key of the C = T (fully parallel) column

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .. import plots
 from ..report import Claim, Figure, Table
-from .cost import OPS, article_cost, k3_cost
+from ...ops.cost import OPS, article_cost, k3_cost
 from .measure import FULL, Sweep
 
 LABELS = {"linear_attn": "linear attention", "kda": "KDA"}
@@ -150,7 +150,7 @@ def notes(sweep: Sweep, analysis: dict, breakdown: list[dict], gemm: float, mode
         f"GEMM's {gemm:.0f} GFLOP/s (column 'matmul GFLOP/s'). At T = {T_max:,} linear attention is fastest at "
         f"C = {la['best_C']}, KDA at C = {kda['best_C']}; the FLOP model puts the optimum at C = {model_best} "
         "(and at C = 1 below the grid).",
-        "What k3's ops compute (`k3.lab.prefill.cost.k3_cost`; the matmuls dispatched at T = "
+        "What k3's ops compute (`k3.ops.cost.k3_cost`; the matmuls dispatched at T = "
         f"{sweep.breakdown_tokens:,} {'match it exactly' if counted else 'do NOT match it'}): linear attention "
         "runs exactly the article's terms (with V + 1 columns for the normaliser); KDA runs "
         f"{min(ratios):.2f}-{max(ratios):.2f}x the article's multiply-adds at C = {sweep.chunks[0]}-"

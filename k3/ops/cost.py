@@ -1,16 +1,16 @@
-"""The two cost models `k3 lab prefill` compares with the clock, per head, in multiply-adds: the
-article's 2·L·d² + 2·L·C·d (`article_cost`) and what k3's chunk ops run, every matmul and triangular
-solve counted (`k3_cost`); and the small fits that set them against measured times (`fit_scale`,
-`error_factor`, `loglog_slope`)."""
+"""What k3's chunk ops cost, per head, in multiply-adds: the article's model of the chunked form,
+2·L·d² + 2·L·C·d (`article_cost`), and what k3's `chunk_linear_attn` and `chunk_kda` run, every matmul
+and triangular solve counted (`k3_cost`; a test checks it against the matmuls and solves the ops
+dispatch). A count from the ops' structure, not a timing: the capacity planner (`k3.plan.costs`) prices
+the linear family's sequence term with it, and `k3 lab prefill` sets both models against the clock."""
 
 from __future__ import annotations
 
 import math
-import statistics
 
-from ...ops.chunk import sub_chunk_size
+from .chunk import sub_chunk_size
 
-OPS = ("linear_attn", "kda")  # the ops measured, `chunk_<op>` in k3.ops
+OPS = ("linear_attn", "kda")  # the ops k3_cost counts, `chunk_<op>` in k3.ops
 
 
 def _check_shape(T: int, d: int, C: int) -> None:
@@ -49,26 +49,3 @@ def k3_cost(op: str, T: int, d: int, C: int) -> float:
                      + s ** 3 * m * (m * m - 1) / 3)
         return padded // C * per_chunk
     raise ValueError(f"k3_cost: `op` must be one of {OPS}, got {op!r}")
-
-
-def fit_scale(costs: list[float], seconds: list[float]) -> float:
-    """Seconds per unit of cost, least squares on the relative error: minimises sum((a·x/t - 1)²)."""
-    if len(costs) != len(seconds) or not costs:
-        raise ValueError(f"fit_scale: needs as many costs as times, at least one; got {len(costs)} and "
-                         f"{len(seconds)}")
-    ratios = [x / t for x, t in zip(costs, seconds)]
-    return sum(ratios) / sum(r * r for r in ratios)
-
-
-def error_factor(predicted: float, measured: float) -> float:
-    """How far apart two positive numbers are, as a factor >= 1."""
-    return max(predicted / measured, measured / predicted)
-
-
-def loglog_slope(xs: list[float], ys: list[float]) -> float:
-    """Least-squares slope of log y against log x (the exponent of a power law)."""
-    if len(xs) < 2 or len(xs) != len(ys):
-        raise ValueError(f"loglog_slope: needs two or more (x, y) pairs, got {len(xs)} x and {len(ys)} y")
-    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
-    mx, my = statistics.fmean(lx), statistics.fmean(ly)
-    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
