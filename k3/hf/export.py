@@ -116,7 +116,7 @@ def check_output(checkpoint: str | os.PathLike, out: str | os.PathLike) -> None:
             raise ValueError(f"export: `out` must be a new or empty directory outside the checkpoint, got {out}, "
                              f"which {what}")
     if os.path.lexists(out) and not Path(out).is_dir():
-        raise FileExistsError(f"export: `out` must be a new or empty directory, got {out}, which is a file")
+        raise FileExistsError(f"export: `out` must be a new or empty directory, got {out}, which exists and is not a directory")
     entries = sorted(p.name for p in Path(out).iterdir()) if Path(out).is_dir() else []
     if entries:
         shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
@@ -145,7 +145,8 @@ def _stored_layout(checkpoint: Path) -> tuple[bool, dict]:
                         if key.startswith(PREFIX) and key.endswith("self_attn.A_log"):
                             a_logs[key] = f.get_tensor(key).to(torch.float32)
             except SafetensorError as e:
-                raise ValueError(f"{checkpoint}: {file.name} is damaged or not a safetensors file ({e})") from None
+                raise ValueError(f"{checkpoint}: {file.name} is damaged or not a safetensors file ({e}); restore it "
+                                 f"from the run that wrote it") from None
     return stored_mxfp4, a_log_padding(a_logs, config.linear_num_heads, config.linear_head_dim)
 
 

@@ -127,3 +127,11 @@ def test_k3_checkpoint_exports_to_the_published_layout(tmp_path):
     for format, quantize in (("kimi-linear", "mxfp4"), ("k3", "bf16"), ("kimi-k3", "fp8")):
         with pytest.raises(ValueError, match="`quantize` must be one of"):
             export(tmp_path / "k3", tmp_path / "bad", format=format, quantize=quantize)
+
+
+def test_a_damaged_shard_is_named_before_anything_is_written(tmp_path):
+    write_published(tmp_path / "src")
+    (tmp_path / "src" / "model-00002-of-00003.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{bad")
+    with pytest.raises(ValueError, match="model-00002-of-00003.safetensors is damaged or not a safetensors file"):
+        export(tmp_path / "src", tmp_path / "out", format="kimi-k3")
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]

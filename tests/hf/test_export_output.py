@@ -53,7 +53,7 @@ def test_an_existing_output_is_refused_unless_empty(run, tmp_path):
                                               r"config.json; export to another directory, or empty it first"):
         export(run, taken)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(FileExistsError, match="got .*file, which is a file"):
+    with pytest.raises(FileExistsError, match="got .*file, which exists and is not a directory"):
         export(run, tmp_path / "file")
     assert (taken / "config.json").read_text() == '{"mine": true}' and (tmp_path / "file").read_text() == "x"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "taken"]  # no staging folder left
