@@ -116,7 +116,8 @@ def check_output(checkpoint: str | os.PathLike, out: str | os.PathLike) -> None:
             raise ValueError(f"export: `out` must be a new or empty directory outside the checkpoint, got {out}, "
                              f"which {what}")
     if os.path.lexists(out) and not Path(out).is_dir():
-        raise FileExistsError(f"export: `out` must be a new or empty directory, got {out}, which exists and is not a directory")
+        raise FileExistsError(f"export: `out` must be a new or empty directory, got {out}, which exists and is "
+                              f"not a directory")
     entries = sorted(p.name for p in Path(out).iterdir()) if Path(out).is_dir() else []
     if entries:
         shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
