@@ -37,9 +37,21 @@ test: $(EVAL_STAMP)
 test-slow: $(EVAL_STAMP)
 	$(PY) -m pytest -q -m slow
 
-# the API reference, from the docstrings: build/api/index.html
-docs: $(STAMP)
-	$(VENV)/bin/pdoc --docformat markdown -o build/api k3
+# The documentation site: the README (its home page), docs/*.md and the API reference from the
+# docstrings (mkdocs-material + mkdocstrings: mkdocs.yml), into build/site/index.html. --strict fails on
+# any warning; so does any line of the build's output that is not an INFO line (griffe's, mkdocstrings'
+# or a theme's), printed first.
+DOCS_STAMP := $(VENV)/.k3-docs-installed
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	@mkdir -p build
+	@NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site > build/docs.log 2>&1; \
+	  status=$$?; cat build/docs.log; \
+	  if [ $$status -ne 0 ] || grep -v -e '^INFO ' -e '^ *$$' build/docs.log > /dev/null; then \
+	    echo "make docs: the build above failed or printed a warning (build/docs.log)" >&2; exit 1; fi
 
 bench: $(STAMP)
 	$(VENV)/bin/k3 bench ops
