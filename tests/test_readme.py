@@ -1,34 +1,35 @@
-"""The README's Python example runs as printed and shows what it claims."""
+"""The README's example and the examples the README's topic pages (docs/) carry over from it run as
+printed and show what they claim. Each block is found by a string it contains; the line before it
+names the test here (`<!-- tested-by: ... -->`), and tests/test_docs.py runs every other block."""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
-README = Path(__file__).resolve().parent.parent / "README.md"
+from .test_docs import README, ROOT, python_block
 
 
-def python_block(containing: str) -> str:
-    """The README's Python block that contains `containing`."""
-    [code] = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if containing in b]
-    return code
+def test_readme_first_example_runs(capsys):
+    """The README's ten lines: a tiny Kimi K3 generates, and the full one is counted on paper."""
+    namespace: dict = {}
+    exec(compile(python_block(README, "count_params(get_config(\"kimi-k3\"))"), str(README), "exec"), namespace)  # noqa: S102
+    assert namespace["out"].shape == (1, 24)
+    assert capsys.readouterr().out.split() == ["torch.Size([1,", "24])", "True", "2779484393568"]
 
 
 def test_readme_example_runs():
-    """Execute the README's first Python block; the chunk and recurrent KDA it compares must agree."""
-    code = python_block("from k3.ops import")
+    """docs/ops.md's block: the chunk and recurrent KDA it compares must agree."""
+    code = python_block("docs/ops.md", "from k3.ops import")
     namespace: dict = {}
-    exec(compile(code, str(README), "exec"), namespace)  # noqa: S102 - our own README
+    exec(compile(code, str(ROOT / "docs/ops.md"), "exec"), namespace)  # noqa: S102 - our own docs
     o, o_ref = namespace["o"], namespace["o_ref"]
     assert ((o - o_ref).norm() / o_ref.norm()).item() < 5e-4
     assert namespace["o_next"].shape == (1, 1, 4, 64)
 
 
 def test_readme_models_example_runs():
-    """The second Python block: a tiny Kimi K3 with its cache, generation, and Kimi K3 on meta."""
-    code = python_block("cache.nbytes_by_type()")
+    """docs/models.md's first block: a tiny Kimi K3 with its cache, generation, and Kimi K3 on meta."""
+    code = python_block("docs/models.md", "cache.nbytes_by_type()")
     namespace: dict = {}
-    exec(compile(code, str(README), "exec"), namespace)  # noqa: S102 - our own README
+    exec(compile(code, str(ROOT / "docs/models.md"), "exec"), namespace)  # noqa: S102 - our own docs
     assert namespace["out"].shape == (2, 24)
     assert [len(r) for r in namespace["rows"]] == [7, 5, 6]
     assert namespace["step"].shape == (2, 1, namespace["config"].vocab_size)
@@ -36,9 +37,10 @@ def test_readme_models_example_runs():
 
 
 def test_readme_python_api_example_runs(capsys):
-    """The training-from-Python block: `from k3 import ...`, train, load the checkpoint, generate."""
+    """docs/training.md's training-from-Python block: `from k3 import ...`, train, load the checkpoint, generate."""
     namespace: dict = {}
-    exec(compile(python_block("from k3 import"), str(README), "exec"), namespace)  # noqa: S102 - our own README
+    code = python_block("docs/training.md", "from k3 import")
+    exec(compile(code, str(ROOT / "docs/training.md"), "exec"), namespace)  # noqa: S102 - our own docs
     assert namespace["history"]["final_val_bpb"] < 1.0  # a 43-byte line repeated: learned well below 8 bits
     assert namespace["tokenizer"].decode(namespace["row"]).startswith("To be, ")
     assert capsys.readouterr().out.rstrip().endswith("kimi-k3-tiny True")
