@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--parallel", choices=("none", "ddp", "fsdp", "ep"), default="none",
                        help="under torchrun: split each step over the processes (data parallel, fully sharded, "
-                            "or expert parallel); see the README")
+                            "or expert parallel); see docs/distributed.md")
     train.set_defaults(func=_train)
     gen = sub.add_parser("generate", help="stream text from a checkpoint",
                          description="Stream text from a checkpoint. Without --prompt or --prompt-file, read "
@@ -164,12 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     export = sub.add_parser("export", help="write a checkpoint in Hugging Face transformers' format (needs k3[hf])")
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="a k3 checkpoint directory (k3 train --out)")
-    export.add_argument("out", metavar="DIR", help="output directory")
+    export.add_argument("out", metavar="DIR", help="output directory: new or empty (an export never writes over files)")
     export.add_argument("--format", choices=("k3", "kimi-linear", "kimi-k3"), default="k3",
                         help="k3: model_type k3, loads with transformers' Auto classes and pipeline with "
                              "trust_remote_code=True (k3 installed) or after `import k3.hf` (default); kimi-linear: "
                              "Kimi Linear's own format, for kimi-linear* models; kimi-k3: Kimi K3's published layout")
-    export.add_argument("--quantize", choices=("mxfp4",), help="kimi-k3: routed experts in MXFP4 (compressed-tensors)")
+    export.add_argument("--quantize", choices=("mxfp4", "bf16"),
+                        help="kimi-k3: how the routed experts are stored: mxfp4 (compressed-tensors MXFP4; MXFP4 codes "
+                             "the checkpoint holds are copied byte for byte) or bf16 (MXFP4 decoded); default: as the "
+                             "checkpoint stores them")
     export.set_defaults(func=_export)
     params = sub.add_parser("params", help="parameter count, active parameters and decode memory of a preset")
     params.add_argument("preset", nargs="?", metavar="PRESET|DIR",

@@ -108,7 +108,7 @@ PRESETS.update({
                               num_experts=8, num_experts_per_tok=2),
     # Kimi K3's shape in 5 layers (KDA, KDA, KDA, MLA + the final MLA), width 192: on the 2-core CPU
     # this trains twice as many tokens per second as 9 layers at width 128, and reaches a lower
-    # validation loss in the same minutes (measured; see the README)
+    # validation loss in the same minutes (measured; see docs/benchmarks.md)
     "kimi-k3-tiny": _tiny(kimi_k3, "kimi-k3-tiny", 5, **_TINY_MIXER, **_TINY_MLA, **_TINY_MOE, hidden_size=192,
                           q_lora_rank=64, num_experts=16, num_experts_per_tok=4, moe_latent_size=64,
                           attn_res_block_size=2),

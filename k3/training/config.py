@@ -23,6 +23,10 @@ TRAINING_BYTES_PER_PARAMETER = 16  # float32 weights, gradients and AdamW's two 
 
 @dataclass
 class TrainConfig:
+    """Every setting of a training run (`k3 train`'s flags, by field): the model (`preset`,
+    `model_overrides`), the data and tokenizer, the optimizer and its schedule, the run's length
+    (`max_steps` or `time_budget`), evaluation, checkpoints and the machine. Checked when made."""
+
     preset: str = "kimi-k3-tiny"
     model_overrides: dict = field(default_factory=dict)  # ModelConfig fields, e.g. {"hidden_size": 192}
     data: str | None = None  # None: the default Shakespeare corpus

@@ -40,6 +40,6 @@ def test_export_loading_block_runs_without_k3_imported(tmp_path):
            "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", guard + code], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.count("ROMEO:") >= 2, done.stdout  # both continuations print their prompt

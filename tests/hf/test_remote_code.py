@@ -1,6 +1,6 @@
 """An export in k3's format loads in an interpreter that never imported k3, through transformers' remote
 code (config.json's auto_map -> configuration_k3.py / modeling_k3.py, which import k3.hf): AutoConfig,
-AutoModelForCausalLM and pipeline with `trust_remote_code=True`, AutoTokenizer as it is. Checked in a
+AutoModelForCausalLM, pipeline and AutoTokenizer with `trust_remote_code=True`. Checked in a
 subprocess (offline, its own HF_HOME for the modules transformers copies): k3's logits (float32, to
 rounding) and greedy tokens (float64, where two code paths' rounding cannot flip an argmax), a save
 that keeps the remote code, and the ImportError that says how to install k3 when it is missing."""
@@ -44,7 +44,7 @@ del sys.modules["k3"]
 assert not any(name == "k3" or name.startswith("k3.") for name in sys.modules), "k3 imported too early"
 
 config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained(folder)
+tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
 model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
 ids = tokenizer(sys.argv[3], return_tensors="pt").input_ids
 with torch.no_grad():
@@ -84,7 +84,8 @@ def test_fresh_interpreter_loads_the_export_with_trust_remote_code(exported, tmp
            "OMP_NUM_THREADS": "1"}
     results = tmp_path / "results.pt"
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(folder), str(results), TEXT, str(NEW_TOKENS)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr[-4000:]
     got = torch.load(results)
 
