@@ -110,7 +110,8 @@ def _train_config(args):
     return TrainConfig(**fields)
 
 
-_ASKED_BY_NAME = ("device", "precision", "grad_accum", "log", "final_eval_tokens", "optimizer", "max_steps")
+_ASKED_BY_NAME = ("device", "precision", "grad_accum", "log", "final_eval_tokens", "optimizer", "max_steps",
+                  "recompute")
 
 
 def _train(args) -> int:

@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--log", choices=("tensorboard", "wandb", "none"),
                        help="also send OUT/metrics.jsonl's figures to TensorBoard (OUT/tensorboard) or wandb "
                             "(needs the package; default none)")
+    train.add_argument("--recompute", choices=("none", "full", "selective"),
+                       help="activation recompute: full keeps only each decoder layer's inputs and runs its "
+                            "forward again in the backward pass; selective does so on every 2nd layer (default none)")
     train.add_argument("--compile", action="store_true",
                        help="torch.compile the decoder: ~0.8x the step time after ~2.5 min of compiling (CPU, "
                             "kimi-k3-tiny); worth it for long runs, not the 13-minute demo; needs a C++ compiler")

@@ -59,6 +59,7 @@ class TrainConfig:
     device: str = "auto"  # "auto" (CUDA, then MPS, then the CPU) | "cpu" | "cuda" | "mps"
     precision: str = "fp32"  # "fp32" | "bf16": autocast over float32 weights and optimizer states
     grad_accum: int = 1  # micro-batches of `batch_size` per optimizer step (the batch is their sum)
+    recompute: str = "none"  # "none" | "full" | "selective": activation recompute (k3.training.parallel)
     log: str | None = None  # besides metrics.jsonl: "tensorboard" | "wandb" | None
 
     def __post_init__(self):
@@ -129,6 +130,7 @@ _CHOICES = {  # field: the values it takes
     "device": ("auto", "cpu", "cuda", "mps"),
     "precision": ("fp32", "bf16"),
     "log": (None, "tensorboard", "wandb"),
+    "recompute": ("none", "full", "selective"),
 }
 
 _RULES = {  # field: (check, what it expects)

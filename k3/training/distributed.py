@@ -40,7 +40,7 @@ from ..tokenizer import Tokenizer
 from .config import TrainConfig
 from .data import TokenData, prepare
 from .optim import build_optimizer, load_keeping_implementation
-from .parallel import check_expert_split, held_expert_parameters, parallelize
+from .parallel import apply_recompute, check_expert_split, held_expert_parameters, parallelize
 from .strategy import SingleProcess, compile_decoder, to_cpu
 
 __all__ = ["MODES", "Distributed", "check_expert_split", "start"]
@@ -120,6 +120,7 @@ class Distributed(SingleProcess):
         self._full_groups = _group_names(model, build_optimizer(model, cfg))  # the single-process numbering
         self.model = model.to(self.device)
         self.precision = cfg.precision
+        apply_recompute(model, cfg.recompute)  # before the sharding, as torchtitan orders them
         self.net = parallelize(model, self.mode, self.device)
         if cfg.compile:
             compile_decoder(model)

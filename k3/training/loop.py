@@ -123,6 +123,8 @@ def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: 
     if strategy.is_main:  # the machine's speed beside the run's, so tokens/s compare across machines
         precision = "bf16 autocast (float32 weights and optimizer states)" if cfg.precision == "bf16" else "float32"
         optimizer = "Muon (matrices) + AdamW" if cfg.optimizer == "muon" else "AdamW"
+        if cfg.recompute != "none":
+            precision += f", {cfg.recompute} activation recompute"
         _say(f"k3 train: {mconfig.name}, {num_parameters:,} parameters, "
              f"{data.train.numel():,} training tokens ({data.val.numel():,} validation), {_batch_words(cfg)}, "
              f"{optimizer}, "
@@ -348,7 +350,7 @@ def _resume_overrides(requested: TrainConfig, saved: TrainConfig, asked: tuple[s
 
 
 RESUME_ADJUSTABLE = ("max_steps", "eval_every", "eval_tokens", "final_eval_tokens", "checkpoint_every", "threads",
-                     "out", "compile", "device", "precision", "log")
+                     "out", "compile", "device", "precision", "log", "recompute")
 
 
 def _same_setting(name: str, a, b) -> bool:

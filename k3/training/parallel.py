@@ -57,6 +57,37 @@ def parallelize(model: CausalLM, mode: str, device: torch.device) -> nn.Module:
     return model
 
 
+RECOMPUTE = ("none", "full", "selective")
+SELECTIVE_EVERY = 2  # selective recompute: every 2nd decoder layer, torchtitan's layer option "2"
+
+
+def apply_recompute(model: CausalLM, mode: str) -> None:
+    """Activation recompute (checkpointing) of decoder layers, applied from outside as torchtitan's
+    `apply_ac` does, with torch's composable `checkpoint` (forward hooks: parameter names unchanged).
+
+    - **full**: every layer keeps only its inputs (the partial sum and the Block AttnRes sources); the
+      backward pass runs its forward again. Activation memory per layer: its input, not its insides.
+    - **selective**: the same on every SELECTIVE_EVERY-th layer (2nd, 4th, ...: torchtitan's per-layer
+      selective option), the other layers keep everything: about half of full's saving, half its
+      extra forward work.
+    - **none**: nothing is recomputed.
+
+    An op-level policy (keep the matrix products' outputs, recompute the elementwise work) is not offered:
+    k3's chunk kernels update matrix products in place (`U.baddbmm_`, `A.addmm_`), and a kept output
+    updated in place is updated twice when the forward runs again (measured: gradients off by 6e-2).
+    The recomputed forward is the same arithmetic, so losses and gradients are those of "none" (to
+    rounding); the MoE layers' `last_load` is set again to the same counts."""
+    if mode not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {mode!r}")
+    if mode == "none":
+        return
+    from torch.distributed._composable import checkpoint
+
+    for i, layer in enumerate(model.model.layers):
+        if mode == "full" or (i + 1) % SELECTIVE_EVERY == 0:
+            checkpoint(layer)
+
+
 def check_expert_split(config, world_size: int) -> None:
     """Expert parallelism needs MoE layers whose experts split evenly over the processes."""
     if "moe" not in config.mlp_types:

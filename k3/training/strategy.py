@@ -38,6 +38,7 @@ from .config import TrainConfig
 from .data import TokenData, prepare
 from .objective import next_token_loss, per_byte, summed_loss
 from .optim import build_optimizer, load_keeping_implementation
+from .parallel import apply_recompute
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -80,6 +81,7 @@ class SingleProcess:
         """Take `model` (the same on every process) for training on this process's device and build
         its optimizer."""
         model.to(self.device)
+        apply_recompute(model, cfg.recompute)
         if cfg.compile:
             compile_decoder(model)
         self.model = self.net = model

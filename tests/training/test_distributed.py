@@ -107,6 +107,9 @@ def _worker(rank: int, port: int, corpus: str, root: str) -> None:
     for mode in ("fsdp", "ep"):
         results[f"resumed_{mode}"] = train(TrainConfig(max_steps=4), resume=f"{root}/single2_{mode}",
                                            progress=False, parallel=mode)
+    for mode, recompute in (("fsdp", "full"), ("ep", "selective")):  # the layers' forwards run again
+        results[f"recompute_{mode}"] = train(run_cfg(corpus, f"{root}/recompute_{mode}", recompute=recompute),
+                                             progress=False, parallel=mode)
     for mode in ("ddp", "fsdp", "ep"):  # 2 micro-batches of 2 windows, one per rank: the reference's steps
         results[f"accumulated_{mode}"] = train(run_cfg(corpus, f"{root}/accumulated_{mode}", batch_size=2,
                                                        grad_accum=2), progress=False, parallel=mode)
@@ -207,6 +210,13 @@ def test_gradient_accumulation_over_two_processes_takes_the_single_process_steps
     """--grad-accum 2 with 2 windows a micro-batch, one per rank, follows the single process's batch of 4."""
     _, reference, results = runs
     assert_follows(results[f"accumulated_{mode}"], reference)
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "ep"])
+def test_recompute_over_two_processes_takes_the_single_process_steps(runs, mode):
+    """fsdp with full recompute, ep with selective (the all-to-all exchanges run again in the backward)."""
+    _, reference, results = runs
+    assert_follows(results[f"recompute_{mode}"], reference)
 
 
 def test_a_two_process_checkpoint_resumes_in_one_process(runs):
