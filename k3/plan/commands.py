@@ -52,8 +52,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--micro-batch", type=_positive("sequences"), default=1, help="sequences per micro-batch (default 1)")
     train.add_argument("--global-batch-tokens", type=_positive("tokens"), help="tokens per optimizer step (default: one "
                        "micro-batch per rank)")
-    train.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
-                       help="whose states the memory plan counts (default adamw)")
+    train.add_argument("--optimizer", choices=("muon", "adamw"), default="muon",
+                       help="whose states the memory plan counts: muon (k3 train's default; one momentum a "
+                            "matrix, AdamW's two moments on the rest) or adamw (default muon)")
     train.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="whose dense peak the MFU is of")
     train.add_argument("--mfu", type=_fraction, default=0.40, help="assumed model FLOP utilisation (default 0.40)")
     train.add_argument("--recompute", choices=("none", "selective", "full"),

@@ -5,8 +5,9 @@ Memory per GPU (the worst rank, the first of its pipeline stage, whose FSDP shar
 
 - parameters: fp32 master weights, sharded (`k3.plan.shapes`: exact per-rank values);
 - gradients: fp32 (FSDP2's reduce dtype), sharded alike;
-- optimizer state: AdamW's two fp32 moments; Muon's one fp32 momentum on the matrices (routed experts
-  included) and AdamW's two on the embeddings, head and vectors (Moonlight's split);
+- optimizer state: Muon's (the default, as `k3 train`'s and as Kimi trains) one fp32 momentum on the
+  matrices (routed experts included) and AdamW's two on the embeddings, head and vectors (Moonlight's
+  split); with `--optimizer adamw`, AdamW's two fp32 moments on everything;
 - FSDP all-gather buffers: the largest FSDP unit unsharded, twice in bf16 (the layer computing and the
   one prefetched) and once in fp32 (its gradient before the reduce-scatter);
 - activations: one micro-batch's (`k3.plan.costs`), times the micro-batches a stage holds at once under
@@ -48,7 +49,7 @@ class TrainSettings:
     seq_len: int = 4096
     global_batch_tokens: int | None = None
     micro_batch: int = 1  # sequences per micro-batch
-    optimizer: str = "adamw"
+    optimizer: str = "muon"  # k3 train's default, as Kimi K2 and K3 train (MuonClip)
     precision: str = "bf16"
     mfu: float = DEFAULT_MFU
     recompute: str | None = None  # None: the least that fits

@@ -35,7 +35,8 @@ def test_shard_rows_is_torch_chunk():
 def test_gpt2_tiny_on_one_gpu_by_hand():
     config = get_config("gpt2-tiny")
     T = 256
-    f = plan_training(config, TrainSettings(gpus=1, gpu="h100", seq_len=T, recompute="full", global_batch_tokens=T))
+    f = plan_training(config, TrainSettings(gpus=1, gpu="h100", seq_len=T, recompute="full", global_batch_tokens=T,
+                                            optimizer="adamw"))
     n = count_params(config)
     assert f["memory: parameters (fp32, sharded)"] == 4 * n.total
     assert f["memory: gradients (fp32, sharded)"] == 4 * n.total
@@ -54,8 +55,9 @@ def test_gpt2_tiny_on_one_gpu_by_hand():
 
 def test_muon_keeps_one_moment_on_matrices():
     config = get_config("kimi-k3-tiny")
-    adamw = plan_training(config, TrainSettings(gpus=1, recompute="none"))
-    muon = plan_training(config, TrainSettings(gpus=1, recompute="none", optimizer="muon"))
+    adamw = plan_training(config, TrainSettings(gpus=1, recompute="none", optimizer="adamw"))
+    muon = plan_training(config, TrainSettings(gpus=1, recompute="none"))  # the default, as k3 train's
+    assert TrainSettings().optimizer == "muon"
     n = count_params(config).total
     tables = 2 * config.vocab_size * config.hidden_size  # embeddings and head stay on AdamW
     assert adamw["memory: optimizer state (adamw)"] == 8 * n
