@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.common import cast
+from . import init
 
 
 class ShortConvolution(nn.Module):
@@ -32,7 +33,7 @@ class ShortConvolution(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)  # nn.Conv1d's default (as fla and Kimi Linear keep it)
+        init.kaiming_uniform_fan_in_(self.weight)  # nn.Conv1d's default (as fla and Kimi Linear keep it)
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor | None = None,
                 output_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

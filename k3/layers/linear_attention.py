@@ -50,6 +50,7 @@ from ..ops.linear_attn import linear_attn_step
 from .cache import LayerCache
 from .checks import check_mixer_input
 from .conv import ShortConvolution, joint_step
+from . import init
 from .init import init_linear
 from .norm import RMSNorm, upcast
 
@@ -75,9 +76,9 @@ def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
 def init_decay(A_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
     """A_log = log U(1, 16); dt_bias = inverse-softplus(dt), dt ~ logU(1e-3, 0.1) (Mamba2 / fla)."""
     with torch.no_grad():
-        A_log.copy_(torch.empty_like(A_log).uniform_(1, 16).log())
-        dt = torch.exp(torch.empty_like(dt_bias).uniform_(math.log(1e-3), math.log(0.1)))
-        dt_bias.copy_(_inverse_softplus(dt))
+        init.uniform_(A_log, 1, 16).log_()
+        init.uniform_(dt_bias, math.log(1e-3), math.log(0.1))
+        dt_bias.copy_(_inverse_softplus(dt_bias.exp()))
 
 
 class _DeltaRuleAttention(nn.Module):

@@ -37,6 +37,7 @@ from torch import nn
 
 from ..ops.common import cast
 from .ffn import GatedMLP, situ
+from . import init
 from .init import init_linear
 from .norm import RMSNorm, upcast
 
@@ -68,11 +69,11 @@ class Expert(nn.Module):
             return
         if std is None:  # nn.Linear's default for each matrix
             for w in (self.w1, self.w3, self.w2):
-                nn.init.uniform_(w, -w.shape[1] ** -0.5, w.shape[1] ** -0.5)
+                init.uniform_(w, -w.shape[1] ** -0.5, w.shape[1] ** -0.5)
             return
-        nn.init.normal_(self.w1, std=std)
-        nn.init.normal_(self.w3, std=std)
-        nn.init.normal_(self.w2, std=std if residual_std is None else residual_std)
+        init.normal_(self.w1, std)
+        init.normal_(self.w3, std)
+        init.normal_(self.w2, std if residual_std is None else residual_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] -> w2 act(w1 x, w3 x) [..., dim]."""
@@ -101,7 +102,7 @@ class Router(nn.Module):
     def reset_parameters(self, std: float | None = None) -> None:
         """Router weight ~ N(0, std) (None: std = dim^-1/2); the correction bias starts at zero (it is
         state, not a parameter)."""
-        nn.init.normal_(self.weight, std=self.weight.shape[1] ** -0.5 if std is None else std)
+        init.normal_(self.weight, self.weight.shape[1] ** -0.5 if std is None else std)
         nn.init.zeros_(self.e_score_correction_bias)
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:

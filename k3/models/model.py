@@ -26,6 +26,7 @@ from torch import nn
 
 from .. import generation
 from ..layers import BlockAttnRes, MoE, RMSNorm
+from ..layers import init
 from ..layers.init import STD
 from . import checkpoint, loading
 from .config import ModelConfig
@@ -212,6 +213,9 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        # the seed of this model's weights: the global generator's next draw, taken first, so a model
+        # built on the meta device (whose layers draw nothing) gets the same one as a model built whole
+        self.init_seed = int(torch.empty((), dtype=torch.int64, device="cpu").random_(0, 2 ** 62))
         self.model = Decoder(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -223,14 +227,22 @@ class CausalLM(nn.Module):
     def reset_parameters(self, std: float = STD) -> None:
         """GPT-2's scheme (k3.layers.init): embeddings and projections ~ N(0, std), the projections that
         write into the residual stream ~ N(0, std / sqrt(2 * num_layers)), norms 1; each layer sets its
-        own parameters, special ones included. No-op on the meta device."""
+        own parameters, special ones included. No-op on the meta device.
+
+        Each parameter's values depend on `init_seed` and its name alone (`k3.layers.init.seeded_by_name`):
+        a model sharded over processes (FSDP's DTensors; experts held elsewhere are None) initialises each
+        shard where it is, with the values the whole model has in one process."""
         if self.lm_head.weight.is_meta:
             return
+        with init.seeded_by_name({id(p): name for name, p in self.named_parameters()}, self.init_seed):
+            self._reset_parameters(std)
+
+    def _reset_parameters(self, std: float) -> None:
         residual_std = std / math.sqrt(2 * self.config.num_layers)
         decoder = self.model
         for embedding in (decoder.embed_tokens, getattr(decoder, "embed_positions", None)):
             if embedding is not None:
-                nn.init.normal_(embedding.weight, std=std)
+                init.normal_(embedding.weight, std)
         for layer in decoder.layers:
             layer.self_attn.reset_parameters(std, residual_std)
             layer.ffn.reset_parameters(std, residual_std)
@@ -241,7 +253,7 @@ class CausalLM(nn.Module):
             if norm is not None:
                 norm.reset_parameters()
         if not self.config.tie_word_embeddings:
-            nn.init.normal_(self.lm_head.weight, std=std)
+            init.normal_(self.lm_head.weight, std)
 
     # -- inference ----------------------------------------------------------------------------------
     def new_cache(self, batch_size: int) -> HybridCache:

@@ -114,11 +114,20 @@ class Distributed(SingleProcess):
             tokenizer, data = prepare(cfg, Tokenizer(HFTokenizer.from_str(text)))
         return tokenizer, data
 
+    def new_model(self, config, to_load: bool = False) -> CausalLM:
+        """On the meta device: `setup` splits it, then each process allocates and initialises only its
+        share (k3.training.parallel), with the one-process run's values. A model whose weights will be
+        loaded (a resumed run: its checkpoint holds them whole) is built whole."""
+        if to_load:
+            return CausalLM(config)
+        with torch.device("meta"):
+            return CausalLM(config)
+
     def setup(self, model: CausalLM, cfg: TrainConfig) -> None:
         """Split `model` (a CausalLM, the same on every rank) for this mode (k3.training.parallel) and
         build the optimizer over this rank's parameters."""
         self._full_groups = _group_names(model, build_optimizer(model, cfg))  # the single-process numbering
-        self.model = model.to(self.device)
+        self.model = model if model.lm_head.weight.is_meta else model.to(self.device)
         self.precision = cfg.precision
         apply_recompute(model, cfg.recompute)  # before the sharding, as torchtitan orders them
         self.net = parallelize(model, self.mode, self.device)

@@ -103,7 +103,7 @@ def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: 
     data.val_windows(cfg.seq_len, cfg.seq_len)
     torch.manual_seed(cfg.seed)
     mconfig = model_config(cfg, tokenizer.vocab_size)
-    model = CausalLM(mconfig)
+    model = strategy.new_model(mconfig, to_load=state is not None)
     num_parameters = model.num_parameters()  # (a process of --parallel ep holds fewer)
     if state is not None:
         load_into(model, state["model"], f"checkpoint {resume}")

@@ -35,7 +35,14 @@ from ..ops.common import cast
 
 def parallelize(model: CausalLM, mode: str, device: torch.device) -> nn.Module:
     """Split `model` (on `device`) over the processes for `mode` ("ddp", "fsdp" or "ep"); returns the
-    module to call in training: the DDP wrapper, or `model` itself, sharded in place."""
+    module to call in training: the DDP wrapper, or `model` itself, sharded in place.
+
+    A model on the meta device (built there: no process holds it whole) is split first and then
+    materialised, each process allocating and initialising only what it holds (`CausalLM.reset_parameters`
+    draws each parameter's values from its name, so every shard gets the one-process values); a model
+    with weights (a resumed run's) is made the same on every process from rank 0's."""
+    if model.lm_head.weight.is_meta:
+        return _parallelize_on_meta(model, mode, device)
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -86,6 +93,29 @@ def apply_recompute(model: CausalLM, mode: str) -> None:
     for i, layer in enumerate(model.model.layers):
         if mode == "full" or (i + 1) % SELECTIVE_EVERY == 0:
             checkpoint(layer)
+
+
+def _parallelize_on_meta(model: CausalLM, mode: str, device: torch.device) -> nn.Module:
+    if mode == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _fully_shard(model, init_device_mesh(device.type, (dist.get_world_size(),)))
+    elif mode == "ep":
+        check_expert_split(model.config, dist.get_world_size())
+        _shard_experts(model, dist.get_rank(), dist.get_world_size())
+    elif mode != "ddp":
+        raise ValueError(f"parallelize: `mode` must be 'ddp', 'fsdp' or 'ep', got {mode!r}")
+    materialize(model, device)
+    return parallelize(model, mode, device) if mode == "ddp" else model  # DDP wraps the whole model
+
+
+def materialize(model: CausalLM, device: torch.device) -> None:
+    """Allocate a meta-device model's parameters and buffers on `device` (only the shards and experts
+    this process holds) and initialise them: the values a one-process model of the same seed has."""
+    model.to_empty(device=device)
+    if model.config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+        model.lm_head.weight = model.model.embed_tokens.weight  # to_empty gives each module its own tensor
+    model.reset_parameters()  # buffers too: the routers' correction biases start at zero
 
 
 def check_expert_split(config, world_size: int) -> None:

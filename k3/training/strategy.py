@@ -77,6 +77,10 @@ class SingleProcess:
         """The run's tokenizer and token streams (k3.training.data.prepare)."""
         return prepare(cfg, tokenizer)
 
+    def new_model(self, config, to_load: bool = False) -> CausalLM:
+        """The model to train, initialised (`to_load`: its weights will be loaded from a checkpoint)."""
+        return CausalLM(config)
+
     def setup(self, model: CausalLM, cfg: TrainConfig) -> None:
         """Take `model` (the same on every process) for training on this process's device and build
         its optimizer."""

@@ -95,12 +95,55 @@ def _two_steps(preset: str, mode: str) -> dict:
     return {"losses": losses, "grads": grads, "weights": weights, "optimizer": optimizer_state}
 
 
+def _built_on_meta(preset: str, mode: str) -> dict:
+    """The model as `k3 train` builds it under torchrun: on meta, split, then each rank's share made."""
+    from torch.distributed.tensor import DTensor
+
+    strategy = distributed.Distributed(mode)
+    torch.manual_seed(0)
+    overrides = SMALL if preset == "kimi-k3-tiny" else {"hidden_size": 32, "num_layers": 2}
+    model = strategy.new_model(get_config(preset, vocab_size=VOCAB, **overrides))
+    assert model.lm_head.weight.is_meta
+    strategy.setup(model, STEP_CFG)
+    held = sum(t.to_local().numel() if isinstance(t, DTensor) else t.numel() for t in model.state_dict().values())
+    state = {n: t.full_tensor() if isinstance(t, DTensor) else t for n, t in model.state_dict().items()}
+    parts = [None] * WORLD
+    torch.distributed.all_gather_object(parts, state)
+    merged = {}
+    for part in parts:  # ep: each rank holds its own experts
+        for name, t in part.items():
+            merged.setdefault(name, t)
+    return {"state": merged, "held": held, "tied": model.lm_head.weight is model.model.embed_tokens.weight}
+
+
+def _peak_rss_of_a_large_model_on_meta() -> dict:
+    """fsdp over 2 processes of a model of 212M parameters (810 MiB in fp32): how much each one grew
+    (measured: 499 MiB each built on meta, 998 MiB each built whole)."""
+    import resource
+
+    strategy = distributed.Distributed("fsdp")
+    config = get_config("kimi-k3-tiny", vocab_size=VOCAB, hidden_size=512, num_experts=64, moe_intermediate_size=512,
+                        moe_latent_size=512)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    model = strategy.new_model(config)
+    strategy.setup(model, STEP_CFG)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    return {"grown": grown, "whole": 4 * model.num_parameters(), "norm": float(
+        sum(p.to_local().double().pow(2).sum() for p in model.parameters()))}
+
+
 def _worker(rank: int, port: int, corpus: str, root: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     results = {case: _two_steps(*case) for case in CASES}
+    for case in (("kimi-k3-tiny", "fsdp"), ("kimi-k3-tiny", "ep"), ("kimi-k3-tiny", "ddp"), ("gpt2-tiny", "fsdp")):
+        results[("meta",) + case] = _built_on_meta(*case)
+    results["large"] = _peak_rss_of_a_large_model_on_meta()
+    norms = [None] * WORLD
+    torch.distributed.all_gather_object(norms, results["large"]["norm"])
+    results["large"]["norms"] = norms
     # a checkpoint written by 2 processes (the other modes' gathered states are checked above), and
     # single-process checkpoints resumed by 2
     train(run_cfg(corpus, f"{root}/ep2", max_steps=2), progress=False, parallel="ep")
@@ -196,6 +239,32 @@ def test_two_processes_take_the_single_process_steps(runs, preset, mode):
                 fresh(half[:, :-1])
                 loads.append(torch.stack([m.last_load for m in fresh.moe_layers()]))
         assert bool(((loads[0] == 0) != (loads[1] == 0)).any())
+
+
+@pytest.mark.parametrize("preset,mode", [("kimi-k3-tiny", "fsdp"), ("kimi-k3-tiny", "ep"), ("kimi-k3-tiny", "ddp"),
+                                         ("gpt2-tiny", "fsdp")])
+def test_a_model_built_on_meta_and_split_gets_the_one_process_weights(runs, preset, mode):
+    """Under torchrun the model is built on the meta device, split, and each rank initialises its share:
+    the same tensors, bit for bit, as one process builds with the same seed (each parameter's values come
+    from its name), and a rank holds only its share."""
+    got = runs[2][("meta", preset, mode)]
+    want = tiny_model(preset).state_dict()
+    assert got["state"].keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got["state"][name], tensor), name
+    whole = sum(t.numel() for t in want.values())
+    if mode == "fsdp":
+        assert got["held"] <= whole // WORLD + 1000  # 1/N of every tensor (a row's rounding apart)
+    elif mode == "ep":
+        assert got["held"] < whole
+    assert got["tied"] == (preset == "gpt2-tiny")
+
+
+def test_a_large_model_is_never_whole_in_one_process(runs):
+    """fsdp of a 212M-parameter model: each process grows by about its half, never by the whole."""
+    large = runs[2]["large"]
+    assert large["grown"] < 0.75 * large["whole"], large
+    assert all(n > 0 for n in large["norms"])  # both ranks initialised their shards
 
 
 def assert_follows(history: dict, reference: dict) -> None:
