@@ -150,6 +150,9 @@ def _generate(args) -> int:
     if not Path(args.checkpoint).is_dir():
         raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no such folder (expected a checkpoint folder, "
                                 f"e.g. what k3 train --out wrote)")
+    if args.parallel == "ep" and args.prompt is None and not args.prompt_file:
+        raise ValueError("--parallel ep takes --prompt or --prompt-file (every process runs the same prompts); "
+                         "the interactive mode reads stdin in one process")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -157,6 +160,8 @@ def _generate(args) -> int:
     check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
     tokenizer = Tokenizer.load(args.checkpoint)
     texts, prompts = _prompts(args, tokenizer)
+    if args.parallel == "ep":
+        return _generate_expert_parallel(args, tokenizer, texts, prompts, device)
     model = CausalLM.from_pretrained(args.checkpoint).to(device).eval()
     if not prompts:
         return interactive(args, model, tokenizer)
@@ -175,6 +180,40 @@ def _generate(args) -> int:
         return 130
     print(flush=True)
     report(len(new), time.perf_counter() - start, len(ids), device)
+    return 0
+
+
+def _generate_expert_parallel(args, tokenizer, texts: list[str], prompts: list[list[int]], device) -> int:
+    """`torchrun ... -m k3 generate --parallel ep`: each process holds its share of the experts
+    (k3.training.parallel.load_expert_parallel) and runs the same prompts with the same seed, so all
+    compute the same tokens; rank 0 prints them."""
+    import contextlib
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ..training.parallel import load_expert_parallel
+    from .interactive import report, stream_text
+
+    model = load_expert_parallel(args.checkpoint, device).eval()
+    with contextlib.ExitStack() as quiet:
+        quiet.callback(dist.destroy_process_group)
+        if dist.get_rank() != 0:  # the same text on every process: rank 0 prints it
+            sink = quiet.enter_context(open(os.devnull, "w"))
+            quiet.enter_context(contextlib.redirect_stdout(sink))
+            quiet.enter_context(contextlib.redirect_stderr(sink))
+        if args.prompt_file:
+            return _generate_batch(args, model, tokenizer, texts, prompts)
+        generator = torch.Generator(device).manual_seed(args.seed)
+        print(args.prompt, end="", flush=True)
+        new: list[int] = []
+        start = time.perf_counter()
+        stream_text(model, tokenizer, prompts[0], args, generator, new)
+        print(flush=True)
+        report(len(new), time.perf_counter() - start, len(prompts[0]),
+               f"{device}, {dist.get_world_size()} processes (--parallel ep)")
     return 0
 
 

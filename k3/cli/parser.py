@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="sample from the likeliest tokens whose probabilities sum to p (default: off)")
     gen.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     gen.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
+    gen.add_argument("--parallel", choices=("none", "ep"), default="none",
+                     help="under torchrun: ep splits every MoE layer's routed experts over the processes (each "
+                          "reads only its own), the tokens exchanged by all-to-all; with --prompt or --prompt-file")
     gen.add_argument("--device", choices=DEVICES, default="auto",
                      help="where to generate: auto (the default) picks CUDA, then Apple's MPS, then the CPU")
     gen.set_defaults(func=_generate)

@@ -35,6 +35,7 @@ from .config import ModelConfig
 
 EXPERTS = (None, "mxfp4")
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.")
 
 
 def shard_files(directory: Path) -> list[Path]:
@@ -98,6 +99,19 @@ class _Filler:
         self.shapes: list[str] = []
         self.misshaped: set[str] = set()  # in the checkpoint, with another shape: not also "missing"
         self.halves: dict[str, dict[str, torch.Tensor]] = {}  # expert matrix -> the MXFP4 parts seen so far
+
+    def held_elsewhere(self, key: str) -> bool:
+        """True for a routed expert's tensor that this process does not hold (expert parallelism leaves
+        such experts None): it is neither read nor expected."""
+        m = EXPERT_KEY.match(key)
+        if m is None or key in self.own:
+            return False
+        layers = self.model.model.layers
+        layer, expert = int(m.group(1)), int(m.group(2))
+        if layer >= len(layers) or not hasattr(layers[layer].ffn, "experts"):
+            return False
+        experts = layers[layer].ffn.experts
+        return expert < len(experts) and experts[expert] is None
 
     def put(self, key: str, t: torch.Tensor) -> None:
         part = next((p for p in kimi_k3_format.QUANTIZED_PARTS if key.endswith(p)), None)
@@ -178,6 +192,26 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None,
     return model
 
 
+def load_held(model: torch.nn.Module, path) -> None:
+    """Fill `model`, whose routed experts may be split over processes (the ones held elsewhere None,
+    `k3.training.parallel.shard_experts`) and whose tensors may be on the meta device, from the checkpoint
+    folder `path`: allocated (on the CPU) and read tensor by tensor, the other processes' experts never
+    read. Names and shapes are checked as in `load_pretrained`."""
+    directory = Path(path)
+    with checked_folder(directory, checkpoint.WEIGHT_FILES):
+        checkpoint.check_same_step(directory)
+        config, native = checkpoint.read_config(directory)
+        if config != model.config:
+            raise ValueError(f"{directory}: its config.json describes another model than the one to fill")
+        if model.lm_head.weight.is_meta:
+            model.to_empty(device="cpu")
+            if config.tie_word_embeddings:  # to_empty gives each module its own tensor
+                model.lm_head.weight = model.model.embed_tokens.weight
+        filler = _Filler(model, str(directory))
+        _read_shards(directory, config, native, None, filler)
+    filler.finish(config.tie_word_embeddings)
+
+
 def check_weights(model: torch.nn.Module, directory: Path, native: bool, renumber: dict[int, int] | None = None,
                   source: str | None = None) -> None:
     """The checkpoint's tensors, from the safetensors headers alone (no data read), against `model` on
@@ -212,6 +246,8 @@ def _read_shards(directory: Path, config: ModelConfig, native: bool, renumber: d
                     name = _renumbered(key.removeprefix("k3.") if native else kimi_k3_format.to_kimi_name(key),
                                        renumber)
                     if name is None:
+                        continue
+                    if filler.held_elsewhere(name):
                         continue
                     if header_only:
                         part = f.get_slice(key)

@@ -4,7 +4,7 @@ module itself. No GPU, no communication: torch's fake backend (`FakeStore`, back
 every collective without doing it, and meta tensors have shapes but no storage.
 
 The layout is `k3.plan.shapes`': the device mesh (fsdp / ep, ep) over the N ranks; each MoE layer's
-routed experts split over the "ep" dimension by `k3.training.parallel._shard_experts` (what `k3 train
+routed experts split over the "ep" dimension by `k3.training.parallel.shard_experts` (what `k3 train
 --parallel ep` runs); the experts a rank keeps sharded by FSDP2 over the other dimension; then
 `k3.training.parallel._fully_shard` (what `--parallel fsdp` runs: every decoder layer, then the root)
 over all N ranks, which leaves the experts to their own FSDP unit. k3's training runs ep and fsdp one at
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..models import CausalLM, ModelConfig
-from ..training.parallel import _fully_shard, _shard_experts
+from ..training.parallel import _fully_shard, shard_experts
 
 
 def simulate(config: ModelConfig, world_size: int, ep: int, rank: int = 0) -> dict[str, float]:
@@ -46,7 +46,7 @@ def simulate(config: ModelConfig, world_size: int, ep: int, rank: int = 0) -> di
         with torch.device("meta"):
             model = CausalLM(config)
         if model.moe_layers():
-            _shard_experts(model, mesh["ep"].get_local_rank(), ep)
+            shard_experts(model, mesh["ep"].get_local_rank(), ep)
             for moe in model.moe_layers():
                 fully_shard(moe.experts, mesh=mesh["fsdp_mod_ep"])
         _fully_shard(model, mesh._flatten("fsdp"))

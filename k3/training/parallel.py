@@ -21,8 +21,10 @@ What the training step does about gradients in each mode is k3.training.distribu
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -58,7 +60,7 @@ def parallelize(model: CausalLM, mode: str, device: torch.device) -> nn.Module:
         _fully_shard(model, init_device_mesh(device.type, (dist.get_world_size(),)))
     elif mode == "ep":
         check_expert_split(model.config, dist.get_world_size())
-        _shard_experts(model, dist.get_rank(), dist.get_world_size())
+        shard_experts(model, dist.get_rank(), dist.get_world_size())
     else:
         raise ValueError(f"parallelize: `mode` must be 'ddp', 'fsdp' or 'ep', got {mode!r}")
     return model
@@ -102,7 +104,7 @@ def _parallelize_on_meta(model: CausalLM, mode: str, device: torch.device) -> nn
         _fully_shard(model, init_device_mesh(device.type, (dist.get_world_size(),)))
     elif mode == "ep":
         check_expert_split(model.config, dist.get_world_size())
-        _shard_experts(model, dist.get_rank(), dist.get_world_size())
+        shard_experts(model, dist.get_rank(), dist.get_world_size())
     elif mode != "ddp":
         raise ValueError(f"parallelize: `mode` must be 'ddp', 'fsdp' or 'ep', got {mode!r}")
     materialize(model, device)
@@ -116,6 +118,31 @@ def materialize(model: CausalLM, device: torch.device) -> None:
     if model.config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
         model.lm_head.weight = model.model.embed_tokens.weight  # to_empty gives each module its own tensor
     model.reset_parameters()  # buffers too: the routers' correction biases start at zero
+
+
+def load_expert_parallel(path, device: torch.device) -> CausalLM:
+    """`torchrun ... -m k3 generate --parallel ep`: the checkpoint in `path` split over this torchrun job's
+    processes, each holding its share of every MoE layer's routed experts and the rest whole, on
+    `device`. The model is built on the meta device, split, then filled tensor by tensor from the
+    checkpoint, each process reading only the experts it holds (`k3.models.loading.load_held`). In
+    every MoE layer the tokens go to the experts' processes and back by all-to-all, once a layer a
+    decode step; every process runs the same prompts and computes the same tokens."""
+    from ..models.checkpoint import read_config
+    from ..models.loading import load_held
+
+    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise ValueError(f"--parallel ep runs under torchrun (missing {', '.join(missing)} in the environment): "
+                         f"torchrun --nproc_per_node=N -m k3 generate --parallel ep ...")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    config, _ = read_config(Path(path))
+    check_expert_split(config, dist.get_world_size())
+    with torch.device("meta"):
+        model = CausalLM(config)
+    shard_experts(model, dist.get_rank(), dist.get_world_size())
+    load_held(model, path)
+    return model.to(device)
 
 
 def check_expert_split(config, world_size: int) -> None:
@@ -154,8 +181,9 @@ def _fully_shard(model: CausalLM, mesh) -> None:
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
 
 
-def _shard_experts(model: CausalLM, rank: int, world_size: int) -> None:
-    """Keep this rank's slice of every MoE layer's routed experts and hook the token exchange around them."""
+def shard_experts(model: CausalLM, rank: int, world_size: int) -> None:
+    """Keep this rank's slice of every MoE layer's routed experts (the others become None) and hook the
+    token exchange around them (on a model on the meta device too: then nothing is allocated)."""
     for moe in model.moe_layers():
         per_rank = len(moe.experts) // world_size
         own = range(rank * per_rank, (rank + 1) * per_rank)
