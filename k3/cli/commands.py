@@ -111,7 +111,7 @@ def _train_config(args):
 
 
 _ASKED_BY_NAME = ("device", "precision", "grad_accum", "log", "final_eval_tokens", "optimizer", "max_steps",
-                  "recompute")
+                  "recompute", "ep")
 
 
 def _train(args) -> int:

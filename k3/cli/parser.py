@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--log", choices=("tensorboard", "wandb", "none"),
                        help="also send OUT/metrics.jsonl's figures to TensorBoard (OUT/tensorboard) or wandb "
                             "(needs the package; default none)")
+    train.add_argument("--ep", type=_count(1, "ranks of an expert-parallel group"), metavar="N",
+                       help="with --parallel fsdp: split every MoE layer's experts over groups of N processes, each "
+                            "expert sharded over the processes that hold it (default 1: fsdp alone)")
     train.add_argument("--recompute", choices=("none", "full", "selective"),
                        help="activation recompute: full keeps only each decoder layer's inputs and runs its "
                             "forward again in the backward pass; selective does so on every 2nd layer (default none)")

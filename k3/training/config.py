@@ -59,6 +59,7 @@ class TrainConfig:
     device: str = "auto"  # "auto" (CUDA, then MPS, then the CPU) | "cpu" | "cuda" | "mps"
     precision: str = "fp32"  # "fp32" | "bf16": autocast over float32 weights and optimizer states
     grad_accum: int = 1  # micro-batches of `batch_size` per optimizer step (the batch is their sum)
+    ep: int = 1  # --parallel fsdp: the ranks of an expert-parallel group (k3.training.parallel)
     recompute: str = "none"  # "none" | "full" | "selective": activation recompute (k3.training.parallel)
     log: str | None = None  # besides metrics.jsonl: "tensorboard" | "wandb" | None
 
@@ -153,6 +154,7 @@ _RULES = {  # field: (check, what it expects)
     "final_eval_tokens": (_count(0, none=True), "an integer >= 0 (0: no final evaluation), or None (all "
                                                 "validation tokens)"),
     "grad_accum": (_count(1), "an integer >= 1"),
+    "ep": (_count(1), "an integer >= 1 (1: no expert parallelism inside fsdp)"),
     "checkpoint_every": (_count(1, none=True), "an integer >= 1, or None (a checkpoint at the end only)"),
     "seed": (_count(-(2 ** 63)), "an integer"),
     "threads": (_count(1, none=True), "an integer >= 1, or None (all cores)"),

@@ -49,13 +49,15 @@ MODES = ("none", "ddp", "fsdp", "ep")
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def start(mode: str, batch_size: int, device: str = "auto") -> "Distributed | None":
+def start(mode: str, batch_size: int, device: str = "auto", ep: int = 1) -> "Distributed | None":
     """The Distributed strategy of this process for `mode` ("none": None, a single-process run). The
     other modes read torchrun's environment; the global batch (a micro-batch of it, with gradient
     accumulation) must split evenly over the processes."""
     if mode not in MODES:
         raise ValueError(f"--parallel must be one of {', '.join(MODES)}, got {mode!r}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if ep != 1 and mode != "fsdp":
+        raise ValueError(f"--ep {ep} is for --parallel fsdp (fsdp x expert parallelism), not --parallel {mode}")
     if mode == "none":
         if world > 1:
             raise ValueError(f"--parallel none, but torchrun started {world} processes (WORLD_SIZE={world}): each "
@@ -68,18 +70,18 @@ def start(mode: str, batch_size: int, device: str = "auto") -> "Distributed | No
     if batch_size % world:
         raise ValueError(f"--batch-size must be a multiple of the {world} processes (each takes an equal share of "
                          f"the global batch), got {batch_size}")
-    return Distributed(mode, device)
+    return Distributed(mode, device, ep)
 
 
 class Distributed(SingleProcess):
     """This process's part in a torchrun job: rank, world size, device, and how the model is split."""
 
-    def __init__(self, mode: str, device: str = "auto"):
+    def __init__(self, mode: str, device: str = "auto", ep: int = 1):
         if device == "mps":
             raise ValueError(f"--device mps: --parallel {mode} runs its processes on CUDA GPUs (NCCL) or CPUs "
                              f"(gloo); MPS has no multi-process backend. Use --device cpu, or one process")
         super().__init__("cpu" if device == "auto" else device)  # (checks that a named device exists)
-        self.mode = mode
+        self.mode, self.ep = mode, ep
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if device != "cpu" and torch.cuda.is_available():
             self.device, backend = torch.device("cuda", int(os.environ["LOCAL_RANK"])), "nccl"
@@ -92,7 +94,8 @@ class Distributed(SingleProcess):
         self.is_main = self.rank == 0
 
     def describe(self) -> str:
-        return f" in each of {self.world_size} processes ({self.mode})"
+        mode = f"fsdp x ep {self.ep}" if self.ep > 1 else self.mode
+        return f" in each of {self.world_size} processes ({mode})"
 
     def close(self) -> None:
         if self._owns_group and dist.is_initialized():
@@ -130,12 +133,13 @@ class Distributed(SingleProcess):
         self.model = model if model.lm_head.weight.is_meta else model.to(self.device)
         self.precision = cfg.precision
         apply_recompute(model, cfg.recompute)  # before the sharding, as torchtitan orders them
-        self.net = parallelize(model, self.mode, self.device)
+        self.net = parallelize(model, self.mode, self.device, self.ep)
         if cfg.compile:
             compile_decoder(model)
         self.optimizer = build_optimizer(model, cfg)
         self._expert_params = {id(p) for p in held_expert_parameters(model)}
         self._expert_names = {n for n, p in model.named_parameters() if id(p) in self._expert_params}
+        self._ep_group = model.moe_layers()[0].experts.ep_group if self.ep > 1 else None
 
     # -- the training step's hooks ----------------------------------------------------------------------
     def local_batch(self, windows: torch.Tensor) -> torch.Tensor:
@@ -161,8 +165,9 @@ class Distributed(SingleProcess):
         elif self.mode == "fsdp":  # the single process leaves an expert no token chose without a gradient
             for moe, load in zip(self.model.moe_layers(), loads):
                 for e in torch.nonzero(load == 0).flatten().tolist():
-                    for p in moe.experts[e].parameters():
-                        p.grad = None
+                    if moe.experts[e] is not None:  # (None: held by another ep group)
+                        for p in moe.experts[e].parameters():
+                            p.grad = None
 
     def _reduce_gradients(self) -> None:
         """ep: average the replicated parameters' gradients over ranks (one flat all-reduce); an owned
@@ -180,6 +185,8 @@ class Distributed(SingleProcess):
                 p.grad /= self.world_size
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        if self.mode == "fsdp" and self.ep > 1:
+            return self._clip_over_both_meshes(max_norm)
         if self.mode != "ep":  # ddp: the gradients are the same on every rank; fsdp: DTensors know their shards
             return super().clip_gradients(max_norm)
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -188,6 +195,29 @@ class Distributed(SingleProcess):
         dist.all_reduce(experts)  # each rank holds a different slice of the experts
         norm = (shared ** 2 + experts).sqrt()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def _clip_over_both_meshes(self, max_norm: float) -> torch.Tensor:
+        """fsdp x ep: the dense gradients are sharded over all ranks, each expert's over its efsdp ranks
+        (and the experts split over the ep group): the norm adds the dense part's square (whole, from its
+        DTensors) to the experts' squares summed over the ep group (torchtitan's clipping with ep)."""
+        from torch.distributed.tensor import DTensor
+
+        def whole(norm):
+            return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        dense = [p.grad for p in params if id(p) not in self._expert_params]
+        experts = [p.grad for p in params if id(p) in self._expert_params]
+        dense_sq = whole(torch.nn.utils.get_total_norm(dense)) ** 2 if dense else torch.zeros(())
+        experts_sq = whole(torch.nn.utils.get_total_norm(experts)) ** 2 if experts else torch.zeros(())
+        experts_sq = experts_sq.to(self.device, torch.float32).reshape(1).clone()
+        dist.all_reduce(experts_sq, group=self._ep_group)
+        norm = (dense_sq.to(self.device, torch.float32) + experts_sq[0]).sqrt()
+        for part in ([p for p in params if id(p) not in self._expert_params],
+                     [p for p in params if id(p) in self._expert_params]):  # one mesh at a time
+            if part:
+                torch.nn.utils.clip_grads_with_norm_(part, max_norm, norm)
         return norm
 
     # -- evaluation's hooks ---------------------------------------------------------------------------
@@ -212,6 +242,8 @@ class Distributed(SingleProcess):
             if not self.is_main:
                 return None, None
             return to_cpu(model.state_dict()), to_cpu(optimizer.state_dict())
+        if self.mode == "fsdp" and self.ep > 1:
+            return self._gathered_state()
         if self.mode == "fsdp":
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
@@ -238,6 +270,40 @@ class Distributed(SingleProcess):
         groups = [{**g, "params": names} for g, names in zip(local["param_groups"], self._full_groups)]
         return weights, _numbered({"state": state, "param_groups": groups})
 
+    def _gathered_state(self) -> tuple[dict | None, dict | None]:
+        """fsdp x ep: every sharded tensor made whole over its own mesh (dense over all ranks, each expert
+        over its efsdp ranks), then rank 0 takes the experts of the rest of its ep group."""
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        def whole(t):
+            return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+
+        model, optimizer = self.model, self.optimizer
+        for module in model.modules():  # after a forward without backward (an evaluation) the root stays unsharded
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        names = _flat(_group_names(model, optimizer))
+        weights = {n: whole(t) for n, t in model.state_dict().items()}
+        local = _named(optimizer.state_dict(), names)
+        state = {n: {k: whole(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                 for n, s in local["state"].items()}
+        if not self.is_main:  # the dense rest, and rank 0's own experts, are rank 0's
+            weights = {n: t for n, t in weights.items() if n in self._expert_names}
+            state = {n: s for n, s in state.items() if n in self._expert_names}
+        parts = [None] * self.world_size if self.is_main else None
+        dist.gather_object((weights, state), parts, dst=0)
+        if not self.is_main:
+            return None, None
+        weights, state = {}, {}
+        for part_weights, part_state in parts:
+            for n, t in part_weights.items():
+                weights.setdefault(n, t)
+            for n, s in part_state.items():
+                state.setdefault(n, s)
+        groups = [{**g, "params": names} for g, names in zip(local["param_groups"], self._full_groups)]
+        return weights, _numbered({"state": state, "param_groups": groups})
+
     def load_optimizer(self, saved: dict) -> None:
         """Load a single-process optimizer state dict (full tensors, torch's numbering) into this rank's part."""
         load_keeping_implementation(self.optimizer, lambda: self._load_optimizer(saved))
@@ -245,6 +311,24 @@ class Distributed(SingleProcess):
     def _load_optimizer(self, saved: dict) -> None:
         if self.mode == "ddp":
             self.optimizer.load_state_dict(saved)
+        elif self.mode == "fsdp" and self.ep > 1:  # each state tensor as its parameter is placed
+            from torch.distributed.tensor import DTensor, distribute_tensor
+
+            full = _named(saved, _flat(self._full_groups))
+            groups = _group_names(self.model, self.optimizer)
+            params = dict(self.model.named_parameters())
+            state = {}
+            for name in _flat(groups):
+                if name not in full["state"]:
+                    continue
+                p = params[name]
+                state[name] = {k: distribute_tensor(v.to(self.device), p.device_mesh, p.placements,
+                                                    src_data_rank=None)
+                               if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.shape == p.shape
+                               else v for k, v in full["state"][name].items()}
+            mine = {"state": state,
+                    "param_groups": [{**g, "params": names} for g, names in zip(full["param_groups"], groups)]}
+            self.optimizer.load_state_dict(_numbered(mine))
         elif self.mode == "fsdp":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 

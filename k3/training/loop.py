@@ -68,7 +68,7 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
         torch.set_num_threads(cfg.threads)
     check_logger(cfg.log)  # a missing package before any work
     # start: a torchrun mode's strategy, else None
-    strategy = start(parallel, cfg.batch_size, cfg.device) or SingleProcess(cfg.device)
+    strategy = start(parallel, cfg.batch_size, cfg.device, cfg.ep) or SingleProcess(cfg.device)
     out = Path(cfg.out)
     # before any work: a bad --out costs nothing; a run refused before its first save leaves nothing behind
     lock = strategy.on_main(lambda: claim_output(out))
@@ -350,7 +350,7 @@ def _resume_overrides(requested: TrainConfig, saved: TrainConfig, asked: tuple[s
 
 
 RESUME_ADJUSTABLE = ("max_steps", "eval_every", "eval_tokens", "final_eval_tokens", "checkpoint_every", "threads",
-                     "out", "compile", "device", "precision", "log", "recompute")
+                     "out", "compile", "device", "precision", "log", "recompute", "ep")
 
 
 def _same_setting(name: str, a, b) -> bool:

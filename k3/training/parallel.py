@@ -35,16 +35,25 @@ from ..models import CausalLM
 from ..ops.common import cast
 
 
-def parallelize(model: CausalLM, mode: str, device: torch.device) -> nn.Module:
+def parallelize(model: CausalLM, mode: str, device: torch.device, ep: int = 1) -> nn.Module:
     """Split `model` (on `device`) over the processes for `mode` ("ddp", "fsdp" or "ep"); returns the
     module to call in training: the DDP wrapper, or `model` itself, sharded in place.
 
     A model on the meta device (built there: no process holds it whole) is split first and then
     materialised, each process allocating and initialising only what it holds (`CausalLM.reset_parameters`
     draws each parameter's values from its name, so every shard gets the one-process values); a model
-    with weights (a resumed run's) is made the same on every process from rank 0's."""
+    with weights (a resumed run's) is made the same on every process from rank 0's.
+
+    fsdp with `ep` N > 1 (`--parallel fsdp --ep N`, torchtitan's composition): one DeviceMesh [world/N
+    ("efsdp"), N ("ep")]; the dense parameters are sharded over all ranks (the mesh flattened), every
+    MoE layer's routed experts are split over the N ranks of an ep group (the tokens exchanged by
+    all-to-all within it) and each expert is sharded over the world/N ranks that hold it (a nested
+    `fully_shard(moe.experts, mesh=efsdp)`). An expert's gradient on its ranks sums the tokens of its ep
+    group; the reduce-scatter over efsdp sums the groups, divided by the world size: the mean gradient,
+    as the dense parameters' is."""
+    check_ep(model.config, mode, ep)
     if model.lm_head.weight.is_meta:
-        return _parallelize_on_meta(model, mode, device)
+        return _parallelize_on_meta(model, mode, device, ep)
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -55,9 +64,7 @@ def parallelize(model: CausalLM, mode: str, device: torch.device) -> nn.Module:
                                        find_unused_parameters=bool(model.moe_layers()))
     _broadcast_from_main(model)  # ddp does this itself
     if mode == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-
-        _fully_shard(model, init_device_mesh(device.type, (dist.get_world_size(),)))
+        _shard_fully(model, device, ep)
     elif mode == "ep":
         check_expert_split(model.config, dist.get_world_size())
         shard_experts(model, dist.get_rank(), dist.get_world_size())
@@ -97,11 +104,9 @@ def apply_recompute(model: CausalLM, mode: str) -> None:
             checkpoint(layer)
 
 
-def _parallelize_on_meta(model: CausalLM, mode: str, device: torch.device) -> nn.Module:
+def _parallelize_on_meta(model: CausalLM, mode: str, device: torch.device, ep: int) -> nn.Module:
     if mode == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-
-        _fully_shard(model, init_device_mesh(device.type, (dist.get_world_size(),)))
+        _shard_fully(model, device, ep)
     elif mode == "ep":
         check_expert_split(model.config, dist.get_world_size())
         shard_experts(model, dist.get_rank(), dist.get_world_size())
@@ -145,6 +150,44 @@ def load_expert_parallel(path, device: torch.device) -> CausalLM:
     return model.to(device)
 
 
+def check_ep(config, mode: str, ep: int) -> None:
+    """`--ep N` goes with `--parallel fsdp`, N dividing both the process count and the experts."""
+    if ep == 1:
+        return
+    world = dist.get_world_size()
+    if mode != "fsdp":
+        raise ValueError(f"--ep {ep} is for --parallel fsdp (fsdp x expert parallelism); --parallel {mode} "
+                         f"takes none (--parallel ep splits the experts over all {world} processes)")
+    if world % ep:
+        raise ValueError(f"--ep {ep} does not divide the {world} processes: an ep group is {ep} of them; use a "
+                         f"process count that {ep} divides, or another --ep")
+    if "moe" not in config.mlp_types:
+        raise ValueError(f"--ep {ep}: {config.name} has no MoE layer (use --parallel fsdp alone)")
+    if config.num_experts % ep:
+        raise ValueError(f"--ep {ep} does not divide the {config.num_experts} experts of each MoE layer; use an "
+                         f"--ep that divides {config.num_experts}")
+
+
+def _shard_fully(model: CausalLM, device: torch.device, ep: int) -> None:
+    """fsdp: every decoder layer and the root over all ranks; with ep > 1, the experts first (see
+    `parallelize`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if ep == 1:
+        _fully_shard(model, init_device_mesh(device.type, (world,)))
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    shard_experts(model, mesh["ep"].get_local_rank(), ep, mesh["ep"].get_group())
+    for moe in model.moe_layers():
+        fully_shard(moe.experts, mesh=mesh["efsdp"])
+        moe.experts.set_gradient_divide_factor(world)  # sum over efsdp of ep-group sums, / world
+        moe.experts.set_force_sum_reduction_for_comms(True)  # a sum, then the division (gloo has no PreMulSum)
+    _fully_shard(model, mesh._flatten("dp"))
+
+
 def check_expert_split(config, world_size: int) -> None:
     """Expert parallelism needs MoE layers whose experts split evenly over the processes."""
     if "moe" not in config.mlp_types:
@@ -181,10 +224,12 @@ def _fully_shard(model: CausalLM, mesh) -> None:
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
 
 
-def shard_experts(model: CausalLM, rank: int, world_size: int) -> None:
+def shard_experts(model: CausalLM, rank: int, world_size: int, group=None) -> None:
     """Keep this rank's slice of every MoE layer's routed experts (the others become None) and hook the
-    token exchange around them (on a model on the meta device too: then nothing is allocated)."""
+    token exchange around them (on a model on the meta device too: then nothing is allocated). `rank`
+    and `world_size` are within `group`, the process group the tokens are exchanged in (None: all)."""
     for moe in model.moe_layers():
+        moe.experts.ep_group = group
         per_rank = len(moe.experts) // world_size
         own = range(rank * per_rank, (rank + 1) * per_rank)
         for e in range(len(moe.experts)):
@@ -210,19 +255,20 @@ def _dispatch_tokens(experts: nn.Module, args: tuple) -> tuple:
     There the experts run as in one process, skipping the experts held elsewhere (None), and return
     each received token's weighted sum over that rank's experts."""
     z, chosen, weights, _ = args
-    world = dist.get_world_size()
+    group = experts.ep_group
+    world = dist.get_world_size(group)
     owner = chosen // (len(experts) // world)  # [N, k] the rank holding each chosen expert
     needs = torch.zeros(world, len(z), dtype=torch.bool, device=z.device)
     needs[owner.T, torch.arange(len(z), device=z.device).expand_as(owner.T)] = True  # [rank, token]
     destination, tokens = needs.nonzero(as_tuple=True)  # grouped by rank
     sent_counts = torch.bincount(destination, minlength=world)
     received_counts = torch.empty_like(sent_counts)
-    dist.all_to_all_single(received_counts, sent_counts)
+    dist.all_to_all_single(received_counts, sent_counts, group=group)
     sent, received = sent_counts.tolist(), received_counts.tolist()
-    rows = _AllToAllRows.apply(z[tokens], sent, received)
-    row_weights = _AllToAllRows.apply(weights[tokens], sent, received)
+    rows = _AllToAllRows.apply(z[tokens], sent, received, group)
+    row_weights = _AllToAllRows.apply(weights[tokens], sent, received, group)
     row_chosen = chosen.new_empty((sum(received), chosen.shape[1]))
-    dist.all_to_all_single(row_chosen, chosen[tokens].contiguous(), received, sent)
+    dist.all_to_all_single(row_chosen, chosen[tokens].contiguous(), received, sent, group=group)
     experts._route = _Route(tokens, len(z), sent, received)
     return rows, row_chosen, row_weights, torch.bincount(row_chosen.flatten(), minlength=len(experts))
 
@@ -231,7 +277,7 @@ def _combine_outputs(experts: nn.Module, args: tuple, out: torch.Tensor) -> torc
     """After them: each row goes back to its token's rank (the reverse all-to-all), where a token's
     rows (one per rank it visited) are summed in float32, as one process sums its k experts."""
     route: _Route = experts.__dict__.pop("_route")
-    y = _AllToAllRows.apply(out, route.received, route.sent)
+    y = _AllToAllRows.apply(out, route.received, route.sent, experts.ep_group)
     combined = torch.zeros(route.num_tokens, out.shape[-1], dtype=upcast(out).dtype, device=out.device)
     return cast(combined.index_add_(0, route.tokens, upcast(y)), out.dtype)
 
@@ -241,14 +287,14 @@ class _AllToAllRows(torch.autograd.Function):
     sent[1] to rank 1, ...; what arrives is stacked in rank order. Backward: the same exchange reversed."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, sent: list[int], received: list[int]) -> torch.Tensor:
-        ctx.sent, ctx.received = sent, received
+    def forward(ctx, x: torch.Tensor, sent: list[int], received: list[int], group=None) -> torch.Tensor:
+        ctx.sent, ctx.received, ctx.group = sent, received, group
         out = x.new_empty((sum(received), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), received, sent)
+        dist.all_to_all_single(out, x.contiguous(), received, sent, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty((sum(ctx.sent), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), ctx.sent, ctx.received)
-        return out, None, None
+        dist.all_to_all_single(out, grad.contiguous(), ctx.sent, ctx.received, group=ctx.group)
+        return out, None, None, None

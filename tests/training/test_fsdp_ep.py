@@ -1,0 +1,117 @@
+"""`torchrun --nproc_per_node=4 -m k3 train --parallel fsdp --ep 2`: FSDP x expert parallelism on one
+DeviceMesh [2 ("efsdp"), 2 ("ep")] over 4 gloo processes takes the single process's steps, with Muon and
+AdamW, gradient accumulation and recompute; its checkpoint resumes on 2 processes (fsdp alone), then on
+one, on the same loss sequence."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import pytest
+import torch
+
+from k3.training import TrainConfig, distributed, train
+
+from ..corpus import write_corpus
+
+pytestmark = pytest.mark.slow  # 4 spawned processes (gloo), then 2
+
+RTOL = 1e-5
+SMALL = {"hidden_size": 32, "num_layers": 3, "num_experts": 8, "num_experts_per_tok": 2}  # KDA, MoE, MLA + AttnRes
+
+
+def run_cfg(corpus, out, **kw) -> TrainConfig:
+    base = dict(preset="kimi-k3-tiny", model_overrides=SMALL, data=str(corpus), tokenizer="byte", seq_len=16,
+                batch_size=8, max_steps=4, warmup_steps=2, eval_every=2, eval_tokens=128, final_eval_tokens=256,
+                out=str(out), val_fraction=0.2, device="cpu")
+    return TrainConfig(**{**base, **kw})
+
+
+def _join(rank: int, world: int, port: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
+
+
+def _four(rank: int, port: int, corpus: str, root: str) -> None:
+    _join(rank, 4, port)
+    results = {
+        "muon": train(run_cfg(corpus, f"{root}/muon", ep=2), progress=False, parallel="fsdp"),
+        "adamw": train(run_cfg(corpus, f"{root}/adamw", ep=2, optimizer="adamw"), progress=False, parallel="fsdp"),
+        "accumulated": train(run_cfg(corpus, f"{root}/accumulated", ep=2, batch_size=4, grad_accum=2),
+                             progress=False, parallel="fsdp"),
+        "recompute": train(run_cfg(corpus, f"{root}/recompute", ep=2, recompute="full"), progress=False,
+                           parallel="fsdp"),
+    }
+    train(run_cfg(corpus, f"{root}/chain", ep=2, max_steps=2), progress=False, parallel="fsdp")
+    with pytest.raises(ValueError, match="--ep 3 does not divide the 4 processes"):
+        train(run_cfg(corpus, f"{root}/bad", ep=3), progress=False, parallel="fsdp")
+    if rank == 0:
+        torch.save(results, f"{root}/four.pt")
+    torch.distributed.destroy_process_group()
+
+
+def _two(rank: int, port: int, root: str) -> None:
+    _join(rank, 2, port)
+    history = train(TrainConfig(max_steps=3, ep=1), resume=f"{root}/chain", asked=("max_steps", "ep"), progress=False,
+                    parallel="fsdp")
+    if rank == 0:
+        torch.save(history, f"{root}/two.pt")
+    torch.distributed.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp_ep")
+    (root / "corpus").mkdir()
+    corpus = write_corpus(root / "corpus", docs=4, words=300)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = {"muon": train(run_cfg(corpus, root / "single"), progress=False),
+                     "adamw": train(run_cfg(corpus, root / "single_adamw", optimizer="adamw"), progress=False)}
+        torch.multiprocessing.spawn(_four, args=(free_port(), str(corpus), str(root)), nprocs=4)
+        torch.multiprocessing.spawn(_two, args=(free_port(), str(root)), nprocs=2)
+        resumed = train(TrainConfig(max_steps=4), resume=str(root / "chain"), asked=("max_steps",), progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    return reference, torch.load(root / "four.pt", weights_only=False), \
+        torch.load(root / "two.pt", weights_only=False), resumed
+
+
+def assert_follows(history: dict, reference: dict, steps: int | None = None) -> None:
+    steps = steps or len(reference["loss"])
+    assert history["step"] == reference["step"][:steps]
+    assert history["loss"] == pytest.approx(reference["loss"][:steps], rel=RTOL)
+
+
+@pytest.mark.parametrize("case,reference", [("muon", "muon"), ("adamw", "adamw"), ("accumulated", "muon"),
+                                            ("recompute", "muon")])
+def test_four_processes_fsdp_x_ep_take_the_single_process_steps(runs, case, reference):
+    single, four, _, _ = runs
+    assert_follows(four[case], single[reference])
+    assert four[case]["val_bpb"] == pytest.approx(single[reference]["val_bpb"], rel=RTOL)
+    assert four[case]["final_val_bpb"] == pytest.approx(single[reference]["final_val_bpb"], rel=RTOL)
+
+
+def test_a_checkpoint_of_four_processes_resumes_on_two_then_one(runs):
+    single, _, two, one = runs
+    assert_follows(two, single["muon"], steps=3)
+    assert_follows(one, single["muon"])
+    assert one["final_val_bpb"] == pytest.approx(single["muon"]["final_val_bpb"], rel=RTOL)
+
+
+def test_ep_is_refused_outside_fsdp(monkeypatch):
+    with pytest.raises(ValueError, match="--ep 2 is for --parallel fsdp"):
+        distributed.start("ep", 4, ep=2)
+    with pytest.raises(ValueError, match="--ep 2 is for --parallel fsdp"):
+        distributed.start("none", 4, ep=2)
