@@ -113,12 +113,15 @@ def layer_bytes(config: ModelConfig, index: int, mxfp4_experts: bool = False) ->
     return 2 * (n - routed) + routed * 17 // 32
 
 
-def refuse_if_too_big(config: ModelConfig, bytes_per_parameter: int, purpose: str, fix: str) -> None:
+def refuse_if_too_big(config: ModelConfig, bytes_per_parameter: int, purpose: str, fix: str,
+                      share: float = 1.0) -> None:
     """ValueError, before anything is allocated, when `config`'s parameters at `bytes_per_parameter`
-    bytes each (4: float32 weights; 16: training with AdamW) are more than this machine's memory."""
+    bytes each (4: float32 weights; 16: training with AdamW) are more than this machine's memory.
+    `share`: the part of them this machine holds (its processes' shards of a sharded run; 1: all)."""
     total = count_params(config).total
-    refuse_if_over_memory(f"{purpose} {config.name!r} ({total:,} parameters x {bytes_per_parameter} bytes)",
-                          total * bytes_per_parameter, fix)
+    held = f", {share:.3g} of them on this machine" if share != 1 else ""
+    refuse_if_over_memory(f"{purpose} {config.name!r} ({total:,} parameters x {bytes_per_parameter} bytes{held})",
+                          int(total * bytes_per_parameter * share), fix)
 
 
 def _human(n: float) -> str:

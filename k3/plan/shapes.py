@@ -31,7 +31,7 @@ EXPERTS_PREFIX = "block_sparse_moe.experts."
 @dataclass(frozen=True)
 class Param:
     shape: tuple[int, ...]
-    kind: str  # "matrix" (2-D, Muon's), "vector" (norms, biases, scalars' kin) or "embedding" (tables, head)
+    kind: str  # "matrix" (Muon's: 2-D, both sides > 1), "vector" (norms, biases, queries...) or "embedding"
 
     @property
     def numel(self) -> int:
@@ -87,9 +87,13 @@ class Layout:
 
 
 def _kind(name: str, p: torch.Tensor) -> str:
+    """By k3 train's own rule (`k3.training.muon.takes_muon`): Muon's hidden matrices, the embedding
+    table and head, and the rest (norms, biases, gate parameters, conv kernels, AttnRes queries [1, d])."""
+    from ..training.muon import takes_muon
+
     if "embed" in name or name.startswith("lm_head"):
         return "embedding"
-    return "matrix" if p.dim() == 2 else "vector"
+    return "matrix" if takes_muon(name, p) else "vector"
 
 
 def model_shapes(config: ModelConfig) -> ModelShapes:

@@ -3,12 +3,10 @@ on a fake process group of N ranks, and the parameter values one rank holds read
 module itself. No GPU, no communication: torch's fake backend (`FakeStore`, backend "fake") answers
 every collective without doing it, and meta tensors have shapes but no storage.
 
-The layout is `k3.plan.shapes`': the device mesh (fsdp / ep, ep) over the N ranks; each MoE layer's
-routed experts split over the "ep" dimension by `k3.training.parallel.shard_experts` (what `k3 train
---parallel ep` runs); the experts a rank keeps sharded by FSDP2 over the other dimension; then
-`k3.training.parallel._fully_shard` (what `--parallel fsdp` runs: every decoder layer, then the root)
-over all N ranks, which leaves the experts to their own FSDP unit. k3's training runs ep and fsdp one at
-a time; this composes the two as torchtitan does, for the count (no step is run).
+The layout is `k3.plan.shapes`', built by the code `k3 train --parallel fsdp --ep EP` runs
+(`k3.training.parallel.apply_fsdp`): the device mesh [N / EP ("efsdp"), EP ("ep")]; each MoE layer's
+routed experts split over "ep" and sharded by FSDP2 over "efsdp"; every decoder layer, then the root,
+sharded over all N ranks, which leaves the experts to their own FSDP unit. No step is run.
 
 `python -m k3.plan.simulate PRESET N EP [RANK]` prints one rank's figures (a process holds one rank:
 torch allows one default process group per process).
@@ -23,15 +21,13 @@ import torch
 import torch.distributed as dist
 
 from ..models import CausalLM, ModelConfig
-from ..training.parallel import _fully_shard, shard_experts
+from ..training.parallel import apply_fsdp
 
 
 def simulate(config: ModelConfig, world_size: int, ep: int, rank: int = 0) -> dict[str, float]:
     """Parameter values rank `rank` of `world_size` holds after k3's EP + FSDP2 sharding of `config`
     built on the meta device: {"values": ..., "routed expert values": ..., "seconds": ...}. Starts and
     ends the process's default process group (the fake backend)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -42,14 +38,9 @@ def simulate(config: ModelConfig, world_size: int, ep: int, rank: int = 0) -> di
     start = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("fsdp_mod_ep", "ep"))
         with torch.device("meta"):
             model = CausalLM(config)
-        if model.moe_layers():
-            shard_experts(model, mesh["ep"].get_local_rank(), ep)
-            for moe in model.moe_layers():
-                fully_shard(moe.experts, mesh=mesh["fsdp_mod_ep"])
-        _fully_shard(model, mesh._flatten("fsdp"))
+        apply_fsdp(model, torch.device("cpu"), ep)  # what `k3 train --parallel fsdp --ep N` runs
         values = experts = 0
         for name, p in model.named_parameters():
             n = (p.to_local() if isinstance(p, DTensor) else p).numel()

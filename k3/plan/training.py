@@ -151,7 +151,34 @@ def plan_training(config: ModelConfig, s: TrainSettings, shapes: ModelShapes | N
         f.notes.append(f"DOES NOT FIT: {total / 1e9:,.1f} GB per GPU, {gpu.usable_bytes / 1e9:,.1f} GB usable "
                        f"({gpu.memory_bytes / 1e9:.0f} GB x 0.9).")
         f.notes += smallest_changes(config, shapes, s, layout, recompute, gpu)
+    else:
+        f.notes += train_command(config, s, layout, recompute, micro_batches)
     return f
+
+
+def train_command(config: ModelConfig, s: TrainSettings, layout: Layout, recompute: str, micro_batches: int) -> list[str]:
+    """The `torchrun ... -m k3 train` command line that runs this layout (8 GPUs a node), or why none
+    does: k3 train shards over all ranks (fsdp, with --ep inside it) and has no pipeline stages or fp8."""
+    from ..models import PRESETS
+
+    if layout.pp > 1:
+        return [f"k3 train has no pipeline parallelism: this layout (pp {layout.pp}) is not runnable by it; "
+                f"with --pp 1 it would shard over all {layout.gpus} GPUs"]
+    if s.precision != "bf16":
+        return [f"k3 train runs bf16 autocast, not {s.precision}: plan with --precision bf16 for its command"]
+    nodes, per_node = (math.ceil(layout.gpus / 8), 8) if layout.gpus > 8 else (1, layout.gpus)
+    preset = config.name if config.name in PRESETS else None
+    flags = [f"--preset {preset}" if preset else "--preset PRESET --set ... (this config's fields)",
+             "--parallel fsdp", *([f"--ep {layout.ep}"] if layout.ep > 1 else []),
+             f"--recompute {'full' if recompute == 'selective' else recompute}", f"--seq-len {s.seq_len}",
+             f"--batch-size {s.micro_batch * layout.gpus}", *([f"--grad-accum {micro_batches}"] if micro_batches > 1
+                                                            else []),
+             f"--optimizer {s.optimizer}", "--precision bf16", "--device cuda"]
+    lines = [f"run it: torchrun --nnodes={nodes} --nproc_per_node={per_node} -m k3 train {' '.join(flags)}"]
+    if recompute == "selective":
+        lines.append("(k3 train's --recompute selective recomputes every 2nd layer, not the plan's op-level "
+                     "selective; full keeps less)")
+    return lines
 
 
 def smallest_changes(config, shapes, s: TrainSettings, layout: Layout, recompute: str, gpu: Gpu) -> list[str]:

@@ -104,12 +104,13 @@ beside a `max_steps` (older code ran the steps)."""
     return TrainConfig(**fields)
 
 
-def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
+def model_config(cfg: TrainConfig, vocab_size: int, share: float = 1.0) -> ModelConfig:
     """The model the run trains: `cfg.preset` with `cfg.model_overrides` and the tokenizer's vocabulary;
-    a ValueError with the estimate when its training state cannot fit in this machine's memory."""
+    a ValueError with the estimate when its training state cannot fit in this machine's memory (`share`
+    of it on this machine: a sharded run's processes here)."""
     config = get_config(cfg.preset, **{**cfg.model_overrides, "vocab_size": vocab_size})
     refuse_if_too_big(config, TRAINING_BYTES_PER_PARAMETER, "training",
-                          "choose a smaller preset, --hidden-size or --num-layers")
+                      "choose a smaller preset, --hidden-size or --num-layers", share)
     return config
 
 

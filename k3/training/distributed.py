@@ -117,6 +117,21 @@ class Distributed(SingleProcess):
             tokenizer, data = prepare(cfg, Tokenizer(HFTokenizer.from_str(text)))
         return tokenizer, data
 
+    def share_here(self, cfg: TrainConfig, whole: bool = False) -> float:
+        """The part of the model's training state this machine's processes (torchrun's LOCAL_WORLD_SIZE)
+        hold: each a 1/N shard under fsdp, everything under ddp, the dense part and 1/N of the experts
+        under ep. `whole`: the model is built whole on every process first (a resumed run, to load it)."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        if whole or self.mode == "ddp":
+            return float(local)
+        if self.mode == "fsdp":
+            return local / self.world_size
+        from ..models import count_params, get_config
+
+        counts = count_params(get_config(cfg.preset, **cfg.model_overrides))
+        experts = counts.breakdown.get("routed experts", 0) / counts.total
+        return local * ((1 - experts) + experts / self.world_size)
+
     def new_model(self, config, to_load: bool = False) -> CausalLM:
         """On the meta device: `setup` splits it, then each process allocates and initialises only its
         share (k3.training.parallel), with the one-process run's values. A model whose weights will be

@@ -102,7 +102,7 @@ def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: 
     data.batch(1, cfg.seq_len, torch.Generator())
     data.val_windows(cfg.seq_len, cfg.seq_len)
     torch.manual_seed(cfg.seed)
-    mconfig = model_config(cfg, tokenizer.vocab_size)
+    mconfig = model_config(cfg, tokenizer.vocab_size, share=strategy.share_here(cfg, whole=state is not None))
     model = strategy.new_model(mconfig, to_load=state is not None)
     num_parameters = model.num_parameters()  # (a process of --parallel ep holds fewer)
     if state is not None:

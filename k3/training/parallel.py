@@ -64,7 +64,7 @@ def parallelize(model: CausalLM, mode: str, device: torch.device, ep: int = 1) -
                                        find_unused_parameters=bool(model.moe_layers()))
     _broadcast_from_main(model)  # ddp does this itself
     if mode == "fsdp":
-        _shard_fully(model, device, ep)
+        apply_fsdp(model, device, ep)
     elif mode == "ep":
         check_expert_split(model.config, dist.get_world_size())
         shard_experts(model, dist.get_rank(), dist.get_world_size())
@@ -106,7 +106,7 @@ def apply_recompute(model: CausalLM, mode: str) -> None:
 
 def _parallelize_on_meta(model: CausalLM, mode: str, device: torch.device, ep: int) -> nn.Module:
     if mode == "fsdp":
-        _shard_fully(model, device, ep)
+        apply_fsdp(model, device, ep)
     elif mode == "ep":
         check_expert_split(model.config, dist.get_world_size())
         shard_experts(model, dist.get_rank(), dist.get_world_size())
@@ -168,7 +168,7 @@ def check_ep(config, mode: str, ep: int) -> None:
                          f"--ep that divides {config.num_experts}")
 
 
-def _shard_fully(model: CausalLM, device: torch.device, ep: int) -> None:
+def apply_fsdp(model: CausalLM, device: torch.device, ep: int) -> None:
     """fsdp: every decoder layer and the root over all ranks; with ep > 1, the experts first (see
     `parallelize`)."""
     from torch.distributed.device_mesh import init_device_mesh

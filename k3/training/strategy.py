@@ -77,6 +77,10 @@ class SingleProcess:
         """The run's tokenizer and token streams (k3.training.data.prepare)."""
         return prepare(cfg, tokenizer)
 
+    def share_here(self, cfg: TrainConfig, whole: bool = False) -> float:
+        """The part of the model's training state this machine holds: all of it."""
+        return 1.0
+
     def new_model(self, config, to_load: bool = False) -> CausalLM:
         """The model to train, initialised (`to_load`: its weights will be loaded from a checkpoint)."""
         return CausalLM(config)

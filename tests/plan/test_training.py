@@ -93,3 +93,17 @@ def test_defaults_and_bad_input():
 def test_flops_terms_per_mixer():
     f = train_flops_per_token(get_config("kimi-k3-tiny"), 512)
     assert set(f) == {"matmuls (6 x active)", "sequence (kda)", "sequence (mla)"}
+
+
+def test_a_plan_that_fits_prints_the_k3_train_command_that_runs_it():
+    from k3.cli.parser import build_parser
+
+    f = plan_training(get_config("kimi-k3"), TrainSettings(gpus=1024, gpu="h200"))
+    [line] = [n for n in f.notes if n.startswith("run it: ")]
+    words = line.removeprefix("run it: ").split()
+    assert words[:3] == ["torchrun", "--nnodes=128", "--nproc_per_node=8"] and words[3:5] == ["-m", "k3"]
+    args = build_parser().parse_args(words[5:])
+    assert (args.preset, args.parallel, args.ep, args.recompute) == ("kimi-k3", "fsdp", 64, "full")
+    assert args.batch_size == 1024 and args.seq_len == 4096 and args.optimizer == "muon"
+    staged = plan_training(get_config("kimi-k3"), TrainSettings(gpus=1024, gpu="h200", pp=2))
+    assert any("no pipeline parallelism" in n for n in staged.notes)

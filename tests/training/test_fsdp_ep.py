@@ -36,9 +36,38 @@ def _join(rank: int, world: int, port: int) -> None:
     torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
 
 
+def _held(rank: int) -> dict:
+    """What this rank holds of kimi-k3-tiny (16 experts) under fsdp x ep 2 after a step, beside the planner's
+    figures for the same layout (`k3 plan`'s memory model)."""
+    from torch.distributed.tensor import DTensor
+
+    from k3.models import get_config
+    from k3.plan.shapes import Layout, model_shapes, rank_values
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    strategy = distributed.Distributed("fsdp", ep=2)
+    config = get_config("kimi-k3-tiny", vocab_size=257)
+    model = strategy.new_model(config)
+    strategy.setup(model, TrainConfig())
+    strategy.step(torch.randint(0, 257, (8, 33), generator=torch.Generator().manual_seed(0)), TrainConfig())
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # two of the four processes on each machine
+    assert strategy.share_here(TrainConfig()) == 0.5 and strategy.share_here(TrainConfig(), whole=True) == 2.0
+    held = rank_values(model_shapes(config), Layout(4, 1, 4, 2), rank)
+    n = sum(held.values())
+    adam_only = held["embedding"] + held["vector"]
+    return {"values": sum(local(p).numel() for p in model.parameters()), "planned values": n,
+            "optimizer bytes": sum(local(v).numel() * v.element_size() for state in strategy.optimizer.state.values()
+                                   for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0),
+            "planned optimizer bytes": 4 * (n - adam_only) + 8 * adam_only}
+
+
 def _four(rank: int, port: int, corpus: str, root: str) -> None:
     _join(rank, 4, port)
-    results = {
+    held = [None] * 4
+    torch.distributed.all_gather_object(held, _held(rank))
+    results = {"held": held,
         "muon": train(run_cfg(corpus, f"{root}/muon", ep=2), progress=False, parallel="fsdp"),
         "adamw": train(run_cfg(corpus, f"{root}/adamw", ep=2, optimizer="adamw"), progress=False, parallel="fsdp"),
         "accumulated": train(run_cfg(corpus, f"{root}/accumulated", ep=2, batch_size=4, grad_accum=2),
@@ -101,6 +130,16 @@ def test_four_processes_fsdp_x_ep_take_the_single_process_steps(runs, case, refe
     assert_follows(four[case], single[reference])
     assert four[case]["val_bpb"] == pytest.approx(single[reference]["val_bpb"], rel=RTOL)
     assert four[case]["final_val_bpb"] == pytest.approx(single[reference]["final_val_bpb"], rel=RTOL)
+
+
+def test_each_rank_holds_what_the_planner_says(runs):
+    """k3 plan's per-rank parameter values and Muon + AdamW state bytes equal what each of the 4 real
+    processes holds (the sharded tensors' local sizes), rank by rank."""
+    held = runs[1]["held"]
+    for rank in held:
+        assert rank["values"] == rank["planned values"]
+        assert rank["optimizer bytes"] == rank["planned optimizer bytes"]
+    assert len({rank["values"] for rank in held}) > 1  # the ranks differ (uneven row splits), and so does the plan
 
 
 def test_a_checkpoint_of_four_processes_resumes_on_two_then_one(runs):
