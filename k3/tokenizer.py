@@ -74,8 +74,8 @@ def _unicode(text: str) -> str:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise ValueError(f"the text has {text[e.start]!r} at character {e.start}, a lone surrogate, not a "
-                         f"character (Python reads bytes that are not UTF-8 this way, in a command-line argument say); give "
-                         f"UTF-8 text") from None
+                         f"character (Python reads bytes that are not UTF-8 this way, in a command-line argument "
+                         f"say); give UTF-8 text") from None
     except AttributeError:
         raise TypeError(f"expected text (str), got {type(text).__name__}") from None
     return text

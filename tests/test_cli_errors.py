@@ -90,7 +90,8 @@ def test_bad_train_settings_are_refused_before_any_work(capsys, tmp_path, flags,
 def test_train_config_checks_its_fields():
     for bad, expected in [({"max_steps": 0}, "`max_steps` must be an integer >= 1"),
                           ({"time_budget": float("nan")}, "`time_budget` must be a finite number"),
-                          ({"warmup_steps": -5}, "`warmup_steps` must be an integer >= 0, or None (5% of the steps, at most 50), got -5"),
+                          ({"warmup_steps": -5}, "`warmup_steps` must be an integer >= 0, or None (5% of the steps, "
+                                                 "at most 50), got -5"),
                           ({"max_steps": 2, "time_budget": 1.0}, "`max_steps` 2 and `time_budget` 1.0 both set"),
                           ({"model_overrides": {"vocab_size": 10}}, "`vocab_size` 10 would be replaced by the "
                                                                      "tokenizer's vocabulary"),

@@ -3,9 +3,7 @@ routed experts and reading only those, generate the tokens one process generates
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 
 import pytest
 import torch
@@ -13,6 +11,8 @@ import torch
 from k3.cli import main
 from k3.models import CausalLM, get_config
 from k3.tokenizer import byte_tokenizer
+
+from .processes import free_port, join
 
 pytestmark = pytest.mark.slow  # 2 spawned processes
 
@@ -32,10 +32,7 @@ def checkpoint(folder) -> None:
 def _worker(rank: int, port: int, folder: str, out: str) -> None:
     from k3.training.parallel import load_expert_parallel
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    join(rank, WORLD, port)
     model = load_expert_parallel(folder, torch.device("cpu")).eval()
     held = [[e for e, expert in enumerate(moe.experts) if expert is not None] for moe in model.moe_layers()]
     with torch.no_grad():
@@ -50,12 +47,6 @@ def _worker(rank: int, port: int, folder: str, out: str) -> None:
                          "--max-new-tokens", str(NEW), "--ignore-eot", "--parallel", "ep"])
     torch.save({"held": held, "logits": logits, "rows": rows, "code": code,
                 "parameters": sum(p.numel() for p in model.parameters())}, f"{out}/rank{rank}.pt")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_processes_generate_what_one_does(tmp_path):

@@ -156,7 +156,8 @@ def plan_training(config: ModelConfig, s: TrainSettings, shapes: ModelShapes | N
     return f
 
 
-def train_command(config: ModelConfig, s: TrainSettings, layout: Layout, recompute: str, micro_batches: int) -> list[str]:
+def train_command(config: ModelConfig, s: TrainSettings, layout: Layout, recompute: str,
+                  micro_batches: int) -> list[str]:
     """The `torchrun ... -m k3 train` command line that runs this layout (8 GPUs a node), or why none
     does: k3 train shards over all ranks (fsdp, with --ep inside it) and has no pipeline stages or fp8."""
     from ..models import PRESETS

@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 
-from ..models import CausalLM
 from ..models.checkpoint import load_into
 from ..runtime import machine_speed_words
 from .checkpoint import claim_output, load_training_checkpoint

@@ -72,7 +72,8 @@ def test_inconsistent_configs_are_refused_with_the_reason():
         ModelConfig(num_layers=4, layer_types=["mha"] * 3, mlp_types=["dense"] * 4)
     with pytest.raises(ValueError, match="unknown layer type 'gru'.*choose from"):
         ModelConfig(num_layers=1, layer_types=["gru"], mlp_types=["dense"])
-    with pytest.raises(ValueError, match="unknown preset 'kimi-k4'; did you mean 'kimi-k3'.*the presets are: gpt2, .*kimi-k3-tiny"):
+    with pytest.raises(ValueError,
+                       match="unknown preset 'kimi-k4'; did you mean 'kimi-k3'.*the presets are: gpt2, .*kimi-k3-tiny"):
         get_config("kimi-k4")
     with pytest.raises(ValueError, match="kda_layers"):
         ModelConfig.from_hf({**KIMI_LINEAR_HUB, "linear_attn_config": {"kda_layers": [0], "full_attn_layers": []}})

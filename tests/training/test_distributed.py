@@ -14,7 +14,6 @@ import copy
 import datetime
 import os
 import shutil
-import socket
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from k3.training import TrainConfig, build_optimizer, distributed, train, traini
 from k3.training.optim import portable_state
 
 from ..corpus import write_corpus
+from ..processes import free_port, merged_over_ranks
 
 pytestmark = pytest.mark.slow  # 2 spawned processes (gloo) for every mode
 
@@ -69,13 +69,7 @@ def _full_grads(model) -> dict:
     for name, p in model.named_parameters():
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         grads[name] = None if g is None else g.detach().clone()
-    parts = [None] * WORLD
-    torch.distributed.all_gather_object(parts, grads)
-    merged = {}
-    for part in parts:  # ep: each rank holds its own experts
-        for name, g in part.items():
-            merged.setdefault(name, g)
-    return merged
+    return merged_over_ranks(grads)
 
 
 def _two_steps(preset: str, mode: str) -> dict:
@@ -107,13 +101,8 @@ def _built_on_meta(preset: str, mode: str) -> dict:
     strategy.setup(model, STEP_CFG)
     held = sum(t.to_local().numel() if isinstance(t, DTensor) else t.numel() for t in model.state_dict().values())
     state = {n: t.full_tensor() if isinstance(t, DTensor) else t for n, t in model.state_dict().items()}
-    parts = [None] * WORLD
-    torch.distributed.all_gather_object(parts, state)
-    merged = {}
-    for part in parts:  # ep: each rank holds its own experts
-        for name, t in part.items():
-            merged.setdefault(name, t)
-    return {"state": merged, "held": held, "tied": model.lm_head.weight is model.model.embed_tokens.weight}
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    return {"state": merged_over_ranks(state), "held": held, "tied": tied}
 
 
 def _peak_rss_of_a_large_model_on_meta() -> dict:
@@ -162,12 +151,6 @@ def _worker(rank: int, port: int, corpus: str, root: str) -> None:
 
 
 # -- the single process, and the comparisons ---------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def one_thread():
     threads = torch.get_num_threads()

@@ -5,9 +5,7 @@ one, on the same loss sequence."""
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ import torch
 from k3.training import TrainConfig, distributed, train
 
 from ..corpus import write_corpus
+from ..processes import free_port, join
 
 pytestmark = pytest.mark.slow  # 4 spawned processes (gloo), then 2
 
@@ -27,13 +26,6 @@ def run_cfg(corpus, out, **kw) -> TrainConfig:
                 batch_size=8, max_steps=4, warmup_steps=2, eval_every=2, eval_tokens=128, final_eval_tokens=256,
                 out=str(out), val_fraction=0.2, device="cpu")
     return TrainConfig(**{**base, **kw})
-
-
-def _join(rank: int, world: int, port: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
 
 
 def _held(rank: int) -> dict:
@@ -64,7 +56,7 @@ def _held(rank: int) -> dict:
 
 
 def _four(rank: int, port: int, corpus: str, root: str) -> None:
-    _join(rank, 4, port)
+    join(rank, 4, port)
     held = [None] * 4
     torch.distributed.all_gather_object(held, _held(rank))
     results = {"held": held,
@@ -84,18 +76,12 @@ def _four(rank: int, port: int, corpus: str, root: str) -> None:
 
 
 def _two(rank: int, port: int, root: str) -> None:
-    _join(rank, 2, port)
+    join(rank, 2, port)
     history = train(TrainConfig(max_steps=3, ep=1), resume=f"{root}/chain", asked=("max_steps", "ep"), progress=False,
                     parallel="fsdp")
     if rank == 0:
         torch.save(history, f"{root}/two.pt")
     torch.distributed.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
