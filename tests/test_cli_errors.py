@@ -20,6 +20,7 @@ from k3.training import TrainConfig, build_optimizer
 from k3.training.checkpoint import save_training_checkpoint
 from k3.training.config import model_config
 
+from .commands import fails
 from .corpus import write_corpus
 
 TINY_RUN = ["--tokenizer", "byte", "--hidden-size", "32", "--seq-len", "32", "--batch-size", "2", "--eval-every", "1",
@@ -48,17 +49,6 @@ def run(corpus, tmp_path_factory):
 def damaged(run, tmp_path):
     """A copy of the run's checkpoint, to damage."""
     return lambda: shutil.copytree(run, tmp_path / "copy")
-
-
-def fails(capsys, argv: list[str], *expected: str) -> str:
-    """main(argv) exits with 2 and one line on stderr, `k3 <command>: error: ...`, holding `expected`."""
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith(f"k3 {argv[0]}: error: "), err
-    for text in expected:
-        assert text in err, err
-    return err
 
 
 @pytest.mark.parametrize("flags, expected", [

@@ -23,6 +23,7 @@ from k3.cli.parser import build_parser
 from k3.training import TrainConfig, train
 from k3.training.optim import learning_rate, warmup_steps
 
+from .commands import fails
 from .corpus import write_corpus
 
 TINY = dict(preset="kimi-k3-tiny", model_overrides={"hidden_size": 32, "num_layers": 2}, tokenizer="byte",
@@ -52,14 +53,6 @@ def snapshot(folder) -> dict:
             for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def one_line_error(capsys, argv) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith(f"k3 {argv[0]}: error: "), err
-    return err
-
-
 # -- nothing lost, nothing silent ---------------------------------------------------------------------
 def test_a_resume_with_nothing_left_to_train_touches_nothing(trained, tmp_path, capsys):
     run = shutil.copytree(trained, tmp_path / "run")
@@ -68,7 +61,7 @@ def test_a_resume_with_nothing_left_to_train_touches_nothing(trained, tmp_path, 
     assert main(["train", "--resume", str(run), "--max-steps", "3", "--no-progress"]) == 0
     err = capsys.readouterr().err
     assert "nothing to do" in err and "trained all its 3 steps" in err and "done," not in err
-    err = one_line_error(capsys, ["train", "--resume", str(run), "--max-steps", "2", "--no-progress"])
+    err = fails(capsys, ["train", "--resume", str(run), "--max-steps", "2", "--no-progress"])
     assert "--max-steps 2: the checkpoint in" in err and "has trained 3 steps already" in err
     assert main(["train", "--resume", str(run), "--no-progress"]) == 0  # its own 3 steps: done already
     assert snapshot(run) == before
@@ -91,26 +84,26 @@ def test_a_refused_run_leaves_nothing_behind(corpus, tmp_path, capsys):
     (tmp_path / "tiny.txt").write_text("abc")
     for data in ("missing.txt", "empty", "binary.bin", "tiny.txt"):
         out = tmp_path / "runs" / data / "out"
-        one_line_error(capsys, ["train", "--data", str(tmp_path / data), "--out", str(out), "--max-steps", "2",
+        fails(capsys, ["train", "--data", str(tmp_path / data), "--out", str(out), "--max-steps", "2",
                                 *TINY_FLAGS])
         assert not (tmp_path / "runs").exists(), data
     # a model far too big for memory: refused after the folder was claimed, which is removed again
     out = tmp_path / "big"
-    err = one_line_error(capsys, ["train", "--data", str(corpus), "--out", str(out), "--max-steps", "2",
+    err = fails(capsys, ["train", "--data", str(corpus), "--out", str(out), "--max-steps", "2",
                                   *TINY_FLAGS, "--set", "intermediate_size=2000000000"])
     assert "memory" in err and not out.exists()
     # an existing folder keeps what it had: the earlier run's log is not emptied by a refused one
     kept = tmp_path / "kept"
     kept.mkdir()
     (kept / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
-    one_line_error(capsys, ["train", "--data", str(tmp_path / "tiny.txt"), "--out", str(kept), *TINY_FLAGS])
+    fails(capsys, ["train", "--data", str(tmp_path / "tiny.txt"), "--out", str(kept), *TINY_FLAGS])
     assert sorted(p.name for p in kept.iterdir()) == ["metrics.jsonl"]
     assert (kept / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
 
 
 def test_plan_refuses_zero_gpus(capsys):
     for gpus in ("0", "-8"):
-        err = one_line_error(capsys, ["plan", "kimi-k3", "--train", "--gpus", gpus])
+        err = fails(capsys, ["plan", "kimi-k3", "--train", "--gpus", gpus])
         assert f"--gpus: expected GPUs, an integer >= 1, got '{gpus}'" in err
 
 
@@ -228,12 +221,12 @@ def test_a_broken_config_json_is_named(trained, tmp_path, capsys):
     (run / "config.json").write_text('{"k3": {"name": "x",\n  "hidden_size": 32,\n  "oops"')
     for argv in (["generate", "--checkpoint", str(run), "--prompt", "to"], ["params", str(run)],
                  ["train", "--resume", str(run), "--no-progress"]):
-        err = one_line_error(capsys, argv)
+        err = fails(capsys, argv)
         assert f"{run / 'config.json'}: not valid JSON (" in err and "line 3 column" in err, err
 
 
 def test_k3_params_says_error_once_and_prints_small_sizes_in_mib(capsys):
-    err = one_line_error(capsys, ["params", "nope"])
+    err = fails(capsys, ["params", "nope"])
     assert err.startswith("k3 params: error: 'nope' is neither a preset") and err.count("k3 params") == 1
     assert main(["params", "kimi-k3-tiny"]) == 0
     out = capsys.readouterr().out
@@ -266,7 +259,7 @@ def test_generate_checks_the_manifest_and_takes_threads(trained, tmp_path, capsy
     run = shutil.copytree(trained, tmp_path / "run")
     config = json.loads((run / "config.json").read_text())
     (run / "config.json").write_text(json.dumps(config))  # the same settings, other bytes: not the save's file
-    err = one_line_error(capsys, ["generate", "--checkpoint", str(run), "--prompt", "to"])
+    err = fails(capsys, ["generate", "--checkpoint", str(run), "--prompt", "to"])
     assert f"{run / 'config.json'} has" in err and "its manifest says" in err
     threads = torch.get_num_threads()
     try:

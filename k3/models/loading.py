@@ -180,9 +180,7 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None,
         nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         refuse_if_over_memory(f"{directory}: loading {config.name!r}", nbytes,
                               "load it on a machine with more memory, or a subset (layers=...) or experts='mxfp4'")
-        model.to_empty(device=device or "cpu")
-        if config.tie_word_embeddings:  # to_empty gives each module its own tensor
-            model.lm_head.weight = model.model.embed_tokens.weight
+        allocate(model, device or "cpu")
         filler = _Filler(model, str(directory))
         skipped = _read_shards(directory, config, native, renumber, filler)
     if skipped:
@@ -190,6 +188,14 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None,
                       f"k3 loads the text model", stacklevel=3)
     filler.finish(config.tie_word_embeddings)
     return model
+
+
+def allocate(model: torch.nn.Module, device) -> None:
+    """Storage on `device` for a meta-device model's tensors, uninitialised (only what this process holds of
+    a sharded one), and a tied head tied again: `to_empty` gives each module its own tensor."""
+    model.to_empty(device=device)
+    if model.config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+        model.lm_head.weight = model.model.embed_tokens.weight
 
 
 def load_held(model: torch.nn.Module, path) -> None:
@@ -204,9 +210,7 @@ def load_held(model: torch.nn.Module, path) -> None:
         if config != model.config:
             raise ValueError(f"{directory}: its config.json describes another model than the one to fill")
         if model.lm_head.weight.is_meta:
-            model.to_empty(device="cpu")
-            if config.tie_word_embeddings:  # to_empty gives each module its own tensor
-                model.lm_head.weight = model.model.embed_tokens.weight
+            allocate(model, "cpu")
         filler = _Filler(model, str(directory))
         _read_shards(directory, config, native, None, filler)
     filler.finish(config.tie_word_embeddings)

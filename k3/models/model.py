@@ -315,12 +315,18 @@ class CausalLM(nn.Module):
         """Targets are token ids of the vocabulary, or IGNORE_INDEX where no token counts."""
         if targets.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"CausalLM: `targets` must be int64 (or int32) token ids, got {targets.dtype}")
-        counted = targets[targets != IGNORE_INDEX]
-        if counted.numel():
-            low, high = torch.stack(torch.aminmax(counted)).tolist()
-            if low < 0 or high >= self.config.vocab_size:
-                raise ValueError(f"CausalLM: `targets` must be token ids in [0, {self.config.vocab_size}) or "
-                                 f"{IGNORE_INDEX} (not counted); got ids from {low} to {high}")
+        outside = self._outside_vocabulary(targets[targets != IGNORE_INDEX])
+        if outside:
+            raise ValueError(f"CausalLM: `targets` must be token ids in [0, {self.config.vocab_size}) or "
+                             f"{IGNORE_INDEX} (not counted); got ids from {outside[0]} to {outside[1]}")
+
+    def _outside_vocabulary(self, ids: torch.Tensor) -> tuple[int, int] | None:
+        """(lowest, highest) of `ids` when one is not in [0, vocab_size); None when all are (or none is
+        given). One pass, one read-back."""
+        if not ids.numel():
+            return None
+        low, high = torch.stack(torch.aminmax(ids)).tolist()
+        return (low, high) if low < 0 or high >= self.config.vocab_size else None
 
     def _check_input(self, input_ids: torch.Tensor, cache: HybridCache | None) -> None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -331,11 +337,10 @@ class CausalLM(nn.Module):
         if input_ids.numel() == 0:
             raise ValueError(f"CausalLM: `input_ids` {list(input_ids.shape)} holds no tokens; give at least one "
                              f"sequence of at least one token ([B, T] with B, T >= 1)")
-        if input_ids.numel():
-            low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one pass, one read-back
-            if low < 0 or high >= self.config.vocab_size:
-                raise ValueError(f"CausalLM: token ids must be in [0, {self.config.vocab_size}); got ids from "
-                                 f"{low} to {high} (does the tokenizer match the model?)")
+        outside = self._outside_vocabulary(input_ids)
+        if outside:
+            raise ValueError(f"CausalLM: token ids must be in [0, {self.config.vocab_size}); got ids from "
+                             f"{outside[0]} to {outside[1]} (does the tokenizer match the model?)")
         if cache is not None:
             if not isinstance(cache, HybridCache):
                 raise ValueError(f"CausalLM: `cache` must come from model.new_cache(), got {type(cache).__name__}")

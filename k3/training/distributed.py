@@ -154,6 +154,7 @@ class Distributed(SingleProcess):
         self.optimizer = build_optimizer(model, cfg)
         self._expert_params = {id(p) for p in held_expert_parameters(model)}
         self._expert_names = {n for n, p in model.named_parameters() if id(p) in self._expert_params}
+        # the group the experts are split over (None: all ranks, --parallel ep)
         self._ep_group = model.moe_layers()[0].experts.ep_group if self.ep > 1 else None
 
     # -- the training step's hooks ----------------------------------------------------------------------
@@ -200,37 +201,30 @@ class Distributed(SingleProcess):
                 p.grad /= self.world_size
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
-        if self.mode == "fsdp" and self.ep > 1:
-            return self._clip_over_both_meshes(max_norm)
-        if self.mode != "ep":  # ddp: the gradients are the same on every rank; fsdp: DTensors know their shards
-            return super().clip_gradients(max_norm)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        shared = torch.nn.utils.get_total_norm([p.grad for p in params if id(p) not in self._expert_params])
-        experts = torch.nn.utils.get_total_norm([p.grad for p in params if id(p) in self._expert_params]) ** 2
-        dist.all_reduce(experts)  # each rank holds a different slice of the experts
-        norm = (shared ** 2 + experts).sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return norm
+        if self.mode == "ep" or self.ep > 1:
+            return self._clip_with_split_experts(max_norm)
+        # ddp: the gradients are the same on every rank; fsdp: DTensors know their shards
+        return super().clip_gradients(max_norm)
 
-    def _clip_over_both_meshes(self, max_norm: float) -> torch.Tensor:
-        """fsdp x ep: the dense gradients are sharded over all ranks, each expert's over its efsdp ranks
-        (and the experts split over the ep group): the norm adds the dense part's square (whole, from its
-        DTensors) to the experts' squares summed over the ep group (torchtitan's clipping with ep)."""
+    def _clip_with_split_experts(self, max_norm: float) -> torch.Tensor:
+        """ep and fsdp x ep: each rank of an ep group holds other experts, so the norm adds the dense part's
+        square (the same on every rank; under fsdp whole from its DTensors) to the experts' squares summed
+        over the ep group (torchtitan's clipping with ep); each mesh's gradients are scaled apart."""
         from torch.distributed.tensor import DTensor
 
         def whole(norm):
             return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
         params = [p for p in self.model.parameters() if p.grad is not None]
-        dense = [p.grad for p in params if id(p) not in self._expert_params]
-        experts = [p.grad for p in params if id(p) in self._expert_params]
-        dense_sq = whole(torch.nn.utils.get_total_norm(dense)) ** 2 if dense else torch.zeros(())
-        experts_sq = whole(torch.nn.utils.get_total_norm(experts)) ** 2 if experts else torch.zeros(())
-        experts_sq = experts_sq.to(self.device, torch.float32).reshape(1).clone()
-        dist.all_reduce(experts_sq, group=self._ep_group)
-        norm = (dense_sq.to(self.device, torch.float32) + experts_sq[0]).sqrt()
-        for part in ([p for p in params if id(p) not in self._expert_params],
-                     [p for p in params if id(p) in self._expert_params]):  # one mesh at a time
+        experts = [p for p in params if id(p) in self._expert_params]
+        dense = [p for p in params if id(p) not in self._expert_params]
+        squares = []
+        for part in (dense, experts):
+            norm = whole(torch.nn.utils.get_total_norm([p.grad for p in part])) if part else torch.zeros(())
+            squares.append((norm.to(self.device, torch.float32) ** 2).reshape(1).clone())
+        dist.all_reduce(squares[1], group=self._ep_group)
+        norm = (squares[0] + squares[1])[0].sqrt()
+        for part in (dense, experts):
             if part:
                 torch.nn.utils.clip_grads_with_norm_(part, max_norm, norm)
         return norm
@@ -257,9 +251,7 @@ class Distributed(SingleProcess):
             if not self.is_main:
                 return None, None
             return to_cpu(model.state_dict()), to_cpu(optimizer.state_dict())
-        if self.mode == "fsdp" and self.ep > 1:
-            return self._gathered_state()
-        if self.mode == "fsdp":
+        if self.mode == "fsdp" and self.ep == 1:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
             )
@@ -268,26 +260,12 @@ class Distributed(SingleProcess):
             weights = get_model_state_dict(model, options=options)
             named = get_optimizer_state_dict(model, optimizer, options=options)
             return (weights, _numbered(named)) if self.is_main else (None, None)
-        # ep: rank 0 collects the other ranks' experts and their AdamW moments
-        local = _named(to_cpu(optimizer.state_dict()), _flat(_group_names(model, optimizer)))
-        weights = to_cpu(model.state_dict())
-        if not self.is_main:  # the replicated rest is rank 0's own
-            weights = {n: t for n, t in weights.items() if n in self._expert_names}
-            local["state"] = {n: s for n, s in local["state"].items() if n in self._expert_names}
-        parts = [None] * self.world_size if self.is_main else None
-        dist.gather_object((weights, local["state"]), parts, dst=0)
-        if not self.is_main:
-            return None, None
-        weights, state = {}, {}
-        for part_weights, part_state in parts:
-            weights.update(part_weights)
-            state.update(part_state)
-        groups = [{**g, "params": names} for g, names in zip(local["param_groups"], self._full_groups)]
-        return weights, _numbered({"state": state, "param_groups": groups})
+        return self._gathered_state()
 
     def _gathered_state(self) -> tuple[dict | None, dict | None]:
-        """fsdp x ep: every sharded tensor made whole over its own mesh (dense over all ranks, each expert
-        over its efsdp ranks), then rank 0 takes the experts of the rest of its ep group."""
+        """ep and fsdp x ep: every sharded tensor made whole over its own mesh (under fsdp: dense over all
+        ranks, each expert over its efsdp ranks), then rank 0 takes the experts it does not hold, with
+        their optimizer states, from the other ranks."""
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
 
@@ -326,7 +304,13 @@ class Distributed(SingleProcess):
     def _load_optimizer(self, saved: dict) -> None:
         if self.mode == "ddp":
             self.optimizer.load_state_dict(saved)
-        elif self.mode == "fsdp" and self.ep > 1:  # each state tensor as its parameter is placed
+        elif self.mode == "fsdp" and self.ep == 1:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.model, self.optimizer,
+                                     _named(saved, _flat(_group_names(self.model, self.optimizer))),
+                                     options=StateDictOptions(full_state_dict=True))
+        else:  # ep, fsdp x ep: this rank's parameters' states, each placed as its parameter is
             from torch.distributed.tensor import DTensor, distribute_tensor
 
             full = _named(saved, _flat(self._full_groups))
@@ -342,19 +326,6 @@ class Distributed(SingleProcess):
                                if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.shape == p.shape
                                else v for k, v in full["state"][name].items()}
             mine = {"state": state,
-                    "param_groups": [{**g, "params": names} for g, names in zip(full["param_groups"], groups)]}
-            self.optimizer.load_state_dict(_numbered(mine))
-        elif self.mode == "fsdp":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-            set_optimizer_state_dict(self.model, self.optimizer,
-                                     _named(saved, _flat(_group_names(self.model, self.optimizer))),
-                                     options=StateDictOptions(full_state_dict=True))
-        else:
-            full = _named(saved, _flat(self._full_groups))
-            groups = _group_names(self.model, self.optimizer)
-            own = set(_flat(groups))
-            mine = {"state": {n: s for n, s in full["state"].items() if n in own},
                     "param_groups": [{**g, "params": names} for g, names in zip(full["param_groups"], groups)]}
             self.optimizer.load_state_dict(_numbered(mine))
 

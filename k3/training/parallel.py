@@ -51,9 +51,19 @@ def parallelize(model: CausalLM, mode: str, device: torch.device, ep: int = 1) -
     `fully_shard(moe.experts, mesh=efsdp)`). An expert's gradient on its ranks sums the tokens of its ep
     group; the reduce-scatter over efsdp sums the groups, divided by the world size: the mean gradient,
     as the dense parameters' is."""
+    if mode not in ("ddp", "fsdp", "ep"):
+        raise ValueError(f"parallelize: `mode` must be 'ddp', 'fsdp' or 'ep', got {mode!r}")
     check_ep(model.config, mode, ep)
-    if model.lm_head.weight.is_meta:
-        return _parallelize_on_meta(model, mode, device, ep)
+    on_meta = model.lm_head.weight.is_meta
+    if not on_meta and mode != "ddp":  # (ddp does this itself)
+        _broadcast_from_main(model)
+    if mode == "fsdp":
+        apply_fsdp(model, device, ep)
+    elif mode == "ep":
+        check_expert_split(model.config, dist.get_world_size())
+        shard_experts(model, dist.get_rank(), dist.get_world_size())
+    if on_meta:
+        materialize(model, device)
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -62,14 +72,6 @@ def parallelize(model: CausalLM, mode: str, device: torch.device, ep: int = 1) -
         warnings.filterwarnings("ignore", message="find_unused_parameters=True was specified in DDP constructor")
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                        find_unused_parameters=bool(model.moe_layers()))
-    _broadcast_from_main(model)  # ddp does this itself
-    if mode == "fsdp":
-        apply_fsdp(model, device, ep)
-    elif mode == "ep":
-        check_expert_split(model.config, dist.get_world_size())
-        shard_experts(model, dist.get_rank(), dist.get_world_size())
-    else:
-        raise ValueError(f"parallelize: `mode` must be 'ddp', 'fsdp' or 'ep', got {mode!r}")
     return model
 
 
@@ -104,24 +106,12 @@ def apply_recompute(model: CausalLM, mode: str) -> None:
             checkpoint(layer)
 
 
-def _parallelize_on_meta(model: CausalLM, mode: str, device: torch.device, ep: int) -> nn.Module:
-    if mode == "fsdp":
-        apply_fsdp(model, device, ep)
-    elif mode == "ep":
-        check_expert_split(model.config, dist.get_world_size())
-        shard_experts(model, dist.get_rank(), dist.get_world_size())
-    elif mode != "ddp":
-        raise ValueError(f"parallelize: `mode` must be 'ddp', 'fsdp' or 'ep', got {mode!r}")
-    materialize(model, device)
-    return parallelize(model, mode, device) if mode == "ddp" else model  # DDP wraps the whole model
-
-
 def materialize(model: CausalLM, device: torch.device) -> None:
     """Allocate a meta-device model's parameters and buffers on `device` (only the shards and experts
     this process holds) and initialise them: the values a one-process model of the same seed has."""
-    model.to_empty(device=device)
-    if model.config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
-        model.lm_head.weight = model.model.embed_tokens.weight  # to_empty gives each module its own tensor
+    from ..models.loading import allocate
+
+    allocate(model, device)
     model.reset_parameters()  # buffers too: the routers' correction biases start at zero
 
 
