@@ -17,7 +17,16 @@ single rename can swap it. It is committed through a journal:
 3. the temporaries are renamed into place, the manifest `.k3-manifest.json` (the names, sizes and
    hashes, and the checkpoint's step) is written atomically, and the journal is removed. Training
    checkpoints start a manifest; sets written for other programs (`save_pretrained`, an export) do
-   not, but keep one already in the folder true to its files.
+   not, but keep one already in the folder true to its files. A training checkpoint's manifest is its
+   whole set: the files of the previous set that the new one lacks (a whole model.safetensors replaced
+   by sharded files, the shards of a save by more processes) are removed at the commit, after the
+   renames; only files a manifest listed are ever removed.
+
+A name may lie in a subfolder (`dcp/__0_0.distcp`: the files of torch.distributed.checkpoint, one or
+more a process): its temporary is written beside it there. Files written by several processes go
+through `shared_staging(folder)`: the folder is locked and recovered, the processes write into a
+temporary folder inside it, and the lock holder commits them with `commit_files`, moving each file
+(already hashed by the process that wrote it: `described`) into place under the same journal.
 
 The next writer and every reader first `recover` the folder: a journal means a save died after its
 commit point, and its renames are finished (roll forward); without one, the temporaries of a save
@@ -204,22 +213,79 @@ def atomic_write_files(folder: str | os.PathLike, writers: dict[str, Writer], st
     folder.mkdir(parents=True, exist_ok=True)
     with folder_lock(folder):
         recover(folder)
-        temps: dict[str, str] = {}
+        commit_files(folder, writers, step, manifest)
+
+
+def commit_files(folder: str | os.PathLike, writers: dict[str, Writer], step: int | None = None,
+                 manifest: bool = False, described: dict[str, dict] | None = None) -> None:
+    """`atomic_write_files` in a folder whose lock the caller holds and which it has recovered
+    (`shared_staging`). `described`: {name: {"size", "sha256"}} of files whose writer moves a file
+    already hashed (by the process that wrote it) into place; their size is checked, not re-hashed."""
+    folder = Path(folder)
+    if os.path.realpath(folder) not in _held:
+        raise RuntimeError(f"commit_files: the caller must hold the lock of {folder} (k3.io.folder_lock)")
+    described = described or {}
+    for name in writers:
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise ValueError(f"commit_files: file names must be relative to {folder}, got {name!r}")
+    temps: dict[str, str] = {}
+    try:
+        for name, write in writers.items():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            temps[name] = tmp = temp_beside(folder / name)
+            write(tmp)
+            _settle(tmp)
+        files = {name: {"from": os.path.relpath(tmp, folder), **_described(tmp, described.get(name))}
+                 for name, tmp in temps.items()}
+        stale = sorted(set(_listed(folder)) - set(files)) if manifest else []
+        for sub in {(folder / name).parent for name in files}:
+            _sync_folder(sub)
+        write_json(folder / JOURNAL, {"step": step, "manifest": manifest, "files": files,  # the commit point
+                                      "remove": stale})
+    except BaseException:
+        if (folder / JOURNAL).exists():  # interrupted just after the commit point: the new set stands
+            _roll_forward(folder)
+        else:
+            _remove(temps.values())
+        raise
+    _roll_forward(folder)
+
+
+def _described(path: str, known: dict | None) -> dict:
+    """{"size", "sha256"} of the file at `path`: `known`'s (its size checked), or hashed now."""
+    if known is None:
+        return describe(path)
+    size = os.path.getsize(path)
+    if size != known["size"]:
+        raise CheckpointError(f"{path}: {size} bytes, but the process that wrote it counted {known['size']}")
+    return {"size": size, "sha256": known["sha256"]}
+
+
+def _listed(folder: Path) -> list[str]:
+    """The files the folder's manifest lists (none without a readable one)."""
+    try:
+        return list(json.loads((folder / MANIFEST).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+@contextlib.contextmanager
+def shared_staging(folder: str | os.PathLike) -> Iterator[Path]:
+    """For a set of files written by several processes (a sharded checkpoint): `folder` (created if
+    needed) locked and recovered, and a new temporary folder inside it for the processes to write
+    into, removed with whatever is left in it when the block ends. The lock holder commits the
+    files with `commit_files` inside the block; a process that dies before leaves the temporary
+    folder to the next `recover`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with folder_lock(folder):
+        recover(folder)
+        staging = Path(tempfile.mkdtemp(dir=folder, prefix=".staging.k3-", suffix=".tmp"))
+        os.chmod(staging, 0o777 & ~_umask())
         try:
-            for name, write in writers.items():
-                temps[name] = tmp = temp_beside(folder / name)
-                write(tmp)
-                _settle(tmp)
-            files = {name: {"from": Path(tmp).name, **describe(tmp)} for name, tmp in temps.items()}
-            _sync_folder(folder)
-            write_json(folder / JOURNAL, {"step": step, "manifest": manifest, "files": files})  # the commit point
-        except BaseException:
-            if (folder / JOURNAL).exists():  # interrupted just after the commit point: the new set stands
-                _roll_forward(folder)
-            else:
-                _remove(temps.values())
-            raise
-        _roll_forward(folder)
+            yield staging
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def move_files_into(staging: str | os.PathLike, folder: str | os.PathLike) -> list[str]:
@@ -247,12 +313,14 @@ def _roll_forward(folder: Path) -> None:
                 raise CheckpointError(f"{folder}: the journal {JOURNAL} of an interrupted save lists {name}, but "
                                       f"neither it nor its temporary {entry['from']} is there; the checkpoint is "
                                       f"incomplete (restore it from a copy)")
-        _sync_folder(folder)
+        for sub in {(folder / name).parent for name in journal["files"]}:
+            _sync_folder(sub)
         files = {name: {"size": e["size"], "sha256": e["sha256"]} for name, e in journal["files"].items()}
         if journal["manifest"]:
             write_json(folder / MANIFEST, {"step": journal["step"], "files": files})
         elif (folder / MANIFEST).exists():  # keep an earlier manifest true to the files it lists
             _update_manifest(folder, files)
+        _remove_stale(folder, journal.get("remove", []))
         os.unlink(journal_path)
         _sync_folder(folder)
     except CheckpointError:
@@ -262,6 +330,18 @@ def _roll_forward(folder: Path) -> None:
         raise CheckpointError(f"{folder}: a save was committed (its journal {JOURNAL} is there) but could not be "
                               f"put in place: {detail}. Make the folder writable and load or save it again to "
                               f"complete it") from e
+
+
+def _remove_stale(folder: Path, names: list[str]) -> None:
+    """Remove the previous set's files that the new set lacks, and the subfolders they leave empty."""
+    for name in names:
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            continue  # (a journal k3 did not write)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(folder / name)
+        with contextlib.suppress(OSError):  # only if empty
+            if (folder / name).parent != folder:
+                (folder / name).parent.rmdir()
 
 
 def _update_manifest(folder: Path, files: dict) -> None:
@@ -283,16 +363,32 @@ def recover(folder: str | os.PathLike) -> None:
         return
     if (folder / JOURNAL).exists():
         _roll_forward(folder)
+    subfolders = []
     for leftover in folder.iterdir():
-        if (_TEMPORARY.match(leftover.name) or _EARLIER_TEMPORARY.match(leftover.name)) and leftover.is_file():
+        temporary = _TEMPORARY.match(leftover.name) or _EARLIER_TEMPORARY.match(leftover.name)
+        if temporary and leftover.is_file():
             with contextlib.suppress(OSError):
                 leftover.unlink()
+        elif temporary and leftover.is_dir() and _TEMPORARY.match(leftover.name):  # shared_staging's
+            shutil.rmtree(leftover, ignore_errors=True)
+        elif leftover.is_dir() and not leftover.is_symlink():
+            subfolders.append(leftover)
+    for sub in subfolders:  # the temporaries of files in a subfolder (one level: dcp/)
+        with contextlib.suppress(OSError):
+            for leftover in sub.iterdir():
+                if _TEMPORARY.match(leftover.name) and leftover.is_file():
+                    with contextlib.suppress(OSError):
+                        leftover.unlink()
 
 
-def check_manifest(folder: str | os.PathLike, names: Iterable[str] | None = None) -> dict | None:
+def check_manifest(folder: str | os.PathLike, names: Iterable[str] | None = None,
+                   share: tuple[int, int] = (0, 1)) -> dict | None:
     """The folder's manifest, after checking the size and sha256 of each file it lists that matches
     one of the glob patterns `names` (all when None); None where there is no manifest. A file that is
-    missing or differs raises CheckpointError naming it."""
+    missing or differs raises CheckpointError naming it. `share` (rank, processes): the processes
+    reading one checkpoint split the hashing, the i-th listed file hashed by process i mod processes
+    only (every file's size is checked by all)."""
+    rank, processes = share
     folder = Path(folder)
     path = folder / MANIFEST
     if not path.exists():
@@ -306,12 +402,16 @@ def check_manifest(folder: str | os.PathLike, names: Iterable[str] | None = None
     saved = f"the save at step {manifest['step']}" if manifest.get("step") is not None else "the save"
     advice = (f"the checkpoint's files are not the ones {saved} wrote together (replaced, edited or damaged "
               f"since). Restore the file, or delete {MANIFEST} to load the files as they are")
-    for name, (size, sha256) in listed.items():
+    for i, (name, (size, sha256)) in enumerate(sorted(listed.items())):
         if names is not None and not any(fnmatch.fnmatchcase(name, pattern) for pattern in names):
             continue
         file = folder / name
         if not file.is_file():
             raise CheckpointError(f"{file} is missing: {advice}")
+        if i % processes != rank:
+            if file.stat().st_size != size:
+                raise CheckpointError(f"{file} has {file.stat().st_size} bytes, its manifest says {size}: {advice}")
+            continue
         actual = describe(file)
         if actual["size"] != size:
             raise CheckpointError(f"{file} has {actual['size']} bytes, its manifest says {size}: {advice}")
@@ -322,12 +422,13 @@ def check_manifest(folder: str | os.PathLike, names: Iterable[str] | None = None
 
 
 @contextlib.contextmanager
-def checked_folder(folder: str | os.PathLike, names: Iterable[str] | None = None) -> Iterator[dict | None]:
+def checked_folder(folder: str | os.PathLike, names: Iterable[str] | None = None,
+                   share: tuple[int, int] = (0, 1)) -> Iterator[dict | None]:
     """For reading a set of files: hold the folder's lock, `recover` it, check the files matching
-    `names` against the manifest, and yield the manifest (None without one)."""
+    `names` against the manifest (`share`: `check_manifest`'s), and yield the manifest (None without one)."""
     with folder_lock(folder):
         recover(folder)
-        yield check_manifest(folder, names)
+        yield check_manifest(folder, names, share)
 
 
 @contextlib.contextmanager

@@ -161,3 +161,74 @@ def test_a_set_of_files_gets_the_permissions_open_gives(tmp_path):
         os.umask(previous)
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "ckpt").iterdir()}
     assert modes == {"w.safetensors": "0o640", "c.json": "0o640", MANIFEST: "0o640"}
+
+
+def _text(content: str):
+    return lambda tmp: Path(tmp).write_text(content)
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()
+            and p.name not in (MANIFEST,)}
+
+
+def test_a_training_set_drops_the_files_of_its_previous_set_that_it_lacks(tmp_path):
+    """A sharded checkpoint replacing a whole one (and back): the previous set's files that the new set
+    lacks go at the commit, with the subfolder they leave empty; a file no manifest listed stays."""
+    folder = tmp_path / "ckpt"
+    atomic_write_files(folder, {"config.json": _text("1"), "dcp/__0_0.distcp": _text("r0"),
+                                "dcp/__1_0.distcp": _text("r1")}, step=1, manifest=True)
+    (folder / "notes.txt").write_text("mine")
+    assert check_manifest(folder)["files"].keys() == {"config.json", "dcp/__0_0.distcp", "dcp/__1_0.distcp"}
+    atomic_write_files(folder, {"config.json": _text("2"), "dcp/__0_0.distcp": _text("R0")}, step=2, manifest=True)
+    assert _tree(folder) == {"config.json": "2", "dcp/__0_0.distcp": "R0", "notes.txt": "mine"}
+    atomic_write_files(folder, {"config.json": _text("3"), "model.safetensors": _text("w")}, step=3, manifest=True)
+    assert _tree(folder) == {"config.json": "3", "model.safetensors": "w", "notes.txt": "mine"}
+    assert not (folder / "dcp").exists() and check_manifest(folder)["step"] == 3
+    # a set for other programs (no manifest of its own) removes nothing
+    atomic_write_files(folder, {"extra.json": _text("{}")})
+    assert set(_tree(folder)) == {"config.json", "model.safetensors", "notes.txt", "extra.json"}
+
+
+def test_files_of_several_processes_are_committed_from_a_shared_staging_folder(tmp_path):
+    from k3.io import commit_files, describe, shared_staging
+
+    folder = tmp_path / "ckpt"
+    atomic_write_files(folder, {"config.json": _text("old")}, step=1, manifest=True)
+    with shared_staging(folder) as staging:
+        assert staging.parent == folder and staging.name.startswith(".staging.k3-")
+        for rank in range(2):  # each "process" writes and hashes its own file
+            (staging / f"__{rank}_0.distcp").write_text(f"shard {rank}")
+        described = {f"dcp/{p.name}": describe(p) for p in staging.iterdir()}
+        lying = {**described, "dcp/__1_0.distcp": {"size": 3, "sha256": "0" * 64}}
+        with pytest.raises(CheckpointError, match=r"__1_0.distcp.*: 7 bytes, but the process that wrote it counted 3"):
+            commit_files(folder, {name: _mover(staging, name) for name in described}, 2, True, lying)
+        assert _tree(folder) == {"config.json": "old"}  # (the moved files' temporaries are gone)
+        assert sorted(p.name for p in staging.iterdir()) == []  # moved out, then removed
+        for rank in range(2):
+            (staging / f"__{rank}_0.distcp").write_text(f"shard {rank}")
+        writers = {name: _mover(staging, name) for name in described} | {"config.json": _text("new")}
+        commit_files(folder, writers, 2, True, described)
+    assert not staging.exists()
+    assert _tree(folder) == {"config.json": "new", "dcp/__0_0.distcp": "shard 0", "dcp/__1_0.distcp": "shard 1"}
+    assert check_manifest(folder)["files"]["dcp/__1_0.distcp"] == described["dcp/__1_0.distcp"]
+    with pytest.raises(RuntimeError, match="must hold the lock"):
+        commit_files(folder, {"x": _text("x")})
+
+
+def _mover(staging: Path, name: str):
+    return lambda tmp: os.replace(staging / Path(name).name, tmp)
+
+
+def test_an_abandoned_staging_folder_and_temporaries_in_a_subfolder_are_cleared(tmp_path):
+    """A process killed in the middle of a sharded save leaves its staging folder and, in dcp/, the
+    temporaries of an uncommitted save: the next reader removes both, and only them."""
+    folder = tmp_path / "ckpt"
+    atomic_write_files(folder, {"dcp/.metadata": _text("m"), "config.json": _text("c")}, step=1, manifest=True)
+    (folder / ".staging.k3-abc123.tmp").mkdir()
+    (folder / ".staging.k3-abc123.tmp" / "__0_0.distcp").write_text("half")
+    (folder / "dcp" / ".__0_0.distcp.k3-xyz789.tmp").write_text("half")
+    (folder / "dcp" / "keep.txt").write_text("user's")
+    with checked_folder(folder) as manifest:
+        assert manifest["step"] == 1
+    assert _tree(folder) == {"config.json": "c", "dcp/.metadata": "m", "dcp/keep.txt": "user's"}

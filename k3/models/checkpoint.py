@@ -128,11 +128,73 @@ def raise_mismatch(source: str, missing: list[str], unexpected: list[str], shape
         raise ValueError(f"{source} does not match the model's configuration: " + "; ".join(p for p in problems if p))
 
 
-WEIGHT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json")  # what from_pretrained reads
+SHARDED = "dcp"  # a sharded checkpoint's folder of torch.distributed.checkpoint files (.metadata, __R_I.distcp)
+MODEL_PREFIX = "model."  # its model tensors' keys; the optimizer's are "optimizer.<parameter>.<state>"
+WEIGHT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json",
+                f"{SHARDED}/*")  # what from_pretrained reads
+
+
+def is_sharded(directory: str | os.PathLike) -> bool:
+    """Whether the folder holds a sharded checkpoint (`k3 train --parallel fsdp|ep` writes one): its
+    weights are torch.distributed.checkpoint files in `dcp/`, each process's own shards."""
+    return (Path(directory) / SHARDED / ".metadata").is_file()
+
+
+def sharded_reader(directory: str | os.PathLike):
+    """A torch.distributed.checkpoint FileSystemReader of the folder's `dcp/` files that reads their
+    metadata once (tensors are then read one by one, each load asking for it again)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class OnceReader(FileSystemReader):
+        def read_metadata(self):
+            if not hasattr(self, "_metadata"):
+                self._metadata = super().read_metadata()
+            return self._metadata
+
+    return OnceReader(Path(directory) / SHARDED)
+
+
+def load_sharded_state(state: dict, reader, no_dist: bool) -> None:
+    """torch.distributed.checkpoint.load of `state` (its tensors filled in place) from `reader`; `no_dist`:
+    this process alone (DCP's warning that it assumes so is the intent, not news)."""
+    import warnings
+
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        try:
+            load(state, storage_reader=reader, no_dist=no_dist)
+        except CheckpointException as e:  # (a BaseException) -> one line naming the folder
+            rank, (failure, _) = next(iter(e.failures.items()))
+            if not isinstance(failure, Exception):
+                raise failure from None
+            raise CheckpointError(f"{reader.path}: its files could not be read (process {rank}: "
+                                  f"{type(failure).__name__}: {failure}); they are damaged or incomplete: restore "
+                                  f"the checkpoint from a copy") from None
+
+
+def read_sharded_tensor(reader, key: str, meta=None) -> torch.Tensor:
+    """The whole tensor `key` of a sharded checkpoint (its shards, from every file that holds one),
+    on the CPU; `meta`: its TensorStorageMetadata, when the caller has it."""
+    meta = meta or reader.read_metadata().state_dict_metadata[key]
+    t = torch.empty(meta.size, dtype=meta.properties.dtype)
+    load_sharded_state({key: t}, reader, no_dist=True)
+    return t
+
+
+def sharded_step(directory: str | os.PathLike) -> int | None:
+    """The step a sharded checkpoint's tensors were saved at (None where not recorded)."""
+    reader = sharded_reader(directory)
+    if "step" not in reader.read_metadata().state_dict_metadata:
+        return None
+    return int(read_sharded_tensor(reader, "step"))
 
 
 def check_same_step(directory: Path) -> None:
-    """A k3 training checkpoint's config.json and model.safetensors must come from the same save."""
+    """A k3 training checkpoint's config.json and weights (model.safetensors or dcp/) must come from the
+    same save."""
     from safetensors import safe_open
 
     weights = directory / "model.safetensors"
@@ -140,12 +202,17 @@ def check_same_step(directory: Path) -> None:
         return  # read_config says what is missing
     config = read_json(directory / "config.json")
     config_step = config.get("step") if isinstance(config, dict) else None
-    if config_step is None or not weights.exists():
+    if config_step is None:
         return
-    with safe_open(weights, "pt") as f:
-        weights_step = (f.metadata() or {}).get("step")
+    if is_sharded(directory):
+        weights_step, source = sharded_step(directory), f"{SHARDED}/"
+    elif weights.exists():
+        with safe_open(weights, "pt") as f:
+            weights_step, source = (f.metadata() or {}).get("step"), "model.safetensors"
+    else:
+        return
     if weights_step is not None and int(weights_step) != config_step:
-        raise CheckpointError(f"{directory}: config.json is from step {config_step} but model.safetensors from step "
+        raise CheckpointError(f"{directory}: config.json is from step {config_step} but {source} from step "
                               f"{weights_step}: the files come from different saves. Restore the checkpoint from "
                               f"a copy")
 

@@ -238,6 +238,9 @@ def _read_shards(directory: Path, config: ModelConfig, native: bool, renumber: d
     tensors of the header's shapes when `header_only`); returns the number of vision tensors skipped."""
     from safetensors import SafetensorError, safe_open
 
+    if checkpoint.is_sharded(directory):
+        _read_sharded(directory, renumber, filler, header_only)
+        return 0
     skipped = 0
     for file in shard_files(directory):
         try:
@@ -269,3 +272,27 @@ def _read_shards(directory: Path, config: ModelConfig, native: bool, renumber: d
             raise ValueError(f"{directory}: {file.name} is damaged or not a safetensors file ({e}); restore it "
                              f"from the run that wrote it") from None
     return skipped
+
+
+def _read_sharded(directory: Path, renumber: dict[int, int] | None, filler: _Filler, header_only: bool) -> None:
+    """`_read_shards` for a sharded checkpoint (`dcp/`, torch.distributed.checkpoint's files, k3's names):
+    each model tensor read whole from the shards of every process that saved a part of it, one tensor at
+    a time (the peak is the model plus one tensor, as from safetensors)."""
+    reader = checkpoint.sharded_reader(directory)
+    try:
+        tensors = reader.read_metadata().state_dict_metadata
+    except Exception as e:  # a damaged .metadata: pickle's, torch's or the OS's error
+        raise ValueError(f"{directory}: {checkpoint.SHARDED}/.metadata is damaged or not written by "
+                         f"torch.distributed.checkpoint ({type(e).__name__}: {e}); restore it from the run that wrote "
+                         f"it") from None
+    for key, meta in tensors.items():
+        if not key.startswith(checkpoint.MODEL_PREFIX):
+            continue
+        name = _renumbered(key[len(checkpoint.MODEL_PREFIX):], renumber)
+        if name is None or filler.held_elsewhere(name):
+            continue
+        if header_only:
+            t = torch.empty(meta.size, dtype=meta.properties.dtype, device="meta")
+        else:
+            t = checkpoint.read_sharded_tensor(reader, key, meta)
+        filler.put(name, t)

@@ -4,6 +4,9 @@
     tokenizer.json      the tokenizer                    trainer_state.pt   optimizer, step, schedule length,
     loss.png            the loss curve                                      RNG states, history
 
+or, written by the processes of `--parallel fsdp|ep` each with its own shards, `dcp/` in place of
+model.safetensors and of trainer_state.pt's optimizer tensors (k3.training.sharded).
+
 A save is all-or-nothing (`k3.io.atomic_write_files`: temporaries, then a journal as the commit
 point, then the renames and a manifest of sizes and sha256): a kill at any instant, a full disk or a
 library error leaves the previous checkpoint or the new one, never a mix, and the leftovers of an
@@ -27,13 +30,14 @@ from pathlib import Path
 import torch
 
 from ..io import CheckpointError, atomic_write_files, checked_folder, read_json
-from ..models.checkpoint import restore_tied_head, weights_to_save
+from ..models.checkpoint import SHARDED, is_sharded, restore_tied_head, sharded_step, weights_to_save
 from ..tokenizer import Tokenizer
 from .config import saved_train_config
 from .optim import portable_state
 from .plot import plot_history
 
 FILES = ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt", "loss.png")
+SHARDED_FILES = (f"{SHARDED}/.metadata", *FILES[1:])  # and dcp/__R_I.distcp: k3.training.sharded
 LOCK = ".k3-train.lock"
 
 __all__ = ["CheckpointError", "OutputFolderError", "save_training_checkpoint", "load_training_checkpoint",
@@ -57,6 +61,17 @@ def save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step: int, m
     optimizer_state = portable_state(optimizer.state_dict() if optimizer_state is None else optimizer_state)
     writers = {
         "model.safetensors": lambda p: save_file(state, p, metadata={"format": "pt", "step": str(step)}),
+        **_run_files(model, tokenizer, cfg, step, max_steps, generator, history, optimizer_state),
+    }
+    _refuse_non_finite(state, out, step)
+    with saving(out):
+        atomic_write_files(out, writers, step=step, manifest=True)
+
+
+def _run_files(model, tokenizer, cfg, step: int, max_steps: int | None, generator: torch.Generator,
+               history: dict, optimizer_state: dict) -> dict:
+    """The writers of a checkpoint's files other than the weights."""
+    return {
         "config.json": lambda p: Path(p).write_text(json.dumps(
             {"k3": model.config.to_dict(), "train": dataclasses.asdict(cfg), "step": step}, indent=2)),
         "tokenizer.json": tokenizer.save,
@@ -65,12 +80,26 @@ def save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step: int, m
             "data_rng": generator.get_state(), "torch_rng": torch.get_rng_state(), "history": history}, p),
         "loss.png": lambda p: plot_history(history, p, title=f"{model.config.name}, step {step}"),
     }
-    _refuse_non_finite(state, out, step)
+
+
+def sharded_run_files(model, tokenizer, cfg, step: int, max_steps: int | None, generator: torch.Generator,
+                      history: dict, param_groups: list[dict]) -> dict:
+    """The writers of a sharded checkpoint's files besides `dcp/` (k3.training.sharded), written by the
+    main process: the optimizer's groups (hyperparameters, parameter names in the single-process
+    order) stand in trainer_state.pt for its state dict, whose tensors are in `dcp/`."""
+    return _run_files(model, tokenizer, cfg, step, max_steps, generator, history,
+                      {"param_groups": param_groups, "sharded": SHARDED})
+
+
+@contextlib.contextmanager
+def saving(out: Path):
+    """Report a failed save as CheckpointError (a full disk reaches us as OSError, SafetensorError or
+    torch's RuntimeError), saying that the previous checkpoint is intact."""
     try:
-        atomic_write_files(out, writers, step=step, manifest=True)
+        yield
     except CheckpointError:
         raise
-    except Exception as e:  # a full disk reaches us as OSError, SafetensorError or torch's RuntimeError
+    except Exception as e:
         detail = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
         raise CheckpointError(f"could not save the checkpoint to {out}: {detail}; the previous "
                               f"checkpoint there (if any) is intact") from e
@@ -83,25 +112,35 @@ def _refuse_non_finite(weights: dict, out: Path, step: int) -> None:
                                   f"infinite values; the previous checkpoint there (if any) is intact")
 
 
-def load_training_checkpoint(path) -> dict:
+def load_training_checkpoint(path, share: tuple[int, int] = (0, 1)) -> dict:
     """Everything `train` needs to continue: configs, weights, optimizer, RNG states, history. A
-    checkpoint whose files disagree (with its manifest, or in their steps) raises CheckpointError."""
+    checkpoint whose files disagree (with its manifest, or in their steps) raises CheckpointError.
+    A sharded checkpoint's tensors stay on disk: "model" and the optimizer's state are None, and
+    "sharded" is the folder to read them from (`strategy.load_sharded`). `share` (rank, processes):
+    each process of a torchrun job hashes its share of the files against the manifest (the others
+    by size)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     path = Path(path)
-    with checked_folder(path) as manifest:
-        missing = [f for f in FILES[:4] if not (path / f).exists()]
+    with checked_folder(path, share=share) as manifest:
+        sharded = is_sharded(path)
+        expected = SHARDED_FILES if sharded else FILES
+        missing = [f for f in expected[:4] if not (path / f).exists()]
         if missing:
             raise FileNotFoundError(f"--resume {path}: not a k3 training checkpoint (missing {', '.join(missing)})")
         config = read_json(path / "config.json")
         state = torch.load(path / "trainer_state.pt", weights_only=True)
-        with safe_open(path / "model.safetensors", "pt") as weights_file:
-            weights_step = (weights_file.metadata() or {}).get("step")
-        weights = load_file(path / "model.safetensors")
+        if sharded:
+            weights_step, weights = sharded_step(path), None
+        else:
+            with safe_open(path / "model.safetensors", "pt") as weights_file:
+                weights_step = (weights_file.metadata() or {}).get("step")
+            weights = load_file(path / "model.safetensors")
         tokenizer = Tokenizer.load(path / "tokenizer.json")
+    weights_file = f"{SHARDED}/" if sharded else "model.safetensors"
     steps = {"config.json": config.get("step"), "trainer_state.pt": state.get("step"),
-             "model.safetensors": None if weights_step is None else int(weights_step)}
+             weights_file: None if weights_step is None else int(weights_step)}
     if manifest is not None and manifest.get("step") is not None:
         steps[".k3-manifest.json"] = manifest["step"]
     known = {name: s for name, s in steps.items() if s is not None}
@@ -109,8 +148,10 @@ def load_training_checkpoint(path) -> dict:
         raise CheckpointError(f"{path}: its files come from different saves ("
                               + ", ".join(f"{name} at step {s}" for name, s in known.items())
                               + "); resuming would not continue either run. Restore the checkpoint from a copy")
-    weights = restore_tied_head(weights, bool(config["k3"].get("tie_word_embeddings")))
-    return {**state, "train_config": saved_train_config(config["train"]), "model": weights, "tokenizer": tokenizer}
+    if weights is not None:
+        weights = restore_tied_head(weights, bool(config["k3"].get("tie_word_embeddings")))
+    return {**state, "train_config": saved_train_config(config["train"]), "model": weights, "tokenizer": tokenizer,
+            "sharded": path if sharded else None}
 
 
 class claim_output:

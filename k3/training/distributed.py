@@ -31,6 +31,7 @@ after each (the shards' gradients add up); ep reduces by hand once, after the la
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,9 @@ from ..models import CausalLM
 from ..tokenizer import Tokenizer
 from .config import TrainConfig
 from .data import TokenData, prepare
-from .optim import build_optimizer, load_keeping_implementation
+from .optim import (
+    build_optimizer, flat_names, group_names, load_keeping_implementation, named_state, numbered_state,
+)
 from .parallel import apply_recompute, check_expert_split, held_expert_parameters, parallelize
 from .strategy import SingleProcess, compile_decoder, to_cpu
 
@@ -144,7 +147,7 @@ class Distributed(SingleProcess):
     def setup(self, model: CausalLM, cfg: TrainConfig) -> None:
         """Split `model` (a CausalLM, the same on every rank) for this mode (k3.training.parallel) and
         build the optimizer over this rank's parameters."""
-        self._full_groups = _group_names(model, build_optimizer(model, cfg))  # the single-process numbering
+        self._full_groups = group_names(model, build_optimizer(model, cfg))  # the single-process numbering
         self.model = model if model.lm_head.weight.is_meta else model.to(self.device)
         self.precision = cfg.precision
         apply_recompute(model, cfg.recompute)  # before the sharding, as torchtitan orders them
@@ -244,6 +247,29 @@ class Distributed(SingleProcess):
         return totals[0].item(), totals[1].item()
 
     # -- checkpoints ----------------------------------------------------------------------------------
+    def save(self, out, tokenizer: Tokenizer, cfg: TrainConfig, step: int, max_steps: int | None,
+             generator: torch.Generator, history: dict) -> None:
+        """ddp: the single-process checkpoint, written by rank 0. fsdp and ep: a sharded one, each rank
+        writing its own shards (k3.training.sharded), committed by rank 0."""
+        if self.mode == "ddp":
+            return super().save(out, tokenizer, cfg, step, max_steps, generator, history)
+        from .sharded import save_sharded
+
+        self._reshard()
+        save_sharded(self, Path(out), tokenizer, cfg, step, max_steps, generator, history)
+
+    def saved_groups(self) -> list[list[str]]:
+        return self._full_groups
+
+    def _reshard(self) -> None:
+        """After a forward without backward (an evaluation) FSDP's root stays unsharded: shard it again,
+        so that state dicts hold the shards."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def full_state(self) -> tuple[dict | None, dict | None]:
         """Rank 0: the single-process model state dict and optimizer state dict, on the CPU; others: None."""
         model, optimizer = self.model, self.optimizer
@@ -259,26 +285,23 @@ class Distributed(SingleProcess):
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             weights = get_model_state_dict(model, options=options)
             named = get_optimizer_state_dict(model, optimizer, options=options)
-            return (weights, _numbered(named)) if self.is_main else (None, None)
+            return (weights, numbered_state(named)) if self.is_main else (None, None)
         return self._gathered_state()
 
     def _gathered_state(self) -> tuple[dict | None, dict | None]:
         """ep and fsdp x ep: every sharded tensor made whole over its own mesh (under fsdp: dense over all
         ranks, each expert over its efsdp ranks), then rank 0 takes the experts it does not hold, with
         their optimizer states, from the other ranks."""
-        from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
 
         def whole(t):
             return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
 
         model, optimizer = self.model, self.optimizer
-        for module in model.modules():  # after a forward without backward (an evaluation) the root stays unsharded
-            if isinstance(module, FSDPModule):
-                module.reshard()
-        names = _flat(_group_names(model, optimizer))
+        self._reshard()
+        names = flat_names(group_names(model, optimizer))
         weights = {n: whole(t) for n, t in model.state_dict().items()}
-        local = _named(optimizer.state_dict(), names)
+        local = named_state(optimizer.state_dict(), names)
         state = {n: {k: whole(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                  for n, s in local["state"].items()}
         if not self.is_main:  # the dense rest, and rank 0's own experts, are rank 0's
@@ -295,7 +318,7 @@ class Distributed(SingleProcess):
             for n, s in part_state.items():
                 state.setdefault(n, s)
         groups = [{**g, "params": names} for g, names in zip(local["param_groups"], self._full_groups)]
-        return weights, _numbered({"state": state, "param_groups": groups})
+        return weights, numbered_state({"state": state, "param_groups": groups})
 
     def load_optimizer(self, saved: dict) -> None:
         """Load a single-process optimizer state dict (full tensors, torch's numbering) into this rank's part."""
@@ -308,16 +331,16 @@ class Distributed(SingleProcess):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
             set_optimizer_state_dict(self.model, self.optimizer,
-                                     _named(saved, _flat(_group_names(self.model, self.optimizer))),
+                                     named_state(saved, flat_names(group_names(self.model, self.optimizer))),
                                      options=StateDictOptions(full_state_dict=True))
         else:  # ep, fsdp x ep: this rank's parameters' states, each placed as its parameter is
             from torch.distributed.tensor import DTensor, distribute_tensor
 
-            full = _named(saved, _flat(self._full_groups))
-            groups = _group_names(self.model, self.optimizer)
+            full = named_state(saved, flat_names(self._full_groups))
+            groups = group_names(self.model, self.optimizer)
             params = dict(self.model.named_parameters())
             state = {}
-            for name in _flat(groups):
+            for name in flat_names(groups):
                 if name not in full["state"]:
                     continue
                 p = params[name]
@@ -327,7 +350,7 @@ class Distributed(SingleProcess):
                                else v for k, v in full["state"][name].items()}
             mine = {"state": state,
                     "param_groups": [{**g, "params": names} for g, names in zip(full["param_groups"], groups)]}
-            self.optimizer.load_state_dict(_numbered(mine))
+            self.optimizer.load_state_dict(numbered_state(mine))
 
     # -- agreement ------------------------------------------------------------------------------------
     def on_main(self, work):
@@ -349,32 +372,13 @@ class Distributed(SingleProcess):
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather(self, value) -> list | None:
+        parts = [None] * self.world_size if self.is_main else None
+        dist.gather_object(value, parts, dst=0)
+        return parts
+
     def any(self, flag: bool) -> bool:
         t = torch.tensor([int(flag)], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
-
-
-def _group_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """The names of each optimizer group's parameters, in the group's order."""
-    name = {id(p): n for n, p in model.named_parameters()}
-    return [[name[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-
-
-def _flat(groups: list[list[str]]) -> list[str]:
-    return [name for group in groups for name in group]
-
-
-def _named(state: dict, names: list[str]) -> dict:
-    """An optimizer state dict in torch's numbering (parameters numbered in group order) -> keyed by
-    parameter name, given the names in that order (the layout of torch.distributed.checkpoint)."""
-    return {"state": {names[i]: s for i, s in state["state"].items()},
-            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
-
-
-def _numbered(state: dict) -> dict:
-    """The inverse of `_named`: parameters numbered in the order the groups list them."""
-    index = {name: i for i, name in enumerate(_flat([g["params"] for g in state["param_groups"]]))}
-    return {"state": {index[n]: s for n, s in state["state"].items()},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
 

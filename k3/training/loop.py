@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import signal
 import sys
 import threading
@@ -57,7 +58,7 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
     run holds it); a NaN or infinite loss or gradient norm stops the run (NonFiniteLossError)."""
     state, changes = None, {}
     if resume is not None:
-        state = load_training_checkpoint(resume)
+        state = load_training_checkpoint(resume, share=_share(parallel))
         changes = _resume_overrides(cfg, state["train_config"], asked)
         changes.setdefault("out", str(resume))
         cfg = dataclasses.replace(state["train_config"], **changes)
@@ -76,6 +77,14 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
     finally:
         if lock is not None:
             lock.release()
+
+
+def _share(parallel: str) -> tuple[int, int]:
+    """(rank, processes) of this process in a torchrun job (`--parallel` other than none), else (0, 1):
+    the processes split the hashing of a checkpoint's files."""
+    if parallel == "none" or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
 def _nothing_to_do(state: dict, cfg: TrainConfig, changes: dict, resume: str) -> bool:
@@ -101,17 +110,21 @@ def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: 
     data.batch(1, cfg.seq_len, torch.Generator())
     data.val_windows(cfg.seq_len, cfg.seq_len)
     torch.manual_seed(cfg.seed)
-    mconfig = model_config(cfg, tokenizer.vocab_size, share=strategy.share_here(cfg, whole=state is not None))
-    model = strategy.new_model(mconfig, to_load=state is not None)
+    whole = state is not None and state["model"] is not None  # a sharded checkpoint is read into the shards
+    mconfig = model_config(cfg, tokenizer.vocab_size, share=strategy.share_here(cfg, whole=whole))
+    model = strategy.new_model(mconfig, to_load=whole)
     num_parameters = model.num_parameters()  # (a process of --parallel ep holds fewer)
-    if state is not None:
+    if whole:
         load_into(model, state["model"], f"checkpoint {resume}")
     strategy.setup(model, cfg)
     generator = torch.Generator().manual_seed(cfg.seed)
     history = {"step": [], "loss": [], "lr": [], "val_step": [], "val_bpb": [], "tokens": 0, "seconds": 0.0}
     step, max_steps = 0, cfg.max_steps
     if state is not None:
-        strategy.load_optimizer(state["optimizer"])
+        if whole:
+            strategy.load_optimizer(state["optimizer"])
+        else:
+            strategy.load_sharded(state["sharded"], state["optimizer"])
         generator.set_state(state["data_rng"])
         torch.set_rng_state(state["torch_rng"])
         history, step = state["history"], state["step"]

@@ -107,3 +107,29 @@ def load_keeping_implementation(optimizer: torch.optim.Optimizer, load) -> None:
     load()
     for group, settings in zip(optimizer.param_groups, own):
         group.update(settings)
+
+
+def group_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The names of each optimizer group's parameters, in the group's order."""
+    name = {id(p): n for n, p in model.named_parameters()}
+    return [[name[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def flat_names(groups: list[list[str]]) -> list[str]:
+    """Every group's names, in order: the parameters in torch's numbering."""
+    return [name for group in groups for name in group]
+
+
+def named_state(state: dict, names: list[str]) -> dict:
+    """An optimizer state dict in torch's numbering (parameters numbered in group order) -> keyed by
+    parameter name, given the names in that order (the layout of torch.distributed.checkpoint)."""
+    return {"state": {names[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def numbered_state(state: dict) -> dict:
+    """The inverse of `named_state`: parameters numbered in the order the groups list them."""
+    index = {name: i for i, name in enumerate(flat_names([g["params"] for g in state["param_groups"]]))}
+    return {"state": {index[n]: s for n, s in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
+

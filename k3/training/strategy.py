@@ -5,8 +5,8 @@ this class's step and evaluation and changes only their hooks (the methods whose
 
 A strategy prepares the data (`prepare`), splits the model and builds its optimizer (`setup`), takes
 one optimizer step on the global batch (`step`), measures validation bits per byte over all
-processes (`evaluate`), saves and resumes checkpoints in the single-process layout (`save`,
-`load_optimizer`), and lets the processes agree (`share`, `any`, `is_main`, `close`).
+processes (`evaluate`), saves and resumes checkpoints (`save`, `load_optimizer`, `load_sharded`), and
+lets the processes agree (`share`, `any`, `is_main`, `close`).
 
 `SingleProcess.step` is the training step: AdamW on the batch's mean next-token loss with clipped
 gradients, then the aux-loss-free MoE bias update from the step's expert loads. With `grad_accum` N
@@ -37,7 +37,7 @@ from .checkpoint import save_training_checkpoint
 from .config import TrainConfig
 from .data import TokenData, prepare
 from .objective import next_token_loss, per_byte, summed_loss
-from .optim import build_optimizer, load_keeping_implementation
+from .optim import build_optimizer, flat_names, group_names, load_keeping_implementation, numbered_state
 from .parallel import apply_recompute
 
 
@@ -55,7 +55,7 @@ class SingleProcess:
     CPU); no torch.distributed."""
 
     is_main = True  # the process that logs and writes
-    world_size = 1
+    rank, world_size = 0, 1
 
     def __init__(self, device: str = "auto"):
         self.device = resolve_device(device)
@@ -191,6 +191,25 @@ class SingleProcess:
         """Load a single-process optimizer state dict (full tensors, torch's numbering)."""
         load_keeping_implementation(self.optimizer, lambda: self.optimizer.load_state_dict(saved))
 
+    def saved_groups(self) -> list[list[str]]:
+        """The names of each optimizer group's parameters as one process numbers them: what a checkpoint
+        records, whatever the split."""
+        return group_names(self.model, self.optimizer)
+
+    def load_sharded(self, folder, saved: dict) -> None:
+        """Fill the model and the optimizer, this process's part of them, from the sharded checkpoint in
+        `folder` (k3.training.sharded); `saved`: its trainer_state.pt's optimizer entry, the groups with
+        their parameters' names in the single-process order."""
+        from .sharded import load_sharded
+
+        names = group_names(self.model, self.optimizer)
+        params = dict(self.model.named_parameters())
+        states = load_sharded(folder, self.model, {n: params[n] for n in flat_names(names)},
+                              no_dist=self.world_size == 1)
+        groups = [{**g, "params": mine} for g, mine in zip(saved["param_groups"], names)]
+        load_keeping_implementation(self.optimizer, lambda: self.optimizer.load_state_dict(
+            numbered_state({"state": states, "param_groups": groups})))
+
     # -- agreement ------------------------------------------------------------------------------------
     def on_main(self, work):
         """`work()` on the main process; its error, if any, raised on every process."""
@@ -199,6 +218,10 @@ class SingleProcess:
     def share(self, value):
         """The main process's `value` on every process (a decision only one clock should make)."""
         return value
+
+    def gather(self, value) -> list | None:
+        """Every process's `value`, in rank order, on the main process (None elsewhere)."""
+        return [value]
 
     def any(self, flag: bool) -> bool:
         """True on every process when `flag` is true on some process."""

@@ -1,7 +1,8 @@
 """`torchrun --nproc_per_node=4 -m k3 train --parallel fsdp --ep 2`: FSDP x expert parallelism on one
 DeviceMesh [2 ("efsdp"), 2 ("ep")] over 4 gloo processes takes the single process's steps, with Muon and
-AdamW, gradient accumulation and recompute; its checkpoint resumes on 2 processes (fsdp alone), then on
-one, on the same loss sequence."""
+AdamW, gradient accumulation and recompute; its sharded checkpoint (each process its own shards) resumes
+on 2 processes (fsdp alone), then on one, on the same loss sequence, and 2 expert-parallel processes
+generate from it what one does."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import pytest
 import torch
 
+from k3.models import CausalLM
 from k3.training import TrainConfig, distributed, train
 
 from ..corpus import write_corpus
@@ -18,6 +20,7 @@ from ..processes import free_port, join
 pytestmark = pytest.mark.slow  # 4 spawned processes (gloo), then 2
 
 RTOL = 1e-5
+PROMPTS = [[116, 111, 32, 98, 101], [97, 98]]
 SMALL = {"hidden_size": 32, "num_layers": 3, "num_experts": 8, "num_experts_per_tok": 2}  # KDA, MoE, MLA + AttnRes
 
 
@@ -76,12 +79,21 @@ def _four(rank: int, port: int, corpus: str, root: str) -> None:
 
 
 def _two(rank: int, port: int, root: str) -> None:
+    from k3.training.parallel import load_expert_parallel
+
     join(rank, 2, port)
     history = train(TrainConfig(max_steps=3, ep=1), resume=f"{root}/chain", asked=("max_steps", "ep"), progress=False,
                     parallel="fsdp")
+    # the sharded checkpoint of 2 processes, read back split over them: each reads only its own experts
+    model = load_expert_parallel(f"{root}/chain", torch.device("cpu")).eval()
+    rows = model.double().generate(PROMPTS, 8, temperature=0)
     if rank == 0:
-        torch.save(history, f"{root}/two.pt")
+        torch.save({"history": history, "rows": rows}, f"{root}/two.pt")
     torch.distributed.destroy_process_group()
+
+
+def shards(folder) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted((folder / "dcp").iterdir())} if (folder / "dcp").exists() else {}
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +107,18 @@ def runs(tmp_path_factory):
         reference = {"muon": train(run_cfg(corpus, root / "single"), progress=False),
                      "adamw": train(run_cfg(corpus, root / "single_adamw", optimizer="adamw"), progress=False)}
         torch.multiprocessing.spawn(_four, args=(free_port(), str(corpus), str(root)), nprocs=4)
+        files = {"four": (shards(root / "chain"), (root / "chain" / "model.safetensors").exists())}
         torch.multiprocessing.spawn(_two, args=(free_port(), str(root)), nprocs=2)
+        files["two"] = (shards(root / "chain"), (root / "chain" / "model.safetensors").exists())
+        two = torch.load(root / "two.pt", weights_only=False)
+        two["one process rows"] = CausalLM.from_pretrained(root / "chain").double().eval().generate(
+            PROMPTS, 8, temperature=0)
         resumed = train(TrainConfig(max_steps=4), resume=str(root / "chain"), asked=("max_steps",), progress=False)
+        files["one"] = (shards(root / "chain"), (root / "chain" / "model.safetensors").exists())
     finally:
         torch.set_num_threads(threads)
-    return reference, torch.load(root / "four.pt", weights_only=False), \
-        torch.load(root / "two.pt", weights_only=False), resumed
+    four = torch.load(root / "four.pt", weights_only=False)
+    return reference, four | {"files": files}, two, resumed
 
 
 def assert_follows(history: dict, reference: dict, steps: int | None = None) -> None:
@@ -130,9 +148,28 @@ def test_each_rank_holds_what_the_planner_says(runs):
 
 def test_a_checkpoint_of_four_processes_resumes_on_two_then_one(runs):
     single, _, two, one = runs
-    assert_follows(two, single["muon"], steps=3)
+    assert_follows(two["history"], single["muon"], steps=3)
     assert_follows(one, single["muon"])
     assert one["final_val_bpb"] == pytest.approx(single["muon"]["final_val_bpb"], rel=RTOL)
+
+
+def test_each_process_writes_its_own_shards_and_none_gathers_the_model(runs):
+    """The checkpoint of 4 processes is 4 DCP files (rank r's shards in __r_0.distcp) and its .metadata,
+    no model.safetensors; each file holds about a quarter of the training state. Resumed on 2 processes
+    it becomes 2 files (the 4-process ones removed at the commit), on one process a whole checkpoint."""
+    files = runs[1]["files"]
+    four, whole = files["four"]
+    assert sorted(four) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"] and not whole
+    state = sum(size for name, size in four.items() if name != ".metadata")
+    assert all(0.15 * state < four[f"__{r}_0.distcp"] < 0.35 * state for r in range(4)), four
+    two, whole = files["two"]
+    assert sorted(two) == [".metadata", "__0_0.distcp", "__1_0.distcp"] and not whole
+    assert files["one"] == ({}, True)
+
+
+def test_a_sharded_checkpoint_read_by_two_expert_parallel_processes_generates_what_one_does(runs):
+    two = runs[2]
+    assert [row.tolist() for row in two["rows"]] == [row.tolist() for row in two["one process rows"]]
 
 
 def test_ep_is_refused_outside_fsdp(monkeypatch):
