@@ -65,6 +65,23 @@ def _bench_train(args) -> int:
     return 0
 
 
+def _bench_parallel(args) -> int:
+    from ..bench import parallel
+
+    layouts = []
+    for text in args.layouts:
+        try:
+            world, ep = (int(part) for part in text.split(":"))
+        except ValueError:
+            raise ValueError(f"--layouts takes N:EP pairs (processes : ep), e.g. 4:2, got {text!r}") from None
+        if world < 1 or ep < 1 or world % ep or args.batch_size % world:
+            raise ValueError(f"--layouts {text}: ep must divide the {world} processes and the processes the "
+                             f"--batch-size {args.batch_size}")
+        layouts.append((world, ep))
+    parallel.run(tuple(layouts), args.preset, args.seq_len, args.batch_size, args.json)
+    return 0
+
+
 def _parse_value(text: str):
     import json
 

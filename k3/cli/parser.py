@@ -7,8 +7,8 @@ import math
 
 from ..runtime import DEVICES
 
-from .commands import (_bench_models, _bench_ops, _bench_train, _eval, _export, _generate, _lab, _params, _plan,
-                       _train)
+from .commands import (_bench_models, _bench_ops, _bench_parallel, _bench_train, _eval, _export, _generate, _lab,
+                       _params, _plan, _train)
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -210,6 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
     btrain.add_argument("--data", help="corpus (default: Shakespeare)")
     btrain.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     btrain.set_defaults(func=_bench_train)
+    bparallel = bench_sub.add_parser("parallel", help="bytes each process of fsdp x ep sends in a step and its peak "
+                                     "memory, measured on gloo processes beside k3 plan's model")
+    bparallel.add_argument("--layouts", nargs="+", default=["2:1", "2:2", "4:2"], metavar="N:EP",
+                           help="process counts and ep, each N:EP (default 2:1 2:2 4:2)")
+    bparallel.add_argument("--preset", default="kimi-k3-tiny", help="the model (default kimi-k3-tiny)")
+    bparallel.add_argument("--seq-len", type=int, default=256, help="tokens a sequence (default 256)")
+    bparallel.add_argument("--batch-size", type=int, default=8, help="sequences a step, over all processes (8)")
+    bparallel.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    bparallel.set_defaults(func=_bench_parallel)
     bmodels = bench_sub.add_parser("models", help="whole-model prefill, train step and decode speed, k3 vs GPT-2 "
                                    "and transformers")
     bmodels.add_argument("--quick", action="store_true",

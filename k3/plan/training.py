@@ -18,6 +18,11 @@ Memory per GPU (the worst rank, the first of its pipeline stage, whose FSDP shar
   tokens, width] bf16 tensors for one layer at a time (an upper bound: a token whose experts share a
   rank travels less).
 
+Communication (one pipeline stage): the bytes each GPU sends in a step by collective — FSDP2's all-gathers
+and reduce-scatters of k3 train's float32 weights and gradients, Muon's gathers of whole matrices, the
+MoE all-to-alls — as `k3.plan.traffic` counts them (`k3 bench parallel` measures the same on gloo
+processes and finds the FSDP and Muon bytes exact, the all-to-all within 1% of its uniform-routing value).
+
 Time: step = global batch tokens x FLOPs per token / (GPUs x dense peak x MFU), stretched by the
 pipeline bubble (pp - 1) / (micro-batches + pp - 1). MFU counts the model's FLOPs only: recomputation
 is one of the costs an assumed MFU absorbs.
@@ -33,6 +38,7 @@ from .costs import RECOMPUTE, activation_bytes_per_token, train_flops_per_token
 from .figures import Figures
 from .hardware import GPUS, Gpu, get_gpu
 from .shapes import Layout, ModelShapes, model_shapes, rank_values, unsharded_layer_values
+from .traffic import step_traffic
 
 OPTIMIZERS = ("adamw", "muon")
 DEFAULT_MFU = 0.40  # DeepSeek-V3's implied MFU on bf16 peak (k3.plan.published); about what large MoE runs report
@@ -147,6 +153,11 @@ def plan_training(config: ModelConfig, s: TrainSettings, shapes: ModelShapes | N
     f.add("step time", step, "s")
     f.add("tokens per day", batch / step * 86400, "tokens")
     f.add("GPU-hours per trillion tokens", layout.gpus * step / batch * 1e12 / 3600, "GPU-hours")
+    if layout.pp == 1:  # bytes each GPU sends in a step (k3.plan.traffic), as k3 train runs it
+        traffic = step_traffic(config, layout.fsdp, layout.ep, micro_tokens, micro_batches, s.optimizer, recompute,
+                               weight_bytes=4, row_bytes=2 if s.precision == "bf16" else 4, shapes=shapes)
+        for name, value in traffic.items():
+            f.add(f"sent per GPU per step: {name}", value, "bytes")
     if not fits:
         f.notes.append(f"DOES NOT FIT: {total / 1e9:,.1f} GB per GPU, {gpu.usable_bytes / 1e9:,.1f} GB usable "
                        f"({gpu.memory_bytes / 1e9:.0f} GB x 0.9).")

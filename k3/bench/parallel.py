@@ -1,0 +1,169 @@
+"""`k3 bench parallel`: what the processes of `k3 train --parallel fsdp --ep N` send and hold, measured on
+real processes (gloo, on this machine's CPUs) beside the planner's model of it (`k3.plan.traffic`).
+
+For each process count and ep, one spawned job per recompute setting takes a warm-up step and then a
+measured one. The bytes each process sends are counted at the dispatcher (a TorchDispatchMode that sees
+every c10d collective, FSDP2's, DTensor's and k3's own all-to-alls), converted as the planner counts them:
+an all-gather of a P-byte input over M ranks sends (M - 1) P, a reduce-scatter of an input I sends
+(M - 1) I / M, an all-to-all what goes to the other ranks, an all-reduce 2 (M - 1) I / M. Memory: each
+process's peak resident set (ru_maxrss) after the steps, and its rise over the process once its model is
+sharded and its optimizer built (activations, gradients, optimizer states, gather buffers).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import resource
+import socket
+import tempfile
+
+import torch
+
+__all__ = ["run", "measure"]
+
+CATEGORY = {"_allgather_base_": "fsdp all-gather", "_reduce_scatter_base_": "fsdp reduce-scatter",
+            "all_gather_into_tensor": "muon all-gather", "alltoall_base_": "all-to-all",
+            "allreduce_": "all-reduce", "all_reduce": "all-reduce"}
+
+
+class SentBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes this process sends, by collective (see the module), for the ops run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional") and func._opname in CATEGORY:
+            self.sent[CATEGORY[func._opname]] += self._bytes(func.namespace, func._opname, args)
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def _bytes(namespace: str, op: str, args) -> float:
+        import torch.distributed as dist
+
+        def size(t) -> int:
+            return t.numel() * t.element_size()
+
+        if namespace == "_c10d_functional":  # (input, ..., group size, group name)
+            n = args[1] if op == "all_gather_into_tensor" else dist.get_world_size()
+            return (n - 1) * size(args[0]) if op == "all_gather_into_tensor" else 2 * (n - 1) / n * size(args[0])
+        if op == "allreduce_":  # (tensors, group, ...)
+            n = dist.ProcessGroup.unbox(args[1]).size()
+            return sum(2 * (n - 1) / n * size(t) for t in args[0])
+        group = dist.ProcessGroup.unbox(args[2])
+        n, tensor = group.size(), args[1]
+        if op == "_allgather_base_":
+            return (n - 1) * size(tensor)
+        if op == "_reduce_scatter_base_":
+            return (n - 1) / n * size(tensor)
+        splits = list(args[4]) or [tensor.shape[0] // n] * n  # alltoall_base_: input rows to each rank
+        row = size(tensor) // max(tensor.shape[0], 1)
+        return (sum(splits) - splits[group.rank()]) * row
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (Linux reports KiB)
+
+
+def _worker(rank: int, world: int, port: int, settings: dict, out: str) -> None:
+    import torch.distributed as dist
+
+    from ..models import get_config
+    from ..training import TrainConfig
+    from ..training.distributed import Distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    cfg = TrainConfig(batch_size=settings["batch_size"], seq_len=settings["seq_len"], recompute=settings["recompute"],
+                      ep=settings["ep"], optimizer=settings["optimizer"])
+    strategy = Distributed("fsdp", "cpu", settings["ep"])
+    config = get_config(settings["preset"], vocab_size=257)
+    model = strategy.new_model(config)
+    strategy.setup(model, cfg)
+    generator = torch.Generator().manual_seed(0)
+
+    def batch():
+        return torch.randint(0, 257, (cfg.batch_size, cfg.seq_len + 1), generator=generator)
+
+    base = _peak_rss()
+    strategy.step(batch(), cfg)  # optimizer states made
+    counter = SentBytes()
+    with counter:
+        strategy.step(batch(), cfg)
+    result = {"sent": dict(counter.sent), "peak rss": _peak_rss(), "rss rise": _peak_rss() - base}
+    results = [None] * world
+    dist.all_gather_object(results, result)
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def measure(world: int, ep: int, preset: str = "kimi-k3-tiny", seq_len: int = 256, batch_size: int = 8,
+            recompute: str = "none", optimizer: str = "muon") -> list[dict]:
+    """One job of `world` gloo processes under fsdp x ep `ep`: per process, the bytes sent in one step by
+    collective, and memory (see the module)."""
+    settings = dict(ep=ep, preset=preset, seq_len=seq_len, batch_size=batch_size, recompute=recompute,
+                    optimizer=optimizer)
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "results.pt")
+        torch.multiprocessing.spawn(_worker, args=(world, _free_port(), settings, out), nprocs=world)
+        return torch.load(out, weights_only=False)
+
+
+def planned(world: int, ep: int, preset: str = "kimi-k3-tiny", seq_len: int = 256, batch_size: int = 8,
+            recompute: str = "none", optimizer: str = "muon") -> dict[str, float]:
+    """`k3.plan.traffic.step_traffic` for the same job (float32 weights and rows, as on the CPU)."""
+    from ..models import get_config
+    from ..plan.traffic import step_traffic
+
+    config = get_config(preset, vocab_size=257)
+    return step_traffic(config, world, ep, batch_size // world * seq_len, optimizer=optimizer, recompute=recompute)
+
+
+def run(layouts=((2, 1), (2, 2), (4, 2)), preset: str = "kimi-k3-tiny", seq_len: int = 256, batch_size: int = 8,
+        json_path: str | None = None) -> dict:
+    """Measure each (processes, ep) of `layouts` with recompute none and full; print and return the table."""
+    from tqdm import tqdm
+
+    from ..io import write_json
+
+    report = {"preset": preset, "seq_len": seq_len, "batch_size": batch_size, "layouts": []}
+    jobs = [(w, e, r) for w, e in layouts for r in ("none", "full")]
+    for world, ep, recompute in tqdm(jobs, desc="bench parallel", unit="job"):
+        ranks = measure(world, ep, preset, seq_len, batch_size, recompute)
+        report["layouts"].append({"processes": world, "ep": ep, "recompute": recompute, "ranks": ranks,
+                                  "planned": planned(world, ep, preset, seq_len, batch_size, recompute)})
+    print(format_report(report))
+    if json_path:
+        write_json(json_path, report)
+    return report
+
+
+def format_report(report: dict) -> str:
+    lines = [f"k3 bench parallel: {report['preset']}, {report['batch_size']} x {report['seq_len']} tokens a step, "
+             f"fsdp x ep on gloo; MB sent per process in one step (max over processes) beside k3 plan's model"]
+    for row in report["layouts"]:
+        ranks, plan = row["ranks"], row["planned"]
+        head = f"{row['processes']} processes, ep {row['ep']}, recompute {row['recompute']}:"
+        cells = []
+        for name in ("fsdp all-gather", "fsdp reduce-scatter", "muon all-gather"):
+            cells.append(f"{name} {max(r['sent'].get(name, 0) for r in ranks) / 1e6:.3f} "
+                         f"(plan {plan[name] / 1e6:.3f})")
+        a2a = [r["sent"].get("all-to-all", 0) / 1e6 for r in ranks]
+        cells.append(f"all-to-all {min(a2a):.3f}-{max(a2a):.3f} (plan {plan['all-to-all (uniform)'] / 1e6:.3f} "
+                     f"uniform, {plan['all-to-all (bound)'] / 1e6:.3f} bound)")
+        cells.append(f"all-reduce {max(r['sent'].get('all-reduce', 0) for r in ranks) / 1e3:.1f} kB")
+        rss = [r["rss rise"] / 2**20 for r in ranks]
+        cells.append(f"peak RSS rise {min(rss):.0f}-{max(rss):.0f} MiB (peak {max(r['peak rss'] for r in ranks) / 2**20:.0f} MiB)")
+        lines.append(head)
+        lines += ["  " + c for c in cells]
+    return "\n".join(lines)

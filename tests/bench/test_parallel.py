@@ -1,0 +1,25 @@
+"""`k3 bench parallel`: the bytes 4 gloo processes of fsdp x ep 2 send in a step, counted at the dispatcher,
+are k3 plan's model of them (`k3.plan.traffic`): FSDP's all-gathers and reduce-scatters and Muon's gathers
+to the byte, the MoE all-to-alls within the uniform-routing estimate's neighbourhood and under its bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from k3.bench import parallel
+
+pytestmark = pytest.mark.slow  # 4 spawned processes
+
+
+def test_four_processes_send_what_the_planner_says():
+    ranks = parallel.measure(4, 2, seq_len=32, recompute="full")
+    plan = parallel.planned(4, 2, seq_len=32, recompute="full")
+    for rank in ranks:
+        for name in ("fsdp all-gather", "fsdp reduce-scatter", "muon all-gather"):
+            assert rank["sent"][name] == pytest.approx(plan[name], rel=1e-12), name
+        assert 0.9 * plan["all-to-all (uniform)"] < rank["sent"]["all-to-all"] <= plan["all-to-all (bound)"]
+        assert rank["sent"]["all-reduce"] < 1e4  # the loss, the expert loads, the clipping norm
+        assert rank["rss rise"] > 0
+    report = parallel.format_report({"preset": "kimi-k3-tiny", "seq_len": 32, "batch_size": 8, "layouts": [
+        {"processes": 4, "ep": 2, "recompute": "full", "ranks": ranks, "planned": plan}]})
+    assert "4 processes, ep 2, recompute full:" in report and "(plan " in report
