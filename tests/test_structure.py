@@ -19,8 +19,10 @@ LAYERS = [
     {"k3.layers", "k3.generation"},
     {"k3.models"},
     {"k3.training"},
+    # below the benchmarks and the lab: the planner prices from structure (k3.ops.cost), never from an
+    # experiment; `k3 bench parallel` measures beside it
+    {"k3.plan"},
     {"k3.bench", "k3.hf", "k3.eval"},
-    {"k3.plan"},  # below the lab: the planner prices from structure (k3.ops.cost), never from an experiment
     {"k3.lab"},
     {"k3.cli"},
     {"k3.__main__"},
