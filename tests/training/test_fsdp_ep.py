@@ -82,13 +82,24 @@ def _two(rank: int, port: int, root: str) -> None:
     from k3.training.parallel import load_expert_parallel
 
     join(rank, 2, port)
-    history = train(TrainConfig(max_steps=3, ep=1), resume=f"{root}/chain", asked=("max_steps", "ep"), progress=False,
-                    parallel="fsdp")
+    built, new_model = [], distributed.Distributed.new_model
+
+    def spy(self, config, to_load=False):  # how the resumed run builds its model
+        model = new_model(self, config, to_load)
+        built.append(model.lm_head.weight.is_meta)
+        return model
+
+    distributed.Distributed.new_model = spy
+    try:
+        history = train(TrainConfig(max_steps=3, ep=1), resume=f"{root}/chain", asked=("max_steps", "ep"),
+                        progress=False, parallel="fsdp")
+    finally:
+        distributed.Distributed.new_model = new_model
     # the sharded checkpoint of 2 processes, read back split over them: each reads only its own experts
     model = load_expert_parallel(f"{root}/chain", torch.device("cpu")).eval()
     rows = model.double().generate(PROMPTS, 8, temperature=0)
     if rank == 0:
-        torch.save({"history": history, "rows": rows}, f"{root}/two.pt")
+        torch.save({"history": history, "rows": rows, "built on meta": built}, f"{root}/two.pt")
     torch.distributed.destroy_process_group()
 
 
@@ -164,6 +175,7 @@ def test_each_process_writes_its_own_shards_and_none_gathers_the_model(runs):
     assert all(0.15 * state < four[f"__{r}_0.distcp"] < 0.35 * state for r in range(4)), four
     two, whole = files["two"]
     assert sorted(two) == [".metadata", "__0_0.distcp", "__1_0.distcp"] and not whole
+    assert runs[2]["built on meta"] == [True]  # the resumed processes never held the whole model
     assert files["one"] == ({}, True)
 
 
