@@ -330,9 +330,10 @@ class Distributed(SingleProcess):
         elif self.mode == "fsdp" and self.ep == 1:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+            # strict=False: a parameter without a state (an expert no token chose yet) stays without one
             set_optimizer_state_dict(self.model, self.optimizer,
                                      named_state(saved, flat_names(group_names(self.model, self.optimizer))),
-                                     options=StateDictOptions(full_state_dict=True))
+                                     options=StateDictOptions(full_state_dict=True, strict=False))
         else:  # ep, fsdp x ep: this rank's parameters' states, each placed as its parameter is
             from torch.distributed.tensor import DTensor, distribute_tensor
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import math
 import os
 import shutil
 
@@ -139,6 +140,8 @@ def _worker(rank: int, port: int, corpus: str, root: str) -> None:
     for mode in ("fsdp", "ep"):
         results[f"resumed_{mode}"] = train(TrainConfig(max_steps=4), resume=f"{root}/single2_{mode}",
                                            progress=False, parallel=mode)
+    results["resumed_unchosen"] = train(TrainConfig(max_steps=3), resume=f"{root}/single2_unchosen",
+                                        progress=False, parallel="fsdp")
     for mode, recompute in (("fsdp", "full"), ("ep", "selective")):  # the layers' forwards run again
         results[f"recompute_{mode}"] = train(run_cfg(corpus, f"{root}/recompute_{mode}", recompute=recompute),
                                              progress=False, parallel=mode)
@@ -148,6 +151,26 @@ def _worker(rank: int, port: int, corpus: str, root: str) -> None:
     if rank == 0:
         torch.save(results, f"{root}/results.pt")
     torch.distributed.destroy_process_group()
+
+
+UNCHOSEN = "model.layers.1.block_sparse_moe.experts.3.w1"
+
+
+def without_state(source, folder, name: str) -> None:
+    """A copy of the checkpoint `source` in which parameter `name` has no optimizer state, as an expert no
+    token has chosen yet has none (its manifest dropped: the copy is not the save's)."""
+    from k3.training.checkpoint import load_training_checkpoint
+    from k3.training.config import model_config
+    from k3.training.optim import build_optimizer, flat_names, group_names
+
+    shutil.copytree(source, folder)
+    state = load_training_checkpoint(folder)
+    model = CausalLM(model_config(state["train_config"], state["tokenizer"].vocab_size))
+    names = flat_names(group_names(model, build_optimizer(model, state["train_config"])))
+    trainer = torch.load(folder / "trainer_state.pt", weights_only=True)
+    del trainer["optimizer"]["state"][names.index(name)]
+    torch.save(trainer, folder / "trainer_state.pt")
+    (folder / ".k3-manifest.json").unlink()
 
 
 # -- the single process, and the comparisons ---------------------------------------------------------
@@ -171,6 +194,7 @@ def runs(corpus, tmp_path_factory, one_thread):
     reference = train(run_cfg(corpus, root / "single4"), progress=False)
     train(run_cfg(corpus, root / "single2_fsdp", max_steps=2), progress=False)
     shutil.copytree(root / "single2_fsdp", root / "single2_ep")
+    without_state(root / "single2_fsdp", root / "single2_unchosen", UNCHOSEN)
     torch.multiprocessing.spawn(_worker, args=(free_port(), str(corpus), str(root)), nprocs=WORLD)
     return root, reference, torch.load(root / "results.pt", weights_only=False)
 
@@ -277,6 +301,13 @@ def test_a_two_process_checkpoint_resumes_in_one_process(runs):
     assert written["step"] == 2 and written["history"]["loss"] == pytest.approx(reference["loss"][:2], rel=RTOL)
     assert CausalLM.from_pretrained(root / "ep2").config.num_experts == 8  # every expert, from both processes
     assert_follows(train(TrainConfig(max_steps=4), resume=str(root / "ep2"), progress=False), reference)
+
+
+def test_a_one_process_checkpoint_with_a_parameter_without_optimizer_state_resumes_under_fsdp(runs):
+    """An expert that no token chose in the single process has no optimizer state; fsdp's load of the
+    whole checkpoint leaves it without one (it used to refuse the checkpoint), as the single process does."""
+    history = runs[2]["resumed_unchosen"]
+    assert history["step"] == [1, 2, 3] and all(math.isfinite(loss) for loss in history["loss"])
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "ep"])
