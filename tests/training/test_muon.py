@@ -148,3 +148,26 @@ def test_the_cli_flag_reaches_the_config_and_a_resume_keeps_the_checkpoints():
     assert _resume_overrides(TrainConfig(), saved) == {}  # not asked: the checkpoint's AdamW goes on
     with pytest.raises(ValueError, match="`optimizer` 'muon' \\(the checkpoint's: 'adamw'\\)"):
         _resume_overrides(TrainConfig(), saved, asked=("optimizer",))
+
+
+def test_matrices_orthogonalised_in_runs_take_the_step_of_one_stack(monkeypatch):
+    """Muon orthogonalises the matrices of one shape in runs of at most STACK_VALUES values (its
+    workspace bounded); with runs of one matrix the step is the one-stack step (float64, to rounding)."""
+    import k3.training.muon as muon
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(6, 4, dtype=torch.float64)) for _ in range(5)]
+    grads = [torch.randn_like(p) for p in params]
+    results = []
+    for values in (10 ** 6, 24):  # one stack of 5; runs of 1 matrix
+        monkeypatch.setattr(muon, "STACK_VALUES", values)
+        copies = [nn.Parameter(p.detach().clone()) for p in params]
+        for p, g in zip(copies, grads):
+            p.grad = g.clone()
+        optimizer = Muon([{"params": copies, "use_muon": True}], lr=0.1)
+        for _ in range(2):
+            optimizer.step()
+        results.append(torch.stack([p.detach() for p in copies]))
+    assert len(muon._stacks(list(range(5)), torch.Size([6, 4]))) == 5
+    assert torch.allclose(results[0], results[1], rtol=0, atol=1e-12)
+    assert not torch.equal(results[0], torch.stack([p.detach() for p in params]))  # the step moved them
