@@ -125,8 +125,15 @@ def test_a_sharded_save_stopped_at_any_file_operation_leaves_one_whole_checkpoin
         replay(run["saves"][4], tmp_path / "count")
     positions = len(counted.ops)
     assert positions >= 25, counted.ops
+    # DCP writes each tensor with a torch.save into the staging folder: of that run (all before the
+    # commit point, alike) the first, middle and last are stopped at; every other operation is
+    inside = [at for at in range(1, positions + 1) if counted.ops[at - 1] == "torch.save"
+              and "dcp.save" in counted.ops[:at - 1] and "save_file" not in counted.ops[:at - 1]
+              and "Tokenizer.save" not in counted.ops[:at - 1]]
+    kept = set(inside[:1] + inside[len(inside) // 2:len(inside) // 2 + 1] + inside[-1:])
+    chosen = [at for at in range(1, positions + 1) if at not in inside or at in kept]
     outcomes = []
-    for at in range(1, positions + 1):
+    for at in chosen:
         folder = tmp_path / f"at{at}"
         shutil.copytree(root / "A", folder)
         faults, error = Faults(at, mode), None
@@ -148,8 +155,10 @@ def test_a_sharded_save_stopped_at_any_file_operation_leaves_one_whole_checkpoin
             assert ("intact" in str(error)) == (outcome == "previous"), (where, str(error))
         outcomes.append(outcome)
     assert set(outcomes) == {"previous", "new"}
+    print(f"{mode}: {positions} positions ({len(chosen)} stopped at), {outcomes.count('new')} ended with the new "
+          f"checkpoint")
     if mode == "death":  # the first position that kept the new checkpoint resumes on the run's losses
-        first_new = tmp_path / f"at{outcomes.index('new') + 1}"
+        first_new = tmp_path / f"at{chosen[outcomes.index('new')]}"
         resumed = train(TrainConfig(), resume=str(first_new), progress=False)
         assert resumed["loss"] == run["full"]["loss"]
 
