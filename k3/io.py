@@ -226,7 +226,7 @@ def commit_files(folder: str | os.PathLike, writers: dict[str, Writer], step: in
         raise RuntimeError(f"commit_files: the caller must hold the lock of {folder} (k3.io.folder_lock)")
     described = described or {}
     for name in writers:
-        if Path(name).is_absolute() or ".." in Path(name).parts:
+        if not _inside(name):
             raise ValueError(f"commit_files: file names must be relative to {folder}, got {name!r}")
     temps: dict[str, str] = {}
     try:
@@ -332,10 +332,15 @@ def _roll_forward(folder: Path) -> None:
                               f"complete it") from e
 
 
+def _inside(name: str) -> bool:
+    """Whether the file name `name` stays inside the folder it is relative to."""
+    return not Path(name).is_absolute() and ".." not in Path(name).parts
+
+
 def _remove_stale(folder: Path, names: list[str]) -> None:
     """Remove the previous set's files that the new set lacks, and the subfolders they leave empty."""
     for name in names:
-        if Path(name).is_absolute() or ".." in Path(name).parts:
+        if not _inside(name):
             continue  # (a journal k3 did not write)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(folder / name)
@@ -408,13 +413,12 @@ def check_manifest(folder: str | os.PathLike, names: Iterable[str] | None = None
         file = folder / name
         if not file.is_file():
             raise CheckpointError(f"{file} is missing: {advice}")
-        if i % processes != rank:
-            if file.stat().st_size != size:
-                raise CheckpointError(f"{file} has {file.stat().st_size} bytes, its manifest says {size}: {advice}")
+        actual_size = file.stat().st_size
+        if actual_size != size:
+            raise CheckpointError(f"{file} has {actual_size} bytes, its manifest says {size}: {advice}")
+        if i % processes != rank:  # another process hashes it
             continue
         actual = describe(file)
-        if actual["size"] != size:
-            raise CheckpointError(f"{file} has {actual['size']} bytes, its manifest says {size}: {advice}")
         if actual["sha256"] != sha256:
             raise CheckpointError(f"{file} has sha256 {actual['sha256'][:16]}..., its manifest says "
                                   f"{sha256[:16]}...: {advice}")

@@ -31,16 +31,12 @@ from __future__ import annotations
 import math
 
 from ..models import ModelConfig
-from .shapes import ModelShapes, Param, model_shapes
+from .shapes import ModelShapes, Param, _sharded, model_shapes
 
 
 def padded_shard(params: list[Param], ranks: int) -> int:
     """Values of one rank's FSDP2 shard of `params` over `ranks`, padded (ceil(rows / ranks) rows each)."""
-    total = 0
-    for p in params:
-        rows, rest = (p.shape[0], math.prod(p.shape[1:])) if p.shape else (1, 1)
-        total += math.ceil(rows / ranks) * rest
-    return total
+    return sum(_sharded(params, ranks, 0).values())  # rank 0 holds the padded size: ceil(rows / ranks) rows
 
 
 def other_ranks_per_token(config: ModelConfig, ep: int) -> tuple[float, int]:

@@ -63,7 +63,7 @@ def save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step: int, m
         "model.safetensors": lambda p: save_file(state, p, metadata={"format": "pt", "step": str(step)}),
         **_run_files(model, tokenizer, cfg, step, max_steps, generator, history, optimizer_state),
     }
-    _refuse_non_finite(state, out, step)
+    refuse_non_finite(first_non_finite(state), out, step)
     with saving(out):
         atomic_write_files(out, writers, step=step, manifest=True)
 
@@ -105,11 +105,21 @@ def saving(out: Path):
                               f"checkpoint there (if any) is intact") from e
 
 
-def _refuse_non_finite(weights: dict, out: Path, step: int) -> None:
-    for name, tensor in weights.items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise CheckpointError(f"not saving the checkpoint of step {step} to {out}: {name} holds NaN or "
-                                  f"infinite values; the previous checkpoint there (if any) is intact")
+def first_non_finite(state: dict) -> str | None:
+    """The name of the first floating-point tensor of `state` (this process's part of a sharded one)
+    holding a NaN or an infinity, else None."""
+    for name, t in state.items():
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            return name
+    return None
+
+
+def refuse_non_finite(name: str | None, out: Path, step: int) -> None:
+    """A checkpoint never holds a NaN or an infinity: CheckpointError naming the tensor `name` (None: none)."""
+    if name is not None:
+        raise CheckpointError(f"not saving the checkpoint of step {step} to {out}: {name} holds NaN or "
+                              f"infinite values; the previous checkpoint there (if any) is intact")
 
 
 def load_training_checkpoint(path, share: tuple[int, int] = (0, 1)) -> dict:

@@ -53,16 +53,6 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def first_non_finite(state: dict) -> str | None:
-    """The name of the first floating-point tensor of `state` (this process's parts) holding a NaN or an
-    infinity, else None."""
-    for name, t in state.items():
-        t = local(t)
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            return name
-    return None
-
-
 def state_to_save(model: nn.Module, optimizer_state: dict, step: int) -> dict:
     """The DCP state dict of a save: this process's model tensors, its optimizer states by parameter name
     (`optimizer_state`: {name: {state: tensor}}) and the step."""
@@ -113,9 +103,9 @@ def save_sharded(strategy, out: Path, tokenizer, cfg, step: int, max_steps: int 
     from torch.distributed.checkpoint import save as save_dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ..io import CheckpointError, commit_files, describe, shared_staging
+    from ..io import commit_files, describe, shared_staging
     from ..models.checkpoint import SHARDED
-    from .checkpoint import saving, sharded_run_files
+    from .checkpoint import first_non_finite, refuse_non_finite, saving, sharded_run_files
     from .optim import flat_names, group_names, named_state, portable_state
 
     model, optimizer = strategy.model, strategy.optimizer
@@ -123,10 +113,7 @@ def save_sharded(strategy, out: Path, tokenizer, cfg, step: int, max_steps: int 
     names = flat_names(group_names(model, optimizer))
     state = state_to_save(model, named_state(local_state, names)["state"], step)
     bad = strategy.gather(first_non_finite(state["model"]))
-    bad = strategy.share(next((b for b in bad if b), None) if strategy.is_main else None)
-    if bad:
-        raise CheckpointError(f"not saving the checkpoint of step {step} to {out}: {bad} holds NaN or infinite "
-                              f"values; the previous checkpoint there (if any) is intact")
+    refuse_non_finite(strategy.share(next((b for b in bad if b), None) if strategy.is_main else None), out, step)
     held = {}
 
     def begin() -> str:
