@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from .chunk import sub_chunk_size
+from .gates import sub_chunk_size
 
 OPS = ("linear_attn", "kda")  # the ops k3_cost counts, `chunk_<op>` in k3.ops
 

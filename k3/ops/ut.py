@@ -56,10 +56,9 @@ class BlockLower(NamedTuple):
             out[:, a * s:(a + 1) * s].add_(block @ X[:, :a * s], alpha=alpha)
         return out
 
-    def unit_solve(self, *rhs: torch.Tensor, column_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """T D X for T = (I + L)^-1 (L strictly lower: the UT transform), D = Diag(column_scale [P, C, 1])
-        (identity when None) and each X [P, C, d] of `rhs`, by the block-row recursion of the module
-        docstring."""
+    def unit_inverse(self) -> "BlockLower":
+        """T = (I + L)^-1 for this strictly lower L (the UT transform), as blocks, by the block-row
+        recursion of the module docstring."""
         P, m, s, _ = self.diag.shape
         eye = torch.eye(s, dtype=self.diag.dtype, device=self.diag.device).expand(P, m, s, s)
         # X (I + L_aa) = I gives the same inverse as (I + L_aa) X = I; on CPU the right-hand solve on a
@@ -71,16 +70,35 @@ class BlockLower(NamedTuple):
             above = inv[:, 0] if a == 1 else _stack_rows(
                 [inv[:, 0]] + [torch.cat([left, inv[:, i]], dim=-1) for i, left in enumerate(lefts, start=1)], a * s)
             lefts.append(flush_tiny(-inv[:, a] @ (flush_tiny(block) @ above)))
-        if column_scale is not None:  # T D: scale the columns of the small blocks, not the rows of X
-            inv = inv * column_scale.view(P, m, s, 1).transpose(-1, -2)
-            lefts = [left * column_scale[:, : a * s].transpose(-1, -2) for a, left in enumerate(lefts, start=1)]
+        return BlockLower(inv, lefts)
+
+    def scale_columns(self, x: torch.Tensor) -> "BlockLower":
+        """L Diag(x) for x [P, C, 1]."""
+        P, m, s, _ = self.diag.shape
+        return BlockLower(self.diag * x.view(P, m, s, 1).transpose(-1, -2),
+                          [b * x[:, : a * s].transpose(-1, -2) for a, b in enumerate(self.below, start=1)])
+
+    def matmul(self, *rhs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """L X for each X [P, C, d] of `rhs`, block row by block row."""
+        P, m, s, _ = self.diag.shape
         results = []
         for X in rhs:
             parts = X.split(s, dim=1)
-            out = [inv[:, 0] @ parts[0]]
-            out += [torch.baddbmm(inv[:, a] @ parts[a], left, X[:, : a * s]) for a, left in enumerate(lefts, start=1)]
+            out = [self.diag[:, 0] @ parts[0]]
+            out += [torch.baddbmm(self.diag[:, a] @ parts[a], left, X[:, : a * s])
+                    for a, left in enumerate(self.below, start=1)]
             results.append(out[0] if m == 1 else torch.cat(out, dim=1))
         return tuple(results)
+
+    def dense(self) -> torch.Tensor:
+        """The whole lower-triangular matrix [P, C, C], zeros above the diagonal blocks."""
+        P, m, s, _ = self.diag.shape
+        out = self.diag.new_zeros(P, m * s, m * s)
+        for a in range(m):
+            out[:, a * s:(a + 1) * s, a * s:(a + 1) * s] = self.diag[:, a]
+        for a, block in enumerate(self.below, start=1):
+            out[:, a * s:(a + 1) * s, : a * s] = block
+        return out
 
 
 def _stack_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:

@@ -1,0 +1,101 @@
+"""The chunkwise delta rule's backward, one slab of chunks at a time (fla's stages, unfused).
+
+The forward of a slab (`k3.ops.chunk`), per chunk, with Gamma = exp(G) the decays from the chunk start:
+
+    A_qk = q | k (incl.),  L = Diag(beta) (k | k) (strict),  T = (I + L)^-1     (`k3.ops.gates` scores)
+    W = T Diag(beta) (k * Gamma),   U0 = T Diag(beta) v                       (UT transform)
+    U_i = U0_i - W_i S_i,   S_{i+1} = Diag(exp G_C) S_i + (k * exp(G_C - G))^T U_i   (`k3.ops.scan`)
+    o = scale ((q * Gamma) S_i + A_qk U_i)
+
+Kept from the forward: the inputs, the slab's incoming state, A_qk and T. Recomputed here: W, U0, U
+and the chunk states. Then, with do the gradient of o and dS that of the slab's outgoing state:
+
+1. dU = scale A_qk^T do, and the scan in reverse (`state_scan_backward`) adds K_end dS_{i+1} and gives
+   dS_i = Diag(exp G_C) dS_{i+1} + scale (q * Gamma)^T do - W^T dU;
+2. the chunk-local products: d(q * Gamma) = scale do S^T, dW = -dU S^T, dA_qk = scale tril(do U^T),
+   d(k * exp(G_C - G)) = U dS_{i+1}^T, d exp(G_C) = sum_v S_i * dS_{i+1};
+3. the UT transform: dX = T^T dY for X = Diag(beta) (k * Gamma | v), Y = (W | U0), and
+   dL = -T^T (dY X^T) T^T below the diagonal;
+4. the gated scores' gradients (`k3.ops.gates`: dx = lower(dA, y), dy = upper(dA, x), dG = x dx - y dy),
+   and the decays' own: x * exp(G) gives dG += x exp(G) d(x exp(G)), and so on.
+dG is the gradient w.r.t. the cumulative gate G; autograd's cumsum backward takes it to g.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .gates import gate_of
+from .scan import state_scan, state_scan_backward
+
+
+def slab_backward(q, k, v, beta, G, S_start, A_qk, T, do, dS, scale: float):
+    """Gradients of one slab. q, k [n, M, C, K] (q not yet scaled); v, do [n, M, C, V]; beta [n, M, C, 1];
+    G None | [n, M, C, K|1]; S_start [M, K, V] the state before the slab; A_qk, T [n*M, C, C] as the
+    forward kept them; dS [M, K, V] w.r.t. the state after the slab.
+
+    Returns ((dq, dk, dv, dbeta, dG) in the inputs' layouts, dG None without a gate; dS w.r.t. S_start)."""
+    n, M, C, K = q.shape
+    V = v.shape[-1]
+    P = n * M
+    flat = lambda x: x.reshape(P, *x.shape[2:])  # noqa: E731
+    # do may come in with zero strides (the gradient of a sum), which batched matmuls handle one by one
+    q, k, v, beta, do = flat(q), flat(k), flat(v), flat(beta), flat(do).contiguous()
+    gate = gate_of(None if G is None else flat(G), C, q.dtype, q.device)
+
+    # recompute: the UT transform's results and the chunk states
+    Gamma, to_end = gate.start_factor(), gate.end_factor()  # exp(G), exp(G_C - G); None without a gate
+    rows = lambda x, f: x if f is None else x * f  # noqa: E731
+    q_start, k_start, k_end = rows(q, Gamma), rows(k, Gamma), rows(k, to_end)
+    decay_end = None if gate.decay_end is None else gate.decay_end.view(n, M, -1)
+    X_k, X_v = beta * k_start, beta * v
+    W, U0 = T @ X_k, T @ X_v
+    U, states = state_scan(W.view(n, M, C, K), U0.view(n, M, C, V).clone(),  # the scan overwrites U0 with U
+                           k_end.view(n, M, C, K), decay_end, S_start)
+    S_in = states[:-1].reshape(P, K, V)
+
+    # 1. the scan in reverse
+    dU = (A_qk.transpose(-1, -2) @ do).mul_(scale)
+    dS_direct = (q_start.transpose(-1, -2) @ do).mul_(scale)
+    dU, dS_next, dS = state_scan_backward(dU.view(n, M, C, V), dS_direct.view(n, M, K, V), W.view(n, M, C, K),
+                                          k_end.view(n, M, C, K), decay_end, dS)
+    dU, dS_next, U = dU.view(P, C, V), dS_next.view(P, K, V), U.view(P, C, V)
+
+    # 2. chunk-local products
+    S_in_T = S_in.transpose(-1, -2)
+    dq_start = (do @ S_in_T).mul_(scale)
+    dW = dU @ S_in_T  # minus the gradient w.r.t. W
+    dA_qk = (do @ U.transpose(-1, -2)).mul_(scale).tril_()
+    dk_end = U @ dS_next.transpose(-1, -2)
+
+    # 3. the UT transform; dL = -T^T (dY X^T) T^T = -(dX W^T + dX_v U0^T), as T X = Y
+    T_T = T.transpose(-1, -2)
+    dX_k, dX_v = T_T @ dW, T_T @ dU  # dX_k with a minus sign, as dW
+    dL = torch.baddbmm(dX_v @ U0.transpose(-1, -2), dX_k, W.transpose(-1, -2), alpha=-1.0).neg_().tril_(-1)
+    dv = beta * dX_v
+    dbeta = (dX_v * v).sum(-1, keepdim=True) - (dX_k * k_start).sum(-1, keepdim=True)
+
+    # 4. the gated scores A_qk = q | k and L = (beta k) | k, then the decayed rows:
+    # row terms (k as L's rows, k * Gamma) enter dG with +, column terms (k as columns, k_end) with -
+    dq = gate.lower(dA_qk, k)
+    dx_row = gate.lower(dL, k)
+    columns = gate.upper_sum((dA_qk, q), (dL, beta * k))
+    dbeta += (k * dx_row).sum(-1, keepdim=True)
+    if Gamma is None:
+        dq += dq_start
+        rows_k = torch.addcmul(beta * dx_row, beta, dX_k, value=-1.0)
+        columns += dk_end
+    else:
+        dq.addcmul_(Gamma, dq_start)
+        rows_k = torch.addcmul(beta * dx_row, beta * Gamma, dX_k, value=-1.0)
+        columns.addcmul_(to_end, dk_end)
+    dk = rows_k + columns
+    if G is None:
+        dG = None
+    else:
+        dG = torch.addcmul(q * dq, k, rows_k - columns)
+        # the chunk's last gate G_C also reaches every k_end row and exp(G_C)
+        dG[:, -1] += (k_end * dk_end).sum(-2) + (S_in * dS_next).sum(-1) * gate.decay_end
+        dG = gate.channel_sum(dG).view(n, M, C, -1)
+    shaped = lambda x, d: x.view(n, M, C, d)  # noqa: E731
+    return (shaped(dq, K), shaped(dk, K), shaped(dv, V), shaped(dbeta, 1), dG), dS
