@@ -34,10 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from .common import keep_causal, nonfinite_onwards
-from .gates import gate_of
+from .gates import gate_of, sub_chunk_size
 from .chunk_backward import slab_backward
 from .numerics import LOG_DECAY_FLOOR
 from .scan import state_scan
+from .ut import BlockLower
 
 SLAB_ELEMENTS = 1 << 18  # values per tensor in one slab of chunks
 
@@ -147,9 +148,12 @@ class ChunkDelta(torch.autograd.Function):
         dq, dk, dv, dbeta = (torch.empty_like(x) for x in (q, k, v, beta))
         dG = None if G is None else torch.empty_like(G)
         slabs = list(_slabs(n, ctx.per_slab, N, H))
+        m = C // sub_chunk_size(C)
+        per = 1 + 2 * m  # the state, then A_qk's blocks and T's
         for j in reversed(range(len(slabs))):
             part, slab, unslab = slabs[j]
-            S_start, A_qk, T = kept[3 * j: 3 * j + 3]
+            S_start, *blocks = kept[per * j: per * (j + 1)]
+            A_qk, T = BlockLower(blocks[0], blocks[1:m]), BlockLower(blocks[m], blocks[m + 1:])
             grads, dS = slab_backward(slab(q), slab(k), slab(v), slab(beta), None if G is None else slab(G),
                                       S_start, A_qk, T, slab(do), dS, ctx.scale)
             for out, grad in zip((dq, dk, dv, dbeta, dG), grads):
@@ -161,8 +165,8 @@ class ChunkDelta(torch.autograd.Function):
 def _chunk_slab(q, k, v, beta, G, S, scale: float, states_buffer=None, keep: list | None = None):
     """One slab of consecutive chunks. q, k [n, M, C, K] (q not yet scaled); v [n, M, C, V];
     beta [n, M, C, 1]; G None | [n, M, C, K|1] cumulative log decay within each chunk; S [M, K, V]
-    state before the slab. Returns o [n, M, C, V] and the state after the slab; appends A_qk and the
-    UT inverse T, dense [n*M, C, C], to `keep` when given."""
+    state before the slab. Returns o [n, M, C, V] and the state after the slab; appends the blocks of
+    A_qk and of the UT inverse T (`BlockLower` [n*M, C, C]) to `keep` when given."""
     n, M, C, K = q.shape
     V = v.shape[-1]
     flat = lambda x: x.reshape(n * M, *x.shape[2:])  # noqa: E731
@@ -177,7 +181,7 @@ def _chunk_slab(q, k, v, beta, G, S, scale: float, states_buffer=None, keep: lis
     W, U0 = T.scale_columns(beta).matmul(k_start, flat(v))
     W, U0 = W.view(n, M, C, K), U0.view(n, M, C, V)
     if keep is not None:
-        keep += [A_qk.dense(), T.dense()]
+        keep += [A_qk.diag, *A_qk.below, T.diag, *T.below]
 
     U, states = state_scan(W, U0, k_end.view(n, M, C, K), decay_end, S, states_buffer)
     # o = scale * ((Q * Gamma) S + A_qk U): the scale rides on the matmuls

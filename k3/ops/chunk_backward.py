@@ -27,12 +27,13 @@ import torch
 
 from .gates import gate_of
 from .scan import state_scan, state_scan_backward
+from .ut import BlockLower
 
 
 def slab_backward(q, k, v, beta, G, S_start, A_qk, T, do, dS, scale: float):
     """Gradients of one slab. q, k [n, M, C, K] (q not yet scaled); v, do [n, M, C, V]; beta [n, M, C, 1];
-    G None | [n, M, C, K|1]; S_start [M, K, V] the state before the slab; A_qk, T [n*M, C, C] as the
-    forward kept them; dS [M, K, V] w.r.t. the state after the slab.
+    G None | [n, M, C, K|1]; S_start [M, K, V] the state before the slab; A_qk, T `BlockLower` [n*M, C, C]
+    as the forward kept them; dS [M, K, V] w.r.t. the state after the slab.
 
     Returns ((dq, dk, dv, dbeta, dG) in the inputs' layouts, dG None without a gate; dS w.r.t. S_start)."""
     n, M, C, K = q.shape
@@ -43,19 +44,19 @@ def slab_backward(q, k, v, beta, G, S_start, A_qk, T, do, dS, scale: float):
     q, k, v, beta, do = flat(q), flat(k), flat(v), flat(beta), flat(do).contiguous()
     gate = gate_of(None if G is None else flat(G), C, q.dtype, q.device)
 
+    s = A_qk.diag.shape[-1]
     # recompute: the UT transform's results and the chunk states
     Gamma, to_end = gate.start_factor(), gate.end_factor()  # exp(G), exp(G_C - G); None without a gate
     rows = lambda x, f: x if f is None else x * f  # noqa: E731
     q_start, k_start, k_end = rows(q, Gamma), rows(k, Gamma), rows(k, to_end)
     decay_end = None if gate.decay_end is None else gate.decay_end.view(n, M, -1)
-    X_k, X_v = beta * k_start, beta * v
-    W, U0 = T @ X_k, T @ X_v
+    W, U0 = T.scale_columns(beta).matmul(k_start, v)
     U, states = state_scan(W.view(n, M, C, K), U0.view(n, M, C, V).clone(),  # the scan overwrites U0 with U
                            k_end.view(n, M, C, K), decay_end, S_start)
     S_in = states[:-1].reshape(P, K, V)
 
     # 1. the scan in reverse
-    dU = (A_qk.transpose(-1, -2) @ do).mul_(scale)
+    dU = A_qk.t_matmul(do)[0].mul_(scale)
     dS_direct = (q_start.transpose(-1, -2) @ do).mul_(scale)
     dU, dS_next, dS = state_scan_backward(dU.view(n, M, C, V), dS_direct.view(n, M, K, V), W.view(n, M, C, K),
                                           k_end.view(n, M, C, K), decay_end, dS)
@@ -65,20 +66,19 @@ def slab_backward(q, k, v, beta, G, S_start, A_qk, T, do, dS, scale: float):
     S_in_T = S_in.transpose(-1, -2)
     dq_start = (do @ S_in_T).mul_(scale)
     dW = dU @ S_in_T  # minus the gradient w.r.t. W
-    dA_qk = (do @ U.transpose(-1, -2)).mul_(scale).tril_()
+    dA_qk = BlockLower.outer(do, U, s).scale(scale)
     dk_end = U @ dS_next.transpose(-1, -2)
 
-    # 3. the UT transform; dL = -T^T (dY X^T) T^T = -(dX W^T + dX_v U0^T), as T X = Y
-    T_T = T.transpose(-1, -2)
-    dX_k, dX_v = T_T @ dW, T_T @ dU  # dX_k with a minus sign, as dW
-    dL = torch.baddbmm(dX_v @ U0.transpose(-1, -2), dX_k, W.transpose(-1, -2), alpha=-1.0).neg_().tril_(-1)
+    # 3. the UT transform, X = Diag(beta) (k * Gamma | v), Y = T X = (W | U0):
+    # dX = T^T dY, dL = -T^T (dY X^T) T^T = -dX Y^T below the diagonal
+    dX_k, dX_v = T.t_matmul(dW, dU)  # dX_k with a minus sign, as dW
+    dL = BlockLower.outer(dX_k, W, s, strict=True, minus=(dX_v, U0))
     dv = beta * dX_v
     dbeta = (dX_v * v).sum(-1, keepdim=True) - (dX_k * k_start).sum(-1, keepdim=True)
 
     # 4. the gated scores A_qk = q | k and L = (beta k) | k, then the decayed rows:
     # row terms (k as L's rows, k * Gamma) enter dG with +, column terms (k as columns, k_end) with -
-    dq = gate.lower(dA_qk, k)
-    dx_row = gate.lower(dL, k)
+    dq, dx_row = gate.lower([dA_qk, dL], k)
     columns = gate.upper_sum((dA_qk, q), (dL, beta * k))
     dbeta += (k * dx_row).sum(-1, keepdim=True)
     if Gamma is None:

@@ -53,6 +53,14 @@ def gate_of(G: torch.Tensor | None, C: int, dtype: torch.dtype, device) -> "NoGa
     return ChannelGate(G) if G.shape[-1] > 1 else HeadGate(G)
 
 
+def _sum(terms):
+    """The sum of an iterable of tensors, accumulated in place into the first."""
+    total = None
+    for term in terms:
+        total = term if total is None else total.add_(term)
+    return total
+
+
 class NoGate:
     """DeltaNet: no decay, every factor is 1."""
 
@@ -76,13 +84,13 @@ class NoGate:
         """exp(G_C - G), the decays to the chunk end (None: 1)."""
         return None
 
-    def lower(self, M, Y):
-        """sum_{i<=r} M_ri Y_i (M [P, C, C] lower triangular, Y [P, C, K])."""
-        return M @ Y
+    def lower(self, Ms, Y):
+        """sum_{i<=r} M_ri Y_i for each M of Ms (`BlockLower` [P, C, C]), Y [P, C, K]: a list."""
+        return [M.matmul(Y)[0] for M in Ms]
 
     def upper_sum(self, *pairs):
-        """sum over (M, X) of sum_{r>=i} M_ri X_r."""
-        return sum(M.transpose(-1, -2) @ X for M, X in pairs)
+        """sum over (M, X) of sum_{r>=i} M_ri X_r (M `BlockLower`, X [P, C, K])."""
+        return _sum(M.t_matmul(X)[0] for M, X in pairs)
 
     def channel_sum(self, x):
         """A gradient w.r.t. G in G's shape."""
@@ -113,11 +121,13 @@ class HeadGate(NoGate):
     def end_factor(self):
         return self.to_end
 
-    def lower(self, M, Y):
-        return (M * self.decay) @ Y
+    def lower(self, Ms, Y):
+        decay = BlockLower.split(self.decay, sub_chunk_size(self.C))
+        return [M.mul(decay).matmul(Y)[0] for M in Ms]
 
     def upper_sum(self, *pairs):
-        return sum((M * self.decay).transpose(-1, -2) @ X for M, X in pairs)
+        decay = BlockLower.split(self.decay, sub_chunk_size(self.C))
+        return _sum(M.mul(decay).t_matmul(X)[0] for M, X in pairs)
 
     def channel_sum(self, x):
         return x.sum(-1, keepdim=True)
@@ -221,43 +231,54 @@ class ChannelGate:
         P, _, s, K = base.shape
         return (base[:, :a] * self.cross[:, a, :a].unsqueeze(2)).reshape(P, a * s, K)
 
-    def lower(self, M: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
-        """sum_{i<=r} M_ri Y_ic exp(G_rc - G_ic) for M [P, C, C] lower triangular, Y [P, C, K]."""
+    def lower(self, Ms: list[BlockLower], Y: torch.Tensor) -> list[torch.Tensor]:
+        """sum_{i<=r} M_ri Y_ic exp(G_rc - G_ic) for each M of Ms (`BlockLower` [P, C, C]), Y [P, C, K]:
+        the Ms share every factor of Y."""
         P, C, K = Y.shape
-        s, m = self.s, self.m
-        blocks, Y_sub = BlockLower.split(M, s), self._sub(Y)
-        out = self.row * (blocks.diag @ (Y_sub * self.col))  # [P, m, s, K]
-        if self.unsafe is not None:
-            idx = self.unsafe
-            out = out.index_put(idx, torch.einsum("bri,bic,bric->brc", blocks.diag[idx], Y_sub[idx], self.pair))
+        m = self.m
+        Y_sub = self._sub(Y)
+        Y_col = Y_sub * self.col
+        cols = []
         if m > 1:
             base = Y_sub * self.to_end
-            for a, block in enumerate(blocks.below, start=1):
-                out[:, a] += self.from_ref[:, a] * (block @ self._cross_cols(base, a))
-        return out.view(P, C, K)
+            cols = [self._cross_cols(base, a) for a in range(1, m)]
+        outs = []
+        for M in Ms:
+            out = self.row * (M.diag @ Y_col)  # [P, m, s, K]
+            if self.unsafe is not None:
+                idx = self.unsafe
+                out = out.index_put(idx, torch.einsum("bri,bic,bric->brc", M.diag[idx], Y_sub[idx], self.pair))
+            for a, (block, col) in enumerate(zip(M.below, cols), start=1):
+                out[:, a].addcmul_(self.from_ref[:, a], block @ col)
+            outs.append(out.view(P, C, K))
+        return outs
 
-    def upper_sum(self, *pairs) -> torch.Tensor:
-        """sum over (M, X) of sum_{r>=i} M_ri X_rc exp(G_rc - G_ic), each M [P, C, C] lower triangular,
-        X [P, C, K]: the pairs share every decay factor, so they are summed inside each block product."""
+    def upper_sum(self, *pairs: tuple[BlockLower, torch.Tensor]) -> torch.Tensor:
+        """sum over (M, X) of sum_{r>=i} M_ri X_rc exp(G_rc - G_ic), each M a `BlockLower` [P, C, C], X
+        [P, C, K]: the pairs share every decay factor, so their block products are summed first."""
         P, C, K = pairs[0][1].shape
         s, m = self.s, self.m
-        splits = [(BlockLower.split(M, s), self._sub(X)) for M, X in pairs]
-        # [M_1^T | M_2^T ...] @ [X_1; X_2 ...] per diagonal block
-        diag_T = torch.cat([blocks.diag.transpose(-1, -2) for blocks, _ in splits], dim=-1)
-        out = self.col * (diag_T @ torch.cat([X_sub * self.row for _, X_sub in splits], dim=-2))
+        subs = [self._sub(X) for _, X in pairs]
+        out = None
+        for (M, _), X_sub in zip(pairs, subs):
+            term = M.diag.transpose(-1, -2) @ (X_sub * self.row)
+            out = term if out is None else out.add_(term)
+        out.mul_(self.col)
         if self.unsafe is not None:
             idx = self.unsafe
-            out = out.index_put(idx, sum(torch.einsum("bri,brc,bric->bic", blocks.diag[idx], X_sub[idx], self.pair)
-                                         for blocks, X_sub in splits))
+            out = out.index_put(idx, _sum(torch.einsum("bri,brc,bric->bic", M.diag[idx], X_sub[idx], self.pair)
+                                          for (M, _), X_sub in zip(pairs, subs)))
         if m > 1:
-            X_off = [X_sub * self.from_ref for _, X_sub in splits]
-            below = torch.zeros_like(out)
+            X_off = [X_sub[:, 1:] * self.from_ref[:, 1:] for X_sub in subs]  # x_r exp(G_r - G_ref(a)), a >= 1
+            below = torch.zeros_like(out[:, :-1])
             for a in range(1, m):
                 # row block a reaches the sub-chunks before it through exp(G_ref(a) - G_end(b))
-                block_T = torch.cat([blocks.below[a - 1].transpose(-1, -2) for blocks, _ in splits], dim=-1)
-                reached = block_T @ torch.cat([x[:, a] for x in X_off], dim=-2)
-                below[:, :a] += reached.view(P, a, s, K) * self.cross[:, a, :a].unsqueeze(2)
-            out = out + below * self.to_end
+                reached = None
+                for (M, _), x in zip(pairs, X_off):
+                    term = M.below[a - 1].transpose(-1, -2) @ x[:, a - 1]
+                    reached = term if reached is None else reached.add_(term)
+                below[:, :a].addcmul_(reached.view(P, a, s, K), self.cross[:, a, :a].unsqueeze(2))
+            out[:, :-1].addcmul_(below, self.to_end[:, :-1])
         return out.view(P, C, K)
 
     def channel_sum(self, x):

@@ -90,6 +90,50 @@ class BlockLower(NamedTuple):
             results.append(out[0] if m == 1 else torch.cat(out, dim=1))
         return tuple(results)
 
+    def t_matmul(self, *rhs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """L^T X for each X [P, C, d] of `rhs`, block column by block column."""
+        P, m, s, _ = self.diag.shape
+        results = []
+        for X in rhs:
+            d = X.shape[-1]
+            out = self.diag.transpose(-1, -2) @ X.view(P, m, s, d)  # [P, m, s, d]
+            for a, block in enumerate(self.below, start=1):
+                out[:, :a] += (block.transpose(-1, -2) @ X[:, a * s:(a + 1) * s]).view(P, a, s, d)
+            results.append(out.view(P, m * s, d))
+        return tuple(results)
+
+    @staticmethod
+    def outer(A: torch.Tensor, B: torch.Tensor, s: int, strict: bool = False,
+              minus: tuple[torch.Tensor, torch.Tensor] | None = None) -> "BlockLower":
+        """The lower triangle of A B^T (A, B [P, C, d]; without the diagonal if `strict`), minus that of
+        A2 B2^T for minus = (A2, B2), as blocks of s rows and columns."""
+        P, C, d = A.shape
+        m = C // s
+
+        def product(X, Y, rows, cols):
+            out = X[:, rows] @ Y[:, cols].transpose(-1, -2)
+            return out if minus is None else out.baddbmm_(minus[0][:, rows], minus[1][:, cols].transpose(-1, -2),
+                                                            alpha=-1.0)
+
+        diag = A.view(P * m, s, d) @ B.view(P * m, s, d).transpose(-1, -2)
+        if minus is not None:
+            d2 = minus[0].shape[-1]
+            diag.baddbmm_(minus[0].reshape(P * m, s, d2), minus[1].reshape(P * m, s, d2).transpose(-1, -2), alpha=-1.0)
+        diag = diag.view(P, m, s, s).tril_(-1 if strict else 0)
+        below = [product(A, B, slice(a * s, (a + 1) * s), slice(0, a * s)) for a in range(1, m)]
+        return BlockLower(diag, below)
+
+    def mul(self, other: "BlockLower") -> "BlockLower":
+        """The elementwise product with another lower matrix of the same blocks."""
+        return BlockLower(self.diag * other.diag, [a * b for a, b in zip(self.below, other.below)])
+
+    def scale(self, x: float) -> "BlockLower":
+        """x L, in place."""
+        self.diag.mul_(x)
+        for block in self.below:
+            block.mul_(x)
+        return self
+
     def dense(self) -> torch.Tensor:
         """The whole lower-triangular matrix [P, C, C], zeros above the diagonal blocks."""
         P, m, s, _ = self.diag.shape
