@@ -5,6 +5,9 @@
 The KV cache grows by 2 * H * D values per token per layer: the O(T) memory the linear family avoids.
 It keeps them in buffers with spare room (`k3.layers.cache.SequenceCache`), so a decode step writes one
 row rather than copying the cache.
+
+In a training step with QK-Clip on, each head's largest logit q . k / sqrt(D) is recorded as well
+(`max_logits` [H], k3.layers.max_logit; nothing at inference): k3.training.qk_clip bounds it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from ..ops.attention import causal_attention
 from .cache import SequenceCache, SequenceField
 from .checks import check_mixer_input
 from .init import init_linear
+from .max_logit import record_max_logits
 
 
 class KVCache(SequenceCache):
@@ -30,6 +34,9 @@ class KVCache(SequenceCache):
 
 class MultiHeadAttention(nn.Module):
     """Causal multi-head softmax attention with GPT-2's parameter names (c_attn, c_proj)."""
+
+    record_max_logits = False  # set by k3.training.qk_clip for its training steps
+    max_logits: torch.Tensor | None = None  # [H]: the largest logit of each head since it was cleared
 
     def __init__(self, hidden_size: int, num_heads: int):
         super().__init__()
@@ -52,8 +59,10 @@ class MultiHeadAttention(nn.Module):
         B, T, _ = x.shape
         q, k, v = self.c_attn(x).view(B, T, 3, self.num_heads, -1).unbind(2)  # [B, T, H, D] each
         if cache is None:
+            record_max_logits(self, q, k, q.shape[-1] ** -0.5)  # (a training step's, for QK-Clip)
             o, _ = attention(q, k, v)
         else:  # the cache's rows and this call's, then the last T positions attend over them
             k_all, v_all = cache.append(k=k, v=v)
+            record_max_logits(self, q, k_all, q.shape[-1] ** -0.5, cache.pad)
             o = causal_attention(q, k_all, v_all, scale=q.shape[-1] ** -0.5, start=cache.pad)
         return self.c_proj(o.reshape(B, T, self.hidden_size))

@@ -7,6 +7,9 @@
     o            = softmax(q key^T / sqrt(dn + dr), causal) v
     gated MLA:   o <- o * sigmoid(g_proj(x))   (Kimi K3), then y = o_proj(o)
 
+In a training step with QK-Clip on, each head's largest logit scale * q . key is recorded as well
+(`max_logits` [H], k3.layers.max_logit; nothing at inference): k3.training.qk_clip bounds it.
+
 The cache holds only the latent c and k_pe: r + dr values per token per layer (512 + 64 = 576 at K3
 size), instead of H * (dn + dr + dv) for a plain KV cache. Decoding can "absorb" kv_b into the query and
 the output: q_nope . (W_uk c) = (W_uk^T q_nope) . c and sum_s p_s W_uv c_s = W_uv (sum_s p_s c_s), so
@@ -24,6 +27,7 @@ from ..ops.common import cast
 from .cache import SequenceCache, SequenceField
 from .checks import check_mixer_input
 from .init import init_linear
+from .max_logit import record_max_logits
 from .norm import RMSNorm, upcast
 
 OUTPUT_GATES = (None, "full")
@@ -57,6 +61,9 @@ class MultiHeadLatentAttention(nn.Module):
     """MLA with optional query LoRA, optional RoPE on the shared key part, and an optional sigmoid
     output gate (gated MLA: `output_gate="full"`, a full-rank g_proj as the linear family's "full").
     Parameter names follow the Kimi Linear / DeepSeek checkpoints."""
+
+    record_max_logits = False  # set by k3.training.qk_clip for its training steps
+    max_logits: torch.Tensor | None = None  # [H]: the largest logit of each head since it was cleared
 
     def __init__(self, hidden_size: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, output_gate: str | None = None,
@@ -134,6 +141,7 @@ class MultiHeadLatentAttention(nn.Module):
         kv = self.kv_b_proj(c_all).view(B, S, self.num_heads, self.dn + self.dv)
         k_nope, v = torch.split(kv, [self.dn, self.dv], dim=-1)
         k = torch.cat([k_nope, k_pe_all.unsqueeze(2).expand(B, S, self.num_heads, self.dr)], dim=-1)
+        record_max_logits(self, q, k, self.scale, pad)  # (a training step's, for QK-Clip)
         return causal_attention(q, k, v, self.scale, start=pad)  # [B, T, H, dv]
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
