@@ -128,7 +128,7 @@ def _train_config(args):
 
 
 _ASKED_BY_NAME = ("device", "precision", "grad_accum", "log", "final_eval_tokens", "optimizer", "max_steps",
-                  "recompute", "ep")
+                  "recompute", "ep", "qk_clip")
 
 
 def _train(args) -> int:

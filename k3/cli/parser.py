@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="decoupled weight decay of the matrices (norms, biases and gate parameters: none)")
     train.add_argument("--grad-clip", type=_number(0, "a gradient norm", above=True), default=1.0,
                        help="clip the gradient norm to this")
+    train.add_argument("--qk-clip", type=_number(0, "a logit bound (0: off)"), metavar="TAU",
+                       help="QK-Clip (MuonClip's): after each step, scale down the query and key weights of every "
+                            "attention head whose largest logit went above TAU, to TAU (default 100 with Muon, off "
+                            "with adamw; 0 turns it off)")
     train.add_argument("--max-steps", type=_count(1, "training steps"),
                        help="training steps (default 1000 unless --time-budget; not with --time-budget)")
     train.add_argument("--time-budget", type=_number(0, "minutes", above=True), metavar="MIN",

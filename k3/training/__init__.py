@@ -4,9 +4,9 @@ parallelism.
 
 The modules, each below the next: config (TrainConfig), muon (Muon on the matrices + AdamW), optim (the
 optimizer and the learning-rate schedule), data (corpus, tokenizer, token streams), objective (the loss
-and bits per byte), checkpoint, strategy (the training step; SingleProcess), parallel (ddp / fsdp / ep
-applied to a model) and distributed (the torchrun strategy), metrics (metrics.jsonl, TensorBoard,
-wandb), loop (`train`).
+and bits per byte), checkpoint, qk_clip (MuonClip's bound on the attention logits, after each step),
+strategy (the training step; SingleProcess), parallel (ddp / fsdp / ep applied to a model) and
+distributed (the torchrun strategy), metrics (metrics.jsonl, TensorBoard, wandb), loop (`train`).
 """
 
 from .config import TrainConfig

@@ -18,6 +18,7 @@ from ..models.params import refuse_if_too_big
 
 DEFAULT_MAX_STEPS = 1000  # without a time budget
 WARMUP_FRACTION, MAX_WARMUP_STEPS = 0.05, 50  # the default warm-up: 50 steps of a 1,000-step run, 2 of 30
+QK_CLIP_TAU = 100.0  # QK-Clip's logit bound with Muon (Kimi K2's tau; k3.training.qk_clip)
 TRAINING_BYTES_PER_PARAMETER = 16  # float32 weights, gradients and AdamW's two moments (activations aside)
 
 
@@ -44,6 +45,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
+    qk_clip: float | None = None  # QK-Clip's tau (k3.training.qk_clip); 0: off; None: 100 with Muon, off with AdamW
     moe_bias_rate: float = 1e-3
     max_steps: int | None = None  # training steps; DEFAULT_MAX_STEPS unless time_budget gives the run's length
     time_budget: float | None = None  # minutes; fixes max_steps after calibration_steps
@@ -94,14 +96,23 @@ class TrainConfig:
 
 def saved_train_config(fields: dict) -> TrainConfig:
     """The TrainConfig a checkpoint's config.json recorded; one saved before the `optimizer` field
-    existed trained with AdamW. A `vocab_size` among the model overrides of an older checkpoint never
-    took effect (the tokenizer's vocabulary replaced it) and is dropped, and so is a `time_budget` saved
-beside a `max_steps` (older code ran the steps)."""
+    existed trained with AdamW, and one saved before `qk_clip` existed without QK-Clip. A `vocab_size`
+    among the model overrides of an older checkpoint never took effect (the tokenizer's vocabulary
+    replaced it) and is dropped, and so is a `time_budget` saved beside a `max_steps` (older code ran
+    the steps)."""
     overrides = {k: v for k, v in fields.get("model_overrides", {}).items() if k != "vocab_size"}
-    fields = {"optimizer": "adamw", **fields, "model_overrides": overrides}
+    fields = {"optimizer": "adamw", "qk_clip": 0.0, **fields, "model_overrides": overrides}
     if fields.get("max_steps") is not None and fields.get("time_budget") is not None:
         fields["time_budget"] = None  # both saved by older code, which then ran `max_steps`
     return TrainConfig(**fields)
+
+
+def qk_clip_threshold(cfg: TrainConfig) -> float:
+    """The run's QK-Clip threshold tau (0.0: off): `cfg.qk_clip`, or by default QK_CLIP_TAU with Muon
+    (MuonClip, as Kimi K2 trains) and off with AdamW."""
+    if cfg.qk_clip is not None:
+        return float(cfg.qk_clip)
+    return QK_CLIP_TAU if cfg.optimizer == "muon" else 0.0
 
 
 def model_config(cfg: TrainConfig, vocab_size: int, share: float = 1.0) -> ModelConfig:
@@ -146,6 +157,7 @@ _RULES = {  # field: (check, what it expects)
     "wsd_decay_fraction": (_in(0, 1), "a number in [0, 1]"),
     "weight_decay": (_in(0), "a finite number >= 0"),
     "grad_clip": (_in(0, low_open=True), "a finite number > 0"),
+    "qk_clip": (_in(0, none=True), "a finite number >= 0 (0: off), or None (100 with Muon, off with AdamW)"),
     "moe_bias_rate": (_in(0), "a finite number >= 0"),
     "max_steps": (_count(1, none=True), "an integer >= 1 (or None with a `time_budget`)"),
     "time_budget": (_in(0, low_open=True, none=True), "a finite number of minutes > 0, or None"),

@@ -17,7 +17,9 @@ How each mode splits the model is k3.training.parallel's (`parallelize`); what t
   gradient already sums all ranks' tokens on its owner and is divided by N. The gradient norm for
   clipping adds the experts' squared norms over the ranks.
 
-The MoE balancing update uses the load summed over ranks, as the single process sees it. Checkpoints
+The MoE balancing update uses the load summed over ranks, as the single process sees it; QK-Clip
+(k3.training.qk_clip) takes each attention head's largest logit over ranks (MAX), so every rank scales
+the same heads by the same factors (under fsdp, each its own rows of the sharded weights). Checkpoints
 are the single-process ones (full tensors; the optimizer state in torch's own numbering), gathered to
 rank 0 and written by it while the others wait for the outcome: a run resumes at any world size and
 in any mode. On CPUs the processes talk through gloo; with CUDA, through NCCL, one GPU per process
@@ -231,6 +233,12 @@ class Distributed(SingleProcess):
             if part:
                 torch.nn.utils.clip_grads_with_norm_(part, max_norm, norm)
         return norm
+
+    def max_over_processes(self, values: torch.Tensor) -> torch.Tensor:
+        """Each head's largest logit over all ranks (a MAX all-reduce): every rank clips alike."""
+        values = values.to(self.device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return values
 
     # -- evaluation's hooks ---------------------------------------------------------------------------
     def local_windows(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

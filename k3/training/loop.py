@@ -11,7 +11,7 @@ and stored in the checkpoint, so a resumed run follows the same schedule.
 Each step appends a line to `metrics.jsonl` in the output folder (k3.training.metrics), and to
 TensorBoard or wandb with `log`. `device` picks where the run trains, `precision` "bf16" runs the
 forward passes under bfloat16 autocast, `grad_accum` takes each step in micro-batches
-(k3.training.strategy).
+(k3.training.strategy), `qk_clip` bounds the attention logits after each step (k3.training.qk_clip).
 
 `train` reads the same on one process and under torchrun: what differs between them (which slice
 of the batch a process takes, how gradients and losses are summed, who writes the checkpoint) is the
@@ -35,7 +35,7 @@ import torch
 from ..models.checkpoint import load_into
 from ..runtime import machine_speed_words
 from .checkpoint import claim_output, load_training_checkpoint
-from .config import TrainConfig, model_config
+from .config import TrainConfig, model_config, qk_clip_threshold
 from .distributed import start
 from .metrics import MetricsLog, check_logger
 from .optim import learning_rate, warmup_steps
@@ -228,6 +228,8 @@ def _loop(cfg: TrainConfig, strategy, data, tokenizer, generator: torch.Generato
                 record = {"step": step, "loss": loss, "lr": lr,
                           "tokens_per_s": windows[:, 1:].numel() / max(step_seconds, 1e-9),
                           "grad_norm": strategy.grad_norm}
+                if qk_clip_threshold(cfg) > 0:  # QK-Clip's figures: the step's largest logit, the heads it scaled
+                    record.update(max_logit=strategy.max_logit, qk_clipped_heads=strategy.qk_clipped_heads)
                 if step % cfg.eval_every == 0 or step == max_steps:
                     bpb = strategy.evaluate(data, val_windows)
                     history["val_step"].append(step)
@@ -350,8 +352,8 @@ def _resume_overrides(requested: TrainConfig, saved: TrainConfig, asked: tuple[s
             continue
         if f.name in RESUME_ADJUSTABLE:
             changes[f.name] = value
-        elif not _same_setting(f.name, value, getattr(saved, f.name)):
-            conflicts.append(f"`{f.name}` {value!r} (the checkpoint's: {getattr(saved, f.name)!r})")
+        elif not _same_setting(f.name, value, _effective(saved, f.name)):
+            conflicts.append(f"`{f.name}` {value!r} (the checkpoint's: {_effective(saved, f.name)!r})")
     if conflicts:
         raise ValueError(f"--resume: {'; '.join(conflicts)}: a resumed run keeps its checkpoint's settings except "
                          f"{', '.join(RESUME_ADJUSTABLE)}; drop the others to resume, or train a new run with "
@@ -363,6 +365,11 @@ def _resume_overrides(requested: TrainConfig, saved: TrainConfig, asked: tuple[s
 
 RESUME_ADJUSTABLE = ("max_steps", "eval_every", "eval_tokens", "final_eval_tokens", "checkpoint_every", "threads",
                      "out", "compile", "device", "precision", "log", "recompute", "ep")
+
+
+def _effective(cfg: TrainConfig, name: str):
+    """The setting `name` of `cfg` as the run applies it (`qk_clip` None: its optimizer's default)."""
+    return qk_clip_threshold(cfg) if name == "qk_clip" else getattr(cfg, name)
 
 
 def _same_setting(name: str, a, b) -> bool:

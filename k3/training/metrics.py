@@ -7,8 +7,11 @@ metrics.jsonl holds one JSON object a line, one line per optimizer step:
 with "val_bpb" (validation bits per byte) on the steps that evaluate, and a last line
 {"step": N, "final_val_bpb": ..., "final_eval_tokens": n} after the final evaluation. "tokens_per_s" is
 the step's own speed (its tokens over its seconds, evaluations apart); "grad_norm" the total gradient
-norm before clipping. Each line is written whole and flushed as its step ends, so `tail -f` follows
-the run and a kill loses at most the line being written.
+norm before clipping. With QK-Clip on (k3.training.qk_clip) a step also has "max_logit", the largest
+pre-softmax attention logit of the step over every head and layer (before the clip; null in a model
+without softmax attention), and "qk_clipped_heads", how many heads the clip scaled down. Each line is
+written whole and flushed as its step ends, so `tail -f` follows the run and a kill loses at most the
+line being written.
 
 A resumed run continues the log of the checkpoint it resumes (never truncating it): its lines up to
 the checkpoint's step are kept, and lines of later steps, which the checkpoint does not hold and the

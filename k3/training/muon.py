@@ -18,8 +18,8 @@ Newton-Schulz runs batched: the matrices of one shape (the MoE layers' experts, 
 calls of at most STACK_VALUES values each (so its workspace is bounded, whatever the model), in bfloat16
 on GPUs (as Keller Jordan's reference does), in float32 on CPUs. Sharded matrices
 (FSDP's DTensors) are gathered whole for it, and each rank keeps its shard of the update. QK-Clip
-(MuonClip's guard on attention logits at scale) is not applied: at the sizes k3 trains on a CPU the
-logits stay small.
+(MuonClip's guard on attention logits at scale) runs after the step, outside the optimizer:
+k3.training.qk_clip.
 
 Measured (`make demo`'s run on an emulated ~80 GFLOP/s machine, two 1-thread 10-minute runs side by
 side): 2.004 bits per byte against AdamW's 2.075, although Newton-Schulz makes each step ~10% slower.

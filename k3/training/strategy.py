@@ -14,12 +14,15 @@ the batch is N micro-batches whose gradients add up before the one optimizer ste
 mean loss is divided by N (every micro-batch has the same number of tokens, so the sum is the mean
 over the whole batch), their expert loads are summed, and the MoE bias update, the clipping and the
 step happen once. With `precision` "bf16" the forward passes run under torch.autocast in bfloat16
-over the float32 weights; the backward, the AdamW states and the update stay float32.
+over the float32 weights; the backward, the AdamW states and the update stay float32. With QK-Clip
+on (`qk_clip`, by default with Muon) the attention layers record their heads' largest logits in the
+step's forwards and, after the optimizer step, the heads above tau are scaled down (k3.training.qk_clip).
 
 The hooks are which slice of the batch this process takes (`local_batch`, `local_windows`), how the
 loss, the expert loads and the validation sums are summed over processes (`sum_over_processes`,
 `sum_totals`), and how gradients are synchronised and clipped (`accumulating`,
-`synchronize_gradients`, `clip_gradients`).
+`synchronize_gradients`, `clip_gradients`), and how the heads' largest logits are taken over processes
+(`max_over_processes`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from ..models import CausalLM
 from ..runtime import cxx_compiler, resolve_device
 from ..tokenizer import Tokenizer
 from .checkpoint import save_training_checkpoint
-from .config import TrainConfig
+from . import qk_clip
+from .config import TrainConfig, qk_clip_threshold
 from .data import TokenData, prepare
 from .objective import next_token_loss, per_byte, summed_loss
 from .optim import build_optimizer, flat_names, group_names, load_keeping_implementation, numbered_state
@@ -64,6 +68,8 @@ class SingleProcess:
         self.optimizer: torch.optim.Optimizer | None = None
         self.precision = "fp32"
         self.grad_norm: float | None = None  # the last step's gradient norm before clipping
+        self.max_logit: float | None = None  # the last step's largest attention logit (QK-Clip on)
+        self.qk_clipped_heads: int | None = None  # ... and the heads QK-Clip scaled down after it
 
     def describe(self) -> str:
         """How the run is split, for the opening message ("" on one process)."""
@@ -105,7 +111,7 @@ class SingleProcess:
     # -- the training step ----------------------------------------------------------------------------
     def step(self, windows: torch.Tensor, cfg: TrainConfig) -> float:
         """One AdamW step on the global batch `windows` [B, T + 1] (clipped gradients), taken as
-        `cfg.grad_accum` equal micro-batches, then the MoE bias update. Returns the batch's loss. A
+        `cfg.grad_accum` equal micro-batches, then QK-Clip and the MoE bias update. Returns the batch's loss. A
         non-finite loss or gradient norm raises NonFiniteLossError before the weights change (on every
         process alike: both are global)."""
         parts = windows.chunk(cfg.grad_accum)
@@ -113,6 +119,8 @@ class SingleProcess:
             raise ValueError(f"a batch of {windows.shape[0]} windows does not split into grad_accum = "
                              f"{cfg.grad_accum} equal micro-batches")
         self.optimizer.zero_grad(set_to_none=True)
+        tau = qk_clip_threshold(cfg)
+        attention = qk_clip.begin_step(self.model, tau)
         moes = self.model.moe_layers()
         global_loss, loads = 0.0, [0] * len(moes)
         for i, part in enumerate(parts):
@@ -131,6 +139,8 @@ class SingleProcess:
         if norm is not None and not math.isfinite(self.grad_norm):
             raise NonFiniteLossError(f"the gradient norm is {self.grad_norm} (the loss is {global_loss:.4f})")
         self.optimizer.step()
+        if tau > 0:
+            self.max_logit, self.qk_clipped_heads = qk_clip.clip(attention, tau, self.max_over_processes)
         for moe, load in zip(moes, loads):
             moe.update_bias(load, rate=cfg.moe_bias_rate)
         return global_loss
@@ -154,6 +164,10 @@ class SingleProcess:
         """Hook: scale the gradients to a total norm of at most `max_norm`; returns the norm before
         clipping (None: not known here)."""
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def max_over_processes(self, values: torch.Tensor) -> torch.Tensor:
+        """Hook: `values` (every attention head's largest logit this step) maximised over processes."""
+        return values
 
     # -- evaluation -----------------------------------------------------------------------------------
     def evaluate(self, data: TokenData, windows: torch.Tensor) -> float:
@@ -229,8 +243,8 @@ class SingleProcess:
 
 
 def training_step(model: CausalLM, optimizer: torch.optim.Optimizer, windows: torch.Tensor, cfg: TrainConfig) -> float:
-    """One AdamW step of `model` on a batch of windows [B, T + 1] (clipped gradients), then the MoE bias
-    update: `SingleProcess.step` with a model and optimizer of the caller's, on the model's device, in
+    """One AdamW step of `model` on a batch of windows [B, T + 1] (clipped gradients), then QK-Clip and the
+    MoE bias update: `SingleProcess.step` with a model and optimizer of the caller's, on the model's device, in
     `cfg.precision`, in `cfg.grad_accum` micro-batches. Returns the loss."""
     strategy = SingleProcess("cpu")
     strategy.device = next(model.parameters()).device

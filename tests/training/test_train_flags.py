@@ -112,7 +112,7 @@ def test_metrics_log_has_every_step_and_continues_on_resume(corpus, tmp_path, ca
     assert "on cpu (--device auto: CUDA, else MPS, else the CPU)" in header and "float32, 1 CPU thread;" in header
     first = read_metrics(out / METRICS_FILE)
     assert [r["step"] for r in first] == [1, 2, 2]
-    assert set(first[0]) == {"step", "loss", "lr", "tokens_per_s", "grad_norm"}
+    assert set(first[0]) == {"step", "loss", "lr", "tokens_per_s", "grad_norm", "max_logit", "qk_clipped_heads"}
     assert set(first[1]) == set(first[0]) | {"val_bpb"} and set(first[2]) == {"step", "final_val_bpb",
                                                                               "final_eval_tokens"}
     assert first[0]["lr"] == pytest.approx(LR) and first[0]["grad_norm"] > 0 and first[0]["tokens_per_s"] > 0
