@@ -30,6 +30,9 @@ entries are flushed to zero (see `k3.ops.numerics`).
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -41,6 +44,21 @@ from .scan import state_scan
 from .ut import BlockLower
 
 SLAB_ELEMENTS = 1 << 18  # values per tensor in one slab of chunks
+
+_autograd_through_forward = threading.local()
+
+
+@contextlib.contextmanager
+def autograd_through_forward():
+    """Within this context (this thread), the chunk forms leave their backward to autograd through the
+    forward's ops instead of `ChunkDelta`'s: the reference `k3 bench backward` and the tests measure
+    the own backward against."""
+    before = getattr(_autograd_through_forward, "on", False)
+    _autograd_through_forward.on = True
+    try:
+        yield
+    finally:
+        _autograd_through_forward.on = before
 
 
 def chunk_delta(q, k, v, beta, *, g=None, initial_state=None, scale: float, chunk_size: int):
@@ -86,7 +104,10 @@ def _chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int):
     # [slab chunks, N*H, C, d] only there: temporaries stay cache-sized and memory flat in T.
     per_slab = max(1, SLAB_ELEMENTS // (M * C * max(K, V)))
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, beta, G, S0)):
-        o, S = ChunkDelta.apply(q, k, v, beta, G, S0, scale, per_slab)
+        if getattr(_autograd_through_forward, "on", False):
+            o, S = _chunk_forward(q, k, v, beta, G, S0, scale, per_slab)
+        else:
+            o, S = ChunkDelta.apply(q, k, v, beta, G, S0, scale, per_slab)
     else:
         o = q.new_empty(N, n, C, H, V)  # allocated outside inference mode: an ordinary tensor for the caller
         with torch.inference_mode():
@@ -116,9 +137,10 @@ def _chunk_forward(q, k, v, beta, G, S0, scale: float, per_slab: int, saved: lis
     o = q.new_empty(N, n, C, H, V) if out is None else out
     buffer = q.new_empty(min(per_slab, n) + 1, N * H, K, V)
     for part, slab, unslab in _slabs(n, per_slab, N, H):
-        keep = None if saved is None else [S.clone()]
-        o_part, S = _chunk_slab(slab(q), slab(k), slab(v), slab(beta), None if G is None else slab(G), S,
-                                scale, buffer, keep)
+        inputs = [slab(x) for x in (q, k, v, beta)] + ([] if G is None else [slab(G)])
+        # the backward keeps the slab's inputs in its own layout, so that it need not lay them out again
+        keep = None if saved is None else list(inputs)
+        o_part, S = _chunk_slab(*inputs[:4], None if G is None else inputs[4], S, scale, buffer, keep)
         o[:, part] = unslab(o_part)
         if saved is not None:
             saved.append(keep)
@@ -127,8 +149,8 @@ def _chunk_forward(q, k, v, beta, G, S0, scale: float, per_slab: int, saved: lis
 
 class ChunkDelta(torch.autograd.Function):
     """The chunkwise delta rule with its own backward (`k3.ops.chunk_backward`), fla's split: the
-    forward keeps only its inputs and, per slab, the incoming state and the two C x C matrices of
-    each chunk (A_qk and the UT inverse T); the backward recomputes W, U and the chunk states from
+    forward keeps only its inputs (per slab, in the slab's layout), the two C x C matrices of each chunk
+    (A_qk and the UT inverse T) and the state entering each chunk; the backward recomputes W and U from
     them, then runs the chunks in reverse. Autograd through the forward would keep every
     intermediate of every chunk and replay hundreds of small ops."""
 
@@ -136,26 +158,31 @@ class ChunkDelta(torch.autograd.Function):
     def forward(ctx, q, k, v, beta, G, S0, scale: float, per_slab: int):
         saved: list = []
         o, S = _chunk_forward(q, k, v, beta, G, S0, scale, per_slab, saved)
-        ctx.save_for_backward(q, k, v, beta, G, *(x for keep in saved for x in keep))
+        ctx.save_for_backward(*(x for keep in saved for x in keep))
         ctx.scale, ctx.per_slab, ctx.S0_shape = scale, per_slab, None if S0 is None else S0.shape
+        ctx.shapes, ctx.gated = (q.shape, v.shape, beta.shape, None if G is None else G.shape), G is not None
         return o, S.clone()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dS):
-        q, k, v, beta, G, *kept = ctx.saved_tensors
-        N, n, C, H, K = q.shape
-        dq, dk, dv, dbeta = (torch.empty_like(x) for x in (q, k, v, beta))
-        dG = None if G is None else torch.empty_like(G)
+        kept = ctx.saved_tensors
+        qk_shape, v_shape, beta_shape, G_shape = ctx.shapes
+        N, n, C, H, K = qk_shape
+        new = lambda shape: do.new_empty(shape)  # noqa: E731
+        dq, dk, dv, dbeta = new(qk_shape), new(qk_shape), new(v_shape), new(beta_shape)
+        dG = None if G_shape is None else new(G_shape)
         slabs = list(_slabs(n, ctx.per_slab, N, H))
         m = C // sub_chunk_size(C)
-        per = 1 + 2 * m  # the state, then A_qk's blocks and T's
+        ins = 5 if ctx.gated else 4
+        per = ins + 2 * m + 1  # the inputs, A_qk's blocks and T's, the chunk states
         for j in reversed(range(len(slabs))):
             part, slab, unslab = slabs[j]
-            S_start, *blocks = kept[per * j: per * (j + 1)]
+            *rest, states = kept[per * j: per * (j + 1)]
+            inputs, blocks = rest[:ins], rest[ins:]
             A_qk, T = BlockLower(blocks[0], blocks[1:m]), BlockLower(blocks[m], blocks[m + 1:])
-            grads, dS = slab_backward(slab(q), slab(k), slab(v), slab(beta), None if G is None else slab(G),
-                                      S_start, A_qk, T, slab(do), dS, ctx.scale)
+            grads, dS = slab_backward(*inputs[:4], inputs[4] if ctx.gated else None,
+                                      states, A_qk, T, slab(do), dS, ctx.scale)
             for out, grad in zip((dq, dk, dv, dbeta, dG), grads):
                 if out is not None:
                     out[:, part] = unslab(grad)
@@ -184,6 +211,8 @@ def _chunk_slab(q, k, v, beta, G, S, scale: float, states_buffer=None, keep: lis
         keep += [A_qk.diag, *A_qk.below, T.diag, *T.below]
 
     U, states = state_scan(W, U0, k_end.view(n, M, C, K), decay_end, S, states_buffer)
+    if keep is not None:
+        keep.append(states[:-1].clone())  # each chunk's incoming state (in the scan's reused buffer)
     # o = scale * ((Q * Gamma) S + A_qk U): the scale rides on the matmuls
     o = q_start.view(n, M, C, K) @ states[:-1]
     A_qk.addmm_(o.view(n * M, C, V), U.view(n * M, C, V), beta=scale, alpha=scale)

@@ -26,16 +26,16 @@ from __future__ import annotations
 import torch
 
 from .gates import gate_of
-from .scan import state_scan, state_scan_backward
+from .scan import state_scan_backward
 from .ut import BlockLower
 
 
-def slab_backward(q, k, v, beta, G, S_start, A_qk, T, do, dS, scale: float):
+def slab_backward(q, k, v, beta, G, states, A_qk, T, do, dS, scale: float):
     """Gradients of one slab. q, k [n, M, C, K] (q not yet scaled); v, do [n, M, C, V]; beta [n, M, C, 1];
-    G None | [n, M, C, K|1]; S_start [M, K, V] the state before the slab; A_qk, T `BlockLower` [n*M, C, C]
-    as the forward kept them; dS [M, K, V] w.r.t. the state after the slab.
+    G None | [n, M, C, K|1]; states [n, M, K, V] the state entering each chunk; A_qk, T `BlockLower`
+    [n*M, C, C] as the forward kept them; dS [M, K, V] w.r.t. the state after the slab.
 
-    Returns ((dq, dk, dv, dbeta, dG) in the inputs' layouts, dG None without a gate; dS w.r.t. S_start)."""
+    Returns ((dq, dk, dv, dbeta, dG) in the inputs' layouts, dG None without a gate; dS w.r.t. the state before the slab)."""
     n, M, C, K = q.shape
     V = v.shape[-1]
     P = n * M
@@ -51,22 +51,22 @@ def slab_backward(q, k, v, beta, G, S_start, A_qk, T, do, dS, scale: float):
     q_start, k_start, k_end = rows(q, Gamma), rows(k, Gamma), rows(k, to_end)
     decay_end = None if gate.decay_end is None else gate.decay_end.view(n, M, -1)
     W, U0 = T.scale_columns(beta).matmul(k_start, v)
-    U, states = state_scan(W.view(n, M, C, K), U0.view(n, M, C, V).clone(),  # the scan overwrites U0 with U
-                           k_end.view(n, M, C, K), decay_end, S_start)
-    S_in = states[:-1].reshape(P, K, V)
+    S_in = states.view(P, K, V)
+    U = torch.baddbmm(U0, W, S_in, alpha=-1.0)  # U_i = U0_i - W_i S_i, all chunks at once
 
-    # 1. the scan in reverse
-    dU = A_qk.t_matmul(do)[0].mul_(scale)
-    dS_direct = (q_start.transpose(-1, -2) @ do).mul_(scale)
+    # 1. the scan in reverse (every product with do carries the output's scale)
+    do = do * scale
+    dU = A_qk.t_matmul(do)[0]
+    dS_direct = q_start.transpose(-1, -2) @ do
     dU, dS_next, dS = state_scan_backward(dU.view(n, M, C, V), dS_direct.view(n, M, K, V), W.view(n, M, C, K),
                                           k_end.view(n, M, C, K), decay_end, dS)
-    dU, dS_next, U = dU.view(P, C, V), dS_next.view(P, K, V), U.view(P, C, V)
+    dU, dS_next = dU.view(P, C, V), dS_next.view(P, K, V)
 
     # 2. chunk-local products
     S_in_T = S_in.transpose(-1, -2)
-    dq_start = (do @ S_in_T).mul_(scale)
+    dq_start = do @ S_in_T
     dW = dU @ S_in_T  # minus the gradient w.r.t. W
-    dA_qk = BlockLower.outer(do, U, s).scale(scale)
+    dA_qk = BlockLower.outer(do, U, s)
     dk_end = U @ dS_next.transpose(-1, -2)
 
     # 3. the UT transform, X = Diag(beta) (k * Gamma | v), Y = T X = (W | U0):
@@ -74,21 +74,21 @@ def slab_backward(q, k, v, beta, G, S_start, A_qk, T, do, dS, scale: float):
     dX_k, dX_v = T.t_matmul(dW, dU)  # dX_k with a minus sign, as dW
     dL = BlockLower.outer(dX_k, W, s, strict=True, minus=(dX_v, U0))
     dv = beta * dX_v
-    dbeta = (dX_v * v).sum(-1, keepdim=True) - (dX_k * k_start).sum(-1, keepdim=True)
 
     # 4. the gated scores A_qk = q | k and L = (beta k) | k, then the decayed rows:
     # row terms (k as L's rows, k * Gamma) enter dG with +, column terms (k as columns, k_end) with -
     dq, dx_row = gate.lower([dA_qk, dL], k)
     columns = gate.upper_sum((dA_qk, q), (dL, beta * k))
-    dbeta += (k * dx_row).sum(-1, keepdim=True)
     if Gamma is None:
         dq += dq_start
-        rows_k = torch.addcmul(beta * dx_row, beta, dX_k, value=-1.0)
+        rows = dx_row.sub_(dX_k)  # the gradient w.r.t. beta k, through L's rows and through X_k
         columns += dk_end
     else:
         dq.addcmul_(Gamma, dq_start)
-        rows_k = torch.addcmul(beta * dx_row, beta * Gamma, dX_k, value=-1.0)
+        rows = dx_row.addcmul_(Gamma, dX_k, value=-1.0)
         columns.addcmul_(to_end, dk_end)
+    dbeta = (dX_v * v).sum(-1, keepdim=True) + (k * rows).sum(-1, keepdim=True)
+    rows_k = rows.mul_(beta)
     dk = rows_k + columns
     if G is None:
         dG = None

@@ -62,10 +62,17 @@ def state_scan_backward(dU, dS_from_output, W, K_end, decay_end, dS):
     chunk. Returns (dU, dS_next [n, M, K, V] the gradient w.r.t. each chunk's outgoing state, dS_0)."""
     n = W.shape[0]
     dS_next = dU.new_empty(n, *dS.shape)
+    dS_next[-1] = dS
     W_T = W.transpose(-1, -2)
+    decays = (None,) * n if decay_end is None else decay_end.unsqueeze(-1).unbind(0)
     for i in reversed(range(n)):
-        dS_next[i] = dS
-        dU[i].baddbmm_(K_end[i], dS)
-        dS = dS * decay_end[i].unsqueeze(-1) if decay_end is not None else dS.clone()
-        dS.add_(dS_from_output[i]).baddbmm_(W_T[i], dU[i], alpha=-1.0)
-    return dU, dS_next, dS
+        after = dS_next[i]
+        dU[i].baddbmm_(K_end[i], after)
+        # dS_i, written where chunk i - 1 reads it as the gradient of its outgoing state
+        before = torch.baddbmm(dS_from_output[i], W_T[i], dU[i], alpha=-1.0,
+                               out=dS_next[i - 1] if i else None)
+        if decays[i] is None:
+            before += after
+        else:
+            before.addcmul_(after, decays[i])
+    return dU, dS_next, before
