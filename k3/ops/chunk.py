@@ -175,14 +175,14 @@ class ChunkDelta(torch.autograd.Function):
         slabs = list(_slabs(n, ctx.per_slab, N, H))
         m = C // sub_chunk_size(C)
         ins = 5 if ctx.gated else 4
-        per = ins + 2 * m + 1  # the inputs, A_qk's blocks and T's, the chunk states
+        per = ins + 2 * m + 3  # the inputs, A_qk's blocks and T's, W, U, the chunk states
         for j in reversed(range(len(slabs))):
             part, slab, unslab = slabs[j]
-            *rest, states = kept[per * j: per * (j + 1)]
+            *rest, W, U, states = kept[per * j: per * (j + 1)]
             inputs, blocks = rest[:ins], rest[ins:]
             A_qk, T = BlockLower(blocks[0], blocks[1:m]), BlockLower(blocks[m], blocks[m + 1:])
             grads, dS = slab_backward(*inputs[:4], inputs[4] if ctx.gated else None,
-                                      states, A_qk, T, slab(do), dS, ctx.scale)
+                                      states, A_qk, T, W, U, slab(do), dS, ctx.scale)
             for out, grad in zip((dq, dk, dv, dbeta, dG), grads):
                 if out is not None:
                     out[:, part] = unslab(grad)
@@ -212,7 +212,8 @@ def _chunk_slab(q, k, v, beta, G, S, scale: float, states_buffer=None, keep: lis
 
     U, states = state_scan(W, U0, k_end.view(n, M, C, K), decay_end, S, states_buffer)
     if keep is not None:
-        keep.append(states[:-1].clone())  # each chunk's incoming state (in the scan's reused buffer)
+        # W, U (U0 updated in place) and each chunk's incoming state (a copy: the scan's buffer is reused)
+        keep += [W, U, states[:-1].clone()]
     # o = scale * ((Q * Gamma) S + A_qk U): the scale rides on the matmuls
     o = q_start.view(n, M, C, K) @ states[:-1]
     A_qk.addmm_(o.view(n * M, C, V), U.view(n * M, C, V), beta=scale, alpha=scale)

@@ -30,10 +30,10 @@ from .scan import state_scan_backward
 from .ut import BlockLower
 
 
-def slab_backward(q, k, v, beta, G, states, A_qk, T, do, dS, scale: float):
+def slab_backward(q, k, v, beta, G, states, A_qk, T, W, U, do, dS, scale: float):
     """Gradients of one slab. q, k [n, M, C, K] (q not yet scaled); v, do [n, M, C, V]; beta [n, M, C, 1];
     G None | [n, M, C, K|1]; states [n, M, K, V] the state entering each chunk; A_qk, T `BlockLower`
-    [n*M, C, C] as the forward kept them; dS [M, K, V] w.r.t. the state after the slab.
+    [n*M, C, C], W [n, M, C, K] and U [n, M, C, V] as the forward kept them; dS [M, K, V] w.r.t. the state after the slab.
 
     Returns ((dq, dk, dv, dbeta, dG) in the inputs' layouts, dG None without a gate; dS w.r.t. the state before the slab)."""
     n, M, C, K = q.shape
@@ -45,14 +45,14 @@ def slab_backward(q, k, v, beta, G, states, A_qk, T, do, dS, scale: float):
     gate = gate_of(None if G is None else flat(G), C, q.dtype, q.device)
 
     s = A_qk.diag.shape[-1]
-    # recompute: the UT transform's results and the chunk states
+    # recompute: the decayed rows, and U0 = U + W S from the forward's U, W and chunk states
     Gamma, to_end = gate.start_factor(), gate.end_factor()  # exp(G), exp(G_C - G); None without a gate
     rows = lambda x, f: x if f is None else x * f  # noqa: E731
-    q_start, k_start, k_end = rows(q, Gamma), rows(k, Gamma), rows(k, to_end)
+    q_start, k_end = rows(q, Gamma), rows(k, to_end)
     decay_end = None if gate.decay_end is None else gate.decay_end.view(n, M, -1)
-    W, U0 = T.scale_columns(beta).matmul(k_start, v)
     S_in = states.view(P, K, V)
-    U = torch.baddbmm(U0, W, S_in, alpha=-1.0)  # U_i = U0_i - W_i S_i, all chunks at once
+    W, U = W.view(P, C, K), U.view(P, C, V)
+    U0 = torch.baddbmm(U, W, S_in)
 
     # 1. the scan in reverse (every product with do carries the output's scale)
     do = do * scale
