@@ -52,7 +52,7 @@ def slab_backward(q, k, v, beta, G, states, A_qk, T, W, U, do, dS, scale: float)
     decay_end = None if gate.decay_end is None else gate.decay_end.view(n, M, -1)
     S_in = states.view(P, K, V)
     W, U = W.view(P, C, K), U.view(P, C, V)
-    U0 = torch.baddbmm(U, W, S_in)
+    minus_U0 = torch.baddbmm(U, W, S_in, beta=-1.0, alpha=-1.0)
 
     # 1. the scan in reverse (every product with do carries the output's scale)
     do = do * scale
@@ -65,14 +65,15 @@ def slab_backward(q, k, v, beta, G, states, A_qk, T, W, U, do, dS, scale: float)
     # 2. chunk-local products
     S_in_T = S_in.transpose(-1, -2)
     dq_start = do @ S_in_T
-    dW = dU @ S_in_T  # minus the gradient w.r.t. W
     dA_qk = BlockLower.outer(do, U, s)
     dk_end = U @ dS_next.transpose(-1, -2)
 
     # 3. the UT transform, X = Diag(beta) (k * Gamma | v), Y = T X = (W | U0):
-    # dX = T^T dY, dL = -T^T (dY X^T) T^T = -dX Y^T below the diagonal
-    dX_k, dX_v = T.t_matmul(dW, dU)  # dX_k with a minus sign, as dW
-    dL = BlockLower.outer(dX_k, W, s, strict=True, minus=(dX_v, U0))
+    # dX = T^T dY, dL = -T^T (dY X^T) T^T = -dX Y^T below the diagonal. With dY = (-dW | dU) (dW = -dU S^T)
+    # and Y's sign flipped to (W | -U0), both halves are one product each.
+    dX = T.t_matmul(torch.cat([dU @ S_in_T, dU], dim=-1))[0]
+    dL = BlockLower.outer(dX, torch.cat([W, minus_U0], dim=-1), s, strict=True)
+    dX_k, dX_v = dX.split([K, V], dim=-1)  # dX_k negated
     dv = beta * dX_v
 
     # 4. the gated scores A_qk = q | k and L = (beta k) | k, then the decayed rows:
