@@ -37,14 +37,15 @@ def causal_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, start: tor
         for i0 in range(0, T, block):
             i1 = min(T, i0 + block)
             seen = S - T + i1  # the last query of the block sees slots < seen
-            scores = torch.einsum("bihd,bjhd->bhij", qf[:, i0:i1], kf[:, :seen]) * scale  # [B, H, i1 - i0, seen]
+            # q . k without the scale, which (> 0) multiplies the maximum instead: [B, H, i1 - i0, seen]
+            scores = qf[:, i0:i1].transpose(1, 2) @ kf[:, :seen].permute(0, 2, 3, 1)
             slot = torch.arange(seen, device=q.device)
             allowed = slot <= (S - T + torch.arange(i0, i1, device=q.device))[:, None]  # [i1 - i0, seen]
             if start is not None:
                 allowed = allowed & (slot >= start.to(q.device)[:, None])[:, None, None, :]  # [B, 1, i, seen]
-            scores = scores.masked_fill(~allowed, float("-inf"))
+            scores.masked_fill_(~allowed, float("-inf"))
             best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
-    return best
+    return best * scale
 
 
 def record_max_logits(module, q: torch.Tensor, k: torch.Tensor, scale: float,
