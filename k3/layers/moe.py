@@ -21,9 +21,9 @@ The router's checkpoint name is `gate` (`block_sparse_moe.gate.weight`, as in Ki
 in code it is `MoE.router`, a `Router`: "gate" in k3 means the KDA forget gate and the output gates.
 
 Dispatch (`RoutedExperts`) costs what the k chosen experts cost, not all E, three ways: many tokens
-with a balanced routing run every expert at once as three batched matmuls over the tokens grouped by
-expert (padded to the busiest expert's count); an unbalanced routing sorts the tokens by expert and
-calls each used expert once; a few tokens (decoding) run through the stacked matrices of their chosen
+run every expert at once as three batched matmuls over the tokens grouped by expert, in slots of equal
+size (a busy expert takes several); a routing so skewed that the slots would be mostly padding sorts
+the tokens by expert and calls each used expert once; a few tokens (decoding) run through the stacked matrices of their chosen
 experts. It is a module of its own so that expert parallelism (k3.training.parallel) plugs in from
 outside: a process keeps a slice of the experts, and hooks on this module gather the tokens before it
 and sum the slices' outputs after it.
@@ -43,7 +43,7 @@ from .norm import RMSNorm, upcast
 
 FEW_ASSIGNMENTS = 32  # (token, expert) pairs up to which the chosen experts are stacked (`RoutedExperts`)
 STACK_LIMIT = 1 << 22  # the most expert-matrix values the stacked path copies in one call
-PADDING_LIMIT = 2  # all experts at once while E x (the busiest expert's tokens) <= this x the assignments
+PADDING_LIMIT = 2  # all experts at once while the slots' rows (padding included) <= this x the assignments
 
 
 class Expert(nn.Module):
@@ -131,8 +131,8 @@ class RoutedExperts(nn.ModuleList):
     """The routed experts (`experts.N`), called as one module: sum_i w_i expert_i(z) over each token's
     k chosen experts, three ways that agree to rounding: a few tokens (at most FEW_ASSIGNMENTS
     token-expert pairs) through the stacked matrices of their chosen experts (`_stacked`); many tokens
-    with a balanced routing through all experts at once, each expert's tokens padded to the busiest
-    one's count (`_batched`); otherwise sorted by expert, one call per used expert (`_grouped`).
+    through all experts at once, in slots of equal size (`_batched`); a routing too skewed for slots,
+    or experts held by other processes, sorted by expert, one call per used expert (`_grouped`).
 
     An entry may be None: under expert parallelism a process holds only its own slice of the
     experts, and the tokens routed to the others are computed by the processes that own them."""
@@ -147,37 +147,49 @@ class RoutedExperts(nn.ModuleList):
             if None not in experts and 3 * len(experts) * experts[0].w1.numel() <= STACK_LIMIT:
                 return self._stacked(z, experts, weights)
         if chosen.numel() and None not in list(self):
-            capacity = int(counts.max())
-            if len(self) * capacity <= PADDING_LIMIT * chosen.numel():  # routing balanced enough
-                return self._batched(z, chosen, weights, counts, capacity)
+            capacity, slots = _slots(counts.tolist())
+            if capacity * len(slots) <= PADDING_LIMIT * chosen.numel():
+                return self._batched(z, chosen, weights, counts, capacity, slots)
         return self._grouped(z, chosen, weights, counts)
 
     def _batched(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
-                 capacity: int) -> torch.Tensor:
-        """`forward` for many tokens with every expert at once: each expert's tokens fill a row of a
-        [E, capacity, d] block (zeros pad the experts that got fewer; the activation of 0 is 0, and the
-        padded rows are never read back), then three batched matmuls against the stacked matrices:
+                 capacity: int, slots: list[int]) -> torch.Tensor:
+        """`forward` for many tokens with every expert at once, in slots of `capacity` rows: expert e's
+        tokens fill ceil(count_e / capacity) slots (`_slots`; zeros pad each expert's last one: the
+        activation of 0 is 0, and the padded rows are never read back), slot i runs expert slots[i], and
+        three batched matmuls run every slot against its expert's matrices:
 
-            H_e = act(X_e W1_e^T, X_e W3_e^T);   Y_e = H_e W2_e^T;   out_n = sum_i w_ni Y_{e_ni}[slot_ni]
+            H_i = act(X_i W1_{e_i}^T, X_i W3_{e_i}^T);   Y_i = H_i W2_{e_i}^T;   out_n = sum_j w_nj Y[row_nj]
 
         A handful of ops whatever the number of experts, where `_grouped` makes a dozen per expert
-        (forward and backward): the better way when the experts are small and the routing is balanced.
-        Rows move by one flat index, `source` [E * capacity] (the token each row holds; N, a zero row,
-        for padding): a gather in, a scatter-add out, whose backwards are a scatter-add and a gather
-        (advanced indexing's backward, an accumulating index_put, costs several times as much on CPU)."""
+        (forward and backward): the better way when the experts are small. A busy expert takes several
+        slots rather than every expert padding to its count, so an unbalanced routing costs few padded rows
+        (`forward` takes this path while the rows are at most PADDING_LIMIT times the assignments). Rows move by one flat index, `source` [slots * capacity] (the token each
+        row holds; N, a zero row, for padding): a gather in, a scatter-add out, whose backwards are a
+        scatter-add and a gather (advanced indexing's backward, an accumulating index_put, costs several
+        times as much on CPU)."""
         E, (N, k), d = len(self), chosen.shape, z.shape[-1]
+        device = chosen.device
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)  # [N*k] assignments, grouped by expert
         expert_of = flat[order]
-        counts = counts.to(flat.device)
+        counts = counts.to(device)
+        per_expert = (counts + capacity - 1) // capacity  # slots of each expert
         first = torch.cumsum(counts, 0) - counts  # each expert's first assignment
-        row = expert_of * capacity + torch.arange(N * k, device=flat.device) - first[expert_of]  # in [E * capacity]
-        source = torch.full((E * capacity,), N, dtype=torch.long, device=flat.device).index_copy_(0, row, order // k)
-        X = torch.cat([z, z.new_zeros(1, d)]).index_select(0, source).view(E, capacity, d)
-        W1, W3, W2 = (torch.stack([getattr(e, name) for e in self]) for name in ("w1", "w3", "w2"))
-        H = self[0].act(torch.bmm(X, W1.transpose(1, 2)), torch.bmm(X, W3.transpose(1, 2)))  # [E, capacity, hidden]
-        Y = torch.bmm(H, W2.transpose(1, 2)).view(E * capacity, d)
-        row_weight = weights.new_zeros(E * capacity).index_copy(0, row, weights.flatten().index_select(0, order))
+        first_slot = torch.cumsum(per_expert, 0) - per_expert
+        place = torch.arange(N * k, device=device) - first[expert_of]  # the assignment's place among its expert's
+        row = (first_slot[expert_of] + place // capacity) * capacity + place % capacity  # in [slots * capacity]
+        S = len(slots)
+        source = torch.full((S * capacity,), N, dtype=torch.long, device=device).index_copy_(0, row, order // k)
+        X = torch.cat([z, z.new_zeros(1, d)]).index_select(0, source).view(S, capacity, d)
+        # only the experts that got tokens: the others get no gradient, as in `_grouped`
+        used = sorted(set(slots))
+        slot_expert = torch.tensor([used.index(e) for e in slots], device=device)
+        W1, W3, W2 = (torch.stack([getattr(self[e], name) for e in used]).index_select(0, slot_expert)
+                      for name in ("w1", "w3", "w2"))
+        H = self[0].act(torch.bmm(X, W1.transpose(1, 2)), torch.bmm(X, W3.transpose(1, 2)))  # [S, capacity, hidden]
+        Y = torch.bmm(H, W2.transpose(1, 2)).view(S * capacity, d)
+        row_weight = weights.new_zeros(S * capacity).index_copy(0, row, weights.flatten().index_select(0, order))
         y = upcast(Y) * row_weight.unsqueeze(-1)  # padding rows: weight 0
         out = y.new_zeros(N + 1, d).index_add_(0, source, y)
         return cast(out[:N], z.dtype)
@@ -216,6 +228,22 @@ class RoutedExperts(nn.ModuleList):
             y = expert(z[tokens]) * weights.flatten()[rows].unsqueeze(-1)
             out.index_add_(0, tokens, upcast(y))
         return cast(out, z.dtype)
+
+
+def _slots(counts: list[int]) -> tuple[int, list[int]]:
+    """The slots `RoutedExperts._batched` runs for experts with `counts` tokens: (capacity, the expert of
+    each slot). The capacity is the one of max(counts) / j, j = 1..4, that needs the fewest rows in all
+    (the fewer slots on a tie): the busiest expert's count when the routing is balanced, a fraction of it
+    when a few experts draw most tokens."""
+    busiest = max(counts)
+    best = None
+    for j in range(1, 5):
+        capacity = max(1, -(-busiest // j))
+        slots = sum(-(-c // capacity) for c in counts)
+        if best is None or capacity * slots < best[0] * best[1]:
+            best = (capacity, slots)
+    capacity = best[0]
+    return capacity, [e for e, c in enumerate(counts) for _ in range(-(-c // capacity))]
 
 
 class MoE(nn.Module):

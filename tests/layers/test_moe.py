@@ -130,9 +130,53 @@ def test_all_experts_at_once_equals_one_call_per_expert(name, monkeypatch):
     grouped_grads = torch.autograd.grad(grouped.sum(), params, allow_unused=True)
     assert calls == ["batched", "grouped"]
     assert_same_paths(moe, x, (batched, batched_grads), (grouped, grouped_grads))
-    with torch.no_grad():  # every token to the same experts: far beyond the padding limit
+    with torch.no_grad():  # every token to the same experts: they take whole slots, and nothing is padded
         moe.gate.e_score_correction_bias.copy_(torch.arange(8, dtype=torch.float64) * 100)
     calls.clear()
     monkeypatch.setattr(moe_module, "PADDING_LIMIT", 2)
     torch.testing.assert_close(moe(x), dense_reference(moe, x))
-    assert calls == ["grouped"]
+    assert calls == ["batched"]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_skewed_routing_runs_in_slots_and_equals_one_call_per_expert(name, monkeypatch):
+    """A skewed routing (one expert drawing about half the tokens, as training's routing drifts before the
+    bias corrects it): the busy expert takes several slots; values and gradients equal the per-expert loop
+    and the dense reference, and experts no token chose get no gradient."""
+    import k3.layers.moe as moe_module
+
+    torch.manual_seed(3)
+    moe = MoE(16, **CONFIGS[name]).double()
+    with torch.no_grad():
+        moe.gate.e_score_correction_bias[3] = 5.0  # expert 3 in (almost) every token's top-k
+        moe.gate.e_score_correction_bias[6] = -5.0  # expert 6 in none
+    x = torch.randn(4, 25, 16, dtype=torch.float64, requires_grad=True)
+    h = x.reshape(-1, 16)
+    counts = torch.bincount(moe.router(h)[0].flatten(), minlength=8).tolist()
+    capacity, slots = moe_module._slots(counts)
+    assert slots.count(3) >= 2 and 6 not in slots and capacity < max(counts)
+    assert capacity * len(slots) <= 2 * sum(counts)
+    params = [x, moe.experts[3].w1, moe.experts[0].w3, moe.experts[2].w2, moe.experts[6].w1]
+    calls = []
+    real_batched = moe_module.RoutedExperts._batched
+    monkeypatch.setattr(moe_module.RoutedExperts, "_batched",
+                        lambda self, *a: calls.append("batched") or real_batched(self, *a))
+    batched = moe(x)
+    batched_grads = torch.autograd.grad(batched.sum(), params, allow_unused=True)
+    assert calls == ["batched"] and batched_grads[-1] is None
+    monkeypatch.setattr(moe_module, "PADDING_LIMIT", 0)
+    grouped = moe(x)
+    grouped_grads = torch.autograd.grad(grouped.sum(), params, allow_unused=True)
+    assert calls == ["batched"]
+    assert_same_paths(moe, x, (batched, batched_grads), (grouped, grouped_grads))
+
+
+def test_slots_take_the_busiest_count_when_balanced():
+    """Balanced counts: one slot per expert, the busiest expert's size (the old padding); a dominant expert:
+    a quarter of its count per slot, several slots for it."""
+    import k3.layers.moe as moe_module
+
+    assert moe_module._slots([10, 9, 10, 8]) == (10, [0, 1, 2, 3])
+    capacity, slots = moe_module._slots([40, 4, 5, 3])
+    assert capacity == 10 and slots == [0, 0, 0, 0, 1, 2, 3]
+    assert moe_module._slots([0, 7, 0, 7]) == (7, [1, 3])
