@@ -49,16 +49,13 @@ class ShortConvolution(nn.Module):
         if T == 1 and conv_state is not None:
             y, state = self.step(x[:, 0], conv_state)
             return y.unsqueeze(1), (state if output_final_state else None)
-        xt = x.transpose(1, 2)  # [B, D, T]
-        history = xt.new_zeros(B, D, W - 1) if conv_state is None else cast(conv_state, xt.dtype)
+        history = x.new_zeros(B, W - 1, D) if conv_state is None else cast(conv_state, x.dtype).transpose(1, 2)
         if T == 0:
-            return x, (history.clone() if output_final_state else None)
-        xt = torch.cat([history, xt], dim=-1)  # [B, D, W-1+T]
-        y = F.conv1d(xt, cast(self.weight, xt.dtype), groups=D)  # [B, D, T]
-        if self.activation == "silu":
-            y = F.silu(y)
-        new_state = xt[..., xt.shape[-1] - (W - 1):].clone() if output_final_state else None
-        return y.transpose(1, 2), new_state
+            return x, (history.transpose(1, 2).clone() if output_final_state else None)
+        padded = torch.cat([history, x], dim=1)  # [B, W-1+T, D]: the inputs each output reads, time-major
+        y = _ShortConv.apply(padded, cast(self.weight, x.dtype), self.activation == "silu")
+        new_state = padded[:, T:].transpose(1, 2).clone() if output_final_state else None
+        return y, new_state
 
     def step(self, x: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One token after `conv_state`: x [B, D], conv_state [B, D, W-1] -> (y [B, D], new state
@@ -67,6 +64,47 @@ class ShortConvolution(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.dim}, kernel_size={self.kernel_size}, activation={self.activation}"
+
+
+class _ShortConv(torch.autograd.Function):
+    """The convolution of a padded sequence p [B, W-1+T, D] (its first W-1 steps the history) as W shifted
+    multiply-adds in the [B, T, D] layout the layers use, then SiLU:
+
+        pre_t = sum_j w_j p_{t+j},   y = SiLU(pre)
+        backward, with G = dL/dy and P = G SiLU'(pre):   dp_{t+j} += w_j P_t,   dw_j = sum_{b,t} p_{t+j} P_t
+
+    conv1d over [B, D, T] needs the sequence transposed in and out, and its backward with SiLU's on the
+    transposed layout costs several times these few passes on CPU. Saves p and pre."""
+
+    @staticmethod
+    def forward(ctx, padded: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
+        W = weight.shape[-1]
+        T = padded.shape[1] - (W - 1)
+        taps = weight.view(-1, W)  # [D, W]
+        pre = padded[:, W - 1:] * taps[:, W - 1]
+        for j in range(W - 1):
+            pre.addcmul_(padded[:, j:j + T], taps[:, j])
+        ctx.save_for_backward(padded, weight, pre)
+        ctx.silu = silu
+        return F.silu(pre) if silu else pre.clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        padded, weight, pre = ctx.saved_tensors
+        W = weight.shape[-1]
+        T = pre.shape[1]
+        taps = weight.view(-1, W)
+        P = torch.ops.aten.silu_backward(grad.contiguous(), pre) if ctx.silu else grad
+        grad_padded = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_padded = padded.new_zeros(padded.shape)
+            for j in range(W):
+                grad_padded[:, j:j + T].addcmul_(P, taps[:, j])
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.stack([torch.linalg.vecdot(padded[:, j:j + T], P, dim=1).sum(0) for j in range(W)],
+                                      dim=-1).view(weight.shape)
+        return grad_padded, grad_weight, None
 
 
 def rolling_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, activation: str | None

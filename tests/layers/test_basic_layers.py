@@ -123,6 +123,29 @@ def test_short_conv_state_chaining(split):
     torch.testing.assert_close(torch.cat(steps, 1), y)
 
 
+@pytest.mark.parametrize("activation", ["silu", None])
+@pytest.mark.parametrize("kernel_size", [1, 4])
+def test_short_conv_gradients(kernel_size, activation):
+    """The convolution's own backward (shifted multiply-adds): gradients w.r.t. x, the weight and an
+    incoming conv state equal autograd through F.conv1d (+ SiLU) in float64, and pass gradcheck."""
+    torch.manual_seed(4)
+    conv = ShortConvolution(5, kernel_size, activation).double()
+    x = torch.randn(2, 9, 5, dtype=torch.float64, requires_grad=True)
+    state = torch.randn(2, 5, kernel_size - 1, dtype=torch.float64, requires_grad=True)
+
+    def reference(x, w, state):
+        y = F.conv1d(torch.cat([state, x.transpose(1, 2)], -1), w, groups=5)
+        return (F.silu(y) if activation else y).transpose(1, 2)
+
+    seed = torch.randn(2, 9, 5, dtype=torch.float64)
+    inputs = (x, conv.weight, state)
+    got = torch.autograd.grad((conv(x, state)[0] * seed).sum(), inputs)
+    want = torch.autograd.grad((reference(*inputs) * seed).sum(), inputs)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x, s: conv(x, s)[0], (x, state))
+
+
 def test_short_conv_bad_input():
     conv = ShortConvolution(4, 4)
     with pytest.raises(ValueError, match="`x`"):
