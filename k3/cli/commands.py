@@ -17,6 +17,20 @@ def _bench_ops(args) -> int:
     return 0
 
 
+def _bench_backward(args) -> int:
+    from ..bench import backward
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        backward.run(ops=("kda",), rounds=5, json_path=args.json)
+    else:
+        backward.run(rounds=args.rounds, json_path=args.json)
+    return 0
+
+
 def _bench_models(args) -> int:
     from ..bench import models
 

@@ -7,7 +7,7 @@ import math
 
 from ..runtime import DEVICES
 
-from .commands import (_bench_models, _bench_ops, _bench_parallel, _bench_train, _eval, _export, _generate, _lab,
+from .commands import (_bench_backward, _bench_models, _bench_ops, _bench_parallel, _bench_train, _eval, _export, _generate, _lab,
                        _params, _plan, _train)
 
 
@@ -209,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--repeats", type=int, default=3, help="timed runs per case (the best is kept)")
     ops.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     ops.set_defaults(func=_bench_ops)
+    bbackward = bench_sub.add_parser("backward", help="the delta family's own chunkwise backward vs autograd "
+                                     "through the forward: time and peak memory")
+    bbackward.add_argument("--quick", action="store_true", help="KDA only, fewer rounds: under a minute")
+    bbackward.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    bbackward.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds (default 15)")
+    bbackward.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    bbackward.set_defaults(func=_bench_backward)
     btrain = bench_sub.add_parser("train", help="kimi-k3-tiny vs a GPT-2 of equal width and parameters")
     btrain.add_argument("--minutes", type=float, default=5.0, help="training budget of each model")
     btrain.add_argument("--data", help="corpus (default: Shakespeare)")
