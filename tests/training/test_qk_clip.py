@@ -22,7 +22,7 @@ from k3.training import SingleProcess, TrainConfig, build_optimizer, qk_clip, tr
 from k3.training.config import qk_clip_threshold, saved_train_config
 from k3.training.metrics import METRICS_FILE, read_metrics
 
-from ..corpus import write_corpus
+from .test_train import config as train_config, corpus  # noqa: F401  (corpus: the module fixture)
 from ..processes import free_port, join
 
 CPU = torch.device("cpu")
@@ -172,16 +172,9 @@ def test_the_default_is_100_with_muon_and_off_with_adamw_and_bad_values_are_refu
     assert qk_clip_threshold(saved_train_config({"optimizer": "muon"})) == 0.0
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus"), docs=6, words=700)
-
-
 def config(corpus, out, **kw) -> TrainConfig:
-    base = dict(preset="kimi-k3-tiny", model_overrides={"hidden_size": 32}, data=str(corpus), tokenizer="byte",
-                seq_len=32, batch_size=2, max_steps=6, warmup_steps=2, eval_every=3, eval_tokens=256,
-                final_eval_tokens=0, out=str(out), val_fraction=0.2, device="cpu", threads=1)
-    return TrainConfig(**{**base, **kw})
+    """test_train's tiny run, without the final evaluation, on one thread."""
+    return train_config(corpus, out, **{"final_eval_tokens": 0, "threads": 1, **kw})
 
 
 TINY_TAU = 1e-3  # under the tiny model's logits (~1e-2): the clip acts on every step
