@@ -184,7 +184,8 @@ class RoutedExperts(nn.ModuleList):
         X = torch.cat([z, z.new_zeros(1, d)]).index_select(0, source).view(S, capacity, d)
         # only the experts that got tokens: the others get no gradient, as in `_grouped`
         used = sorted(set(slots))
-        slot_expert = torch.tensor([used.index(e) for e in slots], device=device)
+        position = {e: i for i, e in enumerate(used)}
+        slot_expert = torch.tensor([position[e] for e in slots], device=device)
         W1, W3, W2 = (torch.stack([getattr(self[e], name) for e in used]).index_select(0, slot_expert)
                       for name in ("w1", "w3", "w2"))
         H = self[0].act(torch.bmm(X, W1.transpose(1, 2)), torch.bmm(X, W3.transpose(1, 2)))  # [S, capacity, hidden]
