@@ -98,7 +98,7 @@ def _chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int):
         g = chunked(g)
 
     # G: cumulative log decay within each chunk (clamped so that g = -inf stays finite)
-    G = None if g is None else chunked(g).clamp(min=LOG_DECAY_FLOOR[q.dtype]).cumsum(dim=2)
+    G = None if g is None else _cumulative(chunked(g), LOG_DECAY_FLOOR[q.dtype])
     S0 = None if S0 is None else S0.reshape(M, K, V)
     # Chunks are processed in slabs of about SLAB_ELEMENTS values per tensor, laid out chunk-major
     # [slab chunks, N*H, C, d] only there: temporaries stay cache-sized and memory flat in T.
@@ -114,6 +114,16 @@ def _chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int):
             o, S = _chunk_forward(q, k, v, beta, G, S0, scale, per_slab, out=o)
     # the clone, made outside inference mode, is an ordinary tensor and not a view into a scan buffer
     return o.view(N, n * C, H, V)[:, :T], S.reshape(N, H, K, V).clone()
+
+
+def _cumulative(g: torch.Tensor, floor: float) -> torch.Tensor:
+    """G: the cumulative log decay within each chunk (g [N, n, C, H, K|1], summed along C), g clamped
+    from below at `floor` so that g = -inf stays finite. The clamp only where some g is below the floor:
+    with a gradient to take, its mask and its backward cost more passes than the one reduction that
+    looks."""
+    if bool(g.min() < floor):
+        g = g.clamp(min=floor)
+    return g.cumsum(dim=2)
 
 
 def _slabs(n: int, per_slab: int, N: int, H: int):
