@@ -63,14 +63,15 @@ def state_scan_backward(dU, dS_from_output, W, K_end, decay_end, dS):
     n = W.shape[0]
     dS_next = dU.new_empty(n, *dS.shape)
     dS_next[-1] = dS
-    W_T = W.transpose(-1, -2)
+    # every chunk's slices taken once (unbind), not by indexing in the loop
     decays = (None,) * n if decay_end is None else decay_end.unsqueeze(-1).unbind(0)
+    grads_after, dU_all = dS_next.unbind(0), dU.unbind(0)
+    W_T, K_end_all, direct = W.transpose(-1, -2).unbind(0), K_end.unbind(0), dS_from_output.unbind(0)
     for i in reversed(range(n)):
-        after = dS_next[i]
-        dU[i].baddbmm_(K_end[i], after)
+        after = grads_after[i]
+        dU_all[i].baddbmm_(K_end_all[i], after)
         # dS_i, written where chunk i - 1 reads it as the gradient of its outgoing state
-        before = torch.baddbmm(dS_from_output[i], W_T[i], dU[i], alpha=-1.0,
-                               out=dS_next[i - 1] if i else None)
+        before = torch.baddbmm(direct[i], W_T[i], dU_all[i], alpha=-1.0, out=grads_after[i - 1] if i else None)
         if decays[i] is None:
             before += after
         else:
