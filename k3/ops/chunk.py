@@ -94,36 +94,35 @@ def _chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int):
     n, M = (T + pad) // C, N * H
     chunked = lambda x: x.reshape(N, n, C, H, -1)  # noqa: E731  [N, n, C, H, d], a view
     q, k, v, beta = chunked(q), chunked(k), chunked(v), chunked(beta)
-    if g is not None:
-        g = chunked(g)
-
-    # G: cumulative log decay within each chunk (clamped so that g = -inf stays finite)
-    G = None if g is None else _cumulative(chunked(g), LOG_DECAY_FLOOR[q.dtype])
+    if g is not None:  # clamped so that g = -inf stays finite; summed within each chunk slab by slab
+        g = _clamped(chunked(g), LOG_DECAY_FLOOR[q.dtype])
     S0 = None if S0 is None else S0.reshape(M, K, V)
     # Chunks are processed in slabs of about SLAB_ELEMENTS values per tensor, laid out chunk-major
     # [slab chunks, N*H, C, d] only there: temporaries stay cache-sized and memory flat in T.
     per_slab = max(1, SLAB_ELEMENTS // (M * C * max(K, V)))
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, beta, G, S0)):
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, beta, g, S0)):
         if getattr(_autograd_through_forward, "on", False):
-            o, S = _chunk_forward(q, k, v, beta, G, S0, scale, per_slab)
+            o, S = _chunk_forward(q, k, v, beta, g, S0, scale, per_slab)
         else:
-            o, S = ChunkDelta.apply(q, k, v, beta, G, S0, scale, per_slab)
+            o, S = ChunkDelta.apply(q, k, v, beta, g, S0, scale, per_slab)
     else:
         o = q.new_empty(N, n, C, H, V)  # allocated outside inference mode: an ordinary tensor for the caller
         with torch.inference_mode():
-            o, S = _chunk_forward(q, k, v, beta, G, S0, scale, per_slab, out=o)
+            o, S = _chunk_forward(q, k, v, beta, g, S0, scale, per_slab, out=o)
     # the clone, made outside inference mode, is an ordinary tensor and not a view into a scan buffer
     return o.view(N, n * C, H, V)[:, :T], S.reshape(N, H, K, V).clone()
 
 
-def _cumulative(g: torch.Tensor, floor: float) -> torch.Tensor:
-    """G: the cumulative log decay within each chunk (g [N, n, C, H, K|1], summed along C), g clamped
-    from below at `floor` so that g = -inf stays finite. The clamp only where some g is below the floor:
-    with a gradient to take, its mask and its backward cost more passes than the one reduction that
-    looks."""
-    if bool(g.min() < floor):
-        g = g.clamp(min=floor)
-    return g.cumsum(dim=2)
+def _clamped(g: torch.Tensor, floor: float) -> torch.Tensor:
+    """g clamped from below at `floor`, so that g = -inf stays finite in the cumulative sums; the clamp
+    only where some g is below the floor: with a gradient to take, its mask and its backward cost more
+    passes than the one reduction that looks."""
+    return g.clamp(min=floor) if bool(g.min() < floor) else g
+
+
+def _reverse_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """sum_{j >= i} x_j along `dim`: the backward of a cumulative sum."""
+    return x.flip(dim).cumsum(dim).flip(dim)
 
 
 def _slabs(n: int, per_slab: int, N: int, H: int):
@@ -136,9 +135,10 @@ def _slabs(n: int, per_slab: int, N: int, H: int):
                lambda y: y.view(-1, N, H, *y.shape[-2:]).permute(1, 0, 3, 2, 4))
 
 
-def _chunk_forward(q, k, v, beta, G, S0, scale: float, per_slab: int, saved: list | None = None, out=None):
-    """The slabs in order. q, k [N, n, C, H, K]; v [N, n, C, H, V]; beta [N, n, C, H, 1]; G None |
-    [N, n, C, H, K|1]; S0 None | [N*H, K, V]. Returns (o [N, n, C, H, V], final state [N*H, K, V]).
+def _chunk_forward(q, k, v, beta, g, S0, scale: float, per_slab: int, saved: list | None = None, out=None):
+    """The slabs in order. q, k [N, n, C, H, K]; v [N, n, C, H, V]; beta [N, n, C, H, 1]; g None |
+    [N, n, C, H, K|1] the log decays (summed within each chunk here: G, slab by slab, in cache);
+    S0 None | [N*H, K, V]. Returns (o [N, n, C, H, V], final state [N*H, K, V]).
     With `saved` a list, appends what the backward keeps of each slab (`_chunk_slab`'s `keep`); o is
     written into `out` when given."""
     N, n, C, H, K = q.shape
@@ -147,10 +147,10 @@ def _chunk_forward(q, k, v, beta, G, S0, scale: float, per_slab: int, saved: lis
     o = q.new_empty(N, n, C, H, V) if out is None else out
     buffer = q.new_empty(min(per_slab, n) + 1, N * H, K, V)
     for part, slab, unslab in _slabs(n, per_slab, N, H):
-        inputs = [slab(x) for x in (q, k, v, beta)] + ([] if G is None else [slab(G)])
-        # the backward keeps the slab's inputs in its own layout, so that it need not lay them out again
+        inputs = [slab(x) for x in (q, k, v, beta)] + ([] if g is None else [slab(g).cumsum(dim=-2)])
+        # the backward keeps the slab's inputs (G for g) in its own layout, so that it need not lay them out again
         keep = None if saved is None else list(inputs)
-        o_part, S = _chunk_slab(*inputs[:4], None if G is None else inputs[4], S, scale, buffer, keep)
+        o_part, S = _chunk_slab(*inputs[:4], None if g is None else inputs[4], S, scale, buffer, keep)
         o[:, part] = unslab(o_part)
         if saved is not None:
             saved.append(keep)
@@ -165,23 +165,23 @@ class ChunkDelta(torch.autograd.Function):
     intermediate of every chunk and replay hundreds of small ops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, G, S0, scale: float, per_slab: int):
+    def forward(ctx, q, k, v, beta, g, S0, scale: float, per_slab: int):
         saved: list = []
-        o, S = _chunk_forward(q, k, v, beta, G, S0, scale, per_slab, saved)
+        o, S = _chunk_forward(q, k, v, beta, g, S0, scale, per_slab, saved)
         ctx.save_for_backward(*(x for keep in saved for x in keep))
         ctx.scale, ctx.per_slab, ctx.S0_shape = scale, per_slab, None if S0 is None else S0.shape
-        ctx.shapes, ctx.gated = (q.shape, v.shape, beta.shape, None if G is None else G.shape), G is not None
+        ctx.shapes, ctx.gated = (q.shape, v.shape, beta.shape, None if g is None else g.shape), g is not None
         return o, S.clone()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dS):
         kept = ctx.saved_tensors
-        qk_shape, v_shape, beta_shape, G_shape = ctx.shapes
+        qk_shape, v_shape, beta_shape, g_shape = ctx.shapes
         N, n, C, H, K = qk_shape
         new = lambda shape: do.new_empty(shape)  # noqa: E731
         dq, dk, dv, dbeta = new(qk_shape), new(qk_shape), new(v_shape), new(beta_shape)
-        dG = None if G_shape is None else new(G_shape)
+        dg = None if g_shape is None else new(g_shape)
         slabs = list(_slabs(n, ctx.per_slab, N, H))
         m = C // sub_chunk_size(C)
         ins = 5 if ctx.gated else 4
@@ -191,12 +191,13 @@ class ChunkDelta(torch.autograd.Function):
             *rest, W, U, states = kept[per * j: per * (j + 1)]
             inputs, blocks = rest[:ins], rest[ins:]
             A_qk, T = BlockLower(blocks[0], blocks[1:m]), BlockLower(blocks[m], blocks[m + 1:])
-            grads, dS = slab_backward(*inputs[:4], inputs[4] if ctx.gated else None,
-                                      states, A_qk, T, W, U, slab(do), dS, ctx.scale)
-            for out, grad in zip((dq, dk, dv, dbeta, dG), grads):
+            (dq_s, dk_s, dv_s, dbeta_s, dG_s), dS = slab_backward(*inputs[:4], inputs[4] if ctx.gated else None,
+                                                                  states, A_qk, T, W, U, slab(do), dS, ctx.scale)
+            grads = (dq_s, dk_s, dv_s, dbeta_s, None if dG_s is None else _reverse_cumsum(dG_s, -2))
+            for out, grad in zip((dq, dk, dv, dbeta, dg), grads):
                 if out is not None:
                     out[:, part] = unslab(grad)
-        return dq, dk, dv, dbeta, dG, (None if ctx.S0_shape is None else dS), None, None
+        return dq, dk, dv, dbeta, dg, (None if ctx.S0_shape is None else dS), None, None
 
 
 def _chunk_slab(q, k, v, beta, G, S, scale: float, states_buffer=None, keep: list | None = None):
