@@ -103,9 +103,10 @@ def run(shapes=((8, 256), (1, 8192)), memory_T: int = 16384, heads: int = 4, dim
     def say(line=""):
         print(line, file=out, flush=True)
 
+    gemm = matmul_gflops()
     say(f"k3 bench backward: H={heads} K=V={dim} C={chunk_size} float32, {torch.get_num_threads()} threads, "
-        f"best of {rounds} interleaved rounds; machine matmul {matmul_gflops():.0f} GFLOP/s (1024^3 float32)")
-    results: dict = {"gemm_gflops": matmul_gflops(), "time": {}, "memory": {}}
+        f"best of {rounds} interleaved rounds; machine matmul {gemm:.0f} GFLOP/s (1024^3 float32)")
+    results: dict = {"gemm_gflops": gemm, "time": {}, "memory": {}}
     for op in ops:
         for B, T in shapes:
             times = interleaved_best(cases(op, B, T, heads, dim, chunk_size), rounds, grad=True)

@@ -7,8 +7,8 @@ import math
 
 from ..runtime import DEVICES
 
-from .commands import (_bench_backward, _bench_models, _bench_ops, _bench_parallel, _bench_train, _eval, _export, _generate, _lab,
-                       _params, _plan, _train)
+from .commands import (_bench_backward, _bench_models, _bench_ops, _bench_parallel, _bench_train, _eval, _export,
+                       _generate, _lab, _params, _plan, _train)
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):

@@ -23,8 +23,8 @@ in code it is `MoE.router`, a `Router`: "gate" in k3 means the KDA forget gate a
 Dispatch (`RoutedExperts`) costs what the k chosen experts cost, not all E, three ways: many tokens
 run every expert at once as three batched matmuls over the tokens grouped by expert, in slots of equal
 size (a busy expert takes several); a routing so skewed that the slots would be mostly padding sorts
-the tokens by expert and calls each used expert once; a few tokens (decoding) run through the stacked matrices of their chosen
-experts. It is a module of its own so that expert parallelism (k3.training.parallel) plugs in from
+the tokens by expert and calls each used expert once; a few tokens (decoding) run through the stacked
+matrices of their chosen experts. It is a module of its own so that expert parallelism (k3.training.parallel) plugs in from
 outside: a process keeps a slice of the experts, and hooks on this module gather the tokens before it
 and sum the slices' outputs after it.
 """
@@ -163,12 +163,12 @@ class RoutedExperts(nn.ModuleList):
 
         A handful of ops whatever the number of experts, where `_grouped` makes a dozen per expert
         (forward and backward): the better way when the experts are small. A busy expert takes several
-        slots rather than every expert padding to its count, so an unbalanced routing costs few padded rows
-        (`forward` takes this path while the rows are at most PADDING_LIMIT times the assignments). Rows move by one flat index, `source` [slots * capacity] (the token each
-        row holds; N, a zero row, for padding): a gather in, a scatter-add out, whose backwards are a
-        scatter-add and a gather (advanced indexing's backward, an accumulating index_put, costs several
-        times as much on CPU)."""
-        E, (N, k), d = len(self), chosen.shape, z.shape[-1]
+        slots rather than every expert padding to its count, so an unbalanced routing costs few padded
+        rows (`forward` takes this path while the rows are at most PADDING_LIMIT times the assignments).
+        Rows move by one flat index, `source` [slots * capacity] (the token each row holds; N, a zero row,
+        for padding): a gather in, a scatter-add out, whose backwards are a scatter-add and a gather
+        (advanced indexing's backward, an accumulating index_put, costs several times as much on CPU)."""
+        (N, k), d = chosen.shape, z.shape[-1]
         device = chosen.device
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)  # [N*k] assignments, grouped by expert

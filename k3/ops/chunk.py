@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from .common import keep_causal, nonfinite_onwards
-from .gates import gate_of, sub_chunk_size
 from .chunk_backward import slab_backward
+from .gates import gate_of, sub_chunk_size
 from .numerics import LOG_DECAY_FLOOR
 from .scan import state_scan
 from .ut import BlockLower
@@ -158,11 +158,11 @@ def _chunk_forward(q, k, v, beta, g, S0, scale: float, per_slab: int, saved: lis
 
 
 class ChunkDelta(torch.autograd.Function):
-    """The chunkwise delta rule with its own backward (`k3.ops.chunk_backward`), fla's split: the
-    forward keeps only its inputs (per slab, in the slab's layout), the two C x C matrices of each chunk
-    (A_qk and the UT inverse T) and the state entering each chunk; the backward recomputes W and U from
-    them, then runs the chunks in reverse. Autograd through the forward would keep every
-    intermediate of every chunk and replay hundreds of small ops."""
+    """The chunkwise delta rule with its own backward (`k3.ops.chunk_backward`), after fla's split: the
+    forward keeps per slab its inputs (in the slab's layout, G for g), the two C x C matrices of each
+    chunk (A_qk and the UT inverse T), W, U and the state entering each chunk; the backward recomputes
+    the decay factors and U0 from them, then runs the chunks in reverse. Autograd through the forward
+    would keep every intermediate of every chunk and replay hundreds of small ops."""
 
     @staticmethod
     def forward(ctx, q, k, v, beta, g, S0, scale: float, per_slab: int):

@@ -7,8 +7,9 @@ The forward of a slab (`k3.ops.chunk`), per chunk, with Gamma = exp(G) the decay
     U_i = U0_i - W_i S_i,   S_{i+1} = Diag(exp G_C) S_i + (k * exp(G_C - G))^T U_i   (`k3.ops.scan`)
     o = scale ((q * Gamma) S_i + A_qk U_i)
 
-Kept from the forward: the inputs, the slab's incoming state, A_qk and T. Recomputed here: W, U0, U
-and the chunk states. Then, with do the gradient of o and dS that of the slab's outgoing state:
+Kept from the forward: the slab's inputs (G for g), A_qk and T (as blocks), W, U and the state entering
+each chunk. Recomputed here: the decay factors and U0 = U + W S. Then, with do the gradient of o and dS
+that of the slab's outgoing state:
 
 1. dU = scale A_qk^T do, and the scan in reverse (`state_scan_backward`) adds K_end dS_{i+1} and gives
    dS_i = Diag(exp G_C) dS_{i+1} + scale (q * Gamma)^T do - W^T dU;
@@ -18,7 +19,7 @@ and the chunk states. Then, with do the gradient of o and dS that of the slab's 
    dL = -T^T (dY X^T) T^T below the diagonal;
 4. the gated scores' gradients (`k3.ops.gates`: dx = lower(dA, y), dy = upper(dA, x), dG = x dx - y dy),
    and the decays' own: x * exp(G) gives dG += x exp(G) d(x exp(G)), and so on.
-dG is the gradient w.r.t. the cumulative gate G; autograd's cumsum backward takes it to g.
+dG is the gradient w.r.t. the cumulative gate G; `ChunkDelta`'s reverse cumulative sum takes it to g.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def slab_backward(q, k, v, beta, G, states, A_qk, T, W, U, do, dS, scale: float)
     s = A_qk.diag.shape[-1]
     # recompute: the decayed rows, and U0 = U + W S from the forward's U, W and chunk states
     Gamma, to_end = gate.start_factor(), gate.end_factor()  # exp(G), exp(G_C - G); None without a gate
-    rows = lambda x, f: x if f is None else x * f  # noqa: E731
-    q_start, k_end = rows(q, Gamma), rows(k, to_end)
+    decayed = lambda x, f: x if f is None else x * f  # noqa: E731
+    q_start, k_end = decayed(q, Gamma), decayed(k, to_end)
     decay_end = None if gate.decay_end is None else gate.decay_end.view(n, M, -1)
     S_in = states.view(P, K, V)
     W, U = W.view(P, C, K), U.view(P, C, V)

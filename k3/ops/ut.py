@@ -103,46 +103,18 @@ class BlockLower(NamedTuple):
         return tuple(results)
 
     @staticmethod
-    def outer(A: torch.Tensor, B: torch.Tensor, s: int, strict: bool = False,
-              minus: tuple[torch.Tensor, torch.Tensor] | None = None) -> "BlockLower":
-        """The lower triangle of A B^T (A, B [P, C, d]; without the diagonal if `strict`), minus that of
-        A2 B2^T for minus = (A2, B2), as blocks of s rows and columns."""
+    def outer(A: torch.Tensor, B: torch.Tensor, s: int, strict: bool = False) -> "BlockLower":
+        """The lower triangle of A B^T (A, B [P, C, d]; without the diagonal if `strict`), as blocks of s
+        rows and columns."""
         P, C, d = A.shape
         m = C // s
-
-        def product(X, Y, rows, cols):
-            out = X[:, rows] @ Y[:, cols].transpose(-1, -2)
-            return out if minus is None else out.baddbmm_(minus[0][:, rows], minus[1][:, cols].transpose(-1, -2),
-                                                            alpha=-1.0)
-
-        diag = A.view(P * m, s, d) @ B.view(P * m, s, d).transpose(-1, -2)
-        if minus is not None:
-            d2 = minus[0].shape[-1]
-            diag.baddbmm_(minus[0].reshape(P * m, s, d2), minus[1].reshape(P * m, s, d2).transpose(-1, -2), alpha=-1.0)
-        diag = diag.view(P, m, s, s).tril_(-1 if strict else 0)
-        below = [product(A, B, slice(a * s, (a + 1) * s), slice(0, a * s)) for a in range(1, m)]
+        diag = (A.view(P * m, s, d) @ B.view(P * m, s, d).transpose(-1, -2)).view(P, m, s, s).tril_(-1 if strict else 0)
+        below = [A[:, a * s:(a + 1) * s] @ B[:, : a * s].transpose(-1, -2) for a in range(1, m)]
         return BlockLower(diag, below)
 
     def mul(self, other: "BlockLower") -> "BlockLower":
         """The elementwise product with another lower matrix of the same blocks."""
         return BlockLower(self.diag * other.diag, [a * b for a, b in zip(self.below, other.below)])
-
-    def scale(self, x: float) -> "BlockLower":
-        """x L, in place."""
-        self.diag.mul_(x)
-        for block in self.below:
-            block.mul_(x)
-        return self
-
-    def dense(self) -> torch.Tensor:
-        """The whole lower-triangular matrix [P, C, C], zeros above the diagonal blocks."""
-        P, m, s, _ = self.diag.shape
-        out = self.diag.new_zeros(P, m * s, m * s)
-        for a in range(m):
-            out[:, a * s:(a + 1) * s, a * s:(a + 1) * s] = self.diag[:, a]
-        for a, block in enumerate(self.below, start=1):
-            out[:, a * s:(a + 1) * s, : a * s] = block
-        return out
 
 
 def _stack_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
