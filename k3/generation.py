@@ -19,23 +19,27 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .runtime import check_compiler
+
 Prompts = torch.Tensor | Sequence[Sequence[int] | torch.Tensor]  # [B, T], or B prompts of any lengths
 
 
-def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-           generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [B, V] -> token ids [B]. temperature 0 is greedy; top_k keeps the k most likely tokens,
-    top_p the smallest set whose probability reaches p (nucleus); both apply before sampling."""
+def check_sampling(temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None) -> None:
+    """A clear error for sampling settings out of range."""
     if not 0 <= temperature < math.inf:  # NaN fails both comparisons
         raise ValueError(f"sample: `temperature` must be a finite number >= 0 (0: greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"sample: `top_k` must be >= 1 or None, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"sample: `top_p` must be in (0, 1] or None, got {top_p}")
-    logits = logits.float()
-    if temperature == 0:
-        return logits.argmax(-1)
-    logits = logits / temperature
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+                   top_p: float | None = None) -> torch.Tensor:
+    """logits [B, V] -> the probabilities [B, V] (float32) sampling draws from at temperature > 0:
+    softmax(logits / temperature) over the top_k most likely tokens and then the smallest set whose
+    probability reaches top_p (nucleus), the rest 0."""
+    logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -45,8 +49,29 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = N
         # drop a token when the tokens ranked above it already reach top_p (the first one always stays)
         drop = probs.cumsum(-1) - probs >= top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(-1)
+    return logits.softmax(-1)
+
+
+def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [B, V] -> token ids [B]. temperature 0 is greedy; top_k keeps the k most likely tokens,
+    top_p the smallest set whose probability reaches p (nucleus); both apply before sampling."""
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.float().argmax(-1)
+    probs = sampling_probs(logits, temperature, top_k, top_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_with_noise(logits: torch.Tensor, noise: torch.Tensor | None, temperature: float = 1.0,
+                      top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+    """`sample` with its randomness given: noise [B, V] ~ Exponential(1) (None when greedy), drawn by
+    the caller. token = argmax_i p_i / E_i, a draw from p (the exponential race: the first of V
+    exponential clocks of rates p_i to ring is i with probability p_i). No generator and no host sync
+    inside, so a compiled decode step samples within its graph (gpt-fast's `multinomial_sample_one_no_sync`)."""
+    if temperature == 0:
+        return logits.float().argmax(-1)
+    return (sampling_probs(logits, temperature, top_k, top_p) / noise).argmax(-1)
 
 
 def refuse_text(prompts) -> None:
@@ -145,43 +170,114 @@ def extend(model, input_ids: torch.Tensor, cache, max_new_tokens: int = 1) -> to
     return model(input_ids, cache=cache, logits_to_keep=1)[:, -1]
 
 
+def static_length(tokens: int) -> int:
+    """The slots a static cache gets for rows of up to `tokens` tokens: a power of two from 256 up to 1,024,
+    then a multiple of 1,024. Few distinct sizes, so few compiled graphs (each size is one), at most a
+    quarter of the slots spare past 4,096 tokens (attention reads them all, masked)."""
+    if tokens <= 1024:
+        return max(256, 1 << (tokens - 1).bit_length())
+    return -(-tokens // 1024) * 1024
+
+
+def compiled_prefill(model, prompts: Prompts, max_new_tokens: int, cache=None):
+    """`prefill` (or `extend` when given a StaticCache) into a static cache for `compile=True`: ([B]
+    logits of each prompt's last position, the StaticCache). A [B, T] prompt runs straight into it; a list
+    of prompts of different lengths is prefilled as `prefill` does and its growing cache `load`ed."""
+    if cache is not None:
+        if not getattr(cache, "static", False):
+            raise ValueError(f"generate: `compile=True` decodes over a static cache; pass one made with "
+                             f"model.new_cache(batch_size, max_length=N), or no cache, not a "
+                             f"{type(cache).__name__}")
+        if isinstance(prompts, torch.Tensor) and prompts.dim() == 2:
+            cache.check_room(prompts.shape[1] + max_new_tokens - 1)
+        return extend(model, prompts, cache, max_new_tokens), cache
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2 or prompts.shape[1] == 0:
+            raise ValueError(f"generate: the prompt `input_ids` must be [B, T] with T >= 1, got {list(prompts.shape)}")
+        check_positions(model, [prompts.shape[1]], max_new_tokens)
+        static = model.new_cache(prompts.shape[0], max_length=_static_slots(model, prompts.shape[1], max_new_tokens))
+        return model(prompts, cache=static, logits_to_keep=1)[:, -1], static
+    logits, grown = prefill(model, prompts, max_new_tokens)
+    longest = int(grown.lengths().max())
+    static = model.new_cache(grown.batch_size, max_length=_static_slots(model, longest, max_new_tokens))
+    return logits, static.load(grown)
+
+
+def _static_slots(model, longest: int, max_new_tokens: int) -> int:
+    """`static_length` of a prompt of `longest` tokens and the tokens fed back after it, within the learned
+    positions of a model that has them."""
+    slots = static_length(longest + max(max_new_tokens - 1, 0))
+    positions = model.config.max_position_embeddings
+    return min(slots, positions) if positions else slots
+
+
 @torch.no_grad()
 def stream(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
            top_p: float | None = None, eos_token_id: int | None = None,
-           generator: torch.Generator | None = None, cache=None) -> Iterator[torch.Tensor]:
+           generator: torch.Generator | None = None, cache=None, compile: bool | str = False
+           ) -> Iterator[torch.Tensor]:
     """Yield the next token [B] of every sequence, max_new_tokens times or until all have emitted
     eos_token_id (a finished sequence keeps yielding eos). `input_ids`: [B, T], or a list of B prompts
     of any lengths.
 
     With `cache` (a HybridCache of earlier tokens, e.g. the conversation so far), `input_ids` [B, T]
     continue after what it has seen, and it is updated in place: at the end it has seen everything but
-    the last token yielded (sampled, not yet fed back; the next turn starts with it)."""
+    the last token yielded (sampled, not yet fed back; the next turn starts with it).
+
+    `compile=True` decodes with a compiled step over a static cache (`k3.models.decode_step`: inductor
+    on the CPU, CUDA graphs on CUDA; the first call of a model and batch size compiles, later ones, in this
+    process or the next, reuse it). Greedy tokens equal eager decoding's; sampled ones are drawn by
+    `sample_with_noise` (the same distribution, other draws than `sample`'s for the same generator). A
+    `cache` given with it must be static (`model.new_cache(batch_size, max_length=N)`)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"generate: `max_new_tokens` must be an int >= 0, got {max_new_tokens!r}")
-    if cache is None:
+    check_sampling(temperature, top_k, top_p)
+    step = None
+    if compile:
+        if compile is True:
+            check_compiler(next(model.parameters()).device)
+        logits, cache = compiled_prefill(model, input_ids, max(max_new_tokens, 1), cache)
+        if max_new_tokens > 1:
+            step = model.decode_step(cache, temperature, top_k, top_p, generator, compile=compile)
+    elif cache is None:
         logits, cache = prefill(model, input_ids, max(max_new_tokens, 1))
     else:
         logits = extend(model, input_ids, cache, max(max_new_tokens, 1))
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-    for step in range(max_new_tokens):
-        token = sample(logits, temperature, top_k, top_p, generator)
+    token = None
+    for i in range(max_new_tokens):
+        if step is not None and token is not None:
+            token = step(token)
+        elif compile:
+            token = sample_with_noise(logits, _noise(logits, temperature, generator), temperature, top_k, top_p)
+        else:
+            token = sample(logits, temperature, top_k, top_p, generator)
         if eos_token_id is not None:
             token = token.masked_fill(done, eos_token_id)
             done |= token == eos_token_id
         yield token
         if eos_token_id is not None and bool(done.all()):
             return
-        if step + 1 < max_new_tokens:
+        if step is None and i + 1 < max_new_tokens:
             logits = model(token.unsqueeze(1), cache=cache)[:, -1]
+
+
+def _noise(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor | None:
+    """Exponential(1) noise like logits for `sample_with_noise` (None when greedy)."""
+    if temperature == 0:
+        return None
+    return torch.empty(logits.shape, device=logits.device).exponential_(generator=generator)
 
 
 def generate(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-             generator: torch.Generator | None = None) -> torch.Tensor | list[torch.Tensor]:
+             generator: torch.Generator | None = None, compile: bool | str = False
+             ) -> torch.Tensor | list[torch.Tensor]:
     """Prompt [B, T] -> prompt and new tokens [B, T + n], n <= max_new_tokens. A list of prompts of any
     lengths -> a list of 1-D tensors, each its prompt and its new tokens, up to and including its first
-    eos_token_id."""
-    new = list(stream(model, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator))
+    eos_token_id. `compile`: see `stream`."""
+    new = list(stream(model, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator,
+                      compile=compile))
     if isinstance(input_ids, torch.Tensor):
         return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1) if new else input_ids.clone()
     prompts = as_prompt_list(input_ids)

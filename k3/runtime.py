@@ -103,6 +103,15 @@ def cxx_compiler() -> str | None:
     return None
 
 
+def check_compiler(device="cpu", what: str = "compile") -> None:
+    """The one-line error for compiling for a CPU without a C++ compiler (inductor builds C++ kernels)."""
+    import torch
+
+    if torch.device(device).type == "cpu" and cxx_compiler() is None:
+        raise ValueError(f"{what}: torch.compile builds C++ kernels for the CPU and no C++ compiler was found "
+                           f"(install g++ or set $CXX), or run without compiling")
+
+
 def available_memory() -> int | None:
     """The memory this process can have now, in bytes: Linux's MemAvailable (free memory and caches it
     can drop), else the machine's RAM, capped by a cgroup (container) limit; None where the system does

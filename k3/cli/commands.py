@@ -34,6 +34,12 @@ def _bench_backward(args) -> int:
 def _bench_models(args) -> int:
     from ..bench import models
 
+    if args.compile:
+        from ..bench import compiled
+
+        compiled.run(quick=args.quick, contexts=args.contexts, batch=args.batch, steps=args.steps,
+                     n_threads=args.threads, json_path=args.json)
+        return 0
     models.run(quick=args.quick, contexts=args.contexts, prefill=args.prefill, train=args.train, batch=args.batch,
                rounds=args.rounds, steps=args.steps, models=args.models or models.MODELS, n_threads=args.threads,
                json_path=args.json)
@@ -184,9 +190,19 @@ def _generate(args) -> int:
     if args.parallel == "ep" and args.prompt is None and not args.prompt_file:
         raise ValueError("--parallel ep takes --prompt or --prompt-file (every process runs the same prompts); "
                          "the interactive mode reads stdin in one process")
+    if args.compile and args.parallel == "ep":
+        raise ValueError("--compile decodes in one process; it does not combine with --parallel ep (drop one)")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
+    if args.compile:
+        from ..models.decode_step import compile_cache_dir
+        from ..runtime import check_compiler
+
+        check_compiler(device, "--compile")
+        print(f"k3 generate: --compile: the first tokens wait while the decode step compiles (about a minute the "
+              f"first time for a model and batch size; later runs load it from {compile_cache_dir()})",
+              file=sys.stderr)
     # every file against the save's manifest, the weights' names and shapes, as `k3 train --resume` does
     check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
     tokenizer = Tokenizer.load(args.checkpoint)
@@ -292,7 +308,8 @@ def _generate_batch(args, model, tokenizer, texts: list[str], prompts: list[list
     start = time.perf_counter()
     eot = None if args.ignore_eot else tokenizer.eot_id
     rows = model.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, eos_token_id=eot, generator=generator)
+                          top_p=args.top_p, eos_token_id=eot, generator=generator,
+                          compile=getattr(args, "compile", False))
     seconds = time.perf_counter() - start
     new = 0
     for i, (text, ids, row) in enumerate(zip(texts, prompts, rows)):

@@ -32,7 +32,8 @@ def stream_text(model, tokenizer, ids: list[int], args, generator, new: list[int
     eot = None if args.ignore_eot else tokenizer.eot_id
     shown = ""
     for token in model.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, eos_token_id=eot, generator=generator, cache=cache):
+                              top_p=args.top_p, eos_token_id=eot, generator=generator, cache=cache,
+                              compile=getattr(args, "compile", False)):
         new.append(int(token[0]))
         if new[-1] == eot:
             break
@@ -72,6 +73,18 @@ def _read_line(tty: bool) -> str | None:
     return line
 
 
+CHAT_LENGTH = 4096  # --chat --compile: the tokens a conversation's static cache holds (less: a model's positions)
+
+
+def _chat_cache(model, args):
+    """The conversation's cache: growing, or with --compile static, for CHAT_LENGTH tokens (a turn that
+    would pass them is refused with a clear error, as one past a model's learned positions is)."""
+    if not getattr(args, "compile", False):
+        return model.new_cache(1)
+    positions = model.config.max_position_embeddings
+    return model.new_cache(1, max_length=min(CHAT_LENGTH, positions) if positions else CHAT_LENGTH)
+
+
 def interactive(args, model, tokenizer) -> int:
     """The interactive loop (see the module docstring); returns the exit code."""
     import torch
@@ -99,7 +112,7 @@ def interactive(args, model, tokenizer) -> int:
                   file=sys.stderr)
             continue
         if args.chat:
-            cache = cache if cache is not None else model.new_cache(1)
+            cache = cache if cache is not None else _chat_cache(model, args)
             feed = conversation[cache.length:] + ids
         else:
             feed = ids

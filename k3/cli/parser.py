@@ -174,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "reads only its own), the tokens exchanged by all-to-all; with --prompt or --prompt-file")
     gen.add_argument("--device", choices=DEVICES, default="auto",
                      help="where to generate: auto (the default) picks CUDA, then Apple's MPS, then the CPU")
+    gen.add_argument("--compile", action="store_true",
+                     help="decode with a compiled step over a static cache (torch.compile: C++ kernels on the CPU, "
+                          "which need a C++ compiler; CUDA graphs on CUDA). The first run of a model compiles "
+                          "(about a minute on 2 cores); later runs load it from the cache in "
+                          "$TORCHINDUCTOR_CACHE_DIR (default ~/.cache/k3/inductor). Greedy tokens are the same")
     gen.set_defaults(func=_generate)
     export = sub.add_parser("export", help="write a checkpoint in Hugging Face transformers' format (needs k3[hf])")
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="a k3 checkpoint directory (k3 train --out)")
@@ -245,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     bmodels.add_argument("--batch", type=int, nargs=2, metavar=("B1", "B2"), help="decode batches compared (1 8)")
     bmodels.add_argument("--rounds", type=int, help="interleaved rounds of prefill and train step (default 3; quick 2)")
     bmodels.add_argument("--steps", type=int, help="timed decode steps per model and context (default 24; quick 16)")
+    bmodels.add_argument("--compile", action="store_true",
+                         help="instead: eager and compiled decode ms/token (static cache, inductor) of kimi-k3-tiny, "
+                              "kimi-linear-tiny and the matched GPT-2 at each context and batch, and the compile times "
+                              "(first, cached) in fresh processes; needs a C++ compiler")
     bmodels.set_defaults(func=_bench_models)
     lab = sub.add_parser("lab", help="the article's claims as experiments: tables and plots in runs/lab/results.md")
     lab.add_argument("name", help="an experiment (recall, overwrite, prefill, decode, parts, inspect) or 'all'")

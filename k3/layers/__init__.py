@@ -6,13 +6,15 @@ and Multi-head Latent Attention, each with its decode cache, the (latent) mixtur
 Attention Residuals. `k3.models` assembles them.
 """
 
-from .attention import KVCache, MultiHeadAttention
-from .attnres import BlockAttnRes
-from .cache import LayerCache
+from .attention import KVCache, MultiHeadAttention, StaticKVCache
+from .attnres import BlockAttnRes, DepthSources
+from .cache import LayerCache, StaticSequenceCache
 from .conv import ShortConvolution
 from .ffn import GatedMLP, GeluMLP, situ
-from .linear_attention import DeltaNet, GatedDeltaNet, KimiDeltaAttention, LinearAttention, RecurrentCache
-from .mla import LatentCache, MultiHeadLatentAttention
+from .linear_attention import (
+    DeltaNet, GatedDeltaNet, KimiDeltaAttention, LinearAttention, RecurrentCache, StaticRecurrentCache,
+)
+from .mla import LatentCache, MultiHeadLatentAttention, StaticLatentCache
 from .moe import Expert, MoE, RoutedExperts, Router
 from .norm import RMSNorm
 
@@ -21,5 +23,6 @@ __all__ = [
     "RMSNorm", "GeluMLP", "GatedMLP", "situ", "ShortConvolution",
     "DeltaNet", "GatedDeltaNet", "KimiDeltaAttention", "RecurrentCache",
     "MultiHeadLatentAttention", "LatentCache", "MoE", "Expert", "RoutedExperts", "Router", "BlockAttnRes",
-    "LayerCache",
+    "LayerCache", "StaticSequenceCache", "StaticKVCache", "StaticLatentCache", "StaticRecurrentCache",
+    "DepthSources",
 ]

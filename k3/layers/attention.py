@@ -17,7 +17,7 @@ from torch import nn
 
 from ..ops import attention
 from ..ops.attention import causal_attention
-from .cache import SequenceCache, SequenceField
+from .cache import SequenceCache, SequenceField, StaticSequenceCache
 from .checks import check_mixer_input
 from .init import init_linear
 from .max_logit import record_max_logits
@@ -28,6 +28,13 @@ class KVCache(SequenceCache):
 
     k = SequenceField()
     v = SequenceField()
+
+    tensor_fields = sequence_fields = ("k", "v")
+
+
+class StaticKVCache(StaticSequenceCache):
+    """Keys and values in buffers [B, N, H, D] of N slots, written in place at the rows' positions
+    (`k3.layers.cache.StaticSequenceCache`)."""
 
     tensor_fields = sequence_fields = ("k", "v")
 
@@ -53,7 +60,13 @@ class MultiHeadAttention(nn.Module):
         init_linear(self.c_attn, std)
         init_linear(self.c_proj, std if residual_std is None else residual_std)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def new_static_cache(self, owner, batch_size: int, max_length: int) -> StaticKVCache:
+        """Preallocated keys and values for `batch_size` rows of `max_length` tokens."""
+        w = self.c_attn.weight
+        shape = (batch_size, max_length, self.num_heads, self.hidden_size // self.num_heads)
+        return StaticKVCache(owner, k=w.new_zeros(shape), v=w.new_zeros(shape))
+
+    def forward(self, x: torch.Tensor, cache: KVCache | StaticKVCache | None = None) -> torch.Tensor:
         """x [B, T, hidden_size] -> y; with `cache`, attend over the cached keys/values and append."""
         check_mixer_input("MultiHeadAttention", x, self.hidden_size, cache)
         B, T, _ = x.shape
@@ -64,5 +77,6 @@ class MultiHeadAttention(nn.Module):
         else:  # the cache's rows and this call's, then the last T positions attend over them
             k_all, v_all = cache.append(k=k, v=v)
             record_max_logits(self, q, k_all, q.shape[-1] ** -0.5, cache.pad)
-            o = causal_attention(q, k_all, v_all, scale=q.shape[-1] ** -0.5, start=cache.pad)
+            mask = cache.visible(T, k_all.shape[1], x.device) if cache.static else None
+            o = causal_attention(q, k_all, v_all, scale=q.shape[-1] ** -0.5, start=cache.pad, mask=mask)
         return self.c_proj(o.reshape(B, T, self.hidden_size))

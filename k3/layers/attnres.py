@@ -9,7 +9,8 @@ block sum is the element-wise sum of the attention and FFN outputs of B consecut
 (B = 12 in K3). RMS has no weight of its own (the learned norm weight is folded into the query); V is
 used un-normalised; everything runs in float32. proj starts at zero, so the first mix is uniform.
 Token-local: nothing to cache across decoding steps. Which sources exist when is the decoder's
-business (`k3.models.model.Decoder`).
+business (`k3.models.model.Decoder`). A static decode step keeps them in one preallocated buffer
+(`DepthSources`), so that each mix reads a slice of it instead of stacking its sources anew.
 """
 
 from __future__ import annotations
@@ -83,6 +84,31 @@ class BlockAttnRes(nn.Module):
         if not sources:
             raise ValueError("BlockAttnRes: `sources` must hold at least one tensor, got none")
         return sources
+
+
+class DepthSources:
+    """A decode step's Block AttnRes sources in one buffer [n, B, T, D] (float32, allocated once by the
+    static cache): `add` writes a completed source into the next slot; `read(mix, x)` writes the current
+    partial sum x after them and mixes the slice (`BlockAttnRes._mix_stacked`), so no mix stacks its
+    sources again. `count` is the slots filled: the same at the same layer of every step."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer, self.count = buffer, 0
+        self.dtype = buffer.dtype
+
+    def add(self, x: torch.Tensor) -> None:
+        if self.count == 0:
+            self.dtype = x.dtype  # the mixes come out in the embedding's dtype, as BlockAttnRes's do
+        self.buffer[self.count].copy_(x)
+        self.count += 1
+
+    def read(self, mix: BlockAttnRes, x: torch.Tensor | None) -> torch.Tensor:
+        """The mix of the completed sources and x (None: the completed ones only)."""
+        n = self.count
+        if x is not None:
+            self.buffer[n].copy_(x)
+            n += 1
+        return cast(mix._mix_stacked(self.buffer[:n]), self.dtype)
 
 
 class _DepthMix(torch.autograd.Function):

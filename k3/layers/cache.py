@@ -14,6 +14,13 @@ gives the rows held so far; assigning one adopts the tensor as the field's buffe
 Rows of different lengths (prompts batched together, `concat`) share one slot axis: a shorter row's
 first slots hold no token. `SequenceCache.pad` [B] counts them per row; attention masks them out and
 positions count from the first real slot, so a row computes exactly what it would alone.
+
+A static cache (`StaticSequenceCache`, made by `CausalLM.new_cache(batch_size, max_length=N)`) holds the
+same fields in buffers of N slots allocated once: a forward writes each row's tokens in place at that
+row's position (a tensor), so the buffers keep their shapes and addresses and a decode step is one
+graph for every token. Both kinds answer the two questions attention asks of a cache the same way:
+`token_positions(T)` (where this call's tokens sit in their rows) and `visible(T, S)` (which slots each
+query may look at).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ class LayerCache:
 
     tensor_fields: tuple[str, ...] = ()
     sequence_fields: tuple[str, ...] = ()
+    static = False  # True: preallocated buffers written in place (a static cache: new_cache(..., max_length=N))
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor held, in field order (tuples flattened; empty fields skipped). A growing field
@@ -165,6 +173,19 @@ class SequenceCache(LayerCache):
             out.append(buffer if total == buffer.shape[1] else buffer[:, :total])
         return out
 
+    def token_positions(self, T: int, device=None) -> torch.Tensor:
+        """Positions of the next T tokens in their rows: [T] (length ... length + T - 1), or [B, T]
+        less each row's `pad`. Asked before `append`."""
+        positions = torch.arange(self.length, self.length + T, device=device)
+        return positions if self.pad is None else positions - self.pad.to(device)[:, None]
+
+    def visible(self, T: int, S: int, device=None) -> torch.Tensor | None:
+        """Which of the S slots held after `append` each of the last T queries may attend to
+        (`k3.ops.attention.causal_mask` with `pad`; None when nothing is masked)."""
+        from ..ops.attention import causal_mask
+
+        return causal_mask(T, S, self.pad, device)
+
     def reorder(self, index: torch.Tensor) -> None:
         super().reorder(index)
         if self.pad is not None:
@@ -207,3 +228,78 @@ def _regrown(buffer: torch.Tensor, held: int, capacity: int, x: torch.Tensor) ->
     grown = x.new_empty(x.shape[0], capacity, *x.shape[2:])
     grown[:, :held] = buffer[:, :held]
     return grown
+
+
+class StaticSequenceCache(LayerCache):
+    """A cache whose `sequence_fields` are buffers [B, N, ...] of N slots (max_length) allocated once,
+    written in place at the rows' positions (gpt-fast's KV cache; transformers' StaticCache).
+
+    `owner` is the model-wide static cache (`k3.models.static_cache.StaticCache`): its `positions` [B]
+    (a tensor) counts the tokens each row has seen, which every layer reads and the owner advances after
+    the forward. A forward of T tokens writes row b's at slots positions[b] ... positions[b] + T - 1, so
+    rows of different lengths sit left-aligned, without padding. One token (decode) returns the whole
+    buffers, masked past each row's position (`visible`): shapes that never change, no Python int that
+    changes per token. More tokens (prefill) return the slots up to the longest row's end (a host-side
+    count the owner keeps), so a prompt does not pay for the empty slots after it."""
+
+    pad = None  # no empty leading slots: rows are left-aligned
+    static = True
+
+    def __init__(self, owner, **buffers: torch.Tensor):
+        self.owner = owner
+        for name in self.sequence_fields:
+            setattr(self, name, buffers.pop(name))
+        if buffers:
+            raise TypeError(f"{type(self).__name__}: unknown fields {sorted(buffers)}; it has {self.sequence_fields}")
+
+    @property
+    def length(self) -> int:
+        """Tokens the longest row has seen (host-side; not read by a decode step)."""
+        return self.owner.longest
+
+    @property
+    def capacity(self) -> int:
+        return self._stored(self.sequence_fields[0]).shape[1]
+
+    def _slots(self, T: int) -> torch.Tensor:
+        """[B, T]: the slot of each of this call's tokens in its row."""
+        positions = self.owner.positions
+        return positions.unsqueeze(1) + torch.arange(T, device=positions.device)
+
+    def append(self, **new: torch.Tensor) -> list[torch.Tensor]:
+        """Write new[name] [B, T, ...] at each row's next T slots, in place; return the buffers (T = 1:
+        whole, [B, N, ...]; T > 1: the first longest + T slots), in the order given."""
+        out = []
+        for name, x in new.items():
+            buffer = getattr(self, name)
+            B, T = x.shape[:2]
+            index = self._slots(T).view(B, T, *([1] * (x.dim() - 2))).expand_as(x)
+            buffer.scatter_(1, index, x.to(buffer.dtype))
+            out.append(buffer if T == 1 else buffer[:, : self.owner.longest + T])
+        return out
+
+    def token_positions(self, T: int, device=None) -> torch.Tensor:
+        """[B, T]: positions of the next T tokens in their rows (each row's own count)."""
+        return self._slots(T).to(device)
+
+    def visible(self, T: int, S: int, device=None) -> torch.Tensor:
+        """[B, 1, T, S]: slot s is visible to query i of row b when s <= positions[b] + i (its own token
+        and the row's earlier ones; the slots after hold nothing yet, or another turn's leftovers)."""
+        slots = torch.arange(S, device=self.owner.positions.device)
+        return (slots <= self._slots(T).unsqueeze(-1)).unsqueeze(1).to(device)
+
+    def nbytes(self) -> int:
+        """Bytes of the buffers (all N slots: they are allocated whatever the rows hold)."""
+        return self.allocated_bytes()
+
+    def reorder(self, index: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__}: a static cache keeps its rows in place; reorder a "
+                                  f"growing cache (model.new_cache(batch_size) without max_length)")
+
+    @classmethod
+    def concat(cls, caches, slots):
+        raise NotImplementedError(f"{cls.__name__}: static caches are not joined; prefill the rows into one "
+                                  f"(k3.models.static_cache.StaticCache.load)")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(batch_size={self.batch_size}, capacity={self.capacity})"

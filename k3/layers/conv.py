@@ -128,7 +128,14 @@ def joint_step(convs: list[ShortConvolution], xs: list[torch.Tensor], states: li
                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """`step` of several convolutions (same kernel size and activation) on one token, as one rolling
     window over their channels side by side: xs [B, D_i], states [B, D_i, W-1] -> (y [B, sum D_i], the
-    new states [B, D_i, W-1]). What the linear family's decode step runs for its q, k and v."""
-    y, state = rolling_step(torch.cat(xs, dim=-1), torch.cat(states, dim=1),
-                            torch.cat([conv.weight for conv in convs]), convs[0].activation)
-    return y, list(state.split([conv.dim for conv in convs], dim=1))
+    new states [B, D_i, W-1]). See `joint_window_step`, which takes and gives the states joined."""
+    y, window = joint_window_step(convs, xs, torch.cat(states, dim=1))
+    return y, list(window.split([conv.dim for conv in convs], dim=1))
+
+
+def joint_window_step(convs: list[ShortConvolution], xs: list[torch.Tensor], window: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`joint_step` with the states joined along the channels: window [B, sum D_i, W-1] -> (y [B, sum D_i],
+    the new window [B, sum D_i, W-1]). What the linear family's decode step runs for its q, k and v (a
+    static cache keeps the three states as one such window)."""
+    return rolling_step(torch.cat(xs, dim=-1), window, torch.cat([conv.weight for conv in convs]), convs[0].activation)

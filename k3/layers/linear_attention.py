@@ -49,7 +49,7 @@ from ..ops.kda import kda_step
 from ..ops.linear_attn import linear_attn_step
 from .cache import LayerCache
 from .checks import check_mixer_input
-from .conv import ShortConvolution, joint_step
+from .conv import ShortConvolution, joint_window_step
 from . import init
 from .init import init_linear
 from .norm import RMSNorm, upcast
@@ -67,6 +67,56 @@ class RecurrentCache(LayerCache):
     recurrent_state: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
 
     tensor_fields = ("conv_states", "recurrent_state")  # nothing grows with the sequence
+
+    def conv_window(self) -> torch.Tensor:
+        """The three conv states joined along the channels, [N, 3D, W-1] (what a decode step reads)."""
+        return torch.cat(self.conv_states, dim=1)
+
+    def store(self, recurrent_state, conv_states=None, conv_window: torch.Tensor | None = None) -> None:
+        """Keep a forward's new state: the recurrent state, and the conv states as three tensors or as one
+        joined window [N, 3D, W-1] (split here). A growing cache adopts the tensors given."""
+        if conv_window is not None:
+            conv_states = tuple(conv_window.split(conv_window.shape[1] // 3, dim=1))
+        if conv_states is not None:
+            self.conv_states = tuple(conv_states)
+        self.recurrent_state = recurrent_state
+
+
+class StaticRecurrentCache(RecurrentCache):
+    """A linear-family layer's decode state in buffers allocated once, updated in place (transformers'
+    static linear-attention layers; vLLM's state pool): the three conv states as one window
+    [N, 3D, W-1] (`conv_window`, read whole by a decode step; `conv_states` gives its three views) and the
+    recurrent state [N, H, K, V] (linear attention: (S, z)). They start at zero, which is a fresh
+    sequence's state; `store` copies a forward's new state into them, so their addresses never change."""
+
+    static = True
+
+    def __init__(self, window: torch.Tensor | None, recurrent_state):
+        self._window, self.recurrent_state = window, recurrent_state
+
+    @property
+    def conv_states(self):
+        return None if self._window is None else tuple(self._window.split(self._window.shape[1] // 3, dim=1))
+
+    def conv_window(self) -> torch.Tensor:
+        return self._window
+
+    def store(self, recurrent_state, conv_states=None, conv_window: torch.Tensor | None = None) -> None:
+        if conv_window is not None:
+            self._window.copy_(conv_window)
+        elif conv_states is not None:
+            for buffer, state in zip(self.conv_states, conv_states):
+                buffer.copy_(state)
+        for buffer, state in zip(_as_tuple(self.recurrent_state), _as_tuple(recurrent_state)):
+            buffer.copy_(state)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        raise NotImplementedError("StaticRecurrentCache: a static cache keeps its rows in place; reorder a "
+                                  "growing cache (model.new_cache(batch_size) without max_length)")
+
+
+def _as_tuple(state) -> tuple:
+    return tuple(state) if isinstance(state, (tuple, list)) else (state,)
 
 
 def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
@@ -146,6 +196,15 @@ class _DeltaRuleAttention(nn.Module):
             return self.g_proj(x)
         return None
 
+    def new_static_cache(self, owner, batch_size: int, max_length: int) -> StaticRecurrentCache:
+        """Zeroed conv window [B, 3 H Dh, W-1] (the model's dtype) and recurrent state [B, H, Dh, Dh]
+        (float32; float64 in a float64 model); `owner` and `max_length` are not needed: nothing grows."""
+        w = self.q_proj.weight
+        inner, W = self.num_heads * self.head_dim, self.q_conv1d.kernel_size
+        state = torch.zeros(batch_size, self.num_heads, self.head_dim, self.head_dim, dtype=upcast(w).dtype,
+                            device=w.device)
+        return StaticRecurrentCache(w.new_zeros(batch_size, 3 * inner, W - 1), state)
+
     def forward(self, x: torch.Tensor, cache: RecurrentCache | None = None) -> torch.Tensor:
         """x [B, T, hidden_size] -> y [B, T, hidden_size]. With `cache`, continue from its state and
         leave the new state in it (prefill runs the chunk form; one token after a state runs `_decode`)."""
@@ -173,27 +232,26 @@ class _DeltaRuleAttention(nn.Module):
             o, state = self.chunk_op(q, k, v, *gate_args, beta, initial_state=state, output_final_state=keep,
                                      use_qk_l2norm=True, chunk_size=self.chunk_size)
         if cache is not None:
-            cache.conv_states, cache.recurrent_state = (conv_q, conv_k, conv_v), state
+            cache.store(state, conv_states=(conv_q, conv_k, conv_v))
         return self._output(o, x)
 
     def _decode(self, x: torch.Tensor, cache: RecurrentCache) -> torch.Tensor:
         """One token after the state in `cache`: x [B, 1, hidden_size] -> y [B, 1, hidden_size], the same
         maths as `forward` with every tensor [B, ...] (no time axis): the three short convolutions as one
-        rolling window (`joint_step`), q and k normalised together, and the op's `step_op`."""
+        rolling window (`joint_window_step`), q and k normalised together, and the op's `step_op`."""
         B = x.shape[0]
         H, Dh = self.num_heads, self.head_dim
         h = x[:, 0]  # [B, hidden_size]
-        y, conv_states = joint_step([self.q_conv1d, self.k_conv1d, self.v_conv1d],
-                                    [self.q_proj(h), self.k_proj(h), self.v_proj(h)], list(cache.conv_states))
+        y, window = joint_window_step([self.q_conv1d, self.k_conv1d, self.v_conv1d],
+                                      [self.q_proj(h), self.k_proj(h), self.v_proj(h)], cache.conv_window())
         qkv = upcast(y).view(B, 3, H, Dh)
         q, k = l2norm(qkv[:, :2]).unbind(1)  # [B, H, Dh] each
         beta = torch.sigmoid(upcast(self.b_proj(h)))  # [B, H]
         g = self.forget_gate(h)
         gate_args = () if g is None else (g,)
         # all float32 (float64 in a float64 model), as the state the prefill left
-        o, cache.recurrent_state = self.step_op(q, k, qkv[:, 2], *gate_args, beta, cache.recurrent_state,
-                                                Dh ** -0.5)
-        cache.conv_states = tuple(conv_states)
+        o, state = self.step_op(q, k, qkv[:, 2], *gate_args, beta, cache.recurrent_state, Dh ** -0.5)
+        cache.store(state, conv_window=window)
         return self._output(o, h).unsqueeze(1)
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -291,6 +349,13 @@ class LinearAttention(nn.Module):
             init_linear(linear, std)
         init_linear(self.o_proj, std if residual_std is None else residual_std)
 
+    def new_static_cache(self, owner, batch_size: int, max_length: int) -> StaticRecurrentCache:
+        """A zeroed state (S [B, H, K, V], z [B, H, K]) in float32 (float64 in a float64 model); no conv."""
+        w = self.q_proj.weight
+        dtype, H, D = upcast(w).dtype, self.num_heads, self.head_dim
+        return StaticRecurrentCache(None, (torch.zeros(batch_size, H, D, D, dtype=dtype, device=w.device),
+                                           torch.zeros(batch_size, H, D, dtype=dtype, device=w.device)))
+
     def forward(self, x: torch.Tensor, cache: RecurrentCache | None = None) -> torch.Tensor:
         """x [B, T, hidden_size] -> y [B, T, hidden_size]; with `cache`, continue from (S, z) and update it."""
         check_mixer_input("LinearAttention", x, self.hidden_size, cache)
@@ -298,7 +363,8 @@ class LinearAttention(nn.Module):
         state = None if cache is None else cache.recurrent_state
         if T == 1 and state is not None:  # decode: [B, ...] tensors and the op's lean step
             q, k, v = self._features(x[:, 0])
-            o, cache.recurrent_state = linear_attn_step(q, k, v, state, self.head_dim ** -0.5)
+            o, state = linear_attn_step(q, k, v, state, self.head_dim ** -0.5)
+            cache.store(state)
             return self.o_proj(cast(o.reshape(B, -1), x.dtype)).unsqueeze(1)
         q, k, v = self._features(x)
         if cache is not None and T == 1:  # a first token, with no state yet
@@ -307,7 +373,7 @@ class LinearAttention(nn.Module):
             o, state = chunk_linear_attn(q, k, v, initial_state=state, output_final_state=cache is not None,
                                          chunk_size=self.chunk_size)
         if cache is not None:
-            cache.recurrent_state = state
+            cache.store(state)
         return self.o_proj(cast(o.reshape(B, T, -1), x.dtype))
 
     def _features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

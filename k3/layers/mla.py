@@ -24,7 +24,7 @@ from torch import nn
 
 from ..ops.attention import causal_attention, causal_mask
 from ..ops.common import cast
-from .cache import SequenceCache, SequenceField
+from .cache import SequenceCache, SequenceField, StaticSequenceCache
 from .checks import check_mixer_input
 from .init import init_linear
 from .max_logit import record_max_logits
@@ -38,6 +38,13 @@ class LatentCache(SequenceCache):
 
     c = SequenceField()
     k_pe = SequenceField()
+
+    tensor_fields = sequence_fields = ("c", "k_pe")
+
+
+class StaticLatentCache(StaticSequenceCache):
+    """MLA's latents c [B, N, r] and k_pe [B, N, dr] in buffers of N slots, written in place at the rows'
+    positions (`k3.layers.cache.StaticSequenceCache`)."""
 
     tensor_fields = sequence_fields = ("c", "k_pe")
 
@@ -100,59 +107,71 @@ class MultiHeadLatentAttention(nn.Module):
         for norm in (self.kv_a_layernorm,) + (() if self.q_lora_rank is None else (self.q_a_layernorm,)):
             norm.reset_parameters()
 
-    def _queries_and_latents(self, x: torch.Tensor, past: int, pad: torch.Tensor | None = None):
-        """Queries [B, T, H, dn + dr], latents c [B, T, r] and k_pe [B, T, dr] of x, at positions past + i
-        (minus pad [B], a row's empty leading slots, when rows of different lengths share the cache)."""
+    def _queries_and_latents(self, x: torch.Tensor, positions: torch.Tensor | int = 0):
+        """Queries [B, T, H, dn + dr], latents c [B, T, r] and k_pe [B, T, dr] of x, whose tokens sit at
+        `positions` ([T], or [B, T]: one per row, as a cache gives them) or, for an int p, p ... p + T - 1."""
         B, T, _ = x.shape
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(B, T, self.num_heads, self.dn + self.dr)
         c, k_pe = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank, self.dr], dim=-1)
         c = self.kv_a_layernorm(c)
         if self.rope_theta is not None:  # NoPE unless asked: the rope part is carried, never rotated
-            positions = torch.arange(past, past + T, device=x.device)
-            if pad is not None:
-                positions = positions - pad.to(x.device)[:, None]  # [B, T]
+            if isinstance(positions, int):
+                positions = torch.arange(positions, positions + T, device=x.device)
             q = torch.cat([q[..., : self.dn], rotate_half_rope(q[..., self.dn:], positions, self.rope_theta)], -1)
             k_pe = rotate_half_rope(k_pe.unsqueeze(2), positions, self.rope_theta).squeeze(2)
         return q, c, k_pe
 
-    def forward(self, x: torch.Tensor, cache: LatentCache | None = None, absorb: bool | None = None
-                ) -> torch.Tensor:
+    def new_static_cache(self, owner, batch_size: int, max_length: int) -> "StaticLatentCache":
+        """Preallocated latents for `batch_size` rows of `max_length` tokens (see StaticLatentCache)."""
+        w = self.kv_a_proj_with_mqa.weight
+        return StaticLatentCache(owner, c=w.new_zeros(batch_size, max_length, self.kv_lora_rank),
+                                 k_pe=w.new_zeros(batch_size, max_length, self.dr))
+
+    def forward(self, x: torch.Tensor, cache: LatentCache | StaticLatentCache | None = None,
+                absorb: bool | None = None) -> torch.Tensor:
         """x [B, T, hidden_size] -> y [B, T, hidden_size]. With `cache`, attend over its latents too
         and append this call's. `absorb` (default: when decoding one token from a cache) runs attention
         against the latents with kv_b folded into the query and the output."""
         check_mixer_input("MultiHeadLatentAttention", x, self.hidden_size, cache)
         B, T, _ = x.shape
-        past, pad = (0, None) if cache is None else (cache.length, cache.pad)
-        q, c, k_pe = self._queries_and_latents(x, past, pad)
+        rotated = cache is not None and self.rope_theta is not None
+        q, c, k_pe = self._queries_and_latents(x, cache.token_positions(T, x.device) if rotated else 0)
         c_all, k_pe_all = (c, k_pe) if cache is None else cache.append(c=c, k_pe=k_pe)
         if absorb is None:
             absorb = cache is not None and T == 1
-        o = self._absorbed(q, c_all, k_pe_all, pad) if absorb else self._plain(q, c_all, k_pe_all, pad)
+        pad = None if cache is None else cache.pad
+        mask = cache.visible(T, c_all.shape[1], x.device) if cache is not None and cache.static else None
+        o = (self._absorbed(q, c_all, k_pe_all, pad, mask) if absorb
+             else self._plain(q, c_all, k_pe_all, pad, mask))
         o = o.reshape(B, T, self.num_heads * self.dv)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
 
-    def _plain(self, q, c_all, k_pe_all, pad: torch.Tensor | None = None) -> torch.Tensor:
+    def _plain(self, q, c_all, k_pe_all, pad: torch.Tensor | None = None, mask: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """Expand every cached latent to per-head keys and values, then causal softmax attention of the
-        T queries (the last T slots) over all S slots (but a row's `pad` leading empty ones)."""
+        T queries (the last T slots) over all S slots (but a row's `pad` leading empty ones; or the slots
+        `mask` [B, 1, T, S] allows, a static cache's)."""
         B, S, _ = c_all.shape
         kv = self.kv_b_proj(c_all).view(B, S, self.num_heads, self.dn + self.dv)
         k_nope, v = torch.split(kv, [self.dn, self.dv], dim=-1)
         k = torch.cat([k_nope, k_pe_all.unsqueeze(2).expand(B, S, self.num_heads, self.dr)], dim=-1)
         record_max_logits(self, q, k, self.scale, pad)  # (a training step's, for QK-Clip)
-        return causal_attention(q, k, v, self.scale, start=pad)  # [B, T, H, dv]
+        return causal_attention(q, k, v, self.scale, start=pad, mask=mask)  # [B, T, H, dv]
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b's two halves per head: W_uk [H, dn, r] (latent -> key) and W_uv [H, dv, r] (latent -> value)."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.kv_lora_rank)
         return w[:, : self.dn], w[:, self.dn:]
 
-    def _latent_probs(self, q, c_all, k_pe_all, w_uk: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
+    def _latent_probs(self, q, c_all, k_pe_all, w_uk: torch.Tensor, pad: torch.Tensor | None = None,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention probabilities [B, H*T, S] (rows head-major: h * T + i; in q's dtype) against
         the latents, with scores = (W_uk^T q_nope) . c + q_pe . k_pe; query i sits at slot S - T + i
-        (and sees no slot before pad[b], a row's empty leading ones).
+        (and sees no slot before pad[b], a row's empty leading ones), or sees the slots `mask`
+        [B, 1, T, S] allows (a static cache's).
 
         Batched matmuls with the heads folded into the rows, so that the latents c_all [B, S, r] and
         k_pe_all [B, S, dr] are read as they are (shared by every head: never expanded or copied)."""
@@ -163,17 +182,18 @@ class MultiHeadLatentAttention(nn.Module):
         q_pe = q[..., self.dn:].transpose(1, 2).reshape(B, H * T, self.dr)
         scores = torch.bmm(q_pe, k_pe_all.transpose(1, 2))  # [B, H*T, S]
         scores = upcast(torch.baddbmm(scores, q_latent, c_all.transpose(1, 2)).mul_(self.scale))
-        allowed = causal_mask(T, S, pad, q.device)  # None for one query after a full cache
+        allowed = causal_mask(T, S, pad, q.device) if mask is None else mask  # None: one query, a full cache
         if allowed is not None:
             scores = scores.view(B, H, T, S).masked_fill(~allowed, float("-inf")).view(B, H * T, S)
         return cast(torch.softmax(scores, dim=-1), q.dtype)
 
-    def _absorbed(self, q, c_all, k_pe_all, pad: torch.Tensor | None = None) -> torch.Tensor:
+    def _absorbed(self, q, c_all, k_pe_all, pad: torch.Tensor | None = None, mask: torch.Tensor | None = None
+                  ) -> torch.Tensor:
         """Attention against the latents: o = W_uv (p . c) per head with p from `_latent_probs`
         -> [B, T, H, dv]."""
         B, T, H, _ = q.shape
         w_uk, w_uv = self._absorbed_weights()
-        o_latent = torch.bmm(self._latent_probs(q, c_all, k_pe_all, w_uk, pad), c_all)  # [B, H*T, r]
+        o_latent = torch.bmm(self._latent_probs(q, c_all, k_pe_all, w_uk, pad, mask), c_all)  # [B, H*T, r]
         o_latent = o_latent.view(B, H, T, -1).transpose(0, 1).reshape(H, B * T, -1)  # [H, B*T, r]
         o = torch.bmm(o_latent, w_uv.transpose(1, 2))  # [H, B*T, dv]
         return o.view(H, B, T, self.dv).permute(1, 2, 0, 3)

@@ -24,7 +24,9 @@ Dispatch (`RoutedExperts`) costs what the k chosen experts cost, not all E, thre
 run every expert at once as three batched matmuls over the tokens grouped by expert, in slots of equal
 size (a busy expert takes several); a routing so skewed that the slots would be mostly padding sorts
 the tokens by expert and calls each used expert once; a few tokens (decoding) run through the stacked
-matrices of their chosen experts. It is a module of its own so that expert parallelism (k3.training.parallel) plugs in from
+matrices of their chosen experts, gathered by index from the experts' matrices stacked once per weight
+version (`RoutedExperts.stacked`: no host sync, no data-dependent shape, so a decode step compiles to one
+graph, gpt-fast's Mixtral). It is a module of its own so that expert parallelism (k3.training.parallel) plugs in from
 outside: a process keeps a slice of the experts, and hooks on this module gather the tokens before it
 and sum the slices' outputs after it.
 """
@@ -43,6 +45,7 @@ from .norm import RMSNorm, upcast
 
 FEW_ASSIGNMENTS = 32  # (token, expert) pairs up to which the chosen experts are stacked (`RoutedExperts`)
 STACK_LIMIT = 1 << 22  # the most expert-matrix values the stacked path copies in one call
+STACKED_BYTES_LIMIT = 1 << 30  # the largest routed experts kept a second time as stacked matrices (inference)
 PADDING_LIMIT = 2  # all experts at once while the slots' rows (padding included) <= this x the assignments
 
 
@@ -137,11 +140,20 @@ class RoutedExperts(nn.ModuleList):
     An entry may be None: under expert parallelism a process holds only its own slice of the
     experts, and the tokens routed to the others are computed by the processes that own them."""
 
+    _stack: tuple | None = None  # (key, W1 [E, hidden, d], W3 [E, hidden, d], W2 [E, d, hidden]), see `stacked`
+
     def forward(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
-                counts: torch.Tensor) -> torch.Tensor:
+                counts: torch.Tensor | None) -> torch.Tensor:
         """z [N, d], chosen [N, k] expert indices, weights [N, k], counts [E] (tokens per expert,
-        the bincount of `chosen`) -> [N, d]."""
-        if 0 < chosen.numel() <= FEW_ASSIGNMENTS:
+        the bincount of `chosen`; None: a captured decode step, which takes the gathered path) -> [N, d]."""
+        if counts is None or 0 < chosen.numel() <= FEW_ASSIGNMENTS:
+            stack = self.stacked() if not (torch.is_grad_enabled() and self._needs_grad()) else None
+            if stack is not None:
+                return self._gathered(z, chosen, weights, stack)
+            if counts is None:
+                raise RuntimeError("RoutedExperts: a captured decode step needs the experts stacked "
+                                   "(`stacked()`), which only plain experts held in this process, within "
+                                   f"{STACKED_BYTES_LIMIT:,} bytes and without gradients, allow")
             experts = [self[e] for e in chosen.flatten().tolist()]
             # every chosen expert held here (not split by expert parallelism), and a small copy
             if None not in experts and 3 * len(experts) * experts[0].w1.numel() <= STACK_LIMIT:
@@ -151,6 +163,43 @@ class RoutedExperts(nn.ModuleList):
             if capacity * len(slots) <= PADDING_LIMIT * chosen.numel():
                 return self._batched(z, chosen, weights, counts, capacity, slots)
         return self._grouped(z, chosen, weights, counts)
+
+    def _needs_grad(self) -> bool:
+        first = next((e for e in self if e is not None), None)
+        return first is not None and first.w1.requires_grad
+
+    @torch.no_grad()
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Every expert's matrices stacked, (W1 [E, hidden, d], W3 [E, hidden, d], W2 [E, d, hidden]), for
+        the gathered path; None when the experts cannot be stacked (one held by another process, MXFP4
+        experts, or more than STACKED_BYTES_LIMIT bytes). Built once per weight version: rebuilt when a
+        weight was replaced or written in place since (an optimizer step, load_state_dict). While a step
+        is being compiled the stack is taken as it is (`prepare` builds it before)."""
+        if torch.compiler.is_compiling():
+            return None if self._stack is None else self._stack[1:]
+        if not all(type(e) is Expert for e in self):
+            return None
+        params = [p for e in self for p in (e.w1, e.w3, e.w2)]
+        if sum(p.numel() * p.element_size() for p in params) > STACKED_BYTES_LIMIT:
+            return None
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        if self._stack is None or self._stack[0] != key:
+            self._stack = (key, *(torch.stack([getattr(e, name) for e in self]) for name in ("w1", "w3", "w2")))
+        return self._stack[1:]
+
+    def _gathered(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, stack) -> torch.Tensor:
+        """`_stacked` with the chosen experts' matrices gathered from `stack` by index (`stacked`): the same
+        maths, with no host sync and shapes set by z and chosen alone."""
+        N, k = chosen.shape
+        d = z.shape[-1]
+        index = chosen.flatten()
+        W1, W3, W2 = (w.index_select(0, index) for w in stack)  # [N*k, hidden, d] (W2: [N*k, d, hidden])
+        x = z.unsqueeze(1)  # [N, 1, d]
+        gate = torch.bmm(x, W1.view(N, -1, d).transpose(1, 2))  # [N, 1, k*hidden]
+        up = torch.bmm(x, W3.view(N, -1, d).transpose(1, 2))
+        hidden = self[0].act(gate, up).view(N * k, 1, -1)  # [N*k, 1, hidden]
+        y = torch.bmm(hidden, W2.transpose(1, 2)).view(N, k, d)
+        return cast((y * weights.unsqueeze(-1)).sum(1), z.dtype)
 
     def _batched(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
                  capacity: int, slots: list[int]) -> torch.Tensor:
@@ -294,9 +343,12 @@ class MoE(nn.Module):
         shape = x.shape
         h = x.reshape(-1, shape[-1])
         chosen, weights = self.router(h)
-        self.last_load = torch.bincount(chosen.flatten(), minlength=len(self.experts))
+        if torch.compiler.is_compiling() and not torch.is_grad_enabled():
+            counts = None  # a captured decode step: no load count (its size depends on the routing)
+        else:
+            counts = self.last_load = torch.bincount(chosen.flatten(), minlength=len(self.experts))
         z = h if self.latent_dim is None else self.latent_down_proj(h)
-        routed = self.experts(z, chosen, weights, self.last_load)
+        routed = self.experts(z, chosen, weights, counts)
         if self.latent_dim is not None:
             routed = self.latent_up_proj(self.latent_norm(routed))
         if self.shared_experts is not None:

@@ -25,13 +25,15 @@ import torch
 from torch import nn
 
 from .. import generation
-from ..layers import BlockAttnRes, MoE, RMSNorm
+from ..layers import BlockAttnRes, DepthSources, MoE, RMSNorm
 from ..layers import init
 from ..layers.init import STD
 from . import checkpoint, loading
+from .cache import HybridCache
 from .config import ModelConfig
 from .kinds import FFNS, MIXERS
 from .loss import IGNORE_INDEX, head_cross_entropy
+from .static_cache import StaticCache
 
 # Tokens per forward when a long input runs into a cache: prefill memory grows linearly with the prompt
 # (the recurrent states are fixed; attention scores are at most a piece of queries by the cached keys).
@@ -65,72 +67,6 @@ def attn_res_source_counts(config: ModelConfig) -> list[int]:
     return counts + [blocks + 1]
 
 
-class HybridCache:
-    """Decode state of a whole model: per layer the cache of its mixer kind, a KVCache (MHA), LatentCache
-    (MLA: c and k_pe only) or RecurrentCache (linear family: conv states and the fixed-size recurrent
-    state). Updated in place by every forward; `length` counts the tokens it has seen.
-
-    Sequences of different lengths decode together after `concat` of their own caches: `pad` [B] then
-    counts each row's empty leading slots in the KV / latent caches (`length - pad` tokens seen), which
-    attention masks and positions skip; the recurrent states never see them."""
-
-    def __init__(self, config: ModelConfig, batch_size: int):
-        self.config, self.batch_size, self.length = config, batch_size, 0
-        self.pad: torch.Tensor | None = None  # [B] empty leading slots per row; None: every row is full
-        self.layers = [MIXERS[kind].new_cache() for kind in config.layer_types]
-
-    def lengths(self) -> torch.Tensor:
-        """[B] tokens each row has seen."""
-        full = torch.full((self.batch_size,), self.length, dtype=torch.long)
-        return full if self.pad is None else full - self.pad.cpu()
-
-    @classmethod
-    def concat(cls, caches: list["HybridCache"]) -> "HybridCache":
-        """One cache whose rows are those of `caches` in order (same model; any lengths): how prompts of
-        different lengths, each prefilled alone, decode as one batch. A shorter row's KV / latent cache
-        is right-aligned behind empty slots (`pad`), which it never attends to."""
-        if not caches:
-            raise ValueError("HybridCache.concat: `caches` is empty")
-        config = caches[0].config
-        if any(c.config != config for c in caches):
-            raise ValueError("HybridCache.concat: the caches were made for different models")
-        if any(c.length == 0 for c in caches):
-            raise ValueError("HybridCache.concat: every cache must have seen at least one token (prefill first)")
-        out = cls(config, sum(c.batch_size for c in caches))
-        out.length = max(c.length for c in caches)
-        pad = out.length - torch.cat([c.lengths() for c in caches])
-        out.pad = pad if bool(pad.any()) else None
-        out.layers = [type(layers[0]).concat(list(layers), out.length) for layers in zip(*(c.layers for c in caches))]
-        return out
-
-    def reorder(self, index: torch.Tensor) -> None:
-        """Keep rows `index` [B'] of every layer's cache (a selection or permutation; repeats allowed), in place."""
-        for layer in self.layers:
-            layer.reorder(index)
-        if self.pad is not None:
-            self.pad = self.pad.index_select(0, index.cpu())
-        self.batch_size = index.numel()
-
-    def nbytes(self) -> int:
-        """Bytes held by all layers' caches: the tokens seen and the fixed-size states. The KV and latent
-        caches keep spare room to grow into, which this does not count (`allocated_bytes` does)."""
-        return sum(c.nbytes() for c in self.layers)
-
-    def allocated_bytes(self) -> int:
-        """Bytes of all layers' cache buffers, spare capacity included (at most about twice `nbytes`)."""
-        return sum(c.allocated_bytes() for c in self.layers)
-
-    def nbytes_by_type(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for kind, c in zip(self.config.layer_types, self.layers):
-            out[kind] = out.get(kind, 0) + c.nbytes()
-        return out
-
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}({self.config.name!r}, batch_size={self.batch_size}, length={self.length}, "
-                f"nbytes={self.nbytes():,})")
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm mixer + FFN (Kimi Linear names), with the two AttnRes queries when the model uses them."""
 
@@ -154,21 +90,25 @@ class DecoderLayer(nn.Module):
         """The feed-forward block: `mlp` (dense) or `block_sparse_moe` (MoE)."""
         return getattr(self, self._ffn_attribute)
 
-    def forward(self, x: torch.Tensor | None, cache=None, blocks: list[torch.Tensor] = ()) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | None, cache=None, blocks: list[torch.Tensor] | DepthSources = ()
+                ) -> torch.Tensor:
         """The whole layer: x [B, T, d] -> x + attention, then + FFN (pre-norm), updating `cache`.
 
         With Block AttnRes, x is the current block's partial sum (None in a block's first layer, where
         the decoder has just made the previous sum a source) and `blocks` the completed sources; each
-        sub-layer reads a depth mix of [*blocks, x] instead of x. Returns the new partial sum."""
+        sub-layer reads a depth mix of [*blocks, x] instead of x (`blocks` may be a static decode step's
+        `DepthSources` buffer). Returns the new partial sum."""
         h = self._read(self.attn_res, blocks, x)
         out = self.self_attn(self.input_layernorm(h), cache=cache)
         x = out if x is None else x + out
         return x + self.ffn(self.post_attention_layernorm(self._read(self.mlp_res, blocks, x)))
 
     @staticmethod
-    def _read(mix: BlockAttnRes | None, blocks: list[torch.Tensor], x: torch.Tensor | None) -> torch.Tensor:
+    def _read(mix: BlockAttnRes | None, blocks, x: torch.Tensor | None) -> torch.Tensor:
         if mix is None:  # a plain residual stream
             return x
+        if isinstance(blocks, DepthSources):
+            return blocks.read(mix, x)
         return mix(list(blocks) if x is None else [*blocks, x])
 
 
@@ -187,23 +127,28 @@ class Decoder(nn.Module):
             self.final_res = BlockAttnRes(config.hidden_size, eps=config.norm_eps)
         self.norm = build_norm(config, config.hidden_size)
 
-    def forward(self, input_ids: torch.Tensor, caches: list | None, past: int,
-                pad: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [B, T] after `past` cached slots (of which pad [B], when given, are empty in each
-        row) -> the final hidden states [B, T, d]."""
+    def forward(self, input_ids: torch.Tensor, caches: list | None, positions: torch.Tensor | None = None,
+                sources: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] at `positions` ([T] or [B, T]: each row's own, as the cache gives them; None:
+        0 ... T - 1), continuing the layer `caches` when given -> the final hidden states [B, T, d].
+        `sources`: a buffer [n, B, T, d] for the Block AttnRes sources (a static decode step's)."""
         x = self.embed_tokens(input_ids)
         if self.config.max_position_embeddings:
-            positions = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
-            if pad is not None:
-                positions = positions - pad.to(input_ids.device)[:, None]  # [B, T]: each row's own count
-            x = x + self.embed_positions(positions)
-        blocks: list[torch.Tensor] = []  # Block AttnRes: the completed sources, the embedding first
+            if positions is None:
+                positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            x = x + self.embed_positions(positions.to(input_ids.device))
+        # Block AttnRes: the completed sources, the embedding first
+        blocks: list[torch.Tensor] | DepthSources = [] if sources is None else DepthSources(sources)
         for layer, cache in zip(self.layers, caches or [None] * len(self.layers)):
             if layer.starts_block:  # the running sum becomes a source of its own
-                blocks, x = blocks + [x], None
+                if isinstance(blocks, DepthSources):
+                    blocks.add(x)
+                else:
+                    blocks = blocks + [x]
+                x = None
             x = layer(x, cache, blocks)
         if self.final_res is not None:
-            x = self.final_res(blocks + [x])
+            x = self.final_res(blocks + [x]) if isinstance(blocks, list) else blocks.read(self.final_res, x)
         return self.norm(x)
 
 
@@ -256,10 +201,14 @@ class CausalLM(nn.Module):
             init.normal_(self.lm_head.weight, std)
 
     # -- inference ----------------------------------------------------------------------------------
-    def new_cache(self, batch_size: int) -> HybridCache:
-        """An empty decode cache for `batch_size` sequences."""
-        if not isinstance(batch_size, int) or batch_size < 1:
+    def new_cache(self, batch_size: int, max_length: int | None = None) -> HybridCache | StaticCache:
+        """An empty decode cache for `batch_size` sequences: one that grows with them (`HybridCache`), or,
+        with `max_length` N, a static one whose every state is preallocated for N tokens a row and updated
+        in place at a position tensor (`StaticCache`: what a compiled decode step runs over)."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"new_cache: `batch_size` must be a positive int, got {batch_size!r}")
+        if max_length is not None:
+            return StaticCache(self, batch_size, max_length)
         return HybridCache(self.config, batch_size)
 
     def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None, *,
@@ -282,10 +231,10 @@ class CausalLM(nn.Module):
                                  f"and come without a cache, got {list(targets.shape)}"
                                  + (" with a cache" if cache is not None else ""))
             self._check_targets(targets)
-            hidden = self.model(input_ids, None, 0)
+            hidden = self.model(input_ids, None)
             return head_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, targets, reduction)
         if cache is None:
-            hidden = self.model(input_ids, None, 0)
+            hidden = self.model(input_ids, None)
         else:
             hidden = self._through_cache(input_ids, cache, logits_to_keep, self._piece(prefill_piece))
         return self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
@@ -298,15 +247,17 @@ class CausalLM(nn.Module):
                              f"got {piece!r}")
         return piece
 
-    def _through_cache(self, input_ids: torch.Tensor, cache: HybridCache, keep: int, piece: int) -> torch.Tensor:
+    def _through_cache(self, input_ids: torch.Tensor, cache: HybridCache | StaticCache, keep: int, piece: int
+                       ) -> torch.Tensor:
         """The final hidden states of input_ids [B, T] after the tokens in `cache`, run `piece` tokens at a
         time, each piece after the cache the previous one left: [B, T, d], or with keep > 0 at least the
         last `keep` positions (the hidden states of earlier pieces are dropped as soon as they are not
         needed)."""
         hidden: list[torch.Tensor] = []
         for ids in input_ids.split(piece, dim=1) if input_ids.shape[1] > piece else (input_ids,):
-            hidden.append(self.model(ids, cache.layers, cache.length, cache.pad))
-            cache.length += ids.shape[1]
+            positions = cache.token_positions(ids.shape[1]) if self.config.max_position_embeddings else None
+            hidden.append(self.model(ids, cache.layers, positions))
+            cache.advance(ids.shape[1])
             while keep and len(hidden) > 1 and sum(h.shape[1] for h in hidden[1:]) >= keep:
                 hidden.pop(0)
         return hidden[0] if len(hidden) == 1 else torch.cat(hidden, dim=1)
@@ -342,7 +293,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"CausalLM: token ids must be in [0, {self.config.vocab_size}); got ids from "
                              f"{outside[0]} to {outside[1]} (does the tokenizer match the model?)")
         if cache is not None:
-            if not isinstance(cache, HybridCache):
+            if not isinstance(cache, (HybridCache, StaticCache)):
                 raise ValueError(f"CausalLM: `cache` must come from model.new_cache(), got {type(cache).__name__}")
             if cache.config != self.config:
                 raise ValueError(f"CausalLM: this cache was made for another model ({cache.config.name!r}); "
@@ -351,6 +302,7 @@ class CausalLM(nn.Module):
                 raise ValueError(f"CausalLM: the cache was made for batch size {cache.batch_size}, `input_ids` "
                                  f"has batch size {input_ids.shape[0]}; make a new cache with "
                                  f"new_cache({input_ids.shape[0]})")
+            cache.check_room(input_ids.shape[1])
         positions = self.config.max_position_embeddings
         seen = 0 if cache is None else cache.length
         if positions and cache is not None and cache.pad is not None:
@@ -361,21 +313,34 @@ class CausalLM(nn.Module):
 
     def generate(self, input_ids: torch.Tensor | list, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor | list[torch.Tensor]:
+                 generator: torch.Generator | None = None, compile: bool = False) -> torch.Tensor | list[torch.Tensor]:
         """Prompt [B, T] -> [B, T + n] with n <= max_new_tokens sampled tokens (temperature 0: greedy).
         Stops early once every sequence has produced `eos_token_id` (later positions repeat it).
 
         A list of prompts of different lengths (token-id lists or 1-D tensors) decodes as one batch
-        without padding (k3.generation) and returns a list: each prompt with its new tokens."""
-        return generation.generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator)
+        without padding (k3.generation) and returns a list: each prompt with its new tokens.
+        `compile=True`: decode with a compiled step over a static cache (`k3.decode_step`; the first call
+        compiles, later ones reuse what was compiled, also in later runs)."""
+        return generation.generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator,
+                                   compile=compile)
 
     def stream(self, input_ids: torch.Tensor | list, max_new_tokens: int, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-               generator: torch.Generator | None = None, cache: HybridCache | None = None) -> Iterator[torch.Tensor]:
+               generator: torch.Generator | None = None, cache: HybridCache | StaticCache | None = None,
+               compile: bool = False) -> Iterator[torch.Tensor]:
         """As `generate`, yielding each new token [B] as soon as it is sampled. With `cache`, `input_ids`
         [B, T] continue the tokens it has seen (a conversation; see `k3.generation.stream`)."""
         return generation.stream(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator,
-                                 cache)
+                                 cache, compile=compile)
+
+    def decode_step(self, cache: StaticCache, temperature: float = 0.0, top_k: int | None = None,
+                    top_p: float | None = None, generator: torch.Generator | None = None,
+                    compile: bool | str = False):
+        """One token of every row of a static `cache` per call, sampling inside the step, eager or compiled
+        whole (`k3.models.decode_step.DecodeStep`): `step(last_tokens [B]) -> next tokens [B]`."""
+        from .decode_step import DecodeStep
+
+        return DecodeStep(self, cache, temperature, top_k, top_p, generator, compile)
 
     # -- weights in and out ---------------------------------------------------------------------------
     @classmethod

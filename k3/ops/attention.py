@@ -38,7 +38,7 @@ def causal_mask(T: int, S: int, start: torch.Tensor | None = None, device=None) 
     return (allowed & filled[:, None, :]).unsqueeze(1)
 
 
-def causal_attention(q, k, v, scale: float, start: torch.Tensor | None = None):
+def causal_attention(q, k, v, scale: float, start: torch.Tensor | None = None, mask: torch.Tensor | None = None):
     """The attention of the last T positions of a sequence over all of it (internal: no checks, the
     core of `attention` and of the decode steps of the attention layers).
 
@@ -50,21 +50,25 @@ def causal_attention(q, k, v, scale: float, start: torch.Tensor | None = None):
     Keys and values of different head sizes (MLA: K = dn + dr, V = dv) are zero-padded to one size:
     the fused kernel, which never holds the [T, S] scores of a head, takes only one; without it the
     scores of every head are materialised (quadratic memory in a long prefill). Zero columns change
-    neither the scores (the scale is given) nor the kept output columns. A NaN or inf among this
-    call's keys or values reaches no earlier query (`k3.ops.common.keep_causal`)."""
+    neither the scores (the scale is given) nor the kept output columns. A NaN or inf among this call's
+    keys or values reaches no earlier query (`k3.ops.common.keep_causal`).
+
+    `mask` [B, 1, T, S] (bool, True where a query may look), when given, replaces the causal mask and
+    `start`: a static cache's slots (`k3.layers.cache.StaticSequenceCache.visible`), where rows write
+    this call's tokens at slots of their own (the NaN guard above is then off)."""
     T, S = q.shape[1], k.shape[1]
     dtype = compute_dtype(q.dtype)
     qf, kf, vf = (cast(x, dtype) for x in (q, k, v))
-    # a NaN or inf among this call's keys or values reaches no earlier query (k3.ops.common.keep_causal)
-    onwards = None if T == 1 else nonfinite_onwards(kf[:, S - T:], vf[:, S - T:])
-    o = _fused_attention(qf, kf, vf, scale, start)
+    onwards = None if T == 1 or mask is not None else nonfinite_onwards(kf[:, S - T:], vf[:, S - T:])
+    o = _fused_attention(qf, kf, vf, scale, start, mask)
     o = keep_causal(o, onwards, lambda zero: _fused_attention(
         qf, torch.cat([kf[:, : S - T], zero(kf[:, S - T:])], 1), torch.cat([vf[:, : S - T], zero(vf[:, S - T:])], 1),
-        scale, start))
+        scale, start, mask))
     return cast(o, q.dtype)
 
 
-def _fused_attention(q, k, v, scale: float, start: torch.Tensor | None) -> torch.Tensor:
+def _fused_attention(q, k, v, scale: float, start: torch.Tensor | None, mask: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """`causal_attention` of inputs in the accumulation dtype, by torch's fused kernel (keys and values
     padded to one head size)."""
     T, S = q.shape[1], k.shape[1]
@@ -74,7 +78,9 @@ def _fused_attention(q, k, v, scale: float, start: torch.Tensor | None) -> torch
         vh = F.pad(vh, (0, K - V))
     elif K < V:
         qh, kh = F.pad(qh, (0, V - K)), F.pad(kh, (0, V - K))
-    if T == S and start is None:
+    if mask is not None:
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    elif T == S and start is None:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     else:
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_mask(T, S, start, q.device), scale=scale)
