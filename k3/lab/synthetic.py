@@ -143,8 +143,8 @@ class ConvLatentAttention(MultiHeadLatentAttention):
                    output_gate=None if mla.g_proj is None else "full", rope_theta=mla.rope_theta,
                    norm_eps=mla.kv_a_layernorm.eps, conv_size=conv_size)
 
-    def _queries_and_latents(self, x: torch.Tensor, positions: torch.Tensor | int = 0):
-        q, c, k_pe = super()._queries_and_latents(x, positions)
+    def _queries_and_latents(self, x: torch.Tensor, positions: torch.Tensor | int = 0, projected=None):
+        q, c, k_pe = super()._queries_and_latents(x, positions, projected)
         return q, self.latent_conv1d(c)[0], k_pe
 
     def forward(self, x: torch.Tensor, cache=None, absorb: bool | None = None) -> torch.Tensor:

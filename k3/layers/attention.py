@@ -33,10 +33,24 @@ class KVCache(SequenceCache):
 
 
 class StaticKVCache(StaticSequenceCache):
-    """Keys and values in buffers [B, N, H, D] of N slots, written in place at the rows' positions
-    (`k3.layers.cache.StaticSequenceCache`)."""
+    """Keys and values in buffers of N slots, written in place at the rows' positions
+    (`k3.layers.cache.StaticSequenceCache`). Stored head-major, [B, H, N, D] (gpt-fast's and transformers'
+    layout); `k` and `v` are their [B, N, H, D] views, so attention's [B, H, N, D] operands are the buffers
+    themselves, which a compiled step reads as they are instead of copying them to that layout."""
 
     tensor_fields = sequence_fields = ("k", "v")
+
+    def __init__(self, owner, k: torch.Tensor, v: torch.Tensor):
+        """k, v: the [B, H, N, D] buffers."""
+        self.owner, self._heads_first = owner, (k, v)
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self._heads_first[0].transpose(1, 2)
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self._heads_first[1].transpose(1, 2)
 
 
 class MultiHeadAttention(nn.Module):
@@ -63,7 +77,7 @@ class MultiHeadAttention(nn.Module):
     def new_static_cache(self, owner, batch_size: int, max_length: int) -> StaticKVCache:
         """Preallocated keys and values for `batch_size` rows of `max_length` tokens."""
         w = self.c_attn.weight
-        shape = (batch_size, max_length, self.num_heads, self.hidden_size // self.num_heads)
+        shape = (batch_size, self.num_heads, max_length, self.hidden_size // self.num_heads)
         return StaticKVCache(owner, k=w.new_zeros(shape), v=w.new_zeros(shape))
 
     def forward(self, x: torch.Tensor, cache: KVCache | StaticKVCache | None = None) -> torch.Tensor:

@@ -273,9 +273,14 @@ class StaticSequenceCache(LayerCache):
         for name, x in new.items():
             buffer = getattr(self, name)
             B, T = x.shape[:2]
+            if T == 1:  # an index_put, which inductor writes in place (a scatter it would copy whole)
+                rows = torch.arange(B, device=buffer.device)
+                buffer.index_put_((rows, self.owner.positions), x[:, 0].to(buffer.dtype))
+                out.append(buffer)
+                continue
             index = self._slots(T).view(B, T, *([1] * (x.dim() - 2))).expand_as(x)
             buffer.scatter_(1, index, x.to(buffer.dtype))
-            out.append(buffer if T == 1 else buffer[:, : self.owner.longest + T])
+            out.append(buffer[:, : self.owner.longest + T])
         return out
 
     def token_positions(self, T: int, device=None) -> torch.Tensor:

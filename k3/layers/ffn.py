@@ -158,7 +158,11 @@ class GatedMLP(nn.Module):
         init_linear(self.down_proj, std if residual_std is None else residual_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., dim]
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.from_projections(self.gate_proj(x), self.up_proj(x))
+
+    def from_projections(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """down_proj(act(gate, up)) from gate = gate_proj(x) and up = up_proj(x), however they were computed
+        (the MoE's decode step joins them with its other projections of x)."""
         if self.activation == "situ":
             hidden = situ(gate, up, self.situ_beta, self.situ_linear_beta)
         else:

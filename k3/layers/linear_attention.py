@@ -50,6 +50,7 @@ from ..ops.linear_attn import linear_attn_step
 from .cache import LayerCache
 from .checks import check_mixer_input
 from .conv import ShortConvolution, joint_window_step
+from .joined import joined_linear, prepare_joined
 from . import init
 from .init import init_linear
 from .norm import RMSNorm, upcast
@@ -105,8 +106,9 @@ class StaticRecurrentCache(RecurrentCache):
         if conv_window is not None:
             self._window.copy_(conv_window)
         elif conv_states is not None:
-            for buffer, state in zip(self.conv_states, conv_states):
-                buffer.copy_(state)
+            D = self._window.shape[1] // 3
+            for i, state in enumerate(conv_states):  # narrow: one view at a time (split's may not be written)
+                self._window.narrow(1, i * D, D).copy_(state)
         for buffer, state in zip(_as_tuple(self.recurrent_state), _as_tuple(recurrent_state)):
             buffer.copy_(state)
 
@@ -178,23 +180,49 @@ class _DeltaRuleAttention(nn.Module):
         self.o_norm.reset_parameters()
         self._reset_forget_gate(std)
 
-    # -- the forget gate: DeltaNet has none; the gated variants override these three -----------------
+    # -- the forget gate: DeltaNet has none; the gated variants override these four ------------------
     def _make_forget_gate(self) -> None:
         pass
 
     def _reset_forget_gate(self, std: float | None) -> None:
         pass
 
-    def forget_gate(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x [..., hidden_size] -> log decay g in float32: None here, [..., H] or [..., H, K] in the gated layers."""
+    def _gate_projections(self) -> list[nn.Linear]:
+        """The projections of x the forget gate starts from (none, or one: a_proj, f_a_proj)."""
+        return []
+
+    def _gate_from(self, first: torch.Tensor | None) -> torch.Tensor | None:
+        """The log decay g (float32) from the output of `_gate_projections` (None: no gate)."""
         return None
 
-    def _output_gate(self, x: torch.Tensor) -> torch.Tensor | None:
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [..., hidden_size] -> log decay g in float32: None here, [..., H] or [..., H, K] in the gated layers."""
+        projections = self._gate_projections()
+        return self._gate_from(projections[0](x) if projections else None)
+
+    def _output_gate_projections(self) -> list[nn.Linear]:
+        return {"low_rank": [getattr(self, "g_a_proj", None)], "full": [getattr(self, "g_proj", None)],
+                None: []}[self.output_gate]
+
+    def _output_gate_from(self, first: torch.Tensor | None) -> torch.Tensor | None:
         if self.output_gate == "low_rank":
-            return self.g_b_proj(self.g_a_proj(x))
-        if self.output_gate == "full":
-            return self.g_proj(x)
-        return None
+            return self.g_b_proj(first)
+        return first  # "full": the projection itself; None: no gate
+
+    def _output_gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        projections = self._output_gate_projections()
+        return self._output_gate_from(projections[0](x) if projections else None)
+
+    def _input_projections(self) -> list[nn.Linear]:
+        """Every projection of the layer's input, in the order a decode step joins them (`k3.layers.joined`):
+        q, k, v (side by side, as the joint conv window reads them), beta, the forget gate's, the output
+        gate's."""
+        return [self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self._gate_projections(),
+                *self._output_gate_projections()]
+
+    def prepare_decode(self) -> None:
+        """Join the input projections before a decode step is compiled (`k3.models.decode_step.prepare`)."""
+        prepare_joined(self, "inputs", self._input_projections())
 
     def new_static_cache(self, owner, batch_size: int, max_length: int) -> StaticRecurrentCache:
         """Zeroed conv window [B, 3 H Dh, W-1] (the model's dtype) and recurrent state [B, H, Dh, Dh]
@@ -237,26 +265,31 @@ class _DeltaRuleAttention(nn.Module):
 
     def _decode(self, x: torch.Tensor, cache: RecurrentCache) -> torch.Tensor:
         """One token after the state in `cache`: x [B, 1, hidden_size] -> y [B, 1, hidden_size], the same
-        maths as `forward` with every tensor [B, ...] (no time axis): the three short convolutions as one
-        rolling window (`joint_window_step`), q and k normalised together, and the op's `step_op`."""
+        maths as `forward` with every tensor [B, ...] (no time axis): the input projections as one matmul
+        (`joined_linear`), the three short convolutions as one rolling window (`joint_window_step`), q and
+        k normalised together, and the op's `step_op`."""
         B = x.shape[0]
         H, Dh = self.num_heads, self.head_dim
         h = x[:, 0]  # [B, hidden_size]
-        y, window = joint_window_step([self.q_conv1d, self.k_conv1d, self.v_conv1d],
-                                      [self.q_proj(h), self.k_proj(h), self.v_proj(h)], cache.conv_window())
+        q, k, v, b, *gates = joined_linear(self, "inputs", self._input_projections(), h)
+        y, window = joint_window_step([self.q_conv1d, self.k_conv1d, self.v_conv1d], [q, k, v], cache.conv_window())
         qkv = upcast(y).view(B, 3, H, Dh)
         q, k = l2norm(qkv[:, :2]).unbind(1)  # [B, H, Dh] each
-        beta = torch.sigmoid(upcast(self.b_proj(h)))  # [B, H]
-        g = self.forget_gate(h)
+        beta = torch.sigmoid(upcast(b))  # [B, H]
+        n_gate = len(self._gate_projections())
+        g = self._gate_from(gates[0] if n_gate else None)
         gate_args = () if g is None else (g,)
         # all float32 (float64 in a float64 model), as the state the prefill left
         o, state = self.step_op(q, k, qkv[:, 2], *gate_args, beta, cache.recurrent_state, Dh ** -0.5)
         cache.store(state, conv_window=window)
-        return self._output(o, h).unsqueeze(1)
+        out_gate = self._output_gate_from(gates[n_gate] if len(gates) > n_gate else None)
+        return self._output(o, h, out_gate).unsqueeze(1)
 
-    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """o [..., H, Dh] (the op's output for inputs x [..., hidden_size]) -> o_proj(o_norm(o) * sigmoid(output gate))."""
-        out_gate = self._output_gate(x)
+    def _output(self, o: torch.Tensor, x: torch.Tensor, out_gate: torch.Tensor | None = None) -> torch.Tensor:
+        """o [..., H, Dh] (the op's output for inputs x [..., hidden_size]) -> o_proj(o_norm(o) * sigmoid(output
+        gate)); `out_gate`: the output gate's pre-activation when already computed (the decode step's)."""
+        if out_gate is None:
+            out_gate = self._output_gate(x)
         o = self.o_norm(o, None if out_gate is None else out_gate.view(o.shape))
         return self.o_proj(cast(o.reshape(*x.shape[:-1], -1), x.dtype))
 
@@ -281,8 +314,11 @@ class GatedDeltaNet(_DeltaRuleAttention):
         init_linear(self.a_proj, std)
         init_decay(self.A_log, self.dt_bias)
 
-    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        return -torch.exp(upcast(self.A_log)) * F.softplus(upcast(self.a_proj(x)) + upcast(self.dt_bias))
+    def _gate_projections(self) -> list[nn.Linear]:
+        return [self.a_proj]
+
+    def _gate_from(self, first: torch.Tensor) -> torch.Tensor:
+        return -torch.exp(upcast(self.A_log)) * F.softplus(upcast(first) + upcast(self.dt_bias))
 
 
 class KimiDeltaAttention(_DeltaRuleAttention):
@@ -319,10 +355,13 @@ class KimiDeltaAttention(_DeltaRuleAttention):
         init_linear(self.f_b_proj, std)
         init_decay(self.A_log, self.dt_bias)
 
-    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., hidden_size] -> log decay g [..., H, K] (float32), by the `kda_gate` formula."""
+    def _gate_projections(self) -> list[nn.Linear]:
+        return [self.f_a_proj]
+
+    def _gate_from(self, first: torch.Tensor) -> torch.Tensor:
+        """f_a_proj(x) [..., K] -> log decay g [..., H, K] (float32), by the `kda_gate` formula."""
         H = self.num_heads
-        f = (upcast(self.f_b_proj(self.f_a_proj(x))) + upcast(self.dt_bias)).view(*x.shape[:-1], H, -1)
+        f = (upcast(self.f_b_proj(first)) + upcast(self.dt_bias)).view(*first.shape[:-1], H, -1)
         rate = torch.exp(upcast(self.A_log)).view(H, 1)  # one rate per head
         if self.kda_gate == "safe":
             return self.gate_lower_bound * torch.sigmoid(rate * f)

@@ -27,6 +27,7 @@ from ..ops.common import cast
 from .cache import SequenceCache, SequenceField, StaticSequenceCache
 from .checks import check_mixer_input
 from .init import init_linear
+from .joined import joined_linear, prepare_joined
 from .max_logit import record_max_logits
 from .norm import RMSNorm, upcast
 
@@ -107,13 +108,17 @@ class MultiHeadLatentAttention(nn.Module):
         for norm in (self.kv_a_layernorm,) + (() if self.q_lora_rank is None else (self.q_a_layernorm,)):
             norm.reset_parameters()
 
-    def _queries_and_latents(self, x: torch.Tensor, positions: torch.Tensor | int = 0):
+    def _queries_and_latents(self, x: torch.Tensor, positions: torch.Tensor | int = 0, projected=None):
         """Queries [B, T, H, dn + dr], latents c [B, T, r] and k_pe [B, T, dr] of x, whose tokens sit at
-        `positions` ([T], or [B, T]: one per row, as a cache gives them) or, for an int p, p ... p + T - 1."""
+        `positions` ([T], or [B, T]: one per row, as a cache gives them) or, for an int p, p ... p + T - 1.
+        `projected`: (q_proj(x) or q_a_proj(x), kv_a_proj_with_mqa(x)) when already computed."""
         B, T, _ = x.shape
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        if projected is None:
+            projected = (self.q_proj(x) if self.q_lora_rank is None else self.q_a_proj(x), self.kv_a_proj_with_mqa(x))
+        q, latents = projected
+        q = q if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(B, T, self.num_heads, self.dn + self.dr)
-        c, k_pe = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank, self.dr], dim=-1)
+        c, k_pe = torch.split(latents, [self.kv_lora_rank, self.dr], dim=-1)
         c = self.kv_a_layernorm(c)
         if self.rope_theta is not None:  # NoPE unless asked: the rope part is carried, never rotated
             if isinstance(positions, int):
@@ -136,7 +141,11 @@ class MultiHeadLatentAttention(nn.Module):
         check_mixer_input("MultiHeadLatentAttention", x, self.hidden_size, cache)
         B, T, _ = x.shape
         rotated = cache is not None and self.rope_theta is not None
-        q, c, k_pe = self._queries_and_latents(x, cache.token_positions(T, x.device) if rotated else 0)
+        projected = gate = None
+        if cache is not None and T == 1:  # decoding: the projections of x as one matmul (k3.layers.joined)
+            first, latents, *gate = joined_linear(self, "inputs", self._input_projections(), x)
+            projected, gate = (first, latents), (gate[0] if gate else None)
+        q, c, k_pe = self._queries_and_latents(x, cache.token_positions(T, x.device) if rotated else 0, projected)
         c_all, k_pe_all = (c, k_pe) if cache is None else cache.append(c=c, k_pe=k_pe)
         if absorb is None:
             absorb = cache is not None and T == 1
@@ -146,8 +155,18 @@ class MultiHeadLatentAttention(nn.Module):
              else self._plain(q, c_all, k_pe_all, pad, mask))
         o = o.reshape(B, T, self.num_heads * self.dv)
         if self.g_proj is not None:
-            o = o * torch.sigmoid(self.g_proj(x))
+            o = o * torch.sigmoid(self.g_proj(x) if gate is None else gate)
         return self.o_proj(o)
+
+    def _input_projections(self) -> list[nn.Linear]:
+        """The projections of x a decode step joins: the query's first (q_proj or q_a_proj), the latents'
+        (kv_a_proj_with_mqa) and the output gate's (g_proj, when gated)."""
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        return [first, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.g_proj is not None else [])
+
+    def prepare_decode(self) -> None:
+        """Join the input projections before a decode step is compiled (`k3.models.decode_step.prepare`)."""
+        prepare_joined(self, "inputs", self._input_projections())
 
     def _plain(self, q, c_all, k_pe_all, pad: torch.Tensor | None = None, mask: torch.Tensor | None = None
                ) -> torch.Tensor:

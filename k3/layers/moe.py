@@ -41,6 +41,7 @@ from ..ops.common import cast
 from .ffn import GatedMLP, situ
 from . import init
 from .init import init_linear
+from .joined import joined_linear, prepare_joined
 from .norm import RMSNorm, upcast
 
 FEW_ASSIGNMENTS = 32  # (token, expert) pairs up to which the chosen experts are stacked (`RoutedExperts`)
@@ -347,13 +348,32 @@ class MoE(nn.Module):
             counts = None  # a captured decode step: no load count (its size depends on the routing)
         else:
             counts = self.last_load = torch.bincount(chosen.flatten(), minlength=len(self.experts))
-        z = h if self.latent_dim is None else self.latent_down_proj(h)
+        projections = self._input_projections()
+        if projections and chosen.numel() <= FEW_ASSIGNMENTS:  # decoding: one matmul (k3.layers.joined)
+            shared = joined_linear(self, "inputs", projections, h)
+            z = h if self.latent_dim is None else shared.pop(0)
+            shared = shared or None
+        else:
+            z = h if self.latent_dim is None else self.latent_down_proj(h)
+            shared = None
         routed = self.experts(z, chosen, weights, counts)
         if self.latent_dim is not None:
             routed = self.latent_up_proj(self.latent_norm(routed))
         if self.shared_experts is not None:
-            routed = routed + self.shared_experts(h)
+            routed = routed + (self.shared_experts(h) if shared is None else self.shared_experts.from_projections(*shared))
         return routed.view(shape)
+
+    def _input_projections(self) -> list[nn.Linear]:
+        """The projections of the input a decode step joins: the latent down-projection, the shared expert's
+        gate and up (those the layer has)."""
+        latent = [self.latent_down_proj] if self.latent_dim is not None else []
+        shared = [] if self.shared_experts is None else [self.shared_experts.gate_proj, self.shared_experts.up_proj]
+        return latent + shared
+
+    def prepare_decode(self) -> None:
+        """The stacked experts and the joined projections, built before a decode step is compiled."""
+        self.experts.stacked()
+        prepare_joined(self, "inputs", self._input_projections())
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor | None = None, rate: float = 1e-3) -> None:

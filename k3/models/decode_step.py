@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 from ..generation import check_sampling, sample_with_noise
-from ..layers import MoE
 from ..runtime import check_compiler
 from .static_cache import StaticCache
 
@@ -63,10 +62,11 @@ def compile_step(fn, device: torch.device | str, backend: str = "inductor"):
 
 
 def prepare(model) -> None:
-    """Build (or refresh) what a captured step reads but must not build: the MoE layers' stacked experts."""
+    """Build (or refresh) what a captured step reads but must not build: the MoE layers' stacked experts and
+    the layers' joined projections (`prepare_decode` of every module that has one)."""
     for module in model.modules():
-        if isinstance(module, MoE):
-            module.experts.stacked()
+        if hasattr(module, "prepare_decode"):
+            module.prepare_decode()
 
 
 class DecodeStep:
@@ -90,15 +90,35 @@ class DecodeStep:
         self.model, self.cache, self.generator = model, cache, generator
         self.temperature, self.top_k, self.top_p = float(temperature), top_k, top_p
         self.last_logits: torch.Tensor | None = None
-        # the step's input, at one address (what CUDA graphs replay from) with one stride (a dynamo guard)
-        self._tokens = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.positions.device)
+        # the step's inputs, each at one address (what CUDA graphs replay from) with one stride (a dynamo guard)
+        device = cache.positions.device
+        self._tokens = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=device)
+        self._noise = (torch.empty(cache.batch_size, model.config.vocab_size, device=device)
+                       if self.temperature > 0 else None)
         prepare(model)
         self._compiled, self._warm = bool(compile), False
+        if compile and device.type == "cuda":
+            self._mark_static_addresses()
         if compile:
             self._run = compile_step(self._step, cache.positions.device,
                                      "inductor" if compile is True else compile)
         else:
             self._run = self._step
+
+    def _mark_static_addresses(self) -> None:
+        """Tell dynamo that the tensors the step reads and writes outside its parameters keep their addresses
+        (the cache's buffers, the inputs, the stacked experts, the joined projections), so that CUDA graphs
+        replay over them rather than copying them in before every replay (transformers' static caches do
+        the same)."""
+        cache = self.cache
+        tensors = [t for layer in cache.layers for t in layer.tensors()] + [cache.positions, self._tokens]
+        tensors += [t for t in (cache.sources, self._noise) if t is not None]
+        for module in self.model.modules():
+            for name, value in vars(module).items():
+                if name.startswith(("_joined_", "_stack")) and isinstance(value, tuple):
+                    tensors += [t for t in value if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            torch._dynamo.mark_static_address(t)
 
     def _step(self, tokens: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, 1] -> (next tokens [B], logits [B, vocab]); advances the cache's positions."""
@@ -118,18 +138,16 @@ class DecodeStep:
             raise ValueError(f"DecodeStep: `tokens` must be [{cache.batch_size}] (one per row), got "
                              f"{list(tokens.shape)}")
         cache.check_room(1)
-        noise = None
-        if self.temperature > 0:
-            noise = torch.empty(cache.batch_size, self.model.config.vocab_size, device=tokens.device)
-            noise.exponential_(generator=self.generator)
+        if self._noise is not None:
+            self._noise.exponential_(generator=self.generator)
         self._tokens.copy_(tokens.view(-1, 1))
         if self._warm:
             # the same function over the same state as the call before: dynamo need not check everything it
             # checked then (its guards cost ~0.2 ms a call on a 2-core CPU), only what tells its graphs apart
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                token, logits = self._run(self._tokens, noise)
+                token, logits = self._run(self._tokens, self._noise)
         else:
-            token, logits = self._run(self._tokens, noise)
+            token, logits = self._run(self._tokens, self._noise)
             self._warm = self._compiled
         cache.longest += 1
         # a CUDA graph's outputs are overwritten by its next replay: keep copies

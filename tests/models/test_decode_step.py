@@ -164,3 +164,14 @@ def test_no_cxx_compiler_is_one_clear_line(monkeypatch):
     with pytest.raises(ValueError, match="no C\\+\\+ compiler was found") as info:
         model.generate(_ids(1, 3), 2, compile=True)
     assert "\n" not in str(info.value)
+
+
+def test_docs_example_runs(capsys):
+    """docs/models.md's compiled decode example, with the cheap backend for compile=True (what it captures
+    is the same graph; inductor's own run is the slow test in tests/test_generate_compile.py)."""
+    from ..test_docs import python_block, run_block
+
+    code = python_block("docs/models.md", "model.decode_step(cache")
+    assert code.count("compile=True") == 2
+    run_block(code.replace("compile=True", 'compile="aot_eager"'), "docs/models.md")
+    assert capsys.readouterr().out.splitlines() == ["True", "[17, 17]"]
