@@ -44,6 +44,9 @@ class StaticKVCache(StaticSequenceCache):
         """k, v: the [B, H, N, D] buffers."""
         self.owner, self._heads_first = owner, (k, v)
 
+    def buffers(self) -> list[torch.Tensor]:
+        return list(self._heads_first)
+
     @property
     def k(self) -> torch.Tensor:
         return self._heads_first[0].transpose(1, 2)

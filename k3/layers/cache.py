@@ -283,6 +283,10 @@ class StaticSequenceCache(LayerCache):
             out.append(buffer[:, : self.owner.longest + T])
         return out
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The tensors allocated for this cache (what the fields are, or are views of)."""
+        return [getattr(self, name) for name in self.sequence_fields]
+
     def token_positions(self, T: int, device=None) -> torch.Tensor:
         """[B, T]: positions of the next T tokens in their rows (each row's own count)."""
         return self._slots(T).to(device)

@@ -102,6 +102,10 @@ class StaticRecurrentCache(RecurrentCache):
     def conv_window(self) -> torch.Tensor:
         return self._window
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The tensors allocated for this cache: the conv window (when the layer has convolutions) and the state(s)."""
+        return [t for t in (self._window, *_as_tuple(self.recurrent_state)) if t is not None]
+
     def store(self, recurrent_state, conv_states=None, conv_window: torch.Tensor | None = None) -> None:
         if conv_window is not None:
             self._window.copy_(conv_window)

@@ -111,7 +111,7 @@ class DecodeStep:
         replay over them rather than copying them in before every replay (transformers' static caches do
         the same)."""
         cache = self.cache
-        tensors = [t for layer in cache.layers for t in layer.tensors()] + [cache.positions, self._tokens]
+        tensors = [t for layer in cache.layers for t in layer.buffers()] + [cache.positions, self._tokens]
         tensors += [t for t in (cache.sources, self._noise) if t is not None]
         for module in self.model.modules():
             for name, value in vars(module).items():

@@ -67,6 +67,33 @@ def test_step_equals_full_forward_float64():
     assert cache.length == 20 and cache.positions.tolist() == [20] * 3
 
 
+def test_static_addresses_for_cuda_graphs_keep_the_step_exact():
+    """What the CUDA path marks (every buffer, input, stack and joined weight the step reads besides the
+    parameters) is found and marked; the step still equals eager (run here on the CPU)."""
+    model = tiny_model("kimi-k3-tiny")
+    ids = _ids(2, 9)
+    eager = DecodeStep(model, _prefilled(model, ids))
+    compiled = DecodeStep(model, _prefilled(model, ids), temperature=0.5, compile=CompileCounterWithBackend("aot_eager"))
+    marked = []
+    original = torch._dynamo.mark_static_address
+    torch._dynamo.mark_static_address = lambda t: marked.append(t) or original(t)
+    try:
+        compiled._mark_static_addresses()
+    finally:
+        torch._dynamo.mark_static_address = original
+    cache = compiled.cache
+    kinds = model.config.layer_types
+    expected = 2 * kinds.count("mla") + 2 * kinds.count("kda") + 4  # + positions, tokens, sources, noise
+    expected += 3 * len(model.moe_layers()) + sum(1 for m in model.modules() if hasattr(m, "_joined_inputs"))
+    assert len(marked) == expected and {id(t) for t in (cache.positions, compiled._tokens)} <= {id(t) for t in marked}
+    assert all(t._base is None for t in marked)  # the buffers themselves, not views of them
+    compiled.temperature = 0.0  # greedy from here: equal to eager
+    a = b = ids[:, -1]
+    for _ in range(2):
+        a, b = eager(a), compiled(b)
+        torch.testing.assert_close(compiled.last_logits, eager.last_logits, rtol=1e-5, atol=1e-5)
+
+
 def test_step_checks_its_input_and_room():
     model = tiny_model("kimi-k3-tiny")
     cache = _prefilled(model, _ids(2, 7), max_length=8)
