@@ -267,8 +267,8 @@ class StaticSequenceCache(LayerCache):
         return positions.unsqueeze(1) + torch.arange(T, device=positions.device)
 
     def append(self, **new: torch.Tensor) -> list[torch.Tensor]:
-        """Write new[name] [B, T, ...] at each row's next T slots, in place; return the buffers (T = 1:
-        whole, [B, N, ...]; T > 1: the first longest + T slots), in the order given."""
+        """Write each new tensor (`[B, T, ...]`) at its row's next T slots, in place; return the buffers
+        (T = 1: whole, `[B, N, ...]`; T > 1: the first longest + T slots), in the order given."""
         out = []
         for name, x in new.items():
             buffer = getattr(self, name)
