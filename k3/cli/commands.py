@@ -220,13 +220,13 @@ def _generate(args) -> int:
     new: list[int] = []
     start = time.perf_counter()
     try:
-        stream_text(model, tokenizer, ids, args, generator, new)
+        first_step = stream_text(model, tokenizer, ids, args, generator, new)
     except KeyboardInterrupt:
         print(flush=True)
         print(f"[interrupted (Ctrl-C) after {len(new)} tokens]", file=sys.stderr)
         return 130
     print(flush=True)
-    report(len(new), time.perf_counter() - start, len(ids), device)
+    report(len(new), time.perf_counter() - start, len(ids), device, first_step)
     return 0
 
 

@@ -20,20 +20,29 @@ import sys
 import time
 
 
-def stream_text(model, tokenizer, ids: list[int], args, generator, new: list[int], cache=None) -> None:
+def stream_text(model, tokenizer, ids: list[int], args, generator, new: list[int], cache=None
+                ) -> tuple[float, float] | None:
     """Print the continuation of the tokens `ids` as it is sampled (`args`: max_new_tokens and the
     sampling flags), a character split over several tokens once it is whole; each token is appended to
     `new`, which holds what was generated if a Ctrl-C ends it early. With `cache`, `ids` continue the
     tokens it has seen (`CausalLM.stream`). The continuation ends at <|endoftext|> (kept in `new`, not
-    printed) unless args.ignore_eot."""
+    printed) unless args.ignore_eot. With --compile, returns (the seconds between the first token, sampled
+    from the prefill, and the second: the compiled step's first call, compiling or loading it; the seconds
+    from the second token to the end)."""
+    import time
+
     import torch
 
     prompt = torch.tensor([ids], device=model.lm_head.weight.device)
     eot = None if args.ignore_eot else tokenizer.eot_id
     shown = ""
+    compiled = getattr(args, "compile", False)
+    arrivals: list[float] = []
     for token in model.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, eos_token_id=eot, generator=generator, cache=cache,
-                              compile=getattr(args, "compile", False)):
+                              compile=compiled):
+        if compiled and len(arrivals) < 2:
+            arrivals.append(time.perf_counter())
         new.append(int(token[0]))
         if new[-1] == eot:
             break
@@ -44,13 +53,21 @@ def stream_text(model, tokenizer, ids: list[int], args, generator, new: list[int
     text = tokenizer.decode([t for t in new if t != eot])
     if text != shown:  # the stream ended inside a character: show what there is
         print(text[len(shown):], end="", flush=True)
+    return (arrivals[1] - arrivals[0], time.perf_counter() - arrivals[1]) if len(arrivals) == 2 else None
 
 
-def report(new: int, seconds: float, prefill: int, device=None) -> None:
-    """The speed line on stderr after a continuation."""
+def report(new: int, seconds: float, prefill: int, device=None, first_step: tuple[float, float] | None = None
+           ) -> None:
+    """The speed line on stderr after a continuation; with --compile (`first_step`, from `stream_text`),
+    also the time the compiled step's first call took and the speed of the tokens after it."""
     where = f"; on {device}" if device is not None else ""
+    after = ""
+    if first_step is not None and new > 2:
+        compiling, rest = first_step
+        after = (f"; {compiling:.1f} s of it compiling or loading the decode step, then "
+                 f"{(new - 2) / max(rest, 1e-9):.1f} tokens/s")
     print(f"[{new} tokens in {seconds:.2f} s: {new / max(seconds, 1e-9):.1f} tokens/s, prefill of {prefill} "
-          f"prompt tokens included{where}]", file=sys.stderr)
+          f"prompt tokens included{where}{after}]", file=sys.stderr)
 
 
 def _read_line(tty: bool) -> str | None:
@@ -121,7 +138,7 @@ def interactive(args, model, tokenizer) -> int:
         new: list[int] = []
         start = time.perf_counter()
         try:
-            stream_text(model, tokenizer, feed, args, generator, new, cache)
+            first_step = stream_text(model, tokenizer, feed, args, generator, new, cache)
         except KeyboardInterrupt:
             print(flush=True)
             print(f"[interrupted (Ctrl-C) after {len(new)} tokens]", file=sys.stderr)
@@ -134,7 +151,7 @@ def interactive(args, model, tokenizer) -> int:
             print(f"k3 generate: error: prompt {number}: {e}; skipped", file=sys.stderr)
             continue
         print(flush=True)
-        report(len(new), time.perf_counter() - start, len(feed))
+        report(len(new), time.perf_counter() - start, len(feed), first_step=first_step)
         if args.chat:
             conversation += ids + new
     return 0

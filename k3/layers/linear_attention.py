@@ -247,13 +247,15 @@ class _DeltaRuleAttention(nn.Module):
         H, Dh = self.num_heads, self.head_dim
         conv_in = (None,) * 3 if cache is None or cache.conv_states is None else cache.conv_states
         keep = cache is not None
-        q, conv_q = self.q_conv1d(self.q_proj(x), conv_in[0], keep)
-        k, conv_k = self.k_conv1d(self.k_proj(x), conv_in[1], keep)
-        v, conv_v = self.v_conv1d(self.v_proj(x), conv_in[2], keep)
+        q, k, v, b, *gates = joined_linear(self, "inputs", self._input_projections(), x)
+        q, conv_q = self.q_conv1d(q, conv_in[0], keep)
+        k, conv_k = self.k_conv1d(k, conv_in[1], keep)
+        v, conv_v = self.v_conv1d(v, conv_in[2], keep)
         # the ops accumulate in float32 anyway; feeding them float32 keeps the gates exact in bf16 models
         q, k, v = (upcast(t).view(B, T, H, Dh) for t in (q, k, v))
-        beta = torch.sigmoid(upcast(self.b_proj(x)))
-        g = self.forget_gate(x)
+        beta = torch.sigmoid(upcast(b))
+        n_gate = len(self._gate_projections())
+        g = self._gate_from(gates[0] if n_gate else None)
         gate_args = () if g is None else (g,)
 
         state = None if cache is None else cache.recurrent_state
@@ -265,7 +267,7 @@ class _DeltaRuleAttention(nn.Module):
                                      use_qk_l2norm=True, chunk_size=self.chunk_size)
         if cache is not None:
             cache.store(state, conv_states=(conv_q, conv_k, conv_v))
-        return self._output(o, x)
+        return self._output(o, x, self._output_gate_from(gates[n_gate] if len(gates) > n_gate else None))
 
     def _decode(self, x: torch.Tensor, cache: RecurrentCache) -> torch.Tensor:
         """One token after the state in `cache`: x [B, 1, hidden_size] -> y [B, 1, hidden_size], the same
