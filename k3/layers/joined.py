@@ -1,57 +1,59 @@
-"""Several projections of one input as one matmul, for decoding: their weights joined by rows once per
-weight version.
+"""Copies of weights laid out for the decode step: several projections of one input as one matmul, and
+(k3.layers.moe) the routed experts stacked.
 
 A decode step multiplies one token's vector by many small matrices that read the same input (KDA's q, k,
-v, beta, forget-gate and output-gate projections; the MoE's latent down-projection and shared expert):
-each matmul of one row costs more in dispatch (eager) or in a call into the GEMM library (compiled) than
-in arithmetic. Joined, they are one:
+v, beta, forget-gate and output-gate projections; MLA's query, latent and gate projections; the MoE's
+latent down-projection and shared expert): each matmul of one row costs more in dispatch (eager) or in a
+call into the GEMM library (compiled) than in arithmetic. Joined, they are one:
 
     [y_1 | ... | y_n] = x [W_1; ...; W_n]^T
 
-`joined_linear(owner, name, linears, x)` keeps the joined copy on `owner` (attribute `name`), rebuilt when
-any weight was replaced or written in place since (its data pointer or version changed: an optimizer
-step, load_state_dict), and returns the n outputs. Inference only: with a gradient to take, each
-projection runs as it is (the copy has no gradient; joining them with autograd, a cat of the weights
-each step, measured within 1% of separate ones on kimi-k3-tiny's training step). While a step is being compiled the copy is read as
-it is (`prepare_joined` builds it first: dynamo cannot trace the version check).
+The copies are made by `k3.models.decode_step.prepare` when a `DecodeStep` is made (every `generate(...,
+compile=True)` call makes one: the copies are those weights as they are then) and read only while a step
+runs (`decoding()`). Anywhere else, training or eager `model(ids, cache=cache)`, each projection runs as
+it is: a copy kept across calls could not tell reliably that its weights changed since (FSDP refills its
+unsharded parameters in place, and `p.data.copy_` bumps no version counter).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 PREFIX = "_joined_"
+_decoding = False  # a plain global: dynamo reads (and guards on) it while it traces the step
+
+
+@contextlib.contextmanager
+def decoding():
+    """Inside: the layers read their prepared copies (a decode step runs)."""
+    global _decoding
+    before, _decoding = _decoding, True
+    try:
+        yield
+    finally:
+        _decoding = before
+
+
+def in_decode_step() -> bool:
+    """Whether a decode step runs, so the prepared copies are the weights to read."""
+    return _decoding
 
 
 def joined_linear(owner: nn.Module, name: str, linears: list[nn.Linear], x: torch.Tensor) -> list[torch.Tensor]:
-    """[linear(x) for linear in linears] (no biases), as one matmul when no gradient is taken."""
-    weights = [linear.weight for linear in linears]
-    if len(linears) == 1 or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
+    """[linear(x) for linear in linears] (no biases): inside a decode step one matmul by the joined copy
+    `prepare_joined` made, elsewhere each projection as it is."""
+    joined = getattr(owner, PREFIX + name, None) if in_decode_step() else None
+    if joined is None:
         return [linear(x) for linear in linears]
-    joined = _joined(owner, name, weights)
-    return list(F.linear(x, joined).split([w.shape[0] for w in weights], dim=-1))
+    return list(F.linear(x, joined).split([linear.weight.shape[0] for linear in linears], dim=-1))
 
 
+@torch.no_grad()
 def prepare_joined(owner: nn.Module, name: str, linears: list[nn.Linear]) -> None:
-    """Build (or refresh) the joined copy before a step is compiled."""
+    """Make the joined copy of `linears`' weights (rows one after the other) on `owner`, for decode steps."""
     if len(linears) > 1:
-        with torch.no_grad():
-            _joined(owner, name, [linear.weight for linear in linears])
-
-
-def _joined(owner: nn.Module, name: str, weights: list[torch.Tensor]) -> torch.Tensor:
-    attribute = PREFIX + name
-    cached = getattr(owner, attribute, None)
-    if torch.compiler.is_compiling():
-        if cached is None:
-            raise RuntimeError(f"{type(owner).__name__}: its joined {name} weights were not prepared before "
-                               f"compiling (k3.models.decode_step.prepare)")
-        return cached[1]
-    key = tuple((w.data_ptr(), w._version) for w in weights)
-    if cached is None or cached[0] != key:
-        with torch.no_grad():
-            cached = (key, torch.cat([w.detach() for w in weights]))
-        setattr(owner, attribute, cached)
-    return cached[1]
+        setattr(owner, PREFIX + name, torch.cat([linear.weight.detach() for linear in linears]))

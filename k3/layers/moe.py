@@ -24,9 +24,9 @@ Dispatch (`RoutedExperts`) costs what the k chosen experts cost, not all E, thre
 run every expert at once as three batched matmuls over the tokens grouped by expert, in slots of equal
 size (a busy expert takes several); a routing so skewed that the slots would be mostly padding sorts
 the tokens by expert and calls each used expert once; a few tokens (decoding) run through the stacked
-matrices of their chosen experts, gathered by index from the experts' matrices stacked once per weight
-version (`RoutedExperts.stacked`: no host sync, no data-dependent shape, so a decode step compiles to one
-graph, gpt-fast's Mixtral). It is a module of its own so that expert parallelism (k3.training.parallel) plugs in from
+matrices of their chosen experts; inside a decode step (k3.models.decode_step), gathered by index from
+the experts' matrices stacked when the step was made (`RoutedExperts.prepare_stack`: no host sync, no
+data-dependent shape, so the step compiles to one graph, gpt-fast's Mixtral). It is a module of its own so that expert parallelism (k3.training.parallel) plugs in from
 outside: a process keeps a slice of the experts, and hooks on this module gather the tokens before it
 and sum the slices' outputs after it.
 """
@@ -41,7 +41,7 @@ from ..ops.common import cast
 from .ffn import GatedMLP, situ
 from . import init
 from .init import init_linear
-from .joined import joined_linear, prepare_joined
+from .joined import in_decode_step, joined_linear, prepare_joined
 from .norm import RMSNorm, upcast
 
 FEW_ASSIGNMENTS = 32  # (token, expert) pairs up to which the chosen experts are stacked (`RoutedExperts`)
@@ -141,20 +141,19 @@ class RoutedExperts(nn.ModuleList):
     An entry may be None: under expert parallelism a process holds only its own slice of the
     experts, and the tokens routed to the others are computed by the processes that own them."""
 
-    _stack: tuple | None = None  # (key, W1 [E, hidden, d], W3 [E, hidden, d], W2 [E, d, hidden]), see `stacked`
+    _stack: tuple | None = None  # (W1 [E, hidden, d], W3 [E, hidden, d], W2 [E, d, hidden]): `prepare_stack`
 
     def forward(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
                 counts: torch.Tensor | None) -> torch.Tensor:
         """z [N, d], chosen [N, k] expert indices, weights [N, k], counts [E] (tokens per expert,
         the bincount of `chosen`; None: a captured decode step, which takes the gathered path) -> [N, d]."""
-        if counts is None or 0 < chosen.numel() <= FEW_ASSIGNMENTS:
-            stack = self.stacked() if not (torch.is_grad_enabled() and self._needs_grad()) else None
-            if stack is not None:
-                return self._gathered(z, chosen, weights, stack)
-            if counts is None:
-                raise RuntimeError("RoutedExperts: a captured decode step needs the experts stacked "
-                                   "(`stacked()`), which only plain experts held in this process, within "
-                                   f"{STACKED_BYTES_LIMIT:,} bytes and without gradients, allow")
+        if in_decode_step() and self._stack is not None:
+            return self._gathered(z, chosen, weights, self._stack)
+        if counts is None:
+            raise RuntimeError("RoutedExperts: a captured decode step needs the experts stacked (`prepare_stack`), "
+                               "which only plain experts held in this process, within "
+                               f"{STACKED_BYTES_LIMIT:,} bytes, allow")
+        if 0 < chosen.numel() <= FEW_ASSIGNMENTS:
             experts = [self[e] for e in chosen.flatten().tolist()]
             # every chosen expert held here (not split by expert parallelism), and a small copy
             if None not in experts and 3 * len(experts) * experts[0].w1.numel() <= STACK_LIMIT:
@@ -165,31 +164,21 @@ class RoutedExperts(nn.ModuleList):
                 return self._batched(z, chosen, weights, counts, capacity, slots)
         return self._grouped(z, chosen, weights, counts)
 
-    def _needs_grad(self) -> bool:
-        first = next((e for e in self if e is not None), None)
-        return first is not None and first.w1.requires_grad
-
     @torch.no_grad()
-    def stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Every expert's matrices stacked, (W1 [E, hidden, d], W3 [E, hidden, d], W2 [E, d, hidden]), for
-        the gathered path; None when the experts cannot be stacked (one held by another process, MXFP4
-        experts, or more than STACKED_BYTES_LIMIT bytes). Built once per weight version: rebuilt when a
-        weight was replaced or written in place since (an optimizer step, load_state_dict). While a step
-        is being compiled the stack is taken as it is (`prepare` builds it before)."""
-        if torch.compiler.is_compiling():
-            return None if self._stack is None else self._stack[1:]
+    def prepare_stack(self) -> None:
+        """Stack every expert's matrices for the decode step's gathered path (k3.layers.joined: made when a
+        DecodeStep is, read only while one runs): (W1 [E, hidden, d], W3 [E, hidden, d], W2 [E, d, hidden]).
+        None when they cannot be stacked: an expert held by another process, MXFP4 experts, or more than
+        STACKED_BYTES_LIMIT bytes."""
+        self._stack = None
         if not all(type(e) is Expert for e in self):
-            return None
-        params = [p for e in self for p in (e.w1, e.w3, e.w2)]
-        if sum(p.numel() * p.element_size() for p in params) > STACKED_BYTES_LIMIT:
-            return None
-        key = tuple((p.data_ptr(), p._version) for p in params)
-        if self._stack is None or self._stack[0] != key:
-            self._stack = (key, *(torch.stack([getattr(e, name) for e in self]) for name in ("w1", "w3", "w2")))
-        return self._stack[1:]
+            return
+        if sum(p.numel() * p.element_size() for e in self for p in (e.w1, e.w3, e.w2)) > STACKED_BYTES_LIMIT:
+            return
+        self._stack = tuple(torch.stack([getattr(e, name).detach() for e in self]) for name in ("w1", "w3", "w2"))
 
     def _gathered(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, stack) -> torch.Tensor:
-        """`_stacked` with the chosen experts' matrices gathered from `stack` by index (`stacked`): the same
+        """`_stacked` with the chosen experts' matrices gathered from `stack` by index (`prepare_stack`): the same
         maths, with no host sync and shapes set by z and chosen alone."""
         N, k = chosen.shape
         d = z.shape[-1]
@@ -344,12 +333,12 @@ class MoE(nn.Module):
         shape = x.shape
         h = x.reshape(-1, shape[-1])
         chosen, weights = self.router(h)
-        if torch.compiler.is_compiling() and not torch.is_grad_enabled():
-            counts = None  # a captured decode step: no load count (its size depends on the routing)
+        if in_decode_step():
+            counts = None  # a decode step: no load count (its size depends on the routing)
         else:
             counts = self.last_load = torch.bincount(chosen.flatten(), minlength=len(self.experts))
         projections = self._input_projections()
-        if projections and chosen.numel() <= FEW_ASSIGNMENTS:  # decoding: one matmul (k3.layers.joined)
+        if projections and in_decode_step():  # one matmul (k3.layers.joined)
             shared = joined_linear(self, "inputs", projections, h)
             z = h if self.latent_dim is None else shared.pop(0)
             shared = shared or None
@@ -371,8 +360,8 @@ class MoE(nn.Module):
         return latent + shared
 
     def prepare_decode(self) -> None:
-        """The stacked experts and the joined projections, built before a decode step is compiled."""
-        self.experts.stacked()
+        """The stacked experts and the joined projections, made when a decode step is."""
+        self.experts.prepare_stack()
         prepare_joined(self, "inputs", self._input_projections())
 
     @torch.no_grad()

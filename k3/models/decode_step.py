@@ -7,8 +7,9 @@ fast decoder captures the step once and replays it. What makes the step capturab
 recompile from one token to the next):
 - static state: the `StaticCache` buffers, written in place at a position tensor, attention over all N
   slots masked past each row's position (k3.models.static_cache);
-- the MoE for a few tokens gathers its chosen experts' matrices by index from stacks built once per
-  weight version (`RoutedExperts.stacked`, built here before the first step): no `.tolist()`, no bincount;
+- the MoE gathers its chosen experts' matrices by index from stacks made with the step
+  (`RoutedExperts.prepare_stack`, by `prepare`), and each layer's projections of one input run as one
+  matmul (`k3.layers.joined`): no `.tolist()`, no bincount;
 - Block AttnRes's sources in one fixed buffer (`DepthSources`);
 - sampling inside the step from noise drawn outside (`k3.generation.sample_with_noise`: greedy,
   temperature, top-k, top-p): no generator in the graph, no host sync.
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..generation import check_sampling, sample_with_noise
+from ..layers.joined import decoding
 from ..runtime import check_compiler
 from .static_cache import StaticCache
 
@@ -62,8 +64,9 @@ def compile_step(fn, device: torch.device | str, backend: str = "inductor"):
 
 
 def prepare(model) -> None:
-    """Build (or refresh) what a captured step reads but must not build: the MoE layers' stacked experts and
-    the layers' joined projections (`prepare_decode` of every module that has one)."""
+    """Make the weight copies a decode step reads (k3.layers.joined): the MoE layers' stacked experts and the
+    layers' joined projections (`prepare_decode` of every module that has one), from the weights as they
+    are now."""
     for module in model.modules():
         if hasattr(module, "prepare_decode"):
             module.prepare_decode()
@@ -115,8 +118,8 @@ class DecodeStep:
         tensors += [t for t in (cache.sources, self._noise) if t is not None]
         for module in self.model.modules():
             for name, value in vars(module).items():
-                if name.startswith(("_joined_", "_stack")) and isinstance(value, tuple):
-                    tensors += [t for t in value if isinstance(t, torch.Tensor)]
+                if name.startswith(("_joined_", "_stack")) and value is not None:
+                    tensors += [value] if isinstance(value, torch.Tensor) else list(value)
         for t in tensors:
             torch._dynamo.mark_static_address(t)
 
@@ -141,14 +144,15 @@ class DecodeStep:
         if self._noise is not None:
             self._noise.exponential_(generator=self.generator)
         self._tokens.copy_(tokens.view(-1, 1))
-        if self._warm:
-            # the same function over the same state as the call before: dynamo need not check everything it
-            # checked then (its guards cost ~0.2 ms a call on a 2-core CPU), only what tells its graphs apart
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+        with decoding():  # the layers read the weight copies `prepare` made
+            if self._warm:
+                # the same function over the same state as the call before: dynamo need not check everything
+                # it checked then (its guards cost ~0.2 ms a call on a 2-core CPU), only what tells graphs apart
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    token, logits = self._run(self._tokens, self._noise)
+            else:
                 token, logits = self._run(self._tokens, self._noise)
-        else:
-            token, logits = self._run(self._tokens, self._noise)
-            self._warm = self._compiled
+                self._warm = self._compiled
         cache.longest += 1
         # a CUDA graph's outputs are overwritten by its next replay: keep copies
         self.last_logits = logits.clone()

@@ -107,25 +107,42 @@ def test_step_checks_its_input_and_room():
         DecodeStep(model, model.new_cache(2))
 
 
-def test_moe_gathered_experts_equal_grouped_and_follow_weight_updates(monkeypatch):
+def test_moe_gathered_experts_equal_grouped_and_are_made_with_the_step(monkeypatch):
+    from k3.layers.joined import decoding
+
     model = tiny_model("kimi-k3-tiny")
     moe = model.moe_layers()[0]
     x = torch.randn(3, model.config.hidden_size)
     with torch.no_grad():
-        gathered = moe(x)  # 3 tokens x top-4: the gathered path
+        DecodeStep(model, model.new_cache(1, max_length=8))  # makes the copies (prepare)
+        with decoding():
+            gathered = moe(x)  # the stacked experts, the joined projections
         monkeypatch.setattr(moe_module, "FEW_ASSIGNMENTS", 0)
-        grouped = moe(x)
+        grouped = moe(x)  # outside a step: the layer's own weights, all experts at once
         torch.testing.assert_close(gathered, grouped, rtol=1e-5, atol=1e-6)
-        monkeypatch.setattr(moe_module, "FEW_ASSIGNMENTS", 32)
-        first = moe.experts.stacked()[0]
-        assert moe.experts.stacked()[0] is first  # built once per weight version
-        moe.experts[3].w1.mul_(2.0)  # an in-place update (an optimizer step) is seen
-        assert moe.experts.stacked()[0] is not first
-        torch.testing.assert_close(moe.experts.stacked()[0][3], moe.experts[3].w1)
-        monkeypatch.setattr(moe_module, "FEW_ASSIGNMENTS", 0)
-        grouped = moe(x)
-        monkeypatch.setattr(moe_module, "FEW_ASSIGNMENTS", 32)
-        torch.testing.assert_close(moe(x), grouped, rtol=1e-5, atol=1e-6)
+        moe.experts[3].w1.mul_(2.0)  # an update outside a step is not seen by the copies until the next step
+        torch.testing.assert_close(moe.experts._stack[0][3] * 2, moe.experts[3].w1)
+        DecodeStep(model, model.new_cache(1, max_length=8))
+        torch.testing.assert_close(moe.experts._stack[0][3], moe.experts[3].w1)
+        with decoding():
+            torch.testing.assert_close(moe(x), moe(x.clone()), rtol=0, atol=0)
+            gathered = moe(x)
+        torch.testing.assert_close(gathered, moe(x), rtol=1e-5, atol=1e-6)
+
+
+def test_copies_are_read_only_inside_a_step():
+    """A model whose weights change in place (FSDP refills its parameters; p.data.copy_ bumps no version)
+    computes with them as they are: the copies a step made are not read outside one."""
+    model = tiny_model("kimi-k3-tiny")
+    ids = _ids(1, 6)
+    DecodeStep(model, model.new_cache(1, max_length=8))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data.copy_(p.data * 0.5)
+        cache = model.new_cache(1)
+        model(ids[:, :5], cache=cache)
+        step = model(ids[:, 5:], cache=cache)  # one token: the layers' decode paths
+        torch.testing.assert_close(step[:, -1], model(ids)[:, -1], rtol=1e-4, atol=1e-5)
 
 
 def test_moe_with_gradients_keeps_its_own_path():
