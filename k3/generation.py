@@ -124,18 +124,21 @@ def check_positions(model, lengths: Sequence[int], max_new_tokens: int = 1, whic
                          f"positions for {positions}: ask for at most {positions - longest + 1} new tokens")
 
 
-def prefill(model, prompts: Prompts, max_new_tokens: int = 1):
+def prefill(model, prompts: Prompts, max_new_tokens: int = 1, static: bool = False):
     """Run the prompts into a new cache: ([B] logits of each prompt's last position, the cache).
 
     A [B, T] tensor is one batched prefill. A list of prompts of different lengths is prefilled one
     length at a time (the prompts of equal length as one batch) and the caches joined in the list's
     order (`HybridCache.concat`), so no row ever sees another's padding. Each prefill runs in pieces
-    (see the module docstring). `max_new_tokens`: how many tokens will follow, for the position check."""
+    (see the module docstring). `max_new_tokens`: how many tokens will follow, for the position check.
+    `static`: the cache is a StaticCache with room for them (`_static_slots`): a [B, T] prompt runs
+    straight into it, a list's joined growing cache is `load`ed into one."""
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() != 2 or prompts.shape[1] == 0:
             raise ValueError(f"generate: the prompt `input_ids` must be [B, T] with T >= 1, got {list(prompts.shape)}")
         check_positions(model, [prompts.shape[1]], max_new_tokens)
-        cache = model.new_cache(prompts.shape[0])
+        B, T = prompts.shape
+        cache = model.new_cache(B, max_length=_static_slots(model, T, max_new_tokens)) if static else model.new_cache(B)
         return model(prompts, cache=cache, logits_to_keep=1)[:, -1], cache
     prompts = as_prompt_list(prompts, device=next(model.parameters()).device)  # where the model runs
     check_positions(model, [p.numel() for p in prompts], max_new_tokens)
@@ -149,11 +152,15 @@ def prefill(model, prompts: Prompts, max_new_tokens: int = 1):
         caches.append(cache)
         order += rows
     cache = caches[0] if len(caches) == 1 else type(caches[0]).concat(caches)
+    logits = torch.cat(logits)
     if order != sorted(order):  # back to the list's order
         back = torch.argsort(torch.tensor(order))
         cache.reorder(back)
-        return torch.cat(logits)[back.to(logits[0].device)], cache
-    return torch.cat(logits), cache
+        logits = logits[back.to(logits.device)]
+    if static:
+        longest = max(p.numel() for p in prompts)
+        cache = model.new_cache(cache.batch_size, max_length=_static_slots(model, longest, max_new_tokens)).load(cache)
+    return logits, cache
 
 
 def extend(model, input_ids: torch.Tensor, cache, max_new_tokens: int = 1) -> torch.Tensor:
@@ -180,27 +187,16 @@ def static_length(tokens: int) -> int:
 
 
 def compiled_prefill(model, prompts: Prompts, max_new_tokens: int, cache=None):
-    """`prefill` (or `extend` when given a StaticCache) into a static cache for `compile=True`: ([B]
-    logits of each prompt's last position, the StaticCache). A [B, T] prompt runs straight into it; a list
-    of prompts of different lengths is prefilled as `prefill` does and its growing cache `load`ed."""
-    if cache is not None:
-        if not getattr(cache, "static", False):
-            raise ValueError(f"generate: `compile=True` decodes over a static cache; pass one made with "
-                             f"model.new_cache(batch_size, max_length=N), or no cache, not a "
-                             f"{type(cache).__name__}")
-        if isinstance(prompts, torch.Tensor) and prompts.dim() == 2:
-            cache.check_room(prompts.shape[1] + max_new_tokens - 1)
-        return extend(model, prompts, cache, max_new_tokens), cache
-    if isinstance(prompts, torch.Tensor):
-        if prompts.dim() != 2 or prompts.shape[1] == 0:
-            raise ValueError(f"generate: the prompt `input_ids` must be [B, T] with T >= 1, got {list(prompts.shape)}")
-        check_positions(model, [prompts.shape[1]], max_new_tokens)
-        static = model.new_cache(prompts.shape[0], max_length=_static_slots(model, prompts.shape[1], max_new_tokens))
-        return model(prompts, cache=static, logits_to_keep=1)[:, -1], static
-    logits, grown = prefill(model, prompts, max_new_tokens)
-    longest = int(grown.lengths().max())
-    static = model.new_cache(grown.batch_size, max_length=_static_slots(model, longest, max_new_tokens))
-    return logits, static.load(grown)
+    """`prefill(static=True)`, or `extend` when given a StaticCache, for `compile=True`: ([B] logits of
+    each prompt's last position, the StaticCache)."""
+    if cache is None:
+        return prefill(model, prompts, max_new_tokens, static=True)
+    if not getattr(cache, "static", False):
+        raise ValueError(f"generate: `compile=True` decodes over a static cache; pass one made with "
+                         f"model.new_cache(batch_size, max_length=N), or no cache, not a {type(cache).__name__}")
+    if isinstance(prompts, torch.Tensor) and prompts.dim() == 2:
+        cache.check_room(prompts.shape[1] + max_new_tokens - 1)
+    return extend(model, prompts, cache, max_new_tokens), cache
 
 
 def _static_slots(model, longest: int, max_new_tokens: int) -> int:

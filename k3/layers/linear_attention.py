@@ -213,9 +213,11 @@ class _DeltaRuleAttention(nn.Module):
             return self.g_b_proj(first)
         return first  # "full": the projection itself; None: no gate
 
-    def _output_gate(self, x: torch.Tensor) -> torch.Tensor | None:
-        projections = self._output_gate_projections()
-        return self._output_gate_from(projections[0](x) if projections else None)
+    def _gates(self, extra: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(the forget gate g, the output gate's pre-activation) from the outputs of `_input_projections`
+        after q, k, v and beta (each None where the layer has no such gate)."""
+        n = len(self._gate_projections())
+        return self._gate_from(extra[0] if n else None), self._output_gate_from(extra[n] if len(extra) > n else None)
 
     def _input_projections(self) -> list[nn.Linear]:
         """Every projection of the layer's input, in the order a decode step joins them (`k3.layers.joined`):
@@ -254,8 +256,7 @@ class _DeltaRuleAttention(nn.Module):
         # the ops accumulate in float32 anyway; feeding them float32 keeps the gates exact in bf16 models
         q, k, v = (upcast(t).view(B, T, H, Dh) for t in (q, k, v))
         beta = torch.sigmoid(upcast(b))
-        n_gate = len(self._gate_projections())
-        g = self._gate_from(gates[0] if n_gate else None)
+        g, out_gate = self._gates(gates)
         gate_args = () if g is None else (g,)
 
         state = None if cache is None else cache.recurrent_state
@@ -267,7 +268,7 @@ class _DeltaRuleAttention(nn.Module):
                                      use_qk_l2norm=True, chunk_size=self.chunk_size)
         if cache is not None:
             cache.store(state, conv_states=(conv_q, conv_k, conv_v))
-        return self._output(o, x, self._output_gate_from(gates[n_gate] if len(gates) > n_gate else None))
+        return self._output(o, x, out_gate)
 
     def _decode(self, x: torch.Tensor, cache: RecurrentCache) -> torch.Tensor:
         """One token after the state in `cache`: x [B, 1, hidden_size] -> y [B, 1, hidden_size], the same
@@ -282,20 +283,16 @@ class _DeltaRuleAttention(nn.Module):
         qkv = upcast(y).view(B, 3, H, Dh)
         q, k = l2norm(qkv[:, :2]).unbind(1)  # [B, H, Dh] each
         beta = torch.sigmoid(upcast(b))  # [B, H]
-        n_gate = len(self._gate_projections())
-        g = self._gate_from(gates[0] if n_gate else None)
+        g, out_gate = self._gates(gates)
         gate_args = () if g is None else (g,)
         # all float32 (float64 in a float64 model), as the state the prefill left
         o, state = self.step_op(q, k, qkv[:, 2], *gate_args, beta, cache.recurrent_state, Dh ** -0.5)
         cache.store(state, conv_window=window)
-        out_gate = self._output_gate_from(gates[n_gate] if len(gates) > n_gate else None)
         return self._output(o, h, out_gate).unsqueeze(1)
 
-    def _output(self, o: torch.Tensor, x: torch.Tensor, out_gate: torch.Tensor | None = None) -> torch.Tensor:
-        """o [..., H, Dh] (the op's output for inputs x [..., hidden_size]) -> o_proj(o_norm(o) * sigmoid(output
-        gate)); `out_gate`: the output gate's pre-activation when already computed (the decode step's)."""
-        if out_gate is None:
-            out_gate = self._output_gate(x)
+    def _output(self, o: torch.Tensor, x: torch.Tensor, out_gate: torch.Tensor | None) -> torch.Tensor:
+        """o [..., H, Dh] (the op's output for inputs x [..., hidden_size]) -> o_proj(o_norm(o) * sigmoid(out_gate)),
+        out_gate the output gate's pre-activation (`_gates`; None: no output gate)."""
         o = self.o_norm(o, None if out_gate is None else out_gate.view(o.shape))
         return self.o_proj(cast(o.reshape(*x.shape[:-1], -1), x.dtype))
 

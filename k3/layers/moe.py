@@ -26,9 +26,9 @@ size (a busy expert takes several); a routing so skewed that the slots would be 
 the tokens by expert and calls each used expert once; a few tokens (decoding) run through the stacked
 matrices of their chosen experts; inside a decode step (k3.models.decode_step), gathered by index from
 the experts' matrices stacked when the step was made (`RoutedExperts.prepare_stack`: no host sync, no
-data-dependent shape, so the step compiles to one graph, gpt-fast's Mixtral). It is a module of its own so that expert parallelism (k3.training.parallel) plugs in from
-outside: a process keeps a slice of the experts, and hooks on this module gather the tokens before it
-and sum the slices' outputs after it.
+data-dependent shape, so the step compiles to one graph, gpt-fast's Mixtral). It is a module of its own
+so that expert parallelism (k3.training.parallel) plugs in from outside: a process keeps a slice of the
+experts, and hooks on this module gather the tokens before it and sum the slices' outputs after it.
 """
 
 from __future__ import annotations
@@ -157,7 +157,8 @@ class RoutedExperts(nn.ModuleList):
             experts = [self[e] for e in chosen.flatten().tolist()]
             # every chosen expert held here (not split by expert parallelism), and a small copy
             if None not in experts and 3 * len(experts) * experts[0].w1.numel() <= STACK_LIMIT:
-                return self._stacked(z, experts, weights)
+                W1, W3, W2 = (torch.stack([getattr(e, name) for e in experts]) for name in ("w1", "w3", "w2"))
+                return self._stacked(z, W1, W3, W2, weights, experts[0].act)
         if chosen.numel() and None not in list(self):
             capacity, slots = _slots(counts.tolist())
             if capacity * len(slots) <= PADDING_LIMIT * chosen.numel():
@@ -178,18 +179,9 @@ class RoutedExperts(nn.ModuleList):
         self._stack = tuple(torch.stack([getattr(e, name).detach() for e in self]) for name in ("w1", "w3", "w2"))
 
     def _gathered(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, stack) -> torch.Tensor:
-        """`_stacked` with the chosen experts' matrices gathered from `stack` by index (`prepare_stack`): the same
-        maths, with no host sync and shapes set by z and chosen alone."""
-        N, k = chosen.shape
-        d = z.shape[-1]
-        index = chosen.flatten()
-        W1, W3, W2 = (w.index_select(0, index) for w in stack)  # [N*k, hidden, d] (W2: [N*k, d, hidden])
-        x = z.unsqueeze(1)  # [N, 1, d]
-        gate = torch.bmm(x, W1.view(N, -1, d).transpose(1, 2))  # [N, 1, k*hidden]
-        up = torch.bmm(x, W3.view(N, -1, d).transpose(1, 2))
-        hidden = self[0].act(gate, up).view(N * k, 1, -1)  # [N*k, 1, hidden]
-        y = torch.bmm(hidden, W2.transpose(1, 2)).view(N, k, d)
-        return cast((y * weights.unsqueeze(-1)).sum(1), z.dtype)
+        """`_stacked` with the chosen experts' matrices gathered from `stack` by index (`prepare_stack`): no host
+        sync, shapes set by z and chosen alone."""
+        return self._stacked(z, *(w.index_select(0, chosen.flatten()) for w in stack), weights, self[0].act)
 
     def _batched(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
                  capacity: int, slots: list[int]) -> torch.Tensor:
@@ -234,9 +226,11 @@ class RoutedExperts(nn.ModuleList):
         out = y.new_zeros(N + 1, d).index_add_(0, source, y)
         return cast(out[:N], z.dtype)
 
-    def _stacked(self, z: torch.Tensor, experts: list[Expert], weights: torch.Tensor) -> torch.Tensor:
-        """z [N, d], experts: the N*k chosen experts in the order of `chosen` (token by token), weights
-        [N, k] -> [N, d], with the experts' matrices stacked:
+    @staticmethod
+    def _stacked(z: torch.Tensor, W1: torch.Tensor, W3: torch.Tensor, W2: torch.Tensor, weights: torch.Tensor,
+                 act) -> torch.Tensor:
+        """z [N, d]; the matrices of the N*k chosen experts in the order of `chosen` (token by token), W1, W3
+        [N*k, hidden, d] and W2 [N*k, d, hidden]; weights [N, k]; `act` the experts' gated activation -> [N, d]:
 
             [gate_n1 ... gate_nk] = z_n [W1_{e_n1}; ...; W1_{e_nk}]^T      one matmul per token (and per W3 for up)
             y_ni = act(gate_ni, up_ni) W2_{e_ni}^T                          one matmul per (token, expert) pair
@@ -246,10 +240,10 @@ class RoutedExperts(nn.ModuleList):
         N, k = weights.shape
         d = z.shape[-1]
         x = z.unsqueeze(1)  # [N, 1, d]
-        gate = torch.bmm(x, torch.cat([e.w1 for e in experts]).view(N, -1, d).transpose(1, 2))  # [N, 1, k*hidden]
-        up = torch.bmm(x, torch.cat([e.w3 for e in experts]).view(N, -1, d).transpose(1, 2))
-        hidden = experts[0].act(gate, up).view(N * k, 1, -1)  # [N*k, 1, hidden]
-        y = torch.bmm(hidden, torch.stack([e.w2 for e in experts]).transpose(1, 2)).view(N, k, d)
+        gate = torch.bmm(x, W1.reshape(N, -1, d).transpose(1, 2))  # [N, 1, k*hidden]
+        up = torch.bmm(x, W3.reshape(N, -1, d).transpose(1, 2))
+        hidden = act(gate, up).view(N * k, 1, -1)  # [N*k, 1, hidden]
+        y = torch.bmm(hidden, W2.transpose(1, 2)).view(N, k, d)
         return cast((y * weights.unsqueeze(-1)).sum(1), z.dtype)
 
     def _grouped(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
@@ -349,7 +343,8 @@ class MoE(nn.Module):
         if self.latent_dim is not None:
             routed = self.latent_up_proj(self.latent_norm(routed))
         if self.shared_experts is not None:
-            routed = routed + (self.shared_experts(h) if shared is None else self.shared_experts.from_projections(*shared))
+            shared = self.shared_experts(h) if shared is None else self.shared_experts.from_projections(*shared)
+            routed = routed + shared
         return routed.view(shape)
 
     def _input_projections(self) -> list[nn.Linear]:
