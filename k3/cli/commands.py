@@ -367,3 +367,50 @@ def _eval(args) -> int:
             raise
         raise ValueError("lm-evaluation-harness is not installed; pip install 'k3[eval]' (or lm-eval)") from e
     return lm_eval_main(args.lm_eval_args)
+
+
+def _serve(args) -> int:
+    """`k3 serve`: the checkpoint behind OpenAI's API (`k3.serve`); checked as `k3 generate` checks it."""
+    import json
+
+    import torch
+
+    from ..models import CausalLM
+    from ..models.preflight import check_checkpoint
+    from ..runtime import resolve_device
+    from ..serve import Engine, build_app, parse_bytes, require_serve_extra, serve
+    from ..serve.text import load_chat_template
+    from ..tokenizer import Tokenizer
+
+    require_serve_extra()
+    budget = parse_bytes(args.cache_memory)
+    if not Path(args.checkpoint).is_dir():
+        raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no such folder (expected a checkpoint folder, "
+                                f"e.g. what k3 train --out wrote)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
+    tokenizer = Tokenizer.load(args.checkpoint)
+    model = CausalLM.from_pretrained(args.checkpoint).to(device).eval()
+    positions = model.config.max_position_embeddings
+    max_model_len = args.max_model_len or positions
+    if positions and max_model_len > positions:
+        raise ValueError(f"--max-model-len {max_model_len}: {model.config.name!r} has learned positions for "
+                         f"{positions} tokens only")
+    special = {}
+    config_file = Path(args.checkpoint) / "tokenizer_config.json"
+    if config_file.is_file():
+        tokens = json.loads(config_file.read_text())
+        special = {k: v for k, v in tokens.items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
+    name = args.served_model_name or Path(args.checkpoint).resolve().name
+    engine = Engine(model, budget, max_queue=args.max_queue, max_running=args.max_running)
+    app = build_app(engine, tokenizer, name, chat_template=load_chat_template(args.checkpoint), special=special,
+                    max_model_len=max_model_len, api_key=args.api_key)
+    def ready(port: int) -> None:
+        print(f"k3 serve: {name!r} ({model.config.name}, {model.num_parameters():,} parameters, on {device}); "
+              f"cache budget {budget:,} bytes; http://{args.host}:{port}/v1", file=sys.stderr, flush=True)
+
+    serve(app, engine, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
+          log_level=args.log_level, on_ready=ready)
+    return 0

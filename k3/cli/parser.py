@@ -8,7 +8,7 @@ import math
 from ..runtime import DEVICES
 
 from .commands import (_bench_backward, _bench_models, _bench_ops, _bench_parallel, _bench_train, _eval, _export,
-                       _generate, _lab, _params, _plan, _train)
+                       _generate, _lab, _params, _plan, _serve, _train)
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -180,6 +180,34 @@ def build_parser() -> argparse.ArgumentParser:
                           "(about a minute on 2 cores); later runs load it from the cache in "
                           "$TORCHINDUCTOR_CACHE_DIR (default ~/.cache/k3/inductor). Greedy tokens are the same")
     gen.set_defaults(func=_generate)
+    srv = sub.add_parser("serve", help="serve a checkpoint over OpenAI's HTTP API, continuous batching (k3[serve])",
+                         description="Serve a checkpoint over OpenAI's HTTP API (/v1/completions, "
+                         "/v1/chat/completions, /v1/models, /health) with continuous batching. SIGTERM or Ctrl-C "
+                         "stops admitting, lets running requests finish (--shutdown-timeout) and exits.")
+    srv.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint folder (k3 train --out), as "
+                     "k3 generate reads")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    srv.add_argument("--port", type=_count(0, "a TCP port"), default=8000, help="port (0: any free one)")
+    srv.add_argument("--cache-memory", default="1GiB", metavar="SIZE",
+                     help="bytes of decode cache all admitted sequences may hold together, e.g. 512MiB; a request "
+                          "is admitted when what it will hold at its longest fits, else it waits")
+    srv.add_argument("--max-queue", type=_count(1, "waiting requests"), default=256,
+                     help="sequences that may wait for room; past this, 503 with Retry-After")
+    srv.add_argument("--max-running", type=_count(1, "sequences"), default=256,
+                     help="sequences decoded together at most")
+    srv.add_argument("--max-model-len", type=_count(1, "tokens"),
+                     help="the most tokens a sequence may hold, prompt and completion (default: the model's learned "
+                          "positions, else only the cache budget limits)")
+    srv.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: the "
+                     "checkpoint folder's name)")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ (401 without it)")
+    srv.add_argument("--shutdown-timeout", type=_number(0, "seconds"), default=30.0,
+                     help="seconds SIGTERM waits for running requests before cancelling them")
+    srv.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
+    srv.add_argument("--device", choices=DEVICES, default="auto", help="where the model runs")
+    srv.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
+                     help="uvicorn's log level")
+    srv.set_defaults(func=_serve)
     export = sub.add_parser("export", help="write a checkpoint in Hugging Face transformers' format (needs k3[hf])")
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="a k3 checkpoint directory (k3 train --out)")
     export.add_argument("out", metavar="DIR", help="output directory: new or empty (an export never writes over files)")

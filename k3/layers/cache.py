@@ -191,6 +191,20 @@ class SequenceCache(LayerCache):
         if self.pad is not None:
             self.pad = self.pad.index_select(0, index.to(self.pad.device))
 
+    def trim(self, slots: int) -> None:
+        """Drop the first `slots` slots of every row, slots in which no row holds a token (each `pad` >=
+        slots): what is left of a batch after its longest rows were dropped (`reorder`)."""
+        if slots <= 0:
+            return
+        if self.pad is None or bool((self.pad < slots).any()):
+            raise ValueError(f"{type(self).__name__}.trim: {slots} leading slots hold tokens of some row "
+                             f"(pad {None if self.pad is None else self.pad.tolist()})")
+        for name in self.sequence_fields:
+            held = getattr(self, name)
+            setattr(self, name, None if held is None else held[:, slots:])
+        pad = self.pad - slots
+        self.pad = pad if bool(pad.any()) else None
+
     @classmethod
     def concat(cls, caches: list["SequenceCache"], slots: int) -> "SequenceCache":
         """The rows of `caches` one after the other, each field's rows right-aligned on `slots` slots

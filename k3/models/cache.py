@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..layers.cache import SequenceCache
 from .config import ModelConfig
 from .kinds import MIXERS
 
@@ -71,6 +72,23 @@ class HybridCache:
         if self.pad is not None:
             self.pad = self.pad.index_select(0, index.cpu())
         self.batch_size = index.numel()
+
+    def trim(self) -> int:
+        """Drop the leading slots that no row holds a token in (every row's `pad` covers them), in place;
+        return how many. After `reorder` drops the longest rows (a finished sequence leaving a batch), the
+        rest no longer pay for its length in memory or in attention."""
+        if self.pad is None:
+            return 0
+        slots = int(self.pad.min())
+        if slots == 0:
+            return 0
+        for layer in self.layers:
+            if isinstance(layer, SequenceCache):
+                layer.trim(slots)
+        pad = self.pad - slots
+        self.pad = pad if bool(pad.any()) else None
+        self.length -= slots
+        return slots
 
     def nbytes(self) -> int:
         """Bytes held by all layers' caches: the tokens seen and the fixed-size states. The KV and latent

@@ -1,0 +1,343 @@
+"""The HTTP side of `k3 serve`: OpenAI's API on FastAPI, over one `Engine`.
+
+Endpoints: POST /v1/completions and /v1/chat/completions (JSON, or server-sent events with
+`"stream": true`, ending in `data: [DONE]`), GET /v1/models and /health. Errors come as OpenAI's
+`{"error": {"message", "type", "param", "code"}}`: 400 for a body that is not what the endpoint takes (the
+message names the field), 401 without the right key (`api_key`), 404 for another model's name, 503 with
+Retry-After while the queue is full or the server shuts down.
+
+Each choice of a request is one engine `Sequence`; its tokens reach the request's coroutine through an
+asyncio queue (the engine runs on its own thread). A client that goes away, mid-stream or while waiting
+for a whole answer, has its sequences cancelled at once, which frees their batch rows and their cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .engine import Draining, Engine, QueueFull, Sequence
+from .protocol import ChatRequest, CompletionRequest, Sampling
+from .text import PLAIN_STOPS, TextStream, chat_prompt
+
+COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+CHAT_TOKENS = 256  # k3's default for a chat reply (OpenAI: up to the context; a k3 model may have no limit)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
+
+
+def error_body(message: str, kind: str, param: str | None, code) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str | None = None,
+              special: dict | None = None, max_model_len: int | None = None, api_key: str | None = None):
+    """The FastAPI app serving `engine`'s model as `model_name`. The app starts the engine when it starts
+    and stops it when it shuts down. `max_model_len`: the most tokens a sequence may hold (prompt and
+    completion), None for no limit but the cache budget."""
+    @asynccontextmanager
+    async def lifespan(app):
+        if engine._thread is None:
+            engine.start()
+        yield
+        engine.stop(timeout=10)
+
+    app = FastAPI(title="k3 serve", lifespan=lifespan)
+    app.add_middleware(Gate, api_key=api_key)
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return JSONResponse(error_body(e.message, e.kind, e.param, e.status), e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, e: RequestValidationError):
+        problems, param = [], None
+        for err in e.errors():
+            loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+            where = ".".join(loc)
+            if err.get("type") == "json_invalid":
+                where, err = "body", {"msg": f"not valid JSON ({err.get('ctx', {}).get('error', 'decode error')})"}
+            param = param or where or "body"
+            problems.append(f"{where or 'body'}: {err.get('msg')}")
+        return JSONResponse(error_body("; ".join(problems), "invalid_request_error", param, 400), 400)
+
+    @app.get("/health")
+    async def health():
+        stats = engine.stats()
+        return JSONResponse({"status": "draining" if stats["draining"] else "ok", **stats},
+                            503 if stats["draining"] else 200)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "k3"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body)
+        prompts = completion_prompts(body.prompt)
+        max_tokens = body.max_tokens or COMPLETION_TOKENS
+        return await respond(request, body, prompts, max_tokens, body.stops(), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        check_model(body)
+        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        try:
+            text = chat_prompt(messages, chat_template, special)
+        except Exception as e:  # a template's own error (raise_exception) or a Jinja one
+            raise APIError(400, f"messages: {e}", "messages") from None
+        ids = tokenizer.encode(text)
+        stops = body.stops() + ([] if chat_template is not None else PLAIN_STOPS)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:
+            room = CHAT_TOKENS if max_model_len is None else max_model_len - len(ids) + 1
+            max_tokens = max(1, min(CHAT_TOKENS, room))
+        return await respond(request, body, [ids], max_tokens, stops, chat=True, param="messages")
+
+    def check_model(body: Sampling) -> None:
+        if body.model is not None and body.model != model_name:
+            raise APIError(404, f"model: {body.model!r} is not served here; this server serves {model_name!r} "
+                                f"(GET /v1/models)", "model", "invalid_request_error")
+
+    def completion_prompts(prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "prompt: empty (give a text or a list of token ids)", "prompt")
+        out = []
+        for p in prompt:
+            ids = tokenizer.encode(p) if isinstance(p, str) else list(p)
+            bad = [t for t in ids if not 0 <= t < engine.model.config.vocab_size]
+            if bad:
+                raise APIError(400, f"prompt: token id {bad[0]} is outside the model's vocabulary "
+                                    f"(0 ... {engine.model.config.vocab_size - 1})", "prompt")
+            out.append(ids)
+        return out
+
+    async def respond(request, body: Sampling, prompts: list[list[int]], max_tokens: int, stops: list[str],
+                      chat: bool, param: str = "prompt"):
+        for ids in prompts:
+            if not ids:
+                raise APIError(400, f"{param}: the prompt is empty after tokenization", param)
+            if max_model_len is not None and len(ids) > max_model_len:
+                raise APIError(400, f"{param}: the prompt has {len(ids)} tokens; this model takes at most "
+                                    f"{max_model_len} (prompt and completion)", param)
+            if max_model_len is not None and len(ids) + max_tokens - 1 > max_model_len:
+                raise APIError(400, f"max_tokens: the prompt has {len(ids)} tokens and max_tokens is {max_tokens}, "
+                                    f"more than the {max_model_len} tokens this model takes; ask for at most "
+                                    f"{max_model_len - len(ids) + 1}", "max_tokens")
+        job = Job(asyncio.get_running_loop())
+        eos = None if body.ignore_eos else tokenizer.eot_id
+        for ids in prompts:
+            for j in range(body.n):
+                seed = None if body.seed is None else body.seed + j
+                job.add(Sequence(list(ids), max_tokens, body.temperature, None if body.top_p >= 1 else body.top_p,
+                                 body.top_k, seed, eos), TextStream(tokenizer, stops))
+        try:
+            for sequence in job.sequences:
+                engine.submit(sequence)
+        except ValueError as e:
+            job.cancel(engine)
+            raise APIError(400, f"max_tokens: {e}", "max_tokens") from None
+        except (QueueFull, Draining) as e:
+            job.cancel(engine)
+            raise APIError(503, f"{e}; retry later", None, "server_busy", headers={"Retry-After": "1"}) from None
+        prompt_tokens = sum(len(ids) for ids in prompts) * body.n
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": model_name}
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(stream_events(job, head, chat, prompt_tokens, usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            texts = await job.collect(engine, request)
+        except ClientGone:
+            return JSONResponse({}, 499)
+        choices = []
+        for i, (sequence, text) in enumerate(zip(job.sequences, texts)):
+            if job.reasons[i].startswith("error"):
+                raise APIError(500, f"the model failed: {job.reasons[i]}", None, "server_error")
+            content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            choices.append({"index": i, **content, "logprobs": None, "finish_reason": job.reasons[i]})
+        completion_tokens = sum(len(s.tokens) for s in job.sequences)
+        return {**head, "choices": choices, "usage": usage_of(prompt_tokens, completion_tokens)}
+
+    async def stream_events(job: "Job", head: dict, chat: bool, prompt_tokens: int, usage: bool):
+        head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+
+        def event(index: int, text: str | None, reason: str | None, first: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return sse({**head, "choices": [choice]})
+
+        try:
+            if chat:
+                for i in range(len(job.sequences)):
+                    yield event(i, None, None, first=True)
+            async for index, text, reason in job.events(engine):
+                if text:
+                    yield event(index, text, None)
+                if reason is not None:
+                    if reason.startswith("error"):
+                        yield sse(error_body(f"the model failed: {reason}", "server_error", None, 500))
+                        return
+                    yield event(index, None if chat else "", reason)
+            if usage:
+                completion_tokens = sum(len(s.tokens) for s in job.sequences)
+                yield sse({**head, "choices": [], "usage": usage_of(prompt_tokens, completion_tokens)})
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel(engine)  # the client went away (or we are done): free what still runs
+
+    return app
+
+
+def sse(payload: dict) -> str:
+    import json
+
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Gate:
+    """ASGI middleware before the app: the API key on /v1/ (401), and a POST body that is UTF-8 (400, not
+    the JSON parser's unnamed failure). The body is read here and handed on unchanged; messages after it
+    (a client's disconnect) pass straight through, so the app still sees a client go away."""
+
+    def __init__(self, app, api_key: str | None = None):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.api_key is not None and scope["path"].startswith("/v1/"):
+            headers = dict(scope.get("headers") or [])
+            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+                response = JSONResponse(error_body("a valid API key is needed: header 'Authorization: Bearer KEY' "
+                                                   "(k3 serve --api-key)", "authentication_error", None, 401), 401)
+                return await response(scope, receive, send)
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            response = JSONResponse(error_body(f"body: not UTF-8 text (byte {e.start}); send JSON in UTF-8",
+                                               "invalid_request_error", "body", 400), 400)
+            return await response(scope, receive, send)
+        first = True
+
+        async def replay():
+            nonlocal first
+            if first:
+                first = False
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class ClientGone(Exception):
+    pass
+
+
+FINISH = {"length": "length", "stop": "stop", "cancelled": "abort"}
+
+
+class Job:
+    """The sequences of one request and the queue their engine callbacks fill, on the request's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+        self.sequences: list[Sequence] = []
+        self.streams: list[TextStream] = []
+        self.reasons: list[str | None] = []
+
+    def add(self, sequence: Sequence, stream: TextStream) -> None:
+        index = len(self.sequences)
+        sequence.on_token = lambda token: self._put((index, "token", token))
+        sequence.on_finish = lambda reason: self._put((index, "finish", reason))
+        self.sequences.append(sequence)
+        self.streams.append(stream)
+        self.reasons.append(None)
+
+    def _put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop has closed (the server is gone)
+            pass
+
+    def cancel(self, engine: Engine) -> None:
+        for sequence in self.sequences:
+            if sequence.finish_reason is None:
+                engine.cancel(sequence)
+
+    async def events(self, engine: Engine):
+        """(index, new text, finish reason or None) as the sequences advance, until all have finished."""
+        while any(r is None for r in self.reasons):
+            index, kind, value = await self.queue.get()
+            if self.reasons[index] is not None:
+                continue
+            stream = self.streams[index]
+            if kind == "token":
+                text = stream.push(value)
+                if stream.stopped:  # a stop string: this choice is done
+                    engine.cancel(self.sequences[index])
+                    self.reasons[index] = "stop"
+                yield index, text, self.reasons[index]
+            else:
+                reason = value if value.startswith("error") else FINISH.get(value, value)
+                self.reasons[index] = reason
+                yield index, stream.finish(), reason
+
+    async def collect(self, engine: Engine, request) -> list[str]:
+        """Every choice's whole text; ClientGone (its sequences cancelled) if the client disconnects first."""
+        texts = [""] * len(self.sequences)
+
+        async def gather():
+            async for index, text, reason in self.events(engine):
+                texts[index] += text
+
+        task = asyncio.ensure_future(gather())
+        try:
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if not done and await request.is_disconnected():
+                    task.cancel()
+                    raise ClientGone
+            task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+            self.cancel(engine)
+        return texts

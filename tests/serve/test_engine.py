@@ -1,0 +1,183 @@
+"""The serving engine: continuous batching gives every sequence what it would get alone, admission keeps
+within the cache budget, and cancelled or finished rows leave the batch (and their cache) at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from k3.models import CausalLM, get_config
+from k3.models.cache import HybridCache
+from k3.serve import Engine, QueueFull, Sequence, sequence_bytes
+
+PRESETS = ["kimi-k3-tiny", "kimi-linear-tiny", "gpt2-tiny"]
+
+
+def tiny(preset: str, dtype=torch.float64) -> CausalLM:
+    torch.manual_seed(0)
+    overrides = {"max_position_embeddings": 128} if preset == "gpt2-tiny" else {}
+    return CausalLM(get_config(preset, vocab_size=97, hidden_size=32, **overrides)).to(dtype).eval()
+
+
+def alone(model, prompt: list[int], n: int) -> list[int]:
+    return model.generate([prompt], n, temperature=0)[0][len(prompt):].tolist()
+
+
+class Collector:
+    """A sequence's callbacks: its tokens and its finish reason, and an event set when it finishes."""
+
+    def __init__(self):
+        self.tokens, self.reason, self.done = [], None, threading.Event()
+
+    def sequence(self, prompt, max_tokens, **kw) -> Sequence:
+        return Sequence(prompt, max_tokens, temperature=kw.pop("temperature", 0.0), on_token=self.tokens.append,
+                        on_finish=self._finish, **kw)
+
+    def _finish(self, reason):
+        self.reason = reason
+        self.done.set()
+
+
+def wait_until(condition, timeout: float = 20.0) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def prompts(count: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 97, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(count)]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_concurrent_sequences_get_what_they_would_alone(preset):
+    """16 sequences of different prompt and output lengths, arriving while others decode: each gets the
+    greedy tokens it gets alone (float64: batching changes nothing but rounding)."""
+    model = tiny(preset)
+    engine = Engine(model, cache_memory=10**9).start()
+    try:
+        work = [(p, 3 + i % 7) for i, p in enumerate(prompts(16))]
+        collectors = []
+        for i, (prompt, n) in enumerate(work):
+            c = Collector()
+            engine.submit(c.sequence(prompt, n))
+            collectors.append(c)
+            if i % 4 == 3:
+                time.sleep(0.02)  # later ones join a batch already decoding
+        for c in collectors:
+            assert c.done.wait(60)
+        assert engine.peak_running > 1  # they did run together
+        for (prompt, n), c in zip(work, collectors):
+            assert c.reason == "length"
+            assert c.tokens == alone(model, prompt, n)
+        assert engine.stats()["running"] == 0 and engine.reserved == 0
+    finally:
+        engine.stop()
+
+
+def test_admission_keeps_within_the_budget():
+    model = tiny("gpt2-tiny")
+    need = sequence_bytes(model.config, 10 + 20 - 1, 8)
+    engine = Engine(model, cache_memory=2 * need + need // 2).start()  # room for two
+    try:
+        collectors = [Collector() for _ in range(6)]
+        for c, prompt in zip(collectors, prompts(6, seed=3)):
+            engine.submit(c.sequence((prompt * 10)[:10], 20))
+        for c in collectors:
+            assert c.done.wait(60) and c.reason == "length" and len(c.tokens) == 20
+        assert engine.peak_running == 2
+        with pytest.raises(ValueError, match="more than the server's whole cache budget"):
+            engine.submit(Collector().sequence([1] * 10, 1000))
+    finally:
+        engine.stop()
+
+
+def test_queue_bound_and_cancel():
+    model = tiny("kimi-k3-tiny")
+    need = sequence_bytes(model.config, 5 + 10**6 - 1, 8)
+    engine = Engine(model, cache_memory=need, max_queue=1).start()
+    try:
+        running, waiting = Collector(), Collector()
+        first = running.sequence([1, 2, 3, 4, 5], 10**6)
+        engine.submit(first)
+        wait_until(lambda: engine.stats()["running"] == 1)
+        second = waiting.sequence([1, 2, 3, 4, 5], 10**6)
+        engine.submit(second)  # waits: no room for two
+        with pytest.raises(QueueFull):
+            engine.submit(Collector().sequence([1], 5))
+        engine.cancel(second)  # a waiting one leaves at once
+        assert waiting.reason == "cancelled" and engine.stats()["waiting"] == 0
+        wait_until(lambda: len(running.tokens) >= 3)
+        engine.cancel(first)
+        assert running.done.wait(10) and running.reason == "cancelled"
+        assert engine.stats()["running"] == 0 and engine.reserved == 0
+    finally:
+        engine.stop()
+
+
+def test_end_of_text_finishes_with_stop():
+    model = tiny("kimi-k3-tiny")
+    prompt = prompts(1)[0]
+    expected = alone(model, prompt, 6)
+    engine = Engine(model, cache_memory=10**9).start()
+    try:
+        c = Collector()
+        engine.submit(c.sequence(prompt, 6, eos_token_id=expected[2]))
+        assert c.done.wait(30)
+        cut = expected.index(expected[2])
+        assert c.reason == "stop" and c.tokens == expected[:cut]
+    finally:
+        engine.stop()
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    """A seed fixes a sequence's draws whatever else runs beside it (each row has its own generator)."""
+    model = tiny("kimi-k3-tiny")
+    engine = Engine(model, cache_memory=10**9).start()
+    try:
+        lone = Collector()
+        engine.submit(lone.sequence([5, 6, 7], 12, temperature=1.0, seed=42))
+        assert lone.done.wait(30)
+        crowd = [Collector() for _ in range(4)]
+        for i, c in enumerate(crowd):
+            engine.submit(c.sequence([5, 6, 7] if i == 2 else [i + 1] * (i + 2), 12, temperature=1.0,
+                                     seed=42 if i == 2 else i))
+        for c in crowd:
+            assert c.done.wait(30)
+        assert crowd[2].tokens == lone.tokens
+    finally:
+        engine.stop()
+
+
+def test_sequence_checks():
+    with pytest.raises(ValueError, match="prompt"):
+        Sequence([], 4)
+    with pytest.raises(ValueError, match="max_tokens"):
+        Sequence([1], 0)
+    with pytest.raises(ValueError, match="temperature"):
+        Sequence([1], 2, temperature=-1)
+
+
+def test_hybrid_cache_trim_after_the_longest_row_leaves():
+    """concat a long and a short row, drop the long one: trim frees the slots only it used, and the
+    short row decodes on exactly as it would alone."""
+    model = tiny("kimi-k3-tiny")
+    long_prompt, short_prompt = list(range(1, 30)), [3, 1, 4]
+    caches, logits = [], []
+    for p in (long_prompt, short_prompt):
+        cache = model.new_cache(1)
+        logits.append(model(torch.tensor([p]), cache=cache, logits_to_keep=1)[:, -1])
+        caches.append(cache)
+    both = HybridCache.concat(caches)
+    assert both.length == 29 and both.pad.tolist() == [0, 26]
+    both.reorder(torch.tensor([1]))
+    assert both.trim() == 26 and both.length == 3 and both.pad is None
+    token = torch.tensor([[7]])
+    ref = model.new_cache(1)
+    model(torch.tensor([short_prompt]), cache=ref)
+    torch.testing.assert_close(model(token, cache=both), model(token, cache=ref), rtol=0, atol=1e-12)

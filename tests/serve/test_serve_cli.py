@@ -1,0 +1,66 @@
+"""`k3 serve` on the command line: its one-line errors, and (slow) a real process that SIGTERM stops
+while a request runs: the request finishes, the process exits 0."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from k3.models import CausalLM, get_config
+from k3.serve import parse_bytes
+from k3.tokenizer import byte_tokenizer
+from tests.commands import fails
+
+
+def test_errors(capsys, tmp_path):
+    fails(capsys, ["serve", "--checkpoint", str(tmp_path / "missing")], "no such folder")
+    fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--cache-memory", "lots"], "512MiB")
+    fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--port", "-1"], "--port")
+
+
+def test_parse_bytes():
+    assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("2GB") == 2 * 10**9 and parse_bytes("1000") == 1000
+    assert parse_bytes("1.5 GiB") == int(1.5 * 2**30)
+    for bad in ("0", "-1GB", "ten", "5 parsecs"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_running_request_and_exits_0(tmp_path):
+    torch.manual_seed(0)
+    CausalLM(get_config("kimi-k3-tiny", vocab_size=257, hidden_size=32)).save_pretrained(tmp_path)
+    byte_tokenizer().save(tmp_path / "tokenizer.json")
+    proc = subprocess.Popen([sys.executable, "-m", "k3", "serve", "--checkpoint", str(tmp_path), "--port", "0",
+                             "--threads", "1"], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        port = None
+        deadline = time.time() + 120
+        while port is None:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "k3 serve exited"
+            found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+            port = int(found.group(1)) if found else None
+            assert time.time() < deadline
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 300, "ignore_eos": True}),
+                     {"Content-Type": "application/json"})
+        time.sleep(0.5)  # it is decoding
+        proc.send_signal(signal.SIGTERM)
+        r = conn.getresponse()
+        body = json.loads(r.read())
+        assert r.status == 200 and body["usage"]["completion_tokens"] == 300
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
