@@ -18,7 +18,7 @@ LAYERS = [
     {"k3.ops"},
     {"k3.layers", "k3.generation"},
     {"k3.models"},
-    {"k3.training"},
+    {"k3.training", "k3.serve"},
     # below the benchmarks and the lab: the planner prices from structure (k3.ops.cost), never from an
     # experiment; `k3 bench parallel` measures beside it
     {"k3.plan"},
@@ -29,7 +29,7 @@ LAYERS = [
 ]
 MAX_LINES = 450
 # third-party libraries imported only where their integration lives (bench may time transformers as a peer)
-ONLY_IN = {"transformers": {"k3.hf", "k3.bench"}, "lm_eval": {"k3.eval"}}
+ONLY_IN = {"transformers": {"k3.hf", "k3.bench"}, "lm_eval": {"k3.eval"}, "fastapi": {"k3.serve"}, "uvicorn": {"k3.serve"}}
 
 
 def modules() -> dict[str, Path]:

@@ -46,6 +46,17 @@ def _bench_models(args) -> int:
     return 0
 
 
+def _bench_serve(args) -> int:
+    from ..bench import serve
+    from ..serve import parse_bytes, require_serve_extra
+
+    require_serve_extra("k3 bench serve")
+    serve.run(quick=args.quick, duration=args.duration, clients=args.clients, contexts=tuple(args.contexts),
+              cache_memory=parse_bytes(args.cache_memory), threads=args.threads, soak=args.soak,
+              disconnect=args.disconnect, json_path=args.json)
+    return 0
+
+
 def _params(args) -> int:
     from ..models import PRESETS, get_config
     from ..models.params import config_for, count_params, format_report

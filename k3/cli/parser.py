@@ -7,7 +7,7 @@ import math
 
 from ..runtime import DEVICES
 
-from .commands import (_bench_backward, _bench_models, _bench_ops, _bench_parallel, _bench_train, _eval, _export,
+from .commands import (_bench_backward, _bench_models, _bench_ops, _bench_parallel, _bench_serve, _bench_train, _eval, _export,
                        _generate, _lab, _params, _plan, _serve, _train)
 
 
@@ -283,6 +283,22 @@ def build_parser() -> argparse.ArgumentParser:
                               "kimi-linear-tiny and the matched GPT-2 at each context and batch, and the compile times "
                               "(first, cached) in fresh processes; needs a C++ compiler")
     bmodels.set_defaults(func=_bench_models)
+    bserve = bench_sub.add_parser("serve", help="k3 serve under load: throughput, latency and concurrent sequences "
+                                  "in one cache budget, kimi-k3-tiny vs kimi-linear-tiny vs the matched GPT-2")
+    bserve.add_argument("--quick", action="store_true", help="20 s per load instead of 60 s: about 4 minutes")
+    bserve.add_argument("--duration", type=_number(0, "seconds", above=True), help="seconds per load")
+    bserve.add_argument("--clients", type=_count(1, "concurrent clients"), default=64, help="concurrent clients")
+    bserve.add_argument("--contexts", type=_count(2, "tokens"), nargs="+", default=[256, 4096],
+                        help="contexts (prompt + output, half each)")
+    bserve.add_argument("--cache-memory", default="128MiB", metavar="SIZE", help="the servers' cache budget")
+    bserve.add_argument("--threads", type=_count(1, "torch threads"), help="the servers' torch threads")
+    bserve.add_argument("--soak", type=_number(0, "seconds", above=True), metavar="SECONDS",
+                        help="instead: one long load on kimi-k3-tiny whose clients disconnect at random; reports "
+                             "failures and slots left held")
+    bserve.add_argument("--disconnect", type=_number(0, "a fraction", high=1), default=0.3,
+                        help="--soak: the fraction of requests that disconnect mid-stream")
+    bserve.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    bserve.set_defaults(func=_bench_serve)
     lab = sub.add_parser("lab", help="the article's claims as experiments: tables and plots in runs/lab/results.md")
     lab.add_argument("name", help="an experiment (recall, overwrite, prefill, decode, parts, inspect) or 'all'")
     size = lab.add_mutually_exclusive_group()

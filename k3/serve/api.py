@@ -162,8 +162,10 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": model_name}
         if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(stream_events(job, head, chat, prompt_tokens, usage),
+            options = body.stream_options
+            usage = options is not None and (options.include_usage or options.continuous_usage_stats)
+            running = options is not None and options.continuous_usage_stats
+            return StreamingResponse(stream_events(job, head, chat, prompt_tokens, usage, running),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             texts = await job.collect(engine, request)
@@ -175,10 +177,10 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
                 raise APIError(500, f"the model failed: {job.reasons[i]}", None, "server_error")
             content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
             choices.append({"index": i, **content, "logprobs": None, "finish_reason": job.reasons[i]})
-        completion_tokens = sum(len(s.tokens) for s in job.sequences)
+        completion_tokens = sum(job.counts)
         return {**head, "choices": choices, "usage": usage_of(prompt_tokens, completion_tokens)}
 
-    async def stream_events(job: "Job", head: dict, chat: bool, prompt_tokens: int, usage: bool):
+    async def stream_events(job: "Job", head: dict, chat: bool, prompt_tokens: int, usage: bool, running: bool):
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
         def event(index: int, text: str | None, reason: str | None, first: bool = False) -> str:
@@ -187,7 +189,10 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
                 choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
             else:
                 choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
-            return sse({**head, "choices": [choice]})
+            chunk = {**head, "choices": [choice]}
+            if running:
+                chunk["usage"] = usage_of(prompt_tokens, sum(job.counts))
+            return sse(chunk)
 
         try:
             if chat:
@@ -202,8 +207,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
                         return
                     yield event(index, None if chat else "", reason)
             if usage:
-                completion_tokens = sum(len(s.tokens) for s in job.sequences)
-                yield sse({**head, "choices": [], "usage": usage_of(prompt_tokens, completion_tokens)})
+                yield sse({**head, "choices": [], "usage": usage_of(prompt_tokens, sum(job.counts))})
             yield "data: [DONE]\n\n"
         finally:
             job.cancel(engine)  # the client went away (or we are done): free what still runs
@@ -282,6 +286,7 @@ class Job:
         self.sequences: list[Sequence] = []
         self.streams: list[TextStream] = []
         self.reasons: list[str | None] = []
+        self.counts: list[int] = []  # tokens each choice has passed on so far
 
     def add(self, sequence: Sequence, stream: TextStream) -> None:
         index = len(self.sequences)
@@ -290,6 +295,7 @@ class Job:
         self.sequences.append(sequence)
         self.streams.append(stream)
         self.reasons.append(None)
+        self.counts.append(0)
 
     def _put(self, item) -> None:
         try:
@@ -310,6 +316,7 @@ class Job:
                 continue
             stream = self.streams[index]
             if kind == "token":
+                self.counts[index] += 1
                 text = stream.push(value)
                 if stream.stopped:  # a stop string: this choice is done
                     engine.cancel(self.sequences[index])

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk (load tests count tokens with it)
 
 
 class Sampling(BaseModel):

@@ -1,0 +1,33 @@
+"""`k3 bench serve`'s load generator against a server in this process: it counts tokens, completes
+requests without failures, and (with disconnects) leaves no slot held."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from k3.bench.serve import pct, run_load
+from k3.models import CausalLM, get_config
+from k3.serve import Engine, ServerThread, build_app
+from k3.tokenizer import byte_tokenizer
+
+
+def test_load_counts_tokens_and_leaves_nothing_held():
+    torch.manual_seed(0)
+    model = CausalLM(get_config("kimi-k3-tiny", vocab_size=257, hidden_size=32)).eval()
+    engine = Engine(model, cache_memory=10**8)
+    with ServerThread(build_app(engine, byte_tokenizer(), "tiny"), engine) as server:
+        load = run_load(server.port, [1, 2, 3, 4], 8, clients=3, duration=1.5, disconnect=0.5, warmup=0.2)
+        assert load.failed == 0 and load.tokens > 0 and load.completed > 0 and load.disconnected > 0
+        assert load.ttft and load.itl
+        deadline = time.time() + 5
+        while engine.stats()["running"] and time.time() < deadline:
+            time.sleep(0.02)
+        stats = engine.stats()
+        assert stats["running"] == 0 and stats["cache_bytes_reserved"] == 0
+
+
+def test_pct():
+    assert pct([3, 1, 2], 50) == 2 and pct([5], 99) == 5
+    assert pct([], 50) != pct([], 50)  # NaN
