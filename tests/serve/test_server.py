@@ -204,14 +204,16 @@ def test_full_queue_is_503_with_retry_after(checkpoint):
     with start(CausalLM.from_pretrained(checkpoint).eval(), max_queue=1, cache_memory=2 * 10**6) as s:
         long = json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 4000, "ignore_eos": True, "stream": True})
         conns = []
-        for _ in range(2):  # one running (the budget holds one), one waiting
+        # one running (the budget holds one), then one waiting: each sent once the engine has taken the one
+        # before, or the second would find the first still queued and be the one turned away
+        for want in ((1, 0), (1, 1)):
             conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
             conn.request("POST", "/v1/completions", long, {"Content-Type": "application/json"})
             conns.append(conn)
-        deadline = time.time() + 10
-        while (s.engine.stats()["running"], s.engine.stats()["waiting"]) != (1, 1):
-            assert time.time() < deadline, s.engine.stats()
-            time.sleep(0.01)
+            deadline = time.time() + 30
+            while (s.engine.stats()["running"], s.engine.stats()["waiting"]) != want:
+                assert time.time() < deadline, (want, s.engine.stats())
+                time.sleep(0.01)
         code, out, headers = post(s, "/v1/completions", long)
         assert code == 503 and headers.get("retry-after") == "1" and "waiting" in out["error"]["message"]
         for conn in conns:
