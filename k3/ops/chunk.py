@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -120,9 +121,20 @@ def _clamped(g: torch.Tensor, floor: float) -> torch.Tensor:
     return g.clamp(min=floor) if bool(g.min() < floor) else g
 
 
-def _reverse_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """sum_{j >= i} x_j along `dim`: the backward of a cumulative sum."""
-    return x.flip(dim).cumsum(dim).flip(dim)
+def _reverse_cumsum_within_chunks(x: torch.Tensor) -> torch.Tensor:
+    """sum_{j >= i} x_j over each chunk's positions (dim -2 of x [..., C, d]): the backward of the
+    chunk-local cumulative sum. Per channel (d > 1) as one product with the upper-triangular ones
+    matrix, which passes over x once where flip, cumsum, flip pass three times."""
+    if x.shape[-1] == 1:
+        return x.flip(-2).cumsum(-2).flip(-2)
+    return _upper_ones(x.shape[-2], x.dtype, x.device) @ x
+
+
+@lru_cache(maxsize=16)
+def _upper_ones(C: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[C, C], ones on and above the diagonal (an ordinary tensor even if first asked for in inference mode)."""
+    with torch.inference_mode(False):
+        return torch.ones(C, C, dtype=dtype, device=device).triu()
 
 
 def _slabs(n: int, per_slab: int, N: int, H: int):
@@ -145,7 +157,8 @@ def _chunk_forward(q, k, v, beta, g, S0, scale: float, per_slab: int, saved: lis
     V = v.shape[-1]
     S = q.new_zeros(N * H, K, V) if S0 is None else S0
     o = q.new_empty(N, n, C, H, V) if out is None else out
-    buffer = q.new_empty(min(per_slab, n) + 1, N * H, K, V)
+    # one state buffer reused by every slab; when the backward keeps the states, each slab's own
+    buffer = q.new_empty(min(per_slab, n) + 1, N * H, K, V) if saved is None else None
     for part, slab, unslab in _slabs(n, per_slab, N, H):
         inputs = [slab(x) for x in (q, k, v, beta)] + ([] if g is None else [slab(g).cumsum(dim=-2)])
         # the backward keeps the slab's inputs (G for g) in its own layout, so that it need not lay them out again
@@ -160,14 +173,16 @@ def _chunk_forward(q, k, v, beta, g, S0, scale: float, per_slab: int, saved: lis
 class ChunkDelta(torch.autograd.Function):
     """The chunkwise delta rule with its own backward (`k3.ops.chunk_backward`), after fla's split: the
     forward keeps per slab its inputs (in the slab's layout, G for g), the two C x C matrices of each
-    chunk (A_qk and the UT inverse T), W, U and the state entering each chunk; the backward recomputes
-    the decay factors and U0 from them, then runs the chunks in reverse. Autograd through the forward
+    chunk (A_qk and the UT inverse T), W, U, the state entering each chunk and the gate (its decay
+    factors, on ctx); the backward recomputes U0 from them, then runs the chunks in reverse. Autograd through the forward
     would keep every intermediate of every chunk and replay hundreds of small ops."""
 
     @staticmethod
     def forward(ctx, q, k, v, beta, g, S0, scale: float, per_slab: int):
         saved: list = []
         o, S = _chunk_forward(q, k, v, beta, g, S0, scale, per_slab, saved)
+        # each slab's gate (its decay factors) rides on ctx: intermediates, not inputs or outputs
+        ctx.gates = [keep.pop() for keep in saved]
         ctx.save_for_backward(*(x for keep in saved for x in keep))
         ctx.scale, ctx.per_slab, ctx.S0_shape = scale, per_slab, None if S0 is None else S0.shape
         ctx.shapes, ctx.gated = (q.shape, v.shape, beta.shape, None if g is None else g.shape), g is not None
@@ -192,8 +207,10 @@ class ChunkDelta(torch.autograd.Function):
             inputs, blocks = rest[:ins], rest[ins:]
             A_qk, T = BlockLower(blocks[0], blocks[1:m]), BlockLower(blocks[m], blocks[m + 1:])
             (dq_s, dk_s, dv_s, dbeta_s, dG_s), dS = slab_backward(*inputs[:4], inputs[4] if ctx.gated else None,
-                                                                  states, A_qk, T, W, U, slab(do), dS, ctx.scale)
-            grads = (dq_s, dk_s, dv_s, dbeta_s, None if dG_s is None else _reverse_cumsum(dG_s, -2))
+                                                                  states, A_qk, T, W, U, slab(do), dS, ctx.scale,
+                                                                  gate=ctx.gates[j])
+            ctx.gates[j] = None  # the slab's factors are no longer needed
+            grads = (dq_s, dk_s, dv_s, dbeta_s, None if dG_s is None else _reverse_cumsum_within_chunks(dG_s))
             for out, grad in zip((dq, dk, dv, dbeta, dg), grads):
                 if out is not None:
                     out[:, part] = unslab(grad)
@@ -223,8 +240,9 @@ def _chunk_slab(q, k, v, beta, G, S, scale: float, states_buffer=None, keep: lis
 
     U, states = state_scan(W, U0, k_end.view(n, M, C, K), decay_end, S, states_buffer)
     if keep is not None:
-        # W, U (U0 updated in place) and each chunk's incoming state (a copy: the scan's buffer is reused)
-        keep += [W, U, states[:-1].clone()]
+        # W, U (U0 updated in place), each chunk's incoming state (a copy if the scan's buffer is reused)
+        # and, last, the gate with its decay factors
+        keep += [W, U, states[:-1] if states_buffer is None else states[:-1].clone(), gate]
     # o = scale * ((Q * Gamma) S + A_qk U): the scale rides on the matmuls
     o = q_start.view(n, M, C, K) @ states[:-1]
     A_qk.addmm_(o.view(n * M, C, V), U.view(n * M, C, V), beta=scale, alpha=scale)
