@@ -31,6 +31,7 @@ entries are flushed to zero (see `k3.ops.numerics`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from functools import lru_cache
 
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 
 from .common import keep_causal, nonfinite_onwards
 from .chunk_backward import slab_backward
-from .gates import gate_of, sub_chunk_size
+from .gates import gate_from_tensors, gate_of, gate_tensors, sub_chunk_size
 from .numerics import LOG_DECAY_FLOOR
 from .scan import state_scan
 from .ut import BlockLower
@@ -173,16 +174,21 @@ def _chunk_forward(q, k, v, beta, g, S0, scale: float, per_slab: int, saved: lis
 class ChunkDelta(torch.autograd.Function):
     """The chunkwise delta rule with its own backward (`k3.ops.chunk_backward`), after fla's split: the
     forward keeps per slab its inputs (in the slab's layout, G for g), the two C x C matrices of each
-    chunk (A_qk and the UT inverse T), W, U, the state entering each chunk and the gate (its decay
-    factors, on ctx); the backward recomputes U0 from them, then runs the chunks in reverse. Autograd through the forward
+    chunk (A_qk and the UT inverse T), W, U, the state entering each chunk and the gate's decay factors
+    (`k3.ops.gates.gate_tensors`); the backward recomputes U0 from them, then runs the chunks in reverse. Autograd through the forward
     would keep every intermediate of every chunk and replay hundreds of small ops."""
 
     @staticmethod
     def forward(ctx, q, k, v, beta, g, S0, scale: float, per_slab: int):
         saved: list = []
         o, S = _chunk_forward(q, k, v, beta, g, S0, scale, per_slab, saved)
-        # each slab's gate (its decay factors) rides on ctx: intermediates, not inputs or outputs
-        ctx.gates = [keep.pop() for keep in saved]
+        # each slab's gate: its factors saved with the rest (so that saved-tensor hooks, as activation
+        # recompute's, see them), its other state on ctx
+        ctx.gates = []
+        for keep in saved:
+            names, tensors, rest = gate_tensors(keep.pop())
+            keep += tensors
+            ctx.gates.append((names, rest))
         ctx.save_for_backward(*(x for keep in saved for x in keep))
         ctx.scale, ctx.per_slab, ctx.S0_shape = scale, per_slab, None if S0 is None else S0.shape
         ctx.shapes, ctx.gated = (q.shape, v.shape, beta.shape, None if g is None else g.shape), g is not None
@@ -200,16 +206,19 @@ class ChunkDelta(torch.autograd.Function):
         slabs = list(_slabs(n, ctx.per_slab, N, H))
         m = C // sub_chunk_size(C)
         ins = 5 if ctx.gated else 4
-        per = ins + 2 * m + 3  # the inputs, A_qk's blocks and T's, W, U, the chunk states
+        per = ins + 2 * m + 3  # the inputs, A_qk's and T's blocks, W, U, the chunk states; then the gate's
+        ends = list(itertools.accumulate(per + len(names) for names, _ in ctx.gates))
         for j in reversed(range(len(slabs))):
             part, slab, unslab = slabs[j]
-            *rest, W, U, states = kept[per * j: per * (j + 1)]
-            inputs, blocks = rest[:ins], rest[ins:]
+            names, rest = ctx.gates[j]
+            start = ends[j] - per - len(names)
+            *own, W, U, states = kept[start: start + per]
+            gate = gate_from_tensors(names, kept[start + per: ends[j]], rest)
+            inputs, blocks = own[:ins], own[ins:]
             A_qk, T = BlockLower(blocks[0], blocks[1:m]), BlockLower(blocks[m], blocks[m + 1:])
             (dq_s, dk_s, dv_s, dbeta_s, dG_s), dS = slab_backward(*inputs[:4], inputs[4] if ctx.gated else None,
                                                                   states, A_qk, T, W, U, slab(do), dS, ctx.scale,
-                                                                  gate=ctx.gates[j])
-            ctx.gates[j] = None  # the slab's factors are no longer needed
+                                                                  gate=gate)
             grads = (dq_s, dk_s, dv_s, dbeta_s, None if dG_s is None else _reverse_cumsum_within_chunks(dG_s))
             for out, grad in zip((dq, dk, dv, dbeta, dg), grads):
                 if out is not None:

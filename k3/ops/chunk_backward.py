@@ -8,8 +8,8 @@ The forward of a slab (`k3.ops.chunk`), per chunk, with Gamma = exp(G) the decay
     o = scale ((q * Gamma) S_i + A_qk U_i)
 
 Kept from the forward: the slab's inputs (G for g), A_qk and T (as blocks), W, U and the state entering
-each chunk, and the gate with its decay factors (`gate`; recomputed from G when not given, as in a
-second backward through a retained graph). Recomputed here: U0 = U + W S. Then, with do the gradient of o and dS
+each chunk, and the gate with its decay factors (`gate`; recomputed from G when not given). Recomputed
+here: U0 = U + W S. Then, with do the gradient of o and dS
 that of the slab's outgoing state:
 
 1. dU = scale A_qk^T do, and the scan in reverse (`state_scan_backward`) adds K_end dS_{i+1} and gives

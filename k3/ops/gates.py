@@ -53,6 +53,23 @@ def gate_of(G: torch.Tensor | None, C: int, dtype: torch.dtype, device) -> "NoGa
     return ChannelGate(G) if G.shape[-1] > 1 else HeadGate(G)
 
 
+def gate_tensors(gate) -> tuple[list[str], list[torch.Tensor], dict]:
+    """A gate taken apart for `ctx.save_for_backward`: the names and tensors of its factors, and the rest
+    of its state (sizes; KDA's indices of unsafe sub-chunks). `gate_from_tensors` puts it back together."""
+    names = sorted(n for n, x in vars(gate).items() if isinstance(x, torch.Tensor))
+    rest = {n: x for n, x in vars(gate).items() if n not in names}
+    return names, [getattr(gate, n) for n in names], {"type": type(gate), **rest}
+
+
+def gate_from_tensors(names: list[str], tensors, rest: dict):
+    """The gate `gate_tensors` took apart (the tensors as autograd unpacked them)."""
+    rest = dict(rest)
+    gate = object.__new__(rest.pop("type"))
+    vars(gate).update(rest)
+    vars(gate).update(zip(names, tensors))
+    return gate
+
+
 def _sum(terms):
     """The sum of an iterable of tensors, accumulated in place into the first."""
     total = None
