@@ -55,9 +55,12 @@ def gate_of(G: torch.Tensor | None, C: int, dtype: torch.dtype, device) -> "NoGa
 
 def gate_tensors(gate) -> tuple[list[str], list[torch.Tensor], dict]:
     """A gate taken apart for `ctx.save_for_backward`: the names and tensors of its factors, and the rest
-    of its state (sizes; KDA's indices of unsafe sub-chunks). `gate_from_tensors` puts it back together."""
-    names = sorted(n for n, x in vars(gate).items() if isinstance(x, torch.Tensor))
-    rest = {n: x for n, x in vars(gate).items() if n not in names}
+    of its state (sizes; KDA's indices of unsafe sub-chunks). `gate_from_tensors` puts it back together.
+    Factors the gate can rebuild cheaply from the others (`derived`: three of KDA's four of the keys'
+    size) are not kept."""
+    derived = getattr(gate, "derived", ())
+    names = sorted(n for n, x in vars(gate).items() if isinstance(x, torch.Tensor) and n not in derived)
+    rest = {n: x for n, x in vars(gate).items() if n not in names and n not in derived}
     return names, [getattr(gate, n) for n in names], {"type": type(gate), **rest}
 
 
@@ -67,6 +70,8 @@ def gate_from_tensors(names: list[str], tensors, rest: dict):
     gate = object.__new__(rest.pop("type"))
     vars(gate).update(rest)
     vars(gate).update(zip(names, tensors))
+    if getattr(gate, "derived", ()):
+        gate.restore_derived()
     return gate
 
 
@@ -190,10 +195,12 @@ class ChannelGate:
             self.to_end = decay_exp(G_end.unsqueeze(2) - G_sub)  # exp(G_end(b) - G_i)
             self.from_ref = decay_exp(G_sub - G_ref.unsqueeze(2))  # exp(G_r - G_ref(a))
         else:
-            # products of the factors above while they are exact
-            threshold = math.exp(flush)
-            self.to_end = F.threshold(self.col * torch.exp(G_end - G_mid).unsqueeze(2), threshold, 0.0)
-            self.from_ref = F.threshold(self.row * torch.exp(G_mid - G_ref).unsqueeze(2), threshold, 0.0)
+            # products of the factors above while they are exact (rebuilt from row, col and these two small
+            # factors where the gate is kept for a backward: `derive`)
+            self.flush_below = math.exp(flush)
+            self.end_mid = torch.exp(G_end - G_mid).unsqueeze(2)  # [P, m, 1, K]
+            self.mid_ref = torch.exp(G_mid - G_ref).unsqueeze(2)
+            self.derive()
         self.decay_end = decay_exp(G[:, -1])  # [P, K]
         if m > 1:
             # Gamma = exp(G_r - G_ref(a)) exp(G_ref(a)): each factor is flushed below exp(floor), so a kept
@@ -201,6 +208,23 @@ class ChannelGate:
             self.from_start = decay_exp(G_ref).unsqueeze(2)  # [P, m, 1, K]
             self.cross = decay_exp((G_ref.unsqueeze(2) - G_end.unsqueeze(1)).clamp(max=0.0))  # [P, m(a), m(b), K]
             self.end_from_sub = decay_exp(G_end[:, -1:] - G_end).unsqueeze(2)  # exp(G_C - G_end(b)) [P, m, 1, K]
+
+    def derive(self) -> None:
+        """to_end = exp(G_end(b) - G_i) and from_ref = exp(G_r - G_ref(a)) of a safe gate, from row and col."""
+        self.to_end = F.threshold(self.col * self.end_mid, self.flush_below, 0.0)
+        self.from_ref = F.threshold(self.row * self.mid_ref, self.flush_below, 0.0)
+
+    @property
+    def derived(self) -> tuple[str, ...]:
+        """The factors of the keys' size rebuilt when a kept gate is restored for the backward
+        (`restore_derived`): col as 1 / row (both within exp(+-limit), so the reciprocal is a normal
+        number; nothing differentiates it there), to_end and from_ref unless a sub-chunk took the exact path."""
+        return ("col",) if self.unsafe is not None else ("col", "to_end", "from_ref")
+
+    def restore_derived(self) -> None:
+        self.col = torch.reciprocal(self.row)
+        if self.unsafe is None:
+            self.derive()
 
     def _sub(self, x):
         return x.view(x.shape[0], self.m, self.s, x.shape[-1])
