@@ -93,7 +93,7 @@ def test_gradcheck_over_sub_chunks(mixer):
 def test_the_backward_keeps_little_beside_the_inputs(mixer):
     """The graph is the op's own backward, and it keeps only the inputs, W and U, the state entering each
     chunk, two C x C (lower-triangular) matrices per chunk and head and the gate's decay factors (KDA's
-    four of the keys' size; Gated DeltaNet's one C x C matrix), within 2.5x the inputs plus the
+    one of the keys' size and small ones; Gated DeltaNet's one C x C matrix), within 2.5x the inputs plus the
     matrices: autograd through the forward keeps every intermediate, 3-4 times that here."""
     B, T, H, K, V, C = 2, 256, 2, 16, 16, 64
     inputs = {n: x.float() for n, x in make_inputs(mixer, B=B, T=T, H=H, K=K, V=V, seed=1).items()}
