@@ -302,7 +302,8 @@ def line(case: dict) -> str:
         ttft = "TTFT: no request began in the window (all began in the warm-up)"
     else:
         ttft = f"TTFT p50 {case['ttft_p50_s']:.2f} s p99 {case['ttft_p99_s']:.2f} s"
-    return (f"{case['tokens_per_s']:.0f} output tokens/s; {ttft}; per token p50 {case['itl_p50_ms']:.1f} ms p99 {case['itl_p99_ms']:.1f} ms; "
+    return (f"{case['tokens_per_s']:.0f} output tokens/s; {ttft}; "
+            f"per token p50 {case['itl_p50_ms']:.1f} ms p99 {case['itl_p99_ms']:.1f} ms; "
             f"peak running {case['peak_running']} (accounting fits {case['fits_by_accounting']}); "
             f"{case['completed']} completed, {case['failed']} failed")
 

@@ -33,14 +33,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
 from .common import keep_causal, nonfinite_onwards
 from .chunk_backward import slab_backward
-from .gates import gate_from_tensors, gate_of, gate_tensors, sub_chunk_size
+from .gates import gate_from_tensors, gate_of, gate_tensors, lower_masks, sub_chunk_size
 from .numerics import LOG_DECAY_FLOOR
 from .scan import state_scan
 from .ut import BlockLower
@@ -128,14 +127,7 @@ def _reverse_cumsum_within_chunks(x: torch.Tensor) -> torch.Tensor:
     matrix, which passes over x once where flip, cumsum, flip pass three times."""
     if x.shape[-1] == 1:
         return x.flip(-2).cumsum(-2).flip(-2)
-    return _upper_ones(x.shape[-2], x.dtype, x.device) @ x
-
-
-@lru_cache(maxsize=16)
-def _upper_ones(C: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """[C, C], ones on and above the diagonal (an ordinary tensor even if first asked for in inference mode)."""
-    with torch.inference_mode(False):
-        return torch.ones(C, C, dtype=dtype, device=device).triu()
+    return lower_masks(x.shape[-2], x.dtype, x.device)[0].mT @ x
 
 
 def _slabs(n: int, per_slab: int, N: int, H: int):
@@ -223,7 +215,7 @@ class ChunkDelta(torch.autograd.Function):
                 A_qk, T = BlockLower(blocks[0], blocks[1:m]), BlockLower(blocks[m], blocks[m + 1:])
                 G = inputs[4] if ctx.gated else None
                 (dq_s, dk_s, dv_s, dbeta_s, dG_s), dS = slab_backward(
-                    *inputs[:4], G, states, A_qk, T, W, U, slab(do), dS, ctx.scale, gate=gate)
+                    *inputs[:4], G, gate, states, A_qk, T, W, U, slab(do), dS, ctx.scale)
                 grads = (dq_s, dk_s, dv_s, dbeta_s, None if dG_s is None else _reverse_cumsum_within_chunks(dG_s))
                 for out, grad in zip((dq, dk, dv, dbeta, dg), grads):
                     if out is not None:

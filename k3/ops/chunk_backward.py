@@ -8,9 +8,8 @@ The forward of a slab (`k3.ops.chunk`), per chunk, with Gamma = exp(G) the decay
     o = scale ((q * Gamma) S_i + A_qk U_i)
 
 Kept from the forward: the slab's inputs (G for g), A_qk and T (as blocks), W, U and the state entering
-each chunk, and the gate with its decay factors (`gate`; recomputed from G when not given). Recomputed
-here: U0 = U + W S. Then, with do the gradient of o and dS
-that of the slab's outgoing state:
+each chunk, and the gate with its decay factors (`gate`). Recomputed here: U0 = U + W S. Then, with do
+the gradient of o and dS that of the slab's outgoing state:
 
 1. dU = scale A_qk^T do, and the scan in reverse (`state_scan_backward`) adds K_end dS_{i+1} and gives
    dS_i = Diag(exp G_C) dS_{i+1} + scale (q * Gamma)^T do - W^T dU;
@@ -27,14 +26,14 @@ from __future__ import annotations
 
 import torch
 
-from .gates import gate_of
 from .scan import state_scan_backward
 from .ut import BlockLower
 
 
-def slab_backward(q, k, v, beta, G, states, A_qk, T, W, U, do, dS, scale: float, gate=None):
+def slab_backward(q, k, v, beta, G, gate, states, A_qk, T, W, U, do, dS, scale: float):
     """Gradients of one slab. q, k [n, M, C, K] (q not yet scaled); v, do [n, M, C, V]; beta [n, M, C, 1];
-    G None | [n, M, C, K|1]; states [n, M, K, V] the state entering each chunk; A_qk, T `BlockLower`
+    G None | [n, M, C, K|1]; gate the slab's gate (`k3.ops.gates`, as the forward kept it); states
+    [n, M, K, V] the state entering each chunk; A_qk, T `BlockLower`
     [n*M, C, C], W [n, M, C, K] and U [n, M, C, V] as the forward kept them; dS [M, K, V] w.r.t. the state after the slab.
 
     Returns ((dq, dk, dv, dbeta, dG) in the inputs' layouts, dG None without a gate; dS w.r.t. the state before the slab)."""
@@ -44,8 +43,6 @@ def slab_backward(q, k, v, beta, G, states, A_qk, T, W, U, do, dS, scale: float,
     flat = lambda x: x.reshape(P, *x.shape[2:])  # noqa: E731
     # do may come in with zero strides (the gradient of a sum), which batched matmuls handle one by one
     q, k, v, beta, do = flat(q), flat(k), flat(v), flat(beta), flat(do).contiguous()
-    if gate is None:
-        gate = gate_of(None if G is None else flat(G), C, q.dtype, q.device)
 
     s = A_qk.diag.shape[-1]
     # the decayed rows, and U0 = U + W S from the forward's U, W and chunk states

@@ -38,7 +38,7 @@ def sub_chunk_size(C: int) -> int:
 
 
 @lru_cache(maxsize=64)
-def _lower_masks(C: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+def lower_masks(C: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     """0/1 lower-triangular masks [C, C]: inclusive (q rows: i <= r) and strict (k rows: i < r).
     Ordinary tensors even when first asked for in inference mode, so that autograd can save them."""
     with torch.inference_mode(False):
@@ -88,7 +88,7 @@ class NoGate:
 
     def __init__(self, C: int, dtype, device):
         self.C = C
-        self.incl, self.strict = _lower_masks(C, dtype, device)
+        self.incl, self.strict = lower_masks(C, dtype, device)
         self.decay_end = None
 
     def intra(self, q, k):
