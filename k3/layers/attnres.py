@@ -144,7 +144,7 @@ class _DepthMix(torch.autograd.Function):
         shrink = er * dots * r.square() * (1.0 / D)  # the rms's share of dL/dV_n, per token
         grads = []
         for alpha_n, er_n, shrink_n, v in zip(alpha, er, shrink, values):
-            g = torch.addcmul(grad * alpha_n.unsqueeze(-1), er_n.unsqueeze(-1), query)
+            g = (grad * alpha_n.unsqueeze(-1)).addcmul_(er_n.unsqueeze(-1), query)
             grads.append(g.addcmul_(shrink_n.unsqueeze(-1), v, value=-1.0))
         grad_query = sum(er_n.reshape(-1) @ v.reshape(-1, D) for er_n, v in zip(er, values))
         return (grad_query, None, *grads)

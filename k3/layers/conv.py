@@ -49,11 +49,13 @@ class ShortConvolution(nn.Module):
         if T == 1 and conv_state is not None:
             y, state = self.step(x[:, 0], conv_state)
             return y.unsqueeze(1), (state if output_final_state else None)
+        if conv_state is None and not output_final_state and T > 0:
+            return _ShortConv.apply(x, cast(self.weight, x.dtype), self.activation == "silu", True), None
         history = x.new_zeros(B, W - 1, D) if conv_state is None else cast(conv_state, x.dtype).transpose(1, 2)
         if T == 0:
             return x, (history.transpose(1, 2).clone() if output_final_state else None)
         padded = torch.cat([history, x], dim=1)  # [B, W-1+T, D]: the inputs each output reads, time-major
-        y = _ShortConv.apply(padded, cast(self.weight, x.dtype), self.activation == "silu")
+        y = _ShortConv.apply(padded, cast(self.weight, x.dtype), self.activation == "silu", False)
         new_state = padded[:, T:].transpose(1, 2).clone() if output_final_state else None
         return y, new_state
 
@@ -73,19 +75,28 @@ class _ShortConv(torch.autograd.Function):
         pre_t = sum_j w_j p_{t+j},   y = SiLU(pre)
         backward, with G = dL/dy and P = G SiLU'(pre):   dp_{t+j} += w_j P_t,   dw_j = sum_{b,t} p_{t+j} P_t
 
+    With `zero_history` the input is x [B, T, D] itself and the history zeros (a sequence from its start,
+    as training runs it): tap j reads x shifted by W-1-j, and nothing is padded, copied or zeroed.
     conv1d over [B, D, T] needs the sequence transposed in and out, and its backward with SiLU's on the
-    transposed layout costs several times these few passes on CPU. Saves p and pre."""
+    transposed layout costs several times these few passes on CPU. Saves the input and pre."""
 
     @staticmethod
-    def forward(ctx, padded: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
+    def forward(ctx, padded: torch.Tensor, weight: torch.Tensor, silu: bool, zero_history: bool) -> torch.Tensor:
         W = weight.shape[-1]
-        T = padded.shape[1] - (W - 1)
         taps = weight.view(-1, W)  # [D, W]
-        pre = padded[:, W - 1:] * taps[:, W - 1]
-        for j in range(W - 1):
-            pre.addcmul_(padded[:, j:j + T], taps[:, j])
+        if zero_history:
+            T = padded.shape[1]
+            pre = padded * taps[:, W - 1]
+            for j in range(max(0, W - 1 - T + 1), W - 1):  # shift W-1-j < T
+                shift = W - 1 - j
+                pre[:, shift:].addcmul_(padded[:, :T - shift], taps[:, j])
+        else:
+            T = padded.shape[1] - (W - 1)
+            pre = padded[:, W - 1:] * taps[:, W - 1]
+            for j in range(W - 1):
+                pre.addcmul_(padded[:, j:j + T], taps[:, j])
         ctx.save_for_backward(padded, weight, pre)
-        ctx.silu = silu
+        ctx.silu, ctx.zero_history = silu, zero_history
         return F.silu(pre) if silu else pre.clone()
 
     @staticmethod
@@ -97,6 +108,18 @@ class _ShortConv(torch.autograd.Function):
         taps = weight.view(-1, W)
         P = torch.ops.aten.silu_backward(grad.contiguous(), pre) if ctx.silu else grad
         grad_padded = grad_weight = None
+        if ctx.zero_history:
+            shifts = [(j, W - 1 - j) for j in range(W) if W - 1 - j < T]  # tap j, the shift it reads at
+            if ctx.needs_input_grad[0]:
+                grad_padded = P * taps[:, W - 1]
+                for j, shift in shifts[:-1]:
+                    grad_padded[:, :T - shift].addcmul_(P[:, shift:], taps[:, j])
+            if ctx.needs_input_grad[1]:
+                grad_weight = padded.new_zeros(taps.shape)
+                for j, shift in shifts:
+                    grad_weight[:, j] = torch.linalg.vecdot(padded[:, :T - shift], P[:, shift:], dim=1).sum(0)
+                grad_weight = grad_weight.view(weight.shape)
+            return grad_padded, grad_weight, None, None
         if ctx.needs_input_grad[0]:
             grad_padded = padded.new_zeros(padded.shape)
             for j in range(W):
@@ -104,7 +127,7 @@ class _ShortConv(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_weight = torch.stack([torch.linalg.vecdot(padded[:, j:j + T], P, dim=1).sum(0) for j in range(W)],
                                       dim=-1).view(weight.shape)
-        return grad_padded, grad_weight, None
+        return grad_padded, grad_weight, None, None
 
 
 def rolling_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, activation: str | None

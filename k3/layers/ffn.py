@@ -26,13 +26,6 @@ from .init import init_linear
 from .norm import upcast
 
 
-def _half_tanh(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """tanh(x / scale) / 2 in a new tensor (two passes). torch.tanh keeps its relative accuracy near 0,
-    where 2 sigmoid(2x) - 1 would lose it to cancellation: SiTU multiplies the result back by the scale
-    (up to l_beta = 25), so that loss would show as ~1e-4 relative noise on small activations."""
-    return (x * (1 / scale)).tanh_().mul_(0.5)
-
-
 def _check_betas(beta: float, linear_beta: float | None) -> None:
     if beta <= 0:
         raise ValueError(f"situ: `beta` must be > 0, got {beta}")
@@ -63,9 +56,7 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: f
 
 
 def _situ_forward(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
-    """SiTU-GLU's value (see `_SiTU` for the form), with the whole tanh's: beta t s u, or beta l_beta t s t_u
-    for t = tanh(g / beta), t_u = tanh(up / l_beta) (2p and 2q: the same bits as the halves' form, one
-    pass fewer for each tanh)."""
+    """SiTU-GLU's value (see `_SiTU` for the form): beta t s u, or beta l_beta t s t_u."""
     g, u = upcast(gate), upcast(up)
     out = (g * (1 / beta)).tanh_().mul_(torch.sigmoid(g))  # t s = a / beta
     if linear_beta is None:
@@ -74,17 +65,15 @@ def _situ_forward(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta
 
 
 class _SiTU(torch.autograd.Function):
-    """out = a(g) u(up) from the halves of the two tanh's, th(x) = tanh(x) / 2 (`_half_tanh`):
+    """out = a(g) u(up) with t = tanh(g / beta), s = sigmoid(g), a = beta t s, and t_u = tanh(up / l_beta),
+    u = l_beta t_u (u = up without l_beta). Backward, with G the incoming gradient:
 
-        s = sigmoid(g),  p = th(g / beta),  a = beta tanh(g / beta) s = 2 beta p s
-        q = th(up / l_beta),  u = l_beta tanh(up / l_beta) = 2 l_beta q        (u = up without l_beta)
+        da/dg = (1 - t^2) s + beta t s (1 - s) = s (1 - t m),    m = t - beta (1 - s)
+        d out/d g = G s u (1 - t m),   d out/d up = G s beta t (1 - t_u^2)   (G a without l_beta)
 
-    Backward, with t = tanh(g / beta) = 2p and G the incoming gradient:
-
-        da/dg = (1 - t^2) s + beta t s (1 - s) = 4 s [1/4 - (beta / 2) p r],  r = s + (2 / beta) p - 1
-        d out/d g = G u da/dg,   d out/d up = G a (1 - 4 q^2)   (G a without l_beta)
-
-    Only gate and up are saved; s, p and q are recomputed."""
+    Only gate and up are saved; t, s and t_u are recomputed, and G s is formed once for both gradients:
+    14 passes over the activations (torch.tanh keeps its relative accuracy near 0, where 2 sigmoid(2x) - 1
+    would lose it to cancellation: u multiplies t_u back by l_beta = 25)."""
 
     @staticmethod
     def forward(ctx, gate, up, beta: float, linear_beta: float | None):
@@ -98,19 +87,17 @@ class _SiTU(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         beta, linear_beta = ctx.beta, ctx.linear_beta
         g, u = upcast(gate), upcast(up)
+        t = (g * (1 / beta)).tanh_()
         s = torch.sigmoid(g)
-        p = _half_tanh(g, beta)
-        gs = upcast(grad) * s
-        r = torch.add(s, p, alpha=2 / beta).sub_(1)
+        m = torch.add(t, s, alpha=beta).sub_(beta)  # t - beta (1 - s)
+        gs = s.mul_(upcast(grad))
         if linear_beta is None:
-            grad_gate = torch.addcmul(g.new_tensor(1.0), p, r, value=-2 * beta).mul_(gs).mul_(u)
-            grad_up = gs.mul_(p).mul_(2 * beta)
+            grad_gate = torch.addcmul(g.new_tensor(1.0), t, m, value=-1.0).mul_(gs).mul_(u)
+            grad_up = gs.mul_(t).mul_(beta)
         else:
-            q = _half_tanh(u, linear_beta)
-            # u da/dg = 2 l_beta q 4 s [...]: the 8 l_beta is folded into the addcmul's constants
-            grad_gate = torch.addcmul(g.new_tensor(2 * linear_beta), p, r, value=-4 * beta * linear_beta)
-            grad_gate.mul_(gs).mul_(q)
-            grad_up = torch.addcmul(g.new_tensor(2 * beta), q, q, value=-8 * beta).mul_(p).mul_(gs)
+            t_u = (u * (1 / linear_beta)).tanh_()
+            grad_gate = torch.addcmul(g.new_tensor(linear_beta), t, m, value=-linear_beta).mul_(gs).mul_(t_u)
+            grad_up = torch.addcmul(g.new_tensor(beta), t_u, t_u, value=-beta).mul_(gs).mul_(t)
         return grad_gate.to(gate.dtype), grad_up.to(up.dtype), None, None
 
 

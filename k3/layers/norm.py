@@ -20,8 +20,10 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 
 
 def inverse_rms(x: torch.Tensor, eps: float, keepdim: bool = False) -> torch.Tensor:
-    """x [..., D] -> 1 / rms(x) = (mean(x^2) + eps)^-1/2 per row: [...] ([..., 1] with keepdim)."""
-    return torch.rsqrt(x.pow(2).mean(-1, keepdim=keepdim).add_(eps))
+    """x [..., D] -> 1 / rms(x) = (mean(x^2) + eps)^-1/2 per row: [...] ([..., 1] with keepdim). The sum of
+    squares as a norm (one reduction over x, no squared copy of it)."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=keepdim)
+    return norm.square_().mul_(1 / x.shape[-1]).add_(eps).rsqrt_()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,7 +35,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class _RMSNorm(torch.autograd.Function):
-    """y = x r w with r = (mean(x^2) + eps)^-1/2 per row; saves x and r. With x^ = x r and G = dL/dy:
+    """y = x^ w with x^ = x r, r = (mean(x^2) + eps)^-1/2 per row; saves x^ and r (x^ in place of x: the
+    same memory, one pass fewer backward). With G = dL/dy:
 
         dL/dw = sum_rows G x^,      dL/dx = r (G w - x^ mean(G w x^))
 
@@ -43,15 +46,15 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         r = inverse_rms(x, eps, keepdim=True)
-        ctx.save_for_backward(x, weight, r)
-        return x * r * weight
+        x_hat = x * r
+        ctx.save_for_backward(x_hat, weight, r)
+        return x_hat * weight
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        x, weight, r = ctx.saved_tensors
-        x_hat = x * r
-        grad_weight = (grad * x_hat).reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        x_hat, weight, r = ctx.saved_tensors
+        grad_weight = (grad * x_hat).reshape(-1, x_hat.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
         grad_x_hat = grad * weight
         grad_x = grad_x_hat.addcmul_(x_hat, (grad_x_hat * x_hat).mean(-1, keepdim=True), value=-1.0).mul_(r)
         return grad_x, grad_weight, None

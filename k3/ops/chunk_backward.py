@@ -94,7 +94,7 @@ def slab_backward(q, k, v, beta, G, gate, states, A_qk, T, W, U, do, dS, scale: 
     if G is None:
         dG = None
     else:
-        dG = torch.addcmul(q * dq, k, rows_k - columns)
+        dG = torch.sub(rows_k, columns).mul_(k).addcmul_(q, dq)
         # the chunk's last gate G_C also reaches every k_end row and exp(G_C)
         dG[:, -1] += (k_end * dk_end).sum(-2) + (S_in * dS_next).sum(-1) * gate.decay_end
         dG = gate.channel_sum(dG).view(n, M, C, -1)

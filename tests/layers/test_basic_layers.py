@@ -146,6 +146,29 @@ def test_short_conv_gradients(kernel_size, activation):
     assert torch.autograd.gradcheck(lambda x, s: conv(x, s)[0], (x, state))
 
 
+@pytest.mark.parametrize("activation", ["silu", None])
+@pytest.mark.parametrize("kernel_size, T", [(4, 9), (4, 2), (4, 1), (1, 5), (3, 3)])
+def test_short_conv_gradients_from_the_start(kernel_size, T, activation):
+    """No incoming state (training's case: the taps read x shifted, nothing padded): values and gradients
+    w.r.t. x and the weight equal autograd through F.conv1d with left zeros, T shorter than the kernel
+    included, and pass gradcheck."""
+    torch.manual_seed(5)
+    conv = ShortConvolution(5, kernel_size, activation).double()
+    x = torch.randn(2, T, 5, dtype=torch.float64, requires_grad=True)
+
+    def reference(x, w):
+        y = F.conv1d(F.pad(x.transpose(1, 2), (kernel_size - 1, 0)), w, groups=5)
+        return (F.silu(y) if activation else y).transpose(1, 2)
+
+    seed = torch.randn(2, T, 5, dtype=torch.float64)
+    torch.testing.assert_close(conv(x)[0], reference(x, conv.weight), rtol=1e-12, atol=1e-12)
+    got = torch.autograd.grad((conv(x)[0] * seed).sum(), (x, conv.weight))
+    want = torch.autograd.grad((reference(x, conv.weight) * seed).sum(), (x, conv.weight))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x: conv(x)[0], (x,))
+
+
 def test_short_conv_bad_input():
     conv = ShortConvolution(4, 4)
     with pytest.raises(ValueError, match="`x`"):
