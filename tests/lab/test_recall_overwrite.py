@@ -250,3 +250,26 @@ def test_lab_mla_reads_its_latents_through_a_causal_convolution():
             binding = int((batch.inputs[b, :6] == batch.inputs[b, t]).nonzero()[0])
             expected.append(probs[b, t, binding + 1:binding + 5].sum().item())
     assert out["value"][0][0] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+
+
+def test_gradients_reach_the_mla_layer_of_the_three_to_one_hybrid():
+    """Kimi Linear's 3 KDA : 1 MLA cycle (4 layers) as the lab builds it: one MQAR loss's gradient reaches every
+    parameter of the MLA layer (its conv included), finite and not zero, and so does the last KDA layer's. A
+    hybrid whose MLA layer cannot learn would show as uniform attention in the recall section; this rules out
+    the simplest cause (a detached or unused path)."""
+    from k3.lab.synthetic import ConvLatentAttention, build_model, masked_loss
+
+    torch.manual_seed(0)
+    vocab = Vocab(16, 16)
+    config = mixer_config("kda+mla", vocab.size, Size(width=16, layers=4, head_dim=4))
+    assert config.layer_types == ["kda", "kda", "kda", "mla"]
+    model = build_model(config)
+    mla = model.model.layers[3].self_attn
+    assert isinstance(mla, ConvLatentAttention)
+    batch = mqar(4, 24, 6, vocab, generator=torch.Generator().manual_seed(1))
+    masked_loss(model, batch).backward()
+    for layer in (3, 2):
+        for name, p in model.model.layers[layer].self_attn.named_parameters():
+            assert p.grad is not None, f"layer {layer} {name}: no gradient"
+            assert torch.isfinite(p.grad).all(), f"layer {layer} {name}: non-finite gradient"
+            assert p.grad.abs().max() > 0, f"layer {layer} {name}: zero gradient"
