@@ -87,7 +87,7 @@ class _ShortConv(torch.autograd.Function):
         if zero_history:
             T = padded.shape[1]
             pre = padded * taps[:, W - 1]
-            for j in range(max(0, W - 1 - T + 1), W - 1):  # shift W-1-j < T
+            for j in range(max(0, W - T), W - 1):  # the taps whose shift W-1-j is < T
                 shift = W - 1 - j
                 pre[:, shift:].addcmul_(padded[:, :T - shift], taps[:, j])
         else:

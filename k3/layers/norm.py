@@ -23,7 +23,7 @@ def inverse_rms(x: torch.Tensor, eps: float, keepdim: bool = False) -> torch.Ten
     """x [..., D] -> 1 / rms(x) = (mean(x^2) + eps)^-1/2 per row: [...] ([..., 1] with keepdim). The sum of
     squares as a norm (one reduction over x, no squared copy of it)."""
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=keepdim)
-    return norm.square_().mul_(1 / x.shape[-1]).add_(eps).rsqrt_()
+    return torch.rsqrt(norm.square().mul_(1 / x.shape[-1]).add_(eps))  # norm as it is: its backward reads it
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
