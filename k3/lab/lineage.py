@@ -16,11 +16,13 @@ tokens/s measured side by side (one step of each in turn, best of a few rounds).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
+import tempfile
 from pathlib import Path
 
 from ..models import CausalLM, count_params, get_config
+from ..models.params import binary_bytes
 from ..plan.serving import cache_bytes
 from .plots import figure
 from .report import Claim, Figure, Result, Table, command
@@ -73,11 +75,10 @@ def run(mode: str, docs: Path, **options) -> Result:
         raise ValueError(f"k3 lab lineage takes no options, got {sorted(options)}")
     if mode not in SIZES:
         raise ValueError(f"k3 lab lineage: `mode` must be one of {tuple(SIZES)}, got {mode!r}")
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="k3-lab-lineage-") as tmp:
-        root = Path(tmp) if mode == "smoke" else Path("runs") / ("lab-lineage-full" if mode == "full" else "lab-lineage")
-        return _run(mode, Path(docs), root)
+    kept = Path("runs") / ("lab-lineage-full" if mode == "full" else "lab-lineage")
+    folder = tempfile.TemporaryDirectory(prefix="k3-lab-lineage-") if mode == "smoke" else contextlib.nullcontext(kept)
+    with folder as root:
+        return _run(mode, Path(docs), Path(root))
 
 
 def _run(mode: str, docs: Path, root: Path) -> Result:
@@ -156,12 +157,11 @@ def _report(mode, docs, s, configs, runs, step_seconds, tokens_per_step, gflops,
     for name, c in configs.items():
         pc, r = count_params(c), runs[name]
         state = sum(cache_bytes(c, DECODE_CONTEXT).values())
-        at_fewest = bpb_at(r, fewest)
-        rows.append([name, c.num_layers, f"{pc.total:,}", f"{pc.active:,}", _bytes(state),
-                     f"{tokens_per_step / step_seconds[name]:,.0f}", r["steps"], f"{r['tokens'][-1]:,}",
-                     round(at_fewest, 3), round(r["final_bpb"], 3)])
+        at_fewest, tokens_per_s = bpb_at(r, fewest), tokens_per_step / step_seconds[name]
+        rows.append([name, c.num_layers, f"{pc.total:,}", f"{pc.active:,}", binary_bytes(state), f"{tokens_per_s:,.0f}",
+                     r["steps"], f"{r['tokens'][-1]:,}", round(at_fewest, 3), round(r["final_bpb"], 3)])
         data[name] = {**r, "parameters": pc.total, "active": pc.active, "decode_state_bytes": state,
-                      "tokens_per_s": tokens_per_step / step_seconds[name], "bpb_at_fewest_tokens": at_fewest}
+                      "tokens_per_s": tokens_per_s, "bpb_at_fewest_tokens": at_fewest}
     budget = _budget(s)
     corpus = "the demo corpus" if base.data is None else "a generated corpus (smoke mode)"
     table = Table(f"Every lineage model at width {s['width']}, {budget} of training each on {corpus} "
@@ -182,14 +182,7 @@ def _report(mode, docs, s, configs, runs, step_seconds, tokens_per_step, gflops,
                   setup=dict(seed=0, width=s["width"], budget=budget, eval_tokens=s["eval_tokens"],
                              models={n: [LINEAGE[n][0], LINEAGE[n][1]] for n in LINEAGE},
                              overrides=s["overrides"], matmul_gflops=round(gflops)),
-                  data=json.loads(json.dumps(data)))
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
+                  data=data)
 
 
 def _claims(data: dict, fewest: int, budget: str) -> list[Claim]:
@@ -207,7 +200,7 @@ def _claims(data: dict, fewest: int, budget: str) -> list[Claim]:
     wins = [n for n in HYBRIDS if final[n] <= gpt2 - BETTER]
     ties = [n for n in HYBRIDS if abs(final[n] - gpt2) < BETTER]
     per_token = ", ".join(f"{n} {data[n]['bpb_at_fewest_tokens']:.3f}" for n in ("GPT-2", *HYBRIDS))
-    state = ", ".join(f"{n} {_bytes(data[n]['decode_state_bytes'])}" for n in ("GPT-2", *HYBRIDS))
+    state = ", ".join(f"{n} {binary_bytes(data[n]['decode_state_bytes'])}" for n in ("GPT-2", *HYBRIDS))
     claims.append(Claim(
         "Kimi Linear, under controlled comparisons, outperformed full attention (a drop-in replacement with better "
         "quality)",

@@ -174,10 +174,10 @@ def format_report(config: ModelConfig, vs: ModelConfig | None = None) -> str:
 
 
 def _bytes(n: float) -> str:
-    return f"{n:>20,.0f} bytes ({_binary(n)})"
+    return f"{n:>20,.0f} bytes ({binary_bytes(n)})"
 
 
-def _binary(n: float) -> str:
+def binary_bytes(n: float) -> str:
     """`n` bytes in the largest binary unit that leaves at least 1 (KiB, MiB, GiB, TiB), 3 significant digits."""
     for unit, size in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
         if n >= size:
