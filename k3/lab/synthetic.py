@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ..bench.timing import threads
 from ..layers.attention import MultiHeadAttention
@@ -41,8 +40,23 @@ from .tasks import IGNORE, Batch
 
 # the lineage, as the article walks it; "kda+mla" is Kimi Linear's hybrid (`hybrid_layers`: 3:1 from 4 layers)
 MIXERS = ("softmax", "linear_attn", "deltanet", "gated_deltanet", "kda", "kda+mla")
+# Kimi's own cycle, 3 KDA : 1 MLA (4 layers), and KDA alone at that depth to set it beside
+DEEP_MIXERS = ("4kda", "3kda+mla")
+# probes of why a hybrid's MLA layer may not retrieve: MLA alone, softmax attention in MLA's place, MLA first,
+# and the 3:1 cycle with its KDA layers' output projections zero at the start (`ZERO_LINEAR_OUTPUTS`)
+PROBE_MIXERS = ("2mla", "3kda+mha", "mla+3kda", "3kda0+mla")
+# the layers of the mixers that are not one kind repeated (the hybrid "kda+mla" takes `hybrid_layers`)
+LAYOUT = {"3kda+mla": ["kda", "kda", "kda", "mla"], "2mla": ["mla", "mla"], "3kda+mha": ["kda", "kda", "kda", "mha"],
+          "mla+3kda": ["mla", "kda", "kda", "kda"], "3kda0+mla": ["kda", "kda", "kda", "mla"]}
+# models whose linear layers start with o_proj = 0: at the start they add nothing to the residual stream, so the
+# attention layer after them reads the token embeddings as the first layer does
+ZERO_LINEAR_OUTPUTS = ("3kda0+mla",)
+DEPTH = {"4kda": 4, **{m: len(layers) for m, layers in LAYOUT.items()}}  # their own depth (others: Size.layers)
 LABELS = {"softmax": "softmax attention", "linear_attn": "linear attention", "deltanet": "DeltaNet",
-          "gated_deltanet": "Gated DeltaNet", "kda": "KDA", "kda+mla": "KDA+MLA hybrid"}
+          "gated_deltanet": "Gated DeltaNet", "kda": "KDA", "kda+mla": "KDA+MLA hybrid",
+          "4kda": "KDA, 4 layers", "3kda+mla": "3 KDA : 1 MLA, 4 layers", "2mla": "MLA alone, 2 layers",
+          "3kda+mha": "3 KDA : 1 softmax attention", "mla+3kda": "MLA first, then 3 KDA",
+          "3kda0+mla": "3 KDA : 1 MLA, KDA outputs zero at the start"}
 
 
 @dataclass(frozen=True)
@@ -75,19 +89,21 @@ def hybrid_layers(layers: int) -> list[str]:
 
 
 def mixer_config(mixer: str, vocab_size: int, size: Size) -> ModelConfig:
-    """A model whose every layer uses `mixer` ("kda+mla": `hybrid_layers`), RMSNorm, a SwiGLU MLP of twice the
-    width. Softmax attention gets learned positions (the linear mixers' short convolution and the recurrence
+    """A model whose every layer uses `mixer` ("kda+mla": `hybrid_layers`; the 4-layer `DEEP_MIXERS` and the
+    `PROBE_MIXERS`: `LAYOUT`, "4kda" four KDA layers), RMSNorm, a SwiGLU MLP of twice the width. Softmax
+    attention gets learned positions (the linear mixers' short convolution and the recurrence
     itself carry order); MLA is NoPE as in Kimi Linear. Attention heads: `size.attention_heads`. KDA uses Kimi
     K3's safe gate g = -5 sigmoid(exp(A_log) (f + dt_bias)): most channels start with no forgetting at all, and no
     step forgets more than e^-5. Kimi Linear's unbounded g = -exp(A_log) softplus(f + dt_bias) learned recall far
     more slowly here (at width 64, 800 steps, T = 256: 27/17/16% at 16/32/64 pairs against 84/53/25%)."""
-    if mixer not in MIXERS:
-        raise ValueError(f"mixer must be one of {MIXERS}, got {mixer!r}")
+    if mixer not in MIXERS + DEEP_MIXERS + PROBE_MIXERS:
+        raise ValueError(f"mixer must be one of {MIXERS + DEEP_MIXERS + PROBE_MIXERS}, got {mixer!r}")
+    layers = DEPTH.get(mixer, size.layers)
     for name in ("head_dim", "attention_heads"):
         if size.width % getattr(size, name):
             raise ValueError(f"Size.width ({size.width}) must be a multiple of {name} ({getattr(size, name)})")
-    common = dict(name=f"lab-{mixer}", vocab_size=vocab_size, hidden_size=size.width, num_layers=size.layers,
-                  mlp_types=["dense"] * size.layers, intermediate_size=2 * size.width, ffn_activation="swiglu",
+    common = dict(name=f"lab-{mixer}", vocab_size=vocab_size, hidden_size=size.width, num_layers=layers,
+                  mlp_types=["dense"] * layers, intermediate_size=2 * size.width, ffn_activation="swiglu",
                   num_heads=size.heads, linear_num_heads=size.heads, linear_head_dim=size.head_dim,
                   chunk_size=size.chunk_size)
     attention_head_dim = size.width // size.attention_heads
@@ -96,11 +112,11 @@ def mixer_config(mixer: str, vocab_size: int, size: Size) -> ModelConfig:
                            **{**common, "num_heads": size.attention_heads})
     gate = {"linear_attn": None, "deltanet": None, "gated_deltanet": "full"}.get(mixer, "low_rank")
     common["kda_gate"] = "safe"  # KDA as Kimi K3 runs it (see the docstring)
-    if mixer == "kda+mla":
-        return ModelConfig(layer_types=hybrid_layers(size.layers), linear_output_gate=gate,
+    if mixer == "kda+mla" or mixer in LAYOUT:  # the attention layers: NoPE, one head as wide as the model
+        return ModelConfig(layer_types=LAYOUT.get(mixer, hybrid_layers(layers)), linear_output_gate=gate,
                            kv_lora_rank=size.width // 2, qk_nope_head_dim=attention_head_dim, qk_rope_head_dim=0,
                            v_head_dim=attention_head_dim, **{**common, "num_heads": size.attention_heads})
-    return ModelConfig(layer_types=[mixer] * size.layers, linear_output_gate=gate, **common)
+    return ModelConfig(layer_types=[mixer.removeprefix("4")] * layers, linear_output_gate=gate, **common)
 
 
 class ConvAttention(MultiHeadAttention):
@@ -112,13 +128,30 @@ class ConvAttention(MultiHeadAttention):
         super().__init__(hidden_size, num_heads)
         self.qkv_conv1d = ShortConvolution(3 * hidden_size, conv_size, activation=None)
 
+    @property
+    def window(self) -> int:
+        """Positions a token's key and value reach back over (the convolution's kernel)."""
+        return self.qkv_conv1d.kernel_size
+
+    def _qkv(self, x: torch.Tensor):
+        B, T, _ = x.shape
+        return self.qkv_conv1d(self.c_attn(x))[0].view(B, T, 3, self.num_heads, -1).unbind(2)
+
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         if cache is not None:
             raise ValueError("ConvAttention: a lab model for training and scoring; it has no decoding cache")
         B, T, _ = x.shape
-        q, k, v = self.qkv_conv1d(self.c_attn(x))[0].view(B, T, 3, self.num_heads, -1).unbind(2)
-        o, _ = attention(q, k, v)
+        o, _ = attention(*self._qkv(x))
         return self.c_proj(o.reshape(B, T, self.hidden_size))
+
+    @torch.no_grad()
+    def attention_probs(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden_size] -> the causal attention probabilities [B, H, T, T] of each head."""
+        q, k, _ = self._qkv(x)
+        T = x.shape[1]
+        logits = torch.einsum("bthd,bshd->bhts", q, k) * q.shape[-1] ** -0.5
+        future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        return logits.masked_fill(future, float("-inf")).softmax(-1)
 
 
 class ConvLatentAttention(MultiHeadLatentAttention):
@@ -181,7 +214,7 @@ class AdditiveLinearAttention(DeltaNet):
 def build_model(config: ModelConfig) -> CausalLM:
     """CausalLM(config), its softmax attention layers (if any) made `ConvAttention`, its MLA layers
     `ConvLatentAttention` and its linear attention layers `AdditiveLinearAttention` (same initial weights for
-    what they share)."""
+    what they share); a `ZERO_LINEAR_OUTPUTS` model's linear layers with o_proj = 0."""
     model = CausalLM(config)
     for layer, kind in zip(model.model.layers, config.layer_types):
         if kind == "mha":
@@ -196,12 +229,18 @@ def build_model(config: ModelConfig) -> CausalLM:
             continue
         conv.load_state_dict(layer.self_attn.state_dict(), strict=False)
         layer.self_attn = conv
+    if config.name.removeprefix("lab-") in ZERO_LINEAR_OUTPUTS:
+        with torch.no_grad():
+            for layer, kind in zip(model.model.layers, config.layer_types):
+                if kind not in ("mha", "mla"):
+                    layer.self_attn.o_proj.weight.zero_()
     return model
 
 
 def masked_loss(model: CausalLM, batch: Batch) -> torch.Tensor:
-    logits = model(batch.inputs)
-    return F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE)
+    """Cross-entropy at the scored positions only (`CausalLM(targets=...)`: the LM head runs on those rows
+    alone, which matters with a large vocabulary: a query is one position in four)."""
+    return model(batch.inputs, targets=batch.targets)
 
 
 def lr_scale(step: int, steps: int, warmup: int = 50, decay: float = 0.2) -> float:
@@ -235,13 +274,102 @@ def train_on_task(config: ModelConfig, sample: Callable[[torch.Generator], Batch
     return model.eval(), losses
 
 
+@dataclass(frozen=True)
+class Plateau:
+    """When a cell has converged, and the schedule that follows from it (warmup-stable-decay with the stable
+    phase ended by the data rather than by a fixed step count).
+
+    Every `every` steps the model is scored on a fixed held-out set; the stable phase (constant rate after a
+    warm-up of `warmup` steps) ends once `patience` evaluations in a row have failed to beat the best so far
+    by `min_gain` (not before `min_steps`), or at `max_steps`; then the rate falls linearly to 0 over `decay`
+    times the steps taken so far, and the model after that decay is the cell's."""
+
+    every: int = 100
+    patience: int = 4
+    min_gain: float = 0.01
+    min_steps: int = 400
+    max_steps: int = 4000
+    decay: float = 0.2
+    warmup: int = 50
+
+    def __post_init__(self):
+        for name in ("every", "patience", "min_steps", "max_steps", "warmup"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Plateau.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"Plateau.decay must be in (0, 1], got {self.decay}")
+
+
+@dataclass
+class Curve:
+    """A training run as `train_until_plateau` saw it: (step, held-out score) at every evaluation, the step
+    where the stable phase ended and why ("plateau" or "budget"), and the steps taken in all."""
+
+    points: list[tuple[int, float]]
+    stable_steps: int
+    stopped_by: str
+    steps: int
+
+
+def train_until_plateau(config: ModelConfig, sample: Callable[[torch.Generator], Batch],
+                        score: Callable[[CausalLM], float], plateau: Plateau = Plateau(), lr: float = 1e-3,
+                        seed: int = 0) -> tuple[CausalLM, Curve]:
+    """`train_on_task`'s model, optimizer and data, trained until `score(model)` (a held-out accuracy, higher
+    is better) stops improving, by `plateau`'s rule: a constant rate after the warm-up until the plateau or
+    the step budget, then a linear decay to 0 over a fifth (`plateau.decay`) of the steps so far. Returns the
+    model (in eval mode) and its `Curve`."""
+    torch.manual_seed(seed)
+    model = build_model(config)
+    opt = torch.optim.AdamW(decay_groups(model, 0.1), lr=lr, betas=(0.9, 0.98))
+    data = torch.Generator().manual_seed(seed + 1)
+    points: list[tuple[int, float]] = []
+    best, stale = -1.0, 0
+    stable, stopped_by, decay_steps = None, "budget", 0
+    step = 0
+
+    def evaluate():
+        model.eval()
+        points.append((step, float(score(model))))
+        model.train()
+        return points[-1][1]
+
+    while stable is None or step < stable + decay_steps:
+        if stable is None:
+            scale = min(1.0, (step + 1) / plateau.warmup)
+        else:
+            scale = (stable + decay_steps - step) / decay_steps
+        for group in opt.param_groups:
+            group["lr"] = lr * scale
+        loss = masked_loss(model, sample(data))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % plateau.every == 0 or (stable is not None and step == stable + decay_steps):
+            value = evaluate()
+            if stable is None:
+                if value >= best + plateau.min_gain:
+                    best, stale = value, 0
+                else:
+                    stale += 1
+                if step >= plateau.min_steps and stale >= plateau.patience:
+                    stopped_by = "plateau"
+                if stopped_by == "plateau" or step >= plateau.max_steps:
+                    stable, decay_steps = step, max(1, round(plateau.decay * step))
+    if not points or points[-1][0] != step:
+        evaluate()
+    return model.eval(), Curve(points, stable, stopped_by, step)
+
+
 @torch.no_grad()
 def accuracy_by_kind(model: CausalLM, batch: Batch) -> dict[int, float]:
     """Fraction of queries answered exactly (argmax), per query kind."""
-    prediction = model(batch.inputs).argmax(-1)
     scored = batch.targets != IGNORE
-    correct = (prediction == batch.targets) & scored
-    return {int(k): float(correct[batch.kind == k].float().mean()) for k in batch.kind[scored].unique()}
+    prediction = model.lm_head(model.model(batch.inputs, None)[scored]).argmax(-1)  # the scored rows only
+    correct = prediction == batch.targets[scored]
+    kinds = batch.kind[scored]
+    return {int(k): float(correct[kinds == k].float().mean()) for k in kinds.unique()}
 
 
 def _call_one_thread(fn, args):
@@ -252,9 +380,11 @@ def _call_one_thread(fn, args):
         return fn(*args)
 
 
-def run_jobs(fn: Callable, jobs: list[tuple], desc: str, workers: int | None = None, show: bool = True) -> list:
+def run_jobs(fn: Callable, jobs: list[tuple], desc: str, workers: int | None = None, show: bool = True,
+             on_result: Callable[[int, object], None] | None = None) -> list:
     """[fn(*job) for job in jobs], one single-threaded job per core in separate processes (spawned, so each
     starts clean); in-process when there is one worker or one job. `fn` must be a module-level function.
+    `on_result(i, result)` is called in this process as each job i finishes (what a long run saves as it goes).
 
     The workers end with this process, however it ends (`_worker_start` says how they follow a parent that
     dies, SIGKILL included). Ctrl-C and SIGTERM end the run at once: the workers ignore SIGINT (a terminal's
@@ -266,12 +396,16 @@ def run_jobs(fn: Callable, jobs: list[tuple], desc: str, workers: int | None = N
 
     from tqdm.auto import tqdm
 
+    if not jobs:
+        return []
     workers = min(workers or os.cpu_count() or 1, len(jobs))
     with tqdm(total=len(jobs), desc=desc, unit="model", disable=not show) as bar:
         if workers <= 1:
             out = []
-            for job in jobs:
+            for i, job in enumerate(jobs):
                 out.append(_call_one_thread(fn, job))
+                if on_result is not None:
+                    on_result(i, out[-1])
                 bar.update(1)
             return out
         results: list = [None] * len(jobs)
@@ -281,7 +415,10 @@ def run_jobs(fn: Callable, jobs: list[tuple], desc: str, workers: int | None = N
             try:
                 futures = {pool.submit(_call_one_thread, fn, job): i for i, job in enumerate(jobs)}
                 for future in as_completed(futures):
-                    results[futures[future]] = future.result()
+                    i = futures[future]
+                    results[i] = future.result()
+                    if on_result is not None:
+                        on_result(i, results[i])
                     bar.update(1)
             except BaseException:
                 _kill_workers(pool)

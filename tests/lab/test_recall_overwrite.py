@@ -26,6 +26,17 @@ def test_mixer_configs_differ_only_in_the_mixer():
     assert configs["kda"].linear_num_heads == 4 and configs["kda"].linear_head_dim == 8
 
 
+def test_deep_mixers_are_kimi_s_cycle_and_kda_alone_at_four_layers():
+    size = Size(width=32, layers=2, head_dim=8)
+    assert mixer_config("3kda+mla", 100, size).layer_types == ["kda", "kda", "kda", "mla"]
+    assert mixer_config("4kda", 100, size).layer_types == ["kda"] * 4
+    assert mixer_config("kda+mla", 100, size).layer_types == ["kda", "mla"]
+    deep, shallow = mixer_config("4kda", 100, size), mixer_config("kda", 100, size)
+    assert (deep.linear_head_dim, deep.hidden_size, deep.kda_gate) == (shallow.linear_head_dim, 32, "safe")
+    with pytest.raises(ValueError, match="mixer must be one of"):
+        mixer_config("5kda", 100, size)
+
+
 def test_hybrid_keeps_an_mla_layer_at_any_depth():
     assert hybrid_layers(2) == ["kda", "mla"] and hybrid_layers(1) == ["mla"]
     assert hybrid_layers(8) == ["kda", "kda", "kda", "mla"] * 2
@@ -70,22 +81,56 @@ def test_mla_retrieval_reads_the_attention_on_the_bound_value():
 
 
 def test_retrieval_verdict_follows_the_attention():
-    acc = {1: 1.0, 16: 0.95}
-    def claim(value):
-        return recall.judge_retrieval({"value": [[0.01, value]], "key": [[0.0, 0.0]], "uniform": 0.02}, acc, acc)
+    hybrid, alone = {2: 1.0, 16: 0.95}, {2: 1.0, 16: 0.3}
+
+    def claim(value, uniform=0.02):
+        head = {"value": [[0.01, value]], "key": [[0.0, 0.0]], "uniform": uniform}
+        weak = {"value": [[0.9, 0.9]], "key": [[0.0, 0.0]], "uniform": uniform}
+        return recall.judge_retrieval({2: weak, 16: head}, hybrid, alone)  # read where KDA alone fails: 16 pairs
+
     assert claim(0.8).verdict == "holds" and "MLA layer 0, head 1" in claim(0.8).measured
+    assert "at 16 pairs" in claim(0.8).measured
     assert claim(0.1).verdict == "partly" and claim(0.03).verdict == "does not hold"
+    assert claim(0.4, uniform=0.2).verdict == "does not hold"  # above 0.3, but not 3x what uniform attention gives
 
 
 def test_recall_smoke(tmp_path):
+    plan = recall.PLANS["smoke"]
     result = lab.run("recall", "smoke", tmp_path)
     assert (tmp_path / "figures" / "recall.png").stat().st_size > 1000
-    assert len(result.claims) == 5 and len(result.tables[0].rows) == len(MIXERS)
-    assert result.tables[1].header == ["mixer", "5e-4", "1e-3", "3e-3"]  # the swept rates
+    assert (tmp_path / "figures" / "recall-curves.png").stat().st_size > 1000
+    assert len(result.claims) == 5 and len(result.tables[0].rows) == len(plan.mixers) == len(MIXERS) + 2
+    assert result.tables[1].header == ["mixer", "1e-3", "3e-3"]  # the swept rates
     saved = json.loads((tmp_path / "lab" / "recall.json").read_text())
-    assert set(saved["data"]["accuracy"]["width=16,D=4"]) == set(MIXERS)
-    assert set(saved["data"]["sweep"]["width=16,D=4"]["kda"]) == {"5e-4", "1e-3", "3e-3"}
+    assert set(saved["data"]["accuracy"]["D=4"]) == set(plan.mixers)
+    assert set(saved["data"]["sweep"]["D=4"]["kda"]) == {"1e-3", "3e-3"}
+    run = saved["data"]["runs"]["D=4,3kda+mla,1e-3"]
+    assert run["steps"] >= plan.plateau.min_steps and run["curve"][-1][0] == run["steps"]
+    assert set(run["retrieval"]) == {str(p) for p in plan.pairs(4)}
+    assert set(saved["data"]["runs"]["D=4,linear_attn,3e-3"]["filler"]) == {"pairs", "long", "no filler", "filler"}
     assert "## Associative recall" in (tmp_path / "results.md").read_text()
+
+
+def test_recall_plans_reach_eight_times_the_key_dimension():
+    for mode in ("quick", "full"):
+        plan = recall.PLANS[mode]
+        for d in plan.head_dims:
+            assert max(plan.pairs(d)) >= 8 * d and plan.trained(d)[0] == 1
+            assert max(plan.trained(d)) == max(plan.pairs(d))
+            assert plan.vocab.num_keys >= max(plan.pairs(d))  # keys drawn without replacement
+        assert {"3kda+mla", "4kda"} <= set(plan.mixers)
+    assert len(recall.PLANS["full"].head_dims) == 2 and len(recall.PLANS["full"].lrs) >= 2
+    assert recall.PLANS["full"].pairs(8) == (4, 8, 16, 32, 64)
+    assert recall.PLANS["full"].trained(4) == (1, 2, 4, 8, 16, 32)
+
+
+def test_state_floats_count_each_model_s_layers():
+    size = Size(width=32, layers=2, head_dim=8)  # 4 heads of 8 x 8: 256 floats per layer
+    assert recall.state_floats("kda", size) == "512"
+    assert recall.state_floats("4kda", size) == "1,024"
+    assert recall.state_floats("kda+mla", size) == "256 + latent cache 16·T"
+    assert recall.state_floats("3kda+mla", size) == "768 + latent cache 16·T"
+    assert recall.state_floats("softmax", size) == "KV cache: 128·T"
 
 
 def test_overwrite_smoke(tmp_path):
@@ -273,3 +318,82 @@ def test_gradients_reach_the_mla_layer_of_the_three_to_one_hybrid():
             assert p.grad is not None, f"layer {layer} {name}: no gradient"
             assert torch.isfinite(p.grad).all(), f"layer {layer} {name}: non-finite gradient"
             assert p.grad.abs().max() > 0, f"layer {layer} {name}: zero gradient"
+
+
+def test_conv_attention_probs_are_what_its_forward_reads():
+    from k3.lab.synthetic import ConvAttention
+
+    torch.manual_seed(0)
+    layer = ConvAttention(16, 2)
+    x = torch.randn(2, 7, 16)
+    probs = layer.attention_probs(x)
+    assert probs.shape == (2, 2, 7, 7) and torch.allclose(probs.sum(-1), torch.ones(2, 2, 7))
+    assert probs.triu(1).abs().max() == 0  # causal
+    _, _, v = layer._qkv(x)
+    o = torch.einsum("bhts,bshd->bthd", probs, v).reshape(2, 7, 16)
+    torch.testing.assert_close(layer.c_proj(o), layer(x), atol=1e-5, rtol=1e-4)
+    assert layer.window == 4
+
+
+def test_probe_models_are_what_their_names_say():
+    from k3.lab.synthetic import PROBE_MIXERS, build_model
+
+    size, vocab = Size(width=16, layers=2, head_dim=4), Vocab(8, 8)
+    configs = {m: mixer_config(m, vocab.size, size) for m in PROBE_MIXERS}
+    assert configs["2mla"].layer_types == ["mla", "mla"]
+    assert configs["3kda+mha"].layer_types == ["kda", "kda", "kda", "mha"]
+    assert configs["3kda+mha"].max_position_embeddings is None  # NoPE, as MLA
+    assert configs["mla+3kda"].layer_types == ["mla", "kda", "kda", "kda"]
+    torch.manual_seed(0)
+    zero = build_model(configs["3kda0+mla"])
+    torch.manual_seed(0)
+    plain = build_model(mixer_config("3kda+mla", vocab.size, size))
+    for a, b in zip(zero.model.layers[:3], plain.model.layers[:3]):
+        assert a.self_attn.o_proj.weight.abs().max() == 0 and b.self_attn.o_proj.weight.abs().max() > 0
+    assert zero.model.layers[3].self_attn.o_proj.weight.abs().max() > 0  # the MLA layer keeps its own
+    # at the start the KDA layers add nothing: the stream before MLA is the embedding plus the MLPs' outputs
+    seen = {}
+    zero.model.layers[3].register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0]))
+    ids = mqar(2, 12, 3, vocab, generator=torch.Generator().manual_seed(0)).inputs
+    zero(ids)
+    stream = zero.model.embed_tokens(ids)
+    for layer in zero.model.layers[:3]:
+        stream = stream + layer.ffn(layer.post_attention_layernorm(stream))
+    torch.testing.assert_close(seen["x"], stream)
+
+
+def _probe_cell(best: float, accuracy: float = 0.5, uniform: float = 0.02) -> dict:
+    return {"accuracy": {2: accuracy, 4: accuracy}, "retrieval": {4: {"value": [[best]], "key": [[0.0]],
+                                                                       "uniform": uniform}}}
+
+
+def test_the_mla_disagreement_names_the_probe_that_explains_it():
+    from k3.lab.report import Claim
+
+    plan = recall.PLANS["smoke"]
+    claims = [Claim("MLA layers retrieve from the token context exactly", "...", "does not hold")]
+    scores = _scores(lambda m, p: 0.5)
+
+    def paragraph(zero, from_large, mha=0.02):
+        probes = {("2mla", 0): _probe_cell(0.95, 1.0), ("3kda+mha", 0): _probe_cell(mha),
+                  ("mla+3kda", 0): _probe_cell(0.9), ("3kda0+mla", 0): _probe_cell(zero, 0.8),
+                  ("3kda+mla", 2): _probe_cell(from_large)}
+        (note,) = recall.disagreements(claims, scores, 4, plan, probes, {})
+        return note
+
+    start = paragraph(zero=0.7, from_large=0.02)
+    assert "MLA alone 0.95" in start and "o_proj zero at the start 0.70" in start and "The cause is the start" in start
+    assert "× the embeddings' norm" in start
+    assert "The cause is the optimisation" in paragraph(zero=0.02, from_large=0.6)
+    assert "not found here" in paragraph(zero=0.02, from_large=0.02)
+    assert "not found here" in paragraph(zero=0.7, from_large=0.02, mha=0.5)  # attention in MLA's place retrieves
+    # a retrieval claim that holds needs no paragraph
+    claims[0].verdict = "holds"
+    assert recall.disagreements(claims, scores, 4, plan, {("2mla", 0): _probe_cell(0.9)}, {}) == []
+
+
+def test_the_filler_probe_is_reported_with_its_numbers():
+    plan = recall.PLANS["smoke"]
+    filler = {"linear_attn": {"pairs": 4, "long": 16, "no filler": 0.9, "filler": 0.3}}
+    (note,) = recall.disagreements([], _scores(lambda m, p: 0.5), 4, plan, {}, filler)
+    assert "linear attention 90% without filler, 30% with it" in note and "T = 16" in note

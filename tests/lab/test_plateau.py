@@ -1,0 +1,86 @@
+"""The lab's training to convergence (`train_until_plateau`) and its loss and accuracy at the scored positions."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3.lab.synthetic import (Plateau, Size, accuracy_by_kind, build_model, masked_loss, mixer_config,
+                              train_until_plateau)
+from k3.lab.tasks import IGNORE, Vocab, mqar
+
+VOCAB = Vocab(8, 8)
+SIZE = Size(width=16, layers=2, head_dim=4)
+
+
+def _sample(g):
+    return mqar(4, 8, 2, VOCAB, generator=g)
+
+
+def _recording(scores):
+    """A score function that returns `scores` in turn (then its last) and remembers the rate it saw."""
+    seen = []
+
+    def score(model):
+        seen.append(model.training)
+        return scores[min(len(seen) - 1, len(scores) - 1)]
+
+    return score, seen
+
+
+def test_a_flat_score_ends_the_stable_phase_after_patience_then_decays():
+    score, seen = _recording([0.5])  # never improves after the first evaluation
+    plateau = Plateau(every=2, patience=3, min_gain=0.01, min_steps=4, max_steps=100, decay=0.5, warmup=1)
+    model, curve = train_until_plateau(mixer_config("deltanet", VOCAB.size, SIZE), _sample, score, plateau)
+    # evaluations at 2 (the best), 4, 6, 8: three without a gain -> the stable phase ends at step 8
+    assert curve.stopped_by == "plateau" and curve.stable_steps == 8
+    assert curve.steps == 12 and [s for s, _ in curve.points] == [2, 4, 6, 8, 10, 12]  # decay over 0.5 x 8 steps
+    assert not model.training and seen == [False] * len(seen)  # scored in eval mode
+
+
+def test_an_improving_score_runs_to_the_budget():
+    score, _ = _recording([0.1 * i for i in range(1, 50)])
+    plateau = Plateau(every=2, patience=2, min_steps=2, max_steps=10, decay=0.2, warmup=1)
+    _, curve = train_until_plateau(mixer_config("deltanet", VOCAB.size, SIZE), _sample, score, plateau)
+    assert curve.stopped_by == "budget" and curve.stable_steps == 10 and curve.steps == 12
+
+
+def test_min_steps_holds_off_the_plateau():
+    score, _ = _recording([0.5])
+    plateau = Plateau(every=1, patience=1, min_steps=6, max_steps=50, decay=0.5, warmup=1)
+    _, curve = train_until_plateau(mixer_config("deltanet", VOCAB.size, SIZE), _sample, score, plateau)
+    assert curve.stable_steps == 6 and curve.steps == 9
+
+
+def test_the_rate_warms_up_holds_and_decays_to_zero(monkeypatch):
+    rates = []
+    real_step = torch.optim.AdamW.step
+
+    def spy(self, *a, **k):
+        rates.append(self.param_groups[0]["lr"])
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy)
+    score, _ = _recording([0.5])
+    plateau = Plateau(every=4, patience=1, min_steps=8, max_steps=100, decay=0.5, warmup=4)
+    train_until_plateau(mixer_config("deltanet", VOCAB.size, SIZE), _sample, score, plateau, lr=1e-2)
+    assert rates[:4] == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2]) and rates[4:8] == pytest.approx([1e-2] * 4)
+    assert rates[8:] == pytest.approx([1e-2, 7.5e-3, 5e-3, 2.5e-3])  # 4 decay steps, the last at 1/4
+
+
+@pytest.mark.parametrize("field,value", [("every", 0), ("patience", 0), ("max_steps", 0), ("decay", 0.0),
+                                         ("decay", 1.5)])
+def test_plateau_rejects_bad_settings(field, value):
+    with pytest.raises(ValueError, match=f"Plateau.{field}"):
+        Plateau(**{field: value})
+
+
+def test_loss_and_accuracy_at_the_scored_positions_match_the_whole_logits():
+    torch.manual_seed(0)
+    model = build_model(mixer_config("kda+mla", VOCAB.size, SIZE)).eval()
+    batch = mqar(3, 12, 3, VOCAB, generator=torch.Generator().manual_seed(2))
+    logits = model(batch.inputs)
+    expected = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE)
+    torch.testing.assert_close(masked_loss(model, batch), expected)
+    scored = batch.targets != IGNORE
+    right = (logits.argmax(-1) == batch.targets)[scored].float().mean().item()
+    assert accuracy_by_kind(model, batch) == {1: pytest.approx(right)}
