@@ -88,11 +88,12 @@ PLANS = {
     "full": Plan(head_dims=(4, 8), span=8, lrs=(1e-3, 3e-3), batch=32,
                  plateau=Plateau(min_steps=1000, max_steps=4000), probes=True),
 }
-# Why a hybrid's MLA layer does or does not retrieve: (mixer, the fewest pairs it trains on, as a multiple of D;
-# 0: from 1 pair). MLA alone, softmax attention in MLA's place, MLA before the KDA layers, the 3:1 cycle with its
-# KDA layers adding nothing to the residual stream at the start, and the 3:1 cycle trained only where KDA's state
-# cannot hold the pairs (from 2·D up), so that KDA cannot solve the task first.
-PROBES = (("2mla", 0), ("3kda+mha", 0), ("mla+3kda", 0), ("3kda0+mla", 0), ("3kda+mla", 2))
+# Models that explain a disagreement: (mixer, the fewest pairs it trains on, as a multiple of D; 0: from 1 pair).
+# Why a hybrid's MLA layer does or does not retrieve: MLA alone, softmax attention in MLA's place, MLA before the
+# KDA layers, the 3:1 cycle with its KDA layers adding nothing to the residual stream at the start, and the 3:1
+# cycle trained only where KDA's state cannot hold the pairs (from 2·D up), so that KDA cannot solve the task
+# first. And linear attention as the article writes it, beside the lab's (DeltaNet's layer, additive update).
+PROBES = (("2mla", 0), ("3kda+mha", 0), ("mla+3kda", 0), ("3kda0+mla", 0), ("3kda+mla", 2), ("elu_linear_attn", 0))
 # The literature's order on MQAR-like recall (see `judge_ordering`): place 1 is best
 PUBLISHED_PLACE = {"softmax": 1, "kda+mla": 2, "deltanet": 3, "gated_deltanet": 3, "kda": 3, "linear_attn": 4}
 FAMILY = ("deltanet", "gated_deltanet", "kda")
@@ -455,6 +456,13 @@ def stream_ratio(mixer: str, plan: Plan, head_dim: int) -> float:
     return float((seen["x"] - embedding).norm() / embedding.norm())
 
 
+def _elu_probe(out: dict, under: list[int], over: list[int]) -> str:
+    acc = out["accuracy"]
+    return (" Linear attention as the article writes it (ELU+1 features, a normaliser, no short convolution), "
+            f"trained the same way: {sum(acc[p] for p in under) / len(under):.0%} at or below D pairs, "
+            f"{sum(acc[p] for p in over) / len(over):.0%} past D.")
+
+
 def disagreements(claims: list[Claim], scores: dict, head_dim: int, plan: Plan, probes: dict,
                   filler: dict) -> list[str]:
     """One paragraph for each claim whose verdict here contradicts a published result: the published setup, what
@@ -478,7 +486,8 @@ def disagreements(claims: list[Claim], scores: dict, head_dim: int, plan: Plan, 
             f"{mean('deltanet', under):.0%} and linear attention {mean('linear_attn', under):.0%}; past D "
             f"{mean('deltanet', over):.0%} and {mean('linear_attn', over):.0%}. Past capacity neither state can "
             "hold the pairs: the delta rule keeps the latest ones exactly where the sum blurs them all, which "
-            "gains little when every key is queried.")
+            "gains little when every key is queried."
+            + (_elu_probe(probes[("elu_linear_attn", 0)], under, over) if ("elu_linear_attn", 0) in probes else ""))
     if filler:
         f = next(iter(filler.values()))
         shown = "; ".join(f"{LABELS[m]} {x['no filler']:.0%} without filler, {x['filler']:.0%} with it"
@@ -500,7 +509,7 @@ def disagreements(claims: list[Claim], scores: dict, head_dim: int, plan: Plan, 
             return sum(get[key]["accuracy"].values()) / len(get[key]["accuracy"])
 
         uniform = get["2mla"]["retrieval"][most]["uniform"]
-        retrieves = {k: head(k) >= max(RETRIEVAL, 3 * uniform) for k in get}
+        retrieves = {k: head(k) >= max(RETRIEVAL, 3 * uniform) for k, out in get.items() if "retrieval" in out}
         ratio, alone_ratio = stream_ratio("3kda+mla", plan, head_dim), stream_ratio("2mla", plan, head_dim)
         if retrieves["3kda0+mla"] and not retrieves["3kda+mha"]:
             cause = ("The cause is the start, not MLA's form: at initialisation each KDA layer (its output "
@@ -564,16 +573,17 @@ def best_head(retrieval: dict) -> float:
 
 
 def probe_table(plan: Plan, head_dim: int, probes: dict, reference: dict, lr: float) -> Table:
-    """The MLA probes (`PROBES`) beside the 3:1 cycle at the same rate: accuracy per pair count, and at the most
-    pairs the best attention head's share on the bound value against uniform attention's."""
+    """The probes (`PROBES`) beside the 3:1 cycle at the same rate: accuracy per pair count, and at the most pairs
+    the best attention head's share on the bound value against uniform attention's (– without attention)."""
     pairs = plan.pairs(head_dim)
     rows = []
     for (mixer, times), out in [(("3kda+mla", 0), reference)] + list(probes.items()):
         label = LABELS[mixer] + (f", trained from {times * head_dim} pairs up" if times else "")
-        r = out["retrieval"][max(pairs)]
-        rows.append([label] + [f"{out['accuracy'][p]:.0%}" for p in pairs] + [f"{best_head(r):.3f}",
-                                                                           f"{r['uniform']:.3f}", _steps(out)])
-    return Table(f"Why the hybrid's MLA layer does or does not retrieve (state {head_dim}×{head_dim}, rate "
+        r = out.get("retrieval", {}).get(max(pairs))
+        attention = [f"{best_head(r):.3f}", f"{r['uniform']:.3f}"] if r else ["–", "–"]
+        rows.append([label] + [f"{out['accuracy'][p]:.0%}" for p in pairs] + attention + [_steps(out)])
+    return Table(f"The probes: why the hybrid's MLA layer does or does not retrieve, and the article's linear "
+                 f"attention (state {head_dim}×{head_dim}, rate "
                  f"{rate_label(lr)}): accuracy per pair count and, at {max(pairs)} pairs, the best attention head's "
                  "mean attention on the bound value", ["model"] + [f"{p} pairs" for p in pairs]
                  + ["best head on the bound value", "uniform", "steps"], rows)

@@ -43,8 +43,9 @@ MIXERS = ("softmax", "linear_attn", "deltanet", "gated_deltanet", "kda", "kda+ml
 # Kimi's own cycle, 3 KDA : 1 MLA (4 layers), and KDA alone at that depth to set it beside
 DEEP_MIXERS = ("4kda", "3kda+mla")
 # probes of why a hybrid's MLA layer may not retrieve: MLA alone, softmax attention in MLA's place, MLA first,
-# and the 3:1 cycle with its KDA layers' output projections zero at the start (`ZERO_LINEAR_OUTPUTS`)
-PROBE_MIXERS = ("2mla", "3kda+mha", "mla+3kda", "3kda0+mla")
+# and the 3:1 cycle with its KDA layers' output projections zero at the start (`ZERO_LINEAR_OUTPUTS`); and linear
+# attention as the article writes it (k3.layers.LinearAttention: ELU+1 features, a normaliser, no convolution)
+PROBE_MIXERS = ("2mla", "3kda+mha", "mla+3kda", "3kda0+mla", "elu_linear_attn")
 # the layers of the mixers that are not one kind repeated (the hybrid "kda+mla" takes `hybrid_layers`)
 LAYOUT = {"3kda+mla": ["kda", "kda", "kda", "mla"], "2mla": ["mla", "mla"], "3kda+mha": ["kda", "kda", "kda", "mha"],
           "mla+3kda": ["mla", "kda", "kda", "kda"], "3kda0+mla": ["kda", "kda", "kda", "mla"]}
@@ -56,7 +57,8 @@ LABELS = {"softmax": "softmax attention", "linear_attn": "linear attention", "de
           "gated_deltanet": "Gated DeltaNet", "kda": "KDA", "kda+mla": "KDA+MLA hybrid",
           "4kda": "KDA, 4 layers", "3kda+mla": "3 KDA : 1 MLA, 4 layers", "2mla": "MLA alone, 2 layers",
           "3kda+mha": "3 KDA : 1 softmax attention", "mla+3kda": "MLA first, then 3 KDA",
-          "3kda0+mla": "3 KDA : 1 MLA, KDA outputs zero at the start"}
+          "3kda0+mla": "3 KDA : 1 MLA, KDA outputs zero at the start",
+          "elu_linear_attn": "linear attention, the article's (ELU+1, normalised)"}
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,8 @@ def mixer_config(mixer: str, vocab_size: int, size: Size) -> ModelConfig:
         return ModelConfig(layer_types=LAYOUT.get(mixer, hybrid_layers(layers)), linear_output_gate=gate,
                            kv_lora_rank=size.width // 2, qk_nope_head_dim=attention_head_dim, qk_rope_head_dim=0,
                            v_head_dim=attention_head_dim, **{**common, "num_heads": size.attention_heads})
-    return ModelConfig(layer_types=[mixer.removeprefix("4")] * layers, linear_output_gate=gate, **common)
+    kind = "linear_attn" if mixer == "elu_linear_attn" else mixer.removeprefix("4")
+    return ModelConfig(layer_types=[kind] * layers, linear_output_gate=gate, **common)
 
 
 class ConvAttention(MultiHeadAttention):
@@ -214,14 +217,15 @@ class AdditiveLinearAttention(DeltaNet):
 def build_model(config: ModelConfig) -> CausalLM:
     """CausalLM(config), its softmax attention layers (if any) made `ConvAttention`, its MLA layers
     `ConvLatentAttention` and its linear attention layers `AdditiveLinearAttention` (same initial weights for
-    what they share); a `ZERO_LINEAR_OUTPUTS` model's linear layers with o_proj = 0."""
+    what they share; "elu_linear_attn" keeps k3's `LinearAttention`); a `ZERO_LINEAR_OUTPUTS` model's linear
+    layers with o_proj = 0."""
     model = CausalLM(config)
     for layer, kind in zip(model.model.layers, config.layer_types):
         if kind == "mha":
             conv = ConvAttention(config.hidden_size, config.num_heads, config.conv_size)
         elif kind == "mla":
             conv = ConvLatentAttention.like(layer.self_attn, config.conv_size)
-        elif kind == "linear_attn":
+        elif kind == "linear_attn" and config.name != "lab-elu_linear_attn":
             conv = AdditiveLinearAttention(config.hidden_size, config.linear_num_heads, config.linear_head_dim,
                                            output_gate=None, conv_size=config.conv_size,
                                            chunk_size=config.chunk_size)

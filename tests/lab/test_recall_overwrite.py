@@ -344,6 +344,9 @@ def test_probe_models_are_what_their_names_say():
     assert configs["3kda+mha"].layer_types == ["kda", "kda", "kda", "mha"]
     assert configs["3kda+mha"].max_position_embeddings is None  # NoPE, as MLA
     assert configs["mla+3kda"].layer_types == ["mla", "kda", "kda", "kda"]
+    from k3.layers import LinearAttention
+    elu = build_model(configs["elu_linear_attn"])
+    assert all(type(layer.self_attn) is LinearAttention for layer in elu.model.layers)  # the article's form
     torch.manual_seed(0)
     zero = build_model(configs["3kda0+mla"])
     torch.manual_seed(0)
@@ -377,7 +380,7 @@ def test_the_mla_disagreement_names_the_probe_that_explains_it():
     def paragraph(zero, from_large, mha=0.02):
         probes = {("2mla", 0): _probe_cell(0.95, 1.0), ("3kda+mha", 0): _probe_cell(mha),
                   ("mla+3kda", 0): _probe_cell(0.9), ("3kda0+mla", 0): _probe_cell(zero, 0.8),
-                  ("3kda+mla", 2): _probe_cell(from_large)}
+                  ("3kda+mla", 2): _probe_cell(from_large), ("elu_linear_attn", 0): {"accuracy": {2: 0.4, 4: 0.2}}}
         (note,) = recall.disagreements(claims, scores, 4, plan, probes, {})
         return note
 
@@ -390,6 +393,19 @@ def test_the_mla_disagreement_names_the_probe_that_explains_it():
     # a retrieval claim that holds needs no paragraph
     claims[0].verdict = "holds"
     assert recall.disagreements(claims, scores, 4, plan, {("2mla", 0): _probe_cell(0.9)}, {}) == []
+
+
+def test_the_deltanet_disagreement_sets_the_article_s_linear_attention_beside():
+    from k3.lab.report import Claim
+
+    plan = recall.PLANS["smoke"]  # D = 4: pairs 2 and 4 at or below D; the scores add 8 and 12 past it
+    claims = [Claim("The delta rule overwrites instead of piling up, so DeltaNet retrieves more", "...", "partly")]
+    scores = _scores(lambda m, p: 0.9 if p <= 4 else (0.3 if m == "deltanet" else 0.25))
+    plan = recall.Plan(head_dims=(4,), span=3, lrs=(1e-3,), plateau=plan.plateau)  # pairs 2, 4, 8 (12 unscored)
+    elu = {("elu_linear_attn", 0): {"accuracy": {2: 0.4, 4: 0.2, 8: 0.05}}}
+    (note,) = recall.disagreements(claims, scores, 4, plan, elu, {})
+    assert "DeltaNet answers 90% and linear attention 90%; past D 30% and 25%" in note
+    assert "the article writes it" in note and "30% at or below D pairs, 5% past D" in note
 
 
 def test_the_filler_probe_is_reported_with_its_numbers():
