@@ -258,24 +258,33 @@ def train_on_task(config: ModelConfig, sample: Callable[[torch.Generator], Batch
     """AdamW on `lr_scale`'s schedule (weight decay 0.1 on the matrices only, as `k3 train`: not on norms, biases,
     KDA's and Gated DeltaNet's A_log and dt_bias); `sample(generator)` gives each step's batch (fresh data every
     step, as in Zoology). Returns the model (in eval mode) and the loss per step."""
-    torch.manual_seed(seed)
-    model = build_model(config)
-    opt = torch.optim.AdamW(decay_groups(model, 0.1), lr=lr, betas=(0.9, 0.98))
-    data = torch.Generator().manual_seed(seed + 1)
+    model, opt, data = _start(config, lr, seed)
     losses = []
     for step in range(steps):
-        scale = lr_scale(step, steps, warmup)
-        for group in opt.param_groups:
-            group["lr"] = lr * scale
-        loss = masked_loss(model, sample(data))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
+        losses.append(_step(model, opt, sample(data), lr * lr_scale(step, steps, warmup)))
         if progress is not None:
             progress.update(1)
     return model.eval(), losses
+
+
+def _start(config: ModelConfig, lr: float, seed: int):
+    """The model (seeded), its AdamW (weight decay 0.1 on the matrices only) and the data's generator."""
+    torch.manual_seed(seed)
+    model = build_model(config)
+    opt = torch.optim.AdamW(decay_groups(model, 0.1), lr=lr, betas=(0.9, 0.98))
+    return model, opt, torch.Generator().manual_seed(seed + 1)
+
+
+def _step(model: CausalLM, opt: torch.optim.Optimizer, batch: Batch, lr: float) -> float:
+    """One AdamW step at rate `lr` on `batch` (gradients clipped to norm 1); the loss."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    loss = masked_loss(model, batch)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
 
 
 @dataclass(frozen=True)
@@ -322,10 +331,7 @@ def train_until_plateau(config: ModelConfig, sample: Callable[[torch.Generator],
     is better) stops improving, by `plateau`'s rule: a constant rate after the warm-up until the plateau or
     the step budget, then a linear decay to 0 over a fifth (`plateau.decay`) of the steps so far. Returns the
     model (in eval mode) and its `Curve`."""
-    torch.manual_seed(seed)
-    model = build_model(config)
-    opt = torch.optim.AdamW(decay_groups(model, 0.1), lr=lr, betas=(0.9, 0.98))
-    data = torch.Generator().manual_seed(seed + 1)
+    model, opt, data = _start(config, lr, seed)
     points: list[tuple[int, float]] = []
     best, stale = -1.0, 0
     stable, stopped_by, decay_steps = None, "budget", 0
@@ -342,13 +348,7 @@ def train_until_plateau(config: ModelConfig, sample: Callable[[torch.Generator],
             scale = min(1.0, (step + 1) / plateau.warmup)
         else:
             scale = (stable + decay_steps - step) / decay_steps
-        for group in opt.param_groups:
-            group["lr"] = lr * scale
-        loss = masked_loss(model, sample(data))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        _step(model, opt, sample(data), lr * scale)
         step += 1
         if step % plateau.every == 0 or (stable is not None and step == stable + decay_steps):
             value = evaluate()
