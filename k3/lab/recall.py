@@ -316,7 +316,7 @@ def run(mode: str, docs: Path, **options) -> Result:
     jobs += [(plan, m, d, lr, 1) for d in reversed(dims) for m in mixers for lr in plan.lrs]
     # each finished cell is kept at once (`k3.lab.cells`): a stopped run resumes with the cells it lacks
     suffix = "-full" if mode == "full" else ""
-    cells = Cells(docs / "lab" / f"recall{suffix}-cells", _plan_dict(plan))
+    cells = Cells(docs / "lab" / f"recall{suffix}-cells", cell_settings(plan))
     found = {}
     for job in jobs:
         kept = cells.get(_key(job))
@@ -552,6 +552,15 @@ def _cell_from_json(out: dict) -> dict:
     for field in ("accuracy", "retrieval"):
         if field in out:
             out[field] = {int(p): v for p, v in out[field].items()}
+    return out
+
+
+def cell_settings(plan: Plan) -> dict:
+    """What decides how one cell (a mixer, state size, rate and fewest trained pairs) trains and is scored: the
+    plan without the lists that only choose which cells it has (head_dims, lrs, mixers, probes), with the
+    vocabulary those lists set. Two plans that agree here share their cells (`k3.lab.cells`)."""
+    out = {k: v for k, v in _plan_dict(plan).items() if k not in ("head_dims", "lrs", "mixers", "probes", "pairs")}
+    out["vocab"] = plan.vocab.__dict__
     return out
 
 

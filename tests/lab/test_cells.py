@@ -50,3 +50,14 @@ def test_a_kept_cell_has_int_pair_counts_again():
     assert out["accuracy"] == {2: 0.5, 16: 0.1} and list(out["retrieval"]) == [16]
     with pytest.raises(KeyError):
         _ = out["filler"]
+
+
+def test_plans_that_differ_only_in_which_cells_they_have_share_them():
+    import dataclasses
+
+    full = recall.PLANS["full"]
+    fewer = dataclasses.replace(full, lrs=full.lrs[:1], mixers=full.mixers[:3], probes=False)
+    assert recall.cell_settings(fewer) == recall.cell_settings(full)
+    # a smaller state changes the vocabulary (4x the most pairs), so its cells are its own
+    assert recall.cell_settings(dataclasses.replace(full, head_dims=(4,))) != recall.cell_settings(full)
+    assert recall.cell_settings(dataclasses.replace(full, batch=64)) != recall.cell_settings(full)
