@@ -230,7 +230,7 @@ def judge(scores: dict[str, dict[int, float]], head_dim: int) -> list[Claim]:
         best = max(lin.values())
         drop = best - lin[large]
         softmax_holds = soft is not None and min(soft.values()) >= SOFTMAX_HOLDS
-        shown = f"softmax attention ≥ {min(soft.values()):.0%} at every count" if soft else "no softmax run"
+        shown = f"softmax attention at least {min(soft.values()):.0%} at every count" if soft else "no softmax run"
         claims.append(Claim(
             "Linear attention adds every pair into one D×D state: past its capacity (N ≫ D) associations interfere",
             f"linear attention: best {best:.0%} → {lin[large]:.0%} at {large} pairs (D = {head_dim}), a drop of "
@@ -266,15 +266,16 @@ def judge(scores: dict[str, dict[int, float]], head_dim: int) -> list[Claim]:
 
 def judge_ordering(means: dict[int, dict[str, float]]) -> Claim:
     """The literature's ordering, attention >= KDA+MLA hybrid >= DeltaNet family > linear attention, read off the
-    mean accuracy over the pair counts at each width `means` {width: {mixer: mean}}. Three relations per width:
-    softmax >= hybrid - 2 points, hybrid >= the best of the DeltaNet family - 2 points, and every member of the
-    family >= linear attention + 5 points. Holds if all hold at every width, partly if at least two thirds do."""
+    mean accuracy over the pair counts at each state size `means` {D: {mixer: mean}}. Three relations per state
+    size: softmax >= hybrid - 2 points, hybrid >= the best of the DeltaNet family - 2 points, and every member of
+    the family >= linear attention + 5 points. Holds if all hold at every state size, partly if at least two
+    thirds do."""
     relations, shown = [], []
-    for width, m in sorted(means.items()):
+    for d, m in sorted(means.items()):
         family = [m[f] for f in FAMILY]
         relations += [m["softmax"] >= m["kda+mla"] - 0.02, m["kda+mla"] >= max(family) - 0.02,
                       min(family) >= m["linear_attn"] + 0.05]
-        shown.append(f"width {width}: softmax {m['softmax']:.0%}, hybrid {m['kda+mla']:.0%}, DeltaNet family "
+        shown.append(f"state {d}×{d}: softmax {m['softmax']:.0%}, hybrid {m['kda+mla']:.0%}, DeltaNet family "
                      f"{min(family):.0%}–{max(family):.0%}, linear {m['linear_attn']:.0%}")
     met = sum(relations)
     verdict = "holds" if met == len(relations) else "partly" if 3 * met >= 2 * len(relations) else "does not hold"
@@ -630,14 +631,15 @@ LITERATURE = [
 
 
 def ordering_table(means: dict[int, dict[str, float]]) -> Table:
-    """Mean accuracy over the pair counts per mixer and width, each mixer's rank at each width, and its place in
-    the published order."""
-    widths = sorted(means)
-    ranks = {w: {m: 1 + sum(means[w][o] > means[w][m] for o in MIXERS) for m in MIXERS} for w in widths}
-    return Table("The order of the mixers: mean accuracy over the pair counts, the rank it gives at each width, "
+    """Mean accuracy over the pair counts per mixer and state size D, each mixer's rank at each D, and its place
+    in the published order."""
+    dims = sorted(means)
+    ranks = {d: {m: 1 + sum(means[d][o] > means[d][m] for o in MIXERS) for m in MIXERS} for d in dims}
+    return Table("The order of the mixers: mean accuracy over the pair counts, the rank it gives at each state size, "
                  "and the place the literature gives (1 best; the DeltaNet family shares place 3)",
-                 ["mixer"] + [f"width {w}" for w in widths] + [f"rank at {w}" for w in widths] + ["published place"],
-                 [[LABELS[m]] + [f"{means[w][m]:.0%}" for w in widths] + [ranks[w][m] for w in widths]
+                 ["mixer"] + [f"state {d}×{d}" for d in dims] + [f"rank at {d}×{d}" for d in dims]
+                 + ["published place"],
+                 [[LABELS[m]] + [f"{means[d][m]:.0%}" for d in dims] + [ranks[d][m] for d in dims]
                   + [PUBLISHED_PLACE[m]] for m in MIXERS])
 
 

@@ -61,3 +61,46 @@ def test_plans_that_differ_only_in_which_cells_they_have_share_them():
     # a smaller state changes the vocabulary (4x the most pairs), so its cells are its own
     assert recall.cell_settings(dataclasses.replace(full, head_dims=(4,))) != recall.cell_settings(full)
     assert recall.cell_settings(dataclasses.replace(full, batch=64)) != recall.cell_settings(full)
+
+
+def _fake_cell(plan, mixer, head_dim, lr, train_from):
+    """A cell as `score_mixer` returns it, with made-up numbers: attention solves every count, the others fall
+    off past D, and the hybrids' attention heads read the bound value only in the probe that silences KDA."""
+    from k3.models import ModelConfig  # noqa: F401  (the cell's shape is all that matters)
+
+    pairs = plan.pairs(head_dim)
+    solved = mixer in ("softmax", "2mla")
+    accuracy = {p: 1.0 if solved else min(1.0, head_dim / p) * (0.9 if mixer == "linear_attn" else 1.0) for p in pairs}
+    out = {"accuracy": accuracy, "curve": [[100, 0.2], [200, 0.5], [240, 0.55]], "stable": 200,
+           "stopped_by": "plateau", "steps": 240}
+    if mixer != "softmax" and ("mla" in mixer or "mha" in mixer):
+        best = 0.9 if mixer in ("2mla", "3kda0+mla", "mla+3kda") else 0.01
+        out["retrieval"] = {p: {"value": [[best]], "key": [[0.0]], "uniform": 4 / (4 * p)} for p in pairs}
+    if mixer in ("linear_attn", "deltanet") and train_from == 1:
+        out["filler"] = {"pairs": head_dim, "long": 4 * plan.span * head_dim, "no filler": 0.9, "filler": 0.4}
+    return out
+
+
+def test_a_full_run_renders_from_its_kept_cells(tmp_path):
+    """Every cell of the full plan kept (made up here): `k3 lab recall --full` trains nothing and writes the
+    whole section: one table and sweep per state size, the ordering, the MLA attention, the probes, the
+    filler, the disagreements, both figures."""
+    plan = recall.PLANS["full"]
+    main = max(plan.head_dims)
+    cells = Cells(tmp_path / "lab" / "recall-full-cells", recall.cell_settings(plan))
+    jobs = [(m, main, min(plan.lrs), max(1, times * main)) for m, times in recall.PROBES]
+    jobs += [(m, d, lr, 1) for d in plan.head_dims for m in plan.mixers for lr in plan.lrs]
+    for job in jobs:
+        cells.put(recall._key((plan, *job)), _fake_cell(plan, *job))
+    result = lab.run("recall", "full", tmp_path)
+    captions = [t.caption for t in result.tables]
+    assert sum(c.startswith("MQAR query accuracy") for c in captions) == 2
+    assert any(c.startswith("The order of the mixers") for c in captions)
+    assert any(c.startswith("The probes") for c in captions) and any("filler" in c for c in captions)
+    verdicts = {c.claim: c.verdict for c in result.claims}
+    assert verdicts["Linear attention adds every pair into one D×D state: past its capacity (N ≫ D) associations "
+                    "interfere"] == "holds"
+    assert any(n.startswith("Disagreement — MLA in the hybrid") and "The cause is the start" in n
+               for n in result.notes)
+    assert (tmp_path / "figures" / "recall-curves-full.png").exists()
+    assert json.loads((tmp_path / "lab" / "recall-full.json").read_text())["mode"] == "full"
