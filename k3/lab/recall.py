@@ -154,8 +154,8 @@ def mla_retrieval(model, batch) -> dict[str, float | list[list[float]]]:
     hybrid) read an MQAR batch: for every such layer and head, the mean attention from a query key to the
     positions that hold the value bound to that key (the token after the key's binding, the one to copy; with
     the lab's short convolutions the W positions from it on, which the convolution carries it into), and what
-    uniform attention over the visible tokens would put there. {"value": [layer][head], "key": [layer][head]
-    (attention on the key's binding itself), "uniform": float}."""
+    uniform attention over the visible tokens would put there: `{"value": [layer][head], "key": [layer][head],
+    "uniform": float}`, "key" the attention on the key's binding itself."""
     layers = [m for m in model.modules() if isinstance(m, (MultiHeadLatentAttention, ConvAttention))]
     inputs: dict[int, torch.Tensor] = {}
     hooks = [layer.register_forward_pre_hook(lambda m, args, i=i: inputs.setdefault(i, args[0]))
