@@ -19,6 +19,7 @@ first, the KDA layers silent at the start, and training only where KDA's state c
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +122,7 @@ def score_mixer(plan: Plan, mixer: str, head_dim: int, lr: float, train_from: in
     def held_out(model) -> float:
         return sum(accuracy_by_kind(model, b).get(1, 0.0) for b in held) / len(held)
 
+    start = time.perf_counter()
     model, curve = train_until_plateau(mixer_config(mixer, vocab.size, size), sample, held_out, plan.plateau,
                                        lr=lr, seed=plan.seed)
     test = torch.Generator().manual_seed(10_000 + plan.seed)
@@ -133,6 +135,7 @@ def score_mixer(plan: Plan, mixer: str, head_dim: int, lr: float, train_from: in
                             for p in pairs}
     if mixer in ("linear_attn", "deltanet"):
         out["filler"] = filler_probe(model, plan, head_dim, probe)
+    out["seconds"] = time.perf_counter() - start  # on one thread
     return out
 
 
@@ -415,6 +418,10 @@ def run(mode: str, docs: Path, **options) -> Result:
         "A mixer below 50% even with the fewest pairs has not learned the task; claims that rest on it would be "
         "marked 'not measurable here'.",
     ]
+    timed = [out["seconds"] for out in list(found.values()) + list(probes.values()) if "seconds" in out]
+    if timed:
+        notes.append(f"{len(timed)} of the {len(jobs)} cells are timed: {sum(timed) / 60:.0f} minutes of one thread "
+                     "in all (two run side by side).")
     if mode == "full":
         notes += LITERATURE
     notes += disagreements(claims, main_scores, main, plan, probes, filler)
