@@ -508,13 +508,16 @@ def disagreements(claims: list[Claim], scores: dict, head_dim: int, plan: Plan, 
     retrieval_claim = next((c for c in claims if c.claim.startswith("MLA layers retrieve")), None)
     if probes and retrieval_claim is not None and retrieval_claim.verdict != "holds":
         get = {m if not times else f"{m}@{times}": out for (m, times), out in probes.items()}
-        most = max(plan.pairs(head_dim))
+        fewest, most = min(plan.pairs(head_dim)), max(plan.pairs(head_dim))
 
-        def head(key):
-            return best_head(get[key]["retrieval"][most])
+        def head(key, pairs=most):
+            return best_head(get[key]["retrieval"][pairs])
 
-        def answers(key):
-            return sum(get[key]["accuracy"].values()) / len(get[key]["accuracy"])
+        def reads(key):
+            """The best head on the bound value at the fewest and the most pairs, and the accuracy over the counts."""
+            acc = get[key]["accuracy"]
+            return (f"{head(key, fewest):.2f} at {fewest} pairs, {head(key):.2f} at {most} (it answers "
+                    f"{sum(acc.values()) / len(acc):.0%} over the counts)")
 
         uniform = get["2mla"]["retrieval"][most]["uniform"]
         retrieves = {k: head(k) >= max(RETRIEVAL, 3 * uniform) for k, out in get.items() if "retrieval" in out}
@@ -529,21 +532,19 @@ def disagreements(claims: list[Claim], scores: dict, head_dim: int, plan: Plan, 
             cause = ("The cause is the optimisation: while KDA can solve the small counts, it does so first and "
                      "the attention layer is never recruited; trained only where KDA cannot, MLA retrieves.")
         else:
-            cause = ("None of the probes made the attention layer after the KDA layers retrieve, so the cause is "
-                     "not found here; what the probes rule out is stated above.")
+            cause = ("None of the probes made the attention layer after the KDA layers retrieve at the most pairs, "
+                     "so the cause is not pinned down here; what the probes rule out is stated above.")
         notes.append(
             "Disagreement — MLA in the hybrid. Published: Kimi Linear (Kimi Team 2025) puts its exact retrieval in "
-            "the MLA layers of the 3:1 cycle. Here the hybrids' MLA heads stay at uniform attention. Probes (state "
-            f"{head_dim}×{head_dim}, {most} pairs, best head on the bound value; uniform {uniform:.3f}): MLA alone "
-            f"{head('2mla'):.2f} (it answers {answers('2mla'):.0%} over the counts), so MLA's latent, NoPE and short "
-            "convolution can retrieve; softmax attention in MLA's place after three KDA layers "
-            f"{head('3kda+mha'):.2f}, "
-            f"so it is not MLA's form; MLA as the first layer, before three KDA layers, {head('mla+3kda'):.2f}; the "
-            f"3:1 cycle trained only from {2 * head_dim} pairs up, where KDA cannot solve the task first, "
-            f"{head('3kda+mla@2'):.2f}; the 3:1 cycle with its KDA layers' o_proj zero at the start "
-            f"{head('3kda0+mla'):.2f} (it answers {answers('3kda0+mla'):.0%} over the counts). At initialisation "
-            f"the layers before the MLA layer add {ratio:.2f}× the embeddings' norm to the stream it reads (MLA "
-            f"alone: {alone_ratio:.2f}×). " + cause)
+            "the MLA layers of the 3:1 cycle. Here the hybrids' MLA heads stay near uniform attention. Probes "
+            f"(state {head_dim}×{head_dim}, the best head's attention on the bound value; uniform {uniform:.3f} at "
+            f"{most} pairs): MLA alone {reads('2mla')}, so MLA's latent, NoPE and short convolution can retrieve; "
+            f"softmax attention in MLA's place after three KDA layers {reads('3kda+mha')}, so MLA's form is not "
+            f"what stops it; MLA as the first layer, before three KDA layers, {reads('mla+3kda')}; the 3:1 cycle "
+            f"trained only from {2 * head_dim} pairs up, where KDA cannot solve the task first, "
+            f"{reads('3kda+mla@2')}; the 3:1 cycle with its KDA layers' o_proj zero at the start "
+            f"{reads('3kda0+mla')}. At initialisation the layers before the MLA layer add {ratio:.2f}× the "
+            f"embeddings' norm to the stream it reads (MLA alone: {alone_ratio:.2f}×). " + cause)
     return notes
 
 

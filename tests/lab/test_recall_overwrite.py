@@ -366,8 +366,8 @@ def test_probe_models_are_what_their_names_say():
 
 
 def _probe_cell(best: float, accuracy: float = 0.5, uniform: float = 0.02) -> dict:
-    return {"accuracy": {2: accuracy, 4: accuracy}, "retrieval": {4: {"value": [[best]], "key": [[0.0]],
-                                                                       "uniform": uniform}}}
+    head = {"value": [[best]], "key": [[0.0]], "uniform": uniform}
+    return {"accuracy": {2: accuracy, 4: accuracy}, "retrieval": {2: head, 4: head}}
 
 
 def test_the_mla_disagreement_names_the_probe_that_explains_it():
@@ -385,11 +385,12 @@ def test_the_mla_disagreement_names_the_probe_that_explains_it():
         return note
 
     start = paragraph(zero=0.7, from_large=0.02)
-    assert "MLA alone 0.95" in start and "o_proj zero at the start 0.70" in start and "The cause is the start" in start
+    assert "MLA alone 0.95 at 2 pairs, 0.95 at 4 (it answers 100% over the counts)" in start
+    assert "o_proj zero at the start 0.70 at 2 pairs, 0.70 at 4" in start and "The cause is the start" in start
     assert "× the embeddings' norm" in start
     assert "The cause is the optimisation" in paragraph(zero=0.02, from_large=0.6)
-    assert "not found here" in paragraph(zero=0.02, from_large=0.02)
-    assert "not found here" in paragraph(zero=0.7, from_large=0.02, mha=0.5)  # attention in MLA's place retrieves
+    assert "not pinned down here" in paragraph(zero=0.02, from_large=0.02)
+    assert "not pinned down here" in paragraph(zero=0.7, from_large=0.02, mha=0.5)  # attention in MLA's place retrieves
     # a retrieval claim that holds needs no paragraph
     claims[0].verdict = "holds"
     assert recall.disagreements(claims, scores, 4, plan, {("2mla", 0): _probe_cell(0.9)}, {}) == []
