@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 from .report import Claim, Figure, Result, Table, command
+from .jobs import run_jobs
 from .synthetic import (LABELS, MIXERS, Size, accuracy_by_kind, best_over_rates, mean_per_rate, mixer_config,
-                        rate_label, run_jobs, train_on_task)
+                        rate_label, train_on_task)
 from .tasks import Batch, Vocab, context_switch, overwrite
 
 

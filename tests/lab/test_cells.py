@@ -66,8 +66,6 @@ def test_plans_that_differ_only_in_which_cells_they_have_share_them():
 def _fake_cell(plan, mixer, head_dim, lr, train_from):
     """A cell as `score_mixer` returns it, with made-up numbers: attention solves every count, the others fall
     off past D, and the hybrids' attention heads read the bound value only in the probe that silences KDA."""
-    from k3.models import ModelConfig  # noqa: F401  (the cell's shape is all that matters)
-
     pairs = plan.pairs(head_dim)
     solved = mixer in ("softmax", "2mla")
     accuracy = {p: 1.0 if solved else min(1.0, head_dim / p) * (0.9 if mixer == "linear_attn" else 1.0) for p in pairs}

@@ -1,4 +1,4 @@
-"""`k3.lab.synthetic.run_jobs`'s worker processes end with their parent: killed (SIGKILL, with and without
+"""`k3.lab.jobs.run_jobs`'s worker processes end with their parent: killed (SIGKILL, with and without
 PR_SET_PDEATHSIG), terminated (SIGTERM) or interrupted (Ctrl-C, SIGINT to the process group)."""
 
 import os
@@ -20,10 +20,10 @@ import os
 import sys
 import time
 
-import k3.lab.synthetic as synthetic
+import k3.lab.jobs as jobs
 
 if os.environ.get("K3_TEST_NO_PDEATHSIG"):
-    synthetic._parent_death_signal = lambda: False
+    jobs._parent_death_signal = lambda: False
 
 
 def job(folder):
@@ -33,7 +33,7 @@ def job(folder):
 
 
 if __name__ == "__main__":
-    synthetic.run_jobs(job, [(sys.argv[1],)] * 4, "test", workers=2, show=False)
+    jobs.run_jobs(job, [(sys.argv[1],)] * 4, "test", workers=2, show=False)
 '''
 
 
@@ -96,7 +96,7 @@ def test_workers_end_with_their_parent(tmp_path, how):
 def test_run_jobs_results_in_order_and_a_job_error_raises():
     import operator
 
-    from k3.lab.synthetic import run_jobs
+    from k3.lab.jobs import run_jobs
 
     assert run_jobs(operator.add, [(1, 2), (3, 4), (5, 6)], "test", workers=2, show=False) == [3, 7, 11]
     with pytest.raises(ZeroDivisionError):
