@@ -102,3 +102,16 @@ def test_a_full_run_renders_from_its_kept_cells(tmp_path):
                for n in result.notes)
     assert (tmp_path / "figures" / "recall-curves-full.png").exists()
     assert json.loads((tmp_path / "lab" / "recall-full.json").read_text())["mode"] == "full"
+
+
+def test_a_plan_without_probes_renders_without_their_table(tmp_path, monkeypatch):
+    import dataclasses
+
+    monkeypatch.setitem(recall.PLANS, "smoke", dataclasses.replace(recall.PLANS["smoke"], probes=False,
+                                                                   mixers=("softmax", "linear_attn", "deltanet",
+                                                                           "kda", "kda+mla")))
+    result = lab.run("recall", "smoke", tmp_path)
+    assert not any(t.caption.startswith("The probes") for t in result.tables)
+    assert len(list((tmp_path / "lab" / "recall-cells").glob("*.json"))) == 5 * 2
+    # the retrieval claim reads the 2-layer hybrid against KDA when the 4-layer pair is not in the plan
+    assert any("KDA+MLA hybrid model" in c.measured for c in result.claims)
