@@ -37,19 +37,24 @@ DEEP_MIXERS = ("4kda", "3kda+mla")
 # probes of why a hybrid's MLA layer may not retrieve: MLA alone, softmax attention in MLA's place, MLA first,
 # and the 3:1 cycle with its KDA layers' output projections zero at the start (`ZERO_LINEAR_OUTPUTS`); and linear
 # attention as the article writes it (k3.layers.LinearAttention: ELU+1 features, a normaliser, no convolution)
-PROBE_MIXERS = ("2mla", "3kda+mha", "mla+3kda", "3kda0+mla", "elu_linear_attn")
+PROBE_MIXERS = ("2mla", "3kda+mha", "mla+3kda", "3kda0+mla", "frozen3kda+mla", "elu_linear_attn")
 # the layers of the mixers that are not one kind repeated (the hybrid "kda+mla" takes `hybrid_layers`)
 LAYOUT = {"3kda+mla": ["kda", "kda", "kda", "mla"], "2mla": ["mla", "mla"], "3kda+mha": ["kda", "kda", "kda", "mha"],
-          "mla+3kda": ["mla", "kda", "kda", "kda"], "3kda0+mla": ["kda", "kda", "kda", "mla"]}
+          "mla+3kda": ["mla", "kda", "kda", "kda"], "3kda0+mla": ["kda", "kda", "kda", "mla"],
+          "frozen3kda+mla": ["kda", "kda", "kda", "mla"]}
 # models whose linear layers start with o_proj = 0: at the start they add nothing to the residual stream, so the
 # attention layer after them reads the token embeddings as the first layer does
 ZERO_LINEAR_OUTPUTS = ("3kda0+mla",)
+# models whose linear mixers never train (their initial weights throughout; the MLPs around them do): nothing
+# but the attention layer can learn to carry a binding across the sequence
+FROZEN_LINEAR = ("frozen3kda+mla",)
 DEPTH = {"4kda": 4, **{m: len(layers) for m, layers in LAYOUT.items()}}  # their own depth (others: Size.layers)
 LABELS = {"softmax": "softmax attention", "linear_attn": "linear attention", "deltanet": "DeltaNet",
           "gated_deltanet": "Gated DeltaNet", "kda": "KDA", "kda+mla": "KDA+MLA hybrid",
           "4kda": "KDA, 4 layers", "3kda+mla": "3 KDA : 1 MLA, 4 layers", "2mla": "MLA alone, 2 layers",
           "3kda+mha": "3 KDA : 1 softmax attention", "mla+3kda": "MLA first, then 3 KDA",
           "3kda0+mla": "3 KDA : 1 MLA, KDA outputs zero at the start",
+          "frozen3kda+mla": "3 KDA, frozen at the start : 1 MLA",
           "elu_linear_attn": "linear attention, the article's (ELU+1, normalised)"}
 
 
@@ -210,7 +215,7 @@ def build_model(config: ModelConfig) -> CausalLM:
     """CausalLM(config), its softmax attention layers (if any) made `ConvAttention`, its MLA layers
     `ConvLatentAttention` and its linear attention layers `AdditiveLinearAttention` (same initial weights for
     what they share; "elu_linear_attn" keeps k3's `LinearAttention`); a `ZERO_LINEAR_OUTPUTS` model's linear
-    layers with o_proj = 0."""
+    layers with o_proj = 0, a `FROZEN_LINEAR` model's linear mixers without gradients."""
     model = CausalLM(config)
     for layer, kind in zip(model.model.layers, config.layer_types):
         if kind == "mha":
@@ -225,11 +230,15 @@ def build_model(config: ModelConfig) -> CausalLM:
             continue
         conv.load_state_dict(layer.self_attn.state_dict(), strict=False)
         layer.self_attn = conv
-    if config.name.removeprefix("lab-") in ZERO_LINEAR_OUTPUTS:
-        with torch.no_grad():
-            for layer, kind in zip(model.model.layers, config.layer_types):
-                if kind not in ("mha", "mla"):
-                    layer.self_attn.o_proj.weight.zero_()
+    mixer = config.name.removeprefix("lab-")
+    for layer, kind in zip(model.model.layers, config.layer_types):
+        if kind in ("mha", "mla"):
+            continue
+        if mixer in ZERO_LINEAR_OUTPUTS:
+            with torch.no_grad():
+                layer.self_attn.o_proj.weight.zero_()
+        if mixer in FROZEN_LINEAR:
+            layer.self_attn.requires_grad_(False)
     return model
 
 

@@ -68,8 +68,10 @@ PLANS = {
 # Why a hybrid's MLA layer does or does not retrieve: MLA alone, softmax attention in MLA's place, MLA before the
 # KDA layers, the 3:1 cycle with its KDA layers adding nothing to the residual stream at the start, and the 3:1
 # cycle trained only where KDA's state cannot hold the pairs (from 2·D up), so that KDA cannot solve the task
-# first. And linear attention as the article writes it, beside the lab's (DeltaNet's layer, additive update).
-PROBES = (("2mla", 0), ("3kda+mha", 0), ("mla+3kda", 0), ("3kda0+mla", 0), ("3kda+mla", 2), ("elu_linear_attn", 0))
+# first, and with its KDA mixers frozen at their initial weights, so that only MLA can learn to retrieve. And
+# linear attention as the article writes it, beside the lab's (DeltaNet's layer, additive update).
+PROBES = (("2mla", 0), ("3kda+mha", 0), ("mla+3kda", 0), ("3kda0+mla", 0), ("3kda+mla", 2), ("frozen3kda+mla", 0),
+          ("elu_linear_attn", 0))
 # The literature's order on MQAR-like recall (see `judge_ordering`): place 1 is best
 PUBLISHED_PLACE = {"softmax": 1, "kda+mla": 2, "deltanet": 3, "gated_deltanet": 3, "kda": 3, "linear_attn": 4}
 FAMILY = ("deltanet", "gated_deltanet", "kda")
