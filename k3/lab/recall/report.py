@@ -192,7 +192,13 @@ def disagreements(claims: list[Claim], scores: dict, head_dim: int, plan: Plan, 
         uniform = get["2mla"]["retrieval"][most]["uniform"]
         retrieves = {k: head(k) >= max(RETRIEVAL, 3 * uniform) for k, out in get.items() if "retrieval" in out}
         ratio, alone_ratio = stream_ratio("3kda+mla", plan, head_dim), stream_ratio("2mla", plan, head_dim)
-        if retrieves["3kda0+mla"] and not retrieves["3kda+mha"]:
+        if retrieves.get("frozen3kda+mla") and not retrieves["3kda0+mla"]:
+            cause = ("The cause is the optimisation: the attention layer can learn to retrieve where it sits, from "
+                     "the stream the KDA layers write (with their mixers frozen at the start it does), but while the "
+                     "KDA mixers learn, the model settles on their solution, which their fixed states cap, and "
+                     "the attention layer is never recruited; silencing the KDA layers only at the start does not "
+                     "change that.")
+        elif retrieves["3kda0+mla"] and not retrieves["3kda+mha"]:
             cause = ("The cause is the start, not MLA's form: at initialisation each KDA layer (its output "
                      "normalised per head, then o_proj) adds more to the residual stream than the token embeddings "
                      "(std 0.02) hold, so the attention layer after them reads mostly the KDA layers' random "
@@ -213,7 +219,10 @@ def disagreements(claims: list[Claim], scores: dict, head_dim: int, plan: Plan, 
             f"what stops it; MLA as the first layer, before three KDA layers, {reads('mla+3kda')}; the 3:1 cycle "
             f"trained only from {2 * head_dim} pairs up, where KDA cannot solve the task first, "
             f"{reads('3kda+mla@2')}; the 3:1 cycle with its KDA layers' o_proj zero at the start "
-            f"{reads('3kda0+mla')}. At initialisation the layers before the MLA layer add {ratio:.2f}× the "
+            f"{reads('3kda0+mla')}"
+            + (f"; with its KDA mixers frozen at their initial weights {reads('frozen3kda+mla')}"
+               if "frozen3kda+mla" in get else "")
+            + f". At initialisation the layers before the MLA layer add {ratio:.2f}× the "
             f"embeddings' norm to the stream it reads (MLA alone: {alone_ratio:.2f}×). " + cause)
     return notes
 
