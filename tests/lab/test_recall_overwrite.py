@@ -377,10 +377,10 @@ def test_the_mla_disagreement_names_the_probe_that_explains_it():
     claims = [Claim("MLA layers retrieve from the token context exactly", "...", "does not hold")]
     scores = _scores(lambda m, p: 0.5)
 
-    def paragraph(zero, from_large, mha=0.02, frozen=0.02):
+    def paragraph(zero, from_large, mha=0.02, frozen=0.02, frozen_answers=0.5):
         probes = {("2mla", 0): _probe_cell(0.95, 1.0), ("3kda+mha", 0): _probe_cell(mha),
                   ("mla+3kda", 0): _probe_cell(0.9), ("3kda0+mla", 0): _probe_cell(zero, 0.8),
-                  ("3kda+mla", 2): _probe_cell(from_large), ("frozen3kda+mla", 0): _probe_cell(frozen),
+                  ("3kda+mla", 2): _probe_cell(from_large), ("frozen3kda+mla", 0): _probe_cell(frozen, frozen_answers),
                   ("elu_linear_attn", 0): {"accuracy": {2: 0.4, 4: 0.2}}}
         (note,) = recall.disagreements(claims, scores, 4, plan, probes, {})
         return note
@@ -393,6 +393,8 @@ def test_the_mla_disagreement_names_the_probe_that_explains_it():
     frozen = paragraph(zero=0.02, from_large=0.02, frozen=0.8)
     assert "frozen at their initial weights 0.80 at 2 pairs" in frozen and "never recruited" in frozen
     assert "not pinned down here" in paragraph(zero=0.02, from_large=0.02)
+    reads = paragraph(zero=0.02, from_large=0.02, frozen_answers=0.0)  # frozen KDA: nothing learned at all
+    assert "what the attention layer reads" in reads and "learns nothing at all" in reads
     assert "not pinned down here" in paragraph(zero=0.7, from_large=0.02, mha=0.5)  # attention in MLA's place retrieves
     # a retrieval claim that holds needs no paragraph
     claims[0].verdict = "holds"

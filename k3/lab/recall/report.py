@@ -183,11 +183,14 @@ def disagreements(claims: list[Claim], scores: dict, head_dim: int, plan: Plan, 
         def head(key, pairs=most):
             return best_head(get[key]["retrieval"][pairs])
 
+        def answers(key):
+            acc = get[key]["accuracy"]
+            return sum(acc.values()) / len(acc)
+
         def reads(key):
             """The best head on the bound value at the fewest and the most pairs, and the accuracy over the counts."""
-            acc = get[key]["accuracy"]
             return (f"{head(key, fewest):.2f} at {fewest} pairs, {head(key):.2f} at {most} (it answers "
-                    f"{sum(acc.values()) / len(acc):.0%} over the counts)")
+                    f"{answers(key):.0%} over the counts)")
 
         uniform = get["2mla"]["retrieval"][most]["uniform"]
         retrieves = {k: head(k) >= max(RETRIEVAL, 3 * uniform) for k, out in get.items() if "retrieval" in out}
@@ -207,6 +210,14 @@ def disagreements(claims: list[Claim], scores: dict, head_dim: int, plan: Plan, 
         elif retrieves["3kda+mla@2"]:
             cause = ("The cause is the optimisation: while KDA can solve the small counts, it does so first and "
                      "the attention layer is never recruited; trained only where KDA cannot, MLA retrieves.")
+        elif retrieves["2mla"] and "frozen3kda+mla" in get and answers("frozen3kda+mla") < 0.05:
+            cause = ("What the probes pin down is what the attention layer reads. It learns to retrieve on a stream "
+                     "that holds the token embeddings (MLA alone; MLA placed first does partly), but behind KDA "
+                     "layers it does not: with the KDA mixers frozen at their initial weights, whose random "
+                     f"mixtures of earlier tokens outweigh the embeddings {ratio:.1f} to 1, the model learns nothing "
+                     "at all within the budget; with them silent at the start but learning, or as they are, the "
+                     "KDA layers take the task first and their capacity-capped solution is what the model keeps. "
+                     "Neither change alone made the attention layer after them retrieve.")
         else:
             cause = ("None of the probes made the attention layer after the KDA layers retrieve at the most pairs, "
                      "so the cause is not pinned down here; what the probes rule out is stated above.")
