@@ -409,9 +409,12 @@ def test_the_deltanet_disagreement_sets_the_article_s_linear_attention_beside():
     scores = _scores(lambda m, p: 0.9 if p <= 4 else (0.3 if m == "deltanet" else 0.25))
     plan = recall.Plan(head_dims=(4,), span=3, lrs=(1e-3,), plateau=plan.plateau)  # pairs 2, 4, 8 (12 unscored)
     elu = {("elu_linear_attn", 0): {"accuracy": {2: 0.4, 4: 0.2, 8: 0.05}}}
-    (note,) = recall.disagreements(claims, scores, 4, plan, elu, {})
+    filler = {"linear_attn": {"pairs": 4, "long": 48, "no filler": 0.9, "filler": 0.2},
+              "deltanet": {"pairs": 4, "long": 48, "no filler": 0.95, "filler": 0.9}}
+    note, _ = recall.disagreements(claims, scores, 4, plan, elu, filler)
     assert "DeltaNet answers 90% and linear attention 90%; past D 30% and 25%" in note
     assert "the article writes it" in note and "30% at or below D pairs, 5% past D" in note
+    assert "DeltaNet 90% and linear attention 20% (without filler 95% and 90%)" in note
 
 
 def test_the_filler_probe_is_reported_with_its_numbers():

@@ -141,6 +141,13 @@ def _elu_probe(out: dict, under: list[int], over: list[int]) -> str:
             f"{sum(acc[p] for p in over) / len(over):.0%} past D.")
 
 
+def _filler_gap(filler: dict) -> str:
+    d, lin = filler["deltanet"], filler["linear_attn"]
+    return (f" The difference that separates them is the filler (the probe below): {d['pairs']} pairs with PAD "
+            f"tokens up to T = {d['long']}, DeltaNet {d['filler']:.0%} and linear attention {lin['filler']:.0%} "
+            f"(without filler {d['no filler']:.0%} and {lin['no filler']:.0%}).")
+
+
 def disagreements(claims: list[Claim], scores: dict, head_dim: int, plan: Plan, probes: dict,
                   filler: dict) -> list[str]:
     """One paragraph for each claim whose verdict here contradicts a published result: the published setup, what
@@ -157,15 +164,17 @@ def disagreements(claims: list[Claim], scores: dict, head_dim: int, plan: Plan, 
         notes.append(
             "Disagreement — DeltaNet against linear attention. Published: DeltaNet's paper (Yang et al. 2024) "
             "reports near-perfect MQAR where linear-attention-style baselines fall off, on Zoology's setup, whose "
-            "widths of 64 to 512 give a head a key dimension of the order of the pair counts. What differs here: "
-            "the pairs go to 8× D, and the lab's linear attention is DeltaNet's own layer (short convolutions, "
-            "L2-normalised keys, output norm) with the additive update, a far stronger baseline than positive "
-            "feature maps with a normaliser. The probe is the table itself: at or below D pairs DeltaNet answers "
+            "widths of 64 to 512 give a head a key dimension of the order of the pair counts and whose queries "
+            "stand among filler tokens. What differs here: the pairs go to 8× D, the sequences have no filler, "
+            "and the lab's linear attention is DeltaNet's own layer (short convolutions, L2-normalised keys, "
+            "output norm) with the additive update, a far stronger baseline than positive feature maps with a "
+            "normaliser. The table itself: at or below D pairs DeltaNet answers "
             f"{mean('deltanet', under):.0%} and linear attention {mean('linear_attn', under):.0%}; past D "
             f"{mean('deltanet', over):.0%} and {mean('linear_attn', over):.0%}. Past capacity neither state can "
             "hold the pairs: the delta rule keeps the latest ones exactly where the sum blurs them all, which "
             "gains little when every key is queried."
-            + (_elu_probe(probes[("elu_linear_attn", 0)], under, over) if ("elu_linear_attn", 0) in probes else ""))
+            + (_elu_probe(probes[("elu_linear_attn", 0)], under, over) if ("elu_linear_attn", 0) in probes else "")
+            + (_filler_gap(filler) if {"deltanet", "linear_attn"} <= filler.keys() else ""))
     if filler:
         f = next(iter(filler.values()))
         shown = "; ".join(f"{LABELS[m]} {x['no filler']:.0%} without filler, {x['filler']:.0%} with it"
