@@ -295,8 +295,9 @@ class Plateau:
 
     Every `every` steps the model is scored on a fixed held-out set; the stable phase (constant rate after a
     warm-up of `warmup` steps) ends once `patience` evaluations in a row have failed to beat the best so far
-    by `min_gain` (not before `min_steps`), or at `max_steps`; then the rate falls linearly to 0 over `decay`
-    times the steps taken so far, and the model after that decay is the cell's."""
+    by `min_gain` (not before `min_steps`, and not while the best is below `floor`: a run that has not left
+    chance has not converged, it has not started), or at `max_steps`; then the rate falls linearly to 0 over
+    `decay` times the steps taken so far, and the model after that decay is the cell's."""
 
     every: int = 100
     patience: int = 4
@@ -305,6 +306,7 @@ class Plateau:
     max_steps: int = 4000
     decay: float = 0.2
     warmup: int = 50
+    floor: float = 0.0
 
     def __post_init__(self):
         for name in ("every", "patience", "min_steps", "max_steps", "warmup"):
@@ -312,6 +314,8 @@ class Plateau:
                 raise ValueError(f"Plateau.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.decay <= 1:
             raise ValueError(f"Plateau.decay must be in (0, 1], got {self.decay}")
+        if not 0 <= self.floor < 1:
+            raise ValueError(f"Plateau.floor must be in [0, 1), got {self.floor}")
 
 
 @dataclass
@@ -358,7 +362,7 @@ def train_until_plateau(config: ModelConfig, sample: Callable[[torch.Generator],
                     best, stale = value, 0
                 else:
                     stale += 1
-                if step >= plateau.min_steps and stale >= plateau.patience:
+                if step >= plateau.min_steps and stale >= plateau.patience and best >= plateau.floor:
                     stopped_by = "plateau"
                 if stopped_by == "plateau" or step >= plateau.max_steps:
                     stable, decay_steps = step, max(1, round(plateau.decay * step))

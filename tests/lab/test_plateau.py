@@ -51,6 +51,19 @@ def test_min_steps_holds_off_the_plateau():
     assert curve.stable_steps == 6 and curve.steps == 9
 
 
+def test_a_run_still_at_chance_is_not_ended_by_a_plateau():
+    # flat at chance until the 5th evaluation, then it leaves chance and plateaus there
+    score, _ = _recording([0.01] * 5 + [0.3])
+    plateau = Plateau(every=1, patience=2, min_steps=1, max_steps=50, decay=0.5, warmup=1, floor=0.05)
+    _, curve = train_until_plateau(mixer_config("deltanet", VOCAB.size, SIZE), _sample, score, plateau)
+    # without the floor it would end at step 3 (two evaluations without a gain); with it: best 0.3 at step 6,
+    # then steps 7 and 8 without a gain
+    assert curve.stopped_by == "plateau" and curve.stable_steps == 8
+    score, _ = _recording([0.01])  # never leaves chance: it trains to its budget
+    _, curve = train_until_plateau(mixer_config("deltanet", VOCAB.size, SIZE), _sample, score, plateau)
+    assert curve.stopped_by == "budget" and curve.stable_steps == 50
+
+
 def test_the_rate_warms_up_holds_and_decays_to_zero(monkeypatch):
     rates = []
     real_step = torch.optim.AdamW.step
@@ -68,7 +81,7 @@ def test_the_rate_warms_up_holds_and_decays_to_zero(monkeypatch):
 
 
 @pytest.mark.parametrize("field,value", [("every", 0), ("patience", 0), ("max_steps", 0), ("decay", 0.0),
-                                         ("decay", 1.5)])
+                                         ("decay", 1.5), ("floor", -0.1), ("floor", 1.0)])
 def test_plateau_rejects_bad_settings(field, value):
     with pytest.raises(ValueError, match=f"Plateau.{field}"):
         Plateau(**{field: value})

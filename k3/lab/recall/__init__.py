@@ -128,7 +128,8 @@ def run(mode: str, docs: Path, **options) -> Result:
         f"Trained to convergence: every {plan.plateau.every} steps the model is scored on a held-out set "
         f"({plan.held_batch} sequences per count); the constant-rate phase ends once {plan.plateau.patience} "
         f"evaluations in a row fail to beat the best by {plan.plateau.min_gain:.0%} (not before step "
-        f"{plan.plateau.min_steps}; at most {plan.plateau.max_steps}), then the rate decays linearly to 0 over "
+        f"{plan.plateau.min_steps}, nor while the best is below {plan.plateau.floor:.0%}, i.e. before the run has "
+        f"left chance; at most {plan.plateau.max_steps}), then the rate decays linearly to 0 over "
         f"{plan.plateau.decay:.0%} of the steps so far (warmup-stable-decay with the stable phase ended by the "
         "data). 'steps' gives the total and why the stable phase ended. The curves figure shows the held-out "
         "accuracy of each mixer's best run.",
