@@ -392,10 +392,12 @@ def test_the_mla_disagreement_names_the_probe_that_explains_it():
     assert "The cause is the optimisation" in paragraph(zero=0.02, from_large=0.6)
     frozen = paragraph(zero=0.02, from_large=0.02, frozen=0.8)
     assert "frozen at their initial weights 0.80 at 2 pairs" in frozen and "never recruited" in frozen
-    assert "not pinned down here" in paragraph(zero=0.02, from_large=0.02)
+    learns = paragraph(zero=0.02, from_large=0.02)  # frozen KDA: it answers 50% without retrieving
+    assert "learns to answer 50% over the counts without its attention layer retrieving" in learns
     reads = paragraph(zero=0.02, from_large=0.02, frozen_answers=0.0)  # frozen KDA: nothing learned at all
     assert "what the attention layer reads" in reads and "learns nothing at all" in reads
     assert "not pinned down here" in paragraph(zero=0.7, from_large=0.02, mha=0.5)  # attention in MLA's place retrieves
+    assert "not pinned down here" in paragraph(zero=0.02, from_large=0.02, mha=0.5)
     # a retrieval claim that holds needs no paragraph
     claims[0].verdict = "holds"
     assert recall.disagreements(claims, scores, 4, plan, {("2mla", 0): _probe_cell(0.9)}, {}) == []

@@ -154,6 +154,10 @@ def run(mode: str, docs: Path, **options) -> Result:
     if timed:
         notes.append(f"{len(timed)} of the {len(jobs)} cells are timed: {sum(timed) / 60:.0f} minutes of one thread "
                      "in all (two run side by side).")
+    if len(todo) < len(jobs):
+        notes.append(f"{len(jobs) - len(todo)} of the {len(jobs)} cells were kept from an earlier run of the same "
+                     f"plan (`k3.lab.cells`, {cells.folder.as_posix()}/); this run trained {len(todo)}, and its "
+                     "minutes are theirs.")
     if mode == "full":
         notes += LITERATURE
     notes += disagreements(claims, main_scores, main, plan, probes, filler)

@@ -204,6 +204,10 @@ def disagreements(claims: list[Claim], scores: dict, head_dim: int, plan: Plan, 
         uniform = get["2mla"]["retrieval"][most]["uniform"]
         retrieves = {k: head(k) >= max(RETRIEVAL, 3 * uniform) for k, out in get.items() if "retrieval" in out}
         ratio, alone_ratio = stream_ratio("3kda+mla", plan, head_dim), stream_ratio("2mla", plan, head_dim)
+        # MLA retrieves on the embeddings, no attention layer behind KDA layers does (probes all at hand)
+        behind_kda_never = (retrieves["2mla"] and "frozen3kda+mla" in get
+                            and not any(retrieves[k] for k in ("3kda+mha", "3kda0+mla", "3kda+mla@2",
+                                                                 "frozen3kda+mla")))
         if retrieves.get("frozen3kda+mla") and not retrieves["3kda0+mla"]:
             cause = ("The cause is the optimisation: the attention layer can learn to retrieve where it sits, from "
                      "the stream the KDA layers write (with their mixers frozen at the start it does), but while the "
@@ -219,7 +223,16 @@ def disagreements(claims: list[Claim], scores: dict, head_dim: int, plan: Plan, 
         elif retrieves["3kda+mla@2"]:
             cause = ("The cause is the optimisation: while KDA can solve the small counts, it does so first and "
                      "the attention layer is never recruited; trained only where KDA cannot, MLA retrieves.")
-        elif retrieves["2mla"] and "frozen3kda+mla" in get and answers("frozen3kda+mla") < 0.05:
+        elif behind_kda_never and answers("frozen3kda+mla") >= 0.05:
+            cause = ("What the probes pin down is what the attention layer reads. It learns to retrieve on a stream "
+                     "that holds the token embeddings (MLA alone; MLA placed first does partly), but behind KDA "
+                     "layers it does not: with the KDA mixers frozen at their initial weights, whose random "
+                     f"mixtures of earlier tokens outweigh the embeddings {ratio:.1f} to 1, the model learns to "
+                     f"answer {answers('frozen3kda+mla'):.0%} over the counts without its attention layer retrieving "
+                     "the bound value; with the KDA layers learning, they take the task first and their "
+                     "capacity-capped solution is what the model keeps. Neither change alone made the attention "
+                     "layer after them retrieve.")
+        elif behind_kda_never:
             cause = ("What the probes pin down is what the attention layer reads. It learns to retrieve on a stream "
                      "that holds the token embeddings (MLA alone; MLA placed first does partly), but behind KDA "
                      "layers it does not: with the KDA mixers frozen at their initial weights, whose random "
