@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     lab = sub.add_parser("lab", help="the article's claims as experiments: tables and plots in runs/lab/results.md")
     lab.add_argument("name", help="an experiment (recall, overwrite, prefill, decode, parts, inspect, lineage) or 'all'")
     size = lab.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="the default: all experiments in about 35 minutes")
+    size.add_argument("--quick", action="store_true", help="the default: all experiments in about 40 minutes")
     size.add_argument("--full", action="store_true", help="the larger sweeps")
     size.add_argument("--smoke", action="store_true", help="seconds per experiment: checks that it runs")
     lab.add_argument("--docs", default="runs/lab", help="where results.md, lab/*.json and figures/ go (default "

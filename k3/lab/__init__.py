@@ -2,7 +2,7 @@
 
 Every experiment is a module (a package for the larger ones: what it measures apart from what it writes)
 with `run(mode, docs) -> Result` (`k3.lab.report.Result`); `mode` is "smoke" (seconds; what the tests run),
-"quick" (`k3 lab all --quick` runs all of them in about 35 minutes on a 2-core CPU) or "full" (the larger
+"quick" (`k3 lab all --quick` runs all of them in about 40 minutes on a 2-core CPU) or "full" (the larger
 sweeps). In the output folder `docs` (`runs/lab` unless given; the repository's page is `docs/`) figures go
 to `figures/`, the result to `lab/NAME.json`, and `results.md` is re-rendered from all saved results.
 """
