@@ -13,10 +13,9 @@ practice), the cells trained side by side in one-thread processes and kept as th
 stopped run resumes). Every mixer gets the same width, data and seed; Kimi's 3 KDA : 1 MLA cycle is set beside KDA
 alone at its depth (4 layers), and the MLA layers' attention on the bound value shows whether attention is the
 part that retrieves. Probe models (`PROBES`) test why it does not: MLA alone, softmax attention in its place, MLA
-first, the KDA layers silent at the start, and training only where KDA's state cannot hold the pairs.
+first, the KDA layers silent at the start, the KDA mixers frozen at their initial weights, and training only where
+KDA's state cannot hold the pairs; the article's ELU+1 linear attention is trained beside the lab's.
 """
-
-from __future__ import annotations
 
 from __future__ import annotations
 

@@ -16,8 +16,7 @@ from .plan import Plan
 def score_mixer(plan: Plan, mixer: str, head_dim: int, lr: float, train_from: int = 1) -> dict:
     """Train one `mixer` model at state size `head_dim` and rate `lr` on pair counts drawn uniformly from
     `plan.trained` (from `train_from` pairs up; a fresh batch of one count each step) until `plan.plateau` ends it,
-    scored on a held-out
-    set per count every `plateau.every` steps; then score it on sequences of another seed. Returns
+    scored on a held-out set per count every `plateau.every` steps; then score it on sequences of another seed. Returns
     {"accuracy": {pairs: accuracy}, "curve": [(step, held-out mean accuracy)], "stable": steps before the
     decay, "stopped_by": "plateau" | "budget", "steps"}; a model with MLA layers adds "retrieval" {pairs:
     `mla_retrieval`} at every count, linear attention and DeltaNet "filler" (`filler_probe`)."""
@@ -72,14 +71,7 @@ def mla_retrieval(model, batch) -> dict[str, float | list[list[float]]]:
     uniform attention over the visible tokens would put there: `{"value": [layer][head], "key": [layer][head],
     "uniform": float}`, "key" the attention on the key's binding itself."""
     layers = [m for m in model.modules() if isinstance(m, (MultiHeadLatentAttention, ConvAttention))]
-    inputs: dict[int, torch.Tensor] = {}
-    hooks = [layer.register_forward_pre_hook(lambda m, args, i=i: inputs.setdefault(i, args[0]))
-             for i, layer in enumerate(layers)]
-    try:
-        model(batch.inputs)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    inputs = _inputs_of(model, layers, batch.inputs)
     rows, cols = (batch.targets != IGNORE).nonzero(as_tuple=True)  # every query
     queried = batch.inputs[rows, cols]
     # a query's binding: the first position holding the same key (the bindings come first)
@@ -106,17 +98,24 @@ def stream_ratio(mixer: str, plan: Plan, head_dim: int) -> float:
     torch.manual_seed(plan.seed)
     model = build_model(mixer_config(mixer, plan.vocab.size, plan.size(head_dim))).eval()
     index = next(i for i, kind in enumerate(model.config.layer_types) if kind in ("mla", "mha"))
-    seen = {}
-    hook = model.model.layers[index].register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
     batch = mqar(plan.probe_batch, 4 * max(plan.pairs(head_dim)), max(plan.pairs(head_dim)), plan.vocab,
                  generator=torch.Generator().manual_seed(30_000 + plan.seed))
-    try:
-        model(batch.inputs)
-    finally:
-        hook.remove()
+    (x,) = _inputs_of(model, [model.model.layers[index]], batch.inputs)
     embedding = model.model.embed_tokens(batch.inputs)
-    return float((seen["x"] - embedding).norm() / embedding.norm())
+    return float((x - embedding).norm() / embedding.norm())
 
+
+def _inputs_of(model, modules: list, ids: torch.Tensor) -> list[torch.Tensor]:
+    """What each of `modules` receives as its first input when `model` runs on `ids` (the first call of each)."""
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [m.register_forward_pre_hook(lambda _, args, i=i: seen.setdefault(i, args[0]))
+             for i, m in enumerate(modules)]
+    try:
+        model(ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [seen[i] for i in range(len(modules))]
 
 
 def best_head(retrieval: dict) -> float:
