@@ -8,15 +8,16 @@ The forward of a slab (`k3.ops.chunk`), per chunk, with Gamma = exp(G) the decay
     o = scale ((q * Gamma) S_i + A_qk U_i)
 
 Kept from the forward: the slab's inputs (G for g), A_qk and T (as blocks), W, U and the state entering
-each chunk, and the gate with its decay factors (`gate`). Recomputed here: U0 = U + W S. Then, with do
-the gradient of o and dS that of the slab's outgoing state:
+each chunk, and the gate with its decay factors (`gate`). Then, with do the gradient of o and dS that of
+the slab's outgoing state:
 
 1. dU = scale A_qk^T do, and the scan in reverse (`state_scan_backward`) adds K_end dS_{i+1} and gives
    dS_i = Diag(exp G_C) dS_{i+1} + scale (q * Gamma)^T do - W^T dU;
-2. the chunk-local products: d(q * Gamma) = scale do S^T, dW = -dU S^T, dA_qk = scale tril(do U^T),
+2. the chunk-local products: d(q * Gamma) = scale do S^T, dA_qk = scale tril(do U^T),
    d(k * exp(G_C - G)) = U dS_{i+1}^T, d exp(G_C) = sum_v S_i * dS_{i+1};
-3. the UT transform: dX = T^T dY for X = Diag(beta) (k * Gamma | v), Y = (W | U0), and
-   dL = -T^T (dY X^T) T^T below the diagonal;
+3. the UT transform. Per chunk U solves (I + L) U = Diag(beta) (v - (k * Gamma) S) = X_v - X_k S, so
+   with dX_v = T^T dU: dv = beta dX_v, d(beta k * Gamma) = -dX_v S^T and dL = -dX_v U^T below the
+   diagonal (U0 and W = T X_k never enter: fla's dA = -(dv_new u^T) in the same form);
 4. the gated scores' gradients (`k3.ops.gates`: dx = lower(dA, y), dy = upper(dA, x), dG = x dx - y dy),
    and the decays' own: x * exp(G) gives dG += x exp(G) d(x exp(G)), and so on.
 dG is the gradient w.r.t. the cumulative gate G; `ChunkDelta`'s reverse cumulative sum takes it to g.
@@ -45,14 +46,13 @@ def slab_backward(q, k, v, beta, G, gate, states, A_qk, T, W, U, do, dS, scale: 
     q, k, v, beta, do = flat(q), flat(k), flat(v), flat(beta), flat(do).contiguous()
 
     s = A_qk.diag.shape[-1]
-    # the decayed rows, and U0 = U + W S from the forward's U, W and chunk states
+    # the decayed rows
     Gamma, to_end = gate.start_factor(), gate.end_factor()  # exp(G), exp(G_C - G); None without a gate
     decayed = lambda x, f: x if f is None else x * f  # noqa: E731
     q_start, k_end = decayed(q, Gamma), decayed(k, to_end)
     decay_end = None if gate.decay_end is None else gate.decay_end.view(n, M, -1)
     S_in = states.view(P, K, V)
     W, U = W.view(P, C, K), U.view(P, C, V)
-    minus_U0 = torch.baddbmm(U, W, S_in, beta=-1.0, alpha=-1.0)
 
     # 1. the scan in reverse (every product with do carries the output's scale)
     do = do * scale
@@ -68,28 +68,28 @@ def slab_backward(q, k, v, beta, G, gate, states, A_qk, T, W, U, do, dS, scale: 
     dA_qk = BlockLower.outer(do, U, s)
     dk_end = U @ dS_next.transpose(-1, -2)
 
-    # 3. the UT transform, X = Diag(beta) (k * Gamma | v), Y = T X = (W | U0):
-    # dX = T^T dY, dL = -T^T (dY X^T) T^T = -dX Y^T below the diagonal. With dY = (-dW | dU) (dW = -dU S^T)
-    # and Y's sign flipped to (W | -U0), both halves are one product each.
-    dX = T.t_matmul(torch.cat([dU @ S_in_T, dU], dim=-1))[0]
-    dL = BlockLower.outer(dX, torch.cat([W, minus_U0], dim=-1), s, strict=True)
-    dX_k, dX_v = dX.split([K, V], dim=-1)  # dX_k negated
+    # 3. the UT transform: dX_v = T^T dU; the gradient w.r.t. X_k = beta k * Gamma is -dX_v S^T, and
+    # dL = -dX_v U^T (strictly lower). Both signs are carried by -beta below, never by a pass of their own.
+    dX_v = T.t_matmul(dU)[0]
+    dX_k = dX_v @ S_in_T  # the gradient w.r.t. X_k, negated
+    minus_dL = BlockLower.outer(dX_v, U, s, strict=True)
     dv = beta * dX_v
+    minus_beta = -beta
 
     # 4. the gated scores A_qk = q | k and L = (beta k) | k, then the decayed rows:
     # row terms (k as L's rows, k * Gamma) enter dG with +, column terms (k as columns, k_end) with -
-    dq, dx_row = gate.lower([dA_qk, dL], k)
-    columns = gate.upper_sum((dA_qk, q), (dL, beta * k))
+    dq, minus_dx_row = gate.lower([dA_qk, minus_dL], k)
+    columns = gate.upper_sum((dA_qk, q), (minus_dL, minus_beta * k))
     if Gamma is None:
         dq += dq_start
-        rows = dx_row.sub_(dX_k)  # the gradient w.r.t. beta k, through L's rows and through X_k
+        minus_rows = minus_dx_row.add_(dX_k)  # minus the gradient w.r.t. beta k, through L's rows and X_k
         columns += dk_end
     else:
         dq.addcmul_(Gamma, dq_start)
-        rows = dx_row.addcmul_(Gamma, dX_k, value=-1.0)
+        minus_rows = minus_dx_row.addcmul_(Gamma, dX_k)
         columns.addcmul_(to_end, dk_end)
-    dbeta = (dX_v * v).sum(-1, keepdim=True) + (k * rows).sum(-1, keepdim=True)
-    rows_k = rows.mul_(beta)
+    dbeta = (dX_v * v).sum(-1, keepdim=True) - (k * minus_rows).sum(-1, keepdim=True)
+    rows_k = minus_rows.mul_(minus_beta)
     dk = rows_k + columns
     if G is None:
         dG = None
