@@ -31,6 +31,17 @@ def _bench_backward(args) -> int:
     return 0
 
 
+def _bench_profile(args) -> int:
+    from ..bench import profile
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    profile.run(rounds=args.rounds, json_path=args.json, data=args.data)
+    return 0
+
+
 def _bench_models(args) -> int:
     from ..bench import models
 

@@ -7,7 +7,7 @@ import math
 
 from ..runtime import DEVICES
 
-from .commands import (_bench_backward, _bench_models, _bench_ops, _bench_parallel, _bench_serve, _bench_train, _eval, _export,
+from .commands import (_bench_backward, _bench_models, _bench_ops, _bench_parallel, _bench_profile, _bench_serve, _bench_train, _eval, _export,
                        _generate, _lab, _params, _plan, _serve, _train)
 
 
@@ -249,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     bbackward.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds (default 15)")
     bbackward.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bbackward.set_defaults(func=_bench_backward)
+    bprofile = bench_sub.add_parser("profile", help="one training step of kimi-k3-tiny and its matched GPT-2, "
+                                    "part by part: forward and backward ms of every layer's parts")
+    bprofile.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (default 5)")
+    bprofile.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    bprofile.add_argument("--data", help="corpus (default: Shakespeare)")
+    bprofile.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    bprofile.set_defaults(func=_bench_profile)
     btrain = bench_sub.add_parser("train", help="kimi-k3-tiny vs a GPT-2 of equal width and parameters")
     btrain.add_argument("--minutes", type=float, default=5.0, help="training budget of each model")
     btrain.add_argument("--data", help="corpus (default: Shakespeare)")
