@@ -67,9 +67,13 @@ def brute_max_logits(q, k, scale, start=None) -> torch.Tensor:
     return scores.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
 
 
+@pytest.mark.parametrize("bound", ["values", "queries"])
 @pytest.mark.parametrize("T,S,padded", [(7, 7, False), (3, 9, False), (5, 8, True)])
-def test_the_blocked_maximum_is_the_maximum_of_all_scores(monkeypatch, T, S, padded):
-    monkeypatch.setattr(max_logit, "MAX_SCORES", 40)  # blocks of a query or two
+def test_the_blocked_maximum_is_the_maximum_of_all_scores(monkeypatch, T, S, padded, bound):
+    if bound == "values":
+        monkeypatch.setattr(max_logit, "MAX_SCORES", 40)  # blocks of a query or two
+    else:
+        monkeypatch.setattr(max_logit, "QUERY_BLOCK", 2)  # blocks of two queries against the keys they see
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, T, 3, 4, generator=g, dtype=torch.float64), torch.randn(2, S, 3, 4, generator=g,
                                                                                    dtype=torch.float64)
