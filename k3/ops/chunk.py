@@ -167,9 +167,9 @@ class ChunkDelta(torch.autograd.Function):
     """The chunkwise delta rule with its own backward (`k3.ops.chunk_backward`), after fla's split: the
     forward keeps per slab its inputs (in the slab's layout, G for g), the two C x C matrices of each
     chunk (A_qk and the UT inverse T), W, U, the state entering each chunk and the gate's decay factors
-    (`k3.ops.gates.gate_tensors`); the backward recomputes U0 from them, then runs the chunks in reverse,
-    its temporaries in inference mode. Autograd through the forward would keep every intermediate of every
-    chunk and replay hundreds of small ops."""
+    (`k3.ops.gates.gate_tensors`); the backward recomputes only the rows decayed by those factors, then
+    runs the chunks in reverse, its temporaries in inference mode. Autograd through the forward would keep
+    every intermediate of every chunk and replay hundreds of small ops."""
 
     @staticmethod
     def forward(ctx, q, k, v, beta, g, S0, scale: float, per_slab: int):
