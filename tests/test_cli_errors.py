@@ -193,3 +193,17 @@ def test_resume_refuses_settings_it_would_ignore(run, corpus, tmp_path, capsys):
 def test_generate_from_a_missing_folder_says_so(capsys, tmp_path):
     assert main(["generate", "--checkpoint", str(tmp_path / "nowhere"), "--prompt", "hi"]) == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["bench", "profile", "--rounds", "0"], "--rounds: expected timing rounds, an integer >= 1, got '0'"),
+    (["bench", "profile", "--threads", "0"], "--threads: expected torch threads, an integer >= 1, got '0'"),
+    (["bench", "backward", "--rounds", "-2"], "--rounds: expected timing rounds, an integer >= 1, got '-2'"),
+    (["bench", "backward", "--threads", "-1"], "--threads: expected torch threads, an integer >= 1, got '-1'"),
+    (["bench", "models", "--threads", "x"], "--threads: expected torch threads, an integer >= 1, got 'x'"),
+])
+def test_bad_bench_counts_are_refused_before_any_work(capsys, argv, expected):
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"k3 bench {argv[1]}: error: ") and expected in err, err

@@ -7,8 +7,8 @@ import math
 
 from ..runtime import DEVICES
 
-from .commands import (_bench_backward, _bench_models, _bench_ops, _bench_parallel, _bench_profile, _bench_serve, _bench_train, _eval, _export,
-                       _generate, _lab, _params, _plan, _serve, _train)
+from .commands import (_bench_backward, _bench_models, _bench_ops, _bench_parallel, _bench_profile, _bench_serve,
+                       _bench_train, _eval, _export, _generate, _lab, _params, _plan, _serve, _train)
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -245,14 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
     bbackward = bench_sub.add_parser("backward", help="the delta family's own chunkwise backward vs autograd "
                                      "through the forward: time and peak memory")
     bbackward.add_argument("--quick", action="store_true", help="KDA only, fewer rounds: under a minute")
-    bbackward.add_argument("--threads", type=int, help="torch threads (default: all cores)")
-    bbackward.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds (default 15)")
+    bbackward.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
+    bbackward.add_argument("--rounds", type=_count(1, "timing rounds"), default=15,
+                           help="interleaved timing rounds (default 15)")
     bbackward.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bbackward.set_defaults(func=_bench_backward)
     bprofile = bench_sub.add_parser("profile", help="one training step of kimi-k3-tiny and its matched GPT-2, "
                                     "part by part: forward and backward ms of every layer's parts")
-    bprofile.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (default 5)")
-    bprofile.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    bprofile.add_argument("--rounds", type=_count(1, "timing rounds"), default=5,
+                          help="interleaved timing rounds (default 5)")
+    bprofile.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
     bprofile.add_argument("--data", help="corpus (default: Shakespeare)")
     bprofile.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bprofile.set_defaults(func=_bench_profile)
@@ -274,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and transformers")
     bmodels.add_argument("--quick", action="store_true",
                          help="fewer rounds and steps, a smaller train step: about a minute")
-    bmodels.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    bmodels.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
     bmodels.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bmodels.add_argument("--models", nargs="+", metavar="NAME", help="a subset of: kimi-k3-tiny kimi-linear-tiny "
                          "gpt2-tiny transformers-gpt2 transformers-kimi-linear (default: all)")
