@@ -10,9 +10,10 @@
   computed in float32. As beta -> inf, beta * tanh(gate / beta) -> gate and SiTU -> SiLU, so SiTU-GLU
   becomes SwiGLU. Kimi K3 uses beta = 4, l_beta = 25 everywhere.
 
-`situ` is one autograd function (`_SiTU`) with a hand-derived backward that keeps only its two inputs
-(autograd through the formula keeps every intermediate) and works in place; `situ_reference` is the
-formula as written, which `situ` equals to rounding (tests/layers/test_situ.py).
+`situ` is one autograd function (`_SiTU`) with a hand-derived backward that keeps the gate and the forward's
+tanh (float32 inputs; lower-precision ones keep gate and up alone; autograd through the formula keeps every
+intermediate) and works in place; `situ_reference` is the formula as written, which `situ` equals to rounding
+(tests/layers/test_situ.py).
 """
 
 from __future__ import annotations
@@ -55,13 +56,21 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: f
     return _situ_forward(gate, up, float(beta), linear_beta)  # nothing to save: no autograd node
 
 
-def _situ_forward(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
-    """SiTU-GLU's value (see `_SiTU` for the form): beta t s u, or beta l_beta t s t_u."""
+def _situ_forward(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None,
+                  keep: list | None = None) -> torch.Tensor:
+    """SiTU-GLU's value (see `_SiTU` for the form): beta t s u, or beta l_beta t s t_u. With `keep` a
+    list, appends t (and t_u with l_beta) for the backward."""
     g, u = upcast(gate), upcast(up)
-    out = (g * (1 / beta)).tanh_().mul_(torch.sigmoid(g))  # t s = a / beta
+    t = (g * (1 / beta)).tanh_()
+    if keep is not None:
+        keep.append(t)
+    out = t * torch.sigmoid(g) if keep is not None else t.mul_(torch.sigmoid(g))  # t s = a / beta
     if linear_beta is None:
         return cast(out.mul_(u).mul_(beta), gate.dtype)
-    return cast(out.mul_((u * (1 / linear_beta)).tanh_()).mul_(beta * linear_beta), gate.dtype)
+    t_u = (u * (1 / linear_beta)).tanh_()
+    if keep is not None:
+        keep.append(t_u)
+    return cast(out.mul_(t_u).mul_(beta * linear_beta), gate.dtype)
 
 
 class _SiTU(torch.autograd.Function):
@@ -71,34 +80,49 @@ class _SiTU(torch.autograd.Function):
         da/dg = (1 - t^2) s + beta t s (1 - s) = s (1 - t m),    m = t - beta (1 - s)
         d out/d g = G s u (1 - t m),   d out/d up = G s beta t (1 - t_u^2)   (G a without l_beta)
 
-    Only gate and up are saved; t, s and t_u are recomputed, and G s is formed once for both gradients:
-    14 passes over the activations (torch.tanh keeps its relative accuracy near 0, where 2 sigmoid(2x) - 1
-    would lose it to cancellation: u multiplies t_u back by l_beta = 25)."""
+    tanh is the costly kernel (about 4x a sigmoid on a CPU). Inputs already in the compute dtype (float32,
+    float64) keep the forward's t and t_u (or up without l_beta) beside gate: one tensor more than the
+    inputs, and only s is recomputed. Lower-precision inputs keep gate and up alone, and t, t_u are
+    recomputed from them: a float32 t beside a bfloat16 gate would cost twice the gate. G s is formed once
+    for both gradients. torch.tanh keeps its relative accuracy near 0, where 2 sigmoid(2x) - 1 would lose it
+    to cancellation (u multiplies t_u back by l_beta = 25)."""
 
     @staticmethod
     def forward(ctx, gate, up, beta: float, linear_beta: float | None):
-        ctx.save_for_backward(gate, up)
-        ctx.beta, ctx.linear_beta = beta, linear_beta
-        return _situ_forward(gate, up, beta, linear_beta)
+        ctx.beta, ctx.linear_beta, ctx.up_dtype = beta, linear_beta, up.dtype
+        ctx.kept_tanh = gate.dtype == upcast(gate).dtype and up.dtype == gate.dtype
+        if not ctx.kept_tanh:
+            ctx.save_for_backward(gate, up)
+            return _situ_forward(gate, up, beta, linear_beta)
+        kept: list = []
+        out = _situ_forward(gate, up, beta, linear_beta, kept)
+        ctx.save_for_backward(gate, *kept, *(() if linear_beta is not None else (up,)))
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        gate, up = ctx.saved_tensors
         beta, linear_beta = ctx.beta, ctx.linear_beta
-        g, u = upcast(gate), upcast(up)
-        t = (g * (1 / beta)).tanh_()
+        if ctx.kept_tanh:
+            gate, t, third = ctx.saved_tensors  # third: t_u with l_beta, up without
+            g = upcast(gate)
+        else:
+            gate, up = ctx.saved_tensors
+            g, third = upcast(gate), upcast(up)
+            t = (g * (1 / beta)).tanh_()
+            if linear_beta is not None:
+                third = (third * (1 / linear_beta)).tanh_()
         s = torch.sigmoid(g)
         m = torch.add(t, s, alpha=beta).sub_(beta)  # t - beta (1 - s)
         gs = s.mul_(upcast(grad))
         if linear_beta is None:
-            grad_gate = torch.addcmul(g.new_tensor(1.0), t, m, value=-1.0).mul_(gs).mul_(u)
+            grad_gate = torch.addcmul(g.new_tensor(1.0), t, m, value=-1.0).mul_(gs).mul_(upcast(third))
             grad_up = gs.mul_(t).mul_(beta)
         else:
-            t_u = (u * (1 / linear_beta)).tanh_()
+            t_u = third
             grad_gate = torch.addcmul(g.new_tensor(linear_beta), t, m, value=-linear_beta).mul_(gs).mul_(t_u)
             grad_up = torch.addcmul(g.new_tensor(beta), t_u, t_u, value=-beta).mul_(gs).mul_(t)
-        return grad_gate.to(gate.dtype), grad_up.to(up.dtype), None, None
+        return grad_gate.to(gate.dtype), grad_up.to(ctx.up_dtype), None, None
 
 
 class GeluMLP(nn.Module):

@@ -84,3 +84,18 @@ def test_bad_betas_are_refused():
         situ(x, x, beta=0.0)
     with pytest.raises(ValueError, match="linear_beta"):
         situ(x, x, linear_beta=-1.0)
+
+
+@pytest.mark.parametrize("linear_beta", [25.0, None])
+def test_what_the_backward_keeps(linear_beta):
+    """float32 inputs keep the gate and the forward's tanh (no tanh in the backward); bfloat16 ones keep
+    their two inputs alone (a float32 tanh would cost twice a bfloat16 input)."""
+    gate, up, _ = inputs(torch.float32)
+    saved = situ(gate, up, 4.0, linear_beta).grad_fn.saved_tensors
+    third = torch.tanh(up / linear_beta) if linear_beta else up
+    assert len(saved) == 3 and saved[0] is gate
+    torch.testing.assert_close(saved[1], torch.tanh(gate / 4.0).detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(saved[2], third.detach(), rtol=1e-6, atol=0)
+    gate, up, _ = inputs(torch.bfloat16)
+    saved = situ(gate, up, 4.0, linear_beta).grad_fn.saved_tensors
+    assert len(saved) == 2 and saved[0] is gate and saved[1] is up
