@@ -41,9 +41,9 @@ def parts(model: CausalLM) -> dict[str, nn.Module]:
     return named
 
 
-def _captured_inputs(model: CausalLM, modules: dict[str, nn.Module], input_ids: torch.Tensor) -> dict:
-    """The (args, kwargs) each module receives in one forward pass of `input_ids` (the first call of
-    each), tensors detached and keeping whether they required a gradient."""
+def captured_inputs(model: CausalLM, modules: dict[str, nn.Module], input_ids: torch.Tensor) -> dict:
+    """The (args, kwargs) each of `modules` (by name) receives in one forward pass of `input_ids` (the first
+    call of each), tensors detached and keeping whether they required a gradient."""
     inputs: dict = {}
 
     def keep(x):
@@ -104,8 +104,8 @@ def profile_step(model: CausalLM, cfg: TrainConfig, data, rounds: int = 5, seed:
     input_ids, targets = windows[:, :-1], windows[:, 1:]
     modules = parts(model)
     model.train()
-    inputs = _captured_inputs(model, {**modules, "decoder": model.model}, input_ids)
-    hidden = model.model(*inputs.pop("decoder")[0]).detach().requires_grad_()
+    inputs = captured_inputs(model, modules, input_ids)
+    hidden = model.model(input_ids, None).detach().requires_grad_()  # what the LM head reads in training
     head = lambda: head_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), model.lm_head.weight, targets)  # noqa: E731
 
     # the optimizer on gradients of a real batch, restored before each call (the parts' cases clear them)

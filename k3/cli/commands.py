@@ -17,13 +17,18 @@ def _bench_ops(args) -> int:
     return 0
 
 
-def _bench_backward(args) -> int:
-    from ..bench import backward
-
+def _use_threads(args) -> None:
+    """torch's thread count from --threads, when it was given."""
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
+
+
+def _bench_backward(args) -> int:
+    from ..bench import backward
+
+    _use_threads(args)
     if args.quick:
         backward.run(ops=("kda",), rounds=5, json_path=args.json)
     else:
@@ -34,10 +39,7 @@ def _bench_backward(args) -> int:
 def _bench_profile(args) -> int:
     from ..bench import profile
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    _use_threads(args)
     profile.run(rounds=args.rounds, json_path=args.json, data=args.data)
     return 0
 
@@ -214,8 +216,7 @@ def _generate(args) -> int:
                          "the interactive mode reads stdin in one process")
     if args.compile and args.parallel == "ep":
         raise ValueError("--compile decodes in one process; it does not combine with --parallel ep (drop one)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _use_threads(args)
     device = resolve_device(args.device)
     if args.compile:
         from ..models.decode_step import compile_cache_dir
@@ -395,8 +396,6 @@ def _serve(args) -> int:
     """`k3 serve`: the checkpoint behind OpenAI's API (`k3.serve`); checked as `k3 generate` checks it."""
     import json
 
-    import torch
-
     from ..models import CausalLM
     from ..models.preflight import check_checkpoint
     from ..runtime import resolve_device
@@ -409,8 +408,7 @@ def _serve(args) -> int:
     if not Path(args.checkpoint).is_dir():
         raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no such folder (expected a checkpoint folder, "
                                 f"e.g. what k3 train --out wrote)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _use_threads(args)
     device = resolve_device(args.device)
     check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
     tokenizer = Tokenizer.load(args.checkpoint)

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from ...bench.profile import captured_inputs
 from ...layers.mla import MultiHeadLatentAttention
 from ..synthetic import ConvAttention, accuracy_by_kind, build_model, mixer_config, train_until_plateau
 from ..tasks import IGNORE, mqar
@@ -107,15 +108,8 @@ def stream_ratio(mixer: str, plan: Plan, head_dim: int) -> float:
 
 def _inputs_of(model, modules: list, ids: torch.Tensor) -> list[torch.Tensor]:
     """What each of `modules` receives as its first input when `model` runs on `ids` (the first call of each)."""
-    seen: dict[int, torch.Tensor] = {}
-    hooks = [m.register_forward_pre_hook(lambda _, args, i=i: seen.setdefault(i, args[0]))
-             for i, m in enumerate(modules)]
-    try:
-        model(ids)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return [seen[i] for i in range(len(modules))]
+    captured = captured_inputs(model, dict(enumerate(modules)), ids)
+    return [captured[i][0][0] for i in range(len(modules))]
 
 
 def best_head(retrieval: dict) -> float:
