@@ -24,30 +24,61 @@ from .runtime import check_compiler
 Prompts = torch.Tensor | Sequence[Sequence[int] | torch.Tensor]  # [B, T], or B prompts of any lengths
 
 
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes seeds in [0, 2**64)
+# below float32's smallest normal number a temperature cannot divide a float32 logit: such a temperature is
+# sampled as the limit it approaches, greedy; above float32's largest, as float32's largest (uniform)
+GREEDY_BELOW = torch.finfo(torch.float32).tiny
+_HOTTEST = torch.finfo(torch.float32).max
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check_sampling(temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None) -> None:
-    """A clear error for sampling settings out of range."""
-    if not 0 <= temperature < math.inf:  # NaN fails both comparisons
-        raise ValueError(f"sample: `temperature` must be a finite number >= 0 (0: greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"sample: `top_k` must be >= 1 or None, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"sample: `top_p` must be in (0, 1] or None, got {top_p}")
+    """A clear error for sampling settings out of range: temperature a finite number >= 0 (0: greedy),
+    top_k an int >= 1 or None, top_p a number in (0, 1] or None. Every value in range samples finitely
+    (`sampling_probs`): a temperature below `GREEDY_BELOW` is greedy, and the most likely token always stays
+    in top_p's set, so a top_p too small for any other token is greedy too."""
+    if not _is_number(temperature) or not 0 <= temperature < math.inf:  # NaN fails both comparisons
+        raise ValueError(f"sample: `temperature` must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ValueError(f"sample: `top_k` must be an int >= 1 or None, got {top_k!r}")
+    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
+        raise ValueError(f"sample: `top_p` must be a number in (0, 1] or None, got {top_p!r}")
+
+
+def check_seed(seed, name: str = "seed") -> None:
+    """A clear error for a random seed that torch.Generator cannot take: an int in [0, 2**64 - 1] (or None)."""
+    if seed is None:
+        return
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"`{name}` must be an int in [0, 2**64 - 1] = [0, {MAX_SEED}], got {seed!r}")
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether sampling at `temperature` is the argmax (0, or too small to divide a float32 logit)."""
+    return temperature < GREEDY_BELOW
 
 
 def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int | None = None,
                    top_p: float | None = None) -> torch.Tensor:
     """logits [B, V] -> the probabilities [B, V] (float32) sampling draws from at temperature > 0:
-    softmax(logits / temperature) over the top_k most likely tokens and then the smallest set whose
-    probability reaches top_p (nucleus), the rest 0."""
-    logits = logits.float() / temperature
+    softmax((logits - max) / temperature) over the top_k most likely tokens and then the smallest set whose
+    probability reaches top_p (nucleus; the most likely token always stays), the rest 0. Subtracting the
+    maximum first keeps every temperature in range finite: at the smallest ones the distribution becomes
+    one-hot on the argmax (shared among ties), the limit it approaches."""
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / min(temperature, _HOTTEST)
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens ranked above it already reach top_p (the first one always stays)
+        # drop a token when the tokens ranked above it already reach top_p; the first one always stays
         drop = probs.cumsum(-1) - probs >= top_p
+        drop[..., 0] = False
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits.softmax(-1)
 
@@ -55,12 +86,11 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int | None =
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
            generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [B, V] -> token ids [B]. temperature 0 is greedy; top_k keeps the k most likely tokens,
-    top_p the smallest set whose probability reaches p (nucleus); both apply before sampling."""
+    top_p the smallest set whose probability reaches p (nucleus); both apply before sampling. The draw is
+    `sample_with_noise`'s with noise from `generator`: the compiled decode step draws the same tokens for
+    the same generator state."""
     check_sampling(temperature, top_k, top_p)
-    if temperature == 0:
-        return logits.float().argmax(-1)
-    probs = sampling_probs(logits, temperature, top_k, top_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return sample_with_noise(logits, _noise(logits, temperature, generator), temperature, top_k, top_p)
 
 
 def sample_with_noise(logits: torch.Tensor, noise: torch.Tensor | None, temperature: float = 1.0,
@@ -68,10 +98,18 @@ def sample_with_noise(logits: torch.Tensor, noise: torch.Tensor | None, temperat
     """`sample` with its randomness given: noise [B, V] ~ Exponential(1) (None when greedy), drawn by
     the caller. token = argmax_i p_i / E_i, a draw from p (the exponential race: the first of V
     exponential clocks of rates p_i to ring is i with probability p_i). No generator and no host sync
-    inside, so a compiled decode step samples within its graph (gpt-fast's `multinomial_sample_one_no_sync`)."""
-    if temperature == 0:
+    inside, so a compiled decode step samples within its graph (gpt-fast's `multinomial_sample_one_no_sync`).
+    A clock of 0 (a uniform draw of exactly 0) would give 0 / 0 for a dropped token: the clamp keeps it 0."""
+    if is_greedy(temperature):
         return logits.float().argmax(-1)
-    return (sampling_probs(logits, temperature, top_k, top_p) / noise).argmax(-1)
+    return (sampling_probs(logits, temperature, top_k, top_p) / noise.clamp_min(GREEDY_BELOW)).argmax(-1)
+
+
+def _noise(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor | None:
+    """Exponential(1) noise like logits for `sample_with_noise` (None when greedy)."""
+    if is_greedy(temperature):
+        return None
+    return torch.empty(logits.shape, device=logits.device).exponential_(generator=generator)
 
 
 def refuse_text(prompts) -> None:
@@ -222,8 +260,8 @@ def stream(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 
 
     `compile=True` decodes with a compiled step over a static cache (`k3.models.decode_step`: inductor
     on the CPU, CUDA graphs on CUDA; the first call of a model and batch size compiles, later ones, in this
-    process or the next, reuse it). Greedy tokens equal eager decoding's; sampled ones are drawn by
-    `sample_with_noise` (the same distribution, other draws than `sample`'s for the same generator). A
+    process or the next, reuse it). Both paths sample by one rule (`sample`'s exponential race, its noise
+    drawn from `generator` in the same order), so they give the same tokens for the same seed. A
     `cache` given with it must be static (`model.new_cache(batch_size, max_length=N)`)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"generate: `max_new_tokens` must be an int >= 0, got {max_new_tokens!r}")
@@ -244,8 +282,6 @@ def stream(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 
     for i in range(max_new_tokens):
         if step is not None and token is not None:
             token = step(token)
-        elif compile:
-            token = sample_with_noise(logits, _noise(logits, temperature, generator), temperature, top_k, top_p)
         else:
             token = sample(logits, temperature, top_k, top_p, generator)
         if eos_token_id is not None:
@@ -256,13 +292,6 @@ def stream(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 
             return
         if step is None and i + 1 < max_new_tokens:
             logits = model(token.unsqueeze(1), cache=cache)[:, -1]
-
-
-def _noise(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor | None:
-    """Exponential(1) noise like logits for `sample_with_noise` (None when greedy)."""
-    if temperature == 0:
-        return None
-    return torch.empty(logits.shape, device=logits.device).exponential_(generator=generator)
 
 
 def generate(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 1.0,

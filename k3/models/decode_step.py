@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..generation import check_sampling, sample_with_noise
+from ..generation import check_sampling, is_greedy, sample_with_noise
 from ..layers.joined import decoding
 from ..runtime import check_compiler
 from .static_cache import StaticCache
@@ -97,7 +97,7 @@ class DecodeStep:
         device = cache.positions.device
         self._tokens = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=device)
         self._noise = (torch.empty(cache.batch_size, model.config.vocab_size, device=device)
-                       if self.temperature > 0 else None)
+                       if not is_greedy(self.temperature) else None)
         prepare(model)
         self._compiled, self._warm = bool(compile), False
         if compile and device.type == "cuda":

@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from ..generation import check_sampling, sample
+from ..generation import check_sampling, is_greedy, sample
 from ..models.kinds import MIXERS
 
 
@@ -235,7 +235,7 @@ class Engine:
         """[B] the next token of each row: greedy rows together, sampled rows each with its own generator."""
         tokens = logits.float().argmax(-1)
         for i, s in enumerate(rows):
-            if s.temperature > 0:
+            if not is_greedy(s.temperature):
                 tokens[i] = sample(logits[i:i + 1], s.temperature, s.top_k, s.top_p, s.generator)[0]
         return tokens
 
