@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .runtime import check_compiler
+from .runtime import check_compiler, refuse_if_over_memory
 
 Prompts = torch.Tensor | Sequence[Sequence[int] | torch.Tensor]  # [B, T], or B prompts of any lengths
 
@@ -237,6 +237,23 @@ def compiled_prefill(model, prompts: Prompts, max_new_tokens: int, cache=None):
     return extend(model, prompts, cache, max_new_tokens), cache
 
 
+def check_cache_fits(model, prompts: Prompts, max_new_tokens: int, cache=None) -> None:
+    """A ValueError, before anything is allocated, when the cache these prompts and `max_new_tokens` need at
+    their longest (`CausalLM.cache_bytes`, the most a static cache allocates) is more than this
+    machine's memory."""
+    if isinstance(prompts, torch.Tensor):
+        rows, longest = (prompts.shape[0], prompts.shape[-1]) if prompts.dim() == 2 else (1, prompts.numel())
+    else:
+        rows, longest = len(prompts), max((len(p) for p in prompts), default=0)
+    if cache is not None:
+        longest += cache.length
+    tokens = longest + max(max_new_tokens - 1, 0)
+    refuse_if_over_memory(f"generate: {rows} sequence(s) of up to {longest:,} prompt tokens and {max_new_tokens:,} "
+                          f"new ones, the cache of {model.config.name!r} at {tokens:,} tokens",
+                          model.cache_bytes(rows, tokens),
+                          "ask for fewer new tokens (k3 generate --max-new-tokens), or give fewer or shorter prompts")
+
+
 def _static_slots(model, longest: int, max_new_tokens: int) -> int:
     """`static_length` of a prompt of `longest` tokens and the tokens fed back after it, within the learned
     positions of a model that has them."""
@@ -266,6 +283,7 @@ def stream(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"generate: `max_new_tokens` must be an int >= 0, got {max_new_tokens!r}")
     check_sampling(temperature, top_k, top_p)
+    check_cache_fits(model, input_ids, max_new_tokens, cache)
     step = None
     if compile:
         if compile is True:

@@ -199,6 +199,7 @@ def _generate(args) -> int:
 
     import torch
 
+    from ..generation import check_cache_fits
     from ..models import CausalLM
     from ..models.preflight import check_checkpoint
     from ..runtime import resolve_device
@@ -233,6 +234,8 @@ def _generate(args) -> int:
     if args.parallel == "ep":
         return _generate_expert_parallel(args, tokenizer, texts, prompts, device)
     model = CausalLM.from_pretrained(args.checkpoint).to(device).eval()
+    if prompts:  # the cache the prompts and --max-new-tokens need, refused before anything is printed
+        check_cache_fits(model, prompts, args.max_new_tokens)
     if not prompts:
         return interactive(args, model, tokenizer)
     if args.prompt_file:
@@ -396,6 +399,7 @@ def _serve(args) -> int:
     """`k3 serve`: the checkpoint behind OpenAI's API (`k3.serve`); checked as `k3 generate` checks it."""
     import json
 
+    from ..generation import check_cache_fits
     from ..models import CausalLM
     from ..models.preflight import check_checkpoint
     from ..runtime import resolve_device

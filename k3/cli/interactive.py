@@ -37,6 +37,8 @@ def stream_text(model, tokenizer, ids: list[int], args, generator, new: list[int
     eot = None if args.ignore_eot else tokenizer.eot_id
     shown = ""
     compiled = getattr(args, "compile", False)
+    if cache is None and len(ids) > LONG_PROMPT:
+        prompt, cache = prefill_with_progress(model, prompt, args.max_new_tokens, compiled)
     arrivals: list[float] = []
     for token in model.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, eos_token_id=eot, generator=generator, cache=cache,
@@ -54,6 +56,32 @@ def stream_text(model, tokenizer, ids: list[int], args, generator, new: list[int
     if text != shown:  # the stream ended inside a character: show what there is
         print(text[len(shown):], end="", flush=True)
     return (arrivals[1] - arrivals[0], time.perf_counter() - arrivals[1]) if len(arrivals) == 2 else None
+
+
+LONG_PROMPT = 4096  # prompt tokens past which k3 generate shows the prefill's progress (seconds on a CPU)
+
+
+def prefill_with_progress(model, prompt, max_new_tokens: int, static: bool):
+    """Run all but the last token of `prompt` [1, T] into a new cache a piece at a time (`PREFILL_PIECE`
+    tokens), with a progress bar on stderr that gives the rate and the time left; returns (the last token
+    [1, 1], the cache) for `stream` to continue from. `static`: the cache is a StaticCache (--compile)."""
+    import torch
+    from tqdm import tqdm
+
+    from ..generation import _static_slots, check_cache_fits, check_positions
+    from ..models.model import PREFILL_PIECE
+
+    T = prompt.shape[1]
+    check_positions(model, [T], max_new_tokens)
+    check_cache_fits(model, prompt, max_new_tokens)
+    cache = model.new_cache(1, max_length=_static_slots(model, T, max_new_tokens)) if static else \
+        model.new_cache(1)
+    with torch.no_grad(), tqdm(total=T - 1, unit="tok", desc="prefill", file=sys.stderr, leave=False) as bar:
+        for start in range(0, T - 1, PREFILL_PIECE):
+            piece = prompt[:, start:min(start + PREFILL_PIECE, T - 1)]
+            model(piece, cache=cache, logits_to_keep=1)
+            bar.update(piece.shape[1])
+    return prompt[:, -1:], cache
 
 
 def report(new: int, seconds: float, prefill: int, device=None, first_step: tuple[float, float] | None = None

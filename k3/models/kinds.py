@@ -288,3 +288,12 @@ class MixtureOfExperts(FFNKind):
 
 
 FFNS: dict[str, FFNKind] = {kind.name: kind for kind in (DenseFFN(), MixtureOfExperts())}
+
+
+def cache_bytes(c, batch_size: int, tokens: int, dtype_bytes: int = 2) -> int:
+    """Bytes the decode cache of `batch_size` sequences of `tokens` tokens each holds, summed over the layers:
+    per token, each attention layer's keys and values or latents; per sequence, the linear family's fixed
+    states. What a static cache allocates, and a growing one reaches at that length."""
+    per_token = sum(MIXERS[kind].cache_bytes_per_token(c, dtype_bytes) for kind in c.layer_types)
+    fixed = sum(MIXERS[kind].state_bytes(c, dtype_bytes) for kind in c.layer_types)
+    return batch_size * (per_token * tokens + fixed)

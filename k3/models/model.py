@@ -31,7 +31,7 @@ from ..layers.init import STD
 from . import checkpoint, loading
 from .cache import HybridCache
 from .config import ModelConfig
-from .kinds import FFNS, MIXERS
+from .kinds import FFNS, MIXERS, cache_bytes
 from .loss import IGNORE_INDEX, head_cross_entropy
 from .static_cache import StaticCache
 
@@ -210,6 +210,11 @@ class CausalLM(nn.Module):
         if max_length is not None:
             return StaticCache(self, batch_size, max_length)
         return HybridCache(self.config, batch_size)
+
+    def cache_bytes(self, batch_size: int, tokens: int) -> int:
+        """Bytes the decode cache of `batch_size` sequences of `tokens` tokens holds at this model's dtype
+        (`k3.models.kinds.cache_bytes`): what a static cache of that size allocates."""
+        return cache_bytes(self.config, batch_size, tokens, self.lm_head.weight.element_size())
 
     def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None, *,
                 targets: torch.Tensor | None = None, reduction: str = "mean", logits_to_keep: int = 0,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.cache import StaticSequenceCache
+from ..runtime import refuse_if_over_memory
 from .config import ModelConfig
 
 
@@ -41,6 +42,10 @@ class StaticCache:
             raise ValueError(f"new_cache: `max_length` {max_length} is more than the {positions} positions "
                              f"{model.config.name!r} has learned (max_position_embeddings)")
         weight = model.lm_head.weight
+        nbytes = model.cache_bytes(batch_size, max_length)
+        refuse_if_over_memory(f"new_cache: a static cache of {batch_size} row(s) x {max_length:,} tokens for "
+                              f"{model.config.name!r}", nbytes, "give fewer rows or a smaller `max_length` "
+                              "(k3 generate: fewer prompts or --max-new-tokens)")
         self.config: ModelConfig = model.config
         self.batch_size, self.max_length = batch_size, max_length
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=weight.device)
