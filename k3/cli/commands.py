@@ -399,7 +399,6 @@ def _serve(args) -> int:
     """`k3 serve`: the checkpoint behind OpenAI's API (`k3.serve`); checked as `k3 generate` checks it."""
     import json
 
-    from ..generation import check_cache_fits
     from ..models import CausalLM
     from ..models.preflight import check_checkpoint
     from ..runtime import resolve_device

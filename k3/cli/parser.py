@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from .. import __version__
+from ..generation import MAX_SEED
 from ..runtime import DEVICES
 
 from .commands import (_bench_backward, _bench_models, _bench_ops, _bench_parallel, _bench_profile, _bench_serve,
@@ -35,17 +37,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _count(low: int, what: str):
-    """An argparse type: an integer >= low; `what` says what it counts."""
+def _count(low: int, what: str, high: int | None = None):
+    """An argparse type: an integer >= low (and <= high, when given); `what` says what it counts."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = low - 1
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected {what}, an integer >= {low}, got {text!r}")
+        if value < low or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"expected {what}, an integer {bounds}, got {text!r}")
         return value
     return parse
+
+
+_SEED = _count(0, "a seed", high=MAX_SEED)
 
 
 def _number(low: float, what: str, above: bool = False, high: float = math.inf):
@@ -62,8 +68,15 @@ def _number(low: float, what: str, above: bool = False, high: float = math.inf):
     return parse
 
 
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="k3", description="Kimi K3 and its lineage in PyTorch.")
+    parser.add_argument("--version", action="version", version=f"k3 {__version__} (torch {_torch_version()})")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model on a text corpus (default: Shakespeare)")
     train.add_argument("--preset", default="kimi-k3-tiny", help="model preset (k3 params lists them)")
@@ -117,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also save every N steps (default: at the end only)")
     train.add_argument("--out", default="runs/k3", help="checkpoint directory (and the run's metrics.jsonl)")
     train.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR")
-    train.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data order")
+    train.add_argument("--seed", type=_SEED, default=0, help="seed of the initial weights and the data order")
     train.add_argument("--threads", type=_count(1, "torch threads"),
                        help="torch threads (default: all cores); 1 is often faster on a machine busy with other "
                             "work, where threads wait for each other")
@@ -167,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="sample from the k likeliest tokens")
     gen.add_argument("--top-p", type=_number(0, "a probability mass", above=True, high=1),
                      help="sample from the likeliest tokens whose probabilities sum to p (default: off)")
-    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    gen.add_argument("--seed", type=_SEED, default=0, help="seed of the sampling")
     gen.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
     gen.add_argument("--parallel", choices=("none", "ep"), default="none",
                      help="under torchrun: ep splits every MoE layer's routed experts over the processes (each "
@@ -235,11 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     ops = bench_sub.add_parser("ops", help="recurrent vs chunk mixers vs causal SDPA")
     ops.add_argument("--quick", action="store_true", help="T in {512, 2048}, C in {32, 64}: about a minute")
-    ops.add_argument("--T", type=int, nargs="+", default=[512, 2048, 8192], help="sequence lengths")
-    ops.add_argument("--chunk-sizes", type=int, nargs="+", default=[16, 32, 64, 128], help="chunk sizes C")
-    ops.add_argument("--heads", type=int, default=8, help="heads H")
-    ops.add_argument("--dim", type=int, default=64, help="head dim K = V")
-    ops.add_argument("--repeats", type=int, default=3, help="timed runs per case (the best is kept)")
+    ops.add_argument("--T", type=_count(1, "tokens"), nargs="+", default=[512, 2048, 8192], help="sequence lengths")
+    ops.add_argument("--chunk-sizes", type=_count(1, "tokens a chunk"), nargs="+", default=[16, 32, 64, 128],
+                     help="chunk sizes C")
+    ops.add_argument("--heads", type=_count(1, "heads"), default=8, help="heads H")
+    ops.add_argument("--dim", type=_count(1, "a head dimension"), default=64, help="head dim K = V")
+    ops.add_argument("--repeats", type=_count(1, "timed runs"), default=3,
+                     help="timed runs per case (the best is kept)")
     ops.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     ops.set_defaults(func=_bench_ops)
     bbackward = bench_sub.add_parser("backward", help="the delta family's own chunkwise backward vs autograd "
@@ -259,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     bprofile.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bprofile.set_defaults(func=_bench_profile)
     btrain = bench_sub.add_parser("train", help="kimi-k3-tiny vs a GPT-2 of equal width and parameters")
-    btrain.add_argument("--minutes", type=float, default=5.0, help="training budget of each model")
+    btrain.add_argument("--minutes", type=_number(0, "minutes", above=True), default=5.0,
+                        help="training budget of each model")
     btrain.add_argument("--data", help="corpus (default: Shakespeare)")
     btrain.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     btrain.set_defaults(func=_bench_train)
@@ -268,8 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     bparallel.add_argument("--layouts", nargs="+", default=["2:1", "2:2", "4:2"], metavar="N:EP",
                            help="process counts and ep, each N:EP (default 2:1 2:2 4:2)")
     bparallel.add_argument("--preset", default="kimi-k3-tiny", help="the model (default kimi-k3-tiny)")
-    bparallel.add_argument("--seq-len", type=int, default=256, help="tokens a sequence (default 256)")
-    bparallel.add_argument("--batch-size", type=int, default=8, help="sequences a step, over all processes (8)")
+    bparallel.add_argument("--seq-len", type=_count(1, "tokens a sequence"), default=256,
+                           help="tokens a sequence (default 256)")
+    bparallel.add_argument("--batch-size", type=_count(1, "sequences"), default=8,
+                           help="sequences a step, over all processes (8)")
     bparallel.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bparallel.set_defaults(func=_bench_parallel)
     bmodels = bench_sub.add_parser("models", help="whole-model prefill, train step and decode speed, k3 vs GPT-2 "
@@ -280,13 +298,16 @@ def build_parser() -> argparse.ArgumentParser:
     bmodels.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bmodels.add_argument("--models", nargs="+", metavar="NAME", help="a subset of: kimi-k3-tiny kimi-linear-tiny "
                          "gpt2-tiny transformers-gpt2 transformers-kimi-linear (default: all)")
-    bmodels.add_argument("--contexts", type=int, nargs="+", help="decode contexts (default 256 4096)")
-    bmodels.add_argument("--prefill", type=int, help="prefill tokens (default 2048)")
-    bmodels.add_argument("--train", type=int, nargs=2, metavar=("B", "T"),
+    bmodels.add_argument("--contexts", type=_count(1, "tokens"), nargs="+", help="decode contexts (default 256 4096)")
+    bmodels.add_argument("--prefill", type=_count(1, "tokens"), help="prefill tokens (default 2048)")
+    bmodels.add_argument("--train", type=_count(1, "a size"), nargs=2, metavar=("B", "T"),
                          help="train step shape (default 16 256; quick 8 256)")
-    bmodels.add_argument("--batch", type=int, nargs=2, metavar=("B1", "B2"), help="decode batches compared (1 8)")
-    bmodels.add_argument("--rounds", type=int, help="interleaved rounds of prefill and train step (default 3; quick 2)")
-    bmodels.add_argument("--steps", type=int, help="timed decode steps per model and context (default 24; quick 16)")
+    bmodels.add_argument("--batch", type=_count(1, "sequences"), nargs=2, metavar=("B1", "B2"),
+                         help="decode batches compared (1 8)")
+    bmodels.add_argument("--rounds", type=_count(1, "rounds"),
+                         help="interleaved rounds of prefill and train step (default 3; quick 2)")
+    bmodels.add_argument("--steps", type=_count(1, "decode steps"),
+                         help="timed decode steps per model and context (default 24; quick 16)")
     bmodels.add_argument("--compile", action="store_true",
                          help="instead: eager and compiled decode ms/token (static cache, inductor) of kimi-k3-tiny, "
                               "kimi-linear-tiny and the matched GPT-2 at each context and batch, and the compile times "
@@ -309,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bserve.set_defaults(func=_bench_serve)
     lab = sub.add_parser("lab", help="the article's claims as experiments: tables and plots in runs/lab/results.md")
-    lab.add_argument("name", help="an experiment (recall, overwrite, prefill, decode, parts, inspect, lineage) or 'all'")
+    lab.add_argument("name",
+                     help="an experiment (recall, overwrite, prefill, decode, parts, inspect, lineage) or 'all'")
     size = lab.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="the default: all experiments in about 40 minutes")
     size.add_argument("--full", action="store_true", help="the larger sweeps")

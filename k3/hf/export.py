@@ -44,11 +44,13 @@ temporary folder beside the output first and moved into place once all are compl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
+from typing import Iterator
 
-from ..io import folder_lock, move_files_into, staging_folder
+from ..io import CheckpointError, folder_lock, move_files_into, staging_folder
 
 FORMATS = ("k3", "kimi-linear", "kimi-k3")
 QUANTIZE = (None, "mxfp4", "bf16")  # kimi-k3's routed experts: as stored, MXFP4, bfloat16
@@ -89,18 +91,34 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, format: str = 
     k3_config = published_config(model.config, mxfp4_out) if format == "kimi-k3" else None
     special = {} if tokenizer is None else dict(bos_token_id=tokenizer.eot_id, eos_token_id=tokenizer.eot_id)
     with staging_folder(out) as staging:
-        if k3_config is not None:
-            _write_kimi_k3(model, k3_config, staging, special, mxfp4_out, max_shard_bytes, a_log_pad)
-        elif kimi_config is None:
-            _write_k3(model, staging, special)
-        else:
-            _write_kimi_linear(model, kimi_config, staging, special)
-        if tokenizer is not None:
-            _write_tokenizer(tokenizer, model.config, staging)
+        with writing(out):
+            if k3_config is not None:
+                _write_kimi_k3(model, k3_config, staging, special, mxfp4_out, max_shard_bytes, a_log_pad)
+            elif kimi_config is None:
+                _write_k3(model, staging, special)
+            else:
+                _write_kimi_linear(model, kimi_config, staging, special)
+            if tokenizer is not None:
+                _write_tokenizer(tokenizer, model.config, staging)
         out.mkdir(parents=True, exist_ok=True)
         with folder_lock(out):  # nothing may have appeared there while the files were written
             check_output(checkpoint, out)
             return move_files_into(staging, out)
+
+
+@contextlib.contextmanager
+def writing(out: Path) -> Iterator[None]:
+    """A failure to write the export's files (a full disk reaches us as OSError, safetensors' SafetensorError or
+    torch's RuntimeError) as a CheckpointError naming `out`; the files are written beside it and removed, so
+    nothing is left in `out`."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError, RuntimeError) as e:
+        detail = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"export: could not write the files for {out}: {detail}; nothing was written "
+                              f"there") from e
 
 
 def check_output(checkpoint: str | os.PathLike, out: str | os.PathLike) -> None:

@@ -158,9 +158,26 @@ def _renumbered(name: str, renumber: dict[int, int] | None) -> str | None:
     return f"model.layers.{renumber[index]}.{name[m.end():]}" if index in renumber else None
 
 
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+          "float64": torch.float64, "fp64": torch.float64, "double": torch.float64}
+
+
+def as_dtype(dtype) -> torch.dtype | None:
+    """A model dtype given as a torch.dtype, its name ("bfloat16", "torch.bfloat16") or a usual short name
+    ("bf16", "fp32"); None stays None. Anything else is a ValueError listing the names."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"from_pretrained: `dtype` must be a floating torch.dtype or one of {', '.join(DTYPES)}, "
+                     f"got {dtype!r}")
+
+
 def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None, experts: str | None = None,
                     layers=None) -> torch.nn.Module:
     """See the module docstring; `cls` is CausalLM."""
+    dtype = as_dtype(dtype)
     directory = Path(path)
     if not directory.is_dir():
         raise FileNotFoundError(f"from_pretrained: {directory}: no such folder; a checkpoint folder holds config.json "

@@ -157,6 +157,10 @@ class CausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
+        if not isinstance(config, ModelConfig):
+            hint = f"CausalLM(get_config({config!r}))" if isinstance(config, str) else "CausalLM(get_config(name))"
+            raise TypeError(f"CausalLM takes a ModelConfig, got {type(config).__name__} {config!r:.60}: {hint} "
+                            f"builds a preset, CausalLM.from_pretrained(folder) loads a checkpoint")
         self.config = config
         # the seed of this model's weights: the global generator's next draw, taken first, so a model
         # built on the meta device (whose layers draw nothing) gets the same one as a model built whole

@@ -150,5 +150,8 @@ def get_config(name: str, **overrides) -> ModelConfig:
         if depth < 1:
             raise ValueError(f"get_config({name!r}): `{next(iter(pattern))}` is empty; give one entry per layer")
         overrides["num_layers"] = depth
+    depth = overrides.get("num_layers", 1)
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"get_config({name!r}): `num_layers` must be an int >= 1, got {depth!r}")
     config = PRESETS[name](**overrides)
     return config.replace(**pattern) if pattern else config

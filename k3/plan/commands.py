@@ -7,15 +7,19 @@ import argparse
 from .hardware import GPUS
 
 
-def _positive(what: str):
-    """An argparse type: an integer >= 1; `what` says what it counts."""
+MAX_RANKS = 1 << 20  # GPUs, ranks or stages: past a million GPUs no cluster has been built to plan for
+MAX_TOKENS = 1 << 40  # tokens of a sequence, a context or a step
+
+
+def _positive(what: str, high: int):
+    """An argparse type: an integer in [1, high]; `what` says what it counts."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = 0
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"expected {what}, an integer >= 1, got {text!r}")
+        if not 1 <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {what}, an integer in [1, {high:,}], got {text!r}")
         return value
     return parse
 
@@ -40,20 +44,20 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                       help="the planner against published figures (DeepSeek-V3, Kimi K3's repository, nanoGPT)")
     parser.add_argument("--json", action="store_true", help="every figure with its unit, as JSON")
     parser.add_argument("--gpu", choices=tuple(GPUS), default="h200", help="GPU type (default h200)")
-    parser.add_argument("--gpus", type=_positive("GPUs"),
+    parser.add_argument("--gpus", type=_positive("GPUs", MAX_RANKS),
                         help="training: GPUs in all (default 8); serving: GPUs per replica (default: the fewest whole "
                              "nodes that hold the weights)")
     train = parser.add_argument_group("training")
-    train.add_argument("--fsdp", type=_positive("FSDP ranks"),
+    train.add_argument("--fsdp", type=_positive("FSDP ranks", MAX_RANKS),
                        help="FSDP ranks per pipeline stage (default: gpus / pp)")
-    train.add_argument("--ep", type=_positive("expert-parallel ranks"),
+    train.add_argument("--ep", type=_positive("expert-parallel ranks", MAX_RANKS),
                        help="expert-parallel ranks (default: the largest up to 64 that divides the experts and --fsdp)")
-    train.add_argument("--pp", type=_positive("pipeline stages"), help="pipeline stages (default 1)")
-    train.add_argument("--seq-len", type=_positive("tokens per sequence"), default=4096,
+    train.add_argument("--pp", type=_positive("pipeline stages", MAX_RANKS), help="pipeline stages (default 1)")
+    train.add_argument("--seq-len", type=_positive("tokens per sequence", MAX_TOKENS), default=4096,
                        help="tokens per training sequence (default 4096)")
-    train.add_argument("--micro-batch", type=_positive("sequences"), default=1,
+    train.add_argument("--micro-batch", type=_positive("sequences", MAX_TOKENS), default=1,
                        help="sequences per micro-batch (default 1)")
-    train.add_argument("--global-batch-tokens", type=_positive("tokens"),
+    train.add_argument("--global-batch-tokens", type=_positive("tokens", MAX_TOKENS),
                        help="tokens per optimizer step (default: one micro-batch per rank)")
     train.add_argument("--optimizer", choices=("muon", "adamw"), default="muon",
                        help="whose states the memory plan counts: muon (k3 train's default; one momentum a "
@@ -63,11 +67,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--recompute", choices=("none", "selective", "full"),
                        help="activation recomputation (default: the least that fits)")
     serve = parser.add_argument_group("serving")
-    serve.add_argument("--context", type=_positive("tokens"), default=1 << 20,
+    serve.add_argument("--context", type=_positive("tokens", MAX_TOKENS), default=1 << 20,
                        help="tokens per sequence (default 1,048,576)")
     serve.add_argument("--experts", choices=("bf16", "mxfp4"), default="mxfp4",
                        help="routed experts' format (default mxfp4, as Kimi K3 is published)")
-    serve.add_argument("--concurrent", type=_positive("sequences"),
+    serve.add_argument("--concurrent", type=_positive("sequences", MAX_TOKENS),
                        help="sequences decoded together (default: as many as fit)")
 
 

@@ -125,12 +125,19 @@ def plan_training(config: ModelConfig, s: TrainSettings, shapes: ModelShapes | N
     micro_tokens = s.micro_batch * s.seq_len
     micro_batches = max(1, math.ceil((s.global_batch_tokens or 0) / (layout.fsdp * micro_tokens)))
     batch = micro_batches * layout.fsdp * micro_tokens
+    if s.global_batch_tokens is not None and batch != s.global_batch_tokens:
+        notes = [f"global batch: --global-batch-tokens {s.global_batch_tokens:,} rounded up to {batch:,}, whole "
+                 f"micro-batches ({micro_batches} a rank of {s.micro_batch} x {s.seq_len} tokens) on each of "
+                 f"{layout.fsdp} FSDP ranks"]
+    else:
+        notes = []
     f = Figures(f"k3 plan --train {config.name}: {layout.gpus} x {gpu.name} ({gpu.source})")
     f.inputs = {"gpus": layout.gpus, "gpu": gpu.name, "pp": layout.pp, "fsdp": layout.fsdp, "ep": layout.ep,
                 "seq len": s.seq_len, "micro-batch": f"{s.micro_batch} x {s.seq_len} tokens",
                 "global batch tokens": batch, "optimizer": s.optimizer, "precision": s.precision, "mfu": s.mfu,
                 "recompute": recompute}
     f.chosen = chosen
+    f.notes += notes
     pc = count_params(config)
     f.add("parameters", pc.total, "count")
     f.add("active parameters per token", pc.active, "count")
