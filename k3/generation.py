@@ -283,6 +283,10 @@ def stream(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"generate: `max_new_tokens` must be an int >= 0, got {max_new_tokens!r}")
     check_sampling(temperature, top_k, top_p)
+    vocab = model.config.vocab_size
+    if eos_token_id is not None and (not isinstance(eos_token_id, int) or isinstance(eos_token_id, bool)
+                                     or not 0 <= eos_token_id < vocab):
+        raise ValueError(f"generate: `eos_token_id` must be None or a token id in [0, {vocab}), got {eos_token_id!r}")
     check_cache_fits(model, input_ids, max_new_tokens, cache)
     step = None
     if compile:

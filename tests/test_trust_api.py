@@ -88,3 +88,17 @@ def test_seed_outside_the_generators_range_names_the_flag(command, seed, capsys)
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"k3 {command[0]}: error: argument --seed: expected a seed, an integer in "
                           f"[0, 18446744073709551615], got '{seed}'")
+
+
+@pytest.mark.parametrize("field, value", [("norm_eps", -1.0), ("norm_eps", 0.0), ("situ_beta", float("nan")),
+                                          ("routed_scaling_factor", float("inf")), ("rope_theta", -5.0)])
+def test_config_numbers_that_cannot_work_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"`{field}` must be"):
+        get_config("kimi-k3-tiny", **{field: value})
+
+
+@pytest.mark.parametrize("eos", ["x", -1, 10**6, 1.0])
+def test_generate_refuses_an_eos_that_is_no_token(eos):
+    model = CausalLM(get_config("kimi-k3-tiny", vocab_size=257, hidden_size=32))
+    with pytest.raises(ValueError, match=r"`eos_token_id` must be None or a token id in \[0, 257\)"):
+        model.generate(torch.tensor([[1, 2]]), 3, eos_token_id=eos)

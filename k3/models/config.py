@@ -94,6 +94,10 @@ class ModelConfig:
             need(False, problem)
         for name in ("vocab_size", "hidden_size", "num_layers", "intermediate_size", "chunk_size"):
             need(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
+        for name in ("norm_eps", "situ_beta", "routed_scaling_factor"):  # finite and > 0 (NaN fails it too)
+            need(0 < getattr(self, name) < math.inf, f"`{name}` must be a finite number > 0, got {getattr(self, name)}")
+        need(self.rope_theta is None or 0 < self.rope_theta < math.inf,
+             f"`rope_theta` must be None (no rotary positions) or a finite number > 0, got {self.rope_theta}")
         for name, values in (("layer_types", self.layer_types), ("mlp_types", self.mlp_types)):
             need(len(values) == self.num_layers,
                  f"`{name}` has {len(values)} entries but `num_layers` is {self.num_layers}",
