@@ -199,6 +199,7 @@ def _generate(args) -> int:
 
     import torch
 
+    from ..io import reading
     from ..models import CausalLM
     from ..models.preflight import check_checkpoint
     from ..runtime import resolve_device
@@ -226,13 +227,14 @@ def _generate(args) -> int:
         print(f"k3 generate: --compile: the first tokens wait while the decode step compiles (about a minute the "
               f"first time for a model and batch size; later runs load it from {compile_cache_dir()})",
               file=sys.stderr)
-    # every file against the save's manifest, the weights' names and shapes, as `k3 train --resume` does
-    check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
-    tokenizer = Tokenizer.load(args.checkpoint)
-    texts, prompts = _prompts(args, tokenizer)
-    if args.parallel == "ep":
-        return _generate_expert_parallel(args, tokenizer, texts, prompts, device)
-    model = CausalLM.from_pretrained(args.checkpoint).to(device).eval()
+    with reading(args.checkpoint):  # one whole save, read under the folder's lock (k3.io.reading)
+        # every file against the save's manifest, the weights' names and shapes, as `k3 train --resume` does
+        check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
+        tokenizer = Tokenizer.load(args.checkpoint)
+        texts, prompts = _prompts(args, tokenizer)
+        if args.parallel == "ep":
+            return _generate_expert_parallel(args, tokenizer, texts, prompts, device)
+        model = CausalLM.from_pretrained(args.checkpoint).to(device).eval()
     if not prompts:
         return interactive(args, model, tokenizer)
     if args.prompt_file:
@@ -396,6 +398,7 @@ def _serve(args) -> int:
     """`k3 serve`: the checkpoint behind OpenAI's API (`k3.serve`); checked as `k3 generate` checks it."""
     import json
 
+    from ..io import reading
     from ..models import CausalLM
     from ..models.preflight import check_checkpoint
     from ..runtime import resolve_device
@@ -410,22 +413,22 @@ def _serve(args) -> int:
                                 f"e.g. what k3 train --out wrote)")
     _use_threads(args)
     device = resolve_device(args.device)
-    check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
-    tokenizer = Tokenizer.load(args.checkpoint)
-    model = CausalLM.from_pretrained(args.checkpoint).to(device).eval()
+    with reading(args.checkpoint):  # one whole save, read under the folder's lock (k3.io.reading)
+        check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
+        tokenizer = Tokenizer.load(args.checkpoint)
+        model = CausalLM.from_pretrained(args.checkpoint).to(device).eval()
+        config_file = Path(args.checkpoint) / "tokenizer_config.json"
+        tokens = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        chat_template = load_chat_template(args.checkpoint)
     positions = model.config.max_position_embeddings
     max_model_len = args.max_model_len or positions
     if positions and max_model_len > positions:
         raise ValueError(f"--max-model-len {max_model_len}: {model.config.name!r} has learned positions for "
                          f"{positions} tokens only")
-    special = {}
-    config_file = Path(args.checkpoint) / "tokenizer_config.json"
-    if config_file.is_file():
-        tokens = json.loads(config_file.read_text())
-        special = {k: v for k, v in tokens.items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
+    special = {k: v for k, v in tokens.items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
     name = args.served_model_name or Path(args.checkpoint).resolve().name
     engine = Engine(model, budget, max_queue=args.max_queue, max_running=args.max_running)
-    app = build_app(engine, tokenizer, name, chat_template=load_chat_template(args.checkpoint), special=special,
+    app = build_app(engine, tokenizer, name, chat_template=chat_template, special=special,
                     max_model_len=max_model_len, api_key=args.api_key)
     def ready(port: int) -> None:
         print(f"k3 serve: {name!r} ({model.config.name}, {model.num_parameters():,} parameters, on {device}); "
