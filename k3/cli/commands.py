@@ -163,7 +163,7 @@ def _train_config(args):
                   warmup_steps=args.warmup, schedule=args.schedule, weight_decay=args.weight_decay,
                   grad_clip=args.grad_clip, max_steps=args.max_steps, time_budget=args.time_budget,
                   eval_every=args.eval_every, eval_tokens=args.eval_tokens, checkpoint_every=args.checkpoint_every,
-                  out=args.out, seed=args.seed, threads=args.threads, compile=args.compile)
+                  out=args.out, overwrite=args.overwrite, seed=args.seed, threads=args.threads, compile=args.compile)
     # given only when asked for (a resumed run takes them even where they equal the defaults)
     for key in _ASKED_BY_NAME:
         if getattr(args, key) is not None:

@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also save every N steps (default: at the end only)")
     train.add_argument("--out", default="runs/k3", help="checkpoint directory (and the run's metrics.jsonl)")
     train.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace the k3 checkpoint already in --out with this new run (without it, a new run "
+                            "refuses such a folder; files k3 did not write are never replaced)")
     train.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data order")
     train.add_argument("--threads", type=_count(1, "torch threads"),
                        help="torch threads (default: all cores); 1 is often faster on a machine busy with other "

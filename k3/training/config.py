@@ -55,6 +55,7 @@ class TrainConfig:
     final_eval_tokens: int | None = 262144  # ... and for the final one (None: all of them)
     checkpoint_every: int | None = None
     out: str = "runs/k3"
+    overwrite: bool = False  # a new run may replace the k3 checkpoint in `out` (never files k3 did not write)
     seed: int = 0
     threads: int | None = None
     compile: bool = False  # torch.compile the decoder (k3.training.strategy.compile_decoder)
@@ -172,6 +173,7 @@ _RULES = {  # field: (check, what it expects)
     "seed": (_count(-(2 ** 63)), "an integer"),
     "threads": (_count(1, none=True), "an integer >= 1, or None (all cores)"),
     "model_overrides": (lambda v: isinstance(v, dict), "a dict of ModelConfig fields"),
+    "overwrite": (lambda v: isinstance(v, bool), "True or False"),
 }
 
 

@@ -34,7 +34,7 @@ import torch
 
 from ..models.checkpoint import load_into
 from ..runtime import machine_speed_words
-from .checkpoint import claim_output, load_training_checkpoint
+from .checkpoint import check_new_run_folder, claim_output, load_training_checkpoint
 from .config import TrainConfig, model_config, qk_clip_threshold
 from .distributed import start
 from .metrics import MetricsLog, check_logger
@@ -54,16 +54,21 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
     `parallel`: "none", or under torchrun "ddp", "fsdp" or "ep" (k3.training.distributed). `asked`:
     fields of `cfg` given by name, which a resumed run takes even where they equal the default
     (`k3 train --resume DIR --precision fp32` on a bf16 run).
-    The output folder is created and locked before any work (OutputFolderError: unusable, or another
-    run holds it); a NaN or infinite loss or gradient norm stops the run (NonFiniteLossError)."""
+    The output folder is checked, created and locked before any work (OutputFolderError: unusable,
+    another run holds it, or it holds a checkpoint (a new run replaces one only with `cfg.overwrite`) or
+    files k3 did not write under the names a run writes; every process of a torchrun job checks); a NaN
+    or infinite loss or gradient norm stops the run (NonFiniteLossError)."""
     state, changes = None, {}
     if resume is not None:
         state = load_training_checkpoint(resume, share=_share(parallel))
         changes = _resume_overrides(cfg, state["train_config"], asked)
         changes.setdefault("out", str(resume))
+        changes["overwrite"] = cfg.overwrite  # this command's choice, never the saved run's
         cfg = dataclasses.replace(state["train_config"], **changes)
         if _nothing_to_do(state, cfg, changes, resume):
             return state["history"]
+    if resume is None or not _same_folder(cfg.out, resume):  # a resumed run writes on in its own folder
+        check_new_run_folder(cfg.out, cfg.overwrite)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     check_logger(cfg.log)  # a missing package before any work
@@ -77,6 +82,10 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
     finally:
         if lock is not None:
             lock.release()
+
+
+def _same_folder(a, b) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _share(parallel: str) -> tuple[int, int]:
@@ -364,7 +373,7 @@ def _resume_overrides(requested: TrainConfig, saved: TrainConfig, asked: tuple[s
 
 
 RESUME_ADJUSTABLE = ("max_steps", "eval_every", "eval_tokens", "final_eval_tokens", "checkpoint_every", "threads",
-                     "out", "compile", "device", "precision", "log", "recompute", "ep")
+                     "out", "overwrite", "compile", "device", "precision", "log", "recompute", "ep")
 
 
 def _effective(cfg: TrainConfig, name: str):
