@@ -64,6 +64,8 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
         changes = _resume_overrides(cfg, state["train_config"], asked)
         changes.setdefault("out", str(resume))
         changes["overwrite"] = cfg.overwrite  # this command's choice, never the saved run's
+        if "ep" not in changes:  # not asked: the saved layout adapts to this launch
+            changes["ep"] = _launch_ep(state["train_config"].ep, parallel)
         cfg = dataclasses.replace(state["train_config"], **changes)
         if _nothing_to_do(state, cfg, changes, resume):
             return state["history"]
@@ -82,6 +84,19 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
     finally:
         if lock is not None:
             lock.release()
+
+
+def _launch_ep(saved: int, parallel: str) -> int:
+    """The `ep` of a resumed run that did not ask for one: the checkpoint's where this launch can take it
+    (--parallel fsdp over a process count it divides), else 1, said: a checkpoint resumes at any process
+    count and in any mode with the plain command (an explicit --ep is checked against the launch as given)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if saved == 1 or (parallel == "fsdp" and world % saved == 0):
+        return saved
+    if os.environ.get("RANK", "0") == "0":
+        _say(f"k3 train: the checkpoint was trained with --ep {saved} (--parallel fsdp); this launch (--parallel "
+             f"{parallel}, {world} process{'es' if world > 1 else ''}) trains on with ep 1")
+    return 1
 
 
 def _same_folder(a, b) -> bool:

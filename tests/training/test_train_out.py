@@ -115,3 +115,23 @@ def test_a_resumed_run_into_another_out_is_checked_as_a_new_runs_folder(corpus, 
     shutil.copytree(checkpoint, own)
     assert main(["train", "--resume", str(own) + "/", "--max-steps", "2", "--no-progress"]) == 0
     assert '"step": 2' in (own / "config.json").read_text()
+
+
+def test_a_checkpoint_saved_with_fsdp_ep_resumes_in_one_process_with_the_plain_command(corpus, tmp_path,
+                                                                                       capsys, monkeypatch):
+    """The saved layout (`ep` 2 of --parallel fsdp) adapts to the launch: the plain `k3 train --resume DIR`
+    in one process trains on with ep 1; only an explicit --ep that the launch contradicts is refused."""
+    out = tmp_path / "fsdp-ep2"
+    with monkeypatch.context() as patch:  # a checkpoint whose saved TrainConfig says ep 2 (as fsdp x ep 2 saves)
+        patch.setattr(loop, "start", lambda *args: None)
+        train(TrainConfig(preset="gpt2-tiny", model_overrides={"hidden_size": 16}, data=str(corpus),
+                          tokenizer="byte", seq_len=16, batch_size=2, max_steps=1, eval_tokens=64,
+                          final_eval_tokens=64, threads=1, device="cpu", ep=2, out=str(out)), progress=False)
+    assert '"ep": 2' in (out / "config.json").read_text()
+    fails(capsys, ["train", "--resume", str(out), "--max-steps", "2", "--ep", "2", "--no-progress"],
+          "--ep 2 is for --parallel fsdp")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--max-steps", "2", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "trained with --ep 2 (--parallel fsdp); this launch (--parallel none, 1 process) trains on with ep 1" in err
+    assert '"step": 2' in (out / "config.json").read_text()
