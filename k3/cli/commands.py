@@ -18,10 +18,16 @@ def _bench_ops(args) -> int:
 
 
 def _use_threads(args) -> None:
-    """torch's thread count from --threads, when it was given."""
+    """torch's threads from --threads, when given; a warning on stderr when they outnumber the cores."""
     if args.threads:
-        import torch
+        import os
 
+        import torch
+        cores = os.cpu_count()
+        if cores and args.threads > cores:
+            print(f"k3 {args.command}: warning: --threads {args.threads} is more than this machine's {cores} cores; "
+                  f"threads beyond the cores wait for each other and slow the work down (default: all cores)",
+                  file=sys.stderr)
         torch.set_num_threads(args.threads)
 
 
@@ -47,6 +53,7 @@ def _bench_profile(args) -> int:
 def _bench_models(args) -> int:
     from ..bench import models
 
+    _use_threads(args)
     if args.compile:
         from ..bench import compiled
 
@@ -64,6 +71,7 @@ def _bench_serve(args) -> int:
     from ..serve import parse_bytes, require_serve_extra
 
     require_serve_extra("k3 bench serve")
+    _use_threads(args)
     serve.run(quick=args.quick, duration=args.duration, clients=args.clients, contexts=tuple(args.contexts),
               cache_memory=parse_bytes(args.cache_memory), threads=args.threads, soak=args.soak,
               disconnect=args.disconnect, json_path=args.json)
@@ -136,8 +144,10 @@ def _parse_value(text: str):
 
 
 def _train_config(args):
+    from ..generation import check_seed
     from ..training import TrainConfig
 
+    check_seed(args.seed, "--seed")
     overrides = {}
     for item in args.set or []:
         if "=" not in item:
@@ -179,6 +189,7 @@ def _train(args) -> int:
     from ..training import train
 
     cfg = _train_config(args)
+    _use_threads(args)
     if args.resume:
         from ..models.preflight import check_checkpoint
 

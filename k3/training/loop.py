@@ -76,6 +76,10 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
     check_logger(cfg.log)  # a missing package before any work
     # start: a torchrun mode's strategy, else None
     strategy = start(parallel, cfg.batch_size, cfg.device, cfg.ep) or SingleProcess(cfg.device)
+    whole = state is not None and state["model"] is not None
+    # the sizes (parameters and activations) before the tokenizer or any work: with the smallest vocabulary
+    # (the 257 bytes) until the tokenizer gives its own, which `_run` checks again
+    model_config(cfg, state["tokenizer"].vocab_size if state else 257, share=strategy.share_here(cfg, whole=whole))
     out = Path(cfg.out)
     # before any work: a bad --out costs nothing; a run refused before its first save leaves nothing behind
     lock = strategy.on_main(lambda: claim_output(out))
@@ -130,6 +134,10 @@ def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: 
          progress: bool) -> dict:
     """`train` once the run's configuration is known and its output folder claimed."""
     tokenizer, data = strategy.prepare(cfg, state["tokenizer"] if state else None)
+    if strategy.is_main and state is None and cfg.tokenizer == "bpe" and tokenizer.vocab_size < cfg.vocab_size:
+        _say(f"k3 train: warning: --vocab-size {cfg.vocab_size}: the corpus gave the BPE tokenizer only "
+             f"{tokenizer.vocab_size:,} tokens (no more merges to learn); the model's vocabulary is "
+             f"{tokenizer.vocab_size:,}")
     # a corpus too short for one window is refused before anything is said or written
     data.batch(1, cfg.seq_len, torch.Generator())
     data.val_windows(cfg.seq_len, cfg.seq_len)
