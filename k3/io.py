@@ -28,12 +28,12 @@ through `shared_staging(folder)`: the folder is locked and recovered, the proces
 temporary folder inside it, and the lock holder commits them with `commit_files`, moving each file
 (already hashed by the process that wrote it: `described`) into place under the same journal.
 
-The next writer and every reader first `recover` the folder: a journal means a save died after its
-commit point, and its renames are finished (roll forward); without one, the temporaries of a save
-that died before it are removed. A kill at any instant therefore leaves the previous set or the new
-one, never a mix. Readers then compare the files they read with the manifest (`checked_folder`) and
-refuse one that differs, naming it; a folder without a manifest (written before it existed, or by
-another program) is read as it is.
+The next writer and every reader (through `reading`: every command and loader, their checks included)
+first `recover` the folder: a journal means a save died after its commit point, and its renames are
+finished (roll forward); without one, the temporaries of a save that died before it are removed. A
+kill at any instant therefore leaves the previous set or the new one, never a mix. Readers then
+compare the files they read with the manifest (`checked_folder`) and refuse one that differs, naming
+it; a folder without a manifest (written before it existed, or by another program) is read as it is.
 
 Writers and readers of one folder take turns through a lock on the folder itself (`folder_lock`:
 fcntl.flock of the directory, so no lock file, and it works in a read-only folder), reentrant within
@@ -72,13 +72,11 @@ _EARLIER_TEMPORARY = re.compile(r"^\.(model\.safetensors|config\.json|tokenizer\
 
 
 class CheckpointError(OSError):
-    """A checkpoint (a set of files) could not be written or read whole; the message names the
-    folder and file, and says what is left on disk."""
+    """A set of files could not be written or read whole; the message names them and what is left on disk."""
 
 
 def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
+    os.umask(umask := os.umask(0))
     return umask
 
 
@@ -88,8 +86,7 @@ def file_mode() -> int:
 
 
 def temp_beside(path: str | os.PathLike) -> str:
-    """A new empty temporary file in path's folder, with the permissions a plain open() would give
-    (mkstemp makes it owner-only)."""
+    """A new empty temporary file in path's folder, with open()'s permissions (mkstemp's are owner-only)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.k3-", suffix=".tmp")
     os.close(fd)
@@ -107,8 +104,7 @@ def _fsync(path: str | os.PathLike) -> None:
 
 
 def _settle(path: str | os.PathLike) -> None:
-    """Give a written file open()'s permissions (some writers, safetensors, make it owner-only) and
-    flush it to disk."""
+    """Give a written file open()'s permissions (safetensors makes it owner-only) and flush it to disk."""
     os.chmod(path, file_mode())
     _fsync(path)
 
@@ -159,8 +155,7 @@ def folder_lock(folder: str | os.PathLike) -> Iterator[None]:
 
 
 def atomic_write(path: str | os.PathLike, write: Writer) -> None:
-    """Call write(tmp_path) on a temporary file beside `path`, then rename it over `path`: readers see
-    the old file or the new one, never a partial one."""
+    """write(tmp_path) on a temporary beside `path`, renamed over it: readers see the old file or the new one."""
     with folder_lock(Path(path).parent):
         tmp = temp_beside(path)
         try:
@@ -174,13 +169,11 @@ def atomic_write(path: str | os.PathLike, write: Writer) -> None:
 
 def write_json(path: str | os.PathLike, obj, indent: int = 1) -> None:
     """`obj` as JSON at `path`, atomically."""
-    text = json.dumps(obj, indent=indent)
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    atomic_write(path, lambda tmp, text=json.dumps(obj, indent=indent): Path(tmp).write_text(text))
 
 
 def read_json(path: str | os.PathLike):
-    """The JSON value in the file `path`; a file that is not UTF-8 JSON is a ValueError naming the file and
-    where it breaks (json's own message names neither)."""
+    """The JSON value in the file `path`; one that is not UTF-8 JSON: a ValueError naming it and where it breaks."""
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -360,9 +353,8 @@ def _update_manifest(folder: Path, files: dict) -> None:
 
 
 def recover(folder: str | os.PathLike) -> None:
-    """Bring `folder` back to one complete set of files after a save that died (the caller holds its
-    lock): finish a committed save, or remove the temporaries of one that had not committed (left
-    where the folder is read-only: they do not change what is read)."""
+    """Bring `folder` back to one whole set of files after a save that died (the caller holds its lock):
+    finish a committed save, or remove the temporaries of an uncommitted one (left in a read-only folder)."""
     folder = Path(folder)
     if not folder.is_dir():
         return
@@ -398,15 +390,20 @@ def check_manifest(folder: str | os.PathLike, names: Iterable[str] | None = None
     path = folder / MANIFEST
     if not path.exists():
         return None
+    # a journal: a committed save not yet in place, which deleting the manifest would load mixed with the last
+    finish = (f"a save that died after its commit point is unfinished ({JOURNAL} is there): read the folder with a "
+              f"k3 command that can write it, to complete that save; do not delete {MANIFEST}"
+              if (folder / JOURNAL).exists() else None)
     try:
         manifest = json.loads(path.read_text())
         listed = {name: (int(e["size"]), str(e["sha256"])) for name, e in manifest["files"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{path}: not a readable k3 manifest ({type(e).__name__}: {e}); delete it to load "
-                              f"the checkpoint's files without checking them") from e
+        raise CheckpointError(f"{path}: not a readable k3 manifest ({type(e).__name__}: {e}); "
+                              f"{finish or 'delete it to load the files unchecked'}") from e
     saved = f"the save at step {manifest['step']}" if manifest.get("step") is not None else "the save"
-    advice = (f"the checkpoint's files are not the ones {saved} wrote together (replaced, edited or damaged "
-              f"since). Restore the file, or delete {MANIFEST} to load the files as they are")
+    advice = f"the checkpoint's files are not the ones {saved} wrote together" + (
+        f": {finish}" if finish else f" (replaced, edited or damaged since). Restore the file, or delete "
+                                     f"{MANIFEST} to load the files as they are")
     for i, (name, (size, sha256)) in enumerate(sorted(listed.items())):
         if names is not None and not any(fnmatch.fnmatchcase(name, pattern) for pattern in names):
             continue
@@ -426,19 +423,24 @@ def check_manifest(folder: str | os.PathLike, names: Iterable[str] | None = None
 
 
 @contextlib.contextmanager
-def checked_folder(folder: str | os.PathLike, names: Iterable[str] | None = None,
-                   share: tuple[int, int] = (0, 1)) -> Iterator[dict | None]:
-    """For reading a set of files: hold the folder's lock, `recover` it, check the files matching
-    `names` against the manifest (`share`: `check_manifest`'s), and yield the manifest (None without one)."""
+def reading(folder: str | os.PathLike) -> Iterator[None]:
+    """Every reader's way into a folder: locked, `recover`ed first; the block sees one whole save, never a mix."""
     with folder_lock(folder):
         recover(folder)
+        yield
+
+
+@contextlib.contextmanager
+def checked_folder(folder: str | os.PathLike, names: Iterable[str] | None = None,
+                   share: tuple[int, int] = (0, 1)) -> Iterator[dict | None]:
+    """`reading`, with the files matching `names` checked (`check_manifest`); yields the manifest or None."""
+    with reading(folder):
         yield check_manifest(folder, names, share)
 
 
 @contextlib.contextmanager
 def staging_folder(beside: str | os.PathLike) -> Iterator[Path]:
-    """A new empty folder next to `beside` (same filesystem: its contents can be renamed into place),
-    removed with whatever is left in it when the block ends."""
+    """A new empty folder beside `beside` (its files can be renamed into place), removed when the block ends."""
     beside = Path(beside)
     beside.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=beside.parent, prefix=f".{beside.name}.", suffix=".tmp"))

@@ -104,8 +104,8 @@ def test_a_vocabulary_that_cannot_fit_is_refused_before_the_bpe_trainer_allocate
 def test_a_model_that_cannot_fit_is_refused_before_training_allocates(corpus, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(runtime, "available_memory", lambda: 1 << 20)
     fails(capsys, ["train", "--data", str(corpus), *TINY_RUN, "--max-steps", "1", "--out", str(tmp_path / "out")],
-          "training 'kimi-k3-tiny' (1,067,916 parameters x 16 bytes) needs about 0.0 GiB (17,086,656 bytes), more "
-          "than the 0.0 GiB of memory available")
+          "training 'kimi-k3-tiny' (1,067,916 parameters x 16 bytes, and the activations of 2 x 32 tokens) needs "
+          "about 0.0 GiB (17,914,560 bytes), more than the 0.0 GiB of memory available", "--batch-size")
 
 
 def test_a_config_json_of_another_size_is_refused_before_the_model_is_built(damaged, capsys, monkeypatch):
@@ -207,3 +207,46 @@ def test_bad_bench_counts_are_refused_before_any_work(capsys, argv, expected):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith(f"k3 bench {argv[1]}: error: ") and expected in err, err
+
+
+def test_a_batch_whose_activations_cannot_fit_is_refused_before_the_tokenizer_or_any_allocation(
+        corpus, tmp_path, capsys, monkeypatch):
+    """The memory estimate counts the activations the backward keeps and the logits, not only parameters x 16
+    bytes: --batch-size 10000000 is refused at once, naming the flags, before the corpus is tokenized."""
+    from k3.training import strategy
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the run prepared its data before its size was checked")
+
+    monkeypatch.setattr(strategy.SingleProcess, "prepare", no_work)
+    monkeypatch.setattr(runtime, "available_memory", lambda: 22 << 30)
+    for flags in (["--batch-size", "10000000"], ["--tokenizer", "bpe", "--batch-size", "10000000"]):
+        err = fails(capsys, ["train", "--data", str(corpus), *flags, "--max-steps", "1", "--out", str(tmp_path / "o")],
+                    "and the activations of 10000000 x 256 tokens", "more than the 22.0 GiB of memory available",
+                    "--batch-size", "--seq-len")
+        assert "Traceback" not in err
+    # kimi-k3-tiny at width 100,000: its parameters alone (about 21.8 GiB) fit in 22.2 GiB, its activations do not
+    monkeypatch.setattr(runtime, "available_memory", lambda: int(22.2 * 2 ** 30))
+    fails(capsys, ["train", "--data", str(corpus), "--tokenizer", "byte", "--hidden-size", "100000", "--max-steps",
+                   "1", "--out", str(tmp_path / "o")], "training 'kimi-k3-tiny'", "--hidden-size")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_seed_out_of_range_is_refused_naming_the_flag(corpus, tmp_path, capsys):
+    fails(capsys, ["train", "--data", str(corpus), *TINY_RUN, "--seed", str(2 ** 64), "--out", str(tmp_path / "o")],
+          f"`--seed` must be an int in [0, 2**64 - 1] = [0, {2 ** 64 - 1}], got {2 ** 64}")
+    with pytest.raises(ValueError, match=re.escape("`TrainConfig.seed` must be an int in [0, 2**64 - 1]")):
+        TrainConfig(seed=-1)
+
+
+def test_more_threads_than_cores_and_a_vocabulary_the_corpus_cannot_give_are_said(corpus, tmp_path, capsys):
+    import os
+
+    threads = (os.cpu_count() or 1) + 1
+    assert main(["train", "--data", str(corpus), "--tokenizer", "bpe", "--vocab-size", "100000", "--hidden-size", "32",
+                 "--seq-len", "32", "--batch-size", "2", "--max-steps", "1", "--eval-tokens", "64",
+                 "--final-eval-tokens", "64", "--threads", str(threads), "--no-progress",
+                 "--out", str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err
+    assert f"k3 train: warning: --threads {threads} is more than this machine's {os.cpu_count()} cores" in err, err
+    assert "k3 train: warning: --vocab-size 100000: the corpus gave the BPE tokenizer only" in err, err

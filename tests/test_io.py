@@ -107,6 +107,22 @@ def test_a_committed_save_in_a_read_only_folder_is_a_clear_error(tmp_path, monke
             pass
 
 
+def test_a_check_of_an_unfinished_save_never_advises_deleting_the_manifest(tmp_path, monkeypatch):
+    """The journal of a save that died after its commit point is there: the files are between two saves, and
+    deleting the manifest would load that mix. `reading` (what every reader calls) finishes the save first."""
+    folder = tmp_path / "ckpt"
+    _interrupted_after_the_commit(folder, monkeypatch)
+    (folder / "a").write_text("a33")  # a file that neither save wrote, so the check fails before any recovery
+    with pytest.raises(CheckpointError) as refused:
+        k3.io.check_manifest(folder)
+    assert "do not delete .k3-manifest.json" in str(refused.value) and "to load the files as they are" not in str(
+        refused.value)
+    (folder / "a").write_text("a1")
+    with k3.io.reading(folder):
+        assert not (folder / JOURNAL).exists() and (folder / "a").read_text() == "a22"
+        assert k3.io.check_manifest(folder)["step"] == 2
+
+
 def test_an_uncommitted_saves_temporaries_are_removed_by_the_next_reader_or_writer(tmp_path):
     folder = tmp_path / "ckpt"
     atomic_write_files(folder, {"a": lambda t: Path(t).write_text("a1")}, manifest=True)

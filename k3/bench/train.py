@@ -60,7 +60,8 @@ def run(minutes: float = 5.0, speed_steps: int = 5, out: str = "runs/bench-train
     print(f"  kimi-k3-tiny trains at {ratio:.2f}x gpt2-tiny's tokens/s")
     # quality after the same wall-clock budget
     for name, overrides in runs.items():
-        cfg = dataclasses.replace(base, preset=name, model_overrides=overrides, out=f"{out}/{name}")
+        cfg = dataclasses.replace(base, preset=name, model_overrides=overrides, out=f"{out}/{name}",
+                                  overwrite=True)  # the benchmark's own folder, run after run
         history = train(cfg, progress=False)
         results[name]["val_bpb"] = history["final_val_bpb"]
         results[name]["steps"] = history["step"][-1] if history["step"] else 0

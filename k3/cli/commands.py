@@ -18,10 +18,16 @@ def _bench_ops(args) -> int:
 
 
 def _use_threads(args) -> None:
-    """torch's thread count from --threads, when it was given."""
+    """torch's threads from --threads, when given; a warning on stderr when they outnumber the cores."""
     if args.threads:
-        import torch
+        import os
 
+        import torch
+        cores = os.cpu_count()
+        if cores and args.threads > cores:
+            print(f"k3 {args.command}: warning: --threads {args.threads} is more than this machine's {cores} cores; "
+                  f"threads beyond the cores wait for each other and slow the work down (default: all cores)",
+                  file=sys.stderr)
         torch.set_num_threads(args.threads)
 
 
@@ -47,6 +53,7 @@ def _bench_profile(args) -> int:
 def _bench_models(args) -> int:
     from ..bench import models
 
+    _use_threads(args)
     if args.compile:
         from ..bench import compiled
 
@@ -64,6 +71,7 @@ def _bench_serve(args) -> int:
     from ..serve import parse_bytes, require_serve_extra
 
     require_serve_extra("k3 bench serve")
+    _use_threads(args)
     serve.run(quick=args.quick, duration=args.duration, clients=args.clients, contexts=tuple(args.contexts),
               cache_memory=parse_bytes(args.cache_memory), threads=args.threads, soak=args.soak,
               disconnect=args.disconnect, json_path=args.json)
@@ -136,8 +144,10 @@ def _parse_value(text: str):
 
 
 def _train_config(args):
+    from ..generation import check_seed
     from ..training import TrainConfig
 
+    check_seed(args.seed, "--seed")
     overrides = {}
     for item in args.set or []:
         if "=" not in item:
@@ -163,7 +173,7 @@ def _train_config(args):
                   warmup_steps=args.warmup, schedule=args.schedule, weight_decay=args.weight_decay,
                   grad_clip=args.grad_clip, max_steps=args.max_steps, time_budget=args.time_budget,
                   eval_every=args.eval_every, eval_tokens=args.eval_tokens, checkpoint_every=args.checkpoint_every,
-                  out=args.out, seed=args.seed, threads=args.threads, compile=args.compile)
+                  out=args.out, overwrite=args.overwrite, seed=args.seed, threads=args.threads, compile=args.compile)
     # given only when asked for (a resumed run takes them even where they equal the defaults)
     for key in _ASKED_BY_NAME:
         if getattr(args, key) is not None:
@@ -179,6 +189,7 @@ def _train(args) -> int:
     from ..training import train
 
     cfg = _train_config(args)
+    _use_threads(args)
     if args.resume:
         from ..models.preflight import check_checkpoint
 
@@ -188,163 +199,6 @@ def _train(args) -> int:
         train(cfg, resume=args.resume, progress=not args.no_progress, parallel=args.parallel, asked=asked)
     except KeyboardInterrupt:
         return 130
-    return 0
-
-
-def _generate(args) -> int:
-    """Everything the user gave is checked (tokenizer, prompts, the checkpoint's files, its size)
-    before the model is built; Ctrl-C stops the stream, keeps what was printed and exits with 130.
-    Without --prompt or --prompt-file: prompts from stdin (`k3.cli.interactive`)."""
-    import time
-
-    import torch
-
-    from ..generation import check_cache_fits
-    from ..models import CausalLM
-    from ..models.preflight import check_checkpoint
-    from ..runtime import resolve_device
-    from ..tokenizer import Tokenizer
-    from .interactive import interactive, report, stream_text
-
-    if args.chat and (args.prompt is not None or args.prompt_file):
-        raise ValueError("--chat is for the interactive mode (prompts from stdin): drop --prompt / --prompt-file, "
-                         "or --chat")
-    if not Path(args.checkpoint).is_dir():
-        raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no such folder (expected a checkpoint folder, "
-                                f"e.g. what k3 train --out wrote)")
-    if args.parallel == "ep" and args.prompt is None and not args.prompt_file:
-        raise ValueError("--parallel ep takes --prompt or --prompt-file (every process runs the same prompts); "
-                         "the interactive mode reads stdin in one process")
-    if args.compile and args.parallel == "ep":
-        raise ValueError("--compile decodes in one process; it does not combine with --parallel ep (drop one)")
-    _use_threads(args)
-    device = resolve_device(args.device)
-    if args.compile:
-        from ..models.decode_step import compile_cache_dir
-        from ..runtime import check_compiler
-
-        check_compiler(device, "--compile")
-        print(f"k3 generate: --compile: the first tokens wait while the decode step compiles (about a minute the "
-              f"first time for a model and batch size; later runs load it from {compile_cache_dir()})",
-              file=sys.stderr)
-    # every file against the save's manifest, the weights' names and shapes, as `k3 train --resume` does
-    check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
-    tokenizer = Tokenizer.load(args.checkpoint)
-    texts, prompts = _prompts(args, tokenizer)
-    if args.parallel == "ep":
-        return _generate_expert_parallel(args, tokenizer, texts, prompts, device)
-    model = CausalLM.from_pretrained(args.checkpoint).to(device).eval()
-    if prompts:  # the cache the prompts and --max-new-tokens need, refused before anything is printed
-        check_cache_fits(model, prompts, args.max_new_tokens)
-    if not prompts:
-        return interactive(args, model, tokenizer)
-    if args.prompt_file:
-        return _generate_batch(args, model, tokenizer, texts, prompts)
-    ids = prompts[0]
-    generator = torch.Generator(device).manual_seed(args.seed)  # sampling draws on the model's device
-    print(args.prompt, end="", flush=True)
-    new: list[int] = []
-    start = time.perf_counter()
-    try:
-        first_step = stream_text(model, tokenizer, ids, args, generator, new)
-    except KeyboardInterrupt:
-        print(flush=True)
-        print(f"[interrupted (Ctrl-C) after {len(new)} tokens]", file=sys.stderr)
-        return 130
-    print(flush=True)
-    report(len(new), time.perf_counter() - start, len(ids), device, first_step)
-    return 0
-
-
-def _generate_expert_parallel(args, tokenizer, texts: list[str], prompts: list[list[int]], device) -> int:
-    """`torchrun ... -m k3 generate --parallel ep`: each process holds its share of the experts
-    (k3.training.parallel.load_expert_parallel) and runs the same prompts with the same seed, so all
-    compute the same tokens; rank 0 prints them."""
-    import contextlib
-    import os
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    from ..training.parallel import load_expert_parallel
-    from .interactive import report, stream_text
-
-    model = load_expert_parallel(args.checkpoint, device).eval()
-    with contextlib.ExitStack() as quiet:
-        quiet.callback(dist.destroy_process_group)
-        if dist.get_rank() != 0:  # the same text on every process: rank 0 prints it
-            sink = quiet.enter_context(open(os.devnull, "w"))
-            quiet.enter_context(contextlib.redirect_stdout(sink))
-            quiet.enter_context(contextlib.redirect_stderr(sink))
-        if args.prompt_file:
-            return _generate_batch(args, model, tokenizer, texts, prompts)
-        generator = torch.Generator(device).manual_seed(args.seed)
-        print(args.prompt, end="", flush=True)
-        new: list[int] = []
-        start = time.perf_counter()
-        stream_text(model, tokenizer, prompts[0], args, generator, new)
-        print(flush=True)
-        report(len(new), time.perf_counter() - start, len(prompts[0]),
-               f"{device}, {dist.get_world_size()} processes (--parallel ep)")
-    return 0
-
-
-def _prompts(args, tokenizer) -> tuple[list[str], list[list[int]]]:
-    """(texts, their token ids): `--prompt`, or each non-blank line of `--prompt-file`, checked; none
-    without either (the interactive mode reads them)."""
-    from pathlib import Path
-
-    if args.prompt is None and not args.prompt_file:
-        return [], []
-    if not args.prompt_file:
-        try:
-            ids = tokenizer.encode(args.prompt)
-        except ValueError as e:
-            raise ValueError(f"--prompt: {e}") from None
-        if not ids:
-            raise ValueError(f"the prompt {args.prompt!r} is empty after tokenization; give some text")
-        return [args.prompt], [ids]
-    path = Path(args.prompt_file)
-    if not path.is_file():
-        raise ValueError(f"--prompt-file {path}: no such file")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--prompt-file {path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
-                         f"{e.start}); save it as UTF-8") from None
-    texts = [line for line in lines if line.strip()]
-    if not texts:
-        raise ValueError(f"--prompt-file {path}: no prompt in it (one prompt a line)")
-    prompts = [tokenizer.encode(text) for text in texts]
-    for i, (text, ids) in enumerate(zip(texts, prompts)):
-        if not ids:
-            raise ValueError(f"--prompt-file {path}: line {i + 1} ({text!r}) is empty after tokenization")
-    return texts, prompts
-
-
-def _generate_batch(args, model, tokenizer, texts: list[str], prompts: list[list[int]]) -> int:
-    """`k3 generate --prompt-file`: every line's continuation, generated together."""
-    import time
-
-    import torch
-
-    device = model.lm_head.weight.device
-    generator = torch.Generator(device).manual_seed(args.seed)
-    start = time.perf_counter()
-    eot = None if args.ignore_eot else tokenizer.eot_id
-    rows = model.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, eos_token_id=eot, generator=generator,
-                          compile=getattr(args, "compile", False))
-    seconds = time.perf_counter() - start
-    new = 0
-    for i, (text, ids, row) in enumerate(zip(texts, prompts, rows)):
-        new += row.numel() - len(ids)
-        print(f"--- prompt {i + 1} of {len(texts)}")
-        print(text + tokenizer.decode([t for t in row[len(ids):].tolist() if t != eot]), flush=True)
-    print(f"[{len(texts)} prompts ({min(map(len, prompts))} to {max(map(len, prompts))} tokens), {new} new tokens "
-          f"in {seconds:.2f} s: {new / max(seconds, 1e-9):.1f} tokens/s, prefill included; on {device}]",
-          file=sys.stderr)
     return 0
 
 
@@ -399,6 +253,7 @@ def _serve(args) -> int:
     """`k3 serve`: the checkpoint behind OpenAI's API (`k3.serve`); checked as `k3 generate` checks it."""
     import json
 
+    from ..io import reading
     from ..models import CausalLM
     from ..models.preflight import check_checkpoint
     from ..runtime import resolve_device
@@ -413,22 +268,22 @@ def _serve(args) -> int:
                                 f"e.g. what k3 train --out wrote)")
     _use_threads(args)
     device = resolve_device(args.device)
-    check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
-    tokenizer = Tokenizer.load(args.checkpoint)
-    model = CausalLM.from_pretrained(args.checkpoint).to(device).eval()
+    with reading(args.checkpoint):  # one whole save, read under the folder's lock (k3.io.reading)
+        check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
+        tokenizer = Tokenizer.load(args.checkpoint)
+        model = CausalLM.from_pretrained(args.checkpoint).to(device).eval()
+        config_file = Path(args.checkpoint) / "tokenizer_config.json"
+        tokens = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        chat_template = load_chat_template(args.checkpoint)
     positions = model.config.max_position_embeddings
     max_model_len = args.max_model_len or positions
     if positions and max_model_len > positions:
         raise ValueError(f"--max-model-len {max_model_len}: {model.config.name!r} has learned positions for "
                          f"{positions} tokens only")
-    special = {}
-    config_file = Path(args.checkpoint) / "tokenizer_config.json"
-    if config_file.is_file():
-        tokens = json.loads(config_file.read_text())
-        special = {k: v for k, v in tokens.items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
+    special = {k: v for k, v in tokens.items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
     name = args.served_model_name or Path(args.checkpoint).resolve().name
     engine = Engine(model, budget, max_queue=args.max_queue, max_running=args.max_running)
-    app = build_app(engine, tokenizer, name, chat_template=load_chat_template(args.checkpoint), special=special,
+    app = build_app(engine, tokenizer, name, chat_template=chat_template, special=special,
                     max_model_len=max_model_len, api_key=args.api_key)
     def ready(port: int) -> None:
         print(f"k3 serve: {name!r} ({model.config.name}, {model.num_parameters():,} parameters, on {device}); "

@@ -10,7 +10,8 @@ from ..generation import MAX_SEED
 from ..runtime import DEVICES
 
 from .commands import (_bench_backward, _bench_models, _bench_ops, _bench_parallel, _bench_profile, _bench_serve,
-                       _bench_train, _eval, _export, _generate, _lab, _params, _plan, _serve, _train)
+                       _bench_train, _eval, _export, _lab, _params, _plan, _serve, _train)
+from .generate import _generate
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -130,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also save every N steps (default: at the end only)")
     train.add_argument("--out", default="runs/k3", help="checkpoint directory (and the run's metrics.jsonl)")
     train.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace the k3 checkpoint already in --out with this new run (without it, a new run "
+                            "refuses such a folder; files k3 did not write are never replaced)")
     train.add_argument("--seed", type=_SEED, default=0, help="seed of the initial weights and the data order")
     train.add_argument("--threads", type=_count(1, "torch threads"),
                        help="torch threads (default: all cores); 1 is often faster on a machine busy with other "

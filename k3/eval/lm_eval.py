@@ -41,6 +41,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm import tqdm
 
+from ..io import reading
 from ..models import CausalLM
 from ..tokenizer import Tokenizer
 
@@ -80,8 +81,9 @@ class K3LM(TemplateLM):
         self._device = _device(device)
         self.dtype = _dtype(dtype)
         self.batch_size = _positive_int("batch_size", batch_size)
-        self.k3_tokenizer = _tokenizer(path, tokenizer)
-        self.model = CausalLM.from_pretrained(path, dtype=self.dtype).to(self._device).eval()
+        with reading(path):  # under the folder's lock, a save that died after its commit point finished
+            self.k3_tokenizer = _tokenizer(path, tokenizer)
+            self.model = CausalLM.from_pretrained(path, dtype=self.dtype).to(self._device).eval()
         config = self.model.config
         if self.k3_tokenizer.vocab_size > config.vocab_size:
             raise ValueError(f"k3 lm-eval: the tokenizer has {self.k3_tokenizer.vocab_size} tokens but the model "

@@ -50,7 +50,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from ..io import CheckpointError, folder_lock, move_files_into, staging_folder
+from ..io import CheckpointError, folder_lock, move_files_into, reading, staging_folder
 
 FORMATS = ("k3", "kimi-linear", "kimi-k3")
 QUANTIZE = (None, "mxfp4", "bf16")  # kimi-k3's routed experts: as stored, MXFP4, bfloat16
@@ -79,13 +79,14 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, format: str = 
     checkpoint, out = Path(checkpoint), Path(out).resolve()  # resolved: the staging folder goes beside it
     check_output(checkpoint, out)
     stored_mxfp4, a_log_pad = False, {}
-    if format == "kimi-k3" and checkpoint.is_dir():  # (from_pretrained says what a missing folder needs)
-        stored_mxfp4, a_log_pad = _stored_layout(checkpoint)
-    mxfp4_out = quantize == "mxfp4" or (quantize is None and stored_mxfp4)
-    # MXFP4 experts stay MXFP4 in memory (decoded to bfloat16 only as they are written, for "bf16")
-    experts = "mxfp4" if format == "kimi-k3" and (mxfp4_out or stored_mxfp4) else None
-    model = CausalLM.from_pretrained(checkpoint, experts=experts).eval()
-    tokenizer = Tokenizer.load(checkpoint) if (checkpoint / "tokenizer.json").exists() else None
+    with reading(checkpoint) if checkpoint.is_dir() else contextlib.nullcontext():  # one whole save, locked
+        if format == "kimi-k3" and checkpoint.is_dir():  # (from_pretrained says what a missing folder needs)
+            stored_mxfp4, a_log_pad = _stored_layout(checkpoint)
+        mxfp4_out = quantize == "mxfp4" or (quantize is None and stored_mxfp4)
+        # MXFP4 experts stay MXFP4 in memory (decoded to bfloat16 only as they are written, for "bf16")
+        experts = "mxfp4" if format == "kimi-k3" and (mxfp4_out or stored_mxfp4) else None
+        model = CausalLM.from_pretrained(checkpoint, experts=experts).eval()
+        tokenizer = Tokenizer.load(checkpoint) if (checkpoint / "tokenizer.json").exists() else None
     # Kimi Linear's config.json, made (or refused) before anything is written
     kimi_config = kimi_linear_config(model.config) if format == "kimi-linear" else None
     k3_config = published_config(model.config, mxfp4_out) if format == "kimi-k3" else None
@@ -154,7 +155,7 @@ def _stored_layout(checkpoint: Path) -> tuple[bool, dict]:
     from ..models.loading import shard_files
 
     stored_mxfp4, a_logs = False, {}
-    with folder_lock(checkpoint):
+    with reading(checkpoint):
         config, _ = read_config(checkpoint)
         for file in shard_files(checkpoint):
             try:

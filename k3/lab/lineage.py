@@ -108,7 +108,7 @@ def _run(mode: str, docs: Path, root: Path) -> Result:
         expected = s["steps"] or max(1, int(s["minutes"] * 60 / step_seconds[name]))
         cfg = dataclasses.replace(base, preset=LINEAGE[name][0], eval_every=max(1, expected // s["evaluations"]),
                                   model_overrides=lineage_overrides(name, s["width"], **s["overrides"]),
-                                  out=str(root / _slug(name)))
+                                  out=str(root / _slug(name)), overwrite=True)  # the lab's own folder
         print(f"k3 lab lineage: {name} ({LINEAGE[name][0]}, {count_params(c).total:,} parameters)", flush=True)
         history = train(cfg, progress=False)
         runs[name] = _curve(history, Path(cfg.out) / "metrics.jsonl", tokens_per_step)

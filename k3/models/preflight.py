@@ -13,6 +13,10 @@ that names the folder and the file:
 `check_checkpoint(path)` also reads a training checkpoint's other files: tokenizer.json, and
 trainer_state.pt where there is one (mapped: its tensors are not read).
 
+Both read the folder as every reader does (`k3.io.reading`): under its lock, after finishing a save
+that died after its commit point, so a checkpoint interrupted there is checked as the save left it
+whole, not as a mix of two saves.
+
 `CausalLM.from_pretrained` makes the same header pass and memory check itself; this module adds the
 CLI's wording and a training checkpoint's other files.
 """
@@ -26,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..io import check_manifest
+from ..io import check_manifest, reading
 from ..tokenizer import Tokenizer
 from .checkpoint import read_config
 from .config import ModelConfig
@@ -42,11 +46,12 @@ def check_pretrained(path: str | os.PathLike, what: str | None = None) -> ModelC
     what = what or str(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"{what}: no such folder (expected a checkpoint folder, e.g. k3 train --out)")
-    config, native = read_config(directory)  # a config.json that is not JSON: a ValueError naming it
-    refuse_if_too_big(config, 4, f"{what}: loading", "this checkpoint needs a machine with more memory")
-    with torch.device("meta"):
-        model = CausalLM(config)
-    check_weights(model, directory, native, source=what)
+    with reading(directory):  # a save that died after its commit point is finished first
+        config, native = read_config(directory)  # a config.json that is not JSON: a ValueError naming it
+        refuse_if_too_big(config, 4, f"{what}: loading", "this checkpoint needs a machine with more memory")
+        with torch.device("meta"):
+            model = CausalLM(config)
+        check_weights(model, directory, native, source=what)
     return config
 
 
@@ -56,15 +61,16 @@ def check_checkpoint(path: str | os.PathLike, what: str | None = None) -> ModelC
     `k3 train` that can be resumed, generated from or inspected."""
     what = what or str(path)
     config = check_pretrained(path, what)
-    Tokenizer.load(path)
-    state = Path(path) / "trainer_state.pt"
-    if state.exists():
-        try:
-            if not zipfile.is_zipfile(state):
-                raise RuntimeError("not a zip archive, which torch.save writes")
-            torch.load(state, weights_only=True, mmap=True)
-        except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
-            raise ValueError(f"{what}: trainer_state.pt is damaged or not written by k3 train "
-                             f"({str(e).splitlines()[0]}); restore it from the run that wrote it") from None
-    check_manifest(path)  # last: a file that reads but is not the one the save wrote (the checks above name worse)
+    with reading(path):
+        Tokenizer.load(path)
+        state = Path(path) / "trainer_state.pt"
+        if state.exists():
+            try:
+                if not zipfile.is_zipfile(state):
+                    raise RuntimeError("not a zip archive, which torch.save writes")
+                torch.load(state, weights_only=True, mmap=True)
+            except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
+                raise ValueError(f"{what}: trainer_state.pt is damaged or not written by k3 train "
+                                 f"({str(e).splitlines()[0]}); restore it from the run that wrote it") from None
+        check_manifest(path)  # last: a file that reads but is not the one the save wrote (the checks above name worse)
     return config

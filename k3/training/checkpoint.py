@@ -15,8 +15,12 @@ and their steps against each other (checkpoints written before the manifest exis
 latter). A checkpoint never holds a NaN or an infinity in its weights.
 `CausalLM.from_pretrained(dir)` reads the model part of it.
 
-`claim_output(out)` readies `k3 train --out` before the first step: the folder is created and written
-to, and `.k3-train.lock` (flock, holding the pid) keeps a second `k3 train` out of it.
+`check_new_run_folder(out, overwrite)` keeps a new run from destroying anything before it starts: a
+folder holding a k3 checkpoint is replaced only with `overwrite` (`k3 train --overwrite`), and a file
+that k3 did not write is never replaced (a folder of the user's own files takes a run only where none of
+them has a name the run writes). `claim_output(out)` readies `k3 train --out` before the first step: the
+folder is created and written to, and `.k3-train.lock` (flock, holding the pid) keeps a second
+`k3 train` out of it.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..io import CheckpointError, atomic_write_files, checked_folder, read_json
+from ..io import JOURNAL, MANIFEST, CheckpointError, atomic_write_files, checked_folder, read_json
 from ..models.checkpoint import SHARDED, is_sharded, restore_tied_head, sharded_step, weights_to_save
 from ..tokenizer import Tokenizer
 from .config import saved_train_config
@@ -45,7 +49,55 @@ __all__ = ["CheckpointError", "OutputFolderError", "save_training_checkpoint", "
 
 
 class OutputFolderError(OSError):
-    """`--out` cannot take the run: not a folder, not writable, or another `k3 train` is using it."""
+    """`--out` cannot take the run: not a folder, not writable, another `k3 train` is using it, or it holds
+    a checkpoint or files that the run would replace."""
+
+
+# what a run writes in its folder besides FILES (and what k3 leaves there: the lock, the journal, the manifest)
+RUN_NAMES = (*FILES, SHARDED, "metrics.jsonl", "tensorboard", "wandb")
+
+
+def holds_checkpoint(folder) -> bool:
+    """Whether `folder` holds a k3 training checkpoint (or a save of one that died): its manifest or journal,
+    or a config.json with k3's run settings (a checkpoint from before the manifest existed)."""
+    folder = Path(folder)
+    if (folder / MANIFEST).exists() or (folder / JOURNAL).exists():
+        return True
+    try:
+        saved = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and "k3" in saved and "train" in saved
+
+
+def check_new_run_folder(out, overwrite: bool = False) -> None:
+    """Refuse, before anything is written, a new run's `--out` that holds what the run would replace
+    (OutputFolderError naming the ways on): a k3 checkpoint, unless `overwrite`; a file or folder that k3
+    did not write under one of the names a run writes (RUN_NAMES), even with `overwrite`."""
+    out = Path(out)
+    if not out.is_dir():
+        return
+    if holds_checkpoint(out):
+        if overwrite:
+            return
+        step = _saved_step(out)
+        raise OutputFolderError(f"--out {out} holds the k3 checkpoint of another run{step}, which a new run would "
+                                f"replace: continue it with --resume {out}, train into another --out, or give "
+                                f"--overwrite to replace it")
+    theirs = sorted(name for name in RUN_NAMES if os.path.lexists(out / name))
+    if theirs:
+        raise OutputFolderError(f"--out {out} holds {', '.join(theirs)}, which k3 did not write and the run would "
+                                f"replace: move {'them' if len(theirs) > 1 else 'it'} or train into another --out "
+                                f"(--overwrite replaces only a k3 checkpoint)")
+
+
+def _saved_step(folder: Path) -> str:
+    """", at step N" from the folder's config.json (nothing when it does not say)."""
+    try:
+        step = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("step")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f" (at step {step})" if isinstance(step, int) else ""
 
 
 def save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step: int, max_steps: int | None,

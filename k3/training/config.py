@@ -10,16 +10,22 @@ refuses one whose training state cannot fit in this machine's memory before anyt
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
-from ..models import PRESETS, ModelConfig, get_config
+from ..generation import check_seed
+from ..models import PRESETS, ModelConfig, count_params, get_config
 from ..models.config import check_field_names
-from ..models.params import refuse_if_too_big
+from ..runtime import refuse_if_over_memory
 
 DEFAULT_MAX_STEPS = 1000  # without a time budget
 WARMUP_FRACTION, MAX_WARMUP_STEPS = 0.05, 50  # the default warm-up: 50 steps of a 1,000-step run, 2 of 30
 QK_CLIP_TAU = 100.0  # QK-Clip's logit bound with Muon (Kimi K2's tau; k3.training.qk_clip)
 TRAINING_BYTES_PER_PARAMETER = 16  # float32 weights, gradients and AdamW's two moments (activations aside)
+# float32 values a decoder layer keeps for its backward, per token and unit of width (about: the norms' and
+# projections' inputs, attention's and the feed-forward's intermediates; Megatron's 34 bytes in 16-bit halved)
+ACTIVATION_VALUES_PER_WIDTH = 17
+LOGIT_COPIES = 2  # the logits and the softmax's gradient, float32, for every token of the micro-batch
 
 
 @dataclass
@@ -55,6 +61,7 @@ class TrainConfig:
     final_eval_tokens: int | None = 262144  # ... and for the final one (None: all of them)
     checkpoint_every: int | None = None
     out: str = "runs/k3"
+    overwrite: bool = False  # a new run may replace the k3 checkpoint in `out` (never files k3 did not write)
     seed: int = 0
     threads: int | None = None
     compile: bool = False  # torch.compile the decoder (k3.training.strategy.compile_decoder)
@@ -89,6 +96,7 @@ class TrainConfig:
         if self.tokenizer == "bpe" and self.vocab_size < 257:
             raise ValueError(f"TrainConfig: `vocab_size` must be at least 257 (256 bytes + <|endoftext|>) for "
                              f"a BPE tokenizer, got {self.vocab_size}")
+        check_seed(self.seed, "TrainConfig.seed")
         if self.preset not in PRESETS:
             raise ValueError(f"TrainConfig: unknown preset {self.preset!r}; choose from: {', '.join(PRESETS)}")
         _check_model_overrides(self)
@@ -117,12 +125,33 @@ def qk_clip_threshold(cfg: TrainConfig) -> float:
 
 def model_config(cfg: TrainConfig, vocab_size: int, share: float = 1.0) -> ModelConfig:
     """The model the run trains: `cfg.preset` with `cfg.model_overrides` and the tokenizer's vocabulary;
-    a ValueError with the estimate when its training state cannot fit in this machine's memory (`share`
-    of it on this machine: a sharded run's processes here)."""
+    a ValueError with the estimate (`training_bytes`) when its training cannot fit in this machine's
+    memory (`share` of the parameters' state on this machine: a sharded run's processes here)."""
     config = get_config(cfg.preset, **{**cfg.model_overrides, "vocab_size": vocab_size})
-    refuse_if_too_big(config, TRAINING_BYTES_PER_PARAMETER, "training",
-                      "choose a smaller preset, --hidden-size or --num-layers", share)
+    total = count_params(config).total
+    held = f", {share:.3g} of them on this machine" if share != 1 else ""
+    refuse_if_over_memory(f"training {config.name!r} ({total:,} parameters x {TRAINING_BYTES_PER_PARAMETER} bytes"
+                          f"{held}, and the activations of {cfg.batch_size} x {cfg.seq_len} tokens)",
+                          training_bytes(cfg, config, share),
+                          "choose a smaller preset, --hidden-size or --num-layers, or a smaller --batch-size or "
+                          "--seq-len (--grad-accum N takes a batch in N micro-batches; --recompute full keeps "
+                          "fewer activations)")
     return config
+
+
+def training_bytes(cfg: TrainConfig, config: ModelConfig, share: float = 1.0) -> int:
+    """About the memory a training step needs on this machine: the parameters' state (`share` of it,
+    TRAINING_BYTES_PER_PARAMETER each) and the activations its backward keeps for one micro-batch (each
+    layer's, ACTIVATION_VALUES_PER_WIDTH float32 values per token and unit of width; with --recompute full
+    a layer's input alone, and one layer's whole while it is recomputed) and its logits (LOGIT_COPIES); a
+    torchrun job's processes here take their part of the micro-batch."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tokens = cfg.batch_size * cfg.seq_len * int(os.environ.get("LOCAL_WORLD_SIZE", world)) / world
+    layer = tokens * config.hidden_size * ACTIVATION_VALUES_PER_WIDTH * 4
+    kept = layer + config.num_layers * tokens * config.hidden_size * 4 if cfg.recompute == "full" else (
+        config.num_layers * layer)
+    logits = tokens * config.vocab_size * 4 * LOGIT_COPIES
+    return int(count_params(config).total * TRAINING_BYTES_PER_PARAMETER * share + kept + logits)
 
 
 def _number(value) -> bool:
@@ -169,9 +198,9 @@ _RULES = {  # field: (check, what it expects)
     "grad_accum": (_count(1), "an integer >= 1"),
     "ep": (_count(1), "an integer >= 1 (1: no expert parallelism inside fsdp)"),
     "checkpoint_every": (_count(1, none=True), "an integer >= 1, or None (a checkpoint at the end only)"),
-    "seed": (_count(-(2 ** 63)), "an integer"),
     "threads": (_count(1, none=True), "an integer >= 1, or None (all cores)"),
     "model_overrides": (lambda v: isinstance(v, dict), "a dict of ModelConfig fields"),
+    "overwrite": (lambda v: isinstance(v, bool), "True or False"),
 }
 
 

@@ -34,7 +34,7 @@ import torch
 
 from ..models.checkpoint import load_into
 from ..runtime import machine_speed_words
-from .checkpoint import claim_output, load_training_checkpoint
+from .checkpoint import check_new_run_folder, claim_output, load_training_checkpoint
 from .config import TrainConfig, model_config, qk_clip_threshold
 from .distributed import start
 from .metrics import MetricsLog, check_logger
@@ -54,21 +54,32 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
     `parallel`: "none", or under torchrun "ddp", "fsdp" or "ep" (k3.training.distributed). `asked`:
     fields of `cfg` given by name, which a resumed run takes even where they equal the default
     (`k3 train --resume DIR --precision fp32` on a bf16 run).
-    The output folder is created and locked before any work (OutputFolderError: unusable, or another
-    run holds it); a NaN or infinite loss or gradient norm stops the run (NonFiniteLossError)."""
+    The output folder is checked, created and locked before any work (OutputFolderError: unusable,
+    another run holds it, or it holds a checkpoint (a new run replaces one only with `cfg.overwrite`) or
+    files k3 did not write under the names a run writes; every process of a torchrun job checks); a NaN
+    or infinite loss or gradient norm stops the run (NonFiniteLossError)."""
     state, changes = None, {}
     if resume is not None:
         state = load_training_checkpoint(resume, share=_share(parallel))
         changes = _resume_overrides(cfg, state["train_config"], asked)
         changes.setdefault("out", str(resume))
+        changes["overwrite"] = cfg.overwrite  # this command's choice, never the saved run's
+        if "ep" not in changes:  # not asked: the saved layout adapts to this launch
+            changes["ep"] = _launch_ep(state["train_config"].ep, parallel)
         cfg = dataclasses.replace(state["train_config"], **changes)
         if _nothing_to_do(state, cfg, changes, resume):
             return state["history"]
+    if resume is None or not _same_folder(cfg.out, resume):  # a resumed run writes on in its own folder
+        check_new_run_folder(cfg.out, cfg.overwrite)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     check_logger(cfg.log)  # a missing package before any work
     # start: a torchrun mode's strategy, else None
     strategy = start(parallel, cfg.batch_size, cfg.device, cfg.ep) or SingleProcess(cfg.device)
+    whole = state is not None and state["model"] is not None
+    # the sizes (parameters and activations) before the tokenizer or any work: with the smallest vocabulary
+    # (the 257 bytes) until the tokenizer gives its own, which `_run` checks again
+    model_config(cfg, state["tokenizer"].vocab_size if state else 257, share=strategy.share_here(cfg, whole=whole))
     out = Path(cfg.out)
     # before any work: a bad --out costs nothing; a run refused before its first save leaves nothing behind
     lock = strategy.on_main(lambda: claim_output(out))
@@ -77,6 +88,23 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, pa
     finally:
         if lock is not None:
             lock.release()
+
+
+def _launch_ep(saved: int, parallel: str) -> int:
+    """The `ep` of a resumed run that did not ask for one: the checkpoint's where this launch can take it
+    (--parallel fsdp over a process count it divides), else 1, said: a checkpoint resumes at any process
+    count and in any mode with the plain command (an explicit --ep is checked against the launch as given)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if saved == 1 or (parallel == "fsdp" and world % saved == 0):
+        return saved
+    if os.environ.get("RANK", "0") == "0":
+        _say(f"k3 train: the checkpoint was trained with --ep {saved} (--parallel fsdp); this launch (--parallel "
+             f"{parallel}, {world} process{'es' if world > 1 else ''}) trains on with ep 1")
+    return 1
+
+
+def _same_folder(a, b) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _share(parallel: str) -> tuple[int, int]:
@@ -106,6 +134,10 @@ def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: 
          progress: bool) -> dict:
     """`train` once the run's configuration is known and its output folder claimed."""
     tokenizer, data = strategy.prepare(cfg, state["tokenizer"] if state else None)
+    if strategy.is_main and state is None and cfg.tokenizer == "bpe" and tokenizer.vocab_size < cfg.vocab_size:
+        _say(f"k3 train: warning: --vocab-size {cfg.vocab_size}: the corpus gave the BPE tokenizer only "
+             f"{tokenizer.vocab_size:,} tokens (no more merges to learn); the model's vocabulary is "
+             f"{tokenizer.vocab_size:,}")
     # a corpus too short for one window is refused before anything is said or written
     data.batch(1, cfg.seq_len, torch.Generator())
     data.val_windows(cfg.seq_len, cfg.seq_len)
@@ -364,7 +396,7 @@ def _resume_overrides(requested: TrainConfig, saved: TrainConfig, asked: tuple[s
 
 
 RESUME_ADJUSTABLE = ("max_steps", "eval_every", "eval_tokens", "final_eval_tokens", "checkpoint_every", "threads",
-                     "out", "compile", "device", "precision", "log", "recompute", "ep")
+                     "out", "overwrite", "compile", "device", "precision", "log", "recompute", "ep")
 
 
 def _effective(cfg: TrainConfig, name: str):

@@ -26,7 +26,9 @@ import safetensors.torch
 import torch
 
 import k3.io
+from k3.cli import main
 from k3.io import JOURNAL, MANIFEST, CheckpointError
+from k3.models.preflight import check_checkpoint
 from k3.tokenizer import Tokenizer
 from k3.training import TrainConfig, strategy, train
 from k3.training import checkpoint as ckpt_module
@@ -188,6 +190,10 @@ def test_a_save_stopped_at_any_file_operation_leaves_one_whole_checkpoint(run, t
             except (Died, CheckpointError) as e:
                 error = e
         where = f"{mode} at operation {at} ({counted.ops[at - 1]})"
+        if mode == "death":  # the CLI's preflight reads first (k3 train --resume, k3 generate): it recovers too
+            if (folder / JOURNAL).exists():  # died after the commit point: kept as left, for the CLI below
+                shutil.copytree(folder, tmp_path / f"committed{at}", symlinks=True)
+            check_checkpoint(folder)
         state = ckpt_module.load_training_checkpoint(folder)  # the next reader: recovers, checks, loads
         found = digests(folder)
         assert found in (previous, new), where
@@ -203,6 +209,18 @@ def test_a_save_stopped_at_any_file_operation_leaves_one_whole_checkpoint(run, t
     print(f"{mode}: {positions} positions, {sum(o == 'new' for o in outcomes.values())} ended with the new checkpoint")
     if mode == "error":
         return
+    # a save killed after its commit point (its journal and the new files' temporaries left) is read whole by
+    # the commands themselves: the first and the last such position, through the CLI's main
+    committed = sorted(int(p.name[len("committed"):]) for p in tmp_path.glob("committed*"))
+    assert len(committed) >= 5, committed  # the renames, the manifest, the journal's removal
+    for at in (committed[0], committed[-1]):
+        shutil.copytree(tmp_path / f"committed{at}", tmp_path / f"generate{at}", symlinks=True)
+        assert main(["generate", "--checkpoint", str(tmp_path / f"generate{at}"), "--prompt", "the",
+                     "--max-new-tokens", "2"]) == 0, at
+        assert main(["train", "--resume", str(tmp_path / f"committed{at}"), "--no-progress"]) == 0, at
+        assert left_over(tmp_path / f"committed{at}") == []
+        resumed = ckpt_module.load_training_checkpoint(tmp_path / f"committed{at}")["history"]
+        assert resumed["loss"] == run["full"]["loss"], at
     # what was left resumes exactly: the last position that kept the previous checkpoint, the first with the new
     last_previous = max(at for at, o in outcomes.items() if o == "previous")
     for at in (last_previous, last_previous + 1):

@@ -104,8 +104,11 @@ def _inspect(mode: str, docs: Path, checkpoint: Path, trained_now: bool, given: 
 
 
 def _history(checkpoint: Path) -> dict | None:
+    from ...io import reading
+
     try:
-        state = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
+        with reading(checkpoint):
+            state = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
     except (OSError, RuntimeError):
         return None
     h = state.get("history", {})

@@ -58,7 +58,10 @@ def finished(out: Path, cfg) -> bool:
         saved = json.loads((Path(out) / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    same = saved.get("train") == json.loads(json.dumps(dataclasses.asdict(cfg)))
+    asked = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    kept = saved.get("train")
+    same = isinstance(kept, dict) and {k: v for k, v in kept.items() if k != "overwrite"} == {
+        k: v for k, v in asked.items() if k != "overwrite"}  # (how the run was allowed into its folder aside)
     return same and saved.get("step") == cfg.max_steps and (Path(out) / "model.safetensors").exists()
 
 
@@ -70,12 +73,13 @@ def trained_checkpoint(mode: str, root: Path | None = None) -> tuple[Path, bool]
     out = Path(cfg.out)
     if finished(out, cfg):
         return out, False
-    train(cfg, progress=False)
+    train(dataclasses.replace(cfg, overwrite=True), progress=False)  # the lab's own folder: an unfinished run
     return out, True
 
 
 def load(checkpoint: Path):
     """(model in eval mode, tokenizer, train config or None) from a k3 checkpoint folder."""
+    from ...io import reading
     from ...tokenizer import Tokenizer
     from ...training.config import saved_train_config
 
@@ -85,9 +89,10 @@ def load(checkpoint: Path):
     if not (checkpoint / "tokenizer.json").exists():
         raise FileNotFoundError(f"--checkpoint {checkpoint}: no tokenizer.json there; k3 lab inspect needs a "
                                 f"checkpoint written by `k3 train`")
-    model = CausalLM.from_pretrained(checkpoint).eval()
-    tokenizer = Tokenizer.load(checkpoint)
-    saved = json.loads((checkpoint / "config.json").read_text())
+    with reading(checkpoint):  # under the folder's lock, a save that died after its commit point finished
+        model = CausalLM.from_pretrained(checkpoint).eval()
+        tokenizer = Tokenizer.load(checkpoint)
+        saved = json.loads((checkpoint / "config.json").read_text())
     cfg = saved_train_config(saved["train"]) if isinstance(saved.get("train"), dict) else None
     return model, tokenizer, cfg
 

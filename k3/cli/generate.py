@@ -1,0 +1,167 @@
+"""`k3 generate`: one prompt streamed, a file of prompts as one batch, or (without either) the interactive
+mode of `k3.cli.interactive`; `--parallel ep` runs the same prompts on every process of a torchrun."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .commands import _use_threads
+
+
+def _generate(args) -> int:
+    """Everything the user gave is checked (tokenizer, prompts, the checkpoint's files, its size)
+    before the model is built; Ctrl-C stops the stream, keeps what was printed and exits with 130.
+    Without --prompt or --prompt-file: prompts from stdin (`k3.cli.interactive`)."""
+    import time
+
+    import torch
+
+    from ..generation import check_cache_fits
+    from ..io import reading
+    from ..models import CausalLM
+    from ..models.preflight import check_checkpoint
+    from ..runtime import resolve_device
+    from ..tokenizer import Tokenizer
+    from .interactive import interactive, report, stream_text
+
+    if args.chat and (args.prompt is not None or args.prompt_file):
+        raise ValueError("--chat is for the interactive mode (prompts from stdin): drop --prompt / --prompt-file, "
+                         "or --chat")
+    if not Path(args.checkpoint).is_dir():
+        raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no such folder (expected a checkpoint folder, "
+                                f"e.g. what k3 train --out wrote)")
+    if args.parallel == "ep" and args.prompt is None and not args.prompt_file:
+        raise ValueError("--parallel ep takes --prompt or --prompt-file (every process runs the same prompts); "
+                         "the interactive mode reads stdin in one process")
+    if args.compile and args.parallel == "ep":
+        raise ValueError("--compile decodes in one process; it does not combine with --parallel ep (drop one)")
+    _use_threads(args)
+    device = resolve_device(args.device)
+    if args.compile:
+        from ..models.decode_step import compile_cache_dir
+        from ..runtime import check_compiler
+
+        check_compiler(device, "--compile")
+        print(f"k3 generate: --compile: the first tokens wait while the decode step compiles (about a minute the "
+              f"first time for a model and batch size; later runs load it from {compile_cache_dir()})",
+              file=sys.stderr)
+    with reading(args.checkpoint):  # one whole save, read under the folder's lock (k3.io.reading)
+        # every file against the save's manifest, the weights' names and shapes, as `k3 train --resume` does
+        check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
+        tokenizer = Tokenizer.load(args.checkpoint)
+        texts, prompts = _prompts(args, tokenizer)
+        if args.parallel == "ep":
+            return _generate_expert_parallel(args, tokenizer, texts, prompts, device)
+        model = CausalLM.from_pretrained(args.checkpoint).to(device).eval()
+    if not prompts:
+        return interactive(args, model, tokenizer)
+    check_cache_fits(model, prompts, args.max_new_tokens)  # refused before anything is printed
+    if args.prompt_file:
+        return _generate_batch(args, model, tokenizer, texts, prompts)
+    ids = prompts[0]
+    generator = torch.Generator(device).manual_seed(args.seed)  # sampling draws on the model's device
+    print(args.prompt, end="", flush=True)
+    new: list[int] = []
+    start = time.perf_counter()
+    try:
+        first_step = stream_text(model, tokenizer, ids, args, generator, new)
+    except KeyboardInterrupt:
+        print(flush=True)
+        print(f"[interrupted (Ctrl-C) after {len(new)} tokens]", file=sys.stderr)
+        return 130
+    print(flush=True)
+    report(len(new), time.perf_counter() - start, len(ids), device, first_step)
+    return 0
+
+
+def _generate_expert_parallel(args, tokenizer, texts: list[str], prompts: list[list[int]], device) -> int:
+    """`torchrun ... -m k3 generate --parallel ep`: each process holds its share of the experts
+    (k3.training.parallel.load_expert_parallel) and runs the same prompts with the same seed, so all
+    compute the same tokens; rank 0 prints them."""
+    import contextlib
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ..training.parallel import load_expert_parallel
+    from .interactive import report, stream_text
+
+    model = load_expert_parallel(args.checkpoint, device).eval()
+    with contextlib.ExitStack() as quiet:
+        quiet.callback(dist.destroy_process_group)
+        if dist.get_rank() != 0:  # the same text on every process: rank 0 prints it
+            sink = quiet.enter_context(open(os.devnull, "w"))
+            quiet.enter_context(contextlib.redirect_stdout(sink))
+            quiet.enter_context(contextlib.redirect_stderr(sink))
+        if args.prompt_file:
+            return _generate_batch(args, model, tokenizer, texts, prompts)
+        generator = torch.Generator(device).manual_seed(args.seed)
+        print(args.prompt, end="", flush=True)
+        new: list[int] = []
+        start = time.perf_counter()
+        stream_text(model, tokenizer, prompts[0], args, generator, new)
+        print(flush=True)
+        report(len(new), time.perf_counter() - start, len(prompts[0]),
+               f"{device}, {dist.get_world_size()} processes (--parallel ep)")
+    return 0
+
+
+def _prompts(args, tokenizer) -> tuple[list[str], list[list[int]]]:
+    """(texts, their token ids): `--prompt`, or each non-blank line of `--prompt-file`, checked; none
+    without either (the interactive mode reads them)."""
+    from pathlib import Path
+
+    if args.prompt is None and not args.prompt_file:
+        return [], []
+    if not args.prompt_file:
+        try:
+            ids = tokenizer.encode(args.prompt)
+        except ValueError as e:
+            raise ValueError(f"--prompt: {e}") from None
+        if not ids:
+            raise ValueError(f"the prompt {args.prompt!r} is empty after tokenization; give some text")
+        return [args.prompt], [ids]
+    path = Path(args.prompt_file)
+    if not path.is_file():
+        raise ValueError(f"--prompt-file {path}: no such file")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file {path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                         f"{e.start}); save it as UTF-8") from None
+    texts = [line for line in lines if line.strip()]
+    if not texts:
+        raise ValueError(f"--prompt-file {path}: no prompt in it (one prompt a line)")
+    prompts = [tokenizer.encode(text) for text in texts]
+    for i, (text, ids) in enumerate(zip(texts, prompts)):
+        if not ids:
+            raise ValueError(f"--prompt-file {path}: line {i + 1} ({text!r}) is empty after tokenization")
+    return texts, prompts
+
+
+def _generate_batch(args, model, tokenizer, texts: list[str], prompts: list[list[int]]) -> int:
+    """`k3 generate --prompt-file`: every line's continuation, generated together."""
+    import time
+
+    import torch
+
+    device = model.lm_head.weight.device
+    generator = torch.Generator(device).manual_seed(args.seed)
+    start = time.perf_counter()
+    eot = None if args.ignore_eot else tokenizer.eot_id
+    rows = model.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, eos_token_id=eot, generator=generator,
+                          compile=getattr(args, "compile", False))
+    seconds = time.perf_counter() - start
+    new = 0
+    for i, (text, ids, row) in enumerate(zip(texts, prompts, rows)):
+        new += row.numel() - len(ids)
+        print(f"--- prompt {i + 1} of {len(texts)}")
+        print(text + tokenizer.decode([t for t in row[len(ids):].tolist() if t != eot]), flush=True)
+    print(f"[{len(texts)} prompts ({min(map(len, prompts))} to {max(map(len, prompts))} tokens), {new} new tokens "
+          f"in {seconds:.2f} s: {new / max(seconds, 1e-9):.1f} tokens/s, prefill included; on {device}]",
+          file=sys.stderr)
+    return 0
