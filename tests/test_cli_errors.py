@@ -234,7 +234,7 @@ def test_a_batch_whose_activations_cannot_fit_is_refused_before_the_tokenizer_or
 
 def test_a_seed_out_of_range_is_refused_naming_the_flag(corpus, tmp_path, capsys):
     fails(capsys, ["train", "--data", str(corpus), *TINY_RUN, "--seed", str(2 ** 64), "--out", str(tmp_path / "o")],
-          f"`--seed` must be an int in [0, 2**64 - 1] = [0, {2 ** 64 - 1}], got {2 ** 64}")
+          f"argument --seed: expected a seed, an integer in [0, {2 ** 64 - 1}], got '{2 ** 64}'")
     with pytest.raises(ValueError, match=re.escape("`TrainConfig.seed` must be an int in [0, 2**64 - 1]")):
         TrainConfig(seed=-1)
 

@@ -21,10 +21,9 @@ import sys
 
 import torch
 
-from ..io import write_json
 from ..ops import chunk_delta_rule, chunk_gated_delta_rule, chunk_kda
 from ..ops.chunk import autograd_through_forward
-from .timing import interleaved_best, matmul_gflops
+from .timing import interleaved_best, matmul_gflops, write_report
 
 OPS = ("kda", "gated_delta_rule", "delta_rule")
 
@@ -122,5 +121,5 @@ def run(shapes=((8, 256), (1, 8192)), memory_T: int = 16384, heads: int = 4, dim
             ratio = f"ratio {own / auto:.2f}" if auto > 0 else "(too small to measure)"
             say(f"  {op:17s} own {own / 2**20:6.1f} MiB   autograd {auto / 2**20:6.1f} MiB   {ratio}")
     if json_path:
-        write_json(json_path, results)
+        write_report(json_path, results, "backward")
     return results

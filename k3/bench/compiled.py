@@ -35,9 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from ..generation import static_length
-from ..io import write_json
 from .models import GPT2, K3_TINY, KIMI_LINEAR, LABELS, VOCAB, build_k3
-from .timing import matmul_gflops
+from .timing import matmul_gflops, write_report
 
 NAMES = (K3_TINY, KIMI_LINEAR, GPT2)
 
@@ -185,7 +184,7 @@ def _run(s: Settings, say, json_path: str | None) -> dict:
     report = {"threads": threads, "gemm_gflops": gemm, "settings": s.__dict__, "matched_gpt2": gpt,
               "models": res, "compile": compile_res, "targets": tgt}
     if json_path:
-        write_json(json_path, report)
+        write_report(json_path, report, "compiled")
     return report
 
 

@@ -40,12 +40,11 @@ from pathlib import Path
 
 import torch
 
-from ..io import write_json
 from ..models import CausalLM, get_config
 from ..models.checkpoint import kimi_state_dict
 from ..models.hf_config import kimi_linear_config
 from ..training import TrainConfig, build_optimizer, training_step
-from .timing import interleaved_best, matmul_gflops, threads
+from .timing import interleaved_best, matmul_gflops, threads, write_report
 from .train import matched_gpt2
 
 K3_TINY, KIMI_LINEAR, GPT2 = "kimi-k3-tiny", "kimi-linear-tiny", "gpt2-tiny"
@@ -400,5 +399,5 @@ def _run(s: Settings, names: list[str], seed: int, json_path: str | None, say) -
               "transformers": transformers.__version__ if transformers else None, "notes": notes,
               "kimi_linear_logits_check": check, "models": res, "ratios_vs_gpt2": rat, "targets": tgt}
     if json_path:
-        write_json(json_path, report)
+        write_report(json_path, report, "models")
     return report

@@ -19,9 +19,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ..io import write_json
 from ..ops import chunk_gated_delta_rule, chunk_kda, recurrent_gated_delta_rule, recurrent_kda
-from .timing import interleaved_best, matmul_gflops
+from .timing import interleaved_best, matmul_gflops, write_report
 
 
 def kda_inputs(T: int, H: int, d: int, seed: int = 0):
@@ -106,5 +105,6 @@ def run(lengths=(512, 2048, 8192), chunk_sizes=(16, 32, 64, 128), heads: int = 8
             row["ops"][name] = entry
         results.append(row)
     if json_path:
-        write_json(json_path, {"gemm_gflops": gemm, "batched_gemm_gflops": bgemm, "results": results})
+        write_report(json_path, {"gemm_gflops": gemm, "batched_gemm_gflops": bgemm, "results": results},
+                     "ops")
     return results

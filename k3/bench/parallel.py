@@ -134,7 +134,7 @@ def run(layouts=((2, 1), (2, 2), (4, 2)), preset: str = "kimi-k3-tiny", seq_len:
     """Measure each (processes, ep) of `layouts` with recompute none and full; print and return the table."""
     from tqdm import tqdm
 
-    from ..io import write_json
+    from .timing import write_report
 
     report = {"preset": preset, "seq_len": seq_len, "batch_size": batch_size, "layouts": []}
     jobs = [(w, e, r) for w, e in layouts for r in ("none", "full")]
@@ -144,7 +144,7 @@ def run(layouts=((2, 1), (2, 2), (4, 2)), preset: str = "kimi-k3-tiny", seq_len:
                                   "planned": planned(world, ep, preset, seq_len, batch_size, recompute)})
     print(format_report(report))
     if json_path:
-        write_json(json_path, report)
+        write_report(json_path, report, "parallel")
     return report
 
 

@@ -20,11 +20,10 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from ..io import write_json
 from ..models import CausalLM, get_config
 from ..models.loss import head_cross_entropy
 from ..training import TrainConfig, build_optimizer, prepare, training_step
-from .timing import interleaved_best, matmul_gflops
+from .timing import interleaved_best, matmul_gflops, write_report
 from .train import matched_gpt2
 
 
@@ -174,5 +173,5 @@ def run(rounds: int = 5, json_path: str | None = None, data: str | None = None, 
         rest = step - profile["optimizer"] - sum(fwd + bwd for _, fwd, bwd in rows)
         say(f"  {'the rest (glue, QK-Clip, ...)':28s} {rest:18.1f} ms {100 * rest / step:5.1f}%")
     if json_path:
-        write_json(json_path, results)
+        write_report(json_path, results, "profile")
     return results

@@ -326,7 +326,7 @@ def targets(report: dict, contexts) -> list[dict]:
 
 def _write(report: dict, json_path: str | None) -> dict:
     if json_path:
-        from ..io import write_json
+        from .timing import write_report
 
-        write_json(json_path, report)
+        write_report(json_path, report, "serve")
     return report

@@ -11,13 +11,16 @@ every one of them through the same phases of the machine.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Callable, Hashable
 
 import torch
 
+from ..io import write_json
 from ..runtime import best_time, matmul_gflops  # noqa: F401 - timing's public names
 
 WARMUPS = ("inline", "ahead")
@@ -66,3 +69,29 @@ def threads(n: int):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+WRITTEN_BY = "k3 bench"  # the mark of a figures file k3 bench wrote: the only kind of file --json replaces
+
+
+def check_report_target(path: str | Path) -> None:
+    """FileExistsError, before a benchmark runs, when `--json PATH` names a file k3 bench did not write (a JSON
+    object marked `"written_by": "k3 bench ..."`): the benchmark's figures never replace a user's file."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"--json {path}: a folder; give the path of a .json file to write")
+    if not path.exists():
+        return
+    try:
+        ours = str(json.loads(path.read_text(encoding="utf-8")).get("written_by", "")).startswith(WRITTEN_BY)
+    except (ValueError, AttributeError, OSError):
+        ours = False
+    if not ours:
+        raise FileExistsError(f"--json {path}: the file exists and k3 bench did not write it; give another path, "
+                              f"or move the file away")
+
+
+def write_report(path: str | Path, report: dict, command: str, indent: int = 1) -> None:
+    """`report` as JSON at `path` (atomically), marked as k3 bench's (`check_report_target`)."""
+    check_report_target(path)
+    write_json(path, {"written_by": f"{WRITTEN_BY} {command}", **report}, indent=indent)

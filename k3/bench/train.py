@@ -8,10 +8,9 @@ import dataclasses
 
 import torch
 
-from ..io import write_json
 from ..models import CausalLM, count_params, get_config
 from ..training import TrainConfig, build_optimizer, prepare, train, training_step
-from .timing import interleaved_best, matmul_gflops
+from .timing import interleaved_best, matmul_gflops, write_report
 
 
 def matched_gpt2(reference: str = "kimi-k3-tiny", vocab_size: int = 4096) -> tuple[dict, int]:
@@ -69,5 +68,6 @@ def run(minutes: float = 5.0, speed_steps: int = 5, out: str = "runs/bench-train
     for name, r in results.items():
         print(f"  {name:14s} {r['val_bpb']:.3f}  ({r['steps']} steps)")
     if json_path:
-        write_json(json_path, {"minutes": minutes, "speed_ratio": ratio, "results": results}, indent=2)
+        write_report(json_path, {"minutes": minutes, "speed_ratio": ratio, "results": results}, "train",
+                     indent=2)
     return results

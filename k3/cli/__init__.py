@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         args.lm_eval_args = rest
     keep_freed_memory()
     try:
+        if args.command == "bench" and getattr(args, "json", None):  # a user's file is never replaced by figures
+            from ..bench.timing import check_report_target
+
+            check_report_target(args.json)
         return args.func(args)
     # bad input (and a training run whose loss went non-finite): say what is wrong, no traceback
     except (ValueError, OSError, FloatingPointError) as e:

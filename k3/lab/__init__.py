@@ -13,7 +13,7 @@ import importlib
 import time
 from pathlib import Path
 
-from .report import Result, machine_summary, save_result, write_results
+from .report import Result, claim_folder, machine_summary, save_result, write_results
 
 MODES = ("smoke", "quick", "full")
 
@@ -36,6 +36,7 @@ def run(name: str, mode: str = "quick", docs: str | Path = "runs/lab", **options
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     docs = Path(docs)
+    claim_folder(docs)
     module = importlib.import_module(EXPERIMENTS[name][0])
     start = time.perf_counter()
     result: Result = module.run(mode=mode, docs=docs, **options)

@@ -138,6 +138,42 @@ def source_commit() -> str | None:
     return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
+LAB_MARK = ".k3-lab"  # in a folder the lab writes into: it claimed the folder (its files are the lab's to replace)
+LAB_NAMES = ("results.md", "lab", "figures")  # what the lab writes in its folder
+
+
+def claim_folder(docs: str | Path) -> None:
+    """Make `docs` the lab's folder, or refuse it (FileExistsError) before anything runs: the lab replaces only
+    files it wrote. A folder is the lab's when it is new, when it carries the lab's mark (`LAB_MARK`, left by an
+    earlier claim), or when its results.md is the lab's page; otherwise a results.md, lab/ or figures/ there is
+    the user's, and the lab writes nowhere near it."""
+    docs = Path(docs)
+    page = docs / "results.md"
+    ours = (docs / LAB_MARK).exists() or (page.is_file() and page.read_text(errors="replace").startswith(HEADER[:20]))
+    taken = [name for name in LAB_NAMES if (docs / name).exists() and not (name == "lab" and _lab_files(docs / name))]
+    if taken and not ours:
+        raise FileExistsError(f"--docs {docs}: it holds {', '.join(taken)}, which k3 lab did not write and would "
+                              f"replace; choose another --docs folder (a new one, or one k3 lab wrote)")
+    docs.mkdir(parents=True, exist_ok=True)
+    if not (docs / LAB_MARK).exists():
+        atomic_write(docs / LAB_MARK, lambda tmp: Path(tmp).write_text("k3 lab writes results.md, lab/ and figures/ "
+                                                                       "in this folder\n"))
+
+
+def _lab_files(folder: Path) -> bool:
+    """Whether every file under `folder` is one the lab writes there: a result (NAME.json) or a kept cell."""
+    for path in folder.rglob("*"):
+        if path.is_dir():
+            continue
+        try:
+            kept = json.loads(path.read_text(encoding="utf-8")) if path.suffix == ".json" else None
+        except (OSError, ValueError):
+            kept = None
+        if not isinstance(kept, dict) or not ({"plan", "result"} <= kept.keys() or {"name", "claims"} <= kept.keys()):
+            return False
+    return True
+
+
 def result_file(name: str, mode: str) -> str:
     """Where a result is kept under docs/lab: NAME.json, and NAME-full.json for a --full run, so that the
     larger sweep sits beside the quick one instead of replacing it."""
