@@ -51,9 +51,10 @@ def _generate(args) -> int:
         check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
         tokenizer = Tokenizer.load(args.checkpoint)
         texts, prompts = _prompts(args, tokenizer)
-        if args.parallel == "ep":
-            return _generate_expert_parallel(args, tokenizer, texts, prompts, device)
-        model = CausalLM.from_pretrained(args.checkpoint).to(device).eval()
+        if args.parallel != "ep":
+            model = CausalLM.from_pretrained(args.checkpoint).to(device).eval()
+    if args.parallel == "ep":  # outside the lock: the processes share the folder, and wait for each other
+        return _generate_expert_parallel(args, tokenizer, texts, prompts, device)
     if not prompts:
         return interactive(args, model, tokenizer)
     check_cache_fits(model, prompts, args.max_new_tokens)  # refused before anything is printed
