@@ -20,9 +20,10 @@ import re
 import signal
 import threading
 
-from .engine import Draining, Engine, QueueFull, Sequence, sequence_bytes
+from .engine import Draining, Engine, QueueFull, Sequence, prefill_bytes, sequence_bytes
 
-__all__ = ["Draining", "Engine", "QueueFull", "Sequence", "build_app", "parse_bytes", "sequence_bytes", "serve", "ServerThread"]
+__all__ = ["Draining", "Engine", "QueueFull", "Sequence", "build_app", "parse_bytes", "prefill_bytes", "sequence_bytes",
+           "serve", "ServerThread"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
