@@ -24,11 +24,11 @@ every running sequence.
 
 Admission reserves what a sequence will hold at its longest, by k3's own accounting (`sequence_bytes`:
 per token, the KV or latent cache of each attention layer; per sequence, the fixed states of the linear
-family), and while it prefills the transient memory of one of its pieces (`prefill_bytes`: attention
-scores, expanded keys, hidden states), against `cache_memory`; a long prompt is given smaller pieces when
-full ones would not fit. What does not fit waits in a bounded queue; past that bound `submit` refuses (the
-server answers 503 with Retry-After). The budget is never overrun by k3's accounting, so load does not end
-in an out-of-memory crash.
+family), and beside the caches the transient memory of one prefill piece, the largest of the prefilling
+sequences' (`prefill_bytes`: attention masks, expanded keys, hidden states; one piece runs at a time),
+against `cache_memory`; a long prompt is given smaller pieces when full ones would not fit. What does not
+fit waits in a bounded queue; past that bound `submit` refuses (the server answers 503 with Retry-After).
+The budget is never overrun by k3's accounting, so load does not end in an out-of-memory crash.
 """
 
 from __future__ import annotations
@@ -68,14 +68,15 @@ def sequence_bytes(config, tokens: int, dtype_bytes: int) -> int:
 
 def prefill_bytes(config, piece: int, context: int, dtype_bytes: int) -> int:
     """Transient bytes of one prefill forward of `piece` tokens whose last one sits at `context` (an estimate
-    that errs high; the layers run one at a time, so the largest counts): an attention layer's float32
-    scores and probabilities, piece x context per head, and MLA's per-head keys and values expanded from the
-    context's latents; the piece's hidden states and widest FFN activations; the last position's logits."""
+    that errs high; the layers run one at a time, so the largest counts): an attention layer's causal mask,
+    piece x context (a bool and a float32 copy, with room to spare: torch's fused attention kernel never holds
+    a head's scores), and MLA's per-head keys and values expanded from the context's latents; the piece's
+    hidden states and widest FFN activations; the last position's logits."""
     H, attention = config.num_heads, 0
     for kind in set(config.layer_types):
         if MIXERS[kind].cache_bytes_per_token(config, dtype_bytes) == 0:
             continue  # the linear family: fixed states, chunked over the piece (counted with the hidden states)
-        scores = 2 * 4 * piece * context * H
+        scores = 12 * piece * context
         if kind == "mla":
             head = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
             scores += 2 * context * H * head * dtype_bytes
@@ -109,7 +110,7 @@ class Sequence:
     finish_reason: str | None = None
     reserved: int = 0  # cache bytes admission set aside for it
     piece: int = PREFILL_PIECE  # prompt tokens per prefill forward
-    prefill_reserved: int = 0  # bytes set aside for one prefill piece's activations, while it prefills
+    prefill_reserved: int = 0  # the transient bytes of one of its prefill pieces (counted while it prefills)
     prefilled: int = 0  # prompt tokens in its cache so far
     cancelled: bool = False
     arrived: float = field(default_factory=time.perf_counter)
@@ -228,8 +229,9 @@ class Engine:
         """running: sequences prefilling or decoding; waiting: queued for admission."""
         with self._lock:
             return {"running": len(self.running) + len(self.prefilling), "waiting": len(self.waiting),
-                    "cache_bytes_reserved": self.reserved, "cache_memory": self.cache_memory,
-                    "peak_running": self.peak_running, "steps": self.steps, "draining": self._draining}
+                    "cache_bytes_reserved": self.reserved + self._prefill_reserve(),
+                    "cache_memory": self.cache_memory, "peak_running": self.peak_running, "steps": self.steps,
+                    "draining": self._draining}
 
     # -- the loop, its own thread ------------------------------------------------------------------
     def _loop(self) -> None:
@@ -260,13 +262,18 @@ class Engine:
         if not self.waiting or len(self.running) + len(self.prefilling) >= self.max_running:
             return False
         head = self.waiting[0]
-        return self.reserved + head.reserved + head.prefill_reserved <= self.cache_memory
+        prefill = max(self._prefill_reserve(), head.prefill_reserved)
+        return self.reserved + head.reserved + prefill <= self.cache_memory
+
+    def _prefill_reserve(self) -> int:
+        """The transient bytes prefill may take: its largest piece (pieces run one at a time)."""
+        return max((s.prefill_reserved for s in self.prefilling), default=0)
 
     def _admit(self) -> None:
         """Move the waiting sequences that fit, oldest first, to the prefilling ones (lock held)."""
         while self._admissible():
             sequence = self.waiting.popleft()
-            self.reserved += sequence.reserved + sequence.prefill_reserved
+            self.reserved += sequence.reserved
             self.prefilling.append(sequence)
         self.peak_running = max(self.peak_running, len(self.running) + len(self.prefilling))
 
@@ -314,7 +321,6 @@ class Engine:
         last = token if self._last is None else torch.cat([self._last, token])
         with self._lock:
             self.prefilling.remove(sequence)
-            self.reserved -= sequence.prefill_reserved
             self.running.append(sequence)
             self._cache, self._last, sequence.cache = joined, last, None
         self._emit([sequence], token)
@@ -322,7 +328,7 @@ class Engine:
     def _leave_prefill(self, sequence: Sequence, reason: str) -> None:
         with self._lock:
             self.prefilling.remove(sequence)
-            self.reserved -= sequence.reserved + sequence.prefill_reserved
+            self.reserved -= sequence.reserved
             sequence.cache = None
             self._finish(sequence, reason)
 
