@@ -26,8 +26,8 @@ Admission reserves what a sequence will hold at its longest, by k3's own account
 per token, the KV or latent cache of each attention layer; per sequence, the fixed states of the linear
 family), and beside the caches the transient memory of one prefill piece, the largest of the prefilling
 sequences' (`prefill_bytes`: attention masks, expanded keys, hidden states; one piece runs at a time),
-against `cache_memory`; a long prompt is given smaller pieces when full ones would not fit. What does not
-fit waits in a bounded queue; past that bound `submit` refuses (the server answers 503 with Retry-After).
+against `cache_memory`; a long prompt is given smaller pieces when full ones would not fit (the budget, or
+the room the running sequences leave). What does not fit waits in a bounded queue; past that bound `submit` refuses (the server answers 503 with Retry-After).
 The budget is never overrun by k3's accounting, so load does not end in an out-of-memory crash.
 """
 
@@ -110,6 +110,7 @@ class Sequence:
     finish_reason: str | None = None
     reserved: int = 0  # cache bytes admission set aside for it
     piece: int = PREFILL_PIECE  # prompt tokens per prefill forward
+    fitting_piece: int = PREFILL_PIECE  # the largest piece that fits the whole budget beside its cache
     prefill_reserved: int = 0  # the transient bytes of one of its prefill pieces (counted while it prefills)
     prefilled: int = 0  # prompt tokens in its cache so far
     cancelled: bool = False
@@ -168,14 +169,15 @@ class Engine:
         """Cache bytes `sequence` holds at its longest."""
         return sequence_bytes(self.model.config, sequence.total_tokens, self.dtype_bytes)
 
-    def plan(self, sequence: Sequence) -> tuple[int, int]:
+    def plan(self, sequence: Sequence, room: int | None = None, smallest: int = 1) -> tuple[int, int]:
         """(prompt tokens per prefill piece, bytes one piece takes): the largest piece, up to PREFILL_PIECE
-        and `prefill_tokens`, halved until it fits the budget beside the sequence's cache (down to 1)."""
+        and `prefill_tokens`, halved until its bytes fit `room` (default: the budget beside the sequence's
+        cache) or it is down to `smallest` tokens."""
         piece = min(PREFILL_PIECE, self.prefill_tokens, len(sequence.prompt))
-        cache = self.bytes_for(sequence)
+        room = self.cache_memory - self.bytes_for(sequence) if room is None else room
         while True:
             need = prefill_bytes(self.model.config, piece, len(sequence.prompt), self.dtype_bytes)
-            if piece == 1 or cache + need <= self.cache_memory:
+            if piece <= smallest or need <= room:
                 return piece, need
             piece //= 2
 
@@ -192,7 +194,8 @@ class Engine:
                 raise Draining("the server is shutting down")
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting already (the queue's bound, --max-queue)")
-            sequence.reserved, sequence.piece, sequence.prefill_reserved = cache, piece, transient
+            sequence.reserved, sequence.fitting_piece, sequence.prefill_reserved = cache, piece, transient
+            sequence.piece = piece
             self.waiting.append(sequence)
             self._lock.notify_all()
 
@@ -259,11 +262,21 @@ class Engine:
                 self._fail_running(e)
 
     def _admissible(self) -> bool:
+        """Whether the oldest waiting sequence may start now (lock held): a row is free, and its cache and
+        one of its prefill pieces fit beside what is reserved. Its piece shrinks to the room there is, down
+        to 64 tokens (or the piece `submit` found fits the whole budget, if smaller): a long prompt
+        prefills in smaller pieces rather than wait for a full one's room."""
         if not self.waiting or len(self.running) + len(self.prefilling) >= self.max_running:
             return False
         head = self.waiting[0]
-        prefill = max(self._prefill_reserve(), head.prefill_reserved)
-        return self.reserved + head.reserved + prefill <= self.cache_memory
+        room = self.cache_memory - self.reserved - head.reserved
+        if room < self._prefill_reserve():
+            return False
+        piece, transient = self.plan(head, room, smallest=min(64, head.fitting_piece))
+        if transient > room:
+            return False
+        head.piece, head.prefill_reserved = piece, transient
+        return True
 
     def _prefill_reserve(self) -> int:
         """The transient bytes prefill may take: its largest piece (pieces run one at a time)."""

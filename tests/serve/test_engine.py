@@ -270,3 +270,28 @@ def test_admission_counts_a_prefill_piece_and_shrinks_it_to_fit():
     assert piece < len(prompt) and cache + transient <= tight.cache_memory
     with pytest.raises(ValueError, match="whole cache budget"):
         Engine(model, cache_memory=cache).submit(Sequence(prompt, 1))
+
+
+def test_a_long_prompt_takes_smaller_pieces_to_start_beside_a_running_one():
+    """The running sequences leave too little room for a full prefill piece: the long prompt starts now in
+    smaller pieces (not waiting for the others to end), and within the budget."""
+    model = tiny("kimi-k3-tiny")
+    prompt = (prompts(1, seed=11)[0] * 100)[:512]
+    cache = sequence_bytes(model.config, len(prompt) + 4 - 1, 8)
+    full = prefill_bytes(model.config, len(prompt), len(prompt), 8)
+    runner_need = sequence_bytes(model.config, 3 + 10**6 - 1, 8)  # more than a full piece leaves room for
+    engine = Engine(model, cache_memory=runner_need + prefill_bytes(model.config, 3, 3, 8) + cache + full // 2)
+    engine.start()
+    try:
+        runner, long = Collector(), Collector()
+        first = runner.sequence([1, 2, 3], 10**6)
+        engine.submit(first)
+        wait_until(lambda: len(runner.tokens) >= 1)
+        sequence = long.sequence(prompt, 4)
+        engine.submit(sequence)
+        assert sequence.fitting_piece == len(prompt)  # alone it would prefill in one piece
+        assert long.done.wait(60) and not runner.done.is_set()
+        assert sequence.piece < len(prompt) and long.tokens == alone(model, prompt, 4)
+        engine.cancel(first)
+    finally:
+        engine.stop()
