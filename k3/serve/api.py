@@ -3,7 +3,8 @@
 Endpoints: POST /v1/completions and /v1/chat/completions (JSON, or server-sent events with
 `"stream": true`, ending in `data: [DONE]`), GET /v1/models and /health. Errors come as OpenAI's
 `{"error": {"message", "type", "param", "code"}}`: 400 for a body that is not what the endpoint takes (the
-message names the field), 401 without the right key (`api_key`), 404 for another model's name, 413 for a
+message names the field; a body JSON cannot parse; more sequences, prompts times n, than the queue holds),
+401 without the right key (`api_key`), 404 for another model's name, 413 for a
 body over `max_request_bytes` (refused before it is parsed) or a prompt over `max_prompt_tokens`, 503 with
 Retry-After while the queue is full or the server shuts down; 500 (`server_error`, and the traceback in the
 log) only for a failure of k3's own, such as the model raising while it decodes that request.
@@ -27,6 +28,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from .engine import Draining, Engine, QueueFull, Sequence
 from .protocol import ChatRequest, CompletionRequest, Sampling
@@ -90,6 +92,11 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
     async def api_error(request, e: APIError):
         return error_response(e.status, e.message, e.param, e.kind, e.headers)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):  # Starlette's own: an unknown path, a body json cannot parse
+        return error_response(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                              "body" if e.status_code == 400 else None, headers=getattr(e, "headers", None))
+
     @app.exception_handler(Exception)
     async def bug(request, e: Exception):  # Starlette logs the traceback; the client gets JSON, not plain text
         return error_response(500, f"the server failed: {type(e).__name__}: {e}", None, "server_error")
@@ -120,7 +127,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
-        prompts = await completion_prompts(body.prompt)
+        prompts = await completion_prompts(body.prompt, body.n)
         max_tokens = body.max_tokens or COMPLETION_TOKENS
         return await respond(request, body, prompts, max_tokens, body.stops(), chat=False)
 
@@ -151,13 +158,17 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
             raise APIError(413, f"{param}: the prompt has {len(ids)} tokens, more than this server takes, "
                                 f"{max_prompt_tokens} (--max-prompt-tokens)", param)
 
-    async def completion_prompts(prompt) -> list[list[int]]:
+    async def completion_prompts(prompt, n: int) -> list[list[int]]:
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "prompt: empty (give a text or a list of token ids)", "prompt")
+        if len(prompt) * n > engine.max_queue:  # before any is tokenized: it could never be queued whole
+            raise APIError(400, f"prompt: {len(prompt)} prompts x n = {n} are {len(prompt) * n} sequences; this "
+                                f"server queues at most {engine.max_queue} (--max-queue): send fewer at a time",
+                           "prompt")
         out = []
         for p in prompt:
             ids = await asyncio.to_thread(tokenizer.encode, p) if isinstance(p, str) else list(p)

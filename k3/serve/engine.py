@@ -27,8 +27,9 @@ per token, the KV or latent cache of each attention layer; per sequence, the fix
 family), and beside the caches the transient memory of one prefill piece, the largest of the prefilling
 sequences' (`prefill_bytes`: attention masks, expanded keys, hidden states; one piece runs at a time),
 against `cache_memory`; a long prompt is given smaller pieces when full ones would not fit (the budget, or
-the room the running sequences leave). What does not fit waits in a bounded queue; past that bound `submit` refuses (the server answers 503 with Retry-After).
-The budget is never overrun by k3's accounting, so load does not end in an out-of-memory crash.
+the room the running sequences leave). What does not fit waits in a bounded queue; past that bound `submit`
+refuses (the server answers 503 with Retry-After). The budget is never overrun by k3's accounting, so load
+does not end in an out-of-memory crash.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 k3 implements, each checked by pydantic as the request arrives, strictly (a number is not a string, a
 boolean is not a number) and against the rules the engine samples by (`k3.generation.check_sampling`,
 `check_seed`), so a request the engine would fail on is refused with 400 before it runs. Text fields
-refuse a lone surrogate ("\\ud800": JSON can spell it, UTF-8 cannot encode it). A field OpenAI defines but
-k3 does not implement (logprobs, penalties, tools, ...) is refused by name rather than ignored;
-`ignore_eos` is vLLM's extension (generate past the end-of-text token: fixed output lengths for load
-tests)."""
+refuse a lone surrogate ("\\ud800": JSON can spell it, UTF-8 cannot encode it); `stop` takes at most 16
+strings (each is looked for after every token). A field OpenAI defines but k3 does not implement
+(logprobs, penalties, tools, ...) is refused by name rather than ignored; `ignore_eos` is vLLM's extension
+(generate past the end-of-text token: fixed output lengths for load tests)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class Sampling(BaseModel):
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=1)  # vLLM's extension
     n: int = Field(default=1, ge=1, le=16)
-    stop: Union[Text, list[Text], None] = None
+    stop: Union[Text, Annotated[list[Text], Field(max_length=16)], None] = None  # OpenAI takes 4
     seed: int | None = None  # choice j of n samples with seed + j (mod 2**64)
     stream: bool = False
     stream_options: StreamOptions | None = None

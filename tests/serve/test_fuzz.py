@@ -113,12 +113,16 @@ valid = st.one_of(
         {"messages": good_messages}, optional=in_range).map(encode)),
 )
 
+# bodies past a parser's limits: nesting, digits, more prompts than the queue holds
+HOSTILE = [b"{" * 5000, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+           b'{"prompt": "a", "n": 1' + b"0" * 5000 + b"}", b'{"prompt": ' + json.dumps([[1]] * 300).encode() + b"}"]
+
 requests = st.one_of(
     valid,
     st.tuples(st.just("/v1/completions"), bodies(chat=False)),
     st.tuples(st.just("/v1/chat/completions"), bodies(chat=True)),
     st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
-              st.one_of(st.binary(max_size=40), junk.map(encode), st.just(b"{" * 5000))),
+              st.one_of(st.binary(max_size=40), junk.map(encode), st.sampled_from(HOSTILE))),
 )
 
 

@@ -311,6 +311,10 @@ TYPES = [
     ('{"model": "tiny", "prompt": "hi", "\\ud800": 1}', "body"),  # a key no field has, and not text
     ('{"model": "\\ud800", "prompt": "hi"}', "model"),
     ('[1, 2]', "body"),
+    ('{"prompt": ' + "[" * 5000 + "]" * 5000 + "}", "body"),  # nested past json's recursion limit
+    ('{"prompt": "hi", "seed": ' + "9" * 5000 + "}", "body"),  # past Python's digits limit for an int
+    ('{"prompt": "hi", "stop": ' + json.dumps(["x"] * 17) + "}", "stop"),
+    ('{"prompt": ' + json.dumps([[1]] * 100) + ', "n": 16}', "prompt"),  # more sequences than --max-queue
 ]
 
 
@@ -319,6 +323,15 @@ def test_wrong_types_and_lone_surrogates_are_400(server, body, param):
     code, out, _ = post(server, "/v1/completions", body)
     assert code == 400 and out["error"]["type"] == "invalid_request_error", (code, out)
     assert out["error"]["param"].split(".")[0] == param and out["error"]["code"] == 400, out
+
+
+def test_unknown_path_and_method_in_openai_shape(server):
+    code, out, _ = post(server, "/v1/engines", "{}")
+    assert code == 404 and out["error"]["type"] == "invalid_request_error" and "/v1/engines" in out["error"]["message"]
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/v1/completions")
+    r = conn.getresponse()
+    assert r.status == 405 and json.loads(r.read())["error"]["code"] == 405
 
 
 def test_a_lone_surrogate_in_a_chat_message_is_400(server):
