@@ -3,13 +3,16 @@
 ints, NaN, infinities, the tiniest floats, lone surrogates, empty and long strings, lists, objects), and raw
 bytes. Whatever comes, the server answers: never a 5xx, never a hang (each request has a client timeout),
 every error OpenAI's `{"error": {"message", "type", "param", "code"}}`, and /health answers afterwards
-with nothing left running. Bounded to run in seconds: a tiny model, a short context, 200 examples."""
+with nothing left running. Meanwhile a client on a thread asks the same greedy question over and over: it
+gets the same answer every time, whatever the fuzzer sends beside it. Bounded to run in seconds: a tiny
+model, a short context, 200 examples."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -34,7 +37,30 @@ def server():
     app = build_app(engine, byte_tokenizer(), NAME, max_model_len=CONTEXT, max_request_bytes=16 * 1024,
                     max_prompt_tokens=CONTEXT)
     with ServerThread(app, engine) as s:
+        s.bystander = Bystander(s)
         yield s
+        s.bystander.stop()
+
+
+class Bystander:
+    """A client that sends one greedy request again and again until stopped, keeping each (status, text)."""
+
+    BODY = json.dumps({"model": NAME, "prompt": "ROMEO:", "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+
+    def __init__(self, server):
+        self.server, self.answers, self._stop = server, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            status, raw = send(self.server, "/v1/completions", self.BODY.encode())
+            self.answers.append((status, json.loads(raw)["choices"][0]["text"] if status == 200 else raw))
+
+    def stop(self) -> list:
+        self._stop.set()
+        self.thread.join(60)
+        return self.answers
 
 
 # -- values ---------------------------------------------------------------------------------------
@@ -156,6 +182,8 @@ def test_any_request_is_answered_without_a_server_error(server, request):
 
 
 def test_the_server_is_well_after_the_fuzzing(server):
+    answers = server.bystander.stop()
+    assert len(answers) >= 2 and all(a == answers[0] for a in answers) and answers[0][0] == 200, set(answers)
     deadline = time.time() + 30
     while True:
         stats = server.engine.stats()
