@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve a checkpoint over OpenAI's HTTP API, continuous batching (k3[serve])",
                          description="Serve a checkpoint over OpenAI's HTTP API (/v1/completions, "
                          "/v1/chat/completions, /v1/models, /health) with continuous batching. SIGTERM or Ctrl-C "
-                         "stops admitting, lets running requests finish (--shutdown-timeout) and exits.")
+                         "stops admitting (new requests get 503 with Retry-After), lets running requests finish "
+                         "(--shutdown-timeout) and exits; a second signal exits at once.")
     srv.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint folder (k3 train --out), as "
                      "k3 generate reads")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
