@@ -295,3 +295,33 @@ def test_a_long_prompt_takes_smaller_pieces_to_start_beside_a_running_one():
         engine.cancel(first)
     finally:
         engine.stop()
+
+
+def test_a_failed_batch_forward_fails_the_batch_logs_it_and_serving_goes_on(monkeypatch, caplog):
+    model = tiny("kimi-k3-tiny")
+    engine = Engine(model, cache_memory=10**9).start()
+    try:
+        broken = threading.Event()
+        real = engine._decode
+
+        def decode():
+            if broken.is_set():
+                raise RuntimeError("the batch's forward broke")
+            real()
+
+        monkeypatch.setattr(engine, "_decode", decode)
+        victims = [Collector() for _ in range(2)]
+        for c in victims:
+            engine.submit(c.sequence([1, 2, 3], 10**5))
+        wait_until(lambda: all(len(c.tokens) >= 1 for c in victims))
+        broken.set()
+        for c in victims:
+            assert c.done.wait(30) and c.reason == "error: RuntimeError: the batch's forward broke"
+        assert "the batch's forward failed" in caplog.text
+        broken.clear()
+        after = Collector()
+        engine.submit(after.sequence([4, 5], 3))
+        assert after.done.wait(30) and after.reason == "length" and after.tokens == alone(model, [4, 5], 3)
+        assert engine.stats()["running"] == 0 and engine.reserved == 0
+    finally:
+        engine.stop()
