@@ -19,7 +19,6 @@ for a whole answer, has its sequences cancelled at once, which frees their batch
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
 import time
 import uuid
@@ -63,8 +62,6 @@ def _printable(text: str | None) -> str | None:
 # the tags pydantic puts in an error's location for a member of a union (str, list[int],
 # function-after[...]): not fields, left out of `param`
 _UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|function-[a-z]+\[.*\])$")
-
-log = logging.getLogger("k3.serve")
 
 
 MAX_REQUEST_BYTES = 2**20  # a request body's default bound (k3 serve --max-request-bytes)
@@ -318,7 +315,7 @@ class Gate:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_request_bytes:
-                return await self._too_big(scope, receive, send, f"more than {size:,} bytes")
+                return await self._too_big(scope, receive, send, f"{size:,} bytes and more")
             more = message.get("more_body", False)
         body = b"".join(chunks)
         try:
