@@ -249,6 +249,31 @@ def _eval(args) -> int:
     return lm_eval_main(args.lm_eval_args)
 
 
+def _size(text: str, flag: str) -> int:
+    """A size flag's bytes (`k3.serve.parse_bytes`), its error naming the flag."""
+    from ..serve import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
+def _check_cache_memory(budget: int, text: str, device) -> None:
+    """--cache-memory must fit the memory the device has now (the GPU's free memory, or the machine's)."""
+    import torch
+
+    from ..runtime import refuse_if_over_memory
+
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        if budget > free:
+            raise ValueError(f"--cache-memory {text}: {budget:,} bytes asked, more than the {free:,} bytes free on "
+                             f"{device}; give a smaller --cache-memory")
+        return
+    refuse_if_over_memory(f"--cache-memory {text}", budget, "give a smaller --cache-memory")
+
+
 def _serve(args) -> int:
     """`k3 serve`: the checkpoint behind OpenAI's API (`k3.serve`); checked as `k3 generate` checks it."""
     import json
@@ -257,17 +282,19 @@ def _serve(args) -> int:
     from ..models import CausalLM
     from ..models.preflight import check_checkpoint
     from ..runtime import resolve_device
-    from ..serve import Engine, build_app, parse_bytes, require_serve_extra, serve
+    from ..serve import Engine, build_app, require_serve_extra, serve
     from ..serve.text import load_chat_template
     from ..tokenizer import Tokenizer
 
     require_serve_extra()
-    budget = parse_bytes(args.cache_memory)
+    budget = _size(args.cache_memory, "--cache-memory")
+    max_request_bytes = _size(args.max_request_bytes, "--max-request-bytes")
     if not Path(args.checkpoint).is_dir():
         raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no such folder (expected a checkpoint folder, "
                                 f"e.g. what k3 train --out wrote)")
     _use_threads(args)
     device = resolve_device(args.device)
+    _check_cache_memory(budget, args.cache_memory, device)
     with reading(args.checkpoint):  # one whole save, read under the folder's lock (k3.io.reading)
         check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
         tokenizer = Tokenizer.load(args.checkpoint)
@@ -284,7 +311,8 @@ def _serve(args) -> int:
     name = args.served_model_name or Path(args.checkpoint).resolve().name
     engine = Engine(model, budget, max_queue=args.max_queue, max_running=args.max_running)
     app = build_app(engine, tokenizer, name, chat_template=chat_template, special=special,
-                    max_model_len=max_model_len, api_key=args.api_key)
+                    max_model_len=max_model_len, api_key=args.api_key, max_request_bytes=max_request_bytes,
+                    max_prompt_tokens=args.max_prompt_tokens)
     def ready(port: int) -> None:
         print(f"k3 serve: {name!r} ({model.config.name}, {model.num_parameters():,} parameters, on {device}); "
               f"cache budget {budget:,} bytes; http://{args.host}:{port}/v1", file=sys.stderr, flush=True)

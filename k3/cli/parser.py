@@ -55,6 +55,15 @@ def _count(low: int, what: str, high: int | None = None):
 _SEED = _count(0, "a seed", high=MAX_SEED)
 
 
+def _text(what: str):
+    """An argparse type: a string that is not empty; `what` says what it is."""
+    def parse(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(f"expected {what}, a string that is not empty, got {text!r}")
+        return text
+    return parse
+
+
 def _number(low: float, what: str, above: bool = False, high: float = math.inf):
     """An argparse type: a finite number >= low (> low when `above`) and <= high."""
     def parse(text: str) -> float:
@@ -200,24 +209,31 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve a checkpoint over OpenAI's HTTP API, continuous batching (k3[serve])",
                          description="Serve a checkpoint over OpenAI's HTTP API (/v1/completions, "
                          "/v1/chat/completions, /v1/models, /health) with continuous batching. SIGTERM or Ctrl-C "
-                         "stops admitting, lets running requests finish (--shutdown-timeout) and exits.")
+                         "stops admitting (new requests get 503 with Retry-After), lets running requests finish "
+                         "(--shutdown-timeout) and exits; a second signal exits at once.")
     srv.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint folder (k3 train --out), as "
                      "k3 generate reads")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
-    srv.add_argument("--port", type=_count(0, "a TCP port"), default=8000, help="port (0: any free one)")
+    srv.add_argument("--port", type=_count(0, "a TCP port", high=65535), default=8000, help="port (0: any free one)")
     srv.add_argument("--cache-memory", default="1GiB", metavar="SIZE",
-                     help="bytes of decode cache all admitted sequences may hold together, e.g. 512MiB; a request "
-                          "is admitted when what it will hold at its longest fits, else it waits")
+                     help="bytes of decode cache (and prefill activations) all admitted sequences may hold "
+                          "together, e.g. 512MiB, at most the memory available; a request is admitted when what it "
+                          "will hold at its longest fits, else it waits")
     srv.add_argument("--max-queue", type=_count(1, "waiting requests"), default=256,
                      help="sequences that may wait for room; past this, 503 with Retry-After")
     srv.add_argument("--max-running", type=_count(1, "sequences"), default=256,
-                     help="sequences decoded together at most")
+                     help="sequences prefilled or decoded together at most; more wait in the queue")
+    srv.add_argument("--max-request-bytes", default="1MiB", metavar="SIZE",
+                     help="the largest request body, e.g. 64KiB; a larger one is answered 413 before it is parsed")
+    srv.add_argument("--max-prompt-tokens", type=_count(1, "tokens"),
+                     help="the most tokens one prompt may have, 413 past it (default: --max-model-len's bound)")
     srv.add_argument("--max-model-len", type=_count(1, "tokens"),
                      help="the most tokens a sequence may hold, prompt and completion (default: the model's learned "
                           "positions, else only the cache budget limits)")
     srv.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: the "
                      "checkpoint folder's name)")
-    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ (401 without it)")
+    srv.add_argument("--api-key", type=_text("an API key"),
+                     help="require 'Authorization: Bearer KEY' on /v1/ (401 without it)")
     srv.add_argument("--shutdown-timeout", type=_number(0, "seconds"), default=30.0,
                      help="seconds SIGTERM waits for running requests before cancelling them")
     srv.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")

@@ -10,8 +10,9 @@
   events), /v1/models, /health (`build_app`);
 - `k3.serve.text`: streaming detokenization, stop strings, chat prompts.
 
-`serve` runs the app under uvicorn. SIGTERM (or Ctrl-C) stops admitting, lets the running requests finish
-for up to `shutdown_timeout` seconds, cancels what is left and returns (exit 0).
+`serve` runs the app under uvicorn. SIGTERM (or Ctrl-C) stops admitting: the server still listens and
+answers a new request 503 with Retry-After while the running requests finish, for up to `shutdown_timeout`
+seconds; then it stops listening, cancels what is left and returns (exit 0). A second signal exits at once.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from __future__ import annotations
 import re
 import signal
 import threading
+import time
 
-from .engine import Draining, Engine, QueueFull, Sequence, sequence_bytes
+from .engine import Draining, Engine, QueueFull, Sequence, prefill_bytes, sequence_bytes
 
-__all__ = ["Draining", "Engine", "QueueFull", "Sequence", "build_app", "parse_bytes", "sequence_bytes", "serve", "ServerThread"]
+__all__ = ["Draining", "Engine", "QueueFull", "Sequence", "build_app", "parse_bytes", "prefill_bytes", "sequence_bytes",
+           "serve", "ServerThread"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
@@ -58,9 +61,31 @@ def _server(app, engine: Engine, host: str, port: int, shutdown_timeout: float, 
     import uvicorn
 
     class Server(uvicorn.Server):
+        draining_since: float | None = None
+
         def handle_exit(self, sig, frame):
-            engine.drain()  # nothing new from now on; /health says "draining"
-            super().handle_exit(sig, frame)
+            """The first signal drains: the engine admits nothing new (a new request gets 503 with
+            Retry-After, /health says "draining") while the socket still listens; `on_tick` ends the server
+            once nothing runs or `shutdown_timeout` has passed. A second signal exits now."""
+            if self.draining_since is None and not self.should_exit:
+                self._captured_signals.append(sig)
+                engine.drain()
+                self.draining_since = time.monotonic()
+            else:
+                super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if await super().on_tick(counter):
+                return True
+            if self.draining_since is None:
+                return False
+            stats = engine.stats()
+            if stats["running"] == 0 and stats["waiting"] == 0:
+                return True
+            if time.monotonic() - self.draining_since > shutdown_timeout:
+                engine.stop(timeout=0)  # cancel what is left: its clients get what they have so far
+                return True
+            return False
 
         async def startup(self, sockets=None):
             await super().startup(sockets)

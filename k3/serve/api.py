@@ -3,8 +3,13 @@
 Endpoints: POST /v1/completions and /v1/chat/completions (JSON, or server-sent events with
 `"stream": true`, ending in `data: [DONE]`), GET /v1/models and /health. Errors come as OpenAI's
 `{"error": {"message", "type", "param", "code"}}`: 400 for a body that is not what the endpoint takes (the
-message names the field), 401 without the right key (`api_key`), 404 for another model's name, 503 with
-Retry-After while the queue is full or the server shuts down.
+message names the field; a body JSON cannot parse; more sequences, prompts times n, than the queue holds),
+401 without the right key (`api_key`), 404 for another model's name, 413 for a
+body over `max_request_bytes` (refused before it is parsed) or a prompt over `max_prompt_tokens`, 503 with
+Retry-After while the queue is full or the server shuts down; 500 (`server_error`, and the traceback in the
+log) only for a failure of k3's own, such as the model raising while it decodes that request.
+
+Prompts are tokenized on a worker thread, so a long one does not hold up the event loop (/health, streams).
 
 Each choice of a request is one engine `Sequence`; its tokens reach the request's coroutine through an
 asyncio queue (the engine runs on its own thread). A client that goes away, mid-stream or while waiting
@@ -14,6 +19,7 @@ for a whole answer, has its sequences cancelled at once, which frees their batch
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -21,6 +27,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from .engine import Draining, Engine, QueueFull, Sequence
 from .protocol import ChatRequest, CompletionRequest, Sampling
@@ -38,14 +45,35 @@ class APIError(Exception):
 
 
 def error_body(message: str, kind: str, param: str | None, code) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": _printable(message), "type": kind, "param": _printable(param), "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, param, status), status, headers=headers)
+
+
+def _printable(text: str | None) -> str | None:
+    """`text` with a lone surrogate (from a request: JSON can spell one) written as its escape, so the
+    answer that names it can be encoded as UTF-8."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# the tags pydantic puts in an error's location for a member of a union (str, list[int],
+# function-after[...]): not fields, left out of `param`
+_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|function-[a-z]+\[.*\])$")
+
+
+MAX_REQUEST_BYTES = 2**20  # a request body's default bound (k3 serve --max-request-bytes)
 
 
 def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str | None = None,
-              special: dict | None = None, max_model_len: int | None = None, api_key: str | None = None):
+              special: dict | None = None, max_model_len: int | None = None, api_key: str | None = None,
+              max_request_bytes: int = MAX_REQUEST_BYTES, max_prompt_tokens: int | None = None):
     """The FastAPI app serving `engine`'s model as `model_name`. The app starts the engine when it starts
     and stops it when it shuts down. `max_model_len`: the most tokens a sequence may hold (prompt and
-    completion), None for no limit but the cache budget."""
+    completion), None for no limit but the cache budget; `max_request_bytes`: the largest request body;
+    `max_prompt_tokens`: the most tokens one prompt may have (413 past it; None: max_model_len's bound)."""
     @asynccontextmanager
     async def lifespan(app):
         if engine._thread is None:
@@ -54,24 +82,33 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
         engine.stop(timeout=10)
 
     app = FastAPI(title="k3 serve", lifespan=lifespan)
-    app.add_middleware(Gate, api_key=api_key)
+    app.add_middleware(Gate, api_key=api_key, max_request_bytes=max_request_bytes)
     created = int(time.time())
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
-        return JSONResponse(error_body(e.message, e.kind, e.param, e.status), e.status, headers=e.headers)
+        return error_response(e.status, e.message, e.param, e.kind, e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):  # Starlette's own: an unknown path, a body json cannot parse
+        return error_response(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                              "body" if e.status_code == 400 else None, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def bug(request, e: Exception):  # Starlette logs the traceback; the client gets JSON, not plain text
+        return error_response(500, f"the server failed: {type(e).__name__}: {e}", None, "server_error")
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, e: RequestValidationError):
         problems, param = [], None
         for err in e.errors():
-            loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+            loc = [str(part) for part in err.get("loc", ())[1:] if not _UNION_TAG.match(str(part))]
             where = ".".join(loc)
             if err.get("type") == "json_invalid":
                 where, err = "body", {"msg": f"not valid JSON ({err.get('ctx', {}).get('error', 'decode error')})"}
             param = param or where or "body"
             problems.append(f"{where or 'body'}: {err.get('msg')}")
-        return JSONResponse(error_body("; ".join(problems), "invalid_request_error", param, 400), 400)
+        return error_response(400, "; ".join(dict.fromkeys(problems)), param)
 
     @app.get("/health")
     async def health():
@@ -87,7 +124,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
-        prompts = completion_prompts(body.prompt)
+        prompts = await completion_prompts(body.prompt, body.n)
         max_tokens = body.max_tokens or COMPLETION_TOKENS
         return await respond(request, body, prompts, max_tokens, body.stops(), chat=False)
 
@@ -99,7 +136,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
             text = chat_prompt(messages, chat_template, special)
         except Exception as e:  # a template's own error (raise_exception) or a Jinja one
             raise APIError(400, f"messages: {e}", "messages") from None
-        ids = tokenizer.encode(text)
+        ids = await asyncio.to_thread(tokenizer.encode, text)
+        check_prompt_tokens(ids, "messages")
         stops = body.stops() + ([] if chat_template is not None else PLAIN_STOPS)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
@@ -112,16 +150,26 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
             raise APIError(404, f"model: {body.model!r} is not served here; this server serves {model_name!r} "
                                 f"(GET /v1/models)", "model", "invalid_request_error")
 
-    def completion_prompts(prompt) -> list[list[int]]:
+    def check_prompt_tokens(ids: list[int], param: str) -> None:
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            raise APIError(413, f"{param}: the prompt has {len(ids)} tokens, more than this server takes, "
+                                f"{max_prompt_tokens} (--max-prompt-tokens)", param)
+
+    async def completion_prompts(prompt, n: int) -> list[list[int]]:
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "prompt: empty (give a text or a list of token ids)", "prompt")
+        if len(prompt) * n > engine.max_queue:  # before any is tokenized: it could never be queued whole
+            raise APIError(400, f"prompt: {len(prompt)} prompts x n = {n} are {len(prompt) * n} sequences; this "
+                                f"server queues at most {engine.max_queue} (--max-queue): send fewer at a time",
+                           "prompt")
         out = []
         for p in prompt:
-            ids = tokenizer.encode(p) if isinstance(p, str) else list(p)
+            ids = await asyncio.to_thread(tokenizer.encode, p) if isinstance(p, str) else list(p)
+            check_prompt_tokens(ids, "prompt")
             bad = [t for t in ids if not 0 <= t < engine.model.config.vocab_size]
             if bad:
                 raise APIError(400, f"prompt: token id {bad[0]} is outside the model's vocabulary "
@@ -145,9 +193,13 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
         eos = None if body.ignore_eos else tokenizer.eot_id
         for ids in prompts:
             for j in range(body.n):
-                seed = None if body.seed is None else body.seed + j
-                job.add(Sequence(list(ids), max_tokens, body.temperature, None if body.top_p >= 1 else body.top_p,
-                                 body.top_k, seed, eos), TextStream(tokenizer, stops))
+                seed = None if body.seed is None else (body.seed + j) % 2**64
+                try:
+                    sequence = Sequence(list(ids), max_tokens, body.temperature,
+                                        None if body.top_p >= 1 else body.top_p, body.top_k, seed, eos)
+                except ValueError as e:  # the protocol's checks come first: this is a second line
+                    raise APIError(400, str(e), None) from None
+                job.add(sequence, TextStream(tokenizer, stops))
         try:
             for sequence in job.sequences:
                 engine.submit(sequence)
@@ -227,12 +279,19 @@ def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 class Gate:
-    """ASGI middleware before the app: the API key on /v1/ (401), and a POST body that is UTF-8 (400, not
-    the JSON parser's unnamed failure). The body is read here and handed on unchanged; messages after it
-    (a client's disconnect) pass straight through, so the app still sees a client go away."""
+    """ASGI middleware before the app: the API key on /v1/ (401), a POST body no longer than
+    `max_request_bytes` (413, by its Content-Length or as it is read: before any of it is parsed), and
+    UTF-8 (400, not the JSON parser's unnamed failure). The body is read here and handed on unchanged;
+    messages after it (a client's disconnect) pass straight through, so the app still sees a client go
+    away."""
 
-    def __init__(self, app, api_key: str | None = None):
-        self.app, self.api_key = app, api_key
+    def __init__(self, app, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES):
+        self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
+
+    async def _too_big(self, scope, receive, send, size: str):
+        response = error_response(413, f"body: {size}, more than this server takes, {self.max_request_bytes:,} "
+                                       f"bytes (--max-request-bytes)", "body")
+        await response(scope, receive, send)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -240,24 +299,29 @@ class Gate:
         if self.api_key is not None and scope["path"].startswith("/v1/"):
             headers = dict(scope.get("headers") or [])
             if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
-                response = JSONResponse(error_body("a valid API key is needed: header 'Authorization: Bearer KEY' "
-                                                   "(k3 serve --api-key)", "authentication_error", None, 401), 401)
+                response = error_response(401, "a valid API key is needed: header 'Authorization: Bearer KEY' "
+                                               "(k3 serve --api-key)", None, "authentication_error")
                 return await response(scope, receive, send)
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        chunks, more = [], True
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_request_bytes:
+            return await self._too_big(scope, receive, send, f"{int(length):,} bytes (Content-Length)")
+        chunks, more, size = [], True, 0
         while more:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
             chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_request_bytes:
+                return await self._too_big(scope, receive, send, f"{size:,} bytes and more")
             more = message.get("more_body", False)
         body = b"".join(chunks)
         try:
             body.decode("utf-8")
         except UnicodeDecodeError as e:
-            response = JSONResponse(error_body(f"body: not UTF-8 text (byte {e.start}); send JSON in UTF-8",
-                                               "invalid_request_error", "body", 400), 400)
+            response = error_response(400, f"body: not UTF-8 text (byte {e.start}); send JSON in UTF-8", "body")
             return await response(scope, receive, send)
         first = True
 

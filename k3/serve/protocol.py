@@ -1,17 +1,35 @@
 """The request bodies `k3 serve` accepts: OpenAI's /v1/completions and /v1/chat/completions fields that
-k3 implements, each checked by pydantic. A field OpenAI defines but k3 does not implement (logprobs,
-penalties, tools, ...) is refused by name rather than ignored; `ignore_eos` is vLLM's extension (generate
-past the end-of-text token: fixed output lengths for load tests)."""
+k3 implements, each checked by pydantic as the request arrives, strictly (a number is not a string, a
+boolean is not a number) and against the rules the engine samples by (`k3.generation.check_sampling`,
+`check_seed`), so a request the engine would fail on is refused with 400 before it runs. Text fields
+refuse a lone surrogate ("\\ud800": JSON can spell it, UTF-8 cannot encode it); `stop` takes at most 16
+strings (each is looked for after every token). A field OpenAI defines but k3 does not implement
+(logprobs, penalties, tools, ...) is refused by name rather than ignored; `ignore_eos` is vLLM's extension
+(generate past the end-of-text token: fixed output lengths for load tests)."""
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+from ..generation import check_sampling, check_seed
+
+
+def _whole_unicode(text: str) -> str:
+    """`text` if UTF-8 can encode it; a ValueError naming the first lone surrogate otherwise."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"a lone surrogate ({text[e.start]!r}) at character {e.start}: not Unicode text") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_whole_unicode)]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk (load tests count tokens with it)
 
@@ -19,20 +37,44 @@ class StreamOptions(BaseModel):
 class Sampling(BaseModel):
     """What both endpoints share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = Field(default=None, gt=0)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=1)  # vLLM's extension
     n: int = Field(default=1, ge=1, le=16)
-    stop: Union[str, list[str], None] = None
-    seed: int | None = None
+    stop: Union[Text, Annotated[list[Text], Field(max_length=16)], None] = None  # OpenAI takes 4
+    seed: int | None = None  # choice j of n samples with seed + j (mod 2**64)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     ignore_eos: bool = False
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value):
+        check_sampling(temperature=value)
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, value):
+        check_sampling(top_p=value)
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value):
+        check_sampling(top_k=value)
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value):
+        check_seed(value)
+        return value
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -40,14 +82,14 @@ class Sampling(BaseModel):
 
 class CompletionRequest(Sampling):
     # a text, several texts, a list of token ids, or several lists of token ids
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[Text, list[Text], list[int], list[list[int]]]
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant"]
-    content: str
-    name: str | None = None
+    content: Text
+    name: Text | None = None
 
 
 class ChatRequest(Sampling):

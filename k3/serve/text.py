@@ -76,10 +76,12 @@ class TextStream:
         return out
 
     def _held_back(self) -> int:
-        """Characters at the end of the text that begin some stop string (they may yet complete it)."""
+        """Characters at the end of the text that begin some stop string (they may yet complete it). Only
+        text not yet handed out can be held back (a longer match would have been held back before), so
+        each token costs what is pending, not the whole text: long stop strings and long answers stay cheap."""
         longest = 0
         for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), longest, -1):
+            for n in range(min(len(s) - 1, len(self.text) - self.sent), longest, -1):
                 if self.text.endswith(s[:n]):
                     longest = n
                     break

@@ -11,7 +11,7 @@ import torch
 
 from k3.models import CausalLM, get_config
 from k3.models.cache import HybridCache
-from k3.serve import Engine, QueueFull, Sequence, sequence_bytes
+from k3.serve import Engine, QueueFull, Sequence, prefill_bytes, sequence_bytes
 
 PRESETS = ["kimi-k3-tiny", "kimi-linear-tiny", "gpt2-tiny"]
 
@@ -83,7 +83,8 @@ def test_concurrent_sequences_get_what_they_would_alone(preset):
 def test_admission_keeps_within_the_budget():
     model = tiny("gpt2-tiny")
     need = sequence_bytes(model.config, 10 + 20 - 1, 8)
-    engine = Engine(model, cache_memory=2 * need + need // 2).start()  # room for two
+    prefill = prefill_bytes(model.config, 10, 10, 8)
+    engine = Engine(model, cache_memory=2 * need + need // 2 + prefill).start()  # two caches and a prefill
     try:
         collectors = [Collector() for _ in range(6)]
         for c, prompt in zip(collectors, prompts(6, seed=3)):
@@ -99,7 +100,7 @@ def test_admission_keeps_within_the_budget():
 
 def test_queue_bound_and_cancel():
     model = tiny("kimi-k3-tiny")
-    need = sequence_bytes(model.config, 5 + 10**6 - 1, 8)
+    need = sequence_bytes(model.config, 5 + 10**6 - 1, 8) + prefill_bytes(model.config, 5, 5, 8)
     engine = Engine(model, cache_memory=need, max_queue=1).start()
     try:
         running, waiting = Collector(), Collector()
@@ -181,3 +182,146 @@ def test_hybrid_cache_trim_after_the_longest_row_leaves():
     ref = model.new_cache(1)
     model(torch.tensor([short_prompt]), cache=ref)
     torch.testing.assert_close(model(token, cache=both), model(token, cache=ref), rtol=0, atol=1e-12)
+
+
+def test_a_row_that_fails_to_sample_ends_alone(monkeypatch, caplog):
+    """One sequence whose sampling raises (here a patched `sample`) ends with an error of its own and a line
+    in the log; the sequences decoding beside it go on to what they get alone."""
+    import k3.serve.engine as engine_module
+
+    real = engine_module.sample
+
+    def poisoned(logits, temperature, *args, **kw):
+        if temperature == 0.5:
+            raise RuntimeError("poisoned row")
+        return real(logits, temperature, *args, **kw)
+
+    monkeypatch.setattr(engine_module, "sample", poisoned)
+    model = tiny("kimi-k3-tiny")
+    engine = Engine(model, cache_memory=10**9).start()
+    try:
+        work = [(p, 8) for p in prompts(3, seed=5)]
+        good = [Collector() for _ in work]
+        for (prompt, n), c in zip(work, good):
+            engine.submit(c.sequence(prompt, n))
+        wait_until(lambda: all(len(c.tokens) >= 1 for c in good))
+        bad = Collector()
+        engine.submit(bad.sequence([1, 2, 3], 8, temperature=0.5, seed=1))
+        assert bad.done.wait(30) and bad.reason.startswith("error: RuntimeError: poisoned row")
+        for (prompt, n), c in zip(work, good):
+            assert c.done.wait(30) and c.reason == "length" and c.tokens == alone(model, prompt, n)
+        assert "poisoned row" in caplog.text
+        wait_until(lambda: engine.stats()["running"] == 0 and engine.reserved == 0)
+    finally:
+        engine.stop()
+
+
+def test_sequence_refuses_a_seed_the_generator_cannot_take():
+    for seed in (2**64, -1, 1.5, True):
+        with pytest.raises(ValueError, match="seed"):
+            Sequence([1], 2, temperature=1.0, seed=seed)
+
+
+def test_max_running_bounds_the_batch():
+    model = tiny("kimi-k3-tiny")
+    engine = Engine(model, cache_memory=10**9, max_running=1).start()
+    try:
+        collectors = [Collector() for _ in range(6)]
+        for c, prompt in zip(collectors, prompts(6, seed=7)):
+            engine.submit(c.sequence(prompt, 3))
+        for c in collectors:
+            assert c.done.wait(60) and c.reason == "length"
+        assert engine.peak_running == 1
+    finally:
+        engine.stop()
+
+
+def test_a_long_prompt_is_prefilled_in_pieces_between_decode_turns():
+    """A prompt of many pieces (prefill_tokens 8) does not stall the running batch: the running sequence
+    decodes between its pieces, and both get what they get alone."""
+    model = tiny("kimi-k3-tiny")
+    engine = Engine(model, cache_memory=10**9, prefill_tokens=8).start()
+    try:
+        runner, long = Collector(), Collector()
+        engine.submit(runner.sequence([1, 2, 3], 60))
+        wait_until(lambda: len(runner.tokens) >= 1)
+        long_prompt = (prompts(4, seed=9)[0] * 40)[:96]
+        sequence = long.sequence(long_prompt, 4)
+        engine.submit(sequence)
+        wait_until(lambda: sequence.prefilled > 0)
+        at_start = len(runner.tokens)
+        wait_until(lambda: len(long.tokens) >= 1 or long.done.is_set())
+        assert len(runner.tokens) - at_start >= 96 // 8 - 2  # a decode turn after (nearly) every piece
+        assert long.done.wait(30) and long.tokens == alone(model, long_prompt, 4)
+        assert runner.done.wait(30) and runner.tokens == alone(model, [1, 2, 3], 60)
+    finally:
+        engine.stop()
+
+
+def test_admission_counts_a_prefill_piece_and_shrinks_it_to_fit():
+    model = tiny("kimi-k3-tiny")
+    prompt = list(range(1, 97)) * 20  # 1,920 tokens
+    cache = sequence_bytes(model.config, len(prompt), 8)
+    roomy = Engine(model, cache_memory=10**9)
+    piece, transient = roomy.plan(Sequence(prompt, 1))
+    assert piece == len(prompt) and transient == prefill_bytes(model.config, piece, len(prompt), 8) > cache
+    tight = Engine(model, cache_memory=cache + transient // 4)
+    piece, transient = tight.plan(Sequence(prompt, 1))
+    assert piece < len(prompt) and cache + transient <= tight.cache_memory
+    with pytest.raises(ValueError, match="whole cache budget"):
+        Engine(model, cache_memory=cache).submit(Sequence(prompt, 1))
+
+
+def test_a_long_prompt_takes_smaller_pieces_to_start_beside_a_running_one():
+    """The running sequences leave too little room for a full prefill piece: the long prompt starts now in
+    smaller pieces (not waiting for the others to end), and within the budget."""
+    model = tiny("kimi-k3-tiny")
+    prompt = (prompts(1, seed=11)[0] * 100)[:512]
+    cache = sequence_bytes(model.config, len(prompt) + 4 - 1, 8)
+    full = prefill_bytes(model.config, len(prompt), len(prompt), 8)
+    runner_need = sequence_bytes(model.config, 3 + 10**6 - 1, 8)  # more than a full piece leaves room for
+    engine = Engine(model, cache_memory=runner_need + prefill_bytes(model.config, 3, 3, 8) + cache + full // 2)
+    engine.start()
+    try:
+        runner, long = Collector(), Collector()
+        first = runner.sequence([1, 2, 3], 10**6)
+        engine.submit(first)
+        wait_until(lambda: len(runner.tokens) >= 1)
+        sequence = long.sequence(prompt, 4)
+        engine.submit(sequence)
+        assert sequence.fitting_piece == len(prompt)  # alone it would prefill in one piece
+        assert long.done.wait(60) and not runner.done.is_set()
+        assert sequence.piece < len(prompt) and long.tokens == alone(model, prompt, 4)
+        engine.cancel(first)
+    finally:
+        engine.stop()
+
+
+def test_a_failed_batch_forward_fails_the_batch_logs_it_and_serving_goes_on(monkeypatch, caplog):
+    model = tiny("kimi-k3-tiny")
+    engine = Engine(model, cache_memory=10**9).start()
+    try:
+        broken = threading.Event()
+        real = engine._decode
+
+        def decode():
+            if broken.is_set():
+                raise RuntimeError("the batch's forward broke")
+            real()
+
+        monkeypatch.setattr(engine, "_decode", decode)
+        victims = [Collector() for _ in range(2)]
+        for c in victims:
+            engine.submit(c.sequence([1, 2, 3], 10**5))
+        wait_until(lambda: all(len(c.tokens) >= 1 for c in victims))
+        broken.set()
+        for c in victims:
+            assert c.done.wait(30) and c.reason == "error: RuntimeError: the batch's forward broke"
+        assert "the batch's forward failed" in caplog.text
+        broken.clear()
+        after = Collector()
+        engine.submit(after.sequence([4, 5], 3))
+        assert after.done.wait(30) and after.reason == "length" and after.tokens == alone(model, [4, 5], 3)
+        assert engine.stats()["running"] == 0 and engine.reserved == 0
+    finally:
+        engine.stop()

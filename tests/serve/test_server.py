@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import threading
 import time
 
@@ -181,7 +182,8 @@ def test_bad_input(server, body, status, param, words):
 
 
 def test_bad_chat_and_body(server):
-    code, out, _ = post(server, "/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "bot", "content": "x"}]}')
+    code, out, _ = post(server, "/v1/chat/completions",
+                        '{"model": "tiny", "messages": [{"role": "bot", "content": "x"}]}')
     assert code == 400 and out["error"]["param"] == "messages.0.role"
     code, out, _ = post(server, "/v1/chat/completions", '{"model": "tiny", "messages": []}')
     assert code == 400 and out["error"]["param"] == "messages"
@@ -220,3 +222,182 @@ def test_full_queue_is_503_with_retry_after(checkpoint):
             conn.sock.shutdown(2)
             conn.close()
         wait_idle(s)
+
+
+def chat_in_background(server, count: int, max_tokens: int = 40) -> tuple[list, list]:
+    """`count` greedy chat requests on threads; (threads, results): each result (status, body) once done."""
+    results = [None] * count
+
+    def ask(i):
+        body = {"model": NAME, "messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True}
+        code, out, _ = post(server, "/v1/chat/completions", json.dumps(body))
+        results[i] = (code, out)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+POISON = [{"seed": 2**64}, {"seed": -1}, {"seed": 10**30}, {"top_p": 1e-300}, {"temperature": 5e-324},
+          {"temperature": 1e-300, "top_p": 5e-324}, {"top_k": 0}, {"n": 2, "seed": 2**64 - 1}]
+
+
+@pytest.mark.parametrize("poison", POISON, ids=[json.dumps(p) for p in POISON])
+def test_a_poisoned_request_does_not_fail_the_others(server, poison):
+    """Three chat requests decode; a completion with an out-of-range or extreme sampling setting arrives:
+    it is answered (400 naming the field, or 200: extreme settings in range sample finitely), and the
+    three get their normal answers."""
+    expected = [post(server, "/v1/chat/completions", json.dumps(
+        {"model": NAME, "messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": 40, "temperature": 0,
+         "ignore_eos": True}))[1]["choices"][0]["message"]["content"] for i in range(3)]
+    threads, results = chat_in_background(server, 3)
+    deadline = time.time() + 30
+    while server.engine.stats()["running"] < 3:
+        assert time.time() < deadline
+        time.sleep(0.005)
+    code, out, _ = post(server, "/v1/completions", json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 4,
+                                                               "temperature": 1, **poison}))
+    if code == 400:
+        assert out["error"]["param"] in poison and out["error"]["type"] == "invalid_request_error", out
+    else:
+        assert code == 200 and out["usage"]["completion_tokens"] >= 1, out
+    for t in threads:
+        t.join(60)
+    assert [r[0] for r in results] == [200] * 3, results
+    assert [r[1]["choices"][0]["message"]["content"] for r in results] == expected
+
+
+def test_a_request_whose_sampling_raises_fails_alone(server, monkeypatch, caplog):
+    """A failure while sampling one request's row (bypassing validation: a patched `sample`) ends that
+    request with a 500 in OpenAI's shape and a line in the log; the requests beside it are unharmed."""
+    import k3.serve.engine as engine_module
+
+    real = engine_module.sample
+
+    def poisoned(logits, temperature, *args, **kw):
+        if temperature == 0.777:
+            raise RuntimeError("poisoned row")
+        return real(logits, temperature, *args, **kw)
+
+    monkeypatch.setattr(engine_module, "sample", poisoned)
+    threads, results = chat_in_background(server, 3)
+    deadline = time.time() + 30
+    while server.engine.stats()["running"] < 3:
+        assert time.time() < deadline
+        time.sleep(0.005)
+    code, out, _ = post(server, "/v1/completions", json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 4,
+                                                               "temperature": 0.777}))
+    assert code == 500 and out["error"]["type"] == "server_error" and "poisoned row" in out["error"]["message"]
+    for t in threads:
+        t.join(60)
+    assert [r[0] for r in results] == [200] * 3, results
+    assert all(r[1]["usage"]["completion_tokens"] == 40 for r in results)
+    assert "poisoned row" in caplog.text
+
+
+TYPES = [
+    ('{"model": "tiny", "prompt": "hi", "stream": "yes"}', "stream"),
+    ('{"model": "tiny", "prompt": "hi", "max_tokens": "5"}', "max_tokens"),
+    ('{"model": "tiny", "prompt": "hi", "temperature": true}', "temperature"),
+    ('{"model": "tiny", "prompt": "hi", "temperature": NaN}', "temperature"),
+    ('{"model": "tiny", "prompt": "hi", "top_p": Infinity}', "top_p"),
+    ('{"model": "tiny", "prompt": "hi", "n": 1.5}', "n"),
+    ('{"model": "tiny", "prompt": "hi", "seed": "7"}', "seed"),
+    ('{"model": "tiny", "prompt": [1, 2.5]}', "prompt"),
+    ('{"model": "tiny", "prompt": "\\ud800"}', "prompt"),
+    ('{"model": "tiny", "prompt": "hi", "stop": ["\\udfff"]}', "stop"),
+    ('{"model": "tiny", "prompt": "hi", "\\ud800": 1}', "body"),  # a key no field has, and not text
+    ('{"model": "\\ud800", "prompt": "hi"}', "model"),
+    ('[1, 2]', "body"),
+    ('{"prompt": ' + "[" * 5000 + "]" * 5000 + "}", "body"),  # nested past json's recursion limit
+    ('{"prompt": "hi", "seed": ' + "9" * 5000 + "}", "body"),  # past Python's digits limit for an int
+    ('{"prompt": "hi", "stop": ' + json.dumps(["x"] * 17) + "}", "stop"),
+    ('{"prompt": ' + json.dumps([[1]] * 100) + ', "n": 16}', "prompt"),  # more sequences than --max-queue
+]
+
+
+@pytest.mark.parametrize("body,param", TYPES)
+def test_wrong_types_and_lone_surrogates_are_400(server, body, param):
+    code, out, _ = post(server, "/v1/completions", body)
+    assert code == 400 and out["error"]["type"] == "invalid_request_error", (code, out)
+    assert out["error"]["param"].split(".")[0] == param and out["error"]["code"] == 400, out
+
+
+def test_unknown_path_and_method_in_openai_shape(server):
+    code, out, _ = post(server, "/v1/engines", "{}")
+    assert code == 404 and out["error"]["type"] == "invalid_request_error" and "/v1/engines" in out["error"]["message"]
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/v1/completions")
+    r = conn.getresponse()
+    assert r.status == 405 and json.loads(r.read())["error"]["code"] == 405
+
+
+def test_a_lone_surrogate_in_a_chat_message_is_400(server):
+    code, out, _ = post(server, "/v1/chat/completions",
+                        '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}')
+    assert code == 400 and out["error"]["param"] == "messages.0.content", out
+
+
+def test_request_size_limits_are_413(checkpoint):
+    with start(CausalLM.from_pretrained(checkpoint).eval(), max_request_bytes=1000, max_prompt_tokens=50) as s:
+        code, out, _ = post(s, "/v1/completions", json.dumps({"model": NAME, "prompt": "x" * 2000}))
+        assert code == 413 and out["error"]["param"] == "body" and "1,000" in out["error"]["message"], out
+        code, out, _ = post(s, "/v1/completions", json.dumps({"model": NAME, "prompt": "x" * 60}))
+        assert code == 413 and out["error"]["param"] == "prompt" and "50" in out["error"]["message"], out
+        code, out, _ = post(s, "/v1/chat/completions", json.dumps(
+            {"model": NAME, "messages": [{"role": "user", "content": "x" * 60}]}))
+        assert code == 413 and out["error"]["param"] == "messages", out
+        code, out, _ = post(s, "/v1/completions", json.dumps({"model": NAME, "prompt": "x" * 10, "max_tokens": 2}))
+        assert code == 200, out
+
+
+class SlowTokenizer:
+    """The byte tokenizer, 2 s to encode: /health must answer meanwhile."""
+
+    def __init__(self):
+        self.inner = byte_tokenizer()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode(self, text):
+        time.sleep(2)
+        return self.inner.encode(text)
+
+
+def test_tokenizing_does_not_block_health(checkpoint):
+    engine = Engine(CausalLM.from_pretrained(checkpoint).eval(), cache_memory=10**9)
+    with ServerThread(build_app(engine, SlowTokenizer(), NAME), engine) as s:
+        thread = threading.Thread(target=post, args=(s, "/v1/completions", json.dumps({"prompt": "Hi",
+                                                                                       "max_tokens": 2})))
+        thread.start()
+        time.sleep(0.3)
+        t0 = time.time()
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200 and time.time() - t0 < 1.0
+        thread.join(30)
+
+
+def test_draining_answers_503_with_retry_after(checkpoint):
+    """After SIGTERM (uvicorn's handle_exit) the server still listens: new requests get 503 with
+    Retry-After while the running one finishes; then it exits."""
+    engine = Engine(CausalLM.from_pretrained(checkpoint).eval(), cache_memory=10**9)
+    with ServerThread(build_app(engine, byte_tokenizer(), NAME), engine, shutdown_timeout=60) as s:
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 100, "ignore_eos": True}),
+                     {"Content-Type": "application/json"})
+        deadline = time.time() + 30
+        while s.engine.stats()["running"] == 0:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        s._server.handle_exit(signal.SIGTERM, None)
+        time.sleep(0.5)  # several of uvicorn's ticks: it would have closed its socket by now
+        code, out, headers = post(s, "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}))
+        assert code == 503 and headers.get("retry-after") and out["error"]["type"] == "server_busy", out
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 100
+        s._thread.join(30)
+        assert not s._thread.is_alive()

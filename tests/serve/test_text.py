@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -62,3 +63,22 @@ def test_checkpoint_chat_template(tmp_path):
 def test_template_refusal_is_a_value_error():
     with pytest.raises(ValueError, match="refused"):
         chat_prompt([{"role": "user", "content": "x"}], "{{ raise_exception('no system role') }}")
+
+
+def test_long_stop_strings_cost_what_is_pending_not_the_whole_text():
+    """16 stop strings of 100,000 characters that never match: a token late in a long answer costs about
+    what an early one does (the held-back search looks only at text not yet handed out)."""
+    tok = byte_tokenizer()
+    a = tok.encode("a")[0]
+    stream = TextStream(tok, ["b" * 100_000] * 16)
+    early = time.perf_counter()
+    for _ in range(200):
+        stream.push(a)
+    early = time.perf_counter() - early
+    for _ in range(4000):
+        stream.push(a)
+    late = time.perf_counter()
+    for _ in range(200):
+        assert stream.push(a) == "a"
+    late = time.perf_counter() - late
+    assert late < 5 * early + 0.05, (early, late)
