@@ -25,7 +25,7 @@ def test_errors(capsys, tmp_path):
     fails(capsys, ["serve", "--checkpoint", str(tmp_path / "missing")], "no such folder")
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--cache-memory", "lots"], "512MiB")
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--port", "-1"], "--port")
-    fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--port", "70000"], "--port", "<= 65535", "70000")
+    fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--port", "70000"], "--port", "in [0, 65535]", "70000")
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--api-key", ""], "--api-key", "not empty")
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--cache-memory", "1000TiB", "--device", "cpu"],
           "--cache-memory 1000TiB", "1,099,511,627,776,000 bytes", "available")
