@@ -20,7 +20,7 @@ Batches are right-padded: the model is causal, so what follows a sequence cannot
 
 How lm-eval finds "k3": lm-eval resolves `--model NAME` in a registry that only its own model list and
 imported `@register_model` classes fill; it reads no entry points (0.4.11 to 0.5.0.dev1). The k3 wheel
-installs a start-up hook (site-packages/_k3_lm_eval.py) that adds "k3" to that registry, as the lazy
+installs a start-up hook (lm-eval-hook/_k3_lm_eval.py) that adds "k3" to that registry, as the lazy
 placeholder "k3.eval.lm_eval:K3LM", when lm-eval loads its model list: a plain `lm_eval --model k3`
 works. Importing this module registers K3LM too, which `k3 eval` / `python -m k3.eval` (see `main`)
 do before handing the command line to lm-eval. k3's pyproject.toml also declares the `lm_eval.models`

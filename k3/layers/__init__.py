@@ -1,4 +1,4 @@
-"""k3.layers: the building blocks of the lineage's models (DESIGN.md §3).
+"""k3.layers: the building blocks of the lineage's models (docs/design.md: the layers).
 
 RMSNorm, the feed-forward family (GPT-2's GELU MLP, SwiGLU, Kimi K3's SiTU-GLU), the short
 causal convolution, the delta-rule attention layers (DeltaNet, Gated DeltaNet, Kimi Delta Attention)

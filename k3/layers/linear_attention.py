@@ -4,7 +4,7 @@ Attention (KDA).
 LinearAttention (Katharopoulos et al.): phi(x) = ELU(x) + 1 on q and k, the normalised op of
 `k3.ops.linear_attn`, o_proj.
 
-The three delta-rule layers share one body (DESIGN.md §3) and differ only in the forget gate:
+The three delta-rule layers share one body (docs/design.md: the layers) and differ only in the forget gate:
 
     q, k, v = SiLU(ShortConv(W_q x)), SiLU(ShortConv(W_k x)), SiLU(ShortConv(W_v x))   per head, q, k L2-normalised
     beta    = sigmoid(b_proj(x))                                                        write strength [B, T, H]

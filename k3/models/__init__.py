@@ -1,4 +1,4 @@
-"""k3.models: the lineage's models (DESIGN.md §4-5) — configs and presets, CausalLM with its hybrid
+"""k3.models: the lineage's models (docs/design.md) — configs and presets, CausalLM with its hybrid
 cache, parameter accounting, and loading Hugging Face Kimi checkpoints."""
 
 from .config import ModelConfig

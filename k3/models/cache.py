@@ -1,4 +1,4 @@
-"""HybridCache: the growing decode state of a whole model (DESIGN.md §5), one cache per layer of its
+"""HybridCache: the growing decode state of a whole model (docs/design.md: the caches), one cache per layer of its
 mixer kind, updated in place by every forward. See `k3.models.static_cache` for the preallocated one a
 compiled decode step runs over.
 """

@@ -1,4 +1,4 @@
-"""CausalLM: one decoder for the whole lineage (DESIGN.md §4), with the hybrid decode cache (§5).
+"""CausalLM: one decoder for the whole lineage, with the hybrid decode cache (docs/design.md: models, the caches).
 
     tokens -> embed_tokens (+ embed_positions, GPT-2 only)
            -> layers: x + self_attn(input_layernorm(x)), then x + mlp(post_attention_layernorm(x))

@@ -1,4 +1,4 @@
-"""The lineage as presets (DESIGN.md §4): GPT-2 → linear attention → DeltaNet → Gated DeltaNet →
+"""The lineage as presets (docs/design.md: models): GPT-2 → linear attention → DeltaNet → Gated DeltaNet →
 Kimi Linear → Kimi K3, each at its published size and as a `-tiny` that a 2-core CPU trains in minutes.
 
 `get_config(name, **overrides)` builds one; `num_layers` rebuilds the preset's layer pattern at that depth,

@@ -1,4 +1,4 @@
-"""k3.ops: the lineage's sequence mixers as pure functions (DESIGN.md §1-2).
+"""k3.ops: the lineage's sequence mixers as pure functions (docs/design.md: tensor conventions, the sequence mixers).
 
 Every op takes `[B, T, H, K]` inputs and returns `(o, final_state)`. Each recurrent mixer has a
 token-by-token reference form (`recurrent_*`, also the decode step) and a chunkwise-parallel form

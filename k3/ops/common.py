@@ -1,6 +1,6 @@
 """Argument checking and layout helpers shared by every sequence mixer in `k3.ops`.
 
-Every op takes `[B, T, H, K]` inputs (DESIGN.md §1). The helpers here validate them once, pick the
+Every op takes `[B, T, H, K]` inputs (docs/design.md: tensor conventions). The helpers here validate them once, pick the
 accumulation dtype (float32, or float64 for float64 inputs), and turn packed variable-length input
 (`cu_seqlens`, B = 1) into a padded batch `[N, T_max, ...]` and back. Padding is *neutral*: k = v = 0,
 beta = 0 and g = 0, so a padded step leaves the recurrent state exactly as it was.

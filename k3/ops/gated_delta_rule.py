@@ -22,7 +22,7 @@ from .delta_family import delta_step, run_delta_op, token_loop
 
 
 def _recurrence(q, k, v, g, beta, S):
-    """Gated DeltaNet token by token, per head (DESIGN.md §2):
+    """Gated DeltaNet token by token, per head (docs/design.md: the sequence mixers):
 
         S' = exp(g_t) S_{t-1};  v_old = k_t S';  S_t = S' + beta_t k_t^T (v_t - v_old);  o_t = q_t S_t
 

@@ -41,12 +41,12 @@ class TrainConfig:
     vocab_size: int = 4096
     val_fraction: float = 0.1
     seq_len: int = 256
-    batch_size: int = 8  # measured: 2.12 vs 2.19 bits/byte at 16, in the same 10-minute budget
-    optimizer: str = "muon"  # "muon" (hidden matrices; AdamW on the rest) | "adamw"; measured below
+    batch_size: int = 8  # the defaults' choice: docs/training.md
+    optimizer: str = "muon"  # "muon" (hidden matrices; AdamW on the rest) | "adamw"
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int | None = None  # None: WARMUP_FRACTION of the run's steps, at most MAX_WARMUP_STEPS
-    schedule: str = "wsd"  # "wsd" | "cosine"; measured: 2.070 vs 2.083 bits/byte in the same 10-minute budget
+    schedule: str = "wsd"  # "wsd" | "cosine"
     wsd_decay_fraction: float = 0.2
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)

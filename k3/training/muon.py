@@ -19,10 +19,7 @@ calls of at most STACK_VALUES values each (so its workspace is bounded, whatever
 on GPUs (as Keller Jordan's reference does), in float32 on CPUs. Sharded matrices
 (FSDP's DTensors) are gathered whole for it, and each rank keeps its shard of the update. QK-Clip
 (MuonClip's guard on attention logits at scale) runs after the step, outside the optimizer:
-k3.training.qk_clip.
-
-Measured (`make demo`'s run on an emulated ~80 GFLOP/s machine, two 1-thread 10-minute runs side by
-side): 2.004 bits per byte against AdamW's 2.075, although Newton-Schulz makes each step ~10% slower.
+k3.training.qk_clip. How it compares with AdamW on k3's runs: docs/training.md.
 """
 
 from __future__ import annotations
@@ -95,8 +92,7 @@ def _stacks(items: list, shape: torch.Size) -> list[list]:
     """`items` (one per matrix of `shape`) in runs of at most STACK_VALUES values (at least one matrix
     each): the matrices orthogonalised together. The iteration's temporaries (the stack, the Gram
     matrices, the next iterate) stay a few stacks' worth, not a few copies of every matrix of one shape
-    (all the experts of all the MoE layers: measured 3.4 GB of transient memory for a 224M-parameter
-    model in one stack, 0.9 GB in runs)."""
+    (all the experts of all the MoE layers)."""
     per_stack = max(1, STACK_VALUES // math.prod(shape))
     return [items[i:i + per_stack] for i in range(0, len(items), per_stack)]
 

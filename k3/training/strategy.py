@@ -110,10 +110,10 @@ class SingleProcess:
 
     # -- the training step ----------------------------------------------------------------------------
     def step(self, windows: torch.Tensor, cfg: TrainConfig) -> float:
-        """One AdamW step on the global batch `windows` [B, T + 1] (clipped gradients), taken as
-        `cfg.grad_accum` equal micro-batches, then QK-Clip and the MoE bias update. Returns the batch's loss. A
-        non-finite loss or gradient norm raises NonFiniteLossError before the weights change (on every
-        process alike: both are global)."""
+        """One optimizer step (Muon and AdamW, or AdamW: `cfg.optimizer`) on the global batch `windows`
+        [B, T + 1] (clipped gradients), taken as `cfg.grad_accum` equal micro-batches, then QK-Clip and the MoE
+        bias update. Returns the batch's loss. A non-finite loss or gradient norm raises NonFiniteLossError
+        before the weights change (on every process alike: both are global)."""
         parts = windows.chunk(cfg.grad_accum)
         if len(parts) != cfg.grad_accum or windows.shape[0] % cfg.grad_accum:
             raise ValueError(f"a batch of {windows.shape[0]} windows does not split into grad_accum = "
@@ -243,9 +243,9 @@ class SingleProcess:
 
 
 def training_step(model: CausalLM, optimizer: torch.optim.Optimizer, windows: torch.Tensor, cfg: TrainConfig) -> float:
-    """One AdamW step of `model` on a batch of windows [B, T + 1] (clipped gradients), then QK-Clip and the
-    MoE bias update: `SingleProcess.step` with a model and optimizer of the caller's, on the model's device, in
-    `cfg.precision`, in `cfg.grad_accum` micro-batches. Returns the loss."""
+    """One step of `optimizer` (Muon and AdamW, or AdamW) on `model` and a batch of windows [B, T + 1] (clipped
+    gradients), then QK-Clip and the MoE bias update: `SingleProcess.step` with a model and optimizer of the
+    caller's, on the model's device, in `cfg.precision`, in `cfg.grad_accum` micro-batches. Returns the loss."""
     strategy = SingleProcess("cpu")
     strategy.device = next(model.parameters()).device
     strategy.model = strategy.net = model
@@ -269,10 +269,9 @@ def compile_decoder(model: CausalLM) -> None:
     """`k3 train --compile`: torch.compile the decoder in place (`nn.Module.compile`: parameter names and
     checkpoints unchanged), so that its elementwise work (SiTU, norms, gates) runs as fused kernels.
 
-    Measured on kimi-k3-tiny (16 x 256 tokens, 2 CPU threads): a step in 0.78x the eager time, after
-    about 2.5 minutes of compiling in the first step. It pays on runs of an hour, not on the
-    13-minute demo, so it is off by default. On a CPU, inductor builds C++ kernels: without a C++
-    compiler it cannot run, and this says so before any work is done."""
+    The first step compiles for minutes, so it pays on long runs and is off by default (its speed:
+    docs/training.md). On a CPU, inductor builds C++ kernels: without a C++ compiler it cannot run, and
+    this says so before any work is done."""
     if model.lm_head.weight.device.type == "cpu" and cxx_compiler() is None:
         raise ValueError("--compile: torch.compile builds C++ kernels for the CPU and no C++ compiler was found "
                          "(looked for $CXX, g++, c++, clang++); install one (e.g. apt install g++) or train without "

@@ -277,7 +277,7 @@ socket.socket.connect = socket.socket.connect_ex = _refuse
 
 def lm_eval_script() -> Path | None:
     """lm-eval's console script in this interpreter's environment, when k3 is installed there with its
-    start-up hook (site-packages/_k3_lm_eval.py); None when k3 only runs from a source tree (PYTHONPATH)."""
+    start-up hook (lm-eval-hook/_k3_lm_eval.py); None when k3 only runs from a source tree (PYTHONPATH)."""
     try:
         importlib.metadata.distribution("k3")
     except importlib.metadata.PackageNotFoundError:
@@ -314,7 +314,7 @@ def test_lm_eval_command_line(command, k3_checkpoint, tmp_path):
 def test_start_up_hook_registers_k3_lazily_and_only_when_lm_eval_loads_its_models():
     """The hook imports nothing at start-up, registers the "k3" placeholder next to lm-eval's own models,
     leaves an earlier registration alone, and K3_LM_EVAL_PLUGIN=0 turns it off."""
-    hook = ROOT / "site-packages" / "_k3_lm_eval.py"
+    hook = ROOT / "lm-eval-hook" / "_k3_lm_eval.py"
     script = f"""
 import importlib.util, sys
 assert not any(m in sys.modules for m in ("torch", "lm_eval", "k3")), "imported at start-up"
