@@ -6,9 +6,9 @@ its memory (`available_memory`), against which sizes that cannot fit are refused
 `keep_freed_memory()`: PyTorch's CPU allocator hands every tensor to malloc. glibc serves blocks of a
 megabyte or more with fresh pages (mmap, or a heap it trims back to the OS on every free), so each new
 temporary of that size is page-faulted in again, 256 faults per MB. The chunked mixers create dozens
-of such temporaries per slab; on a 2-core VM the faults cost more than the arithmetic (measured: about
-3,900 faults and 2x the time per KDA slab). Raising glibc's mmap and trim thresholds makes malloc keep
-and reuse freed memory instead — what PyTorch's CPU tuning guide gets by preloading jemalloc or tcmalloc.
+of such temporaries per slab; on a small CPU the faults can cost more than the arithmetic
+(docs/benchmarks.md). Raising glibc's mmap and trim thresholds makes malloc keep and reuse freed memory
+instead — what PyTorch's CPU tuning guide gets by preloading jemalloc or tcmalloc.
 
 The `k3` command calls it at start (set K3_KEEP_FREED_MEMORY=0 to opt out); library users may call it
 themselves. It changes the whole process's malloc policy, so the library never calls it on import.
