@@ -52,22 +52,10 @@ class Sampling(BaseModel):
     user: Text | None = None
     ignore_eos: bool = False
 
-    @field_validator("temperature")
+    @field_validator("temperature", "top_p", "top_k")
     @classmethod
-    def _temperature(cls, value):
-        check_sampling(temperature=value)
-        return value
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, value):
-        check_sampling(top_p=value)
-        return value
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, value):
-        check_sampling(top_k=value)
+    def _sampling(cls, value, info):
+        check_sampling(**{info.field_name: value})  # the ranges generate and the compiled step sample by
         return value
 
     @field_validator("seed")

@@ -244,6 +244,16 @@ POISON = [{"seed": 2**64}, {"seed": -1}, {"seed": 10**30}, {"top_p": 1e-300}, {"
           {"temperature": 1e-300, "top_p": 5e-324}, {"top_k": 0}, {"n": 2, "seed": 2**64 - 1}]
 
 
+def three_chats_running(server):
+    """Three chat requests started on threads, returned once the engine runs all three."""
+    threads, results = chat_in_background(server, 3)
+    deadline = time.time() + 30
+    while server.engine.stats()["running"] < 3:
+        assert time.time() < deadline
+        time.sleep(0.005)
+    return threads, results
+
+
 @pytest.mark.parametrize("poison", POISON, ids=[json.dumps(p) for p in POISON])
 def test_a_poisoned_request_does_not_fail_the_others(server, poison):
     """Three chat requests decode; a completion with an out-of-range or extreme sampling setting arrives:
@@ -252,11 +262,7 @@ def test_a_poisoned_request_does_not_fail_the_others(server, poison):
     expected = [post(server, "/v1/chat/completions", json.dumps(
         {"model": NAME, "messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": 40, "temperature": 0,
          "ignore_eos": True}))[1]["choices"][0]["message"]["content"] for i in range(3)]
-    threads, results = chat_in_background(server, 3)
-    deadline = time.time() + 30
-    while server.engine.stats()["running"] < 3:
-        assert time.time() < deadline
-        time.sleep(0.005)
+    threads, results = three_chats_running(server)
     code, out, _ = post(server, "/v1/completions", json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 4,
                                                                "temperature": 1, **poison}))
     if code == 400:
@@ -282,11 +288,7 @@ def test_a_request_whose_sampling_raises_fails_alone(server, monkeypatch, caplog
         return real(logits, temperature, *args, **kw)
 
     monkeypatch.setattr(engine_module, "sample", poisoned)
-    threads, results = chat_in_background(server, 3)
-    deadline = time.time() + 30
-    while server.engine.stats()["running"] < 3:
-        assert time.time() < deadline
-        time.sleep(0.005)
+    threads, results = three_chats_running(server)
     code, out, _ = post(server, "/v1/completions", json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 4,
                                                                "temperature": 0.777}))
     assert code == 500 and out["error"]["type"] == "server_error" and "poisoned row" in out["error"]["message"]
