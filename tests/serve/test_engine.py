@@ -70,7 +70,7 @@ def test_concurrent_sequences_get_what_they_would_alone(preset):
             if i % 4 == 3:
                 time.sleep(0.02)  # later ones join a batch already decoding
         for c in collectors:
-            assert c.done.wait(60)
+            assert c.done.wait(120)
         assert engine.peak_running > 1  # they did run together
         for (prompt, n), c in zip(work, collectors):
             assert c.reason == "length"
@@ -90,7 +90,7 @@ def test_admission_keeps_within_the_budget():
         for c, prompt in zip(collectors, prompts(6, seed=3)):
             engine.submit(c.sequence((prompt * 10)[:10], 20))
         for c in collectors:
-            assert c.done.wait(60) and c.reason == "length" and len(c.tokens) == 20
+            assert c.done.wait(120) and c.reason == "length" and len(c.tokens) == 20
         assert engine.peak_running == 2
         with pytest.raises(ValueError, match="more than the server's whole cache budget"):
             engine.submit(Collector().sequence([1] * 10, 1000))
@@ -129,7 +129,7 @@ def test_end_of_text_finishes_with_stop():
     try:
         c = Collector()
         engine.submit(c.sequence(prompt, 6, eos_token_id=expected[2]))
-        assert c.done.wait(30)
+        assert c.done.wait(120)
         cut = expected.index(expected[2])
         assert c.reason == "stop" and c.tokens == expected[:cut]
     finally:
@@ -143,13 +143,13 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     try:
         lone = Collector()
         engine.submit(lone.sequence([5, 6, 7], 12, temperature=1.0, seed=42))
-        assert lone.done.wait(30)
+        assert lone.done.wait(120)
         crowd = [Collector() for _ in range(4)]
         for i, c in enumerate(crowd):
             engine.submit(c.sequence([5, 6, 7] if i == 2 else [i + 1] * (i + 2), 12, temperature=1.0,
                                      seed=42 if i == 2 else i))
         for c in crowd:
-            assert c.done.wait(30)
+            assert c.done.wait(120)
         assert crowd[2].tokens == lone.tokens
     finally:
         engine.stop()
@@ -207,9 +207,9 @@ def test_a_row_that_fails_to_sample_ends_alone(monkeypatch, caplog):
         wait_until(lambda: all(len(c.tokens) >= 1 for c in good))
         bad = Collector()
         engine.submit(bad.sequence([1, 2, 3], 8, temperature=0.5, seed=1))
-        assert bad.done.wait(30) and bad.reason.startswith("error: RuntimeError: poisoned row")
+        assert bad.done.wait(120) and bad.reason.startswith("error: RuntimeError: poisoned row")
         for (prompt, n), c in zip(work, good):
-            assert c.done.wait(30) and c.reason == "length" and c.tokens == alone(model, prompt, n)
+            assert c.done.wait(120) and c.reason == "length" and c.tokens == alone(model, prompt, n)
         assert "poisoned row" in caplog.text
         wait_until(lambda: engine.stats()["running"] == 0 and engine.reserved == 0)
     finally:
@@ -230,7 +230,7 @@ def test_max_running_bounds_the_batch():
         for c, prompt in zip(collectors, prompts(6, seed=7)):
             engine.submit(c.sequence(prompt, 3))
         for c in collectors:
-            assert c.done.wait(60) and c.reason == "length"
+            assert c.done.wait(120) and c.reason == "length"
         assert engine.peak_running == 1
     finally:
         engine.stop()
@@ -252,8 +252,8 @@ def test_a_long_prompt_is_prefilled_in_pieces_between_decode_turns():
         at_start = len(runner.tokens)
         wait_until(lambda: len(long.tokens) >= 1 or long.done.is_set())
         assert len(runner.tokens) - at_start >= 96 // 8 - 2  # a decode turn after (nearly) every piece
-        assert long.done.wait(30) and long.tokens == alone(model, long_prompt, 4)
-        assert runner.done.wait(30) and runner.tokens == alone(model, [1, 2, 3], 60)
+        assert long.done.wait(120) and long.tokens == alone(model, long_prompt, 4)
+        assert runner.done.wait(120) and runner.tokens == alone(model, [1, 2, 3], 60)
     finally:
         engine.stop()
 
@@ -316,12 +316,12 @@ def test_a_failed_batch_forward_fails_the_batch_logs_it_and_serving_goes_on(monk
         wait_until(lambda: all(len(c.tokens) >= 1 for c in victims))
         broken.set()
         for c in victims:
-            assert c.done.wait(30) and c.reason == "error: RuntimeError: the batch's forward broke"
+            assert c.done.wait(120) and c.reason == "error: RuntimeError: the batch's forward broke"
         assert "the batch's forward failed" in caplog.text
         broken.clear()
         after = Collector()
         engine.submit(after.sequence([4, 5], 3))
-        assert after.done.wait(30) and after.reason == "length" and after.tokens == alone(model, [4, 5], 3)
+        assert after.done.wait(120) and after.reason == "length" and after.tokens == alone(model, [4, 5], 3)
         assert engine.stats()["running"] == 0 and engine.reserved == 0
     finally:
         engine.stop()
