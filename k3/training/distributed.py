@@ -42,7 +42,7 @@ from .optim import (
     build_optimizer, flat_names, group_names, load_keeping_implementation, named_state, numbered_state,
 )
 from .parallel import (
-    _TORCHRUN_ENV, MODES, apply_recompute, check_expert_split, held_expert_parameters, init_parallel, parallelize,
+    TORCHRUN_ENV, MODES, apply_recompute, check_expert_split, held_expert_parameters, init_parallel, parallelize,
 )
 from .strategy import SingleProcess, compile_decoder, to_cpu
 
@@ -63,7 +63,7 @@ def start(mode: str, batch_size: int, device: str = "auto", ep: int = 1) -> "Dis
             raise ValueError(f"--parallel none, but torchrun started {world} processes (WORLD_SIZE={world}): each "
                              f"would train the same model and write the same checkpoint; use --parallel ddp, fsdp or ep")
         return None
-    missing = [name for name in _TORCHRUN_ENV if name not in os.environ]
+    missing = [name for name in TORCHRUN_ENV if name not in os.environ]
     if missing:
         raise ValueError(f"--parallel {mode} runs under torchrun (missing {', '.join(missing)} in the environment): "
                          f"torchrun --nproc_per_node=N -m k3 train ... --parallel {mode}")

@@ -38,7 +38,7 @@ from ..ops.common import cast
 
 
 MODES = ("none", "ddp", "fsdp", "ep")
-_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ processes is the strategy's `dims` (k3.training.parallel.ParallelDims), not meth
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
@@ -50,10 +49,12 @@ class SingleProcess:
 
     @property
     def rank(self) -> int:
+        """This process's rank (0 on one process)."""
         return self.dims.rank
 
     @property
     def world_size(self) -> int:
+        """The number of processes."""
         return self.dims.world
 
     @property
@@ -92,7 +93,7 @@ class SingleProcess:
         self.optimizer = build_optimizer(model, cfg)
         self.precision = cfg.precision
 
-    # -- the training step and evaluation (k3.training.step) ----------------------------------------------
+    # -- the training step and evaluation (k3.training.step) ------------------------------------------
     def step(self, windows: torch.Tensor, cfg: TrainConfig) -> float:
         """`train_step` on the global batch `windows` [B, T + 1]; returns the batch's loss and keeps the
         step's gradient norm, largest attention logit and clipped heads for the log."""
