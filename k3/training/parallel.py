@@ -73,7 +73,7 @@ class ParallelDims:
     def describe(self) -> str:
         """The layout in words, for the opening message."""
         if self.mode == "fsdp" and not self.shard_dense:
-            return f"ep: experts split over the {self.world}, the rest whole in each"
+            return f"ep: fsdp x ep {self.ep}, the dense part whole in each"
         return f"fsdp x ep {self.ep}" if self.experts_split else self.mode
 
     def local_batch(self, windows: torch.Tensor) -> torch.Tensor:
