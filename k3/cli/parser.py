@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--parallel", choices=("none", "ddp", "fsdp", "ep"), default="none",
                        help="under torchrun: split each step over the processes (data parallel, fully sharded, "
-                            "or expert parallel); see docs/distributed.md")
+                            "or expert parallel: fsdp --ep N over all N processes, the dense part whole in each); "
+                            "see docs/distributed.md")
     train.set_defaults(func=_train)
     gen = sub.add_parser("generate", help="stream text from a checkpoint",
                          description="Stream text from a checkpoint. Without --prompt or --prompt-file, read "

@@ -5,8 +5,9 @@ parallelism.
 The modules, each below the next: config (TrainConfig), muon (Muon on the matrices + AdamW), optim (the
 optimizer and the learning-rate schedule), data (corpus, tokenizer, token streams), objective (the loss
 and bits per byte), checkpoint, qk_clip (MuonClip's bound on the attention logits, after each step),
-strategy (the training step; SingleProcess), parallel (ddp / fsdp / ep applied to a model) and
-distributed (the torchrun strategy), metrics (metrics.jsonl, TensorBoard, wandb), loop (`train`).
+parallel (ddp / fsdp / ep applied to a model, ParallelDims), step (the training step
+`train_step`, one function for one process and many), strategy (SingleProcess: data, model, checkpoints
+around the step) and distributed (the torchrun strategy), metrics (metrics.jsonl, TensorBoard, wandb), loop (`train`).
 """
 
 from .config import TrainConfig
@@ -15,7 +16,8 @@ from .loop import train
 from .muon import Muon
 from .objective import bits_per_byte, next_token_loss
 from .optim import build_optimizer, learning_rate, no_decay
-from .strategy import SingleProcess, training_step
+from .step import train_step, training_step
+from .strategy import SingleProcess
 
-__all__ = ["TrainConfig", "TokenData", "train", "prepare", "build_optimizer", "training_step", "learning_rate",
-           "no_decay", "next_token_loss", "bits_per_byte", "SingleProcess", "Muon"]
+__all__ = ["TrainConfig", "TokenData", "train", "prepare", "build_optimizer", "training_step", "train_step",
+           "learning_rate", "no_decay", "next_token_loss", "bits_per_byte", "SingleProcess", "Muon"]

@@ -1,33 +1,29 @@
 """`k3 train` on many processes: `torchrun --nproc_per_node=N -m k3 train ... --parallel ddp|fsdp|ep`.
 
-Every mode keeps the single-process run's arithmetic. All ranks draw the same global batch from the
-same data generator and each takes an equal contiguous slice of it; the mean of the ranks' losses is
-then the global batch's loss and the mean of their gradients its gradient (up to the order of the
-sums: equal to fp32 rounding, not bitwise).
-
-How each mode splits the model is k3.training.parallel's (`parallelize`); what the step adds:
+Every mode keeps the single-process run's arithmetic: the training step is k3.training.step's
+`train_step`, the same function one process calls, given this process's `ParallelDims`
+(k3.training.parallel: its share of the batch, the sums and maxima over processes). How each mode
+splits the model is k3.training.parallel's (`parallelize`):
 
 - **ddp**: every rank holds the whole model; DistributedDataParallel averages the gradients during
-  the backward pass, so nothing is left to do.
+  the backward pass (and skips it, `no_sync`, before the last micro-batch of an accumulated step).
 - **fsdp**: each rank stores 1/N of the parameters, gradients and AdamW moments; FSDP2 reduce-scatters
-  the gradients (zeros from a rank where no token chose an expert). An expert that no rank's tokens
-  chose loses its gradient, as the single process leaves it without one.
-- **ep**: rank r owns the routed experts [r E/N, (r+1) E/N) of every MoE layer and replicates everything
-  else. The gradients of the replicated parameters are all-reduced by hand (averaged); an expert's
-  gradient already sums all ranks' tokens on its owner and is divided by N. The gradient norm for
-  clipping adds the experts' squared norms over the ranks.
+  the gradients after each micro-batch (zeros from a rank where no token chose an expert). An expert
+  that no rank's tokens chose loses its gradient, as the single process leaves it without one.
+- **fsdp --ep N**: the routed experts split over groups of N ranks besides, each expert sharded over
+  the world / N ranks that hold it; the gradient norm for clipping adds the experts' squared norms
+  over the ep group.
+- **ep**: an alias of fsdp x ep with the experts split over all ranks and the dense parameters held
+  whole by every rank (an fsdp size of 1: FSDP2 all-reduces their gradients); the same steps.
 
 The MoE balancing update uses the load summed over ranks, as the single process sees it; QK-Clip
 (k3.training.qk_clip) takes each attention head's largest logit over ranks (MAX), so every rank scales
-the same heads by the same factors (under fsdp, each its own rows of the sharded weights). Checkpoints
-are the single-process ones (full tensors; the optimizer state in torch's own numbering), gathered to
-rank 0 and written by it while the others wait for the outcome: a run resumes at any world size and
-in any mode. On CPUs the processes talk through gloo; with CUDA, through NCCL, one GPU per process
+the same heads by the same factors (under fsdp, each its own rows of the sharded weights). ddp
+checkpoints are the single-process ones (full tensors; the optimizer state in torch's own numbering),
+gathered to rank 0 and written by it while the others wait for the outcome; fsdp (and ep) checkpoints
+are sharded, each rank writing its own shards (k3.training.sharded). Either resumes at any world size
+and in any mode. On CPUs the processes talk through gloo; with CUDA, through NCCL, one GPU per process
 (`device` "auto" or "cuda"; "cpu" keeps them on the CPUs; MPS has no multi-process backend).
-
-Gradient accumulation (`grad_accum` N) splits each micro-batch over the ranks as the whole batch would
-be: ddp skips its gradient all-reduce (`no_sync`) on all but the last micro-batch; fsdp reduce-scatters
-after each (the shards' gradients add up); ep reduces by hand once, after the last.
 """
 
 from __future__ import annotations
@@ -45,13 +41,12 @@ from .data import TokenData, prepare
 from .optim import (
     build_optimizer, flat_names, group_names, load_keeping_implementation, named_state, numbered_state,
 )
-from .parallel import apply_recompute, check_expert_split, held_expert_parameters, parallelize
+from .parallel import (
+    TORCHRUN_ENV, MODES, apply_recompute, check_expert_split, held_expert_parameters, init_parallel, parallelize,
+)
 from .strategy import SingleProcess, compile_decoder, to_cpu
 
 __all__ = ["MODES", "Distributed", "check_expert_split", "start"]
-
-MODES = ("none", "ddp", "fsdp", "ep")
-_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def start(mode: str, batch_size: int, device: str = "auto", ep: int = 1) -> "Distributed | None":
@@ -68,7 +63,7 @@ def start(mode: str, batch_size: int, device: str = "auto", ep: int = 1) -> "Dis
             raise ValueError(f"--parallel none, but torchrun started {world} processes (WORLD_SIZE={world}): each "
                              f"would train the same model and write the same checkpoint; use --parallel ddp, fsdp or ep")
         return None
-    missing = [name for name in _TORCHRUN_ENV if name not in os.environ]
+    missing = [name for name in TORCHRUN_ENV if name not in os.environ]
     if missing:
         raise ValueError(f"--parallel {mode} runs under torchrun (missing {', '.join(missing)} in the environment): "
                          f"torchrun --nproc_per_node=N -m k3 train ... --parallel {mode}")
@@ -79,28 +74,16 @@ def start(mode: str, batch_size: int, device: str = "auto", ep: int = 1) -> "Dis
 
 
 class Distributed(SingleProcess):
-    """This process's part in a torchrun job: rank, world size, device, and how the model is split."""
+    """This process's part in a torchrun job: its `dims` (rank, world size, device, mesh) and how the
+    model is split (`mode` "ddp" or "fsdp"; "ep" is fsdp with the experts split over all ranks)."""
 
     def __init__(self, mode: str, device: str = "auto", ep: int = 1):
-        if device == "mps":
-            raise ValueError(f"--device mps: --parallel {mode} runs its processes on CUDA GPUs (NCCL) or CPUs "
-                             f"(gloo); MPS has no multi-process backend. Use --device cpu, or one process")
-        super().__init__("cpu" if device == "auto" else device)  # (checks that a named device exists)
-        self.mode, self.ep = mode, ep
-        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if device != "cpu" and torch.cuda.is_available():
-            self.device, backend = torch.device("cuda", int(os.environ["LOCAL_RANK"])), "nccl"
-            torch.cuda.set_device(self.device)
-        else:
-            self.device, backend = torch.device("cpu"), "gloo"
-        self._owns_group = not dist.is_initialized()  # a caller's process group is left to the caller
-        if self._owns_group:
-            dist.init_process_group(backend)
-        self.is_main = self.rank == 0
+        super().__init__("cpu")
+        self.dims, self._owns_group = init_parallel(mode, device, ep)
+        self.mode, self.ep = self.dims.mode, self.dims.ep
 
     def describe(self) -> str:
-        mode = f"fsdp x ep {self.ep}" if self.ep > 1 else self.mode
-        return f" in each of {self.world_size} processes ({mode})"
+        return f" in each of {self.world_size} processes ({self.dims.describe()})"
 
     def close(self) -> None:
         if self._owns_group and dist.is_initialized():
@@ -125,11 +108,11 @@ class Distributed(SingleProcess):
     def share_here(self, cfg: TrainConfig, whole: bool = False) -> float:
         """The part of the model's training state this machine's processes (torchrun's LOCAL_WORLD_SIZE)
         hold: each a 1/N shard under fsdp, everything under ddp, the dense part and 1/N of the experts
-        under ep. `whole`: the model is built whole on every process first (a resumed run, to load it)."""
+        under ep (dense whole). `whole`: the model is built whole on every process first (a resumed run, to load it)."""
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         if whole or self.mode == "ddp":
             return float(local)
-        if self.mode == "fsdp":
+        if self.dims.shard_dense:
             return local / self.world_size
         from ..models import count_params, get_config
 
@@ -153,106 +136,12 @@ class Distributed(SingleProcess):
         self.model = model if model.lm_head.weight.is_meta else model.to(self.device)
         self.precision = cfg.precision
         apply_recompute(model, cfg.recompute)  # before the sharding, as torchtitan orders them
-        self.net = parallelize(model, self.mode, self.device, self.ep)
+        self.net = parallelize(model, self.dims)
         if cfg.compile:
             compile_decoder(model)
         self.optimizer = build_optimizer(model, cfg)
-        self._expert_params = {id(p) for p in held_expert_parameters(model)}
-        self._expert_names = {n for n, p in model.named_parameters() if id(p) in self._expert_params}
-        # the group the experts are split over (None: all ranks, --parallel ep)
-        self._ep_group = model.moe_layers()[0].experts.ep_group if self.ep > 1 else None
-
-    # -- the training step's hooks ----------------------------------------------------------------------
-    def local_batch(self, windows: torch.Tensor) -> torch.Tensor:
-        """This rank's contiguous share of the global batch [B, T + 1]."""
-        b = windows.shape[0] // self.world_size
-        return windows[self.rank * b:(self.rank + 1) * b].to(self.device)
-
-    def accumulating(self, last: bool):
-        """ddp: no gradient all-reduce before the step's last micro-batch (the gradients add up locally)."""
-        if self.mode == "ddp" and not last:
-            return self.net.no_sync()
-        return super().accumulating(last)
-
-    def sum_over_processes(self, loss: torch.Tensor, moes: list) -> tuple[float, list[torch.Tensor]]:
-        """One all-reduce for the loss and the expert loads of every MoE layer, summed over ranks."""
-        stats = torch.cat([loss.detach().double().view(1)] + [m.last_load.double() for m in moes])
-        dist.all_reduce(stats)
-        return stats[0].item() / self.world_size, list(stats[1:].split([m.last_load.numel() for m in moes]))
-
-    def synchronize_gradients(self, loads: list[torch.Tensor]) -> None:
-        if self.mode == "ep":
-            self._reduce_gradients()
-        elif self.mode == "fsdp":  # the single process leaves an expert no token chose without a gradient
-            for moe, load in zip(self.model.moe_layers(), loads):
-                for e in torch.nonzero(load == 0).flatten().tolist():
-                    if moe.experts[e] is not None:  # (None: held by another ep group)
-                        for p in moe.experts[e].parameters():
-                            p.grad = None
-
-    def _reduce_gradients(self) -> None:
-        """ep: average the replicated parameters' gradients over ranks (one flat all-reduce); an owned
-        expert's gradient holds d(sum of the ranks' losses), so it is divided by the world size. A
-        replicated parameter without a gradient has none on every rank (the same graph runs everywhere)."""
-        params = list(self.model.parameters())
-        shared = [p for p in params if p.grad is not None and id(p) not in self._expert_params]
-        flat = torch.cat([p.grad.reshape(-1) for p in shared])
-        dist.all_reduce(flat)
-        flat /= self.world_size
-        for p, g in zip(shared, flat.split([p.numel() for p in shared])):
-            p.grad.copy_(g.view_as(p))
-        for p in params:
-            if p.grad is not None and id(p) in self._expert_params:
-                p.grad /= self.world_size
-
-    def clip_gradients(self, max_norm: float) -> torch.Tensor:
-        if self.mode == "ep" or self.ep > 1:
-            return self._clip_with_split_experts(max_norm)
-        # ddp: the gradients are the same on every rank; fsdp: DTensors know their shards
-        return super().clip_gradients(max_norm)
-
-    def _clip_with_split_experts(self, max_norm: float) -> torch.Tensor:
-        """ep and fsdp x ep: each rank of an ep group holds other experts, so the norm adds the dense part's
-        square (the same on every rank; under fsdp whole from its DTensors) to the experts' squares summed
-        over the ep group (torchtitan's clipping with ep); each mesh's gradients are scaled apart."""
-        from torch.distributed.tensor import DTensor
-
-        def whole(norm):
-            return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        experts = [p for p in params if id(p) in self._expert_params]
-        dense = [p for p in params if id(p) not in self._expert_params]
-        squares = []
-        for part in (dense, experts):
-            norm = whole(torch.nn.utils.get_total_norm([p.grad for p in part])) if part else torch.zeros(())
-            squares.append((norm.to(self.device, torch.float32) ** 2).reshape(1).clone())
-        dist.all_reduce(squares[1], group=self._ep_group)
-        norm = (squares[0] + squares[1])[0].sqrt()
-        for part in (dense, experts):
-            if part:
-                torch.nn.utils.clip_grads_with_norm_(part, max_norm, norm)
-        return norm
-
-    def max_over_processes(self, values: torch.Tensor) -> torch.Tensor:
-        """Each head's largest logit over all ranks (a MAX all-reduce): every rank clips alike."""
-        values = values.to(self.device)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        return values
-
-    # -- evaluation's hooks ---------------------------------------------------------------------------
-    def local_windows(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """An equal share of the windows for each rank, the last share padded with repeats that are not
-        counted (fsdp and ep need the same calls everywhere)."""
-        n = windows.shape[0]
-        per_rank = -(-n // self.world_size)
-        index = torch.arange(self.rank * per_rank, (self.rank + 1) * per_rank)
-        return windows[index.clamp(max=n - 1)], index < n
-
-    def sum_totals(self, nats: float, nbytes: int) -> tuple[float, float]:
-        totals = torch.tensor([nats, nbytes], dtype=torch.float64, device=self.device)
-        dist.all_reduce(totals)
-        return totals[0].item(), totals[1].item()
+        held = {id(p) for p in held_expert_parameters(model)}
+        self._expert_names = {n for n, p in model.named_parameters() if id(p) in held}
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def save(self, out, tokenizer: Tokenizer, cfg: TrainConfig, step: int, max_steps: int | None,

@@ -11,12 +11,14 @@ and stored in the checkpoint, so a resumed run follows the same schedule.
 Each step appends a line to `metrics.jsonl` in the output folder (k3.training.metrics), and to
 TensorBoard or wandb with `log`. `device` picks where the run trains, `precision` "bf16" runs the
 forward passes under bfloat16 autocast, `grad_accum` takes each step in micro-batches
-(k3.training.strategy), `qk_clip` bounds the attention logits after each step (k3.training.qk_clip).
+(k3.training.step), `qk_clip` bounds the attention logits after each step (k3.training.qk_clip).
 
-`train` reads the same on one process and under torchrun: what differs between them (which slice
-of the batch a process takes, how gradients and losses are summed, who writes the checkpoint) is the
-strategy's part (k3.training.strategy: `SingleProcess`; k3.training.distributed: `Distributed`, for
-`parallel` "ddp", "fsdp" or "ep"). The single-process path does not touch torch.distributed.
+`train` reads the same on one process and under torchrun: the step is one function for both
+(k3.training.step.train_step), told by a `ParallelDims` (k3.training.parallel) which slice of the batch
+this process takes and how losses are summed over processes; who writes the checkpoint and how the
+data and the model reach the processes is the strategy's part (k3.training.strategy: `SingleProcess`;
+k3.training.distributed: `Distributed`, for `parallel` "ddp", "fsdp" or "ep"). The single-process path
+does not touch torch.distributed.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from .config import TrainConfig, model_config, qk_clip_threshold
 from .distributed import start
 from .metrics import MetricsLog, check_logger
 from .optim import learning_rate, warmup_steps
-from .strategy import NonFiniteLossError, SingleProcess
+from .step import NonFiniteLossError
+from .strategy import SingleProcess
 
 __all__ = ["train", "TrainConfig"]
 
@@ -97,6 +100,8 @@ def _launch_ep(saved: int, parallel: str) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if saved == 1 or (parallel == "fsdp" and world % saved == 0):
         return saved
+    if parallel == "ep":  # (--parallel ep splits the experts over all its processes itself)
+        return 1
     if os.environ.get("RANK", "0") == "0":
         _say(f"k3 train: the checkpoint was trained with --ep {saved} (--parallel fsdp); this launch (--parallel "
              f"{parallel}, {world} process{'es' if world > 1 else ''}) trains on with ep 1")

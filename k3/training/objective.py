@@ -5,7 +5,7 @@ not depend on the tokenizer, so byte and BPE runs compare).
 The LM head and the cross-entropy run in pieces of tokens, never holding the [B·T, vocab] logits
 whole (`k3.models.loss.head_cross_entropy`, reached through `CausalLM.forward(..., targets=...)`).
 
-The training step that minimises the loss is `SingleProcess.step` (k3.training.strategy).
+The training step that minimises the loss is `train_step` (k3.training.step).
 """
 
 from __future__ import annotations

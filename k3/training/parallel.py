@@ -1,22 +1,24 @@
 """Parallelism applied to a CausalLM from outside, as torchtitan does: the model code is written for
-one device, and `parallelize(model, mode, device)` wraps or shards it for the processes of a torchrun
-job (the default process group), the same CausalLM on every process to begin with.
+one device, and `parallelize(model, dims)` wraps or shards it for the processes of a torchrun job (the
+default process group), the same CausalLM on every process to begin with. This is the one module that
+knows about ranks: `init_parallel` reads torchrun's environment, starts the process group and builds
+the `ParallelDims` (sizes, this rank, the DeviceMesh) that the training step asks for its reductions.
 
 - **ddp**: every rank holds the whole model; DistributedDataParallel averages the gradients during
   the backward pass.
 - **fsdp**: FSDP2 `fully_shard` on every decoder layer, then on the root: each rank stores 1/N of the
   parameters, gradients and AdamW moments and all-gathers a layer's weights just before using them.
-- **ep**: expert parallelism. Rank r owns the routed experts [r E/N, (r+1) E/N) of every MoE layer (the
-  other entries of `experts` are None) and replicates everything else. In each MoE layer a token is
-  sent once to each rank that owns one of its chosen experts and nowhere else (an all-to-all with
-  per-rank counts, the dispatch of DeepSeek-V3, torchtitan and Megatron), that rank returns the
-  token's weighted sum over its own chosen experts, and a second all-to-all brings those rows home,
-  where they are summed. A token travels to at most min(k, R) - 1 other ranks (R ranks, top-k), so the
-  traffic per rank is bounded by k whatever R; an all-gather of every token grows with R. Both
-  exchanges are forward hooks on the MoE layer's `RoutedExperts`, which the model does not know
-  about; backward runs them in reverse.
-
-What the training step does about gradients in each mode is k3.training.distributed's part.
+- **fsdp x ep** (`--ep N`): the routed experts split over groups of N ranks as well (`apply_fsdp`).
+  In each MoE layer a token is sent once to each rank of its group that owns one of its chosen experts
+  and nowhere else (an all-to-all with per-rank counts, the dispatch of DeepSeek-V3, torchtitan and
+  Megatron), that rank returns the token's weighted sum over its own chosen experts, and a second
+  all-to-all brings those rows home, where they are summed. A token travels to at most min(k, R) - 1
+  other ranks (R ranks, top-k), so the traffic per rank is bounded by k whatever R; an all-gather of
+  every token grows with R. Both exchanges are forward hooks on the MoE layer's `RoutedExperts`,
+  which the model does not know about; backward runs them in reverse.
+- **ep** (`--parallel ep`): fsdp x ep with the experts split over all ranks and an fsdp size of 1 for
+  the dense parameters: FSDP2 over a [world ("replicate"), 1 ("shard")] mesh, so every rank holds
+  them whole and their gradients are averaged by FSDP's all-reduce, as DDP's would be.
 """
 
 from __future__ import annotations
@@ -35,42 +37,140 @@ from ..models import CausalLM
 from ..ops.common import cast
 
 
-def parallelize(model: CausalLM, mode: str, device: torch.device, ep: int = 1) -> nn.Module:
-    """Split `model` (on `device`) over the processes for `mode` ("ddp", "fsdp" or "ep"); returns the
-    module to call in training: the DDP wrapper, or `model` itself, sharded in place.
+MODES = ("none", "ddp", "fsdp", "ep")
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How a run is spread over processes (torchtitan's ParallelDims): the sizes, this process's rank,
+    its device and the DeviceMesh, and the reductions over processes that the training step and the
+    evaluation need. `ParallelDims()` is one process: world 1, every reduction the identity.
+
+    `mode`: "none", "ddp" or "fsdp" (`--parallel ep` is fsdp, see the module); `ep`: the routed experts
+    split over groups of `ep` ranks (1: every rank holds them all); `shard_dense`: fsdp shards the dense
+    parameters over all ranks (False: each holds them whole); `mesh`: fsdp's [world / ep ("efsdp"),
+    ep ("ep")] mesh, or [world ("dp")] with ep 1 (None: one process, or ddp)."""
+
+    mode: str = "none"
+    world: int = 1
+    rank: int = 0
+    ep: int = 1
+    shard_dense: bool = True
+    device: torch.device = torch.device("cpu")
+    mesh: object = None  # a torch.distributed DeviceMesh
+
+    @property
+    def experts_split(self) -> bool:
+        """Each rank holds only some of the routed experts."""
+        return self.ep > 1
+
+    @property
+    def expert_group(self):
+        """The process group the experts are split over (None: not split)."""
+        return self.mesh["ep"].get_group() if self.experts_split else None
+
+    def describe(self) -> str:
+        """The layout in words, for the opening message."""
+        if self.mode == "fsdp" and not self.shard_dense:
+            return f"ep: fsdp x ep {self.ep}, the dense part whole in each"
+        return f"fsdp x ep {self.ep}" if self.experts_split else self.mode
+
+    def local_batch(self, windows: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous, equal share of a global batch [B, T + 1], on its device."""
+        b = windows.shape[0] // self.world
+        return windows[self.rank * b:(self.rank + 1) * b].to(self.device)
+
+    def local_windows(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The validation windows this rank runs, and which of them count (None: all): an equal share
+        for each rank, the last padded with repeats that are not counted (fsdp needs the same calls on
+        every rank)."""
+        if self.world == 1:
+            return windows, None
+        n = windows.shape[0]
+        per_rank = -(-n // self.world)
+        index = torch.arange(self.rank * per_rank, (self.rank + 1) * per_rank)
+        return windows[index.clamp(max=n - 1)], index < n
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` summed over all ranks (one all-reduce)."""
+        if self.world > 1:
+            values = values.to(self.device)
+            dist.all_reduce(values)
+        return values
+
+    def max(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` maximised over all ranks (a MAX all-reduce), so that every rank decides alike."""
+        if self.world > 1:
+            values = values.to(self.device)
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return values
+
+
+def init_parallel(mode: str, device: str = "auto", ep: int = 1) -> tuple[ParallelDims, bool]:
+    """This torchrun process's ParallelDims for `mode` ("ddp", "fsdp", or "ep": fsdp with the experts
+    split over all ranks and the dense parameters whole), read from torchrun's environment, its process
+    group started (gloo on CPUs, NCCL with one GPU a process) unless the caller has one. Returns the dims
+    and whether this call started the group (then the caller ends it)."""
+    from ..runtime import resolve_device
+
+    if device == "mps":
+        raise ValueError(f"--device mps: --parallel {mode} runs its processes on CUDA GPUs (NCCL) or CPUs "
+                         f"(gloo); MPS has no multi-process backend. Use --device cpu, or one process")
+    resolve_device("cpu" if device == "auto" else device)  # (checks that a named device exists)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if device != "cpu" and torch.cuda.is_available():
+        where, backend = torch.device("cuda", int(os.environ["LOCAL_RANK"])), "nccl"
+        torch.cuda.set_device(where)
+    else:
+        where, backend = torch.device("cpu"), "gloo"
+    started = not dist.is_initialized()  # a caller's process group is left to the caller
+    if started:
+        dist.init_process_group(backend)
+    shard_dense = mode != "ep"
+    if mode == "ep":
+        mode, ep = "fsdp", world
+    mesh = fsdp_mesh(where, world, ep) if mode == "fsdp" else None
+    return ParallelDims(mode, world, rank, ep, shard_dense, where, mesh), started
+
+
+def fsdp_mesh(device: torch.device, world: int, ep: int):
+    """fsdp's DeviceMesh: [world ("dp")], or with ep > 1 [world / ep ("efsdp"), ep ("ep")]."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if ep == 1:
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    return init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+
+
+def parallelize(model: CausalLM, dims: ParallelDims) -> nn.Module:
+    """Split `model` (on `dims.device`) over the processes as `dims` says; returns the module to call in
+    training: the DDP wrapper, or `model` itself, sharded in place.
 
     A model on the meta device (built there: no process holds it whole) is split first and then
     materialised, each process allocating and initialising only what it holds (`CausalLM.reset_parameters`
     draws each parameter's values from its name, so every shard gets the one-process values); a model
-    with weights (a resumed run's) is made the same on every process from rank 0's.
-
-    fsdp with `ep` N > 1 (`--parallel fsdp --ep N`, torchtitan's composition): one DeviceMesh [world/N
-    ("efsdp"), N ("ep")]; the dense parameters are sharded over all ranks (the mesh flattened), every
-    MoE layer's routed experts are split over the N ranks of an ep group (the tokens exchanged by
-    all-to-all within it) and each expert is sharded over the world/N ranks that hold it (a nested
-    `fully_shard(moe.experts, mesh=efsdp)`). An expert's gradient on its ranks sums the tokens of its ep
-    group; the reduce-scatter over efsdp sums the groups, divided by the world size: the mean gradient,
-    as the dense parameters' is."""
-    if mode not in ("ddp", "fsdp", "ep"):
-        raise ValueError(f"parallelize: `mode` must be 'ddp', 'fsdp' or 'ep', got {mode!r}")
-    check_ep(model.config, mode, ep)
+    with weights (a resumed run's) is made the same on every process from rank 0's."""
+    if dims.mode not in ("ddp", "fsdp"):
+        raise ValueError(f"parallelize: `dims.mode` must be 'ddp' or 'fsdp', got {dims.mode!r}")
+    if dims.shard_dense:
+        check_ep(model.config, dims.mode, dims.ep)
+    else:
+        check_expert_split(model.config, dims.world)
     on_meta = model.lm_head.weight.is_meta
-    if not on_meta and mode != "ddp":  # (ddp does this itself)
+    if not on_meta and dims.mode != "ddp":  # (ddp does this itself)
         _broadcast_from_main(model)
-    if mode == "fsdp":
-        apply_fsdp(model, device, ep)
-    elif mode == "ep":
-        check_expert_split(model.config, dist.get_world_size())
-        shard_experts(model, dist.get_rank(), dist.get_world_size())
+    if dims.mode == "fsdp":
+        apply_fsdp(model, dims.device, dims.ep, shard_dense=dims.shard_dense, mesh=dims.mesh)
     if on_meta:
-        materialize(model, device)
-    if mode == "ddp":
+        materialize(model, dims.device)
+    if dims.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         # an expert that none of a rank's tokens chose has no gradient there; on a step where every
         # expert was chosen DDP would warn that it found no unused parameter: expected with MoE
         warnings.filterwarnings("ignore", message="find_unused_parameters=True was specified in DDP constructor")
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+        return DistributedDataParallel(model, device_ids=[dims.device.index] if dims.device.type == "cuda" else None,
                                        find_unused_parameters=bool(model.moe_layers()))
     return model
 
@@ -158,24 +258,37 @@ def check_ep(config, mode: str, ep: int) -> None:
                          f"--ep that divides {config.num_experts}")
 
 
-def apply_fsdp(model: CausalLM, device: torch.device, ep: int) -> None:
-    """fsdp: every decoder layer and the root over all ranks; with ep > 1, the experts first (see
-    `parallelize`)."""
+def apply_fsdp(model: CausalLM, device: torch.device, ep: int, shard_dense: bool = True, mesh=None) -> None:
+    """fsdp: every decoder layer and the root over all ranks (`mesh`: the [world] one, built here when
+    None). With ep > 1 (`--parallel fsdp --ep N`, torchtitan's composition), first the experts: one
+    DeviceMesh [world/N ("efsdp"), N ("ep")]; every MoE layer's routed experts are split over the N ranks
+    of an ep group (the tokens exchanged by all-to-all within it) and each expert is sharded over the
+    world/N ranks that hold it (a nested `fully_shard(moe.experts, mesh=efsdp)`). An expert's gradient on
+    its ranks sums the tokens of its ep group; the reduce-scatter over efsdp sums the groups, divided by
+    the world size: the mean gradient, as the dense parameters' is. The dense parameters are sharded
+    over all ranks (the mesh flattened), or with `shard_dense` False held whole by every rank (a
+    [world, 1] mesh: FSDP2's replicated, HSDP, layout; the gradients all-reduced)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    if ep == 1:
-        _fully_shard(model, init_device_mesh(device.type, (world,)))
+    if ep == 1 and shard_dense:
+        _fully_shard(model, mesh if mesh is not None else init_device_mesh(device.type, (world,)))
         return
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
-    shard_experts(model, mesh["ep"].get_local_rank(), ep, mesh["ep"].get_group())
-    for moe in model.moe_layers():
-        fully_shard(moe.experts, mesh=mesh["efsdp"])
-        moe.experts.set_gradient_divide_factor(world)  # sum over efsdp of ep-group sums, / world
-        moe.experts.set_force_sum_reduction_for_comms(True)  # a sum, then the division (gloo has no PreMulSum)
-    _fully_shard(model, mesh._flatten("dp"))
+    if ep > 1:
+        shard_experts(model, mesh["ep"].get_local_rank(), ep, mesh["ep"].get_group())
+        for moe in model.moe_layers():
+            fully_shard(moe.experts, mesh=mesh["efsdp"])
+            moe.experts.set_gradient_divide_factor(world)  # sum over efsdp of ep-group sums, / world
+            if world // ep > 1:  # a sum, then the division (gloo has no PreMulSum); over one rank FSDP2
+                # sends nothing and divides once in its copy, and forcing the sum would divide again
+                moe.experts.set_force_sum_reduction_for_comms(True)
+    if shard_dense:
+        _fully_shard(model, mesh._flatten("dp"))
+    else:
+        _fully_shard(model, init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard")))
 
 
 def check_expert_split(config, world_size: int) -> None:

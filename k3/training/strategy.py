@@ -1,34 +1,16 @@
-"""How a run is spread over processes, behind one small interface that `train` asks: `SingleProcess`
-here, and its subclass for the torchrun modes, `Distributed` (k3.training.distributed), which keeps
-this class's step and evaluation and changes only their hooks (the methods whose docstrings begin
-"Hook:"), besides how the data, the model, checkpoints and agreement reach the processes.
+"""How a run is spread over processes for what lies around the training step: `SingleProcess` here,
+and its subclass for the torchrun modes, `Distributed` (k3.training.distributed), which changes how the
+data, the model, checkpoints and agreement reach the processes.
 
 A strategy prepares the data (`prepare`), splits the model and builds its optimizer (`setup`), takes
-one optimizer step on the global batch (`step`), measures validation bits per byte over all
-processes (`evaluate`), saves and resumes checkpoints (`save`, `load_optimizer`, `load_sharded`), and
-lets the processes agree (`share`, `any`, `is_main`, `close`).
-
-`SingleProcess.step` is the training step: AdamW on the batch's mean next-token loss with clipped
-gradients, then the aux-loss-free MoE bias update from the step's expert loads. With `grad_accum` N
-the batch is N micro-batches whose gradients add up before the one optimizer step: each micro-batch's
-mean loss is divided by N (every micro-batch has the same number of tokens, so the sum is the mean
-over the whole batch), their expert loads are summed, and the MoE bias update, the clipping and the
-step happen once. With `precision` "bf16" the forward passes run under torch.autocast in bfloat16
-over the float32 weights; the backward, the AdamW states and the update stay float32. With QK-Clip
-on (`qk_clip`, by default with Muon) the attention layers record their heads' largest logits in the
-step's forwards and, after the optimizer step, the heads above tau are scaled down (k3.training.qk_clip).
-
-The hooks are which slice of the batch this process takes (`local_batch`, `local_windows`), how the
-loss, the expert loads and the validation sums are summed over processes (`sum_over_processes`,
-`sum_totals`), and how gradients are synchronised and clipped (`accumulating`,
-`synchronize_gradients`, `clip_gradients`), and how the heads' largest logits are taken over processes
-(`max_over_processes`).
+one optimizer step on the global batch (`step`: the free function k3.training.step.train_step, with the
+strategy's `dims`), measures validation bits per byte over all processes (`evaluate`: k3.training.step's),
+saves and resumes checkpoints (`save`, `load_optimizer`, `load_sharded`), and lets the processes agree
+(`share`, `any`, `is_main`, `close`). What the step and the evaluation need to know of the other
+processes is the strategy's `dims` (k3.training.parallel.ParallelDims), not methods of the strategy.
 """
 
 from __future__ import annotations
-
-import contextlib
-import math
 
 import torch
 from torch import nn
@@ -37,32 +19,21 @@ from ..models import CausalLM
 from ..runtime import cxx_compiler, resolve_device
 from ..tokenizer import Tokenizer
 from .checkpoint import save_training_checkpoint
-from . import qk_clip
-from .config import TrainConfig, qk_clip_threshold
+from .config import TrainConfig
 from .data import TokenData, prepare
-from .objective import next_token_loss, per_byte, summed_loss
 from .optim import build_optimizer, flat_names, group_names, load_keeping_implementation, numbered_state
-from .parallel import apply_recompute
+from .parallel import ParallelDims, apply_recompute
+from .step import NonFiniteLossError, evaluate, train_step, training_step
 
-
-class NonFiniteLossError(FloatingPointError):
-    """Training met a NaN or infinite loss or gradient norm; the run stops without saving it."""
-
-
-def _value(norm: torch.Tensor) -> float:
-    """A gradient norm as a float (fsdp's is a replicated DTensor)."""
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+__all__ = ["SingleProcess", "NonFiniteLossError", "training_step", "to_cpu", "compile_decoder"]
 
 
 class SingleProcess:
     """A run on this process alone, on one device (`device`: "auto" picks CUDA, then MPS, then the
     CPU); no torch.distributed."""
 
-    is_main = True  # the process that logs and writes
-    rank, world_size = 0, 1
-
     def __init__(self, device: str = "auto"):
-        self.device = resolve_device(device)
+        self.dims = ParallelDims(device=resolve_device(device))
         self.model: CausalLM | None = None  # the model, as the single process sees it
         self.net: nn.Module | None = None  # the module to call in training (a wrapper, or `model`)
         self.optimizer: torch.optim.Optimizer | None = None
@@ -70,6 +41,26 @@ class SingleProcess:
         self.grad_norm: float | None = None  # the last step's gradient norm before clipping
         self.max_logit: float | None = None  # the last step's largest attention logit (QK-Clip on)
         self.qk_clipped_heads: int | None = None  # ... and the heads QK-Clip scaled down after it
+
+    @property
+    def device(self) -> torch.device:
+        """This process's device."""
+        return self.dims.device
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 on one process)."""
+        return self.dims.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of processes."""
+        return self.dims.world
+
+    @property
+    def is_main(self) -> bool:
+        """The process that logs and writes."""
+        return self.dims.rank == 0
 
     def describe(self) -> str:
         """How the run is split, for the opening message ("" on one process)."""
@@ -102,88 +93,18 @@ class SingleProcess:
         self.optimizer = build_optimizer(model, cfg)
         self.precision = cfg.precision
 
-    def autocast(self):
-        """The context the forward passes run in: bfloat16 autocast with `precision` "bf16", else none."""
-        if self.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    # -- the training step ----------------------------------------------------------------------------
+    # -- the training step and evaluation (k3.training.step) ------------------------------------------
     def step(self, windows: torch.Tensor, cfg: TrainConfig) -> float:
-        """One optimizer step (Muon and AdamW, or AdamW: `cfg.optimizer`) on the global batch `windows`
-        [B, T + 1] (clipped gradients), taken as `cfg.grad_accum` equal micro-batches, then QK-Clip and the MoE
-        bias update. Returns the batch's loss. A non-finite loss or gradient norm raises NonFiniteLossError
-        before the weights change (on every process alike: both are global)."""
-        parts = windows.chunk(cfg.grad_accum)
-        if len(parts) != cfg.grad_accum or windows.shape[0] % cfg.grad_accum:
-            raise ValueError(f"a batch of {windows.shape[0]} windows does not split into grad_accum = "
-                             f"{cfg.grad_accum} equal micro-batches")
-        self.optimizer.zero_grad(set_to_none=True)
-        tau = qk_clip_threshold(cfg)
-        attention = qk_clip.begin_step(self.model, tau)
-        moes = self.model.moe_layers()
-        global_loss, loads = 0.0, [0] * len(moes)
-        for i, part in enumerate(parts):
-            with self.accumulating(last=i == len(parts) - 1):
-                with self.autocast():
-                    loss = next_token_loss(self.net, self.local_batch(part))
-                (loss / len(parts)).backward()
-            part_loss, part_loads = self.sum_over_processes(loss.detach(), moes)
-            global_loss += part_loss / len(parts)
-            loads = [total + load for total, load in zip(loads, part_loads)]
-        if not math.isfinite(global_loss):
-            raise NonFiniteLossError(f"the training loss is {global_loss}")
-        self.synchronize_gradients(loads)
-        norm = self.clip_gradients(cfg.grad_clip)
-        self.grad_norm = None if norm is None else _value(norm)
-        if norm is not None and not math.isfinite(self.grad_norm):
-            raise NonFiniteLossError(f"the gradient norm is {self.grad_norm} (the loss is {global_loss:.4f})")
-        self.optimizer.step()
-        if tau > 0:
-            self.max_logit, self.qk_clipped_heads = qk_clip.clip(attention, tau, self.max_over_processes)
-        for moe, load in zip(moes, loads):
-            moe.update_bias(load, rate=cfg.moe_bias_rate)
-        return global_loss
+        """`train_step` on the global batch `windows` [B, T + 1]; returns the batch's loss and keeps the
+        step's gradient norm, largest attention logit and clipped heads for the log."""
+        result = train_step(self.model, self.optimizer, windows, cfg, self.dims, self.net)
+        self.grad_norm, self.max_logit, self.qk_clipped_heads = \
+            result.grad_norm, result.max_logit, result.qk_clipped_heads
+        return result.loss
 
-    def local_batch(self, windows: torch.Tensor) -> torch.Tensor:
-        """Hook: this process's share of the global batch (a micro-batch of it), on its device."""
-        return windows.to(self.device)
-
-    def accumulating(self, last: bool):
-        """Hook: the context of one micro-batch's forward and backward (`last`: the step's last one)."""
-        return contextlib.nullcontext()
-
-    def sum_over_processes(self, loss: torch.Tensor, moes: list) -> tuple[float, list[torch.Tensor]]:
-        """Hook: the global batch's loss and each MoE layer's expert load [E] summed over processes."""
-        return loss.item(), [moe.last_load for moe in moes]
-
-    def synchronize_gradients(self, loads: list[torch.Tensor]) -> None:
-        """Hook: make the gradients the global batch's (given the summed expert loads)."""
-
-    def clip_gradients(self, max_norm: float) -> torch.Tensor | None:
-        """Hook: scale the gradients to a total norm of at most `max_norm`; returns the norm before
-        clipping (None: not known here)."""
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-
-    def max_over_processes(self, values: torch.Tensor) -> torch.Tensor:
-        """Hook: `values` (every attention head's largest logit this step) maximised over processes."""
-        return values
-
-    # -- evaluation -----------------------------------------------------------------------------------
     def evaluate(self, data: TokenData, windows: torch.Tensor) -> float:
         """Validation bits per byte over `windows` [n, T + 1], all processes together."""
-        mine, counted = self.local_windows(windows)
-        with self.autocast():
-            nats, nbytes = summed_loss(self.model, data, mine, counted=counted, device=self.device)
-        return per_byte(*self.sum_totals(nats, nbytes))
-
-    def local_windows(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Hook: the validation windows this process runs, and which of them count (None: all)."""
-        return windows, None
-
-    def sum_totals(self, nats: float, nbytes: int) -> tuple[float, float]:
-        """Hook: summed loss and byte count over processes."""
-        return nats, nbytes
+        return evaluate(self.model, data, windows, self.dims, self.precision)
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def save(self, out, tokenizer: Tokenizer, cfg: TrainConfig, step: int, max_steps: int | None,
@@ -240,18 +161,6 @@ class SingleProcess:
     def any(self, flag: bool) -> bool:
         """True on every process when `flag` is true on some process."""
         return flag
-
-
-def training_step(model: CausalLM, optimizer: torch.optim.Optimizer, windows: torch.Tensor, cfg: TrainConfig) -> float:
-    """One step of `optimizer` (Muon and AdamW, or AdamW) on `model` and a batch of windows [B, T + 1] (clipped
-    gradients), then QK-Clip and the MoE bias update: `SingleProcess.step` with a model and optimizer of the
-    caller's, on the model's device, in `cfg.precision`, in `cfg.grad_accum` micro-batches. Returns the loss."""
-    strategy = SingleProcess("cpu")
-    strategy.device = next(model.parameters()).device
-    strategy.model = strategy.net = model
-    strategy.optimizer = optimizer
-    strategy.precision = cfg.precision
-    return strategy.step(windows, cfg)
 
 
 def to_cpu(obj):

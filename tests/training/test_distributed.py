@@ -136,7 +136,10 @@ def _worker(rank: int, port: int, corpus: str, root: str) -> None:
     results["large"]["norms"] = norms
     # a checkpoint written by 2 processes (the other modes' gathered states are checked above), and
     # single-process checkpoints resumed by 2
-    train(run_cfg(corpus, f"{root}/ep2", max_steps=2), progress=False, parallel="ep")
+    results["ep2"] = train(run_cfg(corpus, f"{root}/ep2", max_steps=2), progress=False, parallel="ep")
+    # --parallel ep is fsdp x ep with the experts over all processes and the dense part whole: the same steps
+    results["fsdp_ep2"] = train(run_cfg(corpus, f"{root}/fsdp_ep2", max_steps=2, ep=2), progress=False,
+                                parallel="fsdp")
     for mode in ("fsdp", "ep"):
         results[f"resumed_{mode}"] = train(TrainConfig(max_steps=4), resume=f"{root}/single2_{mode}",
                                            progress=False, parallel=mode)
@@ -301,6 +304,16 @@ def test_a_two_process_checkpoint_resumes_in_one_process(runs):
     assert written["step"] == 2 and written["history"]["loss"] == pytest.approx(reference["loss"][:2], rel=RTOL)
     assert CausalLM.from_pretrained(root / "ep2").config.num_experts == 8  # every expert, from both processes
     assert_follows(train(TrainConfig(max_steps=4), resume=str(root / "ep2"), progress=False), reference)
+
+
+def test_parallel_ep_takes_the_steps_of_fsdp_with_ep_over_all_processes(runs):
+    """`--parallel ep` (an alias: the experts split over the 2 processes, the dense part whole in each)
+    and `--parallel fsdp --ep 2` of the same seed give the same losses."""
+    _, reference, results = runs
+    assert results["ep2"]["step"] == results["fsdp_ep2"]["step"] == [1, 2]
+    for key in ("loss", "val_bpb", "final_val_bpb"):
+        assert results["ep2"][key] == pytest.approx(results["fsdp_ep2"][key], rel=RTOL)
+    assert results["ep2"]["loss"] == pytest.approx(reference["loss"][:2], rel=RTOL)
 
 
 def test_a_one_process_checkpoint_with_a_parameter_without_optimizer_state_resumes_under_fsdp(runs):

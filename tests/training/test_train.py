@@ -16,6 +16,7 @@ from k3.cli import main
 from k3.models import CausalLM, get_config
 from k3.training import checkpoint as ckpt_module
 from k3.training import loop, strategy
+from k3.training import step as step_module
 from k3.training import TrainConfig, build_optimizer, learning_rate, no_decay, train
 from k3.training.checkpoint import CheckpointError
 
@@ -82,7 +83,7 @@ def test_ctrl_c_finishes_the_step_saves_and_resumes_exactly(corpus, tmp_path, mo
     """Ctrl-C during step 4: the step completes, a checkpoint is saved, the resume command printed,
     and resuming gives the uninterrupted loss sequence."""
     calls = {"n": 0}
-    real = strategy.next_token_loss
+    real = step_module.next_token_loss
 
     def interrupted(model, windows, *rest):
         calls["n"] += 1
@@ -90,7 +91,7 @@ def test_ctrl_c_finishes_the_step_saves_and_resumes_exactly(corpus, tmp_path, mo
             signal.raise_signal(signal.SIGINT)
         return real(model, windows, *rest)
 
-    monkeypatch.setattr(strategy, "next_token_loss", interrupted)
+    monkeypatch.setattr(step_module, "next_token_loss", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train(config(corpus, tmp_path / "run"), progress=False)
     monkeypatch.undo()

@@ -22,9 +22,10 @@ import torch
 from k3.io import file_mode
 from k3.models import CausalLM
 from k3.training import TrainConfig, build_optimizer, strategy, train
+from k3.training import step as step_module
 from k3.training import checkpoint as ckpt_module
 from k3.training.checkpoint import CheckpointError, OutputFolderError, claim_output
-from k3.training.strategy import NonFiniteLossError
+from k3.training.step import NonFiniteLossError
 
 from ..corpus import write_corpus
 
@@ -102,14 +103,14 @@ def test_the_lock_of_a_process_that_died_does_not_block(tmp_path):
 
 def test_a_nan_loss_stops_the_run_without_saving_it(corpus, tmp_path, monkeypatch):
     calls = {"n": 0}
-    real = strategy.next_token_loss
+    real = step_module.next_token_loss
 
     def nan_at_step_3(model, windows, *rest):
         calls["n"] += 1
         loss = real(model, windows, *rest)
         return loss * math.nan if calls["n"] == 3 else loss
 
-    monkeypatch.setattr(strategy, "next_token_loss", nan_at_step_3)
+    monkeypatch.setattr(step_module, "next_token_loss", nan_at_step_3)
     with pytest.raises(NonFiniteLossError, match="step 3: the training loss is nan; stopped there without saving"):
         train(config(corpus, tmp_path, checkpoint_every=1), progress=False)
     state = ckpt_module.load_training_checkpoint(tmp_path)
@@ -117,13 +118,13 @@ def test_a_nan_loss_stops_the_run_without_saving_it(corpus, tmp_path, monkeypatc
 
 
 def test_a_nan_gradient_stops_the_run(corpus, tmp_path, monkeypatch):
-    real = strategy.next_token_loss
+    real = step_module.next_token_loss
 
     def nan_gradient(model, windows, *rest):  # the same loss; d sqrt(x)/dx at x = 0 is infinite, times 0: NaN
         loss = real(model, windows, *rest)
         return loss + torch.sqrt(next(model.parameters()).sum() * 0)
 
-    monkeypatch.setattr(strategy, "next_token_loss", nan_gradient)
+    monkeypatch.setattr(step_module, "next_token_loss", nan_gradient)
     with pytest.raises(NonFiniteLossError, match=r"step 1: the gradient norm is nan \(the loss is 5\.\d+\)"):
         train(config(corpus, tmp_path, checkpoint_every=1), progress=False)
     assert not (tmp_path / "model.safetensors").exists()
@@ -207,8 +208,8 @@ def test_k3_train_says_a_nan_loss_in_one_line(corpus, tmp_path, monkeypatch, cap
     """The command line ends a diverged run with one line and exit code 2, not a traceback."""
     from k3.cli import main
 
-    real = strategy.next_token_loss
-    monkeypatch.setattr(strategy, "next_token_loss", lambda model, windows, *rest: real(model, windows, *rest) * math.nan)
+    real = step_module.next_token_loss
+    monkeypatch.setattr(step_module, "next_token_loss", lambda model, windows, *rest: real(model, windows, *rest) * math.nan)
     code = main(["train", "--preset", "gpt2-tiny", "--data", str(corpus), "--tokenizer", "byte", "--seq-len", "16",
                  "--batch-size", "2", "--max-steps", "3", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
