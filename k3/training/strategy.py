@@ -109,12 +109,17 @@ class SingleProcess:
         return contextlib.nullcontext()
 
     # -- the training step ----------------------------------------------------------------------------
-    def step(self, windows: torch.Tensor, cfg: TrainConfig) -> float:
+    def step(self, windows: torch.Tensor, cfg: TrainConfig, targets: torch.Tensor | None = None) -> float:
         """One optimizer step (Muon and AdamW, or AdamW: `cfg.optimizer`) on the global batch `windows`
         [B, T + 1] (clipped gradients), taken as `cfg.grad_accum` equal micro-batches, then QK-Clip and the MoE
         bias update. Returns the batch's loss. A non-finite loss or gradient norm raises NonFiniteLossError
-        before the weights change (on every process alike: both are global)."""
+        before the weights change (on every process alike: both are global).
+
+        `targets` [B, T]: the loss is not the next-token loss of windows but the cross-entropy of `windows`
+        [B, T] (the inputs) against `targets`, the mean over the positions whose target is not IGNORE_INDEX (a
+        task scored at some positions only, e.g. k3 lab's recall queries): CausalLM(windows, targets=targets)."""
         parts = windows.chunk(cfg.grad_accum)
+        aims = [None] * len(parts) if targets is None else targets.chunk(cfg.grad_accum)
         if len(parts) != cfg.grad_accum or windows.shape[0] % cfg.grad_accum:
             raise ValueError(f"a batch of {windows.shape[0]} windows does not split into grad_accum = "
                              f"{cfg.grad_accum} equal micro-batches")
@@ -123,10 +128,13 @@ class SingleProcess:
         attention = qk_clip.begin_step(self.model, tau)
         moes = self.model.moe_layers()
         global_loss, loads = 0.0, [0] * len(moes)
-        for i, part in enumerate(parts):
+        for i, (part, aim) in enumerate(zip(parts, aims)):
             with self.accumulating(last=i == len(parts) - 1):
                 with self.autocast():
-                    loss = next_token_loss(self.net, self.local_batch(part))
+                    if aim is None:
+                        loss = next_token_loss(self.net, self.local_batch(part))
+                    else:
+                        loss = self.net(self.local_batch(part), targets=self.local_batch(aim))
                 (loss / len(parts)).backward()
             part_loss, part_loads = self.sum_over_processes(loss.detach(), moes)
             global_loss += part_loss / len(parts)
@@ -242,16 +250,18 @@ class SingleProcess:
         return flag
 
 
-def training_step(model: CausalLM, optimizer: torch.optim.Optimizer, windows: torch.Tensor, cfg: TrainConfig) -> float:
+def training_step(model: CausalLM, optimizer: torch.optim.Optimizer, windows: torch.Tensor, cfg: TrainConfig,
+                  targets: torch.Tensor | None = None) -> float:
     """One step of `optimizer` (Muon and AdamW, or AdamW) on `model` and a batch of windows [B, T + 1] (clipped
     gradients), then QK-Clip and the MoE bias update: `SingleProcess.step` with a model and optimizer of the
-    caller's, on the model's device, in `cfg.precision`, in `cfg.grad_accum` micro-batches. Returns the loss."""
+    caller's, on the model's device, in `cfg.precision`, in `cfg.grad_accum` micro-batches. Returns the loss.
+    `targets` [B, T]: `windows` [B, T] are inputs scored against them where not IGNORE_INDEX (`step`)."""
     strategy = SingleProcess("cpu")
     strategy.device = next(model.parameters()).device
     strategy.model = strategy.net = model
     strategy.optimizer = optimizer
     strategy.precision = cfg.precision
-    return strategy.step(windows, cfg)
+    return strategy.step(windows, cfg, targets)
 
 
 def to_cpu(obj):

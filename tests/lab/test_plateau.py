@@ -97,3 +97,30 @@ def test_loss_and_accuracy_at_the_scored_positions_match_the_whole_logits():
     scored = batch.targets != IGNORE
     right = (logits.argmax(-1) == batch.targets)[scored].float().mean().item()
     assert accuracy_by_kind(model, batch) == {1: pytest.approx(right)}
+
+
+def test_the_lab_steps_through_trainings_step_on_the_scored_positions():
+    """`training_step` with targets: the loss is the masked loss, and the update is AdamW's on its gradient."""
+    import copy
+
+    from k3.lab.synthetic import recipe
+    from k3.training import build_optimizer, training_step
+
+    torch.manual_seed(0)
+    model = build_model(mixer_config("deltanet", VOCAB.size, SIZE))
+    twin = copy.deepcopy(model)
+    batch = _sample(torch.Generator().manual_seed(1))
+    cfg = recipe(1e-2, warmup=1)
+    loss = training_step(model, build_optimizer(model, cfg, fused=False), batch.inputs, cfg, targets=batch.targets)
+    assert loss == pytest.approx(masked_loss(twin, batch).item())
+    optimizer = torch.optim.AdamW([{"params": [p for n, p in twin.named_parameters() if p.dim() >= 2
+                                               and not n.endswith(("A_log", "dt_bias")) and "norm" not in n],
+                                    "weight_decay": 0.1},
+                                   {"params": [p for n, p in twin.named_parameters() if not (
+                                       p.dim() >= 2 and not n.endswith(("A_log", "dt_bias")) and "norm" not in n)],
+                                    "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.98))
+    masked_loss(twin, batch).backward()
+    torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
+    optimizer.step()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
