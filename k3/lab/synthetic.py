@@ -165,9 +165,9 @@ class ConvAttention(MultiHeadAttention):
 
 class ConvLatentAttention(MultiHeadLatentAttention):
     """MLA whose latent c_t passes through a depthwise causal convolution (kernel `conv_size`, no activation)
-    before keys and values are expanded from it: the short convolution `ConvAttention` gives softmax attention,
-    so that both attentions of the lab read through the same token shift (a two-layer model has no earlier
-    layer to build one). Keys and values at t then carry tokens t-3..t, so a query can find a key's binding at
+    before keys and values are expanded from it (MLA's public hook `mix_latents`): the short convolution
+    `ConvAttention` gives softmax attention, so that both attentions of the lab read through the same token
+    shift (a two-layer model has no earlier layer to build one). Keys and values at t then carry tokens t-3..t, so a query can find a key's binding at
     any of the W latents that hold it (`window`). Training and scoring only (no cache)."""
 
     def __init__(self, *args, conv_size: int = 4, **kwargs):
@@ -185,9 +185,9 @@ class ConvLatentAttention(MultiHeadLatentAttention):
                    output_gate=None if mla.g_proj is None else "full", rope_theta=mla.rope_theta,
                    norm_eps=mla.kv_a_layernorm.eps, conv_size=conv_size)
 
-    def _queries_and_latents(self, x: torch.Tensor, positions: torch.Tensor | int = 0, projected=None):
-        q, c, k_pe = super()._queries_and_latents(x, positions, projected)
-        return q, self.latent_conv1d(c)[0], k_pe
+    def mix_latents(self, c: torch.Tensor) -> torch.Tensor:
+        """MLA's latent hook: c [B, T, r] -> the causal convolution of c over t (`latent_conv1d`)."""
+        return self.latent_conv1d(c)[0]
 
     def forward(self, x: torch.Tensor, cache=None, absorb: bool | None = None) -> torch.Tensor:
         if cache is not None:
