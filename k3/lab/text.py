@@ -39,11 +39,11 @@ def _section(file: str, name: str) -> str:
         raise KeyError(f"k3/lab/templates/{file}.md has no section {name!r}") from None
 
 
-def text(file: str, name: str, **fields) -> str:
+def text(file: str, name: str, /, **fields) -> str:
     """Section `name` of templates/`file`.md filled from `fields`, its line breaks kept."""
     return _section(file, name).format_map(fields)
 
 
-def paragraph(file: str, name: str, **fields) -> str:
+def paragraph(file: str, name: str, /, **fields) -> str:
     """Section `name` of templates/`file`.md filled from `fields`, as one line: its lines joined by spaces."""
     return " ".join(line.strip() for line in _section(file, name).splitlines() if line.strip()).format_map(fields)
