@@ -2,17 +2,14 @@
 steps, data and seeds, so that the mixer is the only difference; each trained at several learning rates (a sweep,
 as Zoology does), keeping the best.
 
-The recipe was found by trial on these tasks (a 2-core CPU, minutes per model): two layers (Zoology's depth),
-batches of 64 sequences, AdamW with a warm-up, a constant rate and a linear decay over the last fifth of the steps
-(warmup-stable-decay), and one attention head as wide as the model for the attention mixers (softmax attention,
-MLA); the linear mixers keep many small heads, since their head size is their state size. Softmax attention
-reads q, k and v through the same short causal convolution the linear family has (`ConvAttention`), and linear
-attention is DeltaNet's layer with the additive update (`AdditiveLinearAttention`), so that what differs between
-the mixers is the memory, not the token shift or the features. Without the convolution, softmax attention
-learns MQAR only by a sudden transition (a previous-token head, then an induction head, must form from learned
-positions) that came after 700 steps for some seeds and not within 1,000 for others; with four layers, batches
-of 32, filler tokens between bindings and queries, or a cosine decay, it stayed at the 1/pairs accuracy of
-copying a random value from the context for thousands of steps.
+The recipe (how it was chosen: docs/lab.md): two layers (Zoology's depth), AdamW with a warm-up, a constant rate
+and a linear decay over the last fifth of the steps (warmup-stable-decay), and one attention head as wide as the
+model for the attention mixers (softmax attention, MLA); the linear mixers keep many small heads, since their
+head size is their state size. Softmax attention reads q, k and v through the same short causal convolution the
+linear family has (`ConvAttention`), and linear attention is DeltaNet's layer with the additive update
+(`AdditiveLinearAttention`), so that what differs between the mixers is the memory, not the token shift or the
+features: without the convolution, softmax attention must first form a previous-token head, then an induction
+head, from learned positions before it can bind a key to the value after it.
 
 The training is k3's (`k3.training`): its optimizer construction, its step (`training_step`: clipped gradients,
 a non-finite loss caught before the weights change) and its warm-up and WSD schedule (`learning_rate`), with
@@ -103,7 +100,7 @@ def mixer_config(mixer: str, vocab_size: int, size: Size) -> ModelConfig:
     itself carry order); MLA is NoPE as in Kimi Linear. Attention heads: `size.attention_heads`. KDA uses Kimi
     K3's safe gate g = -5 sigmoid(exp(A_log) (f + dt_bias)): most channels start with no forgetting at all, and no
     step forgets more than e^-5. Kimi Linear's unbounded g = -exp(A_log) softplus(f + dt_bias) learned recall far
-    more slowly here (at width 64, 800 steps, T = 256: 27/17/16% at 16/32/64 pairs against 84/53/25%)."""
+    more slowly on these tasks (docs/lab.md)."""
     if mixer not in MIXERS + DEEP_MIXERS + PROBE_MIXERS:
         raise ValueError(f"mixer must be one of {MIXERS + DEEP_MIXERS + PROBE_MIXERS}, got {mixer!r}")
     layers = DEPTH.get(mixer, size.layers)
@@ -167,8 +164,9 @@ class ConvLatentAttention(MultiHeadLatentAttention):
     """MLA whose latent c_t passes through a depthwise causal convolution (kernel `conv_size`, no activation)
     before keys and values are expanded from it (MLA's public hook `mix_latents`): the short convolution
     `ConvAttention` gives softmax attention, so that both attentions of the lab read through the same token
-    shift (a two-layer model has no earlier layer to build one). Keys and values at t then carry tokens t-3..t, so a query can find a key's binding at
-    any of the W latents that hold it (`window`). Training and scoring only (no cache)."""
+    shift (a two-layer model has no earlier layer to build one). Keys and values at t then carry tokens t-3..t,
+    so a query can find a key's binding at any of the W latents that hold it (`window`). Training and scoring
+    only (no cache)."""
 
     def __init__(self, *args, conv_size: int = 4, **kwargs):
         super().__init__(*args, **kwargs)
@@ -208,8 +206,9 @@ class AdditiveLinearAttention(DeltaNet):
     per-head RMSNorm on the output) with DeltaNet's delta rule replaced by linear attention's additive update
     S_t = S_{t-1} + k_t^T v_t, o_t = q_t S_t. The two differ only in how the memory is written, which is what
     the recall and overwrite claims are about; DeltaNet's write strength beta (b_proj) is computed and left
-    unused. (k3.layers.LinearAttention, the article's normalised ELU+1 form without a short convolution, did
-    not learn to recall past a few pairs here: see the recall notes.) Training and scoring only (no cache)."""
+    unused; its hook is the delta family's `chunk_op`. (k3.layers.LinearAttention, the article's normalised ELU+1
+    form without a short convolution, is the probe "elu_linear_attn" beside it.) Training and scoring only (no
+    cache)."""
 
     chunk_op = staticmethod(additive_rule)
 
