@@ -124,3 +124,25 @@ def test_the_lab_steps_through_trainings_step_on_the_scored_positions():
     optimizer.step()
     for (name, a), b in zip(model.named_parameters(), twin.parameters()):
         assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_a_non_finite_loss_stops_the_run_where_it_is(monkeypatch):
+    """Training's step refuses a non-finite loss before the weights change; the lab's run ends there."""
+    from k3.lab import synthetic
+    from k3.training.strategy import NonFiniteLossError
+
+    taken = []
+
+    def step(model, opt, inputs, cfg, targets=None):
+        if len(taken) == 3:
+            raise NonFiniteLossError("the training loss is nan")
+        taken.append(1)
+        return 1.0
+
+    monkeypatch.setattr(synthetic, "training_step", step)
+    score, _ = _recording([0.5])
+    plateau = Plateau(every=1, patience=5, min_steps=1, max_steps=50, warmup=1)
+    _, curve = train_until_plateau(mixer_config("deltanet", VOCAB.size, SIZE), _sample, score, plateau)
+    assert curve.stopped_by == "diverged" and curve.steps == 3 and curve.stable_steps is None
+    _, losses = synthetic.train_on_task(mixer_config("deltanet", VOCAB.size, SIZE), _sample, 10, warmup=1)
+    assert losses == []  # `taken` is at 3: the first step already raises
