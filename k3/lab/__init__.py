@@ -4,7 +4,9 @@ Every experiment is a module (a package for the larger ones: what it measures ap
 with `run(mode, docs) -> Result` (`k3.lab.report.Result`); `mode` is "smoke" (seconds; what the tests run),
 "quick" (`k3 lab all --quick` runs all of them in about 40 minutes on a 2-core CPU) or "full" (the larger
 sweeps). In the output folder `docs` (`runs/lab` unless given; the repository's page is `docs/`) figures go
-to `figures/`, the result to `lab/NAME.json`, and `results.md` is re-rendered from all saved results.
+to `figures/`, the result to `lab/NAME.json`, and `results.md` is re-rendered from all saved results. The page's
+words are markdown templates, one per experiment (k3/lab/templates/, read by `k3.lab.text`), filled from the
+run's numbers.
 """
 
 from __future__ import annotations

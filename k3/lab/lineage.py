@@ -26,6 +26,7 @@ from ..models.params import binary_bytes
 from ..plan.serving import cache_bytes
 from .plots import figure
 from .report import Claim, Figure, Result, Table, command
+from .text import paragraph
 
 # name -> (preset, overrides beyond the width): the lineage in the article's order
 LINEAGE: dict[str, tuple[str, dict]] = {
@@ -173,12 +174,8 @@ def _report(mode, docs, s, configs, runs, step_seconds, tokens_per_step, gflops,
     figures = _plots(docs, runs, s, budget)
     return Result(name="lineage", title="The lineage on language modelling", mode=mode,
                   command=command("lineage", mode), claims=_claims(data, fewest, budget), tables=[table], figures=figures,
-                  notes=[f"Final bits per byte on {4 * s['eval_tokens']:,} validation tokens, the curves' points on "
-                         f"{s['eval_tokens']:,}; the column at {fewest:,} tokens (the fewest any model saw in the "
-                         "budget) reads each curve there, linear between its evaluations: the comparison per token, "
-                         "beside the comparison per second",
-                         "Each model at its preset's depth: the lineage is compared as the presets define it, and "
-                         "the parameter columns say what each one spends"],
+                  notes=[paragraph("lineage", "evaluation", final_tokens=4 * s["eval_tokens"],
+                                   eval_tokens=s["eval_tokens"], fewest=fewest), paragraph("lineage", "depth")],
                   setup=dict(seed=0, width=s["width"], budget=budget, eval_tokens=s["eval_tokens"],
                              models={n: [LINEAGE[n][0], LINEAGE[n][1]] for n in LINEAGE},
                              overrides=s["overrides"], matmul_gflops=round(gflops)),

@@ -20,6 +20,7 @@ from .jobs import run_jobs
 from .synthetic import (LABELS, MIXERS, Size, accuracy_by_kind, best_over_rates, mean_per_rate, mixer_config,
                         rate_label, train_on_task)
 from .tasks import Batch, Vocab, context_switch, overwrite
+from .text import paragraph
 
 
 @dataclass(frozen=True)
@@ -142,16 +143,8 @@ def run(mode: str, docs: Path, **options) -> Result:
                         [[LABELS[m]] + [f"{sweep[m][lr]:.0%}" for lr in plan.lrs] for m in MIXERS])
     path = "figures/overwrite.png"
     _plot(docs / path, scores, labels)
-    notes = [
-        "One model per mixer and learning rate learns both tasks (each step a batch of re-binding or of "
-        "context-switch sequences, by a coin flip); held-out sequences score each kind of query separately. "
-        "Rates " + ", ".join(rate_label(lr) for lr in plan.lrs) + "; each cell reports its best, as Zoology does. "
-        "The recipe (depth, batch, schedule, heads) is the recall section's.",
-        f"A stale key must be answered with the NONE token; a blend of old values, or the old value, is wrong. "
-        f"Chance on values is 1/{VOCAB.num_values}.",
-        "A mixer below 50% even on keys bound once has not learned the tasks; claims that rest on it would be "
-        "marked 'not measurable here'.",
-    ]
+    notes = [paragraph("overwrite", "training", rates=", ".join(rate_label(lr) for lr in plan.lrs)),
+             paragraph("overwrite", "stale", num_values=VOCAB.num_values), paragraph("overwrite", "learned")]
     return Result(name="overwrite", title="Overwriting and forgetting", mode=mode, command=command("overwrite", mode),
                   claims=judge(scores), tables=[table, sweep_table],
                   figures=[Figure(path, "Accuracy per kind of query and mixer (best learning rate per bar): "

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..io import atomic_write
+from .text import text
 
 VERDICTS = ("holds", "partly", "does not hold", "not measurable here")
 
@@ -198,14 +199,7 @@ def load_results(docs: Path, order: list[str]) -> list[Result]:
     return results
 
 
-HEADER = """# k3 lab: the article's claims, measured
-
-The article *22,580: from GPT-2 to Kimi K3* argues with numbers. Each section below puts a claim beside what
-k3 measures on this machine, says whether it holds, and gives the command that produced it
-(`k3 lab all --quick` regenerates the whole page; `k3 lab NAME` one section; `--full` runs the larger sweeps).
-Seeds are fixed. Timings are ratios taken side by side in one run, on a small, noisy CPU: read them as
-shapes and factors, not as absolute speeds.
-"""
+HEADER = text("report", "header") + "\n"  # the page's opening words: k3/lab/templates/report.md
 
 
 def write_results(docs: Path, order: list[str]) -> Path:

@@ -2,17 +2,22 @@
 steps, data and seeds, so that the mixer is the only difference; each trained at several learning rates (a sweep,
 as Zoology does), keeping the best.
 
-The recipe was found by trial on these tasks (a 2-core CPU, minutes per model): two layers (Zoology's depth),
-batches of 64 sequences, AdamW with a warm-up, a constant rate and a linear decay over the last fifth of the steps
-(warmup-stable-decay), and one attention head as wide as the model for the attention mixers (softmax attention,
-MLA); the linear mixers keep many small heads, since their head size is their state size. Softmax attention
-reads q, k and v through the same short causal convolution the linear family has (`ConvAttention`), and linear
-attention is DeltaNet's layer with the additive update (`AdditiveLinearAttention`), so that what differs between
-the mixers is the memory, not the token shift or the features. Without the convolution, softmax attention
-learns MQAR only by a sudden transition (a previous-token head, then an induction head, must form from learned
-positions) that came after 700 steps for some seeds and not within 1,000 for others; with four layers, batches
-of 32, filler tokens between bindings and queries, or a cosine decay, it stayed at the 1/pairs accuracy of
-copying a random value from the context for thousands of steps."""
+The recipe (how it was chosen: docs/lab.md): two layers (Zoology's depth), AdamW with a warm-up, a constant rate
+and a linear decay over the last fifth of the steps (warmup-stable-decay), and one attention head as wide as the
+model for the attention mixers (softmax attention, MLA); the linear mixers keep many small heads, since their
+head size is their state size. Softmax attention reads q, k and v through the same short causal convolution the
+linear family has (`ConvAttention`), and linear attention is DeltaNet's layer with the additive update
+(`AdditiveLinearAttention`), so that what differs between the mixers is the memory, not the token shift or the
+features: without the convolution, softmax attention must first form a previous-token head, then an induction
+head, from learned positions before it can bind a key to the value after it.
+
+The training is k3's (`k3.training`): its optimizer construction, its step (`training_step`: clipped gradients,
+a non-finite loss caught before the weights change) and its warm-up and WSD schedule (`learning_rate`), with
+the lab's settings as a TrainConfig (`recipe`). What the lab adds is the least training does not do: the loss
+of a task is the cross-entropy at its scored positions only, L = mean over {t : y_t != IGNORE} of
+-log p(y_t | x_{<=t}) (the batch goes to the step as inputs and targets, not as next-token windows), and
+`train_until_plateau` starts its decay at a step the held-out score chooses, lr_t = lr (s + D - t) / D for
+t in [s, s + D), where training's schedule fixes the decay's start from the run's length."""
 
 from __future__ import annotations
 
@@ -27,7 +32,8 @@ from ..layers.linear_attention import DeltaNet
 from ..layers.mla import MultiHeadLatentAttention
 from ..models import CausalLM, ModelConfig
 from ..ops import attention, chunk_linear_attn
-from ..training.optim import decay_groups
+from ..training import TrainConfig, build_optimizer, learning_rate, training_step
+from ..training.strategy import NonFiniteLossError
 from .tasks import IGNORE, Batch
 
 # the lineage, as the article walks it; "kda+mla" is Kimi Linear's hybrid (`hybrid_layers`: 3:1 from 4 layers)
@@ -94,7 +100,7 @@ def mixer_config(mixer: str, vocab_size: int, size: Size) -> ModelConfig:
     itself carry order); MLA is NoPE as in Kimi Linear. Attention heads: `size.attention_heads`. KDA uses Kimi
     K3's safe gate g = -5 sigmoid(exp(A_log) (f + dt_bias)): most channels start with no forgetting at all, and no
     step forgets more than e^-5. Kimi Linear's unbounded g = -exp(A_log) softplus(f + dt_bias) learned recall far
-    more slowly here (at width 64, 800 steps, T = 256: 27/17/16% at 16/32/64 pairs against 84/53/25%)."""
+    more slowly on these tasks (docs/lab.md)."""
     if mixer not in MIXERS + DEEP_MIXERS + PROBE_MIXERS:
         raise ValueError(f"mixer must be one of {MIXERS + DEEP_MIXERS + PROBE_MIXERS}, got {mixer!r}")
     layers = DEPTH.get(mixer, size.layers)
@@ -156,10 +162,11 @@ class ConvAttention(MultiHeadAttention):
 
 class ConvLatentAttention(MultiHeadLatentAttention):
     """MLA whose latent c_t passes through a depthwise causal convolution (kernel `conv_size`, no activation)
-    before keys and values are expanded from it: the short convolution `ConvAttention` gives softmax attention,
-    so that both attentions of the lab read through the same token shift (a two-layer model has no earlier
-    layer to build one). Keys and values at t then carry tokens t-3..t, so a query can find a key's binding at
-    any of the W latents that hold it (`window`). Training and scoring only (no cache)."""
+    before keys and values are expanded from it (MLA's public hook `mix_latents`): the short convolution
+    `ConvAttention` gives softmax attention, so that both attentions of the lab read through the same token
+    shift (a two-layer model has no earlier layer to build one). Keys and values at t then carry tokens t-3..t,
+    so a query can find a key's binding at any of the W latents that hold it (`window`). Training and scoring
+    only (no cache)."""
 
     def __init__(self, *args, conv_size: int = 4, **kwargs):
         super().__init__(*args, **kwargs)
@@ -176,9 +183,9 @@ class ConvLatentAttention(MultiHeadLatentAttention):
                    output_gate=None if mla.g_proj is None else "full", rope_theta=mla.rope_theta,
                    norm_eps=mla.kv_a_layernorm.eps, conv_size=conv_size)
 
-    def _queries_and_latents(self, x: torch.Tensor, positions: torch.Tensor | int = 0, projected=None):
-        q, c, k_pe = super()._queries_and_latents(x, positions, projected)
-        return q, self.latent_conv1d(c)[0], k_pe
+    def mix_latents(self, c: torch.Tensor) -> torch.Tensor:
+        """MLA's latent hook: c [B, T, r] -> the causal convolution of c over t (`latent_conv1d`)."""
+        return self.latent_conv1d(c)[0]
 
     def forward(self, x: torch.Tensor, cache=None, absorb: bool | None = None) -> torch.Tensor:
         if cache is not None:
@@ -199,8 +206,9 @@ class AdditiveLinearAttention(DeltaNet):
     per-head RMSNorm on the output) with DeltaNet's delta rule replaced by linear attention's additive update
     S_t = S_{t-1} + k_t^T v_t, o_t = q_t S_t. The two differ only in how the memory is written, which is what
     the recall and overwrite claims are about; DeltaNet's write strength beta (b_proj) is computed and left
-    unused. (k3.layers.LinearAttention, the article's normalised ELU+1 form without a short convolution, did
-    not learn to recall past a few pairs here: see the recall notes.) Training and scoring only (no cache)."""
+    unused; its hook is the delta family's `chunk_op`. (k3.layers.LinearAttention, the article's normalised ELU+1
+    form without a short convolution, is the probe "elu_linear_attn" beside it.) Training and scoring only (no
+    cache)."""
 
     chunk_op = staticmethod(additive_rule)
 
@@ -248,44 +256,49 @@ def masked_loss(model: CausalLM, batch: Batch) -> torch.Tensor:
     return model(batch.inputs, targets=batch.targets)
 
 
-def lr_scale(step: int, steps: int, warmup: int = 50, decay: float = 0.2) -> float:
-    """Warmup-stable-decay: linear warm-up over `warmup` steps, constant, then linear to 0 over the last
-    `decay` fraction of the steps."""
-    return min(1.0, (step + 1) / warmup, (steps - step) / max(1.0, decay * steps))
+def recipe(lr: float, warmup: int = 50) -> TrainConfig:
+    """The lab's optimizer and schedule in training's terms: AdamW (betas 0.9, 0.98; weight decay 0.1 on the
+    matrices only, as `k3 train`: not on norms, biases, KDA's and Gated DeltaNet's A_log and dt_bias), gradients
+    clipped to norm 1, no QK-Clip, a linear warm-up over `warmup` steps, then WSD: constant, and linear to 0 over
+    the last fifth of the steps (`k3.training.learning_rate`)."""
+    return TrainConfig(optimizer="adamw", lr=lr, betas=(0.9, 0.98), weight_decay=0.1, grad_clip=1.0, qk_clip=0.0,
+                       warmup_steps=warmup, schedule="wsd", wsd_decay_fraction=0.2, min_lr_ratio=0.0)
 
 
 def train_on_task(config: ModelConfig, sample: Callable[[torch.Generator], Batch], steps: int, lr: float = 1e-3,
                   seed: int = 0, warmup: int = 50, progress=None) -> tuple[CausalLM, list[float]]:
-    """AdamW on `lr_scale`'s schedule (weight decay 0.1 on the matrices only, as `k3 train`: not on norms, biases,
-    KDA's and Gated DeltaNet's A_log and dt_bias); `sample(generator)` gives each step's batch (fresh data every
-    step, as in Zoology). Returns the model (in eval mode) and the loss per step."""
-    model, opt, data = _start(config, lr, seed)
+    """`steps` of training's step on `recipe(lr, warmup)`; `sample(generator)` gives each step's batch (fresh data
+    every step, as in Zoology). The rate of step s is training's WSD rate for a run of steps + 1 steps, whose last
+    step (at rate 0, a step that changes nothing) is not taken, so every step taken moves the weights. A run that
+    meets a non-finite loss stops there. Returns the model (in eval mode) and the loss per step."""
+    cfg = recipe(lr, warmup)
+    model, opt, data = _start(config, cfg, seed)
     losses = []
     for step in range(steps):
-        losses.append(_step(model, opt, sample(data), lr * lr_scale(step, steps, warmup)))
+        try:
+            losses.append(_step(model, opt, sample(data), cfg, learning_rate(cfg, step, steps + 1)))
+        except NonFiniteLossError:
+            break
         if progress is not None:
             progress.update(1)
     return model.eval(), losses
 
 
-def _start(config: ModelConfig, lr: float, seed: int):
-    """The model (seeded), its AdamW (weight decay 0.1 on the matrices only) and the data's generator."""
+def _start(config: ModelConfig, cfg: TrainConfig, seed: int):
+    """The model (seeded), training's optimizer for it (`build_optimizer`, torch's default AdamW implementation:
+    the fused one rounds differently, and the recorded results came from the default) and the data's generator."""
     torch.manual_seed(seed)
     model = build_model(config)
-    opt = torch.optim.AdamW(decay_groups(model, 0.1), lr=lr, betas=(0.9, 0.98))
-    return model, opt, torch.Generator().manual_seed(seed + 1)
+    return model, build_optimizer(model, cfg, fused=False), torch.Generator().manual_seed(seed + 1)
 
 
-def _step(model: CausalLM, opt: torch.optim.Optimizer, batch: Batch, lr: float) -> float:
-    """One AdamW step at rate `lr` on `batch` (gradients clipped to norm 1); the loss."""
+def _step(model: CausalLM, opt: torch.optim.Optimizer, batch: Batch, cfg: TrainConfig, lr: float) -> float:
+    """Training's step (`k3.training.training_step`) at rate `lr` on a task's batch: the loss is the cross-entropy
+    at the scored positions only (`batch.targets`, IGNORE elsewhere), not the next-token loss of every position,
+    which is why the batch goes in as inputs and targets. Returns the loss."""
     for group in opt.param_groups:
         group["lr"] = lr
-    loss = masked_loss(model, batch)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    return loss.item()
+    return training_step(model, opt, batch.inputs, cfg, targets=batch.targets)
 
 
 @dataclass(frozen=True)
@@ -321,10 +334,11 @@ class Plateau:
 @dataclass
 class Curve:
     """A training run as `train_until_plateau` saw it: (step, held-out score) at every evaluation, the step
-    where the stable phase ended and why ("plateau" or "budget"), and the steps taken in all."""
+    where the stable phase ended (None if it never did) and why ("plateau", "budget", or "diverged": a
+    non-finite loss stopped the run, the model as it was before that step), and the steps taken in all."""
 
     points: list[tuple[int, float]]
-    stable_steps: int
+    stable_steps: int | None
     stopped_by: str
     steps: int
 
@@ -336,7 +350,8 @@ def train_until_plateau(config: ModelConfig, sample: Callable[[torch.Generator],
     is better) stops improving, by `plateau`'s rule: a constant rate after the warm-up until the plateau or
     the step budget, then a linear decay to 0 over a fifth (`plateau.decay`) of the steps so far. Returns the
     model (in eval mode) and its `Curve`."""
-    model, opt, data = _start(config, lr, seed)
+    cfg = recipe(lr, plateau.warmup)
+    model, opt, data = _start(config, cfg, seed)
     points: list[tuple[int, float]] = []
     best, stale = -1.0, 0
     stable, stopped_by, decay_steps = None, "budget", 0
@@ -349,11 +364,15 @@ def train_until_plateau(config: ModelConfig, sample: Callable[[torch.Generator],
         return points[-1][1]
 
     while stable is None or step < stable + decay_steps:
-        if stable is None:
-            scale = min(1.0, (step + 1) / plateau.warmup)
-        else:
-            scale = (stable + decay_steps - step) / decay_steps
-        _step(model, opt, sample(data), lr * scale)
+        if stable is None:  # training's warm-up, then its constant rate (the run's length is not known yet)
+            rate = learning_rate(cfg, step, None)
+        else:  # the decay starts where the data said: training's schedule fixes it from the run's length
+            rate = lr * ((stable + decay_steps - step) / decay_steps)
+        try:
+            _step(model, opt, sample(data), cfg, rate)
+        except NonFiniteLossError:
+            stopped_by = "diverged"
+            break
         step += 1
         if step % plateau.every == 0 or (stable is not None and step == stable + decay_steps):
             value = evaluate()

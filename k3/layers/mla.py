@@ -119,13 +119,20 @@ class MultiHeadLatentAttention(nn.Module):
         q = q if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(B, T, self.num_heads, self.dn + self.dr)
         c, k_pe = torch.split(latents, [self.kv_lora_rank, self.dr], dim=-1)
-        c = self.kv_a_layernorm(c)
+        c = self.mix_latents(self.kv_a_layernorm(c))
         if self.rope_theta is not None:  # NoPE unless asked: the rope part is carried, never rotated
             if isinstance(positions, int):
                 positions = torch.arange(positions, positions + T, device=x.device)
             q = torch.cat([q[..., : self.dn], rotate_half_rope(q[..., self.dn:], positions, self.rope_theta)], -1)
             k_pe = rotate_half_rope(k_pe.unsqueeze(2), positions, self.rope_theta).squeeze(2)
         return q, c, k_pe
+
+    def mix_latents(self, c: torch.Tensor) -> torch.Tensor:
+        """Hook: the normalised latents c [B, T, r] become what keys and values are expanded from, and what a
+        cache keeps; here unchanged, c. A variant overrides it (k3 lab's `ConvLatentAttention`: a causal
+        convolution over t, c'_t = sum_j w_j * c_{t-j}). It sees only the call's tokens, so a variant that mixes
+        over t has no decoding cache."""
+        return c
 
     def new_static_cache(self, owner, batch_size: int, max_length: int) -> "StaticLatentCache":
         """Preallocated latents for `batch_size` rows of `max_length` tokens (see StaticLatentCache)."""

@@ -75,14 +75,17 @@ def muon_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool | None = None) -> torch.optim.Optimizer:
     """cfg.optimizer over `model`'s parameters: "muon" (`muon_groups`) or "adamw" in two groups,
-    decayed (cfg.weight_decay), then exempt (0)."""
+    decayed (cfg.weight_decay), then exempt (0). `fused` None: torch's fused AdamW (one kernel over all
+    parameters) where every parameter is a plain CPU / CUDA tensor, the default implementation where not
+    (FSDP's DTensors); False: the default implementation always. The two compute the same update with
+    different rounding, so a caller whose recorded results came from one (k3 lab's) keeps it."""
     groups = muon_groups(model, cfg.weight_decay) if cfg.optimizer == "muon" else decay_groups(model, cfg.weight_decay)
-    # torch's fused AdamW (one kernel over all parameters) where every parameter is a plain CPU / CUDA
-    # tensor; sharded ones (FSDP's DTensors) take the default implementation
     params = [p for group in groups for p in group["params"]]
-    fused = bool(params) and all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda") for p in params)
+    if fused is None:
+        fused = bool(params) and all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda")
+                                     for p in params)
     if cfg.optimizer == "muon":
         return Muon(groups, lr=cfg.lr, betas=cfg.betas, fused=fused or None)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused or None)

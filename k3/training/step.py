@@ -59,16 +59,22 @@ def autocast(device: torch.device, precision: str):
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, windows: torch.Tensor, cfg: TrainConfig,
-               dims: ParallelDims | None = None, net: nn.Module | None = None) -> StepResult:
+               dims: ParallelDims | None = None, net: nn.Module | None = None,
+               targets: torch.Tensor | None = None) -> StepResult:
     """One step of `optimizer` on `model` (a CausalLM) and the global batch `windows` [B, T + 1], taken as
     `cfg.grad_accum` equal micro-batches in `cfg.precision` (see the module). `dims`: the processes
     (None: this one alone, on the model's device); `net`: the module to call (a DDP wrapper; None:
     `model`). A non-finite loss or gradient norm raises NonFiniteLossError before the weights change
-    (on every process alike: both are global)."""
+    (on every process alike: both are global).
+
+    `targets` [B, T]: instead of the next-token loss of `windows`, the cross-entropy of `windows` [B, T] (the
+    inputs) against `targets`, the mean over the positions whose target is not IGNORE_INDEX (a task scored at
+    some positions only, e.g. k3 lab's recall queries): `model(windows, targets=targets)`."""
     if dims is None:
         dims = ParallelDims(device=next(model.parameters()).device)
     net = model if net is None else net
     parts = windows.chunk(cfg.grad_accum)
+    aims = [None] * len(parts) if targets is None else targets.chunk(cfg.grad_accum)
     if len(parts) != cfg.grad_accum or windows.shape[0] % cfg.grad_accum:
         raise ValueError(f"a batch of {windows.shape[0]} windows does not split into grad_accum = "
                          f"{cfg.grad_accum} equal micro-batches")
@@ -77,11 +83,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, windows: torc
     attention = qk_clip.begin_step(model, tau)
     moes = model.moe_layers()
     global_loss, loads = 0.0, [0] * len(moes)
-    for i, part in enumerate(parts):
+    for i, (part, aim) in enumerate(zip(parts, aims)):
         last = i == len(parts) - 1
         with net.no_sync() if hasattr(net, "no_sync") and not last else contextlib.nullcontext():
             with autocast(dims.device, cfg.precision):
-                loss = next_token_loss(net, dims.local_batch(part))
+                if aim is None:
+                    loss = next_token_loss(net, dims.local_batch(part))
+                else:
+                    loss = net(dims.local_batch(part), targets=dims.local_batch(aim))
             (loss / len(parts)).backward()
         part_loss, part_loads = _summed(loss.detach(), moes, dims)
         global_loss += part_loss / len(parts)
@@ -101,10 +110,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, windows: torc
     return result
 
 
-def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, windows: torch.Tensor, cfg: TrainConfig) -> float:
+def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, windows: torch.Tensor, cfg: TrainConfig,
+                  targets: torch.Tensor | None = None) -> float:
     """`train_step` on one process, with a model and optimizer of the caller's, on the model's device;
-    returns the batch's loss."""
-    return train_step(model, optimizer, windows, cfg).loss
+    returns the batch's loss (`targets`: `train_step`'s)."""
+    return train_step(model, optimizer, windows, cfg, targets=targets).loss
 
 
 def _summed(loss: torch.Tensor, moes: list, dims: ParallelDims) -> tuple[float, list[torch.Tensor]]:

@@ -97,3 +97,52 @@ def test_loss_and_accuracy_at_the_scored_positions_match_the_whole_logits():
     scored = batch.targets != IGNORE
     right = (logits.argmax(-1) == batch.targets)[scored].float().mean().item()
     assert accuracy_by_kind(model, batch) == {1: pytest.approx(right)}
+
+
+def test_the_lab_steps_through_trainings_step_on_the_scored_positions():
+    """`training_step` with targets: the loss is the masked loss, and the update is AdamW's on its gradient."""
+    import copy
+
+    from k3.lab.synthetic import recipe
+    from k3.training import build_optimizer, training_step
+
+    torch.manual_seed(0)
+    model = build_model(mixer_config("deltanet", VOCAB.size, SIZE))
+    twin = copy.deepcopy(model)
+    batch = _sample(torch.Generator().manual_seed(1))
+    cfg = recipe(1e-2, warmup=1)
+    loss = training_step(model, build_optimizer(model, cfg, fused=False), batch.inputs, cfg, targets=batch.targets)
+    assert loss == pytest.approx(masked_loss(twin, batch).item())
+    optimizer = torch.optim.AdamW([{"params": [p for n, p in twin.named_parameters() if p.dim() >= 2
+                                               and not n.endswith(("A_log", "dt_bias")) and "norm" not in n],
+                                    "weight_decay": 0.1},
+                                   {"params": [p for n, p in twin.named_parameters() if not (
+                                       p.dim() >= 2 and not n.endswith(("A_log", "dt_bias")) and "norm" not in n)],
+                                    "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.98))
+    masked_loss(twin, batch).backward()
+    torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
+    optimizer.step()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_a_non_finite_loss_stops_the_run_where_it_is(monkeypatch):
+    """Training's step refuses a non-finite loss before the weights change; the lab's run ends there."""
+    from k3.lab import synthetic
+    from k3.training.strategy import NonFiniteLossError
+
+    taken = []
+
+    def step(model, opt, inputs, cfg, targets=None):
+        if len(taken) == 3:
+            raise NonFiniteLossError("the training loss is nan")
+        taken.append(1)
+        return 1.0
+
+    monkeypatch.setattr(synthetic, "training_step", step)
+    score, _ = _recording([0.5])
+    plateau = Plateau(every=1, patience=5, min_steps=1, max_steps=50, warmup=1)
+    _, curve = train_until_plateau(mixer_config("deltanet", VOCAB.size, SIZE), _sample, score, plateau)
+    assert curve.stopped_by == "diverged" and curve.steps == 3 and curve.stable_steps is None
+    _, losses = synthetic.train_on_task(mixer_config("deltanet", VOCAB.size, SIZE), _sample, 10, warmup=1)
+    assert losses == []  # `taken` is at 3: the first step already raises

@@ -9,7 +9,7 @@ import torch
 
 from k3 import lab
 from k3.lab import overwrite, recall
-from k3.lab.synthetic import MIXERS, Size, best_over_rates, hybrid_layers, lr_scale, mixer_config
+from k3.lab.synthetic import MIXERS, Size, best_over_rates, hybrid_layers, mixer_config, recipe
 from k3.lab.tasks import Vocab, mqar
 from k3.models import CausalLM
 
@@ -45,8 +45,11 @@ def test_hybrid_keeps_an_mla_layer_at_any_depth():
 
 
 def test_schedule_warms_up_holds_then_decays_to_zero():
+    """`train_on_task`'s rates: training's warm-up and WSD over steps + 1 steps, the last (at 0) not taken."""
+    from k3.training import learning_rate
+
     steps = 100
-    scales = [lr_scale(s, steps, warmup=10) for s in range(steps)]
+    scales = [learning_rate(recipe(1.0, warmup=10), s, steps + 1) for s in range(steps)]
     assert scales[0] == pytest.approx(0.1) and scales[9] == 1.0
     assert all(x == 1.0 for x in scales[10:80]) and scales[80] == 1.0
     assert scales[90] == pytest.approx(0.5) and scales[-1] == pytest.approx(0.05)

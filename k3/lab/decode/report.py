@@ -1,6 +1,6 @@
 """What `k3 lab decode` writes: its claims with their verdicts, the tables, the notes (the method, the
 models, what extrapolating to 1M tokens means) and the figure, from the measured latencies, bytes and
-fits."""
+fits. The notes' words are k3/lab/templates/decode.md's."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from ...models import CausalLM
 from .. import plots
 from ..report import Claim, Figure, Table
+from ..text import paragraph
 from .measure import ALL_KDA, BASELINE, CLAIMED_CONTEXT, PROMPT, WIDTH, Sweep, expected_bytes
 
 # verdict thresholds (stated in the notes)
@@ -140,43 +141,24 @@ def notes(sweep: Sweep, models: dict, analysis: dict) -> list[str]:
     ratios = [c["filled"] / c["prefilled"] for c in check.values()]
     main = "kimi-linear-tiny"
     (a0, b0), (a1, b1) = analysis["fits"][BASELINE], analysis["fits"][main]
-    asymptote = f"{b0 / b1:.1f}x" if b1 > 0 else "unbounded (its fitted b is 0)"
+    asymptote = (paragraph("decode", "asymptote", ratio=b0 / b1) if b1 > 0
+                 else paragraph("decode", "asymptote-unbounded"))
     per_token = {name: sum(_per_token(analysis["nbytes"][name], kind) for kind in set(models[name].config.layer_types))
                  for name in (BASELINE, main)}
     start = latency[BASELINE][shortest] / latency[main][shortest]
     return [
-        "The caches are filled, not prefilled (see the module docstring): a real prefill of "
-        f"{PROMPT} tokens, then every KV and MLA latent cache replaced by random tensors of N tokens. At "
-        f"N = {sweep.check_length:,}, decoding from a filled cache took {min(ratios):.2f}-{max(ratios):.2f}x the "
-        "time of decoding from a real prefill (table above), with identical layouts and bytes.",
-        f"The models, all at width {WIDTH} and each at its preset's depth: "
-        + "; ".join(f"{name}: {_describe(model)}" for name, model in models.items())
-        + ". kimi-k3-tiny is narrowed from its preset's 192; all-KDA is kimi-linear-tiny with MLA swapped for "
-        "KDA, the reference for a decode cost that does not grow; gpt2-tiny has learned positions up to the "
-        "longest context (random weights: this is a latency test).",
-        f"Extrapolating honestly: at {shortest:,} tokens kimi-linear-tiny decodes at {start:.2f}x gpt2-tiny's "
-        f"rate. A tiny model's step is mostly fixed work, a = {a0 * 1e3:.3g} ms for gpt2-tiny and "
-        f"{a1 * 1e3:.3g} ms for kimi-linear-tiny (Python and dispatch for the small ops of every layer, MoE "
-        "routing), not attention. With the per-token parts b, the ratio at any N is "
-        f"(a_gpt2 + b_gpt2·N) / (a_kimi + b_kimi·N): {_throughput_ratio(analysis, main, CLAIMED_CONTEXT):.1f}x "
-        f"at 1M, tending to b_gpt2 / b_kimi = {asymptote} for long contexts. For comparison, a step reads and "
-        f"copies {per_token[BASELINE]:,.0f} bytes per context token in gpt2-tiny and "
-        f"{per_token[main]:,.0f} in kimi-linear-tiny, {per_token[BASELINE] / per_token[main]:.1f}x: the ratio a "
-        f"purely bandwidth-bound step would reach. 1M is {CLAIMED_CONTEXT / longest:.0f}x beyond the data "
-        f"(gpt2-tiny's cache would be {per_token[BASELINE] * CLAIMED_CONTEXT / 2 ** 30:.0f} GiB); the article's "
-        "6x is for 48B-parameter models on GPUs, where the KV bytes (3 of 4 layers KDA, MLA latents for the "
-        "rest) set the ratio.",
-        "k3 appends to its KV and latent caches with torch.cat, so a step copies the whole cache once besides "
-        "reading it: O(N) either way, the constant about doubled against a preallocated cache.",
-        f"Verdicts: bytes claims hold when the measured bytes equal the config's count exactly; constant "
-        f"latency means the all-KDA step grows at most {CONSTANT_GROWTH}x from the shortest to the longest N, "
-        "and O(N) that gpt2-tiny's fitted N-proportional part is at least half its step at the longest N; "
-        f"the 6x claim holds when the measured ratio reaches 6 / {ON_FACTOR} = {6 / ON_FACTOR:.0f}x, partly "
-        "when Kimi Linear is faster at all at the longest N or the extrapolation to 1M reaches that.",
-        "Latency is the median of each model's timed steps at each N. All (model, N) pairs take their steps "
-        "in turn, round after round (the order reversed every other round), so comparisons across models and "
-        "across N share the machine's noisy phases. Batch 1, float32, inference mode, the machine's default "
-        "thread count.",
+        paragraph("decode", "filled", prompt=PROMPT, check_length=sweep.check_length, low=min(ratios),
+                  high=max(ratios)),
+        paragraph("decode", "models", width=WIDTH,
+                  described="; ".join(f"{name}: {_describe(model)}" for name, model in models.items())),
+        paragraph("decode", "extrapolation", shortest=shortest, start=start, a_gpt2=a0 * 1e3, a_kimi=a1 * 1e3,
+                  at_claimed=_throughput_ratio(analysis, main, CLAIMED_CONTEXT), asymptote=asymptote,
+                  bytes_gpt2=per_token[BASELINE], bytes_kimi=per_token[main],
+                  bytes_ratio=per_token[BASELINE] / per_token[main], beyond=CLAIMED_CONTEXT / longest,
+                  gpt2_gib=per_token[BASELINE] * CLAIMED_CONTEXT / 2 ** 30),
+        paragraph("decode", "append"),
+        paragraph("decode", "verdicts", constant_growth=CONSTANT_GROWTH, on_factor=ON_FACTOR, needed=6 / ON_FACTOR),
+        paragraph("decode", "latency"),
     ]
 
 

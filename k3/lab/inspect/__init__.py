@@ -34,6 +34,7 @@ import torch
 from ...bench.timing import threads
 from ...models import CausalLM
 from ..report import Result, command
+from ..text import paragraph
 from . import report
 from .checkpoint import PROMPT_WORDS, load, prompt_ids, trained_checkpoint, validation_windows
 from .recorder import record, record_attention
@@ -81,16 +82,15 @@ def _inspect(mode: str, docs: Path, checkpoint: Path, trained_now: bool, given: 
     claims, tables, figures, notes = claims + c, tables + t, figures + f, notes + n
 
     history = _history(checkpoint)
-    origin = (f"checkpoint {checkpoint}" if given else
-              f"trained {'now' if trained_now else 'earlier (reused: same settings)'} in {checkpoint}"
-              if mode != "smoke" else "a random tiny model trained for a few steps on a generated corpus")
-    notes.insert(0, f"Model: {origin}; {config.name}, {config.num_layers} layers ({_layers(config)}), d "
-                    f"{config.hidden_size}" + (f"; {history['steps']} steps, validation "
-                                               f"{history['val_bpb']:.3f} bits per byte" if history else ""))
-    notes.append(f"Statistics over {windows.shape[0]} validation windows of {windows.shape[1] - 1} tokens; the "
-                 f"'init' figures come from the same architecture initialised with the run's seed "
-                 f"({cfg.seed if cfg is not None else 0}; for a k3 training run, the very weights it started "
-                 "from), on the same text")
+    where = "origin-given" if given else "origin-smoke" if mode == "smoke" else (
+        "origin-now" if trained_now else "origin-reused")
+    held = (paragraph("inspect", "model-history", steps=history["steps"], bpb=history["val_bpb"])
+            if history else "")
+    notes.insert(0, paragraph("inspect", "model", origin=paragraph("inspect", where, checkpoint=checkpoint),
+                              name=config.name, layers=config.num_layers, kinds=_layers(config),
+                              width=config.hidden_size, history=held))
+    notes.append(paragraph("inspect", "statistics", windows=windows.shape[0], tokens=windows.shape[1] - 1,
+                           seed=cfg.seed if cfg is not None else 0))
     setup = dict(checkpoint=str(checkpoint), given=given, seed=cfg.seed if cfg is not None else None,
                  train=None if cfg is None else {k: getattr(cfg, k) for k in (
                      "preset", "model_overrides", "data", "tokenizer", "seq_len", "batch_size", "max_steps", "lr")},

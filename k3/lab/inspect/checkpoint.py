@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ...models import CausalLM
+from ..text import paragraph
 
 # training runs by mode (kimi-k3-tiny on the default Shakespeare corpus, seed 0); smoke trains on a
 # generated corpus in a temporary folder instead
@@ -110,7 +111,7 @@ def validation_windows(tokenizer, cfg, tokens: int, notes: list[str]) -> torch.T
             _, val = split_documents(load_corpus(cfg.data), cfg.val_fraction, cfg.seed)
             texts = [d.text for d in val]
         except (CorpusError, OSError) as e:
-            notes.append(f"the run's corpus could not be read ({e}); statistics are over a fixed sample text")
+            notes.append(paragraph("inspect", "no-corpus", error=e))
     if texts is None:
         texts = [(PROMPT_WORDS.strip() + ". ") * 200]
     data = TokenData(tokenizer, [], texts)

@@ -13,6 +13,7 @@ import torch
 from ...models import CausalLM
 from .. import plots
 from ..report import Claim, Figure, Table
+from ..text import paragraph
 from .recorder import Recorder
 from .stats import (ATTN_RES_SELECTIVE, BALANCED, CHANNEL_SPREAD, HALF_LIFE_CAP, RETRIEVAL, attn_res_verdict,
                     balance_verdict, channel_half_lives, channel_verdict, forgets, half_life, imbalance,
@@ -59,9 +60,7 @@ def attn_res_part(docs: Path, trained: Recorder, initial: Recorder):
     table = Table("AttnRes mixes: sources, mean weight of the embedding and of the current block's partial sum, "
                   "per-token entropy / log N (1 = uniform)", ["mix", "sources", "embedding", "partial sum",
                                                               "entropy / log N"], rows)
-    note = (f"AttnRes verdict: holds when the median mix's per-token weight entropy / log N is <= "
-            f"{ATTN_RES_SELECTIVE} (each token leans on some sources), partly when at least one mix's is; "
-            "at initialisation the queries are zero and every mix is exactly uniform (1.00)")
+    note = paragraph("inspect", "attnres-verdict", selective=ATTN_RES_SELECTIVE)
     return ([Claim(claim, measured, attn_res_verdict(multi))], [table],
             [Figure("figures/inspect_attnres.png", "AttnRes depth weights: one row per mix (before attention, "
                                                     "before the FFN, final), one column per source")], [note])
@@ -113,9 +112,7 @@ def moe_part(docs: Path, trained: Recorder, initial: Recorder):
     table = Table("Expert load per MoE layer on validation text: max/mean assignments (1 = even), the bias range, "
                   "idle experts", ["layer", "init", "trained, without bias", "trained, with bias", "bias range",
                                    "experts with no tokens"], rows)
-    note = (f"Balance verdict: holds when the layers' mean max/mean load with the bias is <= {BALANCED} and no "
-            "higher than without it, partly when only one of the two is true. 'Without the bias' re-routes the "
-            "same tokens by the bare scores of the trained router, a router that learned with the bias in place")
+    note = paragraph("inspect", "balance-verdict", balanced=BALANCED)
     return ([Claim(claim, measured, balance_verdict(with_bias, without))], [table],
             [Figure("figures/inspect_moe.png", "Expert load per MoE layer with and without the aux-loss-free "
                                                 "bias (left; dashed: even load) and the bias per expert (right)")],
@@ -189,13 +186,7 @@ def kda_part(docs: Path, trained: Recorder, initial: Recorder):
                   "channels, median over the heads that forget)",
                   ["layer", "heads forgetting", "channels forgetting", "half-lives", "per token p10 / p50 / p90",
                    "spread", "spread at init"], rows)
-    note = (f"KDA verdict: over the heads that forget at all, holds when the median within-head spread of "
-            f"channel half-lives is >= {CHANNEL_SPREAD[0]:g}x (the channels of one head forget at clearly "
-            f"different rates, which a per-head gate cannot express), partly >= {CHANNEL_SPREAD[1]:g}x. K3's safe "
-            "gate g = -5 sigmoid(exp(A_log) (f + dt_bias)) with A_log = log U(1, 16) and dt_bias about log dt, "
-            "dt in [1e-3, 0.1], starts every head whose exp(A_log) is large with a sigmoid of -20 or less: those "
-            "heads do not forget at all (whether training changes that: the 'heads forgetting' column). The "
-            "per-channel spread is partly inherited from dt_bias' per-channel initialisation (the 'init' column)")
+    note = paragraph("inspect", "kda-verdict", holds=CHANNEL_SPREAD[0], partly=CHANNEL_SPREAD[1])
     return ([Claim(claim, measured, channel_verdict(spreads))], [table],
             [Figure("figures/inspect_kda.png", "KDA forget-gate half-lives per head and key channel (top, one "
                                                 "panel per KDA layer) and their distribution over tokens (bottom)")],
@@ -258,11 +249,7 @@ def mla_part(docs: Path, attention: Recorder, tokenizer, ids: list[int], period:
                   "on the previous token, and what uniform attention would give", ["layer", "head", "copy",
                                                                                      "induction", "previous",
                                                                                      "uniform"], rows)
-    note = (f"MLA verdict: holds when the best head puts >= {RETRIEVAL} of its attention on the earlier copy "
-            "(same token or the one after), partly when >= 3x what uniform attention gives. Whether a model "
-            "trained for minutes has learned such retrieval heads is the question this picture answers; the same "
-            "claim is measured on a model that has learned to retrieve (the KDA+MLA model of the recall section, "
-            "on MQAR) in the recall section")
+    note = paragraph("inspect", "mla-verdict", retrieval=RETRIEVAL)
     return ([Claim(claim, measured, retrieval_verdict(best[0], uniform))], [table],
             [Figure("figures/inspect_mla.png", "MLA attention probabilities per layer and head on the sample "
                                                 "prompt (rows: queries, columns: keys; square-root colour scale; "

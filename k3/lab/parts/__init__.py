@@ -32,6 +32,7 @@ from pathlib import Path
 from ...bench.timing import threads
 from ...models import get_config
 from ..report import Result, command
+from ..text import paragraph
 from . import report, report_attn_res
 from .attn_res import k3_block_config, time_attn_res
 from .latent_moe import time_moe
@@ -99,9 +100,7 @@ def _run(mode: str, docs: Path) -> Result:
     claims = [c for section in sections for c in section[0]]
     tables = [t for section in sections for t in section[1]]
     figures = situ[2] + attn_res[2] + moe[2]  # the order docs/results.md has shown them in
-    notes = ["Times are the CPU time of the one thread torch runs on (time.thread_time): the wall time on a "
-             "quiet machine, and on a busy one without the moments the thread waited for a core; best of the "
-             "interleaved rounds"] + [n for section in sections for n in section[3]]
+    notes = [paragraph("parts", "clock")] + [n for section in sections for n in section[3]]
     setup = dict(seed=0, threads=TIMING_THREADS, clock="time.thread_time", rounds=rounds, dtype="float32",
                  situ=dict(tokens=tokens, dim=dim, hidden=hidden, beta=4.0, linear_beta=25.0, compiled=compiled),
                  moe_small=m, attn_res=dict(model="one K3 block (k3.lab.parts.attn_res.k3_block_config)",

@@ -9,6 +9,7 @@ from pathlib import Path
 from ...models import ModelConfig
 from .. import plots
 from ..report import Claim, Figure, Table
+from ..text import paragraph
 from .latent_moe import moe_flop_ratios, moe_flops, moe_verdict, routed_flops
 from .situ import (ALMOST_3X, FUSED_HOLDS, FUSED_VARIANTS, ROUGHLY_3X, SHORT_ROUNDS, SITU_SLOWDOWN, SITU_VARIANTS,
                    best_fused, situ_ratios, situ_verdicts)
@@ -23,7 +24,7 @@ def situ_part(docs: Path, times: dict, elementwise: dict, compiled: bool, compil
     ratios = situ_ratios(times)
     notes = list(compile_notes)
     if not compiled:
-        notes.append("smoke mode skips torch.compile (it takes tens of seconds): no compiled figures")
+        notes.append(paragraph("parts", "no-compile"))
     rows = []
     for part in ("activation", "gated MLP"):
         for variant, (name, mode_) in SITU_VARIANTS.items():
@@ -45,23 +46,13 @@ def situ_part(docs: Path, times: dict, elementwise: dict, compiled: bool, compil
                     + (f" (the verdict: {VARIANT_LABELS[best]}, the faster)" if best else "no fused SiTU run here"),
                     fused)]
     if compile_seconds:
-        notes.append("torch.compile took " + ", ".join(f"{v:.0f} s ({k})" for k, v in compile_seconds.items())
-                     + ": compiled once per variant, before the timing")
+        notes.append(paragraph("parts", "compile-took",
+                               took=", ".join(f"{v:.0f} s ({k})" for k, v in compile_seconds.items())))
     (lo, hi), (wide_lo, wide_hi) = ALMOST_3X, ROUGHLY_3X
-    notes.append("The SiTUs: \"unfused formula\" is the article's formula run op by op through autograd "
-                 "(k3.layers.ffn.situ_reference, eager), what \"without a fused kernel\" means; \"k3 fused\" is "
-                 "k3's situ, one autograd function with a hand-derived backward that works in place and saves only "
-                 "its two inputs (eager); \"torch.compile\" is the formula compiled by Inductor into one loop, "
-                 "against SwiGLU compiled too")
-    notes.append(f"SiTU verdicts, from the activation's forward: \"almost {SITU_SLOWDOWN:g}x\" holds when the "
-                 f"unfused formula is {lo:g}-{hi:g}x slower than SwiGLU (partly: {wide_lo:g}-{wide_hi:g}x); the fused "
-                 f"claim, from the faster of k3 fused and torch.compile, holds when that one is <= {FUSED_HOLDS:g}x "
-                 "and its excess over 1x at most half the unfused one's (partly: when it only shrinks). In the "
-                 "whole MLP the three matmuls dilute the activation's cost")
-    notes.append("Why fusing helps less on a CPU than on a GPU: on a GPU these elementwise ops are memory-bound, "
-                 "so one fused pass costs about what SwiGLU's does; on a CPU core they are compute-bound, and "
-                 "SiTU evaluates two tanh and a sigmoid per element where SiLU evaluates one sigmoid, which no "
-                 "fusion removes (the table of f(gate) * up: what one tanh costs against one sigmoid here)")
+    notes += [paragraph("parts", "situs"),
+              paragraph("parts", "situ-verdicts", slowdown=SITU_SLOWDOWN, lo=lo, hi=hi, wide_lo=wide_lo,
+                        wide_hi=wide_hi, fused_holds=FUSED_HOLDS),
+              paragraph("parts", "cpu-vs-gpu")]
     tables.append(Table(f"What SiTU's parts cost here: f(gate) * up on [{tokens}, {hidden}], forward, ms, best "
                         f"of {SHORT_ROUNDS * rounds} rounds (SiTU computes two tanh and a sigmoid per element, "
                         "SwiGLU one SiLU)",
@@ -142,15 +133,9 @@ def moe_part(docs: Path, k3: ModelConfig, moe_times: dict[str, float], m: dict, 
         f"{path_ratio:.2f}x with the latent down/up projections, {k3_ratios['MoE layer']:.2f}x for the whole "
         f"MoE layer (shared experts, router); measured time {moe_time_ratio:.2f}x at a small size "
         f"(FLOP model {small_ratio:.2f}x)", moe_verdict(path_ratio))]
-    notes = ["MoE verdict: from the routed path's FLOP ratio at K3's size (experts + the latent projections "
-             "that the latent space costs): holds <= 0.6, partly <= 0.8. The shared experts run at full "
-             "width in the public config (the article draws them latent too), which is why the whole "
-             "layer saves less. The latent MoE also halves every expert's parameters "
-             f"({3 * k3.moe_latent_size * k3.moe_intermediate_size:,} instead of "
-             f"{3 * k3.hidden_size * k3.moe_intermediate_size:,})",
-             "The measured MoE time follows the FLOP ratio only roughly: k3 dispatches experts in a Python "
-             "loop (one small matmul triple per used expert), whose fixed cost per expert is the same for "
-             "both variants"]
+    notes = [paragraph("parts", "moe-verdict", latent_params=3 * k3.moe_latent_size * k3.moe_intermediate_size,
+                       full_params=3 * k3.hidden_size * k3.moe_intermediate_size),
+             paragraph("parts", "moe-time")]
     _moe_figure(docs / "figures" / "parts_moe.png", k3_lat, k3_full, moe_times, small_ratio)
     figures = [Figure("figures/parts_moe.png", "MoE FLOPs per token at K3's size, latent against full width "
                                                "(left); measured forward time at a small size (right)")]

@@ -14,6 +14,7 @@ from ...models.model import attn_res_source_counts
 from ...models.params import count_params
 from .. import plots
 from ..report import Claim, Figure, Table
+from ..text import paragraph
 from .attn_res import (ATTN_RES_LATENCY, BLOCK_ATTN_RES, BLOCK_EXPERTS, BLOCK_LAYERS, BLOCK_VOCAB, HOLDS_AT_MOST,
                        K3_WIDTH, PARTLY_AT_MOST, PHASES, attn_res_flops, attn_res_verdict, fit_overhead,
                        leave_one_out, mean_sources)
@@ -79,28 +80,12 @@ def attn_res_part(docs: Path, k3: ModelConfig, timed: list, sizes: dict, rounds:
         f"prefill {100 * scale * at_k3['prefill']:+.1f}%, decode {100 * scale * at_k3['decode']:+.1f}%. On paper "
         f"at K3's size {100 * attn_res_flops(k3) / (2 * k3_on.active):.3f}% of the FLOPs",
         attn_res_verdict(list(at_k3.values())))]
-    notes = [f"AttnRes verdict (set before the run): from the fitted overhead extrapolated to K3's width "
-             f"{K3_WIDTH:,}: holds when prefill and decode are both within +{100 * HOLDS_AT_MOST:g}%, partly "
-             f"within +{100 * PARTLY_AT_MOST:g}%, else it does not hold",
-             "AttnRes fit: the block's time without AttnRes is a + b·d + c·d² (fixed per-op costs; work in d: norms, "
-             "elementwise ops, the KDA state at K3's head size; work in d²: the matmuls), what AttnRes adds is "
-             "p + q·d (a few ops per mix, each reading sources of width d); fitted on relative residuals (each "
-             "divided by that width's time without AttnRes), a, b, c kept >= 0. The overhead then falls like 1/d "
-             "once the matmuls dominate; the value at K3's width is an extrapolation of that model, not a "
-             "measurement. The range beside it: the lowest and highest extrapolation of the fits that leave one "
-             "measured width out",
-             f"The K3 block: kimi-k3's layers KDA, KDA, KDA, MLA at width d, every size scaled by d / {K3_WIDTH:,} "
-             "(LoRA ranks, expert width, latent size; rounded to multiples of 8) and the head count with it, the head "
-             "dims kept at K3's (128, MLA 128 + 64 rope) so attention keeps K3's width per d. Simplifications: "
-             f"{BLOCK_EXPERTS} routed experts instead of 896 (top-16 and the expert width kept: the work per token "
-             "is K3's); all four layers MoE (K3's first layer is dense); AttnRes over blocks of "
-             f"{BLOCK_ATTN_RES} layer, the most sources four layers give (mixes read {sources:.1f} sources on "
-             f"average, K3's {k3_sources:.1f}); a {BLOCK_VOCAB}-token vocabulary and only the last position's "
-             "logits in prefill (the embedding and the head are not part of the block); float32 on one CPU thread, "
-             "where a GPU would run K3 in bf16 with fused kernels",
-             f"How k3 runs the experts shapes the time without AttnRes: prefill stacks the {BLOCK_EXPERTS} experts' matrices once "
-             "per call and runs them batched; decode (16 (token, expert) pairs) calls the 16 chosen experts one "
-             "by one, reading each one's weights once, as a serving kernel would"]
+    notes = [paragraph("parts", "attnres-verdict", k3_width=K3_WIDTH, holds=100 * HOLDS_AT_MOST,
+                       partly=100 * PARTLY_AT_MOST),
+             paragraph("parts", "attnres-fit"),
+             paragraph("parts", "k3-block", k3_width=K3_WIDTH, experts=BLOCK_EXPERTS, block=BLOCK_ATTN_RES,
+                       sources=sources, k3_sources=k3_sources, vocab=BLOCK_VOCAB),
+             paragraph("parts", "experts", experts=BLOCK_EXPERTS)]
     _attn_res_figure(docs / "figures" / "parts_attnres.png", widths, measured, fits, k3)
     figures = [Figure("figures/parts_attnres.png", "AttnRes latency overhead in one K3 block against width: "
                                                    "measured (dots), fitted (line), extrapolated to K3's width "

@@ -18,6 +18,7 @@ from ...bench.timing import interleaved_best, thread_clock
 from torch import nn
 
 from ...layers.ffn import GatedMLP, situ, situ_reference
+from ..text import paragraph
 from .cases import forward, forward_backward
 
 SITU_SLOWDOWN = 3.0  # the article (seed 003): "without a fused kernel, the new activation is almost 3x slower"
@@ -86,8 +87,8 @@ def time_activations(tokens: int, dim: int, hidden: int, rounds: int, compiled: 
                     forward_backward(c, *args)()
                     forward(c, *args)()
                 except Exception as e:  # noqa: BLE001 - no C++ compiler, an unsupported platform, ...
-                    notes.append(f"torch.compile of the {name} {part} failed ({type(e).__name__}: "
-                                 f"{(str(e).splitlines() or [''])[0][:200]}); its compiled figures are omitted")
+                    notes.append(paragraph("parts", "compile-failed", name=name, part=part, error=type(e).__name__,
+                                           message=(str(e).splitlines() or [""])[0][:200]))
                     continue
                 if compile_seconds is not None:
                     compile_seconds[f"{name} {part}"] = round(time.perf_counter() - start, 1)

@@ -1,6 +1,6 @@
 """What `k3 lab prefill` writes: its claims with their verdicts, the tables, the notes that explain where
 the cost model and the clock part ways, and the two figures, all from the measured times and the fits
-(`k3.lab.prefill.analyse`)."""
+(`k3.lab.prefill.analyse`). The notes' words are k3/lab/templates/prefill.md's."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .. import plots
 from ..report import Claim, Figure, Table
+from ..text import paragraph
 from ...ops.cost import OPS, article_cost, k3_cost
 from .measure import FULL, Sweep
 
@@ -138,48 +139,25 @@ def notes(sweep: Sweep, analysis: dict, breakdown: list[dict], gemm: float, mode
     ratios = [k3_cost("kda", T_max, d, C) / article_cost(T_max, d, C) for C in sweep.chunks]
     counted = all(r["macs"] == round(H * k3_cost(r["op"], sweep.breakdown_tokens, d, r["C"])) for r in breakdown)
     states = H * d * (d + 1) * T_max / sweep.chunks[0] * 4 / 2 ** 20
+    la_full = la["full"][:1] + la["full"][-1:]
     return [
-        "Where the model and the measurement part ways: the model prices every multiply-add the same and counts "
-        f"nothing else. Here the matmuls take only {matmul_shares('linear_attn')} of a linear-attention call and "
-        f"{matmul_shares('kda')} of a KDA call (table above); the rest is work without multiply-adds - KDA's "
-        "per-channel decay factors (exp, products, masks), copies between layouts, a Python step per chunk "
-        "in KDA's state scan, and linear attention's cumulative sum over one d x (d + 1) state per chunk "
-        f"({small['cumsum'] / small['wall']:.0%} of the call at C = {small['C']}, "
-        f"{large['cumsum'] / large['wall']:.0%} at C = {large['C']}). Much of "
-        "that work is per chunk and grows as the chunks get smaller; small matmuls also run below the big "
-        f"GEMM's {gemm:.0f} GFLOP/s (column 'matmul GFLOP/s'). At T = {T_max:,} linear attention is fastest at "
-        f"C = {la['best_C']}, KDA at C = {kda['best_C']}; the FLOP model puts the optimum at C = {model_best} "
-        "(and at C = 1 below the grid).",
-        "What k3's ops compute (`k3.ops.cost.k3_cost`; the matmuls dispatched at T = "
-        f"{sweep.breakdown_tokens:,} {'match it exactly' if counted else 'do NOT match it'}): linear attention "
-        "runs exactly the article's terms (with V + 1 columns for the normaliser); KDA runs "
-        f"{min(ratios):.2f}-{max(ratios):.2f}x the article's multiply-adds at C = {sweep.chunks[0]}-"
-        f"{sweep.chunks[-1]} (three state products, A_kk and the UT corrections besides the two score "
-        "products), nearly a constant that the fitted constant absorbs, plus the inverse of the C x C "
-        "triangular matrix I + A, ~C³/3 per chunk: ~C²/3 per token, small against 3d² at these C, dominant "
-        "at C = T, where the 'full attention' end of KDA is cubic in T, not quadratic. The article counts "
-        "multiply-adds; the GFLOP/s above count two FLOPs each.",
-        f"Time against T at fixed C: log-log slopes {_range(la['slopes'])} for linear attention, "
-        f"{_range(kda['slopes'])} for KDA. k3's linear-attention chunk form materialises every chunk's state "
-        f"at once, T·H·d·(d + 1)/C floats ({states:,.0f} MiB at T = {T_max:,}, C = {sweep.chunks[0]}), and runs "
-        "a cumulative sum over them: memory traffic that outgrows the caches as T grows and can push the slope "
-        "above 1. KDA works through cache-sized slabs of chunks, its temporaries the same size at every T.",
-        f"C = T is the whole sequence as one chunk: run up to T = {sweep.full_cap['linear_attn']:,} for linear "
-        f"attention (the T x T scores of {H} heads: {H * sweep.full_cap['linear_attn'] ** 2 * 4 / 2 ** 30:.2g} "
-        f"GiB per product) and T = {sweep.full_cap['kda']:,} for KDA (cubic: the next doubling takes ~8x longer). "
-        f"Linear attention's one-chunk time grows as T^{_fmt(la['full_slope'])}, not T^2: its score matrices are "
-        "formed, masked and multiplied in memory, "
-        + " to ".join(f"{H * T ** 2 * 4 / 2 ** 20:,.0f} MiB" for T, _, _ in (la["full"][:1] + la["full"][-1:]))
-        + f" each, and leave the caches as T grows; KDA's as T^{_fmt(kda['full_slope'])}, the UT inverse.",
-        f"Verdicts: a cost model holds when one constant predicts every chunked point within a factor "
-        f"{FIT_FACTOR} (partly: the median point within {TYPICAL_FACTOR}); linear in L means a log-log slope in "
-        f"[{LINEAR_SLOPE[0]}, {LINEAR_SLOPE[1]}] for every op and C (partly: the median slope); quadratic at "
-        f"C = T a slope in [{QUADRATIC_SLOPE[0]}, {QUADRATIC_SLOPE[1]}] for both ops (partly: one); the "
-        "chunk-size claim holds when both ops run fastest at C ≥ 64, partly when at least one runs fastest "
-        "above the FLOP optimum.",
-        "Timing: every case of one T is timed once per round, round after round, and keeps its best round "
-        "(`k3.bench.timing.interleaved_best`), so the cells of a row share the machine's phases; default thread "
-        "count, inference mode. On a busy machine absolute times stretch; read the fits and the ratios.",
+        paragraph("prefill", "model-vs-measurement", linear_matmuls=matmul_shares("linear_attn"),
+                  kda_matmuls=matmul_shares("kda"), small_cumsum=small["cumsum"] / small["wall"], small_C=small["C"],
+                  large_cumsum=large["cumsum"] / large["wall"], large_C=large["C"], gemm=gemm, T_max=T_max,
+                  linear_best=la["best_C"], kda_best=kda["best_C"], model_best=model_best),
+        paragraph("prefill", "k3-count", tokens=sweep.breakdown_tokens,
+                  counted=paragraph("prefill", "counted-yes" if counted else "counted-no"), low_ratio=min(ratios),
+                  high_ratio=max(ratios), first_C=sweep.chunks[0], last_C=sweep.chunks[-1]),
+        paragraph("prefill", "slopes", linear_slopes=_range(la["slopes"]), kda_slopes=_range(kda["slopes"]),
+                  states=states, T_max=T_max, first_C=sweep.chunks[0]),
+        paragraph("prefill", "one-chunk", linear_cap=sweep.full_cap["linear_attn"], heads=H,
+                  scores_gib=H * sweep.full_cap["linear_attn"] ** 2 * 4 / 2 ** 30, kda_cap=sweep.full_cap["kda"],
+                  linear_full=_fmt(la["full_slope"]), kda_full=_fmt(kda["full_slope"]),
+                  sizes=" to ".join(f"{H * T ** 2 * 4 / 2 ** 20:,.0f} MiB" for T, _, _ in la_full)),
+        paragraph("prefill", "verdicts", fit_factor=FIT_FACTOR, typical_factor=TYPICAL_FACTOR,
+                  linear_low=LINEAR_SLOPE[0], linear_high=LINEAR_SLOPE[1], quadratic_low=QUADRATIC_SLOPE[0],
+                  quadratic_high=QUADRATIC_SLOPE[1]),
+        paragraph("prefill", "timing"),
     ]
 
 

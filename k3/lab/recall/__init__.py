@@ -26,6 +26,7 @@ from ..cells import Cells
 from ..jobs import run_jobs
 from ..report import Figure, Result, Table, command
 from ..synthetic import DEPTH, LABELS, MIXERS, best_over_rates, mean_per_rate, mixer_config, rate_label
+from ..text import paragraph
 from .measure import best_head, filler_probe, mla_retrieval, score_mixer, stream_ratio
 from .plan import (FAMILY, PLANS, PROBES, PUBLISHED_PLACE, SOFTMAX_HOLDS, Plan, _cell_from_json, _key, _plan_dict,
                    cell_settings)
@@ -112,51 +113,20 @@ def run(mode: str, docs: Path, **options) -> Result:
     filler = {m: found[main, m, rate[main, m]]["filler"] for m in ("linear_attn", "deltanet") if m in plan.mixers}
     if filler:
         tables.append(Table(
-            f"The previous page's filler, on the models above (state {main}×{main}): {main} pairs scored at "
-            f"T = {4 * main} (no filler) and at T = {4 * plan.span * main} (PAD tokens between the bindings and "
-            "the queries)", ["mixer", "no filler", "filler"],
+            paragraph("recall", "filler-caption", d=main, short=4 * main, long=4 * plan.span * main),
+            ["mixer", "no filler", "filler"],
             [[LABELS[m], f"{f['no filler']:.0%}", f"{f['filler']:.0%}"] for m, f in filler.items()]))
     vocab = plan.vocab
-    notes = [
-        f"Every mixer: width {plan.width}, {plan.layers} layers (the deeper models: 4), a SwiGLU MLP of twice the "
-        f"width, batches of {plan.batch} fresh sequences (one pair count per step, drawn uniformly from "
-        f"1 to {plan.span}·D pairs), the same seed, AdamW at "
-        + ", ".join(rate_label(lr) for lr in plan.lrs) + "; each cell reports its best rate, as Zoology does. "
-        "Softmax attention and MLA use one head as wide as the model; the linear mixers heads of size D (their "
-        "state D×D per head), so every linear mixer at one D keeps the same state (the table's 'state floats').",
-        f"Trained to convergence: every {plan.plateau.every} steps the model is scored on a held-out set "
-        f"({plan.held_batch} sequences per count); the constant-rate phase ends once {plan.plateau.patience} "
-        f"evaluations in a row fail to beat the best by {plan.plateau.min_gain:.0%} (not before step "
-        f"{plan.plateau.min_steps}, nor while the best is below {plan.plateau.floor:.0%}, i.e. before the run has "
-        f"left chance; at most {plan.plateau.max_steps}), then the rate decays linearly to 0 over "
-        f"{plan.plateau.decay:.0%} of the steps so far (warmup-stable-decay with the stable phase ended by the "
-        "data). 'steps' gives the total and why the stable phase ended. The curves figure shows the held-out "
-        "accuracy of each mixer's best run.",
-        "A sequence binds the keys to values, then asks every key in random order: k1 v1 … kP vP q1 a1 … qP aP, "
-        "scored at each q (the answer a is never visible before it is predicted). Keys are drawn without "
-        f"replacement (no key repeats in a sequence) from {vocab.num_keys} keys, values from {vocab.num_values} "
-        f"(Zoology draws from 8,192 tokens; here a vocabulary 4× the most pairs keeps the embeddings learnable "
-        f"within the budget). Scored on {plan.eval_batch} held-out sequences per count (another seed); accuracy "
-        f"is exact match of the argmax. Chance is 1/{vocab.num_values} = {1 / vocab.num_values:.1%}.",
-        "Softmax attention reads q, k and v through the same short causal convolution (kernel 4) as the linear "
-        "mixers (`k3.lab.synthetic.ConvAttention`), and the hybrids' MLA its latent (`ConvLatentAttention`), so "
-        "the memory is what differs. Linear attention is DeltaNet's layer with the delta rule replaced by the "
-        "additive update S += kᵀv (`k3.lab.synthetic.AdditiveLinearAttention`: the same short convolutions, "
-        "SiLU, L2-normalised q and k, no normaliser), so linear attention and DeltaNet differ only in how the "
-        "memory is written.",
-        "KDA (alone and in the hybrids) runs Kimi K3's safe gate g = −5·sigmoid(exp(A_log)(f + dt_bias)). "
-        "Weight decay (0.1) applies to the matrices only, as in `k3 train`.",
-        "A mixer below 50% even with the fewest pairs has not learned the task; claims that rest on it would be "
-        "marked 'not measurable here'.",
-    ]
+    notes = [paragraph("recall", "setup", plan=plan, rates=", ".join(rate_label(lr) for lr in plan.lrs)),
+             paragraph("recall", "convergence", plan=plan, plateau=plan.plateau),
+             paragraph("recall", "task", plan=plan, vocab=vocab, chance=1 / vocab.num_values)]
+    notes += [paragraph("recall", name) for name in ("mixers", "gate", "learned")]
     timed = [out["seconds"] for out in list(found.values()) + list(probes.values()) if "seconds" in out]
     if timed:
-        notes.append(f"{len(timed)} of the {len(jobs)} cells are timed: {sum(timed) / 60:.0f} minutes of one thread "
-                     "in all (two run side by side).")
+        notes.append(paragraph("recall", "timed", timed=len(timed), cells=len(jobs), minutes=sum(timed) / 60))
     if len(todo) < len(jobs):
-        notes.append(f"{len(jobs) - len(todo)} of the {len(jobs)} cells were kept from an earlier run of the same "
-                     f"plan (`k3.lab.cells`, {cells.folder.as_posix()}/); this run trained {len(todo)}, and its "
-                     "minutes are theirs.")
+        notes.append(paragraph("recall", "kept", kept=len(jobs) - len(todo), cells=len(jobs),
+                               folder=cells.folder.as_posix(), trained=len(todo)))
     if mode == "full":
         notes += LITERATURE
     notes += disagreements(claims, main_scores, main, plan, probes, filler)

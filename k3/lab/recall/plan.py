@@ -54,15 +54,14 @@ class Plan:
 
 
 # A run whose held-out accuracy never reached this (12x chance with 256 values) has not left chance: the plateau
-# rule lets it train on to its budget (at --full, 4-layer models first left chance after 1,000-1,200 steps)
+# rule lets it train on to its budget
 LEFT_CHANCE = 0.05
 
 PLANS = {
     "smoke": Plan(head_dims=(4,), span=1, lrs=(1e-3, 3e-3), batch=8, width=16, eval_batch=16, held_batch=8,
                   probe_batch=4, plateau=Plateau(every=2, patience=1, min_steps=2, max_steps=4, warmup=2),
                   probes=True),
-    # batches of 32: per second of training they reached higher held-out accuracy than 64 (a probe: DeltaNet
-    # 57% after 3,600 steps of 32 against 51% after 1,800 of 64, the same time)
+    # batches of 32: per second of training they reach a higher held-out accuracy than 64 (docs/lab.md)
     "quick": Plan(head_dims=(8,), span=8, lrs=(1e-3, 3e-3), batch=32,
                   plateau=Plateau(min_steps=800, max_steps=1200, floor=LEFT_CHANCE)),
     "full": Plan(head_dims=(4, 8), span=8, lrs=(1e-3, 3e-3), batch=32,

@@ -1,5 +1,6 @@
 """What the recall sweep's numbers say: the claims and their verdicts, the tables, the paragraphs for each
-disagreement with the literature, and the figures."""
+disagreement with the literature, and the figures. The paragraphs' words are k3/lab/templates/recall.md's,
+filled here from the run's own numbers."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from ..inspect.stats import RETRIEVAL, retrieval_verdict
 from ..report import Claim, Table
 from ..synthetic import DEPTH, LABELS, MIXERS, Size, hybrid_layers, rate_label
+from ..text import paragraph
 from .measure import best_head, stream_ratio
 from .plan import FAMILY, PUBLISHED_PLACE, SOFTMAX_HOLDS, Plan
 
@@ -136,22 +138,29 @@ def judge_retrieval(retrieval: dict[int, dict], hybrid: dict[int, float], alone:
 
 def _elu_probe(out: dict, under: list[int], over: list[int]) -> str:
     acc = out["accuracy"]
-    return (" Linear attention as the article writes it (ELU+1 features, a normaliser, no short convolution), "
-            f"trained the same way: {sum(acc[p] for p in under) / len(under):.0%} at or below D pairs, "
-            f"{sum(acc[p] for p in over) / len(over):.0%} past D.")
+    return " " + paragraph("recall", "elu-probe", under=sum(acc[p] for p in under) / len(under),
+                           over=sum(acc[p] for p in over) / len(over))
 
 
 def _filler_gap(filler: dict) -> str:
     d, lin = filler["deltanet"], filler["linear_attn"]
-    return (f" The difference that separates them is the filler (the probe below): {d['pairs']} pairs with PAD "
-            f"tokens up to T = {d['long']}, DeltaNet {d['filler']:.0%} and linear attention {lin['filler']:.0%} "
-            f"(without filler {d['no filler']:.0%} and {lin['no filler']:.0%}).")
+    return " " + paragraph("recall", "filler-gap", pairs=d["pairs"], long=d["long"], delta_filler=d["filler"],
+                           linear_filler=lin["filler"], delta_plain=d["no filler"], linear_plain=lin["no filler"])
+
+
+def filler_note(filler: dict) -> str:
+    """The filler probe's paragraph: each model's accuracy at D pairs without and with PAD filler."""
+    f = next(iter(filler.values()))
+    shown = "; ".join(paragraph("recall", "filler-model", label=LABELS[m], plain=x["no filler"], filler=x["filler"])
+                      for m, x in filler.items())
+    return paragraph("recall", "filler", pairs=f["pairs"], short=4 * f["pairs"], long=f["long"], shown=shown)
 
 
 def disagreements(claims: list[Claim], scores: dict, head_dim: int, plan: Plan, probes: dict,
                   filler: dict) -> list[str]:
     """One paragraph for each claim whose verdict here contradicts a published result: the published setup, what
-    differs here, and the measured probe that points at the cause (the numbers are this run's)."""
+    differs here, and the measured probe that points at the cause (the numbers are this run's; the words are
+    k3/lab/templates/recall.md's)."""
     notes = []
     verdicts = {c.claim.split(":")[0].split(",")[0]: c.verdict for c in claims}
     over = [p for p in plan.pairs(head_dim) if p > head_dim]
@@ -162,102 +171,59 @@ def disagreements(claims: list[Claim], scores: dict, head_dim: int, plan: Plan, 
 
     if verdicts.get("The delta rule overwrites instead of piling up") not in (None, "holds") and under and over:
         notes.append(
-            "Disagreement — DeltaNet against linear attention. Published: DeltaNet's paper (Yang et al. 2024) "
-            "reports near-perfect MQAR where linear-attention-style baselines fall off, on Zoology's setup, whose "
-            "widths of 64 to 512 give a head a key dimension of the order of the pair counts and whose queries "
-            "stand among filler tokens. What differs here: the pairs go to 8× D, the sequences have no filler, "
-            "and the lab's linear attention is DeltaNet's own layer (short convolutions, L2-normalised keys, "
-            "output norm) with the additive update, a far stronger baseline than positive feature maps with a "
-            "normaliser. The table itself: at or below D pairs DeltaNet answers "
-            f"{mean('deltanet', under):.0%} and linear attention {mean('linear_attn', under):.0%}; past D "
-            f"{mean('deltanet', over):.0%} and {mean('linear_attn', over):.0%}. Past capacity neither state can "
-            "hold the pairs: the delta rule keeps the latest ones exactly where the sum blurs them all, which "
-            "gains little when every key is queried."
+            paragraph("recall", "delta-disagreement", delta_under=mean("deltanet", under),
+                      linear_under=mean("linear_attn", under), delta_over=mean("deltanet", over),
+                      linear_over=mean("linear_attn", over))
             + (_elu_probe(probes[("elu_linear_attn", 0)], under, over) if ("elu_linear_attn", 0) in probes else "")
             + (_filler_gap(filler) if {"deltanet", "linear_attn"} <= filler.keys() else ""))
     if filler:
-        f = next(iter(filler.values()))
-        shown = "; ".join(f"{LABELS[m]} {x['no filler']:.0%} without filler, {x['filler']:.0%} with it"
-                          for m, x in filler.items())
-        notes.append(
-            f"The previous full run of this page scored every count at T = 256 with PAD filler, and its linear "
-            f"attention never learned (45–53%). The probe: these models, trained without filler, answer {f['pairs']} "
-            f"pairs at T = {4 * f['pairs']} and at T = {f['long']}: {shown}. Linear attention writes kᵀv for every "
-            "token, filler included, and has no way to leave one out; the delta rule's write strength β can.")
+        notes.append(filler_note(filler))
     retrieval_claim = next((c for c in claims if c.claim.startswith("MLA layers retrieve")), None)
     if probes and retrieval_claim is not None and retrieval_claim.verdict != "holds":
-        get = {m if not times else f"{m}@{times}": out for (m, times), out in probes.items()}
-        fewest, most = min(plan.pairs(head_dim)), max(plan.pairs(head_dim))
-
-        def head(key, pairs=most):
-            return best_head(get[key]["retrieval"][pairs])
-
-        def answers(key):
-            acc = get[key]["accuracy"]
-            return sum(acc.values()) / len(acc)
-
-        def reads(key):
-            """The best head on the bound value at the fewest and the most pairs, and the accuracy over the counts."""
-            return (f"{head(key, fewest):.2f} at {fewest} pairs, {head(key):.2f} at {most} (it answers "
-                    f"{answers(key):.0%} over the counts)")
-
-        uniform = get["2mla"]["retrieval"][most]["uniform"]
-        retrieves = {k: head(k) >= max(RETRIEVAL, 3 * uniform) for k, out in get.items() if "retrieval" in out}
-        ratio, alone_ratio = stream_ratio("3kda+mla", plan, head_dim), stream_ratio("2mla", plan, head_dim)
-        # MLA retrieves on the embeddings, no attention layer behind KDA layers does (probes all at hand)
-        behind_kda_never = (retrieves["2mla"] and "frozen3kda+mla" in get
-                            and not any(retrieves[k] for k in ("3kda+mha", "3kda0+mla", "3kda+mla@2",
-                                                                 "frozen3kda+mla")))
-        if retrieves.get("frozen3kda+mla") and not retrieves["3kda0+mla"]:
-            cause = ("The cause is the optimisation: the attention layer can learn to retrieve where it sits, from "
-                     "the stream the KDA layers write (with their mixers frozen at the start it does), but while the "
-                     "KDA mixers learn, the model settles on their solution, which their fixed states cap, and "
-                     "the attention layer is never recruited; silencing the KDA layers only at the start does not "
-                     "change that.")
-        elif retrieves["3kda0+mla"] and not retrieves["3kda+mha"]:
-            cause = ("The cause is the start, not MLA's form: at initialisation each KDA layer (its output "
-                     "normalised per head, then o_proj) adds more to the residual stream than the token embeddings "
-                     "(std 0.02) hold, so the attention layer after them reads mostly the KDA layers' random "
-                     "mixtures of earlier tokens, and the match between a query and its key's binding never "
-                     "forms; with the KDA layers silent at the start it does.")
-        elif retrieves["3kda+mla@2"]:
-            cause = ("The cause is the optimisation: while KDA can solve the small counts, it does so first and "
-                     "the attention layer is never recruited; trained only where KDA cannot, MLA retrieves.")
-        elif behind_kda_never and answers("frozen3kda+mla") >= 0.05:
-            cause = ("What the probes pin down is what the attention layer reads. It learns to retrieve on a stream "
-                     "that holds the token embeddings (MLA alone; MLA placed first does partly), but behind KDA "
-                     "layers it does not: with the KDA mixers frozen at their initial weights, whose random "
-                     f"mixtures of earlier tokens outweigh the embeddings {ratio:.1f} to 1, the model learns to "
-                     f"answer {answers('frozen3kda+mla'):.0%} over the counts without its attention layer retrieving "
-                     "the bound value; with the KDA layers learning, they take the task first and their "
-                     "capacity-capped solution is what the model keeps. Neither change alone made the attention "
-                     "layer after them retrieve.")
-        elif behind_kda_never:
-            cause = ("What the probes pin down is what the attention layer reads. It learns to retrieve on a stream "
-                     "that holds the token embeddings (MLA alone; MLA placed first does partly), but behind KDA "
-                     "layers it does not: with the KDA mixers frozen at their initial weights, whose random "
-                     f"mixtures of earlier tokens outweigh the embeddings {ratio:.1f} to 1, the model learns nothing "
-                     "at all within the budget; with them silent at the start but learning, or as they are, the "
-                     "KDA layers take the task first and their capacity-capped solution is what the model keeps. "
-                     "Neither change alone made the attention layer after them retrieve.")
-        else:
-            cause = ("None of the probes made the attention layer after the KDA layers retrieve at the most pairs, "
-                     "so the cause is not pinned down here; what the probes rule out is stated above.")
-        notes.append(
-            "Disagreement — MLA in the hybrid. Published: Kimi Linear (Kimi Team 2025) puts its exact retrieval in "
-            "the MLA layers of the 3:1 cycle. Here the hybrids' MLA heads stay near uniform attention. Probes "
-            f"(state {head_dim}×{head_dim}, the best head's attention on the bound value; uniform {uniform:.3f} at "
-            f"{most} pairs): MLA alone {reads('2mla')}, so MLA's latent, NoPE and short convolution can retrieve; "
-            f"softmax attention in MLA's place after three KDA layers {reads('3kda+mha')}, so MLA's form is not "
-            f"what stops it; MLA as the first layer, before three KDA layers, {reads('mla+3kda')}; the 3:1 cycle "
-            f"trained only from {2 * head_dim} pairs up, where KDA cannot solve the task first, "
-            f"{reads('3kda+mla@2')}; the 3:1 cycle with its KDA layers' o_proj zero at the start "
-            f"{reads('3kda0+mla')}"
-            + (f"; with its KDA mixers frozen at their initial weights {reads('frozen3kda+mla')}"
-               if "frozen3kda+mla" in get else "")
-            + f". At initialisation the layers before the MLA layer add {ratio:.2f}× the "
-            f"embeddings' norm to the stream it reads (MLA alone: {alone_ratio:.2f}×). " + cause)
+        notes.append(_mla_note(plan, head_dim, probes))
     return notes
+
+
+def _mla_note(plan: Plan, head_dim: int, probes: dict) -> str:
+    """The MLA-in-the-hybrid disagreement: what each probe's best head reads, and the cause the probes point at."""
+    get = {m if not times else f"{m}@{times}": out for (m, times), out in probes.items()}
+    fewest, most = min(plan.pairs(head_dim)), max(plan.pairs(head_dim))
+
+    def head(key, pairs=most):
+        return best_head(get[key]["retrieval"][pairs])
+
+    def answers(key):
+        acc = get[key]["accuracy"]
+        return sum(acc.values()) / len(acc)
+
+    def reads(key):
+        """The best head on the bound value at the fewest and the most pairs, and the accuracy over the counts."""
+        return paragraph("recall", "mla-reads", fewest_head=head(key, fewest), fewest=fewest, most_head=head(key),
+                         most=most, answers=answers(key))
+
+    uniform = get["2mla"]["retrieval"][most]["uniform"]
+    retrieves = {k: head(k) >= max(RETRIEVAL, 3 * uniform) for k, out in get.items() if "retrieval" in out}
+    ratio, alone_ratio = stream_ratio("3kda+mla", plan, head_dim), stream_ratio("2mla", plan, head_dim)
+    # MLA retrieves on the embeddings, no attention layer behind KDA layers does (probes all at hand)
+    behind_kda_never = (retrieves["2mla"] and "frozen3kda+mla" in get
+                        and not any(retrieves[k] for k in ("3kda+mha", "3kda0+mla", "3kda+mla@2", "frozen3kda+mla")))
+    if retrieves.get("frozen3kda+mla") and not retrieves["3kda0+mla"]:
+        cause = paragraph("recall", "cause-frozen-retrieves")
+    elif retrieves["3kda0+mla"] and not retrieves["3kda+mha"]:
+        cause = paragraph("recall", "cause-start")
+    elif retrieves["3kda+mla@2"]:
+        cause = paragraph("recall", "cause-order")
+    elif behind_kda_never and answers("frozen3kda+mla") >= 0.05:
+        cause = paragraph("recall", "cause-stream-frozen-answers", ratio=ratio, answers=answers("frozen3kda+mla"))
+    elif behind_kda_never:
+        cause = paragraph("recall", "cause-stream-frozen-nothing", ratio=ratio)
+    else:
+        cause = paragraph("recall", "cause-unknown")
+    frozen = paragraph("recall", "mla-frozen", reads=reads("frozen3kda+mla")) if "frozen3kda+mla" in get else ""
+    return paragraph("recall", "mla-disagreement", d=head_dim, uniform=uniform, most=most, mla_alone=reads("2mla"),
+                     mha_after=reads("3kda+mha"), mla_first=reads("mla+3kda"), from_pairs=2 * head_dim,
+                     from_twice=reads("3kda+mla@2"), zero_outputs=reads("3kda0+mla"), frozen=frozen, ratio=ratio,
+                     alone_ratio=alone_ratio) + " " + cause
 
 
 def _steps(out: dict) -> str:
@@ -300,17 +266,7 @@ def retrieval_table(plan: Plan, head_dim: int, found: dict, rate: dict, scores: 
                   "KDA alone, same depth"], rows)
 
 
-LITERATURE = [
-    "The published orderings this is set beside (their numbers are theirs, not repeated here): Zoology (Arora et "
-    "al. 2023) finds attention solving MQAR at every width and sequence length it tries, while fixed-state "
-    "recurrent and convolutional models need width growing with the number of pairs; DeltaNet (Yang et al., "
-    "NeurIPS 2024, 'Parallelizing Linear Transformers with the Delta Rule over Sequence Length') reaches "
-    "near-perfect MQAR recall where linear attention and other fixed-state models fall off; Gated DeltaNet (Yang "
-    "et al., ICLR 2025) reports gating plus the delta rule ahead of DeltaNet and Mamba2 on its S-NIAH retrieval "
-    "tables, and its hybrids with attention ahead of both; Kimi Linear (Kimi Team 2025) reports KDA ahead of "
-    "Gated DeltaNet on its synthetic recall tasks and the 3:1 KDA+MLA hybrid as its model. Hence the order "
-    "tested: attention ≥ KDA+MLA hybrid ≥ DeltaNet family > linear attention.",
-]
+LITERATURE = [paragraph("recall", "literature")]  # the published orderings the claims are set beside
 
 
 def ordering_table(means: dict[int, dict[str, float]]) -> Table:
