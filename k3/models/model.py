@@ -67,6 +67,11 @@ def attn_res_source_counts(config: ModelConfig) -> list[int]:
     return counts + [blocks + 1]
 
 
+def _given(fused) -> dict:
+    """The keyword that hands a layer its decode-time weight copies, when it has some."""
+    return {} if fused is None else {"fused": fused}
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm mixer + FFN (Kimi Linear names), with the two AttnRes queries when the model uses them."""
 
@@ -90,18 +95,20 @@ class DecoderLayer(nn.Module):
         """The feed-forward block: `mlp` (dense) or `block_sparse_moe` (MoE)."""
         return getattr(self, self._ffn_attribute)
 
-    def forward(self, x: torch.Tensor | None, cache=None, blocks: list[torch.Tensor] | DepthSources = ()
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | None, cache=None, blocks: list[torch.Tensor] | DepthSources = (),
+                fused: tuple = (None, None)) -> torch.Tensor:
         """The whole layer: x [B, T, d] -> x + attention, then + FFN (pre-norm), updating `cache`.
 
         With Block AttnRes, x is the current block's partial sum (None in a block's first layer, where
         the decoder has just made the previous sum a source) and `blocks` the completed sources; each
         sub-layer reads a depth mix of [*blocks, x] instead of x (`blocks` may be a static decode step's
-        `DepthSources` buffer). Returns the new partial sum."""
+        `DepthSources` buffer). `fused`: (the mixer's, the FFN's) weight copies a decode step passes
+        (`k3.layers.joined`; None where there are none). Returns the new partial sum."""
+        mixer_fused, ffn_fused = fused
         h = self._read(self.attn_res, blocks, x)
-        out = self.self_attn(self.input_layernorm(h), cache=cache)
+        out = self.self_attn(self.input_layernorm(h), cache=cache, **_given(mixer_fused))
         x = out if x is None else x + out
-        return x + self.ffn(self.post_attention_layernorm(self._read(self.mlp_res, blocks, x)))
+        return x + self.ffn(self.post_attention_layernorm(self._read(self.mlp_res, blocks, x)), **_given(ffn_fused))
 
     @staticmethod
     def _read(mix: BlockAttnRes | None, blocks, x: torch.Tensor | None) -> torch.Tensor:
@@ -128,10 +135,11 @@ class Decoder(nn.Module):
         self.norm = build_norm(config, config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, caches: list | None, positions: torch.Tensor | None = None,
-                sources: torch.Tensor | None = None) -> torch.Tensor:
+                sources: torch.Tensor | None = None, fused: list[tuple] | None = None) -> torch.Tensor:
         """input_ids [B, T] at `positions` ([T] or [B, T]: each row's own, as the cache gives them; None:
         0 ... T - 1), continuing the layer `caches` when given -> the final hidden states [B, T, d].
-        `sources`: a buffer [n, B, T, d] for the Block AttnRes sources (a static decode step's)."""
+        `sources`: a buffer [n, B, T, d] for the Block AttnRes sources (a static decode step's). `fused`:
+        each layer's weight copies (`k3.models.decode_step.prepare_for_decoding`, a decode step's)."""
         x = self.embed_tokens(input_ids)
         if self.config.max_position_embeddings:
             if positions is None:
@@ -139,14 +147,15 @@ class Decoder(nn.Module):
             x = x + self.embed_positions(positions.to(input_ids.device))
         # Block AttnRes: the completed sources, the embedding first
         blocks: list[torch.Tensor] | DepthSources = [] if sources is None else DepthSources(sources)
-        for layer, cache in zip(self.layers, caches or [None] * len(self.layers)):
+        none = [None] * len(self.layers)
+        for layer, cache, copies in zip(self.layers, caches or none, fused or [(None, None)] * len(self.layers)):
             if layer.starts_block:  # the running sum becomes a source of its own
                 if isinstance(blocks, DepthSources):
                     blocks.add(x)
                 else:
                     blocks = blocks + [x]
                 x = None
-            x = layer(x, cache, blocks)
+            x = layer(x, cache, blocks, copies)
         if self.final_res is not None:
             x = self.final_res(blocks + [x]) if isinstance(blocks, list) else blocks.read(self.final_res, x)
         return self.norm(x)
