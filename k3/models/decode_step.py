@@ -64,13 +64,9 @@ def compile_step(fn, device: torch.device | str, backend: str = "inductor"):
 
 
 def prepare_for_decoding(model) -> list[tuple]:
-    """The weight copies a decode step reads (k3.layers.joined), from the weights as they are now: for each
-    decoder layer, (its mixer's, its FFN's) `fuse_for_decoding()` (the joined projections, a MoE's stacked
-    experts), None where the module has none. `model.model(..., fused=...)` hands them to the layers."""
-    def fused(module):
-        return module.fuse_for_decoding() if hasattr(module, "fuse_for_decoding") else None
-
-    return [(fused(layer.self_attn), fused(layer.ffn)) for layer in model.model.layers]
+    """The weight copies a decode step reads (`CausalLM.decoding_weights`), from the weights as they are now;
+    `model.model(..., fused=...)` hands them to the layers."""
+    return model.decoding_weights()
 
 
 def _tensors(tree) -> list[torch.Tensor]:

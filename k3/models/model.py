@@ -139,7 +139,7 @@ class Decoder(nn.Module):
         """input_ids [B, T] at `positions` ([T] or [B, T]: each row's own, as the cache gives them; None:
         0 ... T - 1), continuing the layer `caches` when given -> the final hidden states [B, T, d].
         `sources`: a buffer [n, B, T, d] for the Block AttnRes sources (a static decode step's). `fused`:
-        each layer's weight copies (`k3.models.decode_step.prepare_for_decoding`, a decode step's)."""
+        each layer's weight copies (`CausalLM.decoding_weights`: decoding's)."""
         x = self.embed_tokens(input_ids)
         if self.config.max_position_embeddings:
             if positions is None:
@@ -229,13 +229,24 @@ class CausalLM(nn.Module):
         (`k3.models.kinds.cache_bytes`): what a static cache of that size allocates."""
         return cache_bytes(self.config, batch_size, tokens, self.lm_head.weight.element_size())
 
+    def decoding_weights(self) -> list[tuple]:
+        """The weight copies decoding reads (k3.layers.joined), from the weights as they are now: for each decoder
+        layer, (its mixer's, its FFN's) `fuse_for_decoding()` (the joined projections, a MoE's stacked experts),
+        None where the module has none. Give them back as `forward(..., fused=)` (a decode step keeps its own)."""
+        def fused(module):
+            return module.fuse_for_decoding() if hasattr(module, "fuse_for_decoding") else None
+
+        return [(fused(layer.self_attn), fused(layer.ffn)) for layer in self.model.layers]
+
     def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None, *,
                 targets: torch.Tensor | None = None, reduction: str = "mean", logits_to_keep: int = 0,
-                prefill_piece: int | None = None) -> torch.Tensor:
+                prefill_piece: int | None = None, fused: list[tuple] | None = None) -> torch.Tensor:
         """input_ids [B, T] (int64) -> logits [B, T, vocab_size]. With `cache`, continue after the tokens
         it has seen and leave the new state in it (T > 1: chunked prefill, `prefill_piece` tokens at a
         time, default PREFILL_PIECE; T = 1: recurrent decode step). `logits_to_keep` n > 0 returns the
-        logits of the last n positions only (transformers' name; 0: all).
+        logits of the last n positions only (transformers' name; 0: all). `fused`: the copies of
+        `decoding_weights()`, which decoding through `cache` reads instead of the separate weights (one matmul
+        for a layer's projections, a MoE's chosen experts gathered from stacks): what `generate` does.
 
         With `targets` [B, T] (the next token at each position; IGNORE_INDEX = -100 where none counts),
         return instead the cross-entropy ("mean" over the counted tokens, or "sum"), computed without the
@@ -254,7 +265,7 @@ class CausalLM(nn.Module):
         if cache is None:
             hidden = self.model(input_ids, None)
         else:
-            hidden = self._through_cache(input_ids, cache, logits_to_keep, self._piece(prefill_piece))
+            hidden = self._through_cache(input_ids, cache, logits_to_keep, self._piece(prefill_piece), fused)
         return self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
 
     @staticmethod
@@ -265,8 +276,8 @@ class CausalLM(nn.Module):
                              f"got {piece!r}")
         return piece
 
-    def _through_cache(self, input_ids: torch.Tensor, cache: HybridCache | StaticCache, keep: int, piece: int
-                       ) -> torch.Tensor:
+    def _through_cache(self, input_ids: torch.Tensor, cache: HybridCache | StaticCache, keep: int, piece: int,
+                       fused: list[tuple] | None = None) -> torch.Tensor:
         """The final hidden states of input_ids [B, T] after the tokens in `cache`, run `piece` tokens at a
         time, each piece after the cache the previous one left: [B, T, d], or with keep > 0 at least the
         last `keep` positions (the hidden states of earlier pieces are dropped as soon as they are not
@@ -274,7 +285,7 @@ class CausalLM(nn.Module):
         hidden: list[torch.Tensor] = []
         for ids in input_ids.split(piece, dim=1) if input_ids.shape[1] > piece else (input_ids,):
             positions = cache.token_positions(ids.shape[1]) if self.config.max_position_embeddings else None
-            hidden.append(self.model(ids, cache.layers, positions))
+            hidden.append(self.model(ids, cache.layers, positions, fused=fused))
             cache.advance(ids.shape[1])
             while keep and len(hidden) > 1 and sum(h.shape[1] for h in hidden[1:]) >= keep:
                 hidden.pop(0)
