@@ -299,6 +299,8 @@ def stream(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 
         logits, cache = prefill(model, input_ids, max(max_new_tokens, 1))
     else:
         logits = extend(model, input_ids, cache, max(max_new_tokens, 1))
+    # eager decoding reads the decode step's weight copies too (made now: the weights as they are)
+    fused = model.decoding_weights() if step is None and max_new_tokens > 1 else None
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     token = None
     for i in range(max_new_tokens):
@@ -313,7 +315,7 @@ def stream(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 
         if eos_token_id is not None and bool(done.all()):
             return
         if step is None and i + 1 < max_new_tokens:
-            logits = model(token.unsqueeze(1), cache=cache)[:, -1]
+            logits = model(token.unsqueeze(1), cache=cache, fused=fused)[:, -1]
 
 
 def generate(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 1.0,

@@ -8,52 +8,32 @@ call into the GEMM library (compiled) than in arithmetic. Joined, they are one:
 
     [y_1 | ... | y_n] = x [W_1; ...; W_n]^T
 
-The copies are made by `k3.models.decode_step.prepare` when a `DecodeStep` is made (every `generate(...,
-compile=True)` call makes one: the copies are those weights as they are then) and read only while a step
-runs (`decoding()`). Anywhere else, training or eager `model(ids, cache=cache)`, each projection runs as
-it is: a copy kept across calls could not tell reliably that its weights changed since (FSDP refills its
+Who makes them and who reads them is explicit: `k3.models.decode_step.prepare_for_decoding(model)` asks
+each layer that has some for its copies (`fuse_for_decoding()`, made from the weights as they are then),
+the `DecodeStep` that called it keeps them, and its step hands each layer its own as the `fused` argument
+of `forward`. A forward given none (training, eager `model(ids, cache=cache)`) runs each projection as it
+is: a copy kept across calls could not tell reliably that its weights changed since (FSDP refills its
 unsharded parameters in place, and `p.data.copy_` bumps no version counter).
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-PREFIX = "_joined_"
-_decoding = False  # a plain global: dynamo reads (and guards on) it while it traces the step
+
+@torch.no_grad()
+def join(linears: list[nn.Linear]) -> torch.Tensor | None:
+    """The rows of `linears`' weights one after the other, [sum out_i, in] (a copy); None for fewer than two."""
+    if len(linears) < 2:
+        return None
+    return torch.cat([linear.weight.detach() for linear in linears])
 
 
-@contextlib.contextmanager
-def decoding():
-    """Inside: the layers read their prepared copies (a decode step runs)."""
-    global _decoding
-    before, _decoding = _decoding, True
-    try:
-        yield
-    finally:
-        _decoding = before
-
-
-def in_decode_step() -> bool:
-    """Whether a decode step runs, so the prepared copies are the weights to read."""
-    return _decoding
-
-
-def joined_linear(owner: nn.Module, name: str, linears: list[nn.Linear], x: torch.Tensor) -> list[torch.Tensor]:
-    """[linear(x) for linear in linears] (no biases): inside a decode step one matmul by the joined copy
-    `prepare_joined` made, elsewhere each projection as it is."""
-    joined = getattr(owner, PREFIX + name, None) if in_decode_step() else None
+def project(x: torch.Tensor, linears: list[nn.Linear], joined: torch.Tensor | None) -> list[torch.Tensor]:
+    """[linear(x) for linear in linears] (no biases): one matmul by `joined` (what `join(linears)` made)
+    when given, each projection as it is when not."""
     if joined is None:
         return [linear(x) for linear in linears]
     return list(F.linear(x, joined).split([linear.weight.shape[0] for linear in linears], dim=-1))
-
-
-@torch.no_grad()
-def prepare_joined(owner: nn.Module, name: str, linears: list[nn.Linear]) -> None:
-    """Make the joined copy of `linears`' weights (rows one after the other) on `owner`, for decode steps."""
-    if len(linears) > 1:
-        setattr(owner, PREFIX + name, torch.cat([linear.weight.detach() for linear in linears]))

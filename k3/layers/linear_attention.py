@@ -4,7 +4,9 @@ Attention (KDA).
 LinearAttention (Katharopoulos et al.): phi(x) = ELU(x) + 1 on q and k, the normalised op of
 `k3.ops.linear_attn`, o_proj.
 
-The three delta-rule layers share one body (docs/design.md: the layers) and differ only in the forget gate:
+The three delta-rule layers share one body and one `forward` (docs/design.md: the layers), read top to
+bottom as fla's: project, short conv + SiLU, L2-normalise q and k, the gates, the chunk or recurrent op,
+output norm and gate, o_proj. They differ only in the forget gate (`decay`, each variant's formula):
 
     q, k, v = SiLU(ShortConv(W_q x)), SiLU(ShortConv(W_k x)), SiLU(ShortConv(W_v x))   per head, q, k L2-normalised
     beta    = sigmoid(b_proj(x))                                                        write strength [B, T, H]
@@ -19,13 +21,13 @@ Parameter names and shapes follow the Kimi Linear checkpoints (q_proj, q_conv1d,
 dt_bias, b_proj, f_a_proj, f_b_proj, g_a_proj, g_b_proj, o_norm, o_proj), so weights map by name.
 
 Three things here are called a gate, each by its own name: the forget gate g (`forget_gate(x)`, the log
-decay the ops take), KDA's formula for it (`kda_gate`: "kimi_linear" or K3's "safe"), and the output
-gate (`output_gate`: its form, "low_rank", "full" or None).
+decay the ops take; `decay(f)` from its projection f), KDA's formula for it (`kda_gate`: "kimi_linear" or
+K3's "safe"), and the output gate (`output_gate`: its form, "low_rank", "full" or None).
 
 Decoding state lives in a `RecurrentCache` the caller owns: the three convolution states and the
 recurrent state [N, H, K, V], updated in place by `forward`. Its size does not grow with the sequence.
-One token from a cache that holds state runs a lean step (`_decode`): the convolutions' rolling window and
-the op's `*_step` function, without the public op's validation, casts and token-loop frame, which the
+One token from a cache that holds state runs a lean path of `forward`: the convolutions' rolling window
+and the op's `*_step` function, without the public op's validation, casts and token-loop frame, which the
 prefill already paid for.
 """
 
@@ -50,7 +52,7 @@ from ..ops.linear_attn import linear_attn_step
 from .cache import LayerCache
 from .checks import check_mixer_input
 from .conv import ShortConvolution, joint_window_step
-from .joined import joined_linear, prepare_joined
+from .joined import join, project
 from . import init
 from .init import init_linear
 from .norm import RMSNorm, upcast
@@ -138,13 +140,15 @@ def init_decay(A_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
 
 
 class _DeltaRuleAttention(nn.Module):
-    """Shared body of DeltaNet, GatedDeltaNet and KimiDeltaAttention (see the module docstring). A
-    subclass names its ops (chunk, recurrent, and the decode step) and adds its forget gate
-    (`_make_forget_gate`, `forget_gate`)."""
+    """The body DeltaNet, GatedDeltaNet and KimiDeltaAttention share (see the module docstring): one
+    `forward`. A variant names its ops (chunk, recurrent, and the one-token step), the projection its
+    forget gate starts from (`forget_input`: none in DeltaNet) and the gate's formula (`decay`), and makes
+    and initialises that gate's parameters in its own `__init__` and `reset_parameters`."""
 
     chunk_op = staticmethod(chunk_delta_rule)
     recurrent_op = staticmethod(recurrent_delta_rule)
     step_op = staticmethod(delta_rule_step)
+    forget_input: str | None = None  # the forget gate's projection of x ("a_proj", "f_a_proj"); None: no gate
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, output_gate: str | None = "full",
                  conv_size: int = 4, norm_eps: float = 1e-6, chunk_size: int = 64):
@@ -169,12 +173,10 @@ class _DeltaRuleAttention(nn.Module):
             self.g_proj = nn.Linear(hidden_size, inner, bias=False)
         self.o_norm = RMSNorm(head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(inner, hidden_size, bias=False)
-        self._make_forget_gate()
-        self.reset_parameters()
 
     def reset_parameters(self, std: float | None = None, residual_std: float | None = None) -> None:
         """See k3.layers.init: projections ~ N(0, std), o_proj ~ N(0, residual_std), the short
-        convolutions as nn.Conv1d, o_norm 1, and the forget gate's own (`_reset_forget_gate`)."""
+        convolutions as nn.Conv1d, o_norm 1 (a gated variant then initialises its forget gate)."""
         gates = {"low_rank": ("g_a_proj", "g_b_proj"), "full": ("g_proj",), None: ()}[self.output_gate]
         for linear in (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *(getattr(self, g) for g in gates)):
             init_linear(linear, std)
@@ -182,53 +184,25 @@ class _DeltaRuleAttention(nn.Module):
         for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
             conv.reset_parameters()
         self.o_norm.reset_parameters()
-        self._reset_forget_gate(std)
 
-    # -- the forget gate: DeltaNet has none; the gated variants override these four ------------------
-    def _make_forget_gate(self) -> None:
-        pass
-
-    def _reset_forget_gate(self, std: float | None) -> None:
-        pass
-
-    def _gate_projections(self) -> list[nn.Linear]:
-        """The projections of x the forget gate starts from (none, or one: a_proj, f_a_proj)."""
-        return []
-
-    def _gate_from(self, first: torch.Tensor | None) -> torch.Tensor | None:
-        """The log decay g (float32) from the output of `_gate_projections` (None: no gate)."""
-        return None
+    def decay(self, f: torch.Tensor) -> torch.Tensor:
+        """The forget gate's projection of x (`forget_input`) -> the log decay g in float32 (the variant's formula)."""
+        raise NotImplementedError(f"{type(self).__name__} has no forget gate")
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x [..., hidden_size] -> log decay g in float32: None here, [..., H] or [..., H, K] in the gated layers."""
-        projections = self._gate_projections()
-        return self._gate_from(projections[0](x) if projections else None)
-
-    def _output_gate_projections(self) -> list[nn.Linear]:
-        return {"low_rank": [getattr(self, "g_a_proj", None)], "full": [getattr(self, "g_proj", None)],
-                None: []}[self.output_gate]
-
-    def _output_gate_from(self, first: torch.Tensor | None) -> torch.Tensor | None:
-        if self.output_gate == "low_rank":
-            return self.g_b_proj(first)
-        return first  # "full": the projection itself; None: no gate
-
-    def _gates(self, extra: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(the forget gate g, the output gate's pre-activation) from the outputs of `_input_projections`
-        after q, k, v and beta (each None where the layer has no such gate)."""
-        n = len(self._gate_projections())
-        return self._gate_from(extra[0] if n else None), self._output_gate_from(extra[n] if len(extra) > n else None)
+        """x [..., hidden_size] -> log decay g in float32: None (DeltaNet), [..., H] or [..., H, K]."""
+        return None if self.forget_input is None else self.decay(getattr(self, self.forget_input)(x))
 
     def _input_projections(self) -> list[nn.Linear]:
-        """Every projection of the layer's input, in the order a decode step joins them (`k3.layers.joined`):
-        q, k, v (side by side, as the joint conv window reads them), beta, the forget gate's, the output
-        gate's."""
-        return [self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self._gate_projections(),
-                *self._output_gate_projections()]
+        """Every projection of x, in the order `forward` reads them (and `fuse_for_decoding` joins them): q, k,
+        v (side by side, as the joint conv window reads them), beta, the forget gate's, the output gate's."""
+        forget = [] if self.forget_input is None else [getattr(self, self.forget_input)]
+        output = {"low_rank": ["g_a_proj"], "full": ["g_proj"], None: []}[self.output_gate]
+        return [self.q_proj, self.k_proj, self.v_proj, self.b_proj, *forget, *(getattr(self, g) for g in output)]
 
-    def prepare_decode(self) -> None:
-        """Join the input projections before a decode step is compiled (`k3.models.decode_step.prepare`)."""
-        prepare_joined(self, "inputs", self._input_projections())
+    def fuse_for_decoding(self) -> torch.Tensor:
+        """The input projections' weights joined (`k3.layers.joined`): what a decode step passes as `fused`."""
+        return join(self._input_projections())
 
     def new_static_cache(self, owner, batch_size: int, max_length: int) -> StaticRecurrentCache:
         """Zeroed conv window [B, 3 H Dh, W-1] (the model's dtype) and recurrent state [B, H, Dh, Dh]
@@ -239,66 +213,65 @@ class _DeltaRuleAttention(nn.Module):
                             device=w.device)
         return StaticRecurrentCache(w.new_zeros(batch_size, 3 * inner, W - 1), state)
 
-    def forward(self, x: torch.Tensor, cache: RecurrentCache | None = None) -> torch.Tensor:
-        """x [B, T, hidden_size] -> y [B, T, hidden_size]. With `cache`, continue from its state and
-        leave the new state in it (prefill runs the chunk form; one token after a state runs `_decode`)."""
+    def forward(self, x: torch.Tensor, cache: RecurrentCache | None = None,
+                fused: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, hidden_size] -> y [B, T, hidden_size]; with `cache`, continue from its state and leave
+        the new state in it. Three paths, chosen by the shapes: the whole sequence (no cache, or a prefill
+        through one) runs the chunk op (the recurrent op for a first single token); one token after a
+        state runs on [B, ...] tensors with no time axis, the three convolutions as one rolling window and
+        the op's one-token step. `fused`: the decode step's joined copy of the input projections
+        (`fuse_for_decoding`), one matmul instead of five or six."""
         check_mixer_input(type(self).__name__, x, self.hidden_size, cache)
         B, T, _ = x.shape
-        if T == 1 and cache is not None and cache.recurrent_state is not None:
-            return self._decode(x, cache)
         H, Dh = self.num_heads, self.head_dim
-        conv_in = (None,) * 3 if cache is None or cache.conv_states is None else cache.conv_states
-        keep = cache is not None
-        q, k, v, b, *gates = joined_linear(self, "inputs", self._input_projections(), x)
-        q, conv_q = self.q_conv1d(q, conv_in[0], keep)
-        k, conv_k = self.k_conv1d(k, conv_in[1], keep)
-        v, conv_v = self.v_conv1d(v, conv_in[2], keep)
-        # the ops accumulate in float32 anyway; feeding them float32 keeps the gates exact in bf16 models
-        q, k, v = (upcast(t).view(B, T, H, Dh) for t in (q, k, v))
-        beta = torch.sigmoid(upcast(b))
-        g, out_gate = self._gates(gates)
-        gate_args = () if g is None else (g,)
-
         state = None if cache is None else cache.recurrent_state
-        if cache is not None and T == 1:  # a first token, with no state yet
-            o, state = self.recurrent_op(q, k, v, *gate_args, beta, initial_state=state, output_final_state=True,
-                                         use_qk_l2norm=True)
-        else:
-            o, state = self.chunk_op(q, k, v, *gate_args, beta, initial_state=state, output_final_state=keep,
-                                     use_qk_l2norm=True, chunk_size=self.chunk_size)
-        if cache is not None:
-            cache.store(state, conv_states=(conv_q, conv_k, conv_v))
-        return self._output(o, x, out_gate)
+        one_step = T == 1 and state is not None
+        h = x[:, 0] if one_step else x  # [B, hidden_size] for one step, else [B, T, hidden_size]
 
-    def _decode(self, x: torch.Tensor, cache: RecurrentCache) -> torch.Tensor:
-        """One token after the state in `cache`: x [B, 1, hidden_size] -> y [B, 1, hidden_size], the same
-        maths as `forward` with every tensor [B, ...] (no time axis): the input projections as one matmul
-        (`joined_linear`), the three short convolutions as one rolling window (`joint_window_step`), q and
-        k normalised together, and the op's `step_op`."""
-        B = x.shape[0]
-        H, Dh = self.num_heads, self.head_dim
-        h = x[:, 0]  # [B, hidden_size]
-        q, k, v, b, *gates = joined_linear(self, "inputs", self._input_projections(), h)
-        y, window = joint_window_step([self.q_conv1d, self.k_conv1d, self.v_conv1d], [q, k, v], cache.conv_window())
-        qkv = upcast(y).view(B, 3, H, Dh)
-        q, k = l2norm(qkv[:, :2]).unbind(1)  # [B, H, Dh] each
-        beta = torch.sigmoid(upcast(b))  # [B, H]
-        g, out_gate = self._gates(gates)
+        # the projections of x; the gates (float32: the ops accumulate in it, and it keeps the gates exact in bf16)
+        q, k, v, b, *gates = project(h, self._input_projections(), fused)
+        g = None if self.forget_input is None else self.decay(gates.pop(0))
         gate_args = () if g is None else (g,)
-        # all float32 (float64 in a float64 model), as the state the prefill left
-        o, state = self.step_op(q, k, qkv[:, 2], *gate_args, beta, cache.recurrent_state, Dh ** -0.5)
-        cache.store(state, conv_window=window)
-        return self._output(o, h, out_gate).unsqueeze(1)
+        beta = torch.sigmoid(upcast(b))
+        out_gate = gates[0] if gates else None
+        if self.output_gate == "low_rank":
+            out_gate = self.g_b_proj(out_gate)
 
-    def _output(self, o: torch.Tensor, x: torch.Tensor, out_gate: torch.Tensor | None) -> torch.Tensor:
-        """o [..., H, Dh] (the op's output for inputs x [..., hidden_size]) -> o_proj(o_norm(o) * sigmoid(out_gate)),
-        out_gate the output gate's pre-activation (`_gates`; None: no output gate)."""
+        if one_step:  # short conv + SiLU as one window, q and k L2-normalised here, the op's step
+            y, window = joint_window_step([self.q_conv1d, self.k_conv1d, self.v_conv1d], [q, k, v],
+                                          cache.conv_window())
+            qkv = upcast(y).view(B, 3, H, Dh)
+            q, k = l2norm(qkv[:, :2]).unbind(1)  # [B, H, Dh] each
+            o, state = self.step_op(q, k, qkv[:, 2], *gate_args, beta, state, Dh ** -0.5)
+            cache.store(state, conv_window=window)
+        else:  # short conv + SiLU per projection (continuing the cache's), q and k L2-normalised by the op
+            keep = cache is not None
+            conv_in = (None,) * 3 if cache is None or cache.conv_states is None else cache.conv_states
+            q, conv_q = self.q_conv1d(q, conv_in[0], keep)
+            k, conv_k = self.k_conv1d(k, conv_in[1], keep)
+            v, conv_v = self.v_conv1d(v, conv_in[2], keep)
+            q, k, v = (upcast(t).view(B, T, H, Dh) for t in (q, k, v))
+            if keep and T == 1:  # a first token, with no state yet
+                o, state = self.recurrent_op(q, k, v, *gate_args, beta, initial_state=state, output_final_state=True,
+                                             use_qk_l2norm=True)
+            else:
+                o, state = self.chunk_op(q, k, v, *gate_args, beta, initial_state=state, output_final_state=keep,
+                                         use_qk_l2norm=True, chunk_size=self.chunk_size)
+            if keep:
+                cache.store(state, conv_states=(conv_q, conv_k, conv_v))
+
+        # per-head RMSNorm times sigmoid(output gate), o_proj
         o = self.o_norm(o, None if out_gate is None else out_gate.view(o.shape))
-        return self.o_proj(cast(o.reshape(*x.shape[:-1], -1), x.dtype))
+        y = self.o_proj(cast(o.reshape(*h.shape[:-1], -1), x.dtype))
+        return y.unsqueeze(1) if one_step else y
 
 
 class DeltaNet(_DeltaRuleAttention):
     """DeltaNet: S_t = S_{t-1} + beta_t k_t^T (v_t - k_t S_{t-1}); o_t = scale q_t S_t (no forget gate)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, **kwargs):
+        super().__init__(hidden_size, num_heads, head_dim, **kwargs)
+        self.reset_parameters()
 
 
 class GatedDeltaNet(_DeltaRuleAttention):
@@ -307,21 +280,24 @@ class GatedDeltaNet(_DeltaRuleAttention):
     chunk_op = staticmethod(chunk_gated_delta_rule)
     recurrent_op = staticmethod(recurrent_gated_delta_rule)
     step_op = staticmethod(gated_delta_rule_step)
+    forget_input = "a_proj"
 
-    def _make_forget_gate(self) -> None:
-        self.a_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
-        self.A_log = nn.Parameter(torch.empty(self.num_heads))
-        self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, **kwargs):
+        super().__init__(hidden_size, num_heads, head_dim, **kwargs)
+        self.a_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.A_log = nn.Parameter(torch.empty(num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(num_heads))
+        self.reset_parameters()
 
-    def _reset_forget_gate(self, std: float | None) -> None:
+    def reset_parameters(self, std: float | None = None, residual_std: float | None = None) -> None:
+        """The shared body's (see `_DeltaRuleAttention`), a_proj ~ N(0, std), A_log and dt_bias (`init_decay`)."""
+        super().reset_parameters(std, residual_std)
         init_linear(self.a_proj, std)
         init_decay(self.A_log, self.dt_bias)
 
-    def _gate_projections(self) -> list[nn.Linear]:
-        return [self.a_proj]
-
-    def _gate_from(self, first: torch.Tensor) -> torch.Tensor:
-        return -torch.exp(upcast(self.A_log)) * F.softplus(upcast(first) + upcast(self.dt_bias))
+    def decay(self, f: torch.Tensor) -> torch.Tensor:
+        """a_proj(x) [..., H] -> g = -exp(A_log) softplus(a_proj(x) + dt_bias) [..., H] (float32)."""
+        return -torch.exp(upcast(self.A_log)) * F.softplus(upcast(f) + upcast(self.dt_bias))
 
 
 class KimiDeltaAttention(_DeltaRuleAttention):
@@ -336,6 +312,7 @@ class KimiDeltaAttention(_DeltaRuleAttention):
     chunk_op = staticmethod(chunk_kda)
     recurrent_op = staticmethod(recurrent_kda)
     step_op = staticmethod(kda_step)
+    forget_input = "f_a_proj"
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, kda_gate: str = "kimi_linear",
                  gate_lower_bound: float = -5.0, output_gate: str | None = "low_rank", **kwargs):
@@ -343,28 +320,26 @@ class KimiDeltaAttention(_DeltaRuleAttention):
             raise ValueError(f"KimiDeltaAttention: `kda_gate` must be 'kimi_linear' or 'safe', got {kda_gate!r}")
         if not gate_lower_bound < 0:
             raise ValueError(f"KimiDeltaAttention: `gate_lower_bound` must be negative, got {gate_lower_bound}")
-        self.kda_gate, self.gate_lower_bound = kda_gate, float(gate_lower_bound)
         super().__init__(hidden_size, num_heads, head_dim, output_gate=output_gate, **kwargs)
+        self.kda_gate, self.gate_lower_bound = kda_gate, float(gate_lower_bound)
+        self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, num_heads * head_dim, bias=False)
+        self.A_log = nn.Parameter(torch.empty(1, 1, num_heads, 1))  # the checkpoints' shape
+        self.dt_bias = nn.Parameter(torch.empty(num_heads * head_dim))
+        self.reset_parameters()
 
-    def _make_forget_gate(self) -> None:
-        H, K = self.num_heads, self.head_dim
-        self.f_a_proj = nn.Linear(self.hidden_size, K, bias=False)
-        self.f_b_proj = nn.Linear(K, H * K, bias=False)
-        self.A_log = nn.Parameter(torch.empty(1, 1, H, 1))  # the checkpoints' shape
-        self.dt_bias = nn.Parameter(torch.empty(H * K))
-
-    def _reset_forget_gate(self, std: float | None) -> None:
+    def reset_parameters(self, std: float | None = None, residual_std: float | None = None) -> None:
+        """The shared body's (see `_DeltaRuleAttention`), f_a and f_b ~ N(0, std), A_log and dt_bias
+        (`init_decay`)."""
+        super().reset_parameters(std, residual_std)
         init_linear(self.f_a_proj, std)
         init_linear(self.f_b_proj, std)
         init_decay(self.A_log, self.dt_bias)
 
-    def _gate_projections(self) -> list[nn.Linear]:
-        return [self.f_a_proj]
-
-    def _gate_from(self, first: torch.Tensor) -> torch.Tensor:
+    def decay(self, f: torch.Tensor) -> torch.Tensor:
         """f_a_proj(x) [..., K] -> log decay g [..., H, K] (float32), by the `kda_gate` formula."""
         H = self.num_heads
-        f = (upcast(self.f_b_proj(first)) + upcast(self.dt_bias)).view(*first.shape[:-1], H, -1)
+        f = (upcast(self.f_b_proj(f)) + upcast(self.dt_bias)).view(*f.shape[:-1], H, -1)
         rate = torch.exp(upcast(self.A_log)).view(H, 1)  # one rate per head
         if self.kda_gate == "safe":
             return self.gate_lower_bound * torch.sigmoid(rate * f)

@@ -27,7 +27,7 @@ from ..ops.common import cast
 from .cache import SequenceCache, SequenceField, StaticSequenceCache
 from .checks import check_mixer_input
 from .init import init_linear
-from .joined import joined_linear, prepare_joined
+from .joined import join, project
 from .max_logit import record_max_logits
 from .norm import RMSNorm, upcast
 
@@ -141,18 +141,17 @@ class MultiHeadLatentAttention(nn.Module):
                                  k_pe=w.new_zeros(batch_size, max_length, self.dr))
 
     def forward(self, x: torch.Tensor, cache: LatentCache | StaticLatentCache | None = None,
-                absorb: bool | None = None) -> torch.Tensor:
+                absorb: bool | None = None, fused: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, hidden_size] -> y [B, T, hidden_size]. With `cache`, attend over its latents too
         and append this call's. `absorb` (default: when decoding one token from a cache) runs attention
-        against the latents with kv_b folded into the query and the output."""
+        against the latents with kv_b folded into the query and the output. `fused`: the decode step's
+        joined copy of the input projections (`fuse_for_decoding`), one matmul instead of two or three."""
         check_mixer_input("MultiHeadLatentAttention", x, self.hidden_size, cache)
         B, T, _ = x.shape
+        first, latents, *gate = project(x, self._input_projections(), fused)
         rotated = cache is not None and self.rope_theta is not None
-        projected = gate = None
-        if cache is not None and T == 1:  # decoding: the projections of x as one matmul (k3.layers.joined)
-            first, latents, *gate = joined_linear(self, "inputs", self._input_projections(), x)
-            projected, gate = (first, latents), (gate[0] if gate else None)
-        q, c, k_pe = self._queries_and_latents(x, cache.token_positions(T, x.device) if rotated else 0, projected)
+        positions = cache.token_positions(T, x.device) if rotated else 0
+        q, c, k_pe = self._queries_and_latents(x, positions, (first, latents))
         c_all, k_pe_all = (c, k_pe) if cache is None else cache.append(c=c, k_pe=k_pe)
         if absorb is None:
             absorb = cache is not None and T == 1
@@ -161,19 +160,20 @@ class MultiHeadLatentAttention(nn.Module):
         o = (self._absorbed(q, c_all, k_pe_all, pad, mask) if absorb
              else self._plain(q, c_all, k_pe_all, pad, mask))
         o = o.reshape(B, T, self.num_heads * self.dv)
-        if self.g_proj is not None:
-            o = o * torch.sigmoid(self.g_proj(x) if gate is None else gate)
+        if gate:  # gated MLA
+            o = o * torch.sigmoid(gate[0])
         return self.o_proj(o)
 
     def _input_projections(self) -> list[nn.Linear]:
-        """The projections of x a decode step joins: the query's first (q_proj or q_a_proj), the latents'
-        (kv_a_proj_with_mqa) and the output gate's (g_proj, when gated)."""
+        """The projections of x, in the order `fuse_for_decoding` joins them: the query's first (q_proj or
+        q_a_proj), the latents' (kv_a_proj_with_mqa) and the output gate's (g_proj, when gated)."""
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
         return [first, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.g_proj is not None else [])
 
-    def prepare_decode(self) -> None:
-        """Join the input projections before a decode step is compiled (`k3.models.decode_step.prepare`)."""
-        prepare_joined(self, "inputs", self._input_projections())
+    def fuse_for_decoding(self) -> torch.Tensor:
+        """The input projections' weights joined, [rows of all, hidden_size] (`k3.layers.joined`): what a
+        decode step passes to `forward` as `fused`."""
+        return join(self._input_projections())
 
     def _plain(self, q, c_all, k_pe_all, pad: torch.Tensor | None = None, mask: torch.Tensor | None = None
                ) -> torch.Tensor:

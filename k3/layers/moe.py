@@ -20,18 +20,19 @@ Balancing: after each training step, `update_bias(load)` moves each expert's cor
 The router's checkpoint name is `gate` (`block_sparse_moe.gate.weight`, as in Kimi Linear and DeepSeek);
 in code it is `MoE.router`, a `Router`: "gate" in k3 means the KDA forget gate and the output gates.
 
-Dispatch (`RoutedExperts`) costs what the k chosen experts cost, not all E, three ways: many tokens
-run every expert at once as three batched matmuls over the tokens grouped by expert, in slots of equal
-size (a busy expert takes several); a routing so skewed that the slots would be mostly padding sorts
-the tokens by expert and calls each used expert once; a few tokens (decoding) run through the stacked
-matrices of their chosen experts; inside a decode step (k3.models.decode_step), gathered by index from
-the experts' matrices stacked when the step was made (`RoutedExperts.prepare_stack`: no host sync, no
+Dispatch (`RoutedExperts`) costs what the k chosen experts cost, not all E, two ways, chosen by an
+explicit argument: training, prefill and eager decoding run every used expert at once as three batched
+matmuls over the tokens grouped by expert, in slots of equal size (a busy expert takes several); a decode
+step (k3.models.decode_step) passes the experts' matrices stacked when it was made (`fused`, from
+`MoE.fuse_for_decoding`), and each token's chosen ones are gathered from them by index (no host sync, no
 data-dependent shape, so the step compiles to one graph, gpt-fast's Mixtral). It is a module of its own
 so that expert parallelism (k3.training.parallel) plugs in from outside: a process keeps a slice of the
 experts, and hooks on this module gather the tokens before it and sum the slices' outputs after it.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,13 +42,17 @@ from ..ops.common import cast
 from .ffn import GatedMLP, situ
 from . import init
 from .init import init_linear
-from .joined import in_decode_step, joined_linear, prepare_joined
+from .joined import join, project
 from .norm import RMSNorm, upcast
 
-FEW_ASSIGNMENTS = 32  # (token, expert) pairs up to which the chosen experts are stacked (`RoutedExperts`)
-STACK_LIMIT = 1 << 22  # the most expert-matrix values the stacked path copies in one call
 STACKED_BYTES_LIMIT = 1 << 30  # the largest routed experts kept a second time as stacked matrices (inference)
-PADDING_LIMIT = 2  # all experts at once while the slots' rows (padding included) <= this x the assignments
+
+
+class DecodeWeights(NamedTuple):
+    """A MoE layer's copies for the decode step (`MoE.fuse_for_decoding`)."""
+
+    inputs: torch.Tensor | None  # the input projections joined (None: fewer than two)
+    experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (W1, W3, W2), every expert stacked
 
 
 class Expert(nn.Module):
@@ -133,135 +138,108 @@ class Router(nn.Module):
 
 class RoutedExperts(nn.ModuleList):
     """The routed experts (`experts.N`), called as one module: sum_i w_i expert_i(z) over each token's
-    k chosen experts, three ways that agree to rounding: a few tokens (at most FEW_ASSIGNMENTS
-    token-expert pairs) through the stacked matrices of their chosen experts (`_stacked`); many tokens
-    through all experts at once, in slots of equal size (`_batched`); a routing too skewed for slots,
-    or experts held by other processes, sorted by expert, one call per used expert (`_grouped`).
+    k chosen experts, two ways that agree to rounding, chosen by an explicit argument (`stack`):
+
+    - without `stack` (training, prefill, eager decoding): the tokens grouped by expert in slots of equal
+      size, every used expert at once as three batched matmuls (`_batched`);
+    - with `stack` (the decode step's, `stack_for_decoding`): the chosen experts' matrices gathered from
+      it by index (`_gathered`): no host sync, shapes set by the inputs alone, so the step compiles whole.
 
     An entry may be None: under expert parallelism a process holds only its own slice of the
     experts, and the tokens routed to the others are computed by the processes that own them."""
 
-    _stack: tuple | None = None  # (W1 [E, hidden, d], W3 [E, hidden, d], W2 [E, d, hidden]): `prepare_stack`
-
-    def forward(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
-                counts: torch.Tensor | None) -> torch.Tensor:
-        """z [N, d], chosen [N, k] expert indices, weights [N, k], counts [E] (tokens per expert,
-        the bincount of `chosen`; None: a captured decode step, which takes the gathered path) -> [N, d]."""
-        if in_decode_step() and self._stack is not None:
-            return self._gathered(z, chosen, weights, self._stack)
-        if counts is None:
-            raise RuntimeError("RoutedExperts: a captured decode step needs the experts stacked (`prepare_stack`), "
-                               "which only plain experts held in this process, within "
-                               f"{STACKED_BYTES_LIMIT:,} bytes, allow")
-        if 0 < chosen.numel() <= FEW_ASSIGNMENTS:
-            experts = [self[e] for e in chosen.flatten().tolist()]
-            # every chosen expert held here (not split by expert parallelism), and a small copy
-            if None not in experts and 3 * len(experts) * experts[0].w1.numel() <= STACK_LIMIT:
-                W1, W3, W2 = (torch.stack([getattr(e, name) for e in experts]) for name in ("w1", "w3", "w2"))
-                return self._stacked(z, W1, W3, W2, weights, experts[0].act)
-        if chosen.numel() and None not in list(self):
-            capacity, slots = _slots(counts.tolist())
-            if capacity * len(slots) <= PADDING_LIMIT * chosen.numel():
-                return self._batched(z, chosen, weights, counts, capacity, slots)
-        return self._grouped(z, chosen, weights, counts)
+    def forward(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor | None,
+                stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """z [N, d], chosen [N, k] expert indices, weights [N, k], counts [E] (tokens per expert, the
+        bincount of `chosen`; None with `stack`) -> [N, d]. `stack`: every expert's (W1, W3, W2) stacked
+        (`stack_for_decoding`), a keyword (expert parallelism's hooks see the four tensors before it)."""
+        if stack is not None:
+            return self._gathered(z, chosen, weights, stack)
+        return self._batched(z, chosen, weights, counts)
 
     @torch.no_grad()
-    def prepare_stack(self) -> None:
-        """Stack every expert's matrices for the decode step's gathered path (k3.layers.joined: made when a
-        DecodeStep is, read only while one runs): (W1 [E, hidden, d], W3 [E, hidden, d], W2 [E, d, hidden]).
-        None when they cannot be stacked: an expert held by another process, MXFP4 experts, or more than
-        STACKED_BYTES_LIMIT bytes."""
-        self._stack = None
-        if not all(type(e) is Expert for e in self):
-            return
-        if sum(p.numel() * p.element_size() for e in self for p in (e.w1, e.w3, e.w2)) > STACKED_BYTES_LIMIT:
-            return
-        self._stack = tuple(torch.stack([getattr(e, name).detach() for e in self]) for name in ("w1", "w3", "w2"))
+    def stack_for_decoding(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every expert's matrices stacked, (W1 [E, hidden, d], W3 [E, hidden, d], W2 [E, d, hidden]) (a copy,
+        made by `k3.models.decode_step.prepare_for_decoding`, passed back as `stack` by the step). Only plain
+        experts held in this process, within STACKED_BYTES_LIMIT bytes, can be stacked."""
+        if not all(type(e) is Expert for e in self) or sum(
+                p.numel() * p.element_size() for e in self for p in (e.w1, e.w3, e.w2)) > STACKED_BYTES_LIMIT:
+            raise RuntimeError("RoutedExperts: a captured decode step needs the experts stacked, which only plain "
+                               f"experts held in this process, within {STACKED_BYTES_LIMIT:,} bytes, allow")
+        return tuple(torch.stack([getattr(e, name).detach() for e in self]) for name in ("w1", "w3", "w2"))
 
     def _gathered(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, stack) -> torch.Tensor:
-        """`_stacked` with the chosen experts' matrices gathered from `stack` by index (`prepare_stack`): no host
-        sync, shapes set by z and chosen alone."""
-        return self._stacked(z, *(w.index_select(0, chosen.flatten()) for w in stack), weights, self[0].act)
-
-    def _batched(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
-                 capacity: int, slots: list[int]) -> torch.Tensor:
-        """`forward` for many tokens with every expert at once, in slots of `capacity` rows: expert e's
-        tokens fill ceil(count_e / capacity) slots (`_slots`; zeros pad each expert's last one: the
-        activation of 0 is 0, and the padded rows are never read back), slot i runs expert slots[i], and
-        three batched matmuls run every slot against its expert's matrices:
-
-            H_i = act(X_i W1_{e_i}^T, X_i W3_{e_i}^T);   Y_i = H_i W2_{e_i}^T;   out_n = sum_j w_nj Y[row_nj]
-
-        A handful of ops whatever the number of experts, where `_grouped` makes a dozen per expert
-        (forward and backward): the better way when the experts are small. A busy expert takes several
-        slots rather than every expert padding to its count, so an unbalanced routing costs few padded
-        rows (`forward` takes this path while the rows are at most PADDING_LIMIT times the assignments).
-        Rows move by one flat index, `source` [slots * capacity] (the token each row holds; N, a zero row,
-        for padding): a gather in, a scatter-add out, whose backwards are a scatter-add and a gather
-        (advanced indexing's backward, an accumulating index_put, costs several times as much on CPU)."""
-        (N, k), d = chosen.shape, z.shape[-1]
-        device = chosen.device
-        flat = chosen.flatten()
-        order = torch.argsort(flat, stable=True)  # [N*k] assignments, grouped by expert
-        expert_of = flat[order]
-        counts = counts.to(device)
-        per_expert = (counts + capacity - 1) // capacity  # slots of each expert
-        first = torch.cumsum(counts, 0) - counts  # each expert's first assignment
-        first_slot = torch.cumsum(per_expert, 0) - per_expert
-        place = torch.arange(N * k, device=device) - first[expert_of]  # the assignment's place among its expert's
-        row = (first_slot[expert_of] + place // capacity) * capacity + place % capacity  # in [slots * capacity]
-        S = len(slots)
-        source = torch.full((S * capacity,), N, dtype=torch.long, device=device).index_copy_(0, row, order // k)
-        X = torch.cat([z, z.new_zeros(1, d)]).index_select(0, source).view(S, capacity, d)
-        # only the experts that got tokens: the others get no gradient, as in `_grouped`
-        used = sorted(set(slots))
-        position = {e: i for i, e in enumerate(used)}
-        slot_expert = torch.tensor([position[e] for e in slots], device=device)
-        W1, W3, W2 = (torch.stack([getattr(self[e], name) for e in used]).index_select(0, slot_expert)
-                      for name in ("w1", "w3", "w2"))
-        H = self[0].act(torch.bmm(X, W1.transpose(1, 2)), torch.bmm(X, W3.transpose(1, 2)))  # [S, capacity, hidden]
-        Y = torch.bmm(H, W2.transpose(1, 2)).view(S * capacity, d)
-        row_weight = weights.new_zeros(S * capacity).index_copy(0, row, weights.flatten().index_select(0, order))
-        y = upcast(Y) * row_weight.unsqueeze(-1)  # padding rows: weight 0
-        out = y.new_zeros(N + 1, d).index_add_(0, source, y)
-        return cast(out[:N], z.dtype)
-
-    @staticmethod
-    def _stacked(z: torch.Tensor, W1: torch.Tensor, W3: torch.Tensor, W2: torch.Tensor, weights: torch.Tensor,
-                 act) -> torch.Tensor:
-        """z [N, d]; the matrices of the N*k chosen experts in the order of `chosen` (token by token), W1, W3
-        [N*k, hidden, d] and W2 [N*k, d, hidden]; weights [N, k]; `act` the experts' gated activation -> [N, d]:
+        """`forward` in a decode step: the N*k chosen experts' matrices gathered from `stack` by index, in the
+        order of `chosen` (token by token), W1, W3 [N*k, hidden, d] and W2 [N*k, d, hidden], then
 
             [gate_n1 ... gate_nk] = z_n [W1_{e_n1}; ...; W1_{e_nk}]^T      one matmul per token (and per W3 for up)
             y_ni = act(gate_ni, up_ni) W2_{e_ni}^T                          one matmul per (token, expert) pair
-            out_n = sum_i w_ni y_ni                                         in float32, as `_grouped`
+            out_n = sum_i w_ni y_ni                                         in float32, as `_batched`
 
         Row vectors times transposed matrices: the form batched matmul runs fastest for one row."""
+        W1, W3, W2 = (w.index_select(0, chosen.flatten()) for w in stack)
         N, k = weights.shape
         d = z.shape[-1]
         x = z.unsqueeze(1)  # [N, 1, d]
         gate = torch.bmm(x, W1.reshape(N, -1, d).transpose(1, 2))  # [N, 1, k*hidden]
         up = torch.bmm(x, W3.reshape(N, -1, d).transpose(1, 2))
-        hidden = act(gate, up).view(N * k, 1, -1)  # [N*k, 1, hidden]
+        hidden = self[0].act(gate, up).view(N * k, 1, -1)  # [N*k, 1, hidden]
         y = torch.bmm(hidden, W2.transpose(1, 2)).view(N, k, d)
         return cast((y * weights.unsqueeze(-1)).sum(1), z.dtype)
 
-    def _grouped(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
-                 counts: torch.Tensor) -> torch.Tensor:
-        """`forward` for many tokens: sorted by expert, one call of each used expert on its tokens."""
-        k = chosen.shape[1]
-        order = torch.argsort(chosen.flatten(), stable=True)  # [N*k], grouped by expert
-        out = torch.zeros_like(z, dtype=upcast(z).dtype)
-        start = 0
-        for expert, count in zip(self, counts.tolist()):
-            rows = order[start:start + count]
-            start += count
-            if count == 0 or expert is None:
-                continue
-            tokens = rows // k
-            y = expert(z[tokens]) * weights.flatten()[rows].unsqueeze(-1)
-            out.index_add_(0, tokens, upcast(y))
-        return cast(out, z.dtype)
+    def _batched(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
+                 ) -> torch.Tensor:
+        """`forward` with every used expert at once, in slots of `capacity` rows: expert e's tokens fill
+        ceil(count_e / capacity) slots (`_slots`; zeros pad each expert's last one: the activation of 0 is
+        0, and the padded rows are never read back), slot i runs expert slots[i], and three batched matmuls
+        run every slot against its expert's matrices:
+
+            H_i = act(X_i W1_{e_i}^T, X_i W3_{e_i}^T);   Y_i = H_i W2_{e_i}^T;   out_n = sum_j w_nj Y[row_nj]
+
+        A handful of ops whatever the number of experts; a busy expert takes several slots rather than
+        every expert padding to its count, so an unbalanced routing costs few padded rows. Rows move by one
+        flat index, `source` [slots * capacity] (the token each row holds; N, a zero row, for padding): a
+        gather in, a scatter-add out, whose backwards are a scatter-add and a gather (advanced indexing's
+        backward, an accumulating index_put, costs several times as much on CPU). Under expert parallelism
+        the assignments to experts held elsewhere (None) are left to their processes."""
+        (N, k), d = chosen.shape, z.shape[-1]
+        device = chosen.device
+        flat, flat_weights = chosen.flatten(), weights.flatten()
+        token = torch.arange(N * k, device=device) // k  # the token of each assignment
+        held = [e is not None for e in self]
+        if not all(held):
+            keep = torch.tensor(held, device=device)
+            flat_held = keep[flat]
+            flat, flat_weights, token = flat[flat_held], flat_weights[flat_held], token[flat_held]
+            counts = counts * keep.to(counts.device)
+        counts_list = counts.tolist()
+        if not any(counts_list):
+            return z.new_zeros(N, d)
+        capacity, slots = _slots(counts_list)
+        order = torch.argsort(flat, stable=True)  # assignments, grouped by expert
+        expert_of = flat[order]
+        counts = counts.to(device)
+        per_expert = (counts + capacity - 1) // capacity  # slots of each expert
+        first = torch.cumsum(counts, 0) - counts  # each expert's first assignment
+        first_slot = torch.cumsum(per_expert, 0) - per_expert
+        place = torch.arange(len(flat), device=device) - first[expert_of]  # the assignment's place among its expert's
+        row = (first_slot[expert_of] + place // capacity) * capacity + place % capacity  # in [slots * capacity]
+        S = len(slots)
+        source = torch.full((S * capacity,), N, dtype=torch.long, device=device).index_copy_(0, row, token[order])
+        X = torch.cat([z, z.new_zeros(1, d)]).index_select(0, source).view(S, capacity, d)
+        # only the experts that got tokens: the others get no gradient
+        used = sorted(set(slots))
+        position = {e: i for i, e in enumerate(used)}
+        slot_expert = torch.tensor([position[e] for e in slots], device=device)
+        W1, W3, W2 = (torch.stack([getattr(self[e], name) for e in used]).index_select(0, slot_expert)
+                      for name in ("w1", "w3", "w2"))
+        act = self[used[0]].act
+        H = act(torch.bmm(X, W1.transpose(1, 2)), torch.bmm(X, W3.transpose(1, 2)))  # [S, capacity, hidden]
+        Y = torch.bmm(H, W2.transpose(1, 2)).view(S * capacity, d)
+        row_weight = weights.new_zeros(S * capacity).index_copy(0, row, flat_weights.index_select(0, order))
+        y = upcast(Y) * row_weight.unsqueeze(-1)  # padding rows: weight 0
+        out = y.new_zeros(N + 1, d).index_add_(0, source, y)
+        return cast(out[:N], z.dtype)
 
 
 def _slots(counts: list[int]) -> tuple[int, list[int]]:
@@ -322,42 +300,37 @@ class MoE(nn.Module):
             self.latent_norm.reset_parameters()
             init_linear(self.latent_up_proj, residual_std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., dim] -> [..., dim]."""
+    def forward(self, x: torch.Tensor, fused: DecodeWeights | None = None) -> torch.Tensor:
+        """x [..., dim] -> [..., dim]. `fused`: the decode step's copies (`fuse_for_decoding`): the input
+        projections as one matmul and the experts' gathered path; without them (training, prefill, eager
+        decoding) each projection as it is, the experts in slots, and the load counted (`last_load`)."""
         shape = x.shape
         h = x.reshape(-1, shape[-1])
         chosen, weights = self.router(h)
-        if in_decode_step():
-            counts = None  # a decode step: no load count (its size depends on the routing)
-        else:
+        projected = project(h, self._input_projections(), None if fused is None else fused.inputs)
+        z = h if self.latent_dim is None else projected.pop(0)
+        if fused is None:
             counts = self.last_load = torch.bincount(chosen.flatten(), minlength=len(self.experts))
-        projections = self._input_projections()
-        if projections and in_decode_step():  # one matmul (k3.layers.joined)
-            shared = joined_linear(self, "inputs", projections, h)
-            z = h if self.latent_dim is None else shared.pop(0)
-            shared = shared or None
-        else:
-            z = h if self.latent_dim is None else self.latent_down_proj(h)
-            shared = None
-        routed = self.experts(z, chosen, weights, counts)
+            routed = self.experts(z, chosen, weights, counts)
+        else:  # a decode step: no load count (its size depends on the routing)
+            routed = self.experts(z, chosen, weights, None, stack=fused.experts)
         if self.latent_dim is not None:
             routed = self.latent_up_proj(self.latent_norm(routed))
         if self.shared_experts is not None:
-            shared = self.shared_experts(h) if shared is None else self.shared_experts.from_projections(*shared)
-            routed = routed + shared
+            routed = routed + self.shared_experts.from_projections(*projected)
         return routed.view(shape)
 
     def _input_projections(self) -> list[nn.Linear]:
-        """The projections of the input a decode step joins: the latent down-projection, the shared expert's
-        gate and up (those the layer has)."""
+        """The projections of the input, in the order `fuse_for_decoding` joins them: the latent
+        down-projection, the shared expert's gate and up (those the layer has)."""
         latent = [self.latent_down_proj] if self.latent_dim is not None else []
         shared = [] if self.shared_experts is None else [self.shared_experts.gate_proj, self.shared_experts.up_proj]
         return latent + shared
 
-    def prepare_decode(self) -> None:
-        """The stacked experts and the joined projections, made when a decode step is."""
-        self.experts.prepare_stack()
-        prepare_joined(self, "inputs", self._input_projections())
+    def fuse_for_decoding(self) -> DecodeWeights:
+        """The copies a decode step passes to `forward` as `fused`: the input projections joined
+        (`k3.layers.joined`) and the routed experts stacked (`RoutedExperts.stack_for_decoding`)."""
+        return DecodeWeights(join(self._input_projections()), self.experts.stack_for_decoding())
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor | None = None, rate: float = 1e-3) -> None:

@@ -7,9 +7,10 @@ fast decoder captures the step once and replays it. What makes the step capturab
 recompile from one token to the next):
 - static state: the `StaticCache` buffers, written in place at a position tensor, attention over all N
   slots masked past each row's position (k3.models.static_cache);
-- the MoE gathers its chosen experts' matrices by index from stacks made with the step
-  (`RoutedExperts.prepare_stack`, by `prepare`), and each layer's projections of one input run as one
-  matmul (`k3.layers.joined`): no `.tolist()`, no bincount;
+- the MoE gathers its chosen experts' matrices by index from stacks made with the step, and each layer's
+  projections of one input run as one matmul by a joined copy (`k3.layers.joined`): no `.tolist()`, no
+  bincount. The step makes these copies when it is made (`prepare_for_decoding`), keeps them, and passes
+  each layer its own (`fused`); nothing else reads them;
 - Block AttnRes's sources in one fixed buffer (`DepthSources`);
 - sampling inside the step from noise drawn outside (`k3.generation.sample_with_noise`: greedy,
   temperature, top-k, top-p): no generator in the graph, no host sync.
@@ -28,7 +29,6 @@ from pathlib import Path
 import torch
 
 from ..generation import check_sampling, is_greedy, sample_with_noise
-from ..layers.joined import decoding
 from ..runtime import check_compiler
 from .static_cache import StaticCache
 
@@ -63,13 +63,17 @@ def compile_step(fn, device: torch.device | str, backend: str = "inductor"):
     return torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
 
 
-def prepare(model) -> None:
-    """Make the weight copies a decode step reads (k3.layers.joined): the MoE layers' stacked experts and the
-    layers' joined projections (`prepare_decode` of every module that has one), from the weights as they
-    are now."""
-    for module in model.modules():
-        if hasattr(module, "prepare_decode"):
-            module.prepare_decode()
+def prepare_for_decoding(model) -> list[tuple]:
+    """The weight copies a decode step reads (`CausalLM.decoding_weights`), from the weights as they are now;
+    `model.model(..., fused=...)` hands them to the layers."""
+    return model.decoding_weights()
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    """The tensors in nested tuples and lists (`prepare_for_decoding`'s copies)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    return [t for item in tree for t in _tensors(item)] if isinstance(tree, (tuple, list)) else []
 
 
 class DecodeStep:
@@ -98,7 +102,7 @@ class DecodeStep:
         self._tokens = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=device)
         self._noise = (torch.empty(cache.batch_size, model.config.vocab_size, device=device)
                        if not is_greedy(self.temperature) else None)
-        prepare(model)
+        self.fused = prepare_for_decoding(model)  # the copies the step reads, the weights as they are now
         self._compiled, self._warm = bool(compile), False
         if compile and device.type == "cuda":
             self._mark_static_addresses()
@@ -116,10 +120,7 @@ class DecodeStep:
         cache = self.cache
         tensors = [t for layer in cache.layers for t in layer.buffers()] + [cache.positions, self._tokens]
         tensors += [t for t in (cache.sources, self._noise) if t is not None]
-        for module in self.model.modules():
-            for name, value in vars(module).items():
-                if name.startswith(("_joined_", "_stack")) and value is not None:
-                    tensors += [value] if isinstance(value, torch.Tensor) else list(value)
+        tensors += _tensors(self.fused)
         for t in tensors:
             torch._dynamo.mark_static_address(t)
 
@@ -127,7 +128,7 @@ class DecodeStep:
         """tokens [B, 1] -> (next tokens [B], logits [B, vocab]); advances the cache's positions."""
         model, cache = self.model, self.cache
         positions = cache.positions.unsqueeze(1) if model.config.max_position_embeddings else None
-        hidden = model.model(tokens, cache.layers, positions, cache.sources)
+        hidden = model.model(tokens, cache.layers, positions, cache.sources, self.fused)
         logits = model.lm_head(hidden[:, -1])
         token = sample_with_noise(logits, noise, self.temperature, self.top_k, self.top_p)
         cache.positions.add_(1)
@@ -144,15 +145,14 @@ class DecodeStep:
         if self._noise is not None:
             self._noise.exponential_(generator=self.generator)
         self._tokens.copy_(tokens.view(-1, 1))
-        with decoding():  # the layers read the weight copies `prepare` made
-            if self._warm:
-                # the same function over the same state as the call before: dynamo need not check everything
-                # it checked then (its guards cost ~0.2 ms a call on a 2-core CPU), only what tells graphs apart
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    token, logits = self._run(self._tokens, self._noise)
-            else:
+        if self._warm:
+            # the same function over the same state as the call before: dynamo need not check everything
+            # it checked then (its guards cost ~0.2 ms a call on a 2-core CPU), only what tells graphs apart
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 token, logits = self._run(self._tokens, self._noise)
-                self._warm = self._compiled
+        else:
+            token, logits = self._run(self._tokens, self._noise)
+            self._warm = self._compiled
         cache.longest += 1
         # a CUDA graph's outputs are overwritten by its next replay: keep copies
         self.last_logits = logits.clone()

@@ -67,6 +67,11 @@ def attn_res_source_counts(config: ModelConfig) -> list[int]:
     return counts + [blocks + 1]
 
 
+def _given(fused) -> dict:
+    """The keyword that hands a layer its decode-time weight copies, when it has some."""
+    return {} if fused is None else {"fused": fused}
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm mixer + FFN (Kimi Linear names), with the two AttnRes queries when the model uses them."""
 
@@ -90,18 +95,20 @@ class DecoderLayer(nn.Module):
         """The feed-forward block: `mlp` (dense) or `block_sparse_moe` (MoE)."""
         return getattr(self, self._ffn_attribute)
 
-    def forward(self, x: torch.Tensor | None, cache=None, blocks: list[torch.Tensor] | DepthSources = ()
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | None, cache=None, blocks: list[torch.Tensor] | DepthSources = (),
+                fused: tuple = (None, None)) -> torch.Tensor:
         """The whole layer: x [B, T, d] -> x + attention, then + FFN (pre-norm), updating `cache`.
 
         With Block AttnRes, x is the current block's partial sum (None in a block's first layer, where
         the decoder has just made the previous sum a source) and `blocks` the completed sources; each
         sub-layer reads a depth mix of [*blocks, x] instead of x (`blocks` may be a static decode step's
-        `DepthSources` buffer). Returns the new partial sum."""
+        `DepthSources` buffer). `fused`: (the mixer's, the FFN's) weight copies a decode step passes
+        (`k3.layers.joined`; None where there are none). Returns the new partial sum."""
+        mixer_fused, ffn_fused = fused
         h = self._read(self.attn_res, blocks, x)
-        out = self.self_attn(self.input_layernorm(h), cache=cache)
+        out = self.self_attn(self.input_layernorm(h), cache=cache, **_given(mixer_fused))
         x = out if x is None else x + out
-        return x + self.ffn(self.post_attention_layernorm(self._read(self.mlp_res, blocks, x)))
+        return x + self.ffn(self.post_attention_layernorm(self._read(self.mlp_res, blocks, x)), **_given(ffn_fused))
 
     @staticmethod
     def _read(mix: BlockAttnRes | None, blocks, x: torch.Tensor | None) -> torch.Tensor:
@@ -128,10 +135,11 @@ class Decoder(nn.Module):
         self.norm = build_norm(config, config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, caches: list | None, positions: torch.Tensor | None = None,
-                sources: torch.Tensor | None = None) -> torch.Tensor:
+                sources: torch.Tensor | None = None, fused: list[tuple] | None = None) -> torch.Tensor:
         """input_ids [B, T] at `positions` ([T] or [B, T]: each row's own, as the cache gives them; None:
         0 ... T - 1), continuing the layer `caches` when given -> the final hidden states [B, T, d].
-        `sources`: a buffer [n, B, T, d] for the Block AttnRes sources (a static decode step's)."""
+        `sources`: a buffer [n, B, T, d] for the Block AttnRes sources (a static decode step's). `fused`:
+        each layer's weight copies (`CausalLM.decoding_weights`: decoding's)."""
         x = self.embed_tokens(input_ids)
         if self.config.max_position_embeddings:
             if positions is None:
@@ -139,14 +147,15 @@ class Decoder(nn.Module):
             x = x + self.embed_positions(positions.to(input_ids.device))
         # Block AttnRes: the completed sources, the embedding first
         blocks: list[torch.Tensor] | DepthSources = [] if sources is None else DepthSources(sources)
-        for layer, cache in zip(self.layers, caches or [None] * len(self.layers)):
+        none = [None] * len(self.layers)
+        for layer, cache, copies in zip(self.layers, caches or none, fused or [(None, None)] * len(self.layers)):
             if layer.starts_block:  # the running sum becomes a source of its own
                 if isinstance(blocks, DepthSources):
                     blocks.add(x)
                 else:
                     blocks = blocks + [x]
                 x = None
-            x = layer(x, cache, blocks)
+            x = layer(x, cache, blocks, copies)
         if self.final_res is not None:
             x = self.final_res(blocks + [x]) if isinstance(blocks, list) else blocks.read(self.final_res, x)
         return self.norm(x)
@@ -220,13 +229,24 @@ class CausalLM(nn.Module):
         (`k3.models.kinds.cache_bytes`): what a static cache of that size allocates."""
         return cache_bytes(self.config, batch_size, tokens, self.lm_head.weight.element_size())
 
+    def decoding_weights(self) -> list[tuple]:
+        """The weight copies decoding reads (k3.layers.joined), from the weights as they are now: for each decoder
+        layer, (its mixer's, its FFN's) `fuse_for_decoding()` (the joined projections, a MoE's stacked experts),
+        None where the module has none. Give them back as `forward(..., fused=)` (a decode step keeps its own)."""
+        def fused(module):
+            return module.fuse_for_decoding() if hasattr(module, "fuse_for_decoding") else None
+
+        return [(fused(layer.self_attn), fused(layer.ffn)) for layer in self.model.layers]
+
     def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None, *,
                 targets: torch.Tensor | None = None, reduction: str = "mean", logits_to_keep: int = 0,
-                prefill_piece: int | None = None) -> torch.Tensor:
+                prefill_piece: int | None = None, fused: list[tuple] | None = None) -> torch.Tensor:
         """input_ids [B, T] (int64) -> logits [B, T, vocab_size]. With `cache`, continue after the tokens
         it has seen and leave the new state in it (T > 1: chunked prefill, `prefill_piece` tokens at a
         time, default PREFILL_PIECE; T = 1: recurrent decode step). `logits_to_keep` n > 0 returns the
-        logits of the last n positions only (transformers' name; 0: all).
+        logits of the last n positions only (transformers' name; 0: all). `fused`: the copies of
+        `decoding_weights()`, which decoding through `cache` reads instead of the separate weights (one matmul
+        for a layer's projections, a MoE's chosen experts gathered from stacks): what `generate` does.
 
         With `targets` [B, T] (the next token at each position; IGNORE_INDEX = -100 where none counts),
         return instead the cross-entropy ("mean" over the counted tokens, or "sum"), computed without the
@@ -245,7 +265,7 @@ class CausalLM(nn.Module):
         if cache is None:
             hidden = self.model(input_ids, None)
         else:
-            hidden = self._through_cache(input_ids, cache, logits_to_keep, self._piece(prefill_piece))
+            hidden = self._through_cache(input_ids, cache, logits_to_keep, self._piece(prefill_piece), fused)
         return self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
 
     @staticmethod
@@ -256,8 +276,8 @@ class CausalLM(nn.Module):
                              f"got {piece!r}")
         return piece
 
-    def _through_cache(self, input_ids: torch.Tensor, cache: HybridCache | StaticCache, keep: int, piece: int
-                       ) -> torch.Tensor:
+    def _through_cache(self, input_ids: torch.Tensor, cache: HybridCache | StaticCache, keep: int, piece: int,
+                       fused: list[tuple] | None = None) -> torch.Tensor:
         """The final hidden states of input_ids [B, T] after the tokens in `cache`, run `piece` tokens at a
         time, each piece after the cache the previous one left: [B, T, d], or with keep > 0 at least the
         last `keep` positions (the hidden states of earlier pieces are dropped as soon as they are not
@@ -265,7 +285,7 @@ class CausalLM(nn.Module):
         hidden: list[torch.Tensor] = []
         for ids in input_ids.split(piece, dim=1) if input_ids.shape[1] > piece else (input_ids,):
             positions = cache.token_positions(ids.shape[1]) if self.config.max_position_embeddings else None
-            hidden.append(self.model(ids, cache.layers, positions))
+            hidden.append(self.model(ids, cache.layers, positions, fused=fused))
             cache.advance(ids.shape[1])
             while keep and len(hidden) > 1 and sum(h.shape[1] for h in hidden[1:]) >= keep:
                 hidden.pop(0)

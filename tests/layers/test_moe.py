@@ -1,4 +1,4 @@
-"""MoE: grouped dispatch == a dense all-experts reference; routing and bias update as specified."""
+"""MoE: both dispatch paths == a dense all-experts reference; routing and bias update as specified."""
 
 from __future__ import annotations
 
@@ -76,73 +76,59 @@ def test_names_follow_kimi_checkpoints():
     assert "gate.e_score_correction_bias" in MoE(8, num_experts=3, top_k=1, expert_hidden=4).state_dict()
 
 
-def assert_same_paths(moe: MoE, x: torch.Tensor, fast: tuple, loop: tuple) -> None:
-    """(output, gradients) of a dispatch path equal the per-expert loop's (float64 rounding) and the
-    output the dense reference."""
-    torch.testing.assert_close(fast[0], loop[0], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(fast[0], dense_reference(moe, x))
-    for a, b in zip(fast[1], loop[1]):
-        assert (a is None) == (b is None)
-        if a is not None:
+def values_and_grads(moe: MoE, x: torch.Tensor, params: list, **kwargs) -> tuple:
+    y = moe(x, **kwargs)
+    return y, torch.autograd.grad(y.sum(), params, allow_unused=True)
+
+
+def assert_equals_dense(moe: MoE, x: torch.Tensor, params: list) -> tuple:
+    """The layer's output and gradients equal the dense reference's (float64 rounding); returns them."""
+    y, grads = values_and_grads(moe, x, params)
+    want, want_grads = dense_reference(moe, x), torch.autograd.grad(dense_reference(moe, x).sum(), params,
+                                                                    allow_unused=True)
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, want_grads):
+        if a is None:  # an expert no token chose: no gradient (the reference's is zero)
+            assert b is None or not b.any()
+        else:
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    return y, grads
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_few_tokens_stacked_path_equals_grouped(name, tokens, monkeypatch):
-    """A few tokens (decoding) run through the chosen experts' stacked matrices; it equals the grouped
-    dispatch (forced here by allowing no stacked assignments) and the dense reference, with gradients."""
-    import k3.layers.moe as moe_module
-
+@pytest.mark.parametrize("tokens", [1, 3, 36])
+def test_slots_and_gathered_paths_equal_the_dense_reference(name, tokens):
+    """The two dispatch paths: the slots (no copies given: training, prefill, eager decoding), values and
+    gradients, and the decode step's gathered path (the experts stacked, `fuse_for_decoding`), for a few
+    tokens and for many."""
     torch.manual_seed(1)
     moe = MoE(16, **CONFIGS[name]).double()
     x = torch.randn(tokens, 1, 16, dtype=torch.float64, requires_grad=True)
-    assert tokens * CONFIGS[name]["top_k"] <= moe_module.FEW_ASSIGNMENTS  # the stacked path runs
-    stacked = moe(x)
-    grads = torch.autograd.grad(stacked.sum(), [x, moe.experts[0].w1, moe.experts[3].w2], allow_unused=True)
-    monkeypatch.setattr(moe_module, "FEW_ASSIGNMENTS", 0)
-    grouped = moe(x)
-    ref = torch.autograd.grad(grouped.sum(), [x, moe.experts[0].w1, moe.experts[3].w2], allow_unused=True)
-    assert_same_paths(moe, x, (stacked, grads), (grouped, ref))
+    y, _ = assert_equals_dense(moe, x, [x, moe.experts[0].w1, moe.experts[3].w2])
+    with torch.no_grad():
+        gathered = moe(x, fused=moe.fuse_for_decoding())
+    torch.testing.assert_close(gathered, y, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_all_experts_at_once_equals_one_call_per_expert(name, monkeypatch):
-    """Many tokens with a balanced routing run all experts at once (padded to the busiest one); it
-    equals the per-expert loop and the dense reference, values and gradients; an unbalanced routing
-    (beyond PADDING_LIMIT) takes the loop."""
-    import k3.layers.moe as moe_module
-
+def test_balanced_and_one_sided_routings_run_in_slots(name):
+    """A balanced routing: one slot per expert; every token to the same experts: they take whole slots,
+    nothing padded. Values and gradients equal the dense reference."""
     torch.manual_seed(2)
     moe = MoE(16, **CONFIGS[name]).double()
     x = torch.randn(4, 9, 16, dtype=torch.float64, requires_grad=True)
     params = [x, moe.experts[1].w1, moe.experts[5].w3, moe.experts[2].w2]
-    calls = []
-    real_batched, real_grouped = moe_module.RoutedExperts._batched, moe_module.RoutedExperts._grouped
-    monkeypatch.setattr(moe_module.RoutedExperts, "_batched",
-                        lambda self, *a: calls.append("batched") or real_batched(self, *a))
-    monkeypatch.setattr(moe_module.RoutedExperts, "_grouped",
-                        lambda self, *a: calls.append("grouped") or real_grouped(self, *a))
-    batched = moe(x)
-    batched_grads = torch.autograd.grad(batched.sum(), params, allow_unused=True)
-    monkeypatch.setattr(moe_module, "PADDING_LIMIT", 0)
-    grouped = moe(x)
-    grouped_grads = torch.autograd.grad(grouped.sum(), params, allow_unused=True)
-    assert calls == ["batched", "grouped"]
-    assert_same_paths(moe, x, (batched, batched_grads), (grouped, grouped_grads))
-    with torch.no_grad():  # every token to the same experts: they take whole slots, and nothing is padded
+    assert_equals_dense(moe, x, params)
+    with torch.no_grad():
         moe.gate.e_score_correction_bias.copy_(torch.arange(8, dtype=torch.float64) * 100)
-    calls.clear()
-    monkeypatch.setattr(moe_module, "PADDING_LIMIT", 2)
-    torch.testing.assert_close(moe(x), dense_reference(moe, x))
-    assert calls == ["batched"]
+    assert_equals_dense(moe, x, params)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_skewed_routing_runs_in_slots_and_equals_one_call_per_expert(name, monkeypatch):
+def test_skewed_routing_runs_in_slots(name):
     """A skewed routing (one expert drawing about half the tokens, as training's routing drifts before the
-    bias corrects it): the busy expert takes several slots; values and gradients equal the per-expert loop
-    and the dense reference, and experts no token chose get no gradient."""
+    bias corrects it): the busy expert takes several slots; values and gradients equal the dense reference,
+    and experts no token chose get no gradient."""
     import k3.layers.moe as moe_module
 
     torch.manual_seed(3)
@@ -157,18 +143,26 @@ def test_skewed_routing_runs_in_slots_and_equals_one_call_per_expert(name, monke
     assert slots.count(3) >= 2 and 6 not in slots and capacity < max(counts)
     assert capacity * len(slots) <= 2 * sum(counts)
     params = [x, moe.experts[3].w1, moe.experts[0].w3, moe.experts[2].w2, moe.experts[6].w1]
-    calls = []
-    real_batched = moe_module.RoutedExperts._batched
-    monkeypatch.setattr(moe_module.RoutedExperts, "_batched",
-                        lambda self, *a: calls.append("batched") or real_batched(self, *a))
-    batched = moe(x)
-    batched_grads = torch.autograd.grad(batched.sum(), params, allow_unused=True)
-    assert calls == ["batched"] and batched_grads[-1] is None
-    monkeypatch.setattr(moe_module, "PADDING_LIMIT", 0)
-    grouped = moe(x)
-    grouped_grads = torch.autograd.grad(grouped.sum(), params, allow_unused=True)
-    assert calls == ["batched"]
-    assert_same_paths(moe, x, (batched, batched_grads), (grouped, grouped_grads))
+    _, grads = assert_equals_dense(moe, x, params)
+    assert grads[-1] is None
+
+
+def test_experts_held_elsewhere_are_skipped():
+    """Expert parallelism: with some experts None, the slots run the held ones only, as the dense reference
+    over the held experts (the others' tokens are computed by their processes)."""
+    torch.manual_seed(4)
+    moe = MoE(16, **CONFIGS["kimi-linear"]).double()
+    z = torch.randn(11, 16, dtype=torch.float64)
+    chosen, weights = moe.router(z)
+    counts = torch.bincount(chosen.flatten(), minlength=8)
+    held = [moe.experts[e] for e in range(8)]
+    for e in (1, 4, 5):
+        moe.experts[e] = None
+    dense_w = torch.zeros(11, 8, dtype=weights.dtype).scatter(1, chosen, weights)
+    want = sum(dense_w[:, e:e + 1] * held[e](z) for e in range(8) if moe.experts[e] is not None)
+    torch.testing.assert_close(moe.experts(z, chosen, weights, counts), want)
+    none_held = moe.experts(z, chosen.fill_(1), weights, torch.bincount(chosen.flatten(), minlength=8))
+    assert torch.equal(none_held, torch.zeros_like(z))
 
 
 def test_slots_take_the_busiest_count_when_balanced():

@@ -12,7 +12,6 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from k3 import runtime
 from k3.models.decode_step import DecodeStep
 from k3.generation import sample_with_noise, sampling_probs, static_length
-from k3.layers import moe as moe_module
 
 from .conftest import TINY, tiny_model
 
@@ -84,7 +83,8 @@ def test_static_addresses_for_cuda_graphs_keep_the_step_exact():
     cache = compiled.cache
     kinds = model.config.layer_types
     expected = 2 * kinds.count("mla") + 2 * kinds.count("kda") + 4  # + positions, tokens, sources, noise
-    expected += 3 * len(model.moe_layers()) + sum(1 for m in model.modules() if hasattr(m, "_joined_inputs"))
+    joined = [m for m in model.modules() if hasattr(m, "fuse_for_decoding") and len(m._input_projections()) > 1]
+    expected += 3 * len(model.moe_layers()) + len(joined)
     assert len(marked) == expected and {id(t) for t in (cache.positions, compiled._tokens)} <= {id(t) for t in marked}
     assert all(t._base is None for t in marked)  # the buffers themselves, not views of them
     compiled.temperature = 0.0  # greedy from here: equal to eager
@@ -107,32 +107,27 @@ def test_step_checks_its_input_and_room():
         DecodeStep(model, model.new_cache(2))
 
 
-def test_moe_gathered_experts_equal_grouped_and_are_made_with_the_step(monkeypatch):
-    from k3.layers.joined import decoding
-
+def test_moe_gathered_experts_equal_the_slots_and_are_made_with_the_step():
+    """The copies a step makes (`prepare_for_decoding`) are the weights as they were then; given to the MoE
+    (`fused`), they select the gathered path, which equals the slots' path on the layer's own weights."""
     model = tiny_model("kimi-k3-tiny")
     moe = model.moe_layers()[0]
+    index = next(i for i, layer in enumerate(model.model.layers) if layer.ffn is moe)
     x = torch.randn(3, model.config.hidden_size)
     with torch.no_grad():
-        DecodeStep(model, model.new_cache(1, max_length=8))  # makes the copies (prepare)
-        with decoding():
-            gathered = moe(x)  # the stacked experts, the joined projections
-        monkeypatch.setattr(moe_module, "FEW_ASSIGNMENTS", 0)
-        grouped = moe(x)  # outside a step: the layer's own weights, all experts at once
-        torch.testing.assert_close(gathered, grouped, rtol=1e-5, atol=1e-6)
-        moe.experts[3].w1.mul_(2.0)  # an update outside a step is not seen by the copies until the next step
-        torch.testing.assert_close(moe.experts._stack[0][3] * 2, moe.experts[3].w1)
-        DecodeStep(model, model.new_cache(1, max_length=8))
-        torch.testing.assert_close(moe.experts._stack[0][3], moe.experts[3].w1)
-        with decoding():
-            torch.testing.assert_close(moe(x), moe(x.clone()), rtol=0, atol=0)
-            gathered = moe(x)
-        torch.testing.assert_close(gathered, moe(x), rtol=1e-5, atol=1e-6)
+        fused = DecodeStep(model, model.new_cache(1, max_length=8)).fused[index][1]
+        torch.testing.assert_close(moe(x, fused=fused), moe(x), rtol=1e-5, atol=1e-6)
+        moe.experts[3].w1.mul_(2.0)  # an update after the step was made is not in its copies
+        torch.testing.assert_close(fused.experts[0][3] * 2, moe.experts[3].w1)
+        fused = DecodeStep(model, model.new_cache(1, max_length=8)).fused[index][1]
+        torch.testing.assert_close(fused.experts[0][3], moe.experts[3].w1)
+        torch.testing.assert_close(moe(x, fused=fused), moe(x.clone(), fused=fused), rtol=0, atol=0)
+        torch.testing.assert_close(moe(x, fused=fused), moe(x), rtol=1e-5, atol=1e-6)
 
 
 def test_copies_are_read_only_inside_a_step():
     """A model whose weights change in place (FSDP refills its parameters; p.data.copy_ bumps no version)
-    computes with them as they are: the copies a step made are not read outside one."""
+    computes with them as they are: the copies a step made are read only by that step."""
     model = tiny_model("kimi-k3-tiny")
     ids = _ids(1, 6)
     DecodeStep(model, model.new_cache(1, max_length=8))
