@@ -160,6 +160,7 @@ class Engine:
         self.peak_running = 0
         self.steps = 0
         self._cache = None  # the running batch's HybridCache, row i = running[i]
+        self._fused = model.decoding_weights()  # the weight copies decoding reads (the weights do not change)
         self._last: torch.Tensor | None = None  # [B] the token each running row feeds next
         self._lock = threading.Condition()
         self._draining = self._stopped = False
@@ -347,7 +348,7 @@ class Engine:
             self._finish(sequence, reason)
 
     def _decode(self) -> None:
-        logits = self.model(self._last.unsqueeze(1), cache=self._cache)[:, -1]
+        logits = self.model(self._last.unsqueeze(1), cache=self._cache, fused=self._fused)[:, -1]
         self._last = self._sample(logits, self.running)
         self.steps += 1
         self._emit(self.running, self._last)
