@@ -52,7 +52,7 @@ class DecodeWeights(NamedTuple):
     """A MoE layer's copies for the decode step (`MoE.fuse_for_decoding`)."""
 
     inputs: torch.Tensor | None  # the input projections joined (None: fewer than two)
-    experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (W1, W3, W2), every expert stacked
+    experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (W1, W3, W2) stacked; None: cannot be
 
 
 class Expert(nn.Module):
@@ -158,14 +158,14 @@ class RoutedExperts(nn.ModuleList):
         return self._batched(z, chosen, weights, counts)
 
     @torch.no_grad()
-    def stack_for_decoding(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def stack_for_decoding(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Every expert's matrices stacked, (W1 [E, hidden, d], W3 [E, hidden, d], W2 [E, d, hidden]) (a copy,
-        made by `k3.models.decode_step.prepare_for_decoding`, passed back as `stack` by the step). Only plain
-        experts held in this process, within STACKED_BYTES_LIMIT bytes, can be stacked."""
+        made by `CausalLM.decoding_weights`, passed back as `stack` when decoding). Only plain experts held in
+        this process, within STACKED_BYTES_LIMIT bytes, can be stacked: None for others (MXFP4, experts held by
+        other processes), which decode in slots."""
         if not all(type(e) is Expert for e in self) or sum(
                 p.numel() * p.element_size() for e in self for p in (e.w1, e.w3, e.w2)) > STACKED_BYTES_LIMIT:
-            raise RuntimeError("RoutedExperts: a captured decode step needs the experts stacked, which only plain "
-                               f"experts held in this process, within {STACKED_BYTES_LIMIT:,} bytes, allow")
+            return None
         return tuple(torch.stack([getattr(e, name).detach() for e in self]) for name in ("w1", "w3", "w2"))
 
     def _gathered(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, stack) -> torch.Tensor:
@@ -309,10 +309,10 @@ class MoE(nn.Module):
         chosen, weights = self.router(h)
         projected = project(h, self._input_projections(), None if fused is None else fused.inputs)
         z = h if self.latent_dim is None else projected.pop(0)
-        if fused is None:
+        if fused is None or fused.experts is None:
             counts = self.last_load = torch.bincount(chosen.flatten(), minlength=len(self.experts))
             routed = self.experts(z, chosen, weights, counts)
-        else:  # a decode step: no load count (its size depends on the routing)
+        else:  # decoding from the stacks: no load count (its size depends on the routing)
             routed = self.experts(z, chosen, weights, None, stack=fused.experts)
         if self.latent_dim is not None:
             routed = self.latent_up_proj(self.latent_norm(routed))

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..generation import check_sampling, is_greedy, sample_with_noise
+from ..layers.moe import STACKED_BYTES_LIMIT, DecodeWeights
 from ..runtime import check_compiler
 from .static_cache import StaticCache
 
@@ -103,6 +104,9 @@ class DecodeStep:
         self._noise = (torch.empty(cache.batch_size, model.config.vocab_size, device=device)
                        if not is_greedy(self.temperature) else None)
         self.fused = prepare_for_decoding(model)  # the copies the step reads, the weights as they are now
+        if any(isinstance(ffn, DecodeWeights) and ffn.experts is None for _, ffn in self.fused):
+            raise RuntimeError("DecodeStep: a captured decode step needs the routed experts stacked, which only "
+                               f"plain experts held in this process, within {STACKED_BYTES_LIMIT:,} bytes, allow")
         self._compiled, self._warm = bool(compile), False
         if compile and device.type == "cuda":
             self._mark_static_addresses()
