@@ -45,7 +45,7 @@ from typing import Callable
 import torch
 
 from ..generation import check_sampling, check_seed, is_greedy, sample
-from ..models.kinds import MIXERS
+from ..models.kinds import MIXERS, cache_bytes
 from ..models.model import PREFILL_PIECE
 
 log = logging.getLogger("k3.serve")
@@ -61,10 +61,8 @@ class Draining(RuntimeError):
 
 def sequence_bytes(config, tokens: int, dtype_bytes: int) -> int:
     """Cache bytes one sequence holds at `tokens` tokens: sum over layers of the KV / latent bytes per token
-    times tokens, plus the fixed recurrent and convolution states (`k3.models.kinds`)."""
-    per_token = sum(MIXERS[kind].cache_bytes_per_token(config, dtype_bytes) for kind in config.layer_types)
-    fixed = sum(MIXERS[kind].state_bytes(config, dtype_bytes) for kind in config.layer_types)
-    return per_token * tokens + fixed
+    times tokens, plus the fixed recurrent and convolution states (`k3.models.kinds.cache_bytes`)."""
+    return cache_bytes(config, 1, tokens, dtype_bytes)
 
 
 def prefill_bytes(config, piece: int, context: int, dtype_bytes: int) -> int:

@@ -63,11 +63,8 @@ def holds_checkpoint(folder) -> bool:
     folder = Path(folder)
     if (folder / MANIFEST).exists() or (folder / JOURNAL).exists():
         return True
-    try:
-        saved = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(saved, dict) and "k3" in saved and "train" in saved
+    saved = _saved_config(folder)
+    return "k3" in saved and "train" in saved
 
 
 def check_new_run_folder(out, overwrite: bool = False) -> None:
@@ -91,12 +88,18 @@ def check_new_run_folder(out, overwrite: bool = False) -> None:
                                 f"(--overwrite replaces only a k3 checkpoint)")
 
 
-def _saved_step(folder: Path) -> str:
-    """", at step N" from the folder's config.json (nothing when it does not say)."""
+def _saved_config(folder: Path) -> dict:
+    """The folder's config.json as a dict ({} when there is none, or it is not a JSON object)."""
     try:
-        step = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("step")
-    except (OSError, ValueError, AttributeError):
-        return ""
+        saved = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def _saved_step(folder: Path) -> str:
+    """" (at step N)" from the folder's config.json (nothing when it does not say)."""
+    step = _saved_config(folder).get("step")
     return f" (at step {step})" if isinstance(step, int) else ""
 
 
