@@ -144,10 +144,8 @@ def _parse_value(text: str):
 
 
 def _train_config(args):
-    from ..generation import check_seed
     from ..training import TrainConfig
 
-    check_seed(args.seed, "--seed")
     overrides = {}
     for item in args.set or []:
         if "=" not in item:
