@@ -175,11 +175,13 @@ def prefill(model, prompts: Prompts, max_new_tokens: int = 1, static: bool = Fal
         if prompts.dim() != 2 or prompts.shape[1] == 0:
             raise ValueError(f"generate: the prompt `input_ids` must be [B, T] with T >= 1, got {list(prompts.shape)}")
         check_positions(model, [prompts.shape[1]], max_new_tokens)
+        model.check_tokens(prompts)
         B, T = prompts.shape
         cache = model.new_cache(B, max_length=_static_slots(model, T, max_new_tokens)) if static else model.new_cache(B)
         return model(prompts, cache=cache, logits_to_keep=1)[:, -1], cache
     prompts = as_prompt_list(prompts, device=next(model.parameters()).device)  # where the model runs
     check_positions(model, [p.numel() for p in prompts], max_new_tokens)
+    model.check_tokens(torch.cat(prompts))
     by_length: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         by_length.setdefault(p.numel(), []).append(i)
@@ -212,6 +214,7 @@ def extend(model, input_ids: torch.Tensor, cache, max_new_tokens: int = 1) -> to
                          f"{input_ids.shape[0]}")
     check_positions(model, [cache.length + input_ids.shape[1]], max_new_tokens,
                     which=f"the context ({cache.length} tokens in the cache, {input_ids.shape[1]} new)")
+    model.check_tokens(input_ids)
     return model(input_ids, cache=cache, logits_to_keep=1)[:, -1]
 
 

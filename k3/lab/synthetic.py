@@ -194,11 +194,12 @@ class ConvLatentAttention(MultiHeadLatentAttention):
 
 
 def additive_rule(q, k, v, beta, *, initial_state=None, output_final_state=False, use_qk_l2norm=True,
-                  chunk_size=64):
+                  chunk_size=64, check_values=True):
     """Linear attention's update in the delta family's calling convention: S_t = S_{t-1} + k_t^T v_t,
     o_t = q_t S_t (no normaliser; the write strength beta is not used: linear attention only adds)."""
     return chunk_linear_attn(q, k, v, initial_state=initial_state, output_final_state=output_final_state,
-                             use_qk_l2norm=use_qk_l2norm, normalize=False, chunk_size=chunk_size)
+                             use_qk_l2norm=use_qk_l2norm, normalize=False, chunk_size=chunk_size,
+                             check_values=check_values)
 
 
 class AdditiveLinearAttention(DeltaNet):

@@ -90,7 +90,7 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self.c_attn(x).view(B, T, 3, self.num_heads, -1).unbind(2)  # [B, T, H, D] each
         if cache is None:
             record_max_logits(self, q, k, q.shape[-1] ** -0.5)  # (a training step's, for QK-Clip)
-            o, _ = attention(q, k, v)
+            o, _ = attention(q, k, v, check_values=False)
         else:  # the cache's rows and this call's, then the last T positions attend over them
             k_all, v_all = cache.append(k=k, v=v)
             record_max_logits(self, q, k_all, q.shape[-1] ** -0.5, cache.pad)

@@ -253,10 +253,10 @@ class _DeltaRuleAttention(nn.Module):
             q, k, v = (upcast(t).view(B, T, H, Dh) for t in (q, k, v))
             if keep and T == 1:  # a first token, with no state yet
                 o, state = self.recurrent_op(q, k, v, *gate_args, beta, initial_state=state, output_final_state=True,
-                                             use_qk_l2norm=True)
+                                             use_qk_l2norm=True, check_values=False)
             else:
                 o, state = self.chunk_op(q, k, v, *gate_args, beta, initial_state=state, output_final_state=keep,
-                                         use_qk_l2norm=True, chunk_size=self.chunk_size)
+                                         use_qk_l2norm=True, chunk_size=self.chunk_size, check_values=False)
             if keep:
                 cache.store(state, conv_states=(conv_q, conv_k, conv_v))
 
@@ -385,10 +385,11 @@ class LinearAttention(nn.Module):
             return self.o_proj(cast(o.reshape(B, -1), x.dtype)).unsqueeze(1)
         q, k, v = self._features(x)
         if cache is not None and T == 1:  # a first token, with no state yet
-            o, state = recurrent_linear_attn(q, k, v, initial_state=state, output_final_state=True)
+            o, state = recurrent_linear_attn(q, k, v, initial_state=state, output_final_state=True,
+                                             check_values=False)
         else:
             o, state = chunk_linear_attn(q, k, v, initial_state=state, output_final_state=cache is not None,
-                                         chunk_size=self.chunk_size)
+                                         chunk_size=self.chunk_size, check_values=False)
         if cache is not None:
             cache.store(state)
         return self.o_proj(cast(o.reshape(B, T, -1), x.dtype))

@@ -20,13 +20,12 @@ Balancing: after each training step, `update_bias(load)` moves each expert's cor
 The router's checkpoint name is `gate` (`block_sparse_moe.gate.weight`, as in Kimi Linear and DeepSeek);
 in code it is `MoE.router`, a `Router`: "gate" in k3 means the KDA forget gate and the output gates.
 
-Dispatch (`RoutedExperts`) costs what the k chosen experts cost, not all E, two ways, chosen by an
-explicit argument: training, prefill and eager decoding run every used expert at once as three batched
-matmuls over the tokens grouped by expert, in slots of equal size (a busy expert takes several); a decode
-step (k3.models.decode_step) passes the experts' matrices stacked when it was made (`fused`, from
-`MoE.fuse_for_decoding`), and each token's chosen ones are gathered from them by index (no host sync, no
-data-dependent shape, so the step compiles to one graph, gpt-fast's Mixtral). It is a module of its own
-so that expert parallelism (k3.training.parallel) plugs in from outside: a process keeps a slice of the
+Dispatch (`RoutedExperts`) costs what the k chosen experts cost, not all E, one way for training, prefill and
+decoding: the assignments grouped by expert in slots, every slot at once as three batched matmuls against its
+expert's matrices gathered by index, the number of slots set by the shapes alone, so nothing is read back to
+the host and the forward compiles whole (a few tokens: one slot per assignment, gpt-fast's Mixtral). A decode
+step passes the experts stacked once (`fused`, from `MoE.fuse_for_decoding`). It is a module of its own so
+that expert parallelism (k3.training.parallel) plugs in from outside: a process keeps a slice of the
 experts, and hooks on this module gather the tokens before it and sum the slices' outputs after it.
 """
 
@@ -46,6 +45,7 @@ from .joined import join, project
 from .norm import RMSNorm, upcast
 
 STACKED_BYTES_LIMIT = 1 << 30  # the largest routed experts kept a second time as stacked matrices (inference)
+SLOT_ROWS = 64  # rows of compute that one slot's gather of its expert's matrices costs about (RoutedExperts)
 
 
 class DecodeWeights(NamedTuple):
@@ -138,124 +138,93 @@ class Router(nn.Module):
 
 class RoutedExperts(nn.ModuleList):
     """The routed experts (`experts.N`), called as one module: sum_i w_i expert_i(z) over each token's
-    k chosen experts, two ways that agree to rounding, chosen by an explicit argument (`stack`):
+    k chosen experts, in one sync-free path for training, prefill and decoding.
 
-    - without `stack` (training, prefill, eager decoding): the tokens grouped by expert in slots of equal
-      size, every used expert at once as three batched matmuls (`_batched`);
-    - with `stack` (the decode step's, `stack_for_decoding`): the chosen experts' matrices gathered from
-      it by index (`_gathered`): no host sync, shapes set by the inputs alone, so the step compiles whole.
+    The N*k assignments are grouped by expert in slots of `capacity` rows (`slot_capacity`: a number set by
+    the shapes alone): expert e's count_e assignments fill ceil(count_e / capacity) slots, zeros pad its
+    last one, and three batched matmuls run every slot against its expert's matrices, gathered by index
+    from the experts stacked:
 
-    An entry may be None: under expert parallelism a process holds only its own slice of the
-    experts, and the tokens routed to the others are computed by the processes that own them."""
+        H_s = act(X_s W1_{e_s}^T, X_s W3_{e_s}^T);   Y_s = H_s W2_{e_s}^T;   out_n = sum_j w_nj Y[row_nj]
 
-    def forward(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor | None,
+    How many slots are used depends on the routing; how many are run does not: sum_e ceil(count_e / c) <=
+    (N k + E (c - 1)) / c, so that many always run (the ones past the used are all padding), every index is
+    computed on the device, and nothing is read back to the host: the forward compiles whole and a GPU
+    stream never waits. With capacity 1 (a few tokens: decoding) every assignment is its own slot, no
+    padding at all: gpt-fast's Mixtral, each token's experts gathered from the stack.
+
+    Rows move by one flat index, `source` [slots * capacity] (the token each row holds; N, a zero row, for
+    padding): a gather in, a scatter-add out, whose backwards are a scatter-add and a gather. An entry may
+    be None: under expert parallelism a process holds only its own slice of the experts; assignments to
+    the others go to no slot (their processes compute them)."""
+
+    def forward(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
                 stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """z [N, d], chosen [N, k] expert indices, weights [N, k], counts [E] (tokens per expert, the
-        bincount of `chosen`; None with `stack`) -> [N, d]. `stack`: every expert's (W1, W3, W2) stacked
-        (`stack_for_decoding`), a keyword (expert parallelism's hooks see the four tensors before it)."""
-        if stack is not None:
-            return self._gathered(z, chosen, weights, stack)
-        return self._batched(z, chosen, weights, counts)
-
-    @torch.no_grad()
-    def stack_for_decoding(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Every expert's matrices stacked, (W1 [E, hidden, d], W3 [E, hidden, d], W2 [E, d, hidden]) (a copy,
-        made by `CausalLM.decoding_weights`, passed back as `stack` when decoding). Only plain experts held in
-        this process, within STACKED_BYTES_LIMIT bytes, can be stacked: None for others (MXFP4, experts held by
-        other processes), which decode in slots."""
-        if not all(type(e) is Expert for e in self) or sum(
-                p.numel() * p.element_size() for e in self for p in (e.w1, e.w3, e.w2)) > STACKED_BYTES_LIMIT:
-            return None
-        return tuple(torch.stack([getattr(e, name).detach() for e in self]) for name in ("w1", "w3", "w2"))
-
-    def _gathered(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, stack) -> torch.Tensor:
-        """`forward` in a decode step: the N*k chosen experts' matrices gathered from `stack` by index, in the
-        order of `chosen` (token by token), W1, W3 [N*k, hidden, d] and W2 [N*k, d, hidden], then
-
-            [gate_n1 ... gate_nk] = z_n [W1_{e_n1}; ...; W1_{e_nk}]^T      one matmul per token (and per W3 for up)
-            y_ni = act(gate_ni, up_ni) W2_{e_ni}^T                          one matmul per (token, expert) pair
-            out_n = sum_i w_ni y_ni                                         in float32, as `_batched`
-
-        Row vectors times transposed matrices: the form batched matmul runs fastest for one row."""
-        W1, W3, W2 = (w.index_select(0, chosen.flatten()) for w in stack)
-        N, k = weights.shape
-        d = z.shape[-1]
-        x = z.unsqueeze(1)  # [N, 1, d]
-        gate = torch.bmm(x, W1.reshape(N, -1, d).transpose(1, 2))  # [N, 1, k*hidden]
-        up = torch.bmm(x, W3.reshape(N, -1, d).transpose(1, 2))
-        hidden = self[0].act(gate, up).view(N * k, 1, -1)  # [N*k, 1, hidden]
-        y = torch.bmm(hidden, W2.transpose(1, 2)).view(N, k, d)
-        return cast((y * weights.unsqueeze(-1)).sum(1), z.dtype)
-
-    def _batched(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
-                 ) -> torch.Tensor:
-        """`forward` with every used expert at once, in slots of `capacity` rows: expert e's tokens fill
-        ceil(count_e / capacity) slots (`_slots`; zeros pad each expert's last one: the activation of 0 is
-        0, and the padded rows are never read back), slot i runs expert slots[i], and three batched matmuls
-        run every slot against its expert's matrices:
-
-            H_i = act(X_i W1_{e_i}^T, X_i W3_{e_i}^T);   Y_i = H_i W2_{e_i}^T;   out_n = sum_j w_nj Y[row_nj]
-
-        A handful of ops whatever the number of experts; a busy expert takes several slots rather than
-        every expert padding to its count, so an unbalanced routing costs few padded rows. Rows move by one
-        flat index, `source` [slots * capacity] (the token each row holds; N, a zero row, for padding): a
-        gather in, a scatter-add out, whose backwards are a scatter-add and a gather (advanced indexing's
-        backward, an accumulating index_put, costs several times as much on CPU). Under expert parallelism
-        the assignments to experts held elsewhere (None) are left to their processes."""
+        """z [N, d], chosen [N, k] expert indices, weights [N, k] -> [N, d]. `stack`: the held experts'
+        (W1, W3, W2) stacked once (`stack_for_decoding`, a decode step's copy), a keyword (expert
+        parallelism's hooks see the three tensors before it); without it they are stacked here."""
         (N, k), d = chosen.shape, z.shape[-1]
         device = chosen.device
-        flat, flat_weights = chosen.flatten(), weights.flatten()
-        token = torch.arange(N * k, device=device) // k  # the token of each assignment
-        held = [e is not None for e in self]
-        if not all(held):
-            keep = torch.tensor(held, device=device)
-            flat_held = keep[flat]
-            flat, flat_weights, token = flat[flat_held], flat_weights[flat_held], token[flat_held]
-            counts = counts * keep.to(counts.device)
-        counts_list = counts.tolist()
-        if not any(counts_list):
-            return z.new_zeros(N, d)
-        capacity, slots = _slots(counts_list)
-        order = torch.argsort(flat, stable=True)  # assignments, grouped by expert
-        expert_of = flat[order]
-        counts = counts.to(device)
-        per_expert = (counts + capacity - 1) // capacity  # slots of each expert
-        first = torch.cumsum(counts, 0) - counts  # each expert's first assignment
+        held = [i for i, e in enumerate(self) if e is not None]
+        if stack is None:
+            stack = tuple(torch.stack([getattr(self[i], name) for i in held]) for name in ("w1", "w3", "w2"))
+        E = len(held)
+        expert = chosen.flatten()
+        if E < len(self):  # experts held elsewhere: index E, which gets no slot
+            local = torch.full((len(self),), E, dtype=torch.long)
+            local[held] = torch.arange(E)
+            expert = local.to(device)[expert]
+        capacity = slot_capacity(N * k, E)
+        slots = (N * k + E * (capacity - 1)) // capacity
+        counts = torch.zeros(E + 1, dtype=torch.long, device=device).index_add_(0, expert, torch.ones_like(expert))
+        per_expert = (counts[:E] + capacity - 1) // capacity  # slots each expert fills
         first_slot = torch.cumsum(per_expert, 0) - per_expert
-        place = torch.arange(len(flat), device=device) - first[expert_of]  # the assignment's place among its expert's
-        row = (first_slot[expert_of] + place // capacity) * capacity + place % capacity  # in [slots * capacity]
-        S = len(slots)
-        source = torch.full((S * capacity,), N, dtype=torch.long, device=device).index_copy_(0, row, token[order])
-        X = torch.cat([z, z.new_zeros(1, d)]).index_select(0, source).view(S, capacity, d)
-        # only the experts that got tokens: the others get no gradient
-        used = sorted(set(slots))
-        position = {e: i for i, e in enumerate(used)}
-        slot_expert = torch.tensor([position[e] for e in slots], device=device)
-        W1, W3, W2 = (torch.stack([getattr(self[e], name) for e in used]).index_select(0, slot_expert)
-                      for name in ("w1", "w3", "w2"))
-        act = self[used[0]].act
-        H = act(torch.bmm(X, W1.transpose(1, 2)), torch.bmm(X, W3.transpose(1, 2)))  # [S, capacity, hidden]
-        Y = torch.bmm(H, W2.transpose(1, 2)).view(S * capacity, d)
-        row_weight = weights.new_zeros(S * capacity).index_copy(0, row, flat_weights.index_select(0, order))
+        order = torch.argsort(expert, stable=True)  # assignments, grouped by expert
+        expert_of = expert[order]
+        first = torch.cumsum(counts, 0) - counts  # each expert's first assignment in `order`
+        place = torch.arange(N * k, device=device) - first[expert_of]  # its place among its expert's
+        row = (F.pad(first_slot, (0, 1), value=slots)[expert_of] + place // capacity) * capacity + place % capacity
+        row = row.clamp(max=slots * capacity)  # experts held elsewhere: the one row past the last slot
+        token = order // k
+        source = torch.full((slots * capacity + 1,), N, dtype=torch.long, device=device).index_copy_(0, row, token)
+        source = source[:-1]
+        X = torch.cat([z, z.new_zeros(1, d)]).index_select(0, source).view(slots, capacity, d)
+        # the expert of each slot; slots past the used ones (all padding) run the last expert on zeros
+        slot_expert = torch.searchsorted(torch.cumsum(per_expert, 0), torch.arange(slots, device=device), right=True)
+        W1, W3, W2 = (w.index_select(0, slot_expert.clamp(max=E - 1)) for w in stack)
+        act = self[held[0]].act
+        H = act(torch.bmm(X, W1.transpose(1, 2)), torch.bmm(X, W3.transpose(1, 2)))  # [slots, capacity, hidden]
+        Y = torch.bmm(H, W2.transpose(1, 2)).view(slots * capacity, d)
+        row_weight = weights.new_zeros(slots * capacity + 1).index_copy_(0, row, weights.flatten()[order])[:-1]
         y = upcast(Y) * row_weight.unsqueeze(-1)  # padding rows: weight 0
         out = y.new_zeros(N + 1, d).index_add_(0, source, y)
         return cast(out[:N], z.dtype)
 
+    @torch.no_grad()
+    def stack_for_decoding(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The held experts' matrices stacked, (W1 [E, hidden, d], W3 [E, hidden, d], W2 [E, d, hidden]) (a
+        copy, made by `CausalLM.decoding_weights`, passed back as `stack` when decoding, so a token does not
+        stack them again). None past STACKED_BYTES_LIMIT bytes, and for experts that are not plain `Expert`s
+        (MXFP4: kept packed, decoded as each forward stacks them)."""
+        held = [e for e in self if e is not None]
+        if not all(type(e) is Expert for e in held) or sum(
+                p.numel() * p.element_size() for e in held for p in (e.w1, e.w3, e.w2)) > STACKED_BYTES_LIMIT:
+            return None
+        return tuple(torch.stack([getattr(e, name).detach() for e in held]) for name in ("w1", "w3", "w2"))
 
-def _slots(counts: list[int]) -> tuple[int, list[int]]:
-    """The slots `RoutedExperts._batched` runs for experts with `counts` tokens: (capacity, the expert of
-    each slot). The capacity is the one of max(counts) / j, j = 1..4, that needs the fewest rows in all
-    (the fewer slots on a tie): the busiest expert's count when the routing is balanced, a fraction of it
-    when a few experts draw most tokens."""
-    busiest = max(counts)
-    best = None
-    for j in range(1, 5):
-        capacity = max(1, -(-busiest // j))
-        slots = sum(-(-c // capacity) for c in counts)
-        if best is None or capacity * slots < best[0] * best[1]:
-            best = (capacity, slots)
-    capacity = best[0]
-    return capacity, [e for e, c in enumerate(counts) for _ in range(-(-c // capacity))]
+
+def slot_capacity(assignments: int, experts: int) -> int:
+    """Rows per slot for `assignments` (N k) over `experts` held, from the shapes alone: the power of two
+    C that costs least, counting the padding rows run, experts x (C - 1) at most, against the slots
+    run, (assignments + experts (C - 1)) / C, each of which gathers its expert's three matrices and
+    costs about SLOT_ROWS rows of compute. A few tokens (decoding) get C = 1: no padding at all."""
+    best, best_cost, capacity = 1, None, 1
+    while capacity <= max(1, assignments):
+        cost = experts * (capacity - 1) + SLOT_ROWS * ((assignments + experts * (capacity - 1)) // capacity)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = capacity, cost
+        capacity *= 2
+    return best
 
 
 class MoE(nn.Module):
@@ -301,19 +270,17 @@ class MoE(nn.Module):
             init_linear(self.latent_up_proj, residual_std)
 
     def forward(self, x: torch.Tensor, fused: DecodeWeights | None = None) -> torch.Tensor:
-        """x [..., dim] -> [..., dim]. `fused`: the decode step's copies (`fuse_for_decoding`): the input
-        projections as one matmul and the experts' gathered path; without them (training, prefill, eager
-        decoding) each projection as it is, the experts in slots, and the load counted (`last_load`)."""
+        """x [..., dim] -> [..., dim], the tokens routed to each expert counted in `last_load`. `fused`: the
+        decoding copies (`fuse_for_decoding`): the input projections as one matmul and the experts stacked
+        once; without them each projection as it is and the experts stacked by the call."""
         shape = x.shape
         h = x.reshape(-1, shape[-1])
         chosen, weights = self.router(h)
         projected = project(h, self._input_projections(), None if fused is None else fused.inputs)
         z = h if self.latent_dim is None else projected.pop(0)
-        if fused is None or fused.experts is None:
-            counts = self.last_load = torch.bincount(chosen.flatten(), minlength=len(self.experts))
-            routed = self.experts(z, chosen, weights, counts)
-        else:  # decoding from the stacks: no load count (its size depends on the routing)
-            routed = self.experts(z, chosen, weights, None, stack=fused.experts)
+        self.last_load = torch.zeros(len(self.experts), dtype=torch.long, device=chosen.device).index_add_(
+            0, chosen.flatten(), torch.ones_like(chosen.flatten()))
+        routed = self.experts(z, chosen, weights, stack=None if fused is None else fused.experts)
         if self.latent_dim is not None:
             routed = self.latent_up_proj(self.latent_norm(routed))
         if self.shared_experts is not None:

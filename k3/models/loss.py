@@ -26,14 +26,15 @@ HEAD_PIECE = 1 << 21
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
-    """loss = scale · Σ_n [logsumexp(h_n W^T) − (h_n W^T)[y_n]] over pieces of tokens.
+    """loss = Σ_n c_n [logsumexp(h_n W^T) − (h_n W^T)[y_n]] over pieces of tokens, c_n [N] each token's
+    weight (the reduction's scale where it counts, 0 where its target is IGNORE_INDEX).
 
     Per piece: logits = h W^T, e = exp(logits − max), lse = max + log Σ e; with gradients,
-    dlogits = scale · (softmax − onehot(y)), dh = dlogits W and dW += dlogits^T h, formed here and
+    dlogits = c · (softmax − onehot(y)), dh = dlogits W and dW += dlogits^T h, formed here and
     scaled by the incoming gradient in backward (which saves no [tokens, vocab] tensor)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, tokens_per_piece: int, scale: float, with_grad: bool):
+    def forward(ctx, hidden, weight, targets, tokens_per_piece: int, scale: torch.Tensor, with_grad: bool):
         # the three matmuls run in the sums' dtype `acc` (float32; float64 for float64), or under autocast
         # (k3 train --precision bf16) in its dtype, as F.linear's would, with float32 sums
         low = autocast_dtype(hidden)
@@ -48,19 +49,20 @@ class _HeadCrossEntropy(torch.autograd.Function):
         with without_autocast(h_all):
             for start in range(0, h_all.shape[0], tokens_per_piece):
                 h, y = h_all[start:start + tokens_per_piece], targets[start:start + tokens_per_piece, None]
+                c = scale[start:start + tokens_per_piece, None].to(acc)  # [n, 1]
                 logits = (h @ w.t()).to(acc)  # [n, V]
                 picked = logits.gather(1, y)  # the target's logit, [n, 1]
                 top = logits.amax(1, keepdim=True)
                 e = logits.sub_(top).exp_()  # in place: the piece's only [n, V] block
                 sums = e.sum(1, keepdim=True)
-                total += (top + sums.log() - picked).sum()
+                total += ((top + sums.log() - picked) * c).sum()
                 if want_h or want_w:
-                    grad = e.mul_(scale / sums)  # scale · softmax
-                    grad.scatter_add_(1, y, grad.new_full(y.shape, -scale))  # − scale · onehot
+                    grad = e.mul_(c / sums)  # c · softmax
+                    grad.scatter_add_(1, y, -c)  # − c · onehot
                     _accumulate(grad.to(low), h, w, dh, dw, start)
         ctx.save_for_backward(dh, dw)
         ctx.dtypes = hidden.dtype, weight.dtype
-        return total * scale
+        return total
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -107,10 +109,13 @@ def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     if hidden.dim() != 2 or hidden.shape[0] != targets.numel():
         raise ValueError(f"head_cross_entropy: `hidden` must be [N, d] with N = {targets.numel()} (the targets), "
                          f"got {list(hidden.shape)}")
+    # every token goes through the head (no data-dependent selection: nothing is read back to the host);
+    # an ignored one's weight is 0, and its target a valid index that it never counts for
     counted = targets != IGNORE_INDEX
-    if not bool(counted.all()):  # only the counted tokens go through the head
-        hidden, targets = hidden[counted], targets[counted]
-    scale = 1.0 / max(1, targets.numel()) if reduction == "mean" else 1.0
+    scale = counted.to(upcast(hidden).dtype)
+    if reduction == "mean":
+        scale = scale / counted.sum().clamp(min=1)
+    targets = targets.clamp(min=0)
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     tokens = max(1, piece // weight.shape[0])
     return _HeadCrossEntropy.apply(hidden, weight, targets, tokens, scale, with_grad)

@@ -259,7 +259,8 @@ class CausalLM(nn.Module):
                 raise ValueError(f"CausalLM: `targets` must be [B, T] like `input_ids` {list(input_ids.shape)} "
                                  f"and come without a cache, got {list(targets.shape)}"
                                  + (" with a cache" if cache is not None else ""))
-            self._check_targets(targets)
+            if targets.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"CausalLM: `targets` must be int64 (or int32) token ids, got {targets.dtype}")
             hidden = self.model(input_ids, None)
             return head_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, targets, reduction)
         if cache is None:
@@ -291,14 +292,20 @@ class CausalLM(nn.Module):
                 hidden.pop(0)
         return hidden[0] if len(hidden) == 1 else torch.cat(hidden, dim=1)
 
-    def _check_targets(self, targets: torch.Tensor) -> None:
-        """Targets are token ids of the vocabulary, or IGNORE_INDEX where no token counts."""
-        if targets.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"CausalLM: `targets` must be int64 (or int32) token ids, got {targets.dtype}")
-        outside = self._outside_vocabulary(targets[targets != IGNORE_INDEX])
+    def check_tokens(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> None:
+        """A clear error unless `input_ids` are token ids in [0, vocab_size) and `targets` (if given) such ids
+        or IGNORE_INDEX. The check a boundary runs (generate, the training step, k3 serve) once per batch:
+        it reads the ids' range back from the device, which a forward never does (an id out of range fails
+        there in the embedding's or the loss's own index check, without naming it)."""
+        outside = self._outside_vocabulary(input_ids)
         if outside:
-            raise ValueError(f"CausalLM: `targets` must be token ids in [0, {self.config.vocab_size}) or "
-                             f"{IGNORE_INDEX} (not counted); got ids from {outside[0]} to {outside[1]}")
+            raise ValueError(f"CausalLM: token ids must be in [0, {self.config.vocab_size}); got ids from "
+                             f"{outside[0]} to {outside[1]} (does the tokenizer match the model?)")
+        if targets is not None:
+            outside = self._outside_vocabulary(targets[targets != IGNORE_INDEX])
+            if outside:
+                raise ValueError(f"CausalLM: `targets` must be token ids in [0, {self.config.vocab_size}) or "
+                                 f"{IGNORE_INDEX} (not counted); got ids from {outside[0]} to {outside[1]}")
 
     def _outside_vocabulary(self, ids: torch.Tensor) -> tuple[int, int] | None:
         """(lowest, highest) of `ids` when one is not in [0, vocab_size); None when all are (or none is
@@ -317,10 +324,6 @@ class CausalLM(nn.Module):
         if input_ids.numel() == 0:
             raise ValueError(f"CausalLM: `input_ids` {list(input_ids.shape)} holds no tokens; give at least one "
                              f"sequence of at least one token ([B, T] with B, T >= 1)")
-        outside = self._outside_vocabulary(input_ids)
-        if outside:
-            raise ValueError(f"CausalLM: token ids must be in [0, {self.config.vocab_size}); got ids from "
-                             f"{outside[0]} to {outside[1]} (does the tokenizer match the model?)")
         if cache is not None:
             if not isinstance(cache, (HybridCache, StaticCache)):
                 raise ValueError(f"CausalLM: `cache` must come from model.new_cache(), got {type(cache).__name__}")

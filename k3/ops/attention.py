@@ -38,7 +38,8 @@ def causal_mask(T: int, S: int, start: torch.Tensor | None = None, device=None) 
     return (allowed & filled[:, None, :]).unsqueeze(1)
 
 
-def causal_attention(q, k, v, scale: float, start: torch.Tensor | None = None, mask: torch.Tensor | None = None):
+def causal_attention(q, k, v, scale: float, start: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                     guard: bool = False):
     """The attention of the last T positions of a sequence over all of it (internal: no checks, the
     core of `attention` and of the decode steps of the attention layers).
 
@@ -50,16 +51,17 @@ def causal_attention(q, k, v, scale: float, start: torch.Tensor | None = None, m
     Keys and values of different head sizes (MLA: K = dn + dr, V = dv) are zero-padded to one size:
     the fused kernel, which never holds the [T, S] scores of a head, takes only one; without it the
     scores of every head are materialised (quadratic memory in a long prefill). Zero columns change
-    neither the scores (the scale is given) nor the kept output columns. A NaN or inf among this call's
-    keys or values reaches no earlier query (`k3.ops.common.keep_causal`).
+    neither the scores (the scale is given) nor the kept output columns. With `guard` (the public
+    `attention` op's), a NaN or inf among this call's keys or values reaches no earlier query
+    (`k3.ops.common.keep_causal`), at the cost of reading them back from the device; the layers go without.
 
     `mask` [B, 1, T, S] (bool, True where a query may look), when given, replaces the causal mask and
     `start`: a static cache's slots (`k3.layers.cache.StaticSequenceCache.visible`), where rows write
-    this call's tokens at slots of their own (the NaN guard above is then off)."""
+    this call's tokens at slots of their own (the guard above is then off)."""
     T, S = q.shape[1], k.shape[1]
     dtype = compute_dtype(q.dtype)
     qf, kf, vf = (cast(x, dtype) for x in (q, k, v))
-    onwards = None if T == 1 or mask is not None else nonfinite_onwards(kf[:, S - T:], vf[:, S - T:])
+    onwards = None if T == 1 or mask is not None or not guard else nonfinite_onwards(kf[:, S - T:], vf[:, S - T:])
     o = _fused_attention(qf, kf, vf, scale, start, mask)
     o = keep_causal(o, onwards, lambda zero: _fused_attention(
         qf, torch.cat([kf[:, : S - T], zero(kf[:, S - T:])], 1), torch.cat([vf[:, : S - T], zero(vf[:, S - T:])], 1),
@@ -88,11 +90,13 @@ def _fused_attention(q, k, v, scale: float, start: torch.Tensor | None, mask: to
 
 
 def attention(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-              use_qk_l2norm=False):
+              use_qk_l2norm=False, check_values=True):
     """Causal softmax attention with an optional KV cache.
 
     q, k [B,T,H,K]; v [B,T,H,V]; initial_state (past_k [B,P,H,K], past_v [B,P,H,V]); cu_seqlens [N+1]
-    (B = 1, no past). Returns (o [B,T,H,V], (k, v) with the new tokens appended, or None)."""
+    (B = 1, no past). Returns (o [B,T,H,V], (k, v) with the new tokens appended, or None).
+    `check_values` as the delta family's (`k3.ops.delta_family.run_delta_op`): False skips the guard that
+    keeps a NaN or inf from reaching earlier queries, and its read-back (what the layers pass)."""
     op = "attention"
     B, T, H, K, V = check_qkv(op, q, k, v)
     cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device)
@@ -117,7 +121,7 @@ def attention(q, k, v, scale=None, initial_state=None, output_final_state=False,
         qf, kf = l2norm(cast(qf, dtype)), l2norm(cast(kf, dtype))
 
     def run(q_, k_, v_):
-        return causal_attention(q_, k_, v_, scale), None
+        return causal_attention(q_, k_, v_, scale, guard=check_values), None
 
     o, _ = run_packed(run, cu_seqlens, qf, kf, vf)
     return cast(o, q.dtype), ((k_all, v_all) if output_final_state else None)

@@ -62,7 +62,7 @@ def autograd_through_forward():
         _autograd_through_forward.on = before
 
 
-def chunk_delta(q, k, v, beta, *, g=None, initial_state=None, scale: float, chunk_size: int):
+def chunk_delta(q, k, v, beta, *, g=None, initial_state=None, scale: float, chunk_size: int, guard: bool = True):
     """The delta rule over chunks of `chunk_size` tokens (any T: the last chunk is padded with no-op
     steps). Inputs already validated and in the accumulation dtype (`k3.ops.delta_family`).
 
@@ -70,9 +70,9 @@ def chunk_delta(q, k, v, beta, *, g=None, initial_state=None, scale: float, chun
     [N,T,H,K] (KDA) log decay; initial_state None or [N,H,K,V].
     Returns (o [N,T,H,V], final state [N,H,K,V]), ordinary tensors even when run in inference mode.
 
-    A NaN or inf in k, v or beta reaches no earlier output (`k3.ops.common.keep_causal`; q only ever
-    reaches its own row, and g is a validated log decay whose -inf is clamped)."""
-    onwards = nonfinite_onwards(k, v, beta)
+    With `guard`, a NaN or inf in k, v or beta reaches no earlier output (`k3.ops.common.keep_causal`; q
+    only ever reaches its own row, and g is a validated log decay whose -inf is clamped)."""
+    onwards = nonfinite_onwards(k, v, beta) if guard else None
     o, S = _chunk_delta(q, k, v, beta, g, initial_state, scale, chunk_size)
     return keep_causal(o, onwards, lambda zero: _chunk_delta(q, zero(k), zero(v), zero(beta), zero(g),
                                                               initial_state, scale, chunk_size)[0]), S
@@ -115,10 +115,9 @@ def _chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int):
 
 
 def _clamped(g: torch.Tensor, floor: float) -> torch.Tensor:
-    """g clamped from below at `floor`, so that g = -inf stays finite in the cumulative sums; the clamp
-    only where some g is below the floor: with a gradient to take, its mask and its backward cost more
-    passes than the one reduction that looks."""
-    return g.clamp(min=floor) if bool(g.min() < floor) else g
+    """g clamped from below at `floor`, so that g = -inf stays finite in the cumulative sums (the values
+    above it unchanged, their gradient passed through)."""
+    return g.clamp(min=floor)
 
 
 def _reverse_cumsum_within_chunks(x: torch.Tensor) -> torch.Tensor:

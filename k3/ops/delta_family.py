@@ -47,12 +47,18 @@ def token_loop(recurrence: Callable) -> Callable:
 
 def run_delta_op(op: str, form: Callable, q, k, v, beta, *, g=None, gate: str | None = None, scale,
                  initial_state, output_final_state: bool, cu_seqlens, use_qk_l2norm: bool,
-                 chunk_size: int | None = None):
+                 chunk_size: int | None = None, check_values: bool = True):
     """Validate the public arguments of `op`, cast to the accumulation dtype, pack/unpack `cu_seqlens`,
     and run `form` (a `token_loop`, or `chunk_delta` when chunk_size is given).
 
     q, k [B,T,H,K]; v [B,T,H,V]; beta [B,T,H]; `gate` None (g None), "head" (g [B,T,H]) or "channel"
-    (g [B,T,H,K]). Returns (o [B,T,H,V] in q's dtype, final state [N,H,K,V] or None)."""
+    (g [B,T,H,K]). Returns (o [B,T,H,V] in q's dtype, final state [N,H,K,V] or None).
+
+    `check_values` (every public op's last argument, default True) looks at the values, which reads them
+    back from the device: g must be a log decay (<= 0), and a chunk form keeps a NaN or inf from reaching
+    earlier outputs (`k3.ops.common.keep_causal`). False skips both: what the layers pass, whose inputs are
+    their own projections (g <= 0 by construction) and whose forward must not wait on the device; a
+    non-finite value there reaches the loss, which the training step checks once per step."""
     B, T, H, K, V = check_qkv(op, q, k, v)
     if gate == "head":
         check_tensor(op, "g", g, (B, T, H), q)
@@ -66,7 +72,8 @@ def run_delta_op(op: str, form: Callable, q, k, v, beta, *, g=None, gate: str | 
     chunking = {}
     if chunk_size is not None:
         chunking["chunk_size"] = check_chunk_size(op, chunk_size)
-    if g is not None:
+        chunking["guard"] = check_values
+    if g is not None and check_values:
         check_log_decay(op, g)
 
     in_dtype, dtype = q.dtype, compute_dtype(q.dtype)

@@ -39,11 +39,11 @@ def _recurrence(q, k, v1, S0):
     return o, S
 
 
-def _chunked(q, k, v1, S0, chunk_size):
+def _chunked(q, k, v1, S0, chunk_size, guard: bool = True):
     """Chunkwise: O = Q S_n + tril(Q K^T) V1 per chunk, with S_n = S_0 + sum of K_m^T V1_m over the
     earlier chunks m < n (one cumulative sum, no loop). Same arguments and result as `_recurrence`;
     a NaN or inf in k or v reaches no earlier output (`k3.ops.common.keep_causal`)."""
-    onwards = nonfinite_onwards(k, v1)
+    onwards = nonfinite_onwards(k, v1) if guard else None
     o, S = _chunk_form(q, k, v1, S0, chunk_size)
     return keep_causal(o, onwards, lambda zero: _chunk_form(q, zero(k), zero(v1), S0, chunk_size)[0]), S
 
@@ -67,7 +67,7 @@ def _chunk_form(q, k, v1, S0, chunk_size):
 
 
 def _linear_attn(op, form, q, k, v, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
-                 normalize, eps, chunk_size=None):
+                 normalize, eps, chunk_size=None, check_values=True):
     B, T, H, K, V = check_qkv(op, q, k, v)
     cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -89,7 +89,7 @@ def _linear_attn(op, form, q, k, v, scale, initial_state, output_final_state, cu
     v1 = torch.cat([vf, torch.ones_like(vf[..., :1])], dim=-1)  # padding zeroes the ones column too
 
     def run(q_, k_, v_):
-        return form(q_, k_, v_, S0) if chunk_size is None else form(q_, k_, v_, S0, chunk_size)
+        return form(q_, k_, v_, S0) if chunk_size is None else form(q_, k_, v_, S0, chunk_size, check_values)
 
     with without_autocast(q):  # the state and its matmuls in the accumulation dtype under bf16 autocast too
         o1, S1 = run_packed(run, cu_seqlens, qf * scale, kf, v1)
@@ -112,19 +112,19 @@ def linear_attn_step(q, k, v, state, scale: float, eps: float = 1e-6):
 
 
 def recurrent_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False,
-                          cu_seqlens=None, use_qk_l2norm=False, normalize=True, eps=1e-6):
+                          cu_seqlens=None, use_qk_l2norm=False, normalize=True, eps=1e-6, check_values=True):
     """Linear attention token by token: the reference form, and the decode step (T = 1).
 
     q, k [B,T,H,K] (already feature-mapped); v [B,T,H,V]; initial_state (S [N,H,K,V], z [N,H,K]);
     cu_seqlens [N+1] (B = 1); normalize divides by q.z + eps. Returns (o [B,T,H,V], (S, z) or None)."""
     return _linear_attn("recurrent_linear_attn", _recurrence, q, k, v, scale, initial_state,
-                        output_final_state, cu_seqlens, use_qk_l2norm, normalize, eps)
+                        output_final_state, cu_seqlens, use_qk_l2norm, normalize, eps, check_values=check_values)
 
 
 def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False,
-                      cu_seqlens=None, use_qk_l2norm=False, normalize=True, eps=1e-6, chunk_size=64):
+                      cu_seqlens=None, use_qk_l2norm=False, normalize=True, eps=1e-6, chunk_size=64, check_values=True):
     """Linear attention chunkwise-parallel; equals `recurrent_linear_attn` for any T.
 
     Arguments and result as `recurrent_linear_attn`, plus chunk_size C (any T)."""
     return _linear_attn("chunk_linear_attn", _chunked, q, k, v, scale, initial_state,
-                        output_final_state, cu_seqlens, use_qk_l2norm, normalize, eps, chunk_size)
+                        output_final_state, cu_seqlens, use_qk_l2norm, normalize, eps, chunk_size, check_values=check_values)

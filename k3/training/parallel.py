@@ -357,7 +357,7 @@ def _dispatch_tokens(experts: nn.Module, args: tuple) -> tuple:
     chosen experts (an all-to-all with per-rank counts), with its chosen experts and routing weights.
     There the experts run as in one process, skipping the experts held elsewhere (None), and return
     each received token's weighted sum over that rank's experts."""
-    z, chosen, weights, _ = args
+    z, chosen, weights = args
     group = experts.ep_group
     world = dist.get_world_size(group)
     owner = chosen // (len(experts) // world)  # [N, k] the rank holding each chosen expert
@@ -373,7 +373,7 @@ def _dispatch_tokens(experts: nn.Module, args: tuple) -> tuple:
     row_chosen = chosen.new_empty((sum(received), chosen.shape[1]))
     dist.all_to_all_single(row_chosen, chosen[tokens].contiguous(), received, sent, group=group)
     experts._route = _Route(tokens, len(z), sent, received)
-    return rows, row_chosen, row_weights, torch.bincount(row_chosen.flatten(), minlength=len(experts))
+    return rows, row_chosen, row_weights
 
 
 def _combine_outputs(experts: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:

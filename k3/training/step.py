@@ -78,6 +78,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, windows: torc
     if len(parts) != cfg.grad_accum or windows.shape[0] % cfg.grad_accum:
         raise ValueError(f"a batch of {windows.shape[0]} windows does not split into grad_accum = "
                          f"{cfg.grad_accum} equal micro-batches")
+    model.check_tokens(windows, targets)  # once per step, here: the forwards read nothing back
     optimizer.zero_grad(set_to_none=True)
     tau = qk_clip_threshold(cfg)
     attention = qk_clip.begin_step(model, tau)

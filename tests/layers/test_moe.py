@@ -127,9 +127,10 @@ def test_balanced_and_one_sided_routings_run_in_slots(name):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_skewed_routing_runs_in_slots(name):
     """A skewed routing (one expert drawing about half the tokens, as training's routing drifts before the
-    bias corrects it): the busy expert takes several slots; values and gradients equal the dense reference,
-    and experts no token chose get no gradient."""
-    import k3.layers.moe as moe_module
+    bias corrects it): the busy expert takes several slots within the slots run (their number set by the
+    shapes alone); values and gradients equal the dense reference, and an expert no token chose gets a
+    zero gradient (every held expert is stacked)."""
+    from k3.layers.moe import slot_capacity
 
     torch.manual_seed(3)
     moe = MoE(16, **CONFIGS[name]).double()
@@ -138,13 +139,26 @@ def test_skewed_routing_runs_in_slots(name):
         moe.gate.e_score_correction_bias[6] = -5.0  # expert 6 in none
     x = torch.randn(4, 25, 16, dtype=torch.float64, requires_grad=True)
     h = x.reshape(-1, 16)
-    counts = torch.bincount(moe.router(h)[0].flatten(), minlength=8).tolist()
-    capacity, slots = moe_module._slots(counts)
-    assert slots.count(3) >= 2 and 6 not in slots and capacity < max(counts)
-    assert capacity * len(slots) <= 2 * sum(counts)
+    counts = torch.bincount(moe.router(h)[0].flatten(), minlength=8)
+    assignments = int(counts.sum())
+    capacity = slot_capacity(assignments, 8)
+    slots = (assignments + 8 * (capacity - 1)) // capacity
+    assert int(((counts + capacity - 1) // capacity).sum()) <= slots  # the bound holds
+    assert int(counts[3]) > capacity and int(counts[6]) == 0
     params = [x, moe.experts[3].w1, moe.experts[0].w3, moe.experts[2].w2, moe.experts[6].w1]
     _, grads = assert_equals_dense(moe, x, params)
-    assert grads[-1] is None
+    assert grads[-1] is not None and not grads[-1].any()
+
+
+def test_slot_capacity_is_one_for_a_few_tokens_and_bounds_the_padding():
+    """Decoding (a few assignments per expert) runs one slot per assignment; many tokens run slots whose
+    padding, experts x (capacity - 1) rows at most, is a fraction of the work."""
+    from k3.layers.moe import slot_capacity
+
+    assert slot_capacity(1, 16) == slot_capacity(8, 16) == slot_capacity(16, 16) == 1
+    for assignments, experts in [(8192, 16), (4096, 8), (65536, 64)]:
+        capacity = slot_capacity(assignments, experts)
+        assert 1 < capacity and experts * (capacity - 1) <= assignments
 
 
 def test_experts_held_elsewhere_are_skipped():
@@ -154,23 +168,14 @@ def test_experts_held_elsewhere_are_skipped():
     moe = MoE(16, **CONFIGS["kimi-linear"]).double()
     z = torch.randn(11, 16, dtype=torch.float64)
     chosen, weights = moe.router(z)
-    counts = torch.bincount(chosen.flatten(), minlength=8)
     held = [moe.experts[e] for e in range(8)]
     for e in (1, 4, 5):
         moe.experts[e] = None
     dense_w = torch.zeros(11, 8, dtype=weights.dtype).scatter(1, chosen, weights)
     want = sum(dense_w[:, e:e + 1] * held[e](z) for e in range(8) if moe.experts[e] is not None)
-    torch.testing.assert_close(moe.experts(z, chosen, weights, counts), want)
-    none_held = moe.experts(z, chosen.fill_(1), weights, torch.bincount(chosen.flatten(), minlength=8))
+    torch.testing.assert_close(moe.experts(z, chosen, weights), want)
+    torch.testing.assert_close(moe.experts(z, chosen, weights, stack=moe.experts.stack_for_decoding()), want)
+    none_held = moe.experts(z, chosen.fill_(1), weights)
     assert torch.equal(none_held, torch.zeros_like(z))
 
 
-def test_slots_take_the_busiest_count_when_balanced():
-    """Balanced counts: one slot per expert, the busiest expert's size (the old padding); a dominant expert:
-    a quarter of its count per slot, several slots for it."""
-    import k3.layers.moe as moe_module
-
-    assert moe_module._slots([10, 9, 10, 8]) == (10, [0, 1, 2, 3])
-    capacity, slots = moe_module._slots([40, 4, 5, 3])
-    assert capacity == 10 and slots == [0, 0, 0, 0, 1, 2, 3]
-    assert moe_module._slots([0, 7, 0, 7]) == (7, [1, 3])

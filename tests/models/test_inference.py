@@ -139,7 +139,11 @@ def test_eos_stops_generation():
 
 def test_bad_inputs_say_what_to_do():
     model = tiny_model("kimi-k3-tiny")
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 512\)"):  # at the boundary: generate
+        model.generate(torch.tensor([[1, 600]]), 1)
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 512\)"):
+        model.check_tokens(torch.tensor([[1, 600]]))
+    with pytest.raises(IndexError):  # a forward reads nothing back: the embedding's own check, unnamed
         model(torch.tensor([[1, 600]]))
     with pytest.raises(ValueError, match="`input_ids` must be a \\[B, T\\]"):
         model(torch.tensor([1, 2]))

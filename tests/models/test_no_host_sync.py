@@ -1,0 +1,104 @@
+"""A model's forward reads nothing back from the device, so it compiles whole and never stalls a GPU stream.
+
+Two proofs per tiny preset: a spy on the Tensor methods that read values back to the host (`item`,
+`tolist`, `__bool__`, `nonzero`, `__int__`, `__float__`, `__index__`) over a training forward + backward,
+a prefill + decode through a growing cache and through a static one; and `torch.compile(fullgraph=True)`
+(the "aot_eager" backend: graphs captured, no code generated, seconds) of the training forward + backward
+and of a decode step over a static cache, each equal to eager.
+
+One read-back is left, in KDA's chunk form: the gate's factorisation checks whether a sub-chunk's decay
+passes the range its factors can hold (`k3.ops.gates`, `unsafe`), and computes only those sub-chunks
+pairwise. Until that choice is made without the host (issue 47), the presets with KDA are allowed that one
+call site in the spy and their training graph is expected to break there (xfail, strict: a fix shows).
+"""
+
+from __future__ import annotations
+
+import collections
+import traceback
+
+import pytest
+import torch
+
+from k3.models import CausalLM, get_config
+
+PRESETS = ["gpt2-tiny", "linear-attn-tiny", "deltanet-tiny", "gated-deltanet-tiny", "kimi-linear-tiny",
+           "kimi-k3-tiny", "kimi-k3-article-tiny"]
+READ_BACKS = ("item", "tolist", "__bool__", "nonzero", "__int__", "__float__", "__index__")
+KDA_GATE = "k3/ops/gates.py"  # the one call site left (see the module docstring)
+
+
+def uses_kda(name: str) -> bool:
+    return "kda" in get_config(name).layer_types
+
+
+def model_of(name: str) -> CausalLM:
+    torch.manual_seed(0)
+    return CausalLM(get_config(name)).double()
+
+
+@pytest.fixture
+def read_backs(monkeypatch):
+    """Every read-back called from k3's code once the test sets `watching`: (method, file, line) -> count."""
+    seen: collections.Counter = collections.Counter()
+    seen.watching = False
+
+    def spy(name, original):
+        def method(self, *args, **kwargs):
+            caller = traceback.extract_stack(limit=2)[0]
+            if seen.watching and "/k3/" in caller.filename:
+                seen[(name, "k3/" + caller.filename.split("/k3/")[-1], caller.lineno)] += 1
+            return original(self, *args, **kwargs)
+        return method
+
+    for name in READ_BACKS:
+        monkeypatch.setattr(torch.Tensor, name, spy(name, getattr(torch.Tensor, name)))
+    return seen
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_a_forward_reads_nothing_back(name, read_backs):
+    model = model_of(name)
+    ids = torch.randint(0, model.config.vocab_size, (2, 37))
+    caches = (model.new_cache(2), model.new_cache(2, max_length=64))
+    read_backs.watching = True
+    model(ids, targets=ids).backward()
+    with torch.no_grad():
+        for cache in caches:
+            model(ids, cache)
+            model(ids[:, :1], cache)
+    allowed = {KDA_GATE} if uses_kda(name) else set()
+    assert [site for site in read_backs if site[1] not in allowed] == []
+    if uses_kda(name):
+        assert read_backs, "the KDA gate no longer reads back: remove its exception here and the xfail below"
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_the_training_forward_and_backward_compile_whole(name, request):
+    if uses_kda(name):
+        request.applymarker(pytest.mark.xfail(strict=True, reason="the KDA gate's unsafe sub-chunks (module doc)"))
+    torch._dynamo.reset()
+    model = model_of(name)
+    ids = torch.randint(0, model.config.vocab_size, (2, 37))
+    loss = torch.compile(lambda ids: model(ids, targets=ids), fullgraph=True, backend="aot_eager")(ids)
+    loss.backward()
+    compiled = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    eager = model(ids, targets=ids)
+    eager.backward()
+    torch.testing.assert_close(loss, eager, rtol=1e-12, atol=1e-12)
+    for got, want in zip(compiled, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+@torch.no_grad()
+def test_a_decode_step_compiles_whole(name):
+    torch._dynamo.reset()
+    model = model_of(name)
+    ids = torch.randint(0, model.config.vocab_size, (2, 37))
+    caches = [model.new_cache(2, max_length=64) for _ in range(2)]
+    for cache in caches:
+        model(ids, cache)
+    step = torch.compile(lambda tokens, cache: model(tokens, cache), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(step(ids[:, -1:], caches[0]), model(ids[:, -1:], caches[1]), rtol=1e-12, atol=1e-12)
