@@ -23,7 +23,7 @@ in code it is `MoE.router`, a `Router`: "gate" in k3 means the KDA forget gate a
 Dispatch (`RoutedExperts`) costs what the k chosen experts cost, not all E, two ways, chosen by an
 explicit argument: training, prefill and eager decoding run every used expert at once as three batched
 matmuls over the tokens grouped by expert, in slots of equal size (a busy expert takes several); a decode
-step (k3.models.decode_step) passes the experts' matrices stacked when it was made (`fused`, from
+step (k3.inference.decode_step) passes the experts' matrices stacked when it was made (`fused`, from
 `MoE.fuse_for_decoding`), and each token's chosen ones are gathered from them by index (no host sync, no
 data-dependent shape, so the step compiles to one graph, gpt-fast's Mixtral). It is a module of its own
 so that expert parallelism (k3.training.parallel) plugs in from outside: a process keeps a slice of the

@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .runtime import check_compiler, refuse_if_over_memory
+from ..runtime import check_compiler, refuse_if_over_memory
 
 Prompts = torch.Tensor | Sequence[Sequence[int] | torch.Tensor]  # [B, T], or B prompts of any lengths
 
@@ -275,7 +275,7 @@ def stream(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 
     continue after what it has seen, and it is updated in place: at the end it has seen everything but
     the last token yielded (sampled, not yet fed back; the next turn starts with it).
 
-    `compile=True` decodes with a compiled step over a static cache (`k3.models.decode_step`: inductor
+    `compile=True` decodes with a compiled step over a static cache (`k3.inference.decode_step`: inductor
     on the CPU, CUDA graphs on CUDA; the first call of a model and batch size compiles, later ones, in this
     process or the next, reuse it). Both paths sample by one rule (`sample`'s exponential race, its noise
     drawn from `generator` in the same order), so they give the same tokens for the same seed. A
