@@ -20,7 +20,7 @@ def _generate(args) -> int:
     from ..inference.generation import check_cache_fits
     from ..io import reading
     from ..models import CausalLM
-    from ..models.preflight import check_checkpoint
+    from .preflight import check_checkpoint
     from ..runtime import resolve_device
     from ..tokenizer import Tokenizer
     from .interactive import interactive, report, stream_text

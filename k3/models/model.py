@@ -24,11 +24,11 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from ..checkpoints import checkpoint, loading
 from ..inference import generation
 from ..layers import BlockAttnRes, DepthSources, MoE, RMSNorm
 from ..layers import init
 from ..layers.init import STD
-from . import checkpoint, loading
 from .cache import HybridCache
 from .config import ModelConfig
 from .kinds import FFNS, MIXERS, cache_bytes
@@ -163,6 +163,8 @@ class Decoder(nn.Module):
 
 class CausalLM(nn.Module):
     """A decoder-only language model of the lineage; see the module docstring and `ModelConfig`."""
+
+    config_class = ModelConfig  # what from_pretrained reads config.json into (k3.checkpoints.loading)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -379,7 +381,7 @@ class CausalLM(nn.Module):
         one (sharded, MXFP4 experts) from a directory with config.json and safetensors weights, one tensor
         at a time. `dtype`: the model's dtype; `experts="mxfp4"`: keep the routed experts MXFP4 (decoded
         when they run); `layers`: only these decoder layers (indices); `device="meta"`: no weights at all.
-        See `k3.models.loading`."""
+        See `k3.checkpoints.loading`."""
         return loading.load_pretrained(cls, path, dtype, device=device, experts=experts, layers=layers)
 
     def save_pretrained(self, path) -> None:

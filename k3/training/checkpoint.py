@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from ..io import JOURNAL, MANIFEST, CheckpointError, atomic_write_files, checked_folder, read_json
-from ..models.checkpoint import SHARDED, is_sharded, restore_tied_head, sharded_step, weights_to_save
+from ..checkpoints.checkpoint import SHARDED, is_sharded, restore_tied_head, sharded_step, weights_to_save
 from ..tokenizer import Tokenizer
 from .config import saved_train_config
 from .optim import portable_state

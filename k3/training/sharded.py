@@ -22,7 +22,7 @@ checkpoint or the new one.
 A load (`load_sharded`) reads into what this process holds, whatever the layout that wrote it: DCP
 takes each tensor's slices from the files that have them, so a checkpoint of 4 processes under fsdp x ep
 2 resumes on 2 under fsdp, or on one process. `CausalLM.from_pretrained` and `k3 export` read the model
-part one tensor at a time (`k3.models.loading`).
+part one tensor at a time (`k3.checkpoints.loading`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..models.checkpoint import MODEL_PREFIX, raise_mismatch
+from ..checkpoints.checkpoint import MODEL_PREFIX, raise_mismatch
 
 OPTIMIZER_PREFIX = "optimizer."
 
@@ -64,7 +64,7 @@ def load_sharded(folder, model: nn.Module, optimizer_template: dict[str, nn.Para
     in place, and the optimizer states of the parameters `optimizer_template` names, allocated as their
     parameter is placed. Returns {name: {state: tensor}} for those parameters. `no_dist`: one process,
     no process group. A checkpoint of another model is a ValueError listing what does not fit."""
-    from ..models.checkpoint import load_sharded_state, sharded_reader
+    from ..checkpoints.checkpoint import load_sharded_state, sharded_reader
 
     reader = sharded_reader(folder)
     saved = reader.read_metadata().state_dict_metadata
@@ -104,7 +104,7 @@ def save_sharded(strategy, out: Path, tokenizer, cfg, step: int, max_steps: int 
     from torch.distributed.checkpoint.api import CheckpointException
 
     from ..io import commit_files, describe, shared_staging
-    from ..models.checkpoint import SHARDED
+    from ..checkpoints.checkpoint import SHARDED
     from .checkpoint import first_non_finite, refuse_non_finite, saving, sharded_run_files
     from .optim import flat_names, group_names, named_state, portable_state
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import k3.models.checkpoint as model_checkpoint
+import k3.checkpoints.checkpoint as model_checkpoint
 from k3.cli import main
 from k3.io import JOURNAL, CheckpointError, check_manifest
 from k3.models import CausalLM

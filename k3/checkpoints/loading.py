@@ -14,6 +14,9 @@ Options:
   result is a model of those layers, whose Block AttnRes blocks are counted in the new numbering
   (a prefix `range(n)` keeps the original blocks);
 - `device`: where the weights go; "meta" builds the model with no weights at all (nothing is read).
+
+The model's class comes in as `cls` (`CausalLM.from_pretrained` passes itself), and the config's as
+`cls.config_class`: this package sits below `k3.models` and imports nothing of it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from ..layers.mxfp4_expert import MXFP4Expert
 from ..runtime import refuse_if_over_memory
 from ..ops import mxfp4
 from . import checkpoint, kimi_k3_format
-from .config import ModelConfig
 
 EXPERTS = (None, "mxfp4")
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
@@ -176,7 +178,8 @@ def as_dtype(dtype) -> torch.dtype | None:
 
 def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None, experts: str | None = None,
                     layers=None) -> torch.nn.Module:
-    """See the module docstring; `cls` is CausalLM."""
+    """See the module docstring; `cls`: the model class (CausalLM), whose `config_class` (ModelConfig)
+    reads config.json."""
     dtype = as_dtype(dtype)
     directory = Path(path)
     if not directory.is_dir():
@@ -186,7 +189,7 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None,
     # a save still in progress there is finished first; files are checked against k3's manifest
     with checked_folder(directory, checkpoint.WEIGHT_FILES):
         checkpoint.check_same_step(directory)
-        config, native = checkpoint.read_config(directory)
+        config, native = checkpoint.read_config(directory, cls.config_class)
         renumber = None
         if layers is not None:
             config, renumber = subset_config(config, layers)
@@ -223,7 +226,7 @@ def load_held(model: torch.nn.Module, path) -> None:
     directory = Path(path)
     with checked_folder(directory, checkpoint.WEIGHT_FILES):
         checkpoint.check_same_step(directory)
-        config, native = checkpoint.read_config(directory)
+        config, native = checkpoint.read_config(directory, type(model.config))
         if config != model.config:
             raise ValueError(f"{directory}: its config.json describes another model than the one to fill")
         if model.lm_head.weight.is_meta:

@@ -3,8 +3,8 @@
 A directory with `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). k3 writes its config under the key "k3" (so does k3.hf's K3Config,
 whose weights carry the prefix `k3.`); anything else is read as a Kimi `config.json`
-(`ModelConfig.from_hf`). `k3.models.loading` reads the tensors one at a time with the mappings here;
-Kimi K3's published layout (`language_model.` and K3's own names) is `k3.models.kimi_k3_format`'s.
+(`ModelConfig.from_hf`). `k3.checkpoints.loading` reads the tensors one at a time with the mappings here;
+Kimi K3's published layout (`language_model.` and K3's own names) is `k3.checkpoints.kimi_k3_format`'s.
 Kimi Linear weights come in two layouts, both mapped to k3's names here:
 
 - the Hub's (also what transformers' save_pretrained writes): k3's names except
@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 
 from ..io import CheckpointError, atomic_write_files, read_json
-from .config import ModelConfig
 
 
 def _layer_ffn(config: ModelConfig, key: str) -> str | None:
@@ -95,8 +94,9 @@ def restore_tied_head(state: dict[str, torch.Tensor], tied: bool) -> dict[str, t
     return state
 
 
-def read_config(directory: Path) -> tuple[ModelConfig, bool]:
-    """(config, is_k3_checkpoint) from directory/config.json."""
+def read_config(directory: Path, config_class) -> tuple[ModelConfig, bool]:
+    """(config, is_k3_checkpoint) from directory/config.json; `config_class`: the config's class
+    (k3.models.ModelConfig, `CausalLM.config_class`), with its `from_dict` and `from_hf`."""
     path = directory / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{directory}: no config.json (expected a checkpoint folder: config.json and "
@@ -105,8 +105,8 @@ def read_config(directory: Path) -> tuple[ModelConfig, bool]:
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object (a model configuration), got {type(raw).__name__}")
     if "k3" in raw:
-        return ModelConfig.from_dict(raw["k3"]), True
-    return ModelConfig.from_hf(raw), False
+        return config_class.from_dict(raw["k3"]), True
+    return config_class.from_hf(raw), False
 
 
 def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
