@@ -3,8 +3,9 @@
 `k3.ops` holds the sequence mixers (softmax attention, linear attention, DeltaNet, Gated DeltaNet,
 Kimi Delta Attention), each as a token-by-token recurrence and a chunkwise-parallel form that agree;
 `k3.layers` the building blocks; `k3.models` the models from GPT-2 to Kimi K3 (`get_config`,
-`CausalLM`, `count_params`); `k3.generation` sampling through the hybrid cache; `k3.training` training
-(`train`, `TrainConfig`).
+`CausalLM`, `count_params`); `k3.inference` sampling and generation through the hybrid cache;
+`k3.checkpoints` the checkpoint formats and `from_pretrained`; `k3.training` training (`train`,
+`TrainConfig`).
 
 The names users reach for first are importable from here (`from k3 import CausalLM, get_config`);
 they load on first use, so `import k3.ops` does not pull in the models or the training code.

@@ -13,7 +13,7 @@ import torch
 
 from k3 import runtime
 from k3.cli import main
-from k3.generation import sample
+from k3.inference.generation import sample
 from k3.models import CausalLM
 from k3.tokenizer import Tokenizer, byte_tokenizer
 from k3.training import TrainConfig, build_optimizer

@@ -16,7 +16,7 @@ import torch
 
 from k3 import runtime
 from k3.cli import main
-from k3.models import decode_step
+from k3.inference import decode_step
 from k3.models import CausalLM, get_config
 from k3.tokenizer import byte_tokenizer
 

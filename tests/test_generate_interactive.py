@@ -170,7 +170,7 @@ def test_piped_into_the_command(checkpoint, tmp_path):
 def test_a_continuation_ends_at_endoftext_unless_ignored(checkpoint, monkeypatch, capsys, tmp_path, mode):
     """The sampler says <|endoftext|> at the third step: the continuation ends there and the token is not
     printed; --ignore-eot goes on to --max-new-tokens."""
-    from k3 import generation
+    from k3.inference import generation
     from k3.tokenizer import Tokenizer
 
     eot = Tokenizer.load(checkpoint).eot_id

@@ -4,7 +4,7 @@ Rows: kimi-k3-tiny, kimi-linear-tiny and the matched GPT-2 of `k3 bench models` 
 4,096, float32). Per model, context (256 and 4,096 tokens) and batch (1 and 8):
 - eager: ms per token of `model(token, cache=cache)` over the growing cache (what decoding does without
   compile);
-- compiled: ms per token of the compiled decode step (`k3.models.decode_step.DecodeStep`, inductor with
+- compiled: ms per token of the compiled decode step (`k3.inference.decode_step.DecodeStep`, inductor with
   its C++ wrapper) over a static cache of `static_length(context + steps)` slots, the size
   `generate(..., compile=True)` picks; greedy, sampling inside the step included.
 Every step is one token for every row; the median of single steps taken round-robin over every case
@@ -14,7 +14,7 @@ the compiled GPT-2's.
 Compile times, in fresh processes on a fresh inductor cache (batch 1, the first context): "first" is the
 first step of a model that was never compiled (dynamo traces, inductor builds its C++ kernels); "cached"
 the same in a second process, which finds them on disk; beside each, the whole run from start to first
-token. The compiled steps timed here use the default cache (`k3.models.decode_step.compile_cache_dir`),
+token. The compiled steps timed here use the default cache (`k3.inference.decode_step.compile_cache_dir`),
 so a second bench run starts quickly.
 
 QUICK: batch 1 only, 16 steps. The default (both batches, 24 steps) compiles 12 graphs, a few minutes on 2
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generation import static_length
+from ..inference.generation import static_length
 from .models import GPT2, K3_TINY, KIMI_LINEAR, LABELS, VOCAB, build_k3
 from .timing import matmul_gflops, write_report
 

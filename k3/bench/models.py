@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 
 from ..models import CausalLM, get_config
-from ..models.checkpoint import kimi_state_dict
-from ..models.hf_config import kimi_linear_config
+from ..checkpoints.checkpoint import kimi_state_dict
+from ..checkpoints.hf_config import kimi_linear_config
 from ..training import TrainConfig, build_optimizer, training_step
 from .timing import interleaved_best, matmul_gflops, threads, write_report
 from .train import matched_gpt2

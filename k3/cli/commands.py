@@ -189,7 +189,7 @@ def _train(args) -> int:
     cfg = _train_config(args)
     _use_threads(args)
     if args.resume:
-        from ..models.preflight import check_checkpoint
+        from .preflight import check_checkpoint
 
         check_checkpoint(args.resume, f"--resume {args.resume}")
     asked = tuple(key for key in _ASKED_BY_NAME if getattr(args, key) is not None)
@@ -207,7 +207,7 @@ def _export(args) -> int:
         if e.name != "transformers":
             raise
         raise ValueError(str(e)) from e
-    from ..models.preflight import check_pretrained
+    from .preflight import check_pretrained
 
     check_pretrained(args.checkpoint, f"checkpoint {args.checkpoint}")
     names = export(args.checkpoint, args.out, format=args.format, quantize=args.quantize)
@@ -223,7 +223,7 @@ def _lab(args) -> int:
     if options and args.name != "inspect":
         raise ValueError(f"--checkpoint is for `k3 lab inspect`, not `k3 lab {args.name}`")
     if options:
-        from ..models.preflight import check_checkpoint
+        from .preflight import check_checkpoint
 
         check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
     names = list(lab.EXPERIMENTS) if args.name == "all" else [args.name]
@@ -278,7 +278,7 @@ def _serve(args) -> int:
 
     from ..io import reading
     from ..models import CausalLM
-    from ..models.preflight import check_checkpoint
+    from .preflight import check_checkpoint
     from ..runtime import resolve_device
     from ..serve import Engine, build_app, require_serve_extra, serve
     from ..serve.text import load_chat_template

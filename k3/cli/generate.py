@@ -17,10 +17,10 @@ def _generate(args) -> int:
 
     import torch
 
-    from ..generation import check_cache_fits
+    from ..inference.generation import check_cache_fits
     from ..io import reading
     from ..models import CausalLM
-    from ..models.preflight import check_checkpoint
+    from .preflight import check_checkpoint
     from ..runtime import resolve_device
     from ..tokenizer import Tokenizer
     from .interactive import interactive, report, stream_text
@@ -39,7 +39,7 @@ def _generate(args) -> int:
     _use_threads(args)
     device = resolve_device(args.device)
     if args.compile:
-        from ..models.decode_step import compile_cache_dir
+        from ..inference.decode_step import compile_cache_dir
         from ..runtime import check_compiler
 
         check_compiler(device, "--compile")

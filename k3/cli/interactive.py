@@ -68,7 +68,7 @@ def prefill_with_progress(model, prompt, max_new_tokens: int, static: bool):
     import torch
     from tqdm import tqdm
 
-    from ..generation import _static_slots, check_cache_fits, check_positions
+    from ..inference.generation import _static_slots, check_cache_fits, check_positions
     from ..models.model import PREFILL_PIECE
 
     T = prompt.shape[1]

@@ -6,7 +6,7 @@ import argparse
 import math
 
 from .. import __version__
-from ..generation import MAX_SEED
+from ..inference.generation import MAX_SEED
 from ..runtime import DEVICES
 
 from .commands import (_bench_backward, _bench_models, _bench_ops, _bench_parallel, _bench_profile, _bench_serve,

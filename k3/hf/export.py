@@ -13,7 +13,7 @@ Three formats:
   "kimi_linear" in the Hub's spelling (`hf_config.kimi_linear_config`, which refuses what Kimi Linear
   cannot express) and model.safetensors in the Hub's names (`checkpoint.kimi_state_dict`). Loads with
   transformers' KimiLinearForCausalLM (transformers 5), no k3 needed.
-- "kimi-k3" (KDA/MLA models): Kimi K3's published layout (`k3.models.kimi_k3_format`) — config.json
+- "kimi-k3" (KDA/MLA models): Kimi K3's published layout (`k3.checkpoints.kimi_k3_format`) — config.json
   with `text_config` and the published field names, tensors under `language_model.` with K3's names
   in the published dtypes (float32 for A_log, dt_bias, the short convolutions, o_norm and the router's
   correction bias; bfloat16 for the rest), A_log padded to [head_dim] (with the source's padding when
@@ -65,8 +65,8 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, format: str = 
     stays MXFP4, byte for byte); "mxfp4", MXFP4; "bf16", bfloat16. The other formats hold full-precision
     experts (MXFP4 ones are decoded). Returns the names of the files written."""
     from ..models import CausalLM
-    from ..models.hf_config import kimi_linear_config
-    from ..models.kimi_k3_format import published_config
+    from ..checkpoints.hf_config import kimi_linear_config
+    from ..checkpoints.kimi_k3_format import published_config
     from ..tokenizer import Tokenizer
 
     if format not in FORMATS:
@@ -150,13 +150,14 @@ def _stored_layout(checkpoint: Path) -> tuple[bool, dict]:
     import torch
     from safetensors import SafetensorError, safe_open
 
-    from ..models.checkpoint import read_config
-    from ..models.kimi_k3_format import PREFIX, a_log_padding
-    from ..models.loading import shard_files
+    from ..checkpoints.checkpoint import read_config
+    from ..checkpoints.kimi_k3_format import PREFIX, a_log_padding
+    from ..checkpoints.loading import shard_files
+    from ..models import ModelConfig
 
     stored_mxfp4, a_logs = False, {}
     with reading(checkpoint):
-        config, _ = read_config(checkpoint)
+        config, _ = read_config(checkpoint, ModelConfig)
         for file in shard_files(checkpoint):
             try:
                 with safe_open(str(file), framework="pt") as f:
@@ -179,7 +180,7 @@ def _write_k3(model, directory: Path, special: dict) -> None:
 def _write_kimi_linear(model, config: dict, directory: Path, special: dict) -> None:
     from safetensors.torch import save_file
 
-    from ..models.checkpoint import kimi_state_dict
+    from ..checkpoints.checkpoint import kimi_state_dict
 
     dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
     # pad_token_id explicitly: KimiLinearConfig's default (163839) would be outside a small vocabulary
@@ -194,7 +195,7 @@ def _write_kimi_k3(model, config: dict, directory: Path, special: dict, quantize
     own), each tensor made when its shard is written, and the index."""
     from safetensors.torch import save_file
 
-    from ..models.kimi_k3_format import published_entries
+    from ..checkpoints.kimi_k3_format import published_entries
 
     shards: list[list] = [[]]
     size = 0

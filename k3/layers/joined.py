@@ -8,7 +8,7 @@ call into the GEMM library (compiled) than in arithmetic. Joined, they are one:
 
     [y_1 | ... | y_n] = x [W_1; ...; W_n]^T
 
-Who makes them and who reads them is explicit: `k3.models.decode_step.prepare_for_decoding(model)` asks
+Who makes them and who reads them is explicit: `k3.inference.decode_step.prepare_for_decoding(model)` asks
 each layer that has some for its copies (`fuse_for_decoding()`, made from the weights as they are then),
 the `DecodeStep` that called it keeps them, and its step hands each layer its own as the `fused` argument
 of `forward`. A forward given none (training, eager `model(ids, cache=cache)`) runs each projection as it

@@ -24,7 +24,7 @@ Dispatch (`RoutedExperts`) costs what the k chosen experts cost, not all E, one 
 decoding: the assignments grouped by expert in slots, every slot at once as three batched matmuls against its
 expert's matrices gathered by index, the number of slots set by the shapes alone, so nothing is read back to
 the host and the forward compiles whole (a few tokens: one slot per assignment, gpt-fast's Mixtral). A decode
-step passes the experts stacked once (`fused`, from `MoE.fuse_for_decoding`). It is a module of its own so
+step (k3.inference.decode_step) passes the experts stacked once (`fused`, from `MoE.fuse_for_decoding`). It is a module of its own so
 that expert parallelism (k3.training.parallel) plugs in from outside: a process keeps a slice of the
 experts, and hooks on this module gather the tokens before it and sum the slices' outputs after it.
 """

@@ -1,5 +1,7 @@
 """k3.models: the lineage's models (docs/design.md) — configs and presets, CausalLM with its hybrid
-cache, parameter accounting, and loading Hugging Face Kimi checkpoints."""
+cache, and parameter accounting. CausalLM's generation and its checkpoints (from_pretrained, including
+Hugging Face Kimi checkpoints, and save_pretrained) are `k3.inference`'s and `k3.checkpoints`', which it
+hands itself to."""
 
 from .config import ModelConfig
 from .model import CausalLM, HybridCache

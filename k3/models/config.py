@@ -21,8 +21,8 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from ..checkpoints.hf_config import fields_from_hf
 from . import kinds
-from .hf_config import fields_from_hf
 
 MIXERS = tuple(kinds.MIXERS)
 LINEAR_MIXERS = tuple(name for name, kind in kinds.MIXERS.items() if kind.fixed_state)
@@ -143,7 +143,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
         """Read a Kimi Linear / Kimi K3 `config.json` (the Hub's or transformers' spelling; a nested
-        `text_config` is used when present). See `k3.models.hf_config` for the field mapping."""
+        `text_config` is used when present). See `k3.checkpoints.hf_config` for the field mapping."""
         return cls(**fields_from_hf(hf))
 
 

@@ -24,11 +24,11 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .. import generation
+from ..checkpoints import checkpoint, loading
+from ..inference import generation
 from ..layers import BlockAttnRes, DepthSources, MoE, RMSNorm
 from ..layers import init
 from ..layers.init import STD
-from . import checkpoint, loading
 from .cache import HybridCache
 from .config import ModelConfig
 from .kinds import FFNS, MIXERS, cache_bytes
@@ -163,6 +163,8 @@ class Decoder(nn.Module):
 
 class CausalLM(nn.Module):
     """A decoder-only language model of the lineage; see the module docstring and `ModelConfig`."""
+
+    config_class = ModelConfig  # what from_pretrained reads config.json into (k3.checkpoints.loading)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -350,8 +352,8 @@ class CausalLM(nn.Module):
         Stops early once every sequence has produced `eos_token_id` (later positions repeat it).
 
         A list of prompts of different lengths (token-id lists or 1-D tensors) decodes as one batch
-        without padding (k3.generation) and returns a list: each prompt with its new tokens.
-        `compile=True`: decode with a compiled step over a static cache (`k3.decode_step`; the first call
+        without padding (k3.inference.generation) and returns a list: each prompt with its new tokens.
+        `compile=True`: decode with a compiled step over a static cache (`k3.inference.decode_step`; the first call
         compiles, later ones reuse what was compiled, also in later runs)."""
         return generation.generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator,
                                    compile=compile)
@@ -361,7 +363,7 @@ class CausalLM(nn.Module):
                generator: torch.Generator | None = None, cache: HybridCache | StaticCache | None = None,
                compile: bool = False) -> Iterator[torch.Tensor]:
         """As `generate`, yielding each new token [B] as soon as it is sampled. With `cache`, `input_ids`
-        [B, T] continue the tokens it has seen (a conversation; see `k3.generation.stream`)."""
+        [B, T] continue the tokens it has seen (a conversation; see `k3.inference.generation.stream`)."""
         return generation.stream(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator,
                                  cache, compile=compile)
 
@@ -369,8 +371,8 @@ class CausalLM(nn.Module):
                     top_p: float | None = None, generator: torch.Generator | None = None,
                     compile: bool | str = False):
         """One token of every row of a static `cache` per call, sampling inside the step, eager or compiled
-        whole (`k3.models.decode_step.DecodeStep`): `step(last_tokens [B]) -> next tokens [B]`."""
-        from .decode_step import DecodeStep
+        whole (`k3.inference.decode_step.DecodeStep`): `step(last_tokens [B]) -> next tokens [B]`."""
+        from ..inference.decode_step import DecodeStep
 
         return DecodeStep(self, cache, temperature, top_k, top_p, generator, compile)
 
@@ -382,7 +384,7 @@ class CausalLM(nn.Module):
         one (sharded, MXFP4 experts) from a directory with config.json and safetensors weights, one tensor
         at a time. `dtype`: the model's dtype; `experts="mxfp4"`: keep the routed experts MXFP4 (decoded
         when they run); `layers`: only these decoder layers (indices); `device="meta"`: no weights at all.
-        See `k3.models.loading`."""
+        See `k3.checkpoints.loading`."""
         return loading.load_pretrained(cls, path, dtype, device=device, experts=experts, layers=layers)
 
     def save_pretrained(self, path) -> None:

@@ -79,15 +79,15 @@ def load_config(name: str):
     """A preset by name, or the config.json of a directory (a k3 checkpoint or a Kimi config)."""
     from pathlib import Path
 
-    from ..models import PRESETS, get_config
+    from ..models import PRESETS, ModelConfig, get_config
 
     if name in PRESETS:
         return get_config(name)
     path = Path(name)
     if path.is_dir():
-        from ..models.checkpoint import read_config
+        from ..checkpoints.checkpoint import read_config
 
-        return read_config(path)[0]
+        return read_config(path, ModelConfig)[0]
     raise ValueError(f"{name!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with a config.json")
 
 

@@ -44,7 +44,7 @@ from typing import Callable
 
 import torch
 
-from ..generation import check_sampling, check_seed, is_greedy, sample
+from ..inference.generation import check_sampling, check_seed, is_greedy, sample
 from ..models.kinds import MIXERS, cache_bytes
 from ..models.model import PREFILL_PIECE
 

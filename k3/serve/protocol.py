@@ -1,6 +1,6 @@
 """The request bodies `k3 serve` accepts: OpenAI's /v1/completions and /v1/chat/completions fields that
 k3 implements, each checked by pydantic as the request arrives, strictly (a number is not a string, a
-boolean is not a number) and against the rules the engine samples by (`k3.generation.check_sampling`,
+boolean is not a number) and against the rules the engine samples by (`k3.inference.generation.check_sampling`,
 `check_seed`), so a request the engine would fail on is refused with 400 before it runs. Text fields
 refuse a lone surrogate ("\\ud800": JSON can spell it, UTF-8 cannot encode it); `stop` takes at most 16
 strings (each is looked for after every token). A field OpenAI defines but k3 does not implement
@@ -13,7 +13,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from ..generation import check_sampling, check_seed
+from ..inference.generation import check_sampling, check_seed
 
 
 def _whole_unicode(text: str) -> str:

@@ -5,7 +5,7 @@
     loss.png            the loss curve                                      RNG states, history
 
 or, written by the processes of `--parallel fsdp|ep` each with its own shards, `dcp/` in place of
-model.safetensors and of trainer_state.pt's optimizer tensors (k3.training.sharded).
+model.safetensors and of trainer_state.pt's optimizer tensors (k3.checkpoints.dcp; the save: k3.training.sharded).
 
 A save is all-or-nothing (`k3.io.atomic_write_files`: temporaries, then a journal as the commit
 point, then the renames and a manifest of sizes and sha256): a kill at any instant, a full disk or a
@@ -34,14 +34,15 @@ from pathlib import Path
 import torch
 
 from ..io import JOURNAL, MANIFEST, CheckpointError, atomic_write_files, checked_folder, read_json
-from ..models.checkpoint import SHARDED, is_sharded, restore_tied_head, sharded_step, weights_to_save
+from ..checkpoints.checkpoint import restore_tied_head, weights_to_save
+from ..checkpoints.dcp import SHARDED, is_sharded, sharded_step
 from ..tokenizer import Tokenizer
 from .config import saved_train_config
 from .optim import portable_state
 from .plot import plot_history
 
 FILES = ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt", "loss.png")
-SHARDED_FILES = (f"{SHARDED}/.metadata", *FILES[1:])  # and dcp/__R_I.distcp: k3.training.sharded
+SHARDED_FILES = (f"{SHARDED}/.metadata", *FILES[1:])  # and dcp/__R_I.distcp: k3.checkpoints.dcp
 LOCK = ".k3-train.lock"
 
 __all__ = ["CheckpointError", "OutputFolderError", "save_training_checkpoint", "load_training_checkpoint",

@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ..generation import check_seed
+from ..inference.generation import check_seed
 from ..models import PRESETS, ModelConfig, count_params, get_config
 from ..models.config import check_field_names
 from ..runtime import refuse_if_over_memory

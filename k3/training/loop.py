@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.checkpoint import load_into
+from ..checkpoints.checkpoint import load_into
 from ..runtime import machine_speed_words
 from .checkpoint import check_new_run_folder, claim_output, load_training_checkpoint
 from .config import TrainConfig, model_config, qk_clip_threshold

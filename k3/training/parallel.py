@@ -209,7 +209,7 @@ def apply_recompute(model: CausalLM, mode: str) -> None:
 def materialize(model: CausalLM, device: torch.device) -> None:
     """Allocate a meta-device model's parameters and buffers on `device` (only the shards and experts
     this process holds) and initialise them: the values a one-process model of the same seed has."""
-    from ..models.loading import allocate
+    from ..checkpoints.loading import allocate
 
     allocate(model, device)
     model.reset_parameters()  # buffers too: the routers' correction biases start at zero
@@ -219,11 +219,11 @@ def load_expert_parallel(path, device: torch.device) -> CausalLM:
     """`torchrun ... -m k3 generate --parallel ep`: the checkpoint in `path` split over this torchrun job's
     processes, each holding its share of every MoE layer's routed experts and the rest whole, on
     `device`. The model is built on the meta device, split, then filled tensor by tensor from the
-    checkpoint, each process reading only the experts it holds (`k3.models.loading.load_held`). In
+    checkpoint, each process reading only the experts it holds (`k3.checkpoints.loading.load_held`). In
     every MoE layer the tokens go to the experts' processes and back by all-to-all, once a layer a
     decode step; every process runs the same prompts and computes the same tokens."""
-    from ..models.checkpoint import read_config
-    from ..models.loading import load_held
+    from ..checkpoints.checkpoint import read_config
+    from ..checkpoints.loading import load_held
 
     missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
@@ -231,7 +231,7 @@ def load_expert_parallel(path, device: torch.device) -> CausalLM:
                          f"torchrun --nproc_per_node=N -m k3 generate --parallel ep ...")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    config, _ = read_config(Path(path))
+    config, _ = read_config(Path(path), CausalLM.config_class)
     check_expert_split(config, dist.get_world_size())
     with torch.device("meta"):
         model = CausalLM(config)

@@ -133,9 +133,9 @@ class SingleProcess:
 
     def load_sharded(self, folder, saved: dict) -> None:
         """Fill the model and the optimizer, this process's part of them, from the sharded checkpoint in
-        `folder` (k3.training.sharded); `saved`: its trainer_state.pt's optimizer entry, the groups with
+        `folder` (k3.checkpoints.dcp); `saved`: its trainer_state.pt's optimizer entry, the groups with
         their parameters' names in the single-process order."""
-        from .sharded import load_sharded
+        from ..checkpoints.dcp import load_sharded
 
         names = group_names(self.model, self.optimizer)
         params = dict(self.model.named_parameters())

@@ -12,7 +12,7 @@ import torch
 
 from k3.bench import compiled
 from k3.cli import main
-from k3.models import decode_step
+from k3.inference import decode_step
 
 
 @pytest.fixture

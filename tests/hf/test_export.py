@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from k3.cli import main  # noqa: E402
 from k3.hf.export import export  # noqa: E402
 from k3.models import CausalLM, get_config  # noqa: E402
-from k3.models.hf_config import kimi_linear_config  # noqa: E402
+from k3.checkpoints.hf_config import kimi_linear_config  # noqa: E402
 from k3.training import TrainConfig  # noqa: E402
 from k3.tokenizer import Tokenizer, train_bpe  # noqa: E402
 

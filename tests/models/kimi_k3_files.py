@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from k3.models import CausalLM, get_config
-from k3.models.hf_config import config_to_hf
+from k3.checkpoints.hf_config import config_to_hf
 from k3.ops import mxfp4
 
 # k3 name ending -> the published one (issue 14's table)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from k3.models import PRESETS, ModelConfig, get_config
-from k3.models.hf_config import config_to_hf
+from k3.checkpoints.hf_config import config_to_hf
 
 # The Hub's config.json for moonshotai/Kimi-Linear-48B-A3B-Instruct, as published (relevant fields).
 KIMI_LINEAR_HUB = {

@@ -1,4 +1,4 @@
-"""The decode step over a static cache (k3.decode_step): one graph for every tiny preset (torch.compile
+"""The decode step over a static cache (k3.inference.decode_step): one graph for every tiny preset (torch.compile
 fullgraph with the cheap "aot_eager" backend), logits equal to eager, no recompile per token or per prompt
 length; the MoE's gathered experts; sampling inside the step; generate/stream(compile=...); the C++
 compiler check."""
@@ -10,8 +10,8 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from k3 import runtime
-from k3.models.decode_step import DecodeStep
-from k3.generation import sample_with_noise, sampling_probs, static_length
+from k3.inference.decode_step import DecodeStep
+from k3.inference.generation import sample_with_noise, sampling_probs, static_length
 
 from .conftest import TINY, tiny_model
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from k3.models import CausalLM, get_config
-from k3.models.checkpoint import convert_kimi_state_dict, load_into
+from k3.checkpoints.checkpoint import convert_kimi_state_dict, load_into
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "KimiLinearForCausalLM"):

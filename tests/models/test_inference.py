@@ -122,7 +122,7 @@ def test_sampling_is_seeded_and_respects_top_k():
 
 
 def test_top_p_keeps_only_the_nucleus():
-    from k3.generation import sample
+    from k3.inference.generation import sample
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     draws = {int(sample(logits, top_p=0.7, generator=torch.Generator().manual_seed(s))) for s in range(200)}

@@ -15,7 +15,7 @@ import torch
 
 from k3.layers.mxfp4_expert import MXFP4Expert
 from k3.models import CausalLM, ModelConfig, get_config
-from k3.models.hf_config import config_to_hf
+from k3.checkpoints.hf_config import config_to_hf
 from k3.models.params import config_for, count_params
 
 from .kimi_k3_files import SATURATING, tiny_config, write_published

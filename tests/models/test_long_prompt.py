@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import k3.models.model as model_module
-from k3 import generation
+from k3.inference import generation
 
 from .conftest import tiny_model
 
@@ -76,7 +76,7 @@ def test_a_prompt_past_the_learned_positions_is_refused_naming_the_lengths():
 PEAK_GROWTH = textwrap.dedent("""
     import resource, sys, torch
     import k3.models.model as model_module
-    from k3 import generation
+    from k3.inference import generation
     from k3.models import CausalLM, get_config
 
     torch.set_num_threads(1)  # memory, not speed: one thread is quickest on a busy machine

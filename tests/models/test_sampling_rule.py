@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from k3.generation import (MAX_SEED, check_sampling, check_seed, is_greedy, sample, sample_with_noise,
+from k3.inference.generation import (MAX_SEED, check_sampling, check_seed, is_greedy, sample, sample_with_noise,
                            sampling_probs)
 
 from .conftest import tiny_model

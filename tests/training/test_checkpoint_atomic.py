@@ -28,7 +28,7 @@ import torch
 import k3.io
 from k3.cli import main
 from k3.io import JOURNAL, MANIFEST, CheckpointError
-from k3.models.preflight import check_checkpoint
+from k3.cli.preflight import check_checkpoint
 from k3.tokenizer import Tokenizer
 from k3.training import TrainConfig, strategy, train
 from k3.training import checkpoint as ckpt_module

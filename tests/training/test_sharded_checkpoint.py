@@ -1,4 +1,4 @@
-"""Sharded checkpoints (torch.distributed.checkpoint files in dcp/, k3.training.sharded), written here by
+"""Sharded checkpoints (torch.distributed.checkpoint files in dcp/, k3.checkpoints.dcp), written here by
 one process through the same `save_sharded` the processes of --parallel fsdp|ep call: they resume on
 the uninterrupted run's losses, `CausalLM.from_pretrained`, `k3 export` and `k3 generate` read them one
 tensor at a time, a save stopped at any file operation leaves the previous checkpoint (a whole one) or
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import k3.models.checkpoint as model_checkpoint
+import k3.checkpoints.dcp as dcp
 from k3.cli import main
 from k3.io import JOURNAL, CheckpointError, check_manifest
 from k3.models import CausalLM
@@ -91,8 +91,8 @@ def test_from_pretrained_export_and_generate_read_it_one_tensor_at_a_time(run, t
     shutil.copytree(run["root"] / "S4", source)
     expected = run["saves"][4]["strategy"].model.state_dict()
     reads = []
-    real = model_checkpoint.load_sharded_state
-    monkeypatch.setattr(model_checkpoint, "load_sharded_state",
+    real = dcp.load_sharded_state
+    monkeypatch.setattr(dcp, "load_sharded_state",
                         lambda state, reader, no_dist: (reads.append(list(state)), real(state, reader, no_dist)))
     model = CausalLM.from_pretrained(source)
     assert model.state_dict().keys() == expected.keys()

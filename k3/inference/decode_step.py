@@ -12,7 +12,7 @@ recompile from one token to the next):
   bincount. The step makes these copies when it is made (`prepare_for_decoding`), keeps them, and passes
   each layer its own (`fused`); nothing else reads them;
 - Block AttnRes's sources in one fixed buffer (`DepthSources`);
-- sampling inside the step from noise drawn outside (`k3.generation.sample_with_noise`: greedy,
+- sampling inside the step from noise drawn outside (`k3.inference.generation.sample_with_noise`: greedy,
   temperature, top-k, top-p): no generator in the graph, no host sync.
 
 `compile=True` runs it through torch.compile (`fullgraph=True`): inductor's C++ kernels on the CPU, CUDA
@@ -28,10 +28,9 @@ from pathlib import Path
 
 import torch
 
-from ..generation import check_sampling, is_greedy, sample_with_noise
 from ..layers.moe import STACKED_BYTES_LIMIT, DecodeWeights
 from ..runtime import check_compiler
-from .static_cache import StaticCache
+from .generation import check_sampling, is_greedy, sample_with_noise
 
 COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 RECOMPILE_LIMIT = 64  # graphs one process may keep for the step (models x batch sizes x samplers)
@@ -88,7 +87,7 @@ class DecodeStep:
     def __init__(self, model, cache: StaticCache, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, generator: torch.Generator | None = None,
                  compile: bool | str = False):
-        if not isinstance(cache, StaticCache):
+        if not getattr(cache, "static", False):  # a StaticCache (k3.models.static_cache), duck-typed
             raise ValueError(f"DecodeStep: `cache` must be a static cache (model.new_cache(batch_size, "
                              f"max_length=N)), got {type(cache).__name__}")
         if cache.config != model.config:

@@ -7,7 +7,7 @@ that names the folder and the file:
 - a damaged weights file (empty, truncated, not safetensors: the header does not cover the file);
 - a model whose float32 weights are more than this machine's memory (the estimate in bytes);
 - weights of other names or shapes than config.json's model (a config.json from another run), checked
-  by the loader's own pass over the headers (`k3.models.loading.check_weights`, every layout it reads)
+  by the loader's own pass over the headers (`k3.checkpoints.loading.check_weights`, every layout it reads)
   against the model built on the meta device, which holds no data.
 
 `check_checkpoint(path)` also reads a training checkpoint's other files: tokenizer.json, and
@@ -18,7 +18,9 @@ that died after its commit point, so a checkpoint interrupted there is checked a
 whole, not as a mix of two saves.
 
 `CausalLM.from_pretrained` makes the same header pass and memory check itself; this module adds the
-CLI's wording and a training checkpoint's other files.
+CLI's wording and a training checkpoint's other files. It sits in the CLI, its one user, because it puts
+together the model (`CausalLM` on the meta device), its parameter count (`k3.models.params`) and the
+checkpoint's reading (`k3.checkpoints`), which lies below the models.
 """
 
 from __future__ import annotations
@@ -30,13 +32,12 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoints.checkpoint import read_config
+from ..checkpoints.loading import check_weights
 from ..io import check_manifest, reading
+from ..models import CausalLM, ModelConfig
+from ..models.params import refuse_if_too_big
 from ..tokenizer import Tokenizer
-from .checkpoint import read_config
-from .config import ModelConfig
-from .loading import check_weights
-from .model import CausalLM
-from .params import refuse_if_too_big
 
 
 def check_pretrained(path: str | os.PathLike, what: str | None = None) -> ModelConfig:
@@ -47,7 +48,7 @@ def check_pretrained(path: str | os.PathLike, what: str | None = None) -> ModelC
     if not directory.is_dir():
         raise FileNotFoundError(f"{what}: no such folder (expected a checkpoint folder, e.g. k3 train --out)")
     with reading(directory):  # a save that died after its commit point is finished first
-        config, native = read_config(directory)  # a config.json that is not JSON: a ValueError naming it
+        config, native = read_config(directory, ModelConfig)  # a config.json that is not JSON: a ValueError naming it
         refuse_if_too_big(config, 4, f"{what}: loading", "this checkpoint needs a machine with more memory")
         with torch.device("meta"):
             model = CausalLM(config)

@@ -2,7 +2,7 @@
 
 - config.json: a multimodal wrapper (`model_type: "kimi_k3"`, `KimiK3ForConditionalGeneration`) with
   the text model in `text_config` (`model_type: "kimi_linear"`, K3's fields by their published names,
-  `k3.models.hf_config`) and, when the routed experts are quantized, its `quantization_config`
+  `k3.checkpoints.hf_config`) and, when the routed experts are quantized, its `quantization_config`
   (compressed-tensors MXFP4).
 - Tensor names: the text model's under `language_model.` (`language_model.model.…`,
   `language_model.lm_head.weight`), the vision side's under `vision_tower.` / `mm_projector.` (k3 skips
@@ -33,7 +33,6 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..ops import mxfp4
-from .config import ModelConfig
 from .hf_config import MXFP4_FORMAT, MXFP4_WEIGHTS, config_to_hf
 
 PREFIX = "language_model."

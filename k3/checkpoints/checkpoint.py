@@ -3,8 +3,8 @@
 A directory with `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). k3 writes its config under the key "k3" (so does k3.hf's K3Config,
 whose weights carry the prefix `k3.`); anything else is read as a Kimi `config.json`
-(`ModelConfig.from_hf`). `k3.models.loading` reads the tensors one at a time with the mappings here;
-Kimi K3's published layout (`language_model.` and K3's own names) is `k3.models.kimi_k3_format`'s.
+(`ModelConfig.from_hf`). `k3.checkpoints.loading` reads the tensors one at a time with the mappings here;
+Kimi K3's published layout (`language_model.` and K3's own names) is `k3.checkpoints.kimi_k3_format`'s.
 Kimi Linear weights come in two layouts, both mapped to k3's names here:
 
 - the Hub's (also what transformers' save_pretrained writes): k3's names except
@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 
 from ..io import CheckpointError, atomic_write_files, read_json
-from .config import ModelConfig
 
 
 def _layer_ffn(config: ModelConfig, key: str) -> str | None:
@@ -95,8 +94,9 @@ def restore_tied_head(state: dict[str, torch.Tensor], tied: bool) -> dict[str, t
     return state
 
 
-def read_config(directory: Path) -> tuple[ModelConfig, bool]:
-    """(config, is_k3_checkpoint) from directory/config.json."""
+def read_config(directory: Path, config_class) -> tuple[ModelConfig, bool]:
+    """(config, is_k3_checkpoint) from directory/config.json; `config_class`: the config's class
+    (k3.models.ModelConfig, `CausalLM.config_class`), with its `from_dict` and `from_hf`."""
     path = directory / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{directory}: no config.json (expected a checkpoint folder: config.json and "
@@ -105,8 +105,8 @@ def read_config(directory: Path) -> tuple[ModelConfig, bool]:
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object (a model configuration), got {type(raw).__name__}")
     if "k3" in raw:
-        return ModelConfig.from_dict(raw["k3"]), True
-    return ModelConfig.from_hf(raw), False
+        return config_class.from_dict(raw["k3"]), True
+    return config_class.from_hf(raw), False
 
 
 def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
@@ -126,95 +126,6 @@ def raise_mismatch(source: str, missing: list[str], unexpected: list[str], shape
         problems = [f"missing {head(missing)}" if missing else "", f"unexpected {head(unexpected)}" if unexpected else "",
                     f"shape mismatch {head(shapes)}" if shapes else ""]
         raise ValueError(f"{source} does not match the model's configuration: " + "; ".join(p for p in problems if p))
-
-
-SHARDED = "dcp"  # a sharded checkpoint's folder of torch.distributed.checkpoint files (.metadata, __R_I.distcp)
-MODEL_PREFIX = "model."  # its model tensors' keys; the optimizer's are "optimizer.<parameter>.<state>"
-WEIGHT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json",
-                f"{SHARDED}/*")  # what from_pretrained reads
-
-
-def is_sharded(directory: str | os.PathLike) -> bool:
-    """Whether the folder holds a sharded checkpoint (`k3 train --parallel fsdp|ep` writes one): its
-    weights are torch.distributed.checkpoint files in `dcp/`, each process's own shards."""
-    return (Path(directory) / SHARDED / ".metadata").is_file()
-
-
-def sharded_reader(directory: str | os.PathLike):
-    """A torch.distributed.checkpoint FileSystemReader of the folder's `dcp/` files that reads their
-    metadata once (tensors are then read one by one, each load asking for it again)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    class OnceReader(FileSystemReader):
-        def read_metadata(self):
-            if not hasattr(self, "_metadata"):
-                self._metadata = super().read_metadata()
-            return self._metadata
-
-    return OnceReader(Path(directory) / SHARDED)
-
-
-def load_sharded_state(state: dict, reader, no_dist: bool) -> None:
-    """torch.distributed.checkpoint.load of `state` (its tensors filled in place) from `reader`; `no_dist`:
-    this process alone (DCP's warning that it assumes so is the intent, not news)."""
-    import warnings
-
-    from torch.distributed.checkpoint import load
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        try:
-            load(state, storage_reader=reader, no_dist=no_dist)
-        except CheckpointException as e:  # (a BaseException) -> one line naming the folder
-            rank, (failure, _) = next(iter(e.failures.items()))
-            if not isinstance(failure, Exception):
-                raise failure from None
-            raise CheckpointError(f"{reader.path}: its files could not be read (process {rank}: "
-                                  f"{type(failure).__name__}: {failure}); they are damaged or incomplete: restore "
-                                  f"the checkpoint from a copy") from None
-
-
-def read_sharded_tensor(reader, key: str, meta=None) -> torch.Tensor:
-    """The whole tensor `key` of a sharded checkpoint (its shards, from every file that holds one),
-    on the CPU; `meta`: its TensorStorageMetadata, when the caller has it."""
-    meta = meta or reader.read_metadata().state_dict_metadata[key]
-    t = torch.empty(meta.size, dtype=meta.properties.dtype)
-    load_sharded_state({key: t}, reader, no_dist=True)
-    return t
-
-
-def sharded_step(directory: str | os.PathLike) -> int | None:
-    """The step a sharded checkpoint's tensors were saved at (None where not recorded)."""
-    reader = sharded_reader(directory)
-    if "step" not in reader.read_metadata().state_dict_metadata:
-        return None
-    return int(read_sharded_tensor(reader, "step"))
-
-
-def check_same_step(directory: Path) -> None:
-    """A k3 training checkpoint's config.json and weights (model.safetensors or dcp/) must come from the
-    same save."""
-    from safetensors import safe_open
-
-    weights = directory / "model.safetensors"
-    if not (directory / "config.json").exists():
-        return  # read_config says what is missing
-    config = read_json(directory / "config.json")
-    config_step = config.get("step") if isinstance(config, dict) else None
-    if config_step is None:
-        return
-    if is_sharded(directory):
-        weights_step, source = sharded_step(directory), f"{SHARDED}/"
-    elif weights.exists():
-        with safe_open(weights, "pt") as f:
-            weights_step, source = (f.metadata() or {}).get("step"), "model.safetensors"
-    else:
-        return
-    if weights_step is not None and int(weights_step) != config_step:
-        raise CheckpointError(f"{directory}: config.json is from step {config_step} but {source} from step "
-                              f"{weights_step}: the files come from different saves. Restore the checkpoint from "
-                              f"a copy")
 
 
 def save_pretrained(model, path: str | os.PathLike) -> None:

@@ -14,6 +14,9 @@ Options:
   result is a model of those layers, whose Block AttnRes blocks are counted in the new numbering
   (a prefix `range(n)` keeps the original blocks);
 - `device`: where the weights go; "meta" builds the model with no weights at all (nothing is read).
+
+The model's class comes in as `cls` (`CausalLM.from_pretrained` passes itself), and the config's as
+`cls.config_class`: this package sits below `k3.models` and imports nothing of it.
 """
 
 from __future__ import annotations
@@ -25,17 +28,18 @@ from pathlib import Path
 
 import torch
 
-from ..io import checked_folder
+from ..io import CheckpointError, checked_folder, read_json
 from ..layers import MoE
 from ..layers.mxfp4_expert import MXFP4Expert
 from ..runtime import refuse_if_over_memory
 from ..ops import mxfp4
-from . import checkpoint, kimi_k3_format
-from .config import ModelConfig
+from . import checkpoint, dcp, kimi_k3_format
 
 EXPERTS = (None, "mxfp4")
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.")
+WEIGHT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json",
+                f"{dcp.SHARDED}/*")  # what from_pretrained reads
 
 
 def shard_files(directory: Path) -> list[Path]:
@@ -53,6 +57,33 @@ def shard_files(directory: Path) -> list[Path]:
             raise FileNotFoundError(f"{directory}: no {', '.join(missing)} (named by model.safetensors.index.json)")
         return [directory / name for name in names]
     raise FileNotFoundError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+
+
+def check_same_step(directory: Path) -> None:
+    """A k3 training checkpoint's config.json and weights (model.safetensors or dcp/) must come from the
+    same save."""
+    from safetensors import safe_open
+
+    weights = directory / "model.safetensors"
+    if not (directory / "config.json").exists():
+        return  # read_config says what is missing
+    config = read_json(directory / "config.json")
+    config_step = config.get("step") if isinstance(config, dict) else None
+    if config_step is None:
+        return
+    if dcp.is_sharded(directory):
+        weights_step, source = dcp.sharded_step(directory), f"{dcp.SHARDED}/"
+    elif weights.exists():
+        with safe_open(weights, "pt") as f:
+            weights_step, source = (f.metadata() or {}).get("step"), "model.safetensors"
+    else:
+        return
+    if weights_step is not None and int(weights_step) != config_step:
+        raise CheckpointError(f"{directory}: config.json is from step {config_step} but {source} from step "
+                              f"{weights_step}: the files come from different saves. Restore the checkpoint from "
+                              f"a copy")
+
+
 
 
 def subset_config(config: ModelConfig, layers) -> tuple[ModelConfig, dict[int, int]]:
@@ -176,7 +207,8 @@ def as_dtype(dtype) -> torch.dtype | None:
 
 def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None, experts: str | None = None,
                     layers=None) -> torch.nn.Module:
-    """See the module docstring; `cls` is CausalLM."""
+    """See the module docstring; `cls`: the model class (CausalLM), whose `config_class` (ModelConfig)
+    reads config.json."""
     dtype = as_dtype(dtype)
     directory = Path(path)
     if not directory.is_dir():
@@ -184,9 +216,9 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None,
                                 f"and model.safetensors (or shards listed in model.safetensors.index.json), as k3 "
                                 f"train --out, save_pretrained and k3 export write them")
     # a save still in progress there is finished first; files are checked against k3's manifest
-    with checked_folder(directory, checkpoint.WEIGHT_FILES):
-        checkpoint.check_same_step(directory)
-        config, native = checkpoint.read_config(directory)
+    with checked_folder(directory, WEIGHT_FILES):
+        check_same_step(directory)
+        config, native = checkpoint.read_config(directory, cls.config_class)
         renumber = None
         if layers is not None:
             config, renumber = subset_config(config, layers)
@@ -221,9 +253,9 @@ def load_held(model: torch.nn.Module, path) -> None:
     folder `path`: allocated (on the CPU) and read tensor by tensor, the other processes' experts never
     read. Names and shapes are checked as in `load_pretrained`."""
     directory = Path(path)
-    with checked_folder(directory, checkpoint.WEIGHT_FILES):
-        checkpoint.check_same_step(directory)
-        config, native = checkpoint.read_config(directory)
+    with checked_folder(directory, WEIGHT_FILES):
+        check_same_step(directory)
+        config, native = checkpoint.read_config(directory, type(model.config))
         if config != model.config:
             raise ValueError(f"{directory}: its config.json describes another model than the one to fill")
         if model.lm_head.weight.is_meta:
@@ -255,7 +287,7 @@ def _read_shards(directory: Path, config: ModelConfig, native: bool, renumber: d
     tensors of the header's shapes when `header_only`); returns the number of vision tensors skipped."""
     from safetensors import SafetensorError, safe_open
 
-    if checkpoint.is_sharded(directory):
+    if dcp.is_sharded(directory):
         _read_sharded(directory, renumber, filler, header_only)
         return 0
     skipped = 0
@@ -295,21 +327,21 @@ def _read_sharded(directory: Path, renumber: dict[int, int] | None, filler: _Fil
     """`_read_shards` for a sharded checkpoint (`dcp/`, torch.distributed.checkpoint's files, k3's names):
     each model tensor read whole from the shards of every process that saved a part of it, one tensor at
     a time (the peak is the model plus one tensor, as from safetensors)."""
-    reader = checkpoint.sharded_reader(directory)
+    reader = dcp.sharded_reader(directory)
     try:
         tensors = reader.read_metadata().state_dict_metadata
     except Exception as e:  # a damaged .metadata: pickle's, torch's or the OS's error
-        raise ValueError(f"{directory}: {checkpoint.SHARDED}/.metadata is damaged or not written by "
+        raise ValueError(f"{directory}: {dcp.SHARDED}/.metadata is damaged or not written by "
                          f"torch.distributed.checkpoint ({type(e).__name__}: {e}); restore it from the run that wrote "
                          f"it") from None
     for key, meta in tensors.items():
-        if not key.startswith(checkpoint.MODEL_PREFIX):
+        if not key.startswith(dcp.MODEL_PREFIX):
             continue
-        name = _renumbered(key[len(checkpoint.MODEL_PREFIX):], renumber)
+        name = _renumbered(key[len(dcp.MODEL_PREFIX):], renumber)
         if name is None or filler.held_elsewhere(name):
             continue
         if header_only:
             t = torch.empty(meta.size, dtype=meta.properties.dtype, device="meta")
         else:
-            t = checkpoint.read_sharded_tensor(reader, key, meta)
+            t = dcp.read_sharded_tensor(reader, key, meta)
         filler.put(name, t)
