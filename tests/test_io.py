@@ -12,8 +12,17 @@ import pytest
 import torch
 
 import k3.io
-from k3.io import (JOURNAL, MANIFEST, CheckpointError, atomic_write, atomic_write_files, check_manifest, checked_folder,
-                   move_files_into, staging_folder)
+from k3.io import (
+    JOURNAL,
+    MANIFEST,
+    CheckpointError,
+    atomic_write,
+    atomic_write_files,
+    check_manifest,
+    checked_folder,
+    move_files_into,
+    staging_folder,
+)
 
 
 def test_atomic_write_replaces_whole_or_not_at_all(tmp_path):

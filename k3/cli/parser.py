@@ -8,9 +8,22 @@ import math
 from .. import __version__
 from ..generation import MAX_SEED
 from ..runtime import DEVICES
-
-from .commands import (_bench_backward, _bench_models, _bench_ops, _bench_parallel, _bench_profile, _bench_serve,
-                       _bench_train, _eval, _export, _lab, _params, _plan, _serve, _train)
+from .commands import (
+    _bench_backward,
+    _bench_models,
+    _bench_ops,
+    _bench_parallel,
+    _bench_profile,
+    _bench_serve,
+    _bench_train,
+    _eval,
+    _export,
+    _lab,
+    _params,
+    _plan,
+    _serve,
+    _train,
+)
 from .generate import _generate
 
 

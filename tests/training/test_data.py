@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import k3.io
+from k3.tokenizer import Tokenizer, byte_tokenizer, train_bpe
 from k3.training import data
 from k3.training.data import CorpusError, Document, read_documents, split_documents, strip_gutenberg
-from k3.tokenizer import Tokenizer, byte_tokenizer, train_bpe
 
 
 def test_read_folder_recursively_skipping_hidden(tmp_path):
