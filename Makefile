@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.k3-installed
 EVAL_STAMP := $(VENV)/.k3-eval-installed
 
-.PHONY: demo test test-slow bench docs install clean
+.PHONY: demo test test-slow lint format bench docs install clean
 
 # torch==2.13.0 is the CPU wheel these machines carry; installing it first keeps pip from
 # resolving `torch>=2.6` to a multi-GB CUDA build.
@@ -36,6 +36,17 @@ test: $(EVAL_STAMP)
 
 test-slow: $(EVAL_STAMP)
 	$(PY) -m pytest -q -m slow
+
+# ruff (pyproject.toml's [tool.ruff]: line length 120, rules E, F, W, I): lint checks without changing a
+# file (CI runs it first); format rewrites the files to the formatter's style and applies the safe fixes
+RUFF := $(VENV)/bin/ruff
+lint: $(STAMP)
+	$(RUFF) check .
+	$(RUFF) format --check .
+
+format: $(STAMP)
+	$(RUFF) format .
+	$(RUFF) check --fix .
 
 # The documentation site: the README (its home page), docs/*.md and the API reference from the
 # docstrings (mkdocs-material + mkdocstrings: mkdocs.yml), into build/site/index.html. --strict fails on

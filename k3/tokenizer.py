@@ -82,7 +82,8 @@ def _unicode(text: str) -> str:
 
 
 def _byte_level(model):
-    from tokenizers import Tokenizer as HFTokenizer, decoders, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, pre_tokenizers
 
     tok = HFTokenizer(model)
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

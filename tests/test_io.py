@@ -12,8 +12,17 @@ import pytest
 import torch
 
 import k3.io
-from k3.io import (JOURNAL, MANIFEST, CheckpointError, atomic_write, atomic_write_files, check_manifest, checked_folder,
-                   move_files_into, staging_folder)
+from k3.io import (
+    JOURNAL,
+    MANIFEST,
+    CheckpointError,
+    atomic_write,
+    atomic_write_files,
+    check_manifest,
+    checked_folder,
+    move_files_into,
+    staging_folder,
+)
 
 
 def test_atomic_write_replaces_whole_or_not_at_all(tmp_path):
@@ -76,7 +85,7 @@ def _interrupted_after_the_commit(folder: Path, monkeypatch) -> None:
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(k3.io, "_roll_forward", died)
+        patch.setattr(k3.io.journal, "_roll_forward", died)
         with pytest.raises(KeyboardInterrupt):
             atomic_write_files(folder, {"a": lambda t: Path(t).write_text("a22"), "b": lambda t: Path(t).write_text("b2")},
                                step=2, manifest=True)
@@ -99,7 +108,7 @@ def test_a_committed_save_in_a_read_only_folder_is_a_clear_error(tmp_path, monke
     def read_only(*args):
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(k3.io.os, "replace", read_only)
+    monkeypatch.setattr(k3.io.journal.os, "replace", read_only)
     with pytest.raises(CheckpointError, match=rf"{folder}: a save was committed \(its journal .k3-commit.json is there\) "
                                               r"but could not be put in place: Read-only file system. Make the folder "
                                               r"writable"):

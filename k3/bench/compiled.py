@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..inference.generation import static_length
-from .models import GPT2, K3_TINY, KIMI_LINEAR, LABELS, VOCAB, build_k3
+from .runners import GPT2, K3_TINY, KIMI_LINEAR, LABELS, VOCAB, build_k3
 from .timing import matmul_gflops, write_report
 
 NAMES = (K3_TINY, KIMI_LINEAR, GPT2)

@@ -163,7 +163,8 @@ def format_report(report: dict) -> str:
                      f"uniform, {plan['all-to-all (bound)'] / 1e6:.3f} bound)")
         cells.append(f"all-reduce {max(r['sent'].get('all-reduce', 0) for r in ranks) / 1e3:.1f} kB")
         rss = [r["rss rise"] / 2**20 for r in ranks]
-        cells.append(f"peak RSS rise {min(rss):.0f}-{max(rss):.0f} MiB (peak {max(r['peak rss'] for r in ranks) / 2**20:.0f} MiB)")
+        peak = max(r["peak rss"] for r in ranks) / 2**20
+        cells.append(f"peak RSS rise {min(rss):.0f}-{max(rss):.0f} MiB (peak {peak:.0f} MiB)")
         lines.append(head)
         lines += ["  " + c for c in cells]
     return "\n".join(lines)

@@ -105,7 +105,9 @@ def profile_step(model: CausalLM, cfg: TrainConfig, data, rounds: int = 5, seed:
     model.train()
     inputs = captured_inputs(model, modules, input_ids)
     hidden = model.model(input_ids, None).detach().requires_grad_()  # what the LM head reads in training
-    head = lambda: head_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), model.lm_head.weight, targets)  # noqa: E731
+
+    def head():
+        return head_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), model.lm_head.weight, targets)
 
     # the optimizer on gradients of a real batch, restored before each call (the parts' cases clear them)
     optimizer = build_optimizer(model, cfg)
@@ -126,8 +128,11 @@ def profile_step(model: CausalLM, cfg: TrainConfig, data, rounds: int = 5, seed:
             cases[(name, way)] = fn
     best = {k: v * 1e3 for k, v in interleaved_best(cases, rounds, grad=True).items()}
     model.zero_grad(set_to_none=True)  # no gradient of a timed call left behind
-    split = lambda name: {"forward": best[(name, "forward")],  # noqa: E731
-                          "backward": max(best[(name, "both")] - best[(name, "forward")], 0.0)}
+
+    def split(name):
+        return {"forward": best[(name, "forward")],
+                "backward": max(best[(name, "both")] - best[(name, "forward")], 0.0)}
+
     return {"step": best["step"], "optimizer": best["optimizer"], "head": split("head"),
             "parts": {name: {"kind": type(modules[name]).__name__, **split(name)} for name in inputs}}
 

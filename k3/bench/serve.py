@@ -41,7 +41,7 @@ import torch
 
 from ..runtime import matmul_gflops
 from ..serve.engine import sequence_bytes
-from .models import GPT2, K3_TINY, KIMI_LINEAR, LABELS, build_k3
+from .runners import GPT2, K3_TINY, KIMI_LINEAR, LABELS, build_k3
 
 MODELS = (K3_TINY, KIMI_LINEAR, GPT2)
 

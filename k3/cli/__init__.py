@@ -5,7 +5,8 @@ A failure the user can cause ends in one line, `k3 <command>: error: ...` (the v
 what to do), and exit code 2: a flag out of range (checked as it is parsed), a ValueError or OSError
 raised for bad input (a setting, a file that is missing, damaged or too big for memory), argparse's
 own errors. Ctrl-C ends with exit code 130 (`k3 generate` keeps what it printed, and in its interactive
-mode stops only the generation under way; `k3 train` saves a checkpoint first). Any other exception is a bug and keeps its traceback.
+mode stops only the generation under way; `k3 train` saves a checkpoint first). Any other exception is a
+bug and keeps its traceback.
 """
 
 

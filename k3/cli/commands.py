@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+
 def _bench_ops(args) -> int:
     from ..bench import ops
 

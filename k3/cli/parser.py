@@ -3,79 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import math
 
 from .. import __version__
-from ..inference.generation import MAX_SEED
 from ..runtime import DEVICES
-
-from .commands import (_bench_backward, _bench_models, _bench_ops, _bench_parallel, _bench_profile, _bench_serve,
-                       _bench_train, _eval, _export, _lab, _params, _plan, _serve, _train)
+from .argtypes import _SEED, _count, _number, _Parser, _text
+from .bench_parser import add_bench_parser
+from .commands import (
+    _eval,
+    _export,
+    _lab,
+    _params,
+    _plan,
+    _serve,
+    _train,
+)
 from .generate import _generate
-
-
-class _DefaultsFormatter(argparse.HelpFormatter):
-    """`--help` shows each option's default, "(default: X)", unless the help already says it or there is
-    none to show (a flag that is off, an option whose default is "not given")."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
-            return text
-        default = " ".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) else "%(default)s"
-        return f"{text} (default: {default})" if text else f"default: {default}"
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with its errors on one line (the usage of `k3 train` alone takes a dozen) and every
-    default in `--help`."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", _DefaultsFormatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _count(low: int, what: str, high: int | None = None):
-    """An argparse type: an integer >= low (and <= high, when given); `what` says what it counts."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
-        if value < low or (high is not None and value > high):
-            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise argparse.ArgumentTypeError(f"expected {what}, an integer {bounds}, got {text!r}")
-        return value
-    return parse
-
-
-_SEED = _count(0, "a seed", high=MAX_SEED)
-
-
-def _text(what: str):
-    """An argparse type: a string that is not empty; `what` says what it is."""
-    def parse(text: str) -> str:
-        if not text:
-            raise argparse.ArgumentTypeError(f"expected {what}, a string that is not empty, got {text!r}")
-        return text
-    return parse
-
-
-def _number(low: float, what: str, above: bool = False, high: float = math.inf):
-    """An argparse type: a finite number >= low (> low when `above`) and <= high."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
-            bounds = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
-            raise argparse.ArgumentTypeError(f"expected {what}, a finite number {bounds}, got {text!r}")
-        return value
-    return parse
 
 
 def _torch_version() -> str:
@@ -265,91 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_arguments(plan)
     plan.set_defaults(func=_plan)
-    bench = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    ops = bench_sub.add_parser("ops", help="recurrent vs chunk mixers vs causal SDPA")
-    ops.add_argument("--quick", action="store_true", help="T in {512, 2048}, C in {32, 64}: about a minute")
-    ops.add_argument("--T", type=_count(1, "tokens"), nargs="+", default=[512, 2048, 8192], help="sequence lengths")
-    ops.add_argument("--chunk-sizes", type=_count(1, "tokens a chunk"), nargs="+", default=[16, 32, 64, 128],
-                     help="chunk sizes C")
-    ops.add_argument("--heads", type=_count(1, "heads"), default=8, help="heads H")
-    ops.add_argument("--dim", type=_count(1, "a head dimension"), default=64, help="head dim K = V")
-    ops.add_argument("--repeats", type=_count(1, "timed runs"), default=3,
-                     help="timed runs per case (the best is kept)")
-    ops.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    ops.set_defaults(func=_bench_ops)
-    bbackward = bench_sub.add_parser("backward", help="the delta family's own chunkwise backward vs autograd "
-                                     "through the forward: time and peak memory")
-    bbackward.add_argument("--quick", action="store_true", help="KDA only, fewer rounds: under a minute")
-    bbackward.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
-    bbackward.add_argument("--rounds", type=_count(1, "timing rounds"), default=15,
-                           help="interleaved timing rounds (default 15)")
-    bbackward.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    bbackward.set_defaults(func=_bench_backward)
-    bprofile = bench_sub.add_parser("profile", help="one training step of kimi-k3-tiny and its matched GPT-2, "
-                                    "part by part: forward and backward ms of every layer's parts")
-    bprofile.add_argument("--rounds", type=_count(1, "timing rounds"), default=5,
-                          help="interleaved timing rounds (default 5)")
-    bprofile.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
-    bprofile.add_argument("--data", help="corpus (default: Shakespeare)")
-    bprofile.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    bprofile.set_defaults(func=_bench_profile)
-    btrain = bench_sub.add_parser("train", help="kimi-k3-tiny vs a GPT-2 of equal width and parameters")
-    btrain.add_argument("--minutes", type=_number(0, "minutes", above=True), default=5.0,
-                        help="training budget of each model")
-    btrain.add_argument("--data", help="corpus (default: Shakespeare)")
-    btrain.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    btrain.set_defaults(func=_bench_train)
-    bparallel = bench_sub.add_parser("parallel", help="bytes each process of fsdp x ep sends in a step and its peak "
-                                     "memory, measured on gloo processes beside k3 plan's model")
-    bparallel.add_argument("--layouts", nargs="+", default=["2:1", "2:2", "4:2"], metavar="N:EP",
-                           help="process counts and ep, each N:EP (default 2:1 2:2 4:2)")
-    bparallel.add_argument("--preset", default="kimi-k3-tiny", help="the model (default kimi-k3-tiny)")
-    bparallel.add_argument("--seq-len", type=_count(1, "tokens a sequence"), default=256,
-                           help="tokens a sequence (default 256)")
-    bparallel.add_argument("--batch-size", type=_count(1, "sequences"), default=8,
-                           help="sequences a step, over all processes (8)")
-    bparallel.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    bparallel.set_defaults(func=_bench_parallel)
-    bmodels = bench_sub.add_parser("models", help="whole-model prefill, train step and decode speed, k3 vs GPT-2 "
-                                   "and transformers")
-    bmodels.add_argument("--quick", action="store_true",
-                         help="fewer rounds and steps, a smaller train step: about a minute")
-    bmodels.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
-    bmodels.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    bmodels.add_argument("--models", nargs="+", metavar="NAME", help="a subset of: kimi-k3-tiny kimi-linear-tiny "
-                         "gpt2-tiny transformers-gpt2 transformers-kimi-linear (default: all)")
-    bmodels.add_argument("--contexts", type=_count(1, "tokens"), nargs="+", help="decode contexts (default 256 4096)")
-    bmodels.add_argument("--prefill", type=_count(1, "tokens"), help="prefill tokens (default 2048)")
-    bmodels.add_argument("--train", type=_count(1, "a size"), nargs=2, metavar=("B", "T"),
-                         help="train step shape (default 16 256; quick 8 256)")
-    bmodels.add_argument("--batch", type=_count(1, "sequences"), nargs=2, metavar=("B1", "B2"),
-                         help="decode batches compared (1 8)")
-    bmodels.add_argument("--rounds", type=_count(1, "rounds"),
-                         help="interleaved rounds of prefill and train step (default 3; quick 2)")
-    bmodels.add_argument("--steps", type=_count(1, "decode steps"),
-                         help="timed decode steps per model and context (default 24; quick 16)")
-    bmodels.add_argument("--compile", action="store_true",
-                         help="instead: eager and compiled decode ms/token (static cache, inductor) of kimi-k3-tiny, "
-                              "kimi-linear-tiny and the matched GPT-2 at each context and batch, and the compile times "
-                              "(first, cached) in fresh processes; needs a C++ compiler")
-    bmodels.set_defaults(func=_bench_models)
-    bserve = bench_sub.add_parser("serve", help="k3 serve under load: throughput, latency and concurrent sequences "
-                                  "in one cache budget, kimi-k3-tiny vs kimi-linear-tiny vs the matched GPT-2")
-    bserve.add_argument("--quick", action="store_true", help="20 s per load instead of 60 s: about 4 minutes")
-    bserve.add_argument("--duration", type=_number(0, "seconds", above=True), help="seconds per load")
-    bserve.add_argument("--clients", type=_count(1, "concurrent clients"), default=64, help="concurrent clients")
-    bserve.add_argument("--contexts", type=_count(2, "tokens"), nargs="+", default=[256, 4096],
-                        help="contexts (prompt + output, half each)")
-    bserve.add_argument("--cache-memory", default="128MiB", metavar="SIZE", help="the servers' cache budget")
-    bserve.add_argument("--threads", type=_count(1, "torch threads"), help="the servers' torch threads")
-    bserve.add_argument("--soak", type=_number(0, "seconds", above=True), metavar="SECONDS",
-                        help="instead: one long load on kimi-k3-tiny whose clients disconnect at random; reports "
-                             "failures and slots left held")
-    bserve.add_argument("--disconnect", type=_number(0, "a fraction", high=1), default=0.3,
-                        help="--soak: the fraction of requests that disconnect mid-stream")
-    bserve.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    bserve.set_defaults(func=_bench_serve)
+    add_bench_parser(sub)
     lab = sub.add_parser("lab", help="the article's claims as experiments: tables and plots in runs/lab/results.md")
     lab.add_argument("name",
                      help="an experiment (recall, overwrite, prefill, decode, parts, inspect, lineage) or 'all'")

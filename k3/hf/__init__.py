@@ -3,8 +3,9 @@
 Importing this module registers model_type "k3" with AutoConfig and AutoModelForCausalLM, so a
 directory written by `k3 export` (or `K3ForCausalLM.save_pretrained`) loads with
 `AutoModelForCausalLM.from_pretrained(dir)`. Without the import, the directory's remote code does it
-(`AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`: `k3.hf.remote_code`). `k3.hf.export` writes that format, or Kimi Linear's own
-(model_type "kimi_linear") for the models it can express.
+(`AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`: `k3.hf.remote_code`).
+`k3.hf.export` writes that format, or Kimi Linear's own (model_type "kimi_linear") for the models it can
+express.
 """
 
 try:

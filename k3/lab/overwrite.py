@@ -15,10 +15,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from .report import Claim, Figure, Result, Table, command
+
 from .jobs import run_jobs
-from .synthetic import (LABELS, MIXERS, Size, accuracy_by_kind, best_over_rates, mean_per_rate, mixer_config,
-                        rate_label, train_on_task)
+from .report import Claim, Figure, Result, Table, command
+from .synthetic import (
+    LABELS,
+    MIXERS,
+    Size,
+    accuracy_by_kind,
+    best_over_rates,
+    mean_per_rate,
+    mixer_config,
+    rate_label,
+    train_on_task,
+)
 from .tasks import Batch, Vocab, context_switch, overwrite
 from .text import paragraph
 

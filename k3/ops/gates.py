@@ -240,7 +240,7 @@ class ChannelGate:
     def intra(self, q, k):
         """As `NoGate.intra`; the score matrices come as blocks of the sub-chunks, never assembled."""
         P, C, K = q.shape
-        s, m = self.s, self.m
+        m = self.m
         q_sub, k_sub = self._sub(q), self._sub(k)
         # Entries above the diagonal may be inf: tril_ replaces them with 0 (a 0/1 mask would make NaN).
         diag_cols = (k_sub * self.col).transpose(-1, -2)  # [P, m, K, s]

@@ -6,7 +6,6 @@ import argparse
 
 from .hardware import GPUS
 
-
 MAX_RANKS = 1 << 20  # GPUs, ranks or stages: past a million GPUs no cluster has been built to plan for
 MAX_TOKENS = 1 << 40  # tokens of a sequence, a context or a step
 

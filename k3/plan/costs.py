@@ -28,8 +28,8 @@ An estimate of what a good implementation keeps, not a measurement of k3's (whic
 
 from __future__ import annotations
 
-from ..ops.cost import k3_cost
 from ..models import ModelConfig, count_params
+from ..ops.cost import k3_cost
 
 RECOMPUTE = ("none", "selective", "full")
 LINEAR_OP = {"linear_attn": "linear_attn", "deltanet": "kda", "gated_deltanet": "kda", "kda": "kda"}

@@ -10,9 +10,10 @@ A replica is the GPUs that hold one copy of the weights (by default the fewest w
 hold the weights and one sequence's cache in their usable memory); what is left holds sequences.
 Decoding a step of B sequences reads the dense weights once, the routed experts the batch chooses
 (E (1 - (1 - k/E)^B) per MoE layer, routing taken as uniform and independent), and every sequence's
-cache (the linear states also written back; of the embedding table only a row), spread over the replica's GPUs at their HBM bandwidth;
-its compute, at the GPUs' dense bf16 peak, bounds it from the other side (a roofline: the slower of the
-two). Interconnect, kernel efficiency and prefill are left out, so the figures are upper bounds.
+cache (the linear states also written back; of the embedding table only a row), spread over the replica's
+GPUs at their HBM bandwidth; its compute, at the GPUs' dense bf16 peak, bounds it from the other side (a
+roofline: the slower of the two). Interconnect, kernel efficiency and prefill are left out, so the figures
+are upper bounds.
 """
 
 from __future__ import annotations

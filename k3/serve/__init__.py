@@ -7,7 +7,9 @@
 - `k3.serve.engine`: one loop that decodes every running sequence together, admits new ones as the cache
   budget allows and drops finished ones (`Engine`, `Sequence`);
 - `k3.serve.api`: the FastAPI app, /v1/completions, /v1/chat/completions (streaming as server-sent
-  events), /v1/models, /health (`build_app`);
+  events), /v1/models, /health (`build_app`); `k3.serve.gate`: OpenAI's error answers and the ASGI gate
+  before the app (API key, body size); `k3.serve.jobs`: a request's sequences as the app awaits them;
+  `k3.serve.protocol`: the request bodies, checked;
 - `k3.serve.text`: streaming detokenization, stop strings, chat prompts.
 
 `serve` runs the app under uvicorn. SIGTERM (or Ctrl-C) stops admitting: the server still listens and

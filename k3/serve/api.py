@@ -30,6 +30,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from .engine import Draining, Engine, QueueFull, Sequence
+from .gate import MAX_REQUEST_BYTES, APIError, Gate, error_body, error_response
+from .jobs import ClientGone, Job
 from .protocol import ChatRequest, CompletionRequest, Sampling
 from .text import PLAIN_STOPS, TextStream, chat_prompt
 
@@ -37,34 +39,9 @@ COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 CHAT_TOKENS = 256  # k3's default for a chat reply (OpenAI: up to the context; a k3 model may have no limit)
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
-
-
-def error_body(message: str, kind: str, param: str | None, code) -> dict:
-    return {"error": {"message": _printable(message), "type": kind, "param": _printable(param), "code": code}}
-
-
-def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                   headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, kind, param, status), status, headers=headers)
-
-
-def _printable(text: str | None) -> str | None:
-    """`text` with a lone surrogate (from a request: JSON can spell one) written as its escape, so the
-    answer that names it can be encoded as UTF-8."""
-    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 # the tags pydantic puts in an error's location for a member of a union (str, list[int],
 # function-after[...]): not fields, left out of `param`
 _UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|function-[a-z]+\[.*\])$")
-
-
-MAX_REQUEST_BYTES = 2**20  # a request body's default bound (k3 serve --max-request-bytes)
 
 
 def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str | None = None,
@@ -276,139 +253,3 @@ def sse(payload: dict) -> str:
 def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
-
-
-class Gate:
-    """ASGI middleware before the app: the API key on /v1/ (401), a POST body no longer than
-    `max_request_bytes` (413, by its Content-Length or as it is read: before any of it is parsed), and
-    UTF-8 (400, not the JSON parser's unnamed failure). The body is read here and handed on unchanged;
-    messages after it (a client's disconnect) pass straight through, so the app still sees a client go
-    away."""
-
-    def __init__(self, app, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES):
-        self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
-
-    async def _too_big(self, scope, receive, send, size: str):
-        response = error_response(413, f"body: {size}, more than this server takes, {self.max_request_bytes:,} "
-                                       f"bytes (--max-request-bytes)", "body")
-        await response(scope, receive, send)
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        if self.api_key is not None and scope["path"].startswith("/v1/"):
-            headers = dict(scope.get("headers") or [])
-            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
-                response = error_response(401, "a valid API key is needed: header 'Authorization: Bearer KEY' "
-                                               "(k3 serve --api-key)", None, "authentication_error")
-                return await response(scope, receive, send)
-        if scope["method"] != "POST":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_request_bytes:
-            return await self._too_big(scope, receive, send, f"{int(length):,} bytes (Content-Length)")
-        chunks, more, size = [], True, 0
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_request_bytes:
-                return await self._too_big(scope, receive, send, f"{size:,} bytes and more")
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError as e:
-            response = error_response(400, f"body: not UTF-8 text (byte {e.start}); send JSON in UTF-8", "body")
-            return await response(scope, receive, send)
-        first = True
-
-        async def replay():
-            nonlocal first
-            if first:
-                first = False
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-
-class ClientGone(Exception):
-    pass
-
-
-FINISH = {"length": "length", "stop": "stop", "cancelled": "abort"}
-
-
-class Job:
-    """The sequences of one request and the queue their engine callbacks fill, on the request's event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue()
-        self.sequences: list[Sequence] = []
-        self.streams: list[TextStream] = []
-        self.reasons: list[str | None] = []
-        self.counts: list[int] = []  # tokens each choice has passed on so far
-
-    def add(self, sequence: Sequence, stream: TextStream) -> None:
-        index = len(self.sequences)
-        sequence.on_token = lambda token: self._put((index, "token", token))
-        sequence.on_finish = lambda reason: self._put((index, "finish", reason))
-        self.sequences.append(sequence)
-        self.streams.append(stream)
-        self.reasons.append(None)
-        self.counts.append(0)
-
-    def _put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop has closed (the server is gone)
-            pass
-
-    def cancel(self, engine: Engine) -> None:
-        for sequence in self.sequences:
-            if sequence.finish_reason is None:
-                engine.cancel(sequence)
-
-    async def events(self, engine: Engine):
-        """(index, new text, finish reason or None) as the sequences advance, until all have finished."""
-        while any(r is None for r in self.reasons):
-            index, kind, value = await self.queue.get()
-            if self.reasons[index] is not None:
-                continue
-            stream = self.streams[index]
-            if kind == "token":
-                self.counts[index] += 1
-                text = stream.push(value)
-                if stream.stopped:  # a stop string: this choice is done
-                    engine.cancel(self.sequences[index])
-                    self.reasons[index] = "stop"
-                yield index, text, self.reasons[index]
-            else:
-                reason = value if value.startswith("error") else FINISH.get(value, value)
-                self.reasons[index] = reason
-                yield index, stream.finish(), reason
-
-    async def collect(self, engine: Engine, request) -> list[str]:
-        """Every choice's whole text; ClientGone (its sequences cancelled) if the client disconnects first."""
-        texts = [""] * len(self.sequences)
-
-        async def gather():
-            async for index, text, reason in self.events(engine):
-                texts[index] += text
-
-        task = asyncio.ensure_future(gather())
-        try:
-            while not task.done():
-                done, _ = await asyncio.wait({task}, timeout=0.25)
-                if not done and await request.is_disconnected():
-                    task.cancel()
-                    raise ClientGone
-            task.result()
-        finally:
-            if not task.done():
-                task.cancel()
-            self.cancel(engine)
-        return texts

@@ -7,7 +7,8 @@ optimizer and the learning-rate schedule), data (corpus, tokenizer, token stream
 and bits per byte), checkpoint, qk_clip (MuonClip's bound on the attention logits, after each step),
 parallel (ddp / fsdp / ep applied to a model, ParallelDims), step (the training step
 `train_step`, one function for one process and many), strategy (SingleProcess: data, model, checkpoints
-around the step) and distributed (the torchrun strategy), metrics (metrics.jsonl, TensorBoard, wandb), loop (`train`).
+around the step) and distributed (the torchrun strategy), metrics (metrics.jsonl, TensorBoard, wandb), resume
+(what a resumed run keeps), budget (a time budget's step count), loop (`train`).
 """
 
 from .config import TrainConfig

@@ -39,10 +39,21 @@ from ..tokenizer import Tokenizer
 from .config import TrainConfig
 from .data import TokenData, prepare
 from .optim import (
-    build_optimizer, flat_names, group_names, load_keeping_implementation, named_state, numbered_state,
+    build_optimizer,
+    flat_names,
+    group_names,
+    load_keeping_implementation,
+    named_state,
+    numbered_state,
 )
 from .parallel import (
-    TORCHRUN_ENV, MODES, apply_recompute, check_expert_split, held_expert_parameters, init_parallel, parallelize,
+    MODES,
+    TORCHRUN_ENV,
+    apply_recompute,
+    check_expert_split,
+    held_expert_parameters,
+    init_parallel,
+    parallelize,
 )
 from .strategy import SingleProcess, compile_decoder, to_cpu
 
@@ -176,7 +187,9 @@ class Distributed(SingleProcess):
             return to_cpu(model.state_dict()), to_cpu(optimizer.state_dict())
         if self.mode == "fsdp" and self.ep == 1:
             from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                StateDictOptions,
+                get_model_state_dict,
+                get_optimizer_state_dict,
             )
 
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -36,11 +36,13 @@ import torch
 
 from ..checkpoints.checkpoint import load_into
 from ..runtime import machine_speed_words
+from .budget import _replan, _steps_in_budget
 from .checkpoint import check_new_run_folder, claim_output, load_training_checkpoint
 from .config import TrainConfig, model_config, qk_clip_threshold
 from .distributed import start
 from .metrics import MetricsLog, check_logger
-from .optim import learning_rate, warmup_steps
+from .optim import learning_rate
+from .resume import _resume_overrides, _same_folder, _share
 from .step import NonFiniteLossError
 from .strategy import SingleProcess
 
@@ -106,18 +108,6 @@ def _launch_ep(saved: int, parallel: str) -> int:
         _say(f"k3 train: the checkpoint was trained with --ep {saved} (--parallel fsdp); this launch (--parallel "
              f"{parallel}, {world} process{'es' if world > 1 else ''}) trains on with ep 1")
     return 1
-
-
-def _same_folder(a, b) -> bool:
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
-def _share(parallel: str) -> tuple[int, int]:
-    """(rank, processes) of this process in a torchrun job (`--parallel` other than none), else (0, 1):
-    the processes split the hashing of a checkpoint's files."""
-    if parallel == "none" or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return 0, 1
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
 def _nothing_to_do(state: dict, cfg: TrainConfig, changes: dict, resume: str) -> bool:
@@ -319,27 +309,6 @@ def _run_words(step: int, history: dict, start: dict) -> str:
             f"{history['seconds'] / 60:.1f} min")
 
 
-def _replan(cfg: TrainConfig, step: int, elapsed: float, per_step: float, max_steps: int, bar) -> int:
-    """Re-time a time-budget run every few steps from the recent steps' speed (`per_step` seconds), so
-    that it ends on time and uses the budget: the first steps run slower than the rest, and a shared
-    machine speeds up and slows down. Until the warm-up ends (where the learning rate does not depend on
-    the schedule's length yet) the step count follows the estimate exactly; after it, it moves when the
-    estimate differs by more than 3% (the schedule stretches or shrinks with it, a small change of the
-    learning rate at that step). Exact resume is a property of --max-steps runs."""
-    fits = _steps_in_budget(cfg, step, elapsed, per_step)
-    if step + 10 <= warmup_steps(cfg, fits):  # the next replan is still inside the warm-up
-        bar.total = fits
-        return fits
-    if abs(fits - max_steps) <= 0.03 * max_steps:
-        return max_steps
-    bar.total = fits
-    if abs(fits - max_steps) > 0.1 * max_steps:  # said only when it is news
-        what = "slowed" if fits < max_steps else "sped up"
-        bar.write(f"k3 train: the machine {what} to {per_step:.2f} s/step; {fits} steps now fit in "
-                  f"{cfg.time_budget:g} min", file=sys.stderr)
-    return fits
-
-
 class _stop_on_ctrl_c:
     """While training, the first Ctrl-C only asks to stop after the current step (which then saves a
     checkpoint); a second one interrupts at once."""
@@ -362,54 +331,3 @@ class _stop_on_ctrl_c:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
         return False
-
-
-def _steps_in_budget(cfg: TrainConfig, step: int, elapsed: float, step_seconds: float) -> int:
-    """Steps that fit in the time budget, counting periodic and final evaluations (a forward pass
-    costs about a third of a training step per token)."""
-    eval_seconds = step_seconds / 3 / (cfg.batch_size * cfg.grad_accum * cfg.seq_len)  # per validation token
-    final_tokens = cfg.eval_tokens * 8 if cfg.final_eval_tokens is None else cfg.final_eval_tokens
-    final = final_tokens * eval_seconds
-    per_step = step_seconds + cfg.eval_tokens * eval_seconds / cfg.eval_every
-    left = cfg.time_budget * 60 - elapsed - final
-    return max(step + 1, step + int(0.97 * left / per_step))
-
-
-def _resume_overrides(requested: TrainConfig, saved: TrainConfig, asked: tuple[str, ...] = ()) -> dict:
-    """On resume the saved configuration rules. A field of `requested` that differs from the default,
-    or is named in `asked`, was asked for: the run's length, evaluation, machine and logging settings
-    (RESUME_ADJUSTABLE) change; any other that differs from the checkpoint's (its data, model,
-    tokenizer, optimizer, batch, seed...) is an error that names it, instead of being silently ignored
-    or silently changing the model."""
-    defaults = TrainConfig()
-    changes, conflicts = {}, []
-    for f in dataclasses.fields(TrainConfig):
-        value = getattr(requested, f.name)
-        if value == getattr(defaults, f.name) and f.name not in asked:
-            continue
-        if f.name in RESUME_ADJUSTABLE:
-            changes[f.name] = value
-        elif not _same_setting(f.name, value, _effective(saved, f.name)):
-            conflicts.append(f"`{f.name}` {value!r} (the checkpoint's: {_effective(saved, f.name)!r})")
-    if conflicts:
-        raise ValueError(f"--resume: {'; '.join(conflicts)}: a resumed run keeps its checkpoint's settings except "
-                         f"{', '.join(RESUME_ADJUSTABLE)}; drop the others to resume, or train a new run with "
-                         f"them (another --out)")
-    if "max_steps" in changes:
-        changes["time_budget"] = None
-    return changes
-
-
-RESUME_ADJUSTABLE = ("max_steps", "eval_every", "eval_tokens", "final_eval_tokens", "checkpoint_every", "threads",
-                     "out", "overwrite", "compile", "device", "precision", "log", "recompute", "ep")
-
-
-def _effective(cfg: TrainConfig, name: str):
-    """The setting `name` of `cfg` as the run applies it (`qk_clip` None: its optimizer's default)."""
-    return qk_clip_threshold(cfg) if name == "qk_clip" else getattr(cfg, name)
-
-
-def _same_setting(name: str, a, b) -> bool:
-    if name == "data" and a is not None and b is not None:  # the same corpus, however its path is written
-        return Path(a).resolve() == Path(b).resolve()
-    return a == b

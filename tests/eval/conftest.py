@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from k3.models import CausalLM, get_config
-from k3.training import TrainConfig, train
 from k3.tokenizer import train_bpe
+from k3.training import TrainConfig, train
 
 from ..corpus import write_corpus
 

@@ -18,8 +18,8 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model, model_registry  # noqa: E402
 
 import k3  # noqa: E402
-from k3.models import CausalLM, get_config  # noqa: E402
 from k3.eval.lm_eval import K3LM, main  # noqa: E402
+from k3.models import CausalLM, get_config  # noqa: E402
 
 from ..corpus import WORDS  # noqa: E402
 from .conftest import TASKS  # noqa: E402

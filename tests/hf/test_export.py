@@ -22,8 +22,8 @@ from k3.cli import main  # noqa: E402
 from k3.hf.export import export  # noqa: E402
 from k3.models import CausalLM, get_config  # noqa: E402
 from k3.checkpoints.hf_config import kimi_linear_config  # noqa: E402
-from k3.training import TrainConfig  # noqa: E402
 from k3.tokenizer import Tokenizer, train_bpe  # noqa: E402
+from k3.training import TrainConfig  # noqa: E402
 
 TEXT = "to be or not to be, that is the question: whether 'tis nobler in the mind to suffer"
 

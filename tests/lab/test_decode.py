@@ -9,8 +9,18 @@ import torch
 
 import k3.lab
 from k3.lab import decode
-from k3.lab.decode.measure import (ALL_KDA, BASELINE, MODELS, WIDTH, build_models, expected_bytes, fill_cache,
-                                    layout, prefill_cache, time_steps)
+from k3.lab.decode.measure import (
+    ALL_KDA,
+    BASELINE,
+    MODELS,
+    WIDTH,
+    build_models,
+    expected_bytes,
+    fill_cache,
+    layout,
+    prefill_cache,
+    time_steps,
+)
 from k3.lab.report import VERDICTS
 
 

@@ -14,8 +14,17 @@ import torch
 import k3.lab
 from k3.lab.inspect.checkpoint import finished, training_config
 from k3.lab.inspect.recorder import router_loads
-from k3.lab.inspect.stats import (HALF_LIFE_CAP, attn_res_verdict, balance_verdict, channel_verdict, half_life, imbalance,
-                                  retrieval_scores, retrieval_verdict, within_head_spread)
+from k3.lab.inspect.stats import (
+    HALF_LIFE_CAP,
+    attn_res_verdict,
+    balance_verdict,
+    channel_verdict,
+    half_life,
+    imbalance,
+    retrieval_scores,
+    retrieval_verdict,
+    within_head_spread,
+)
 from k3.layers import MoE
 
 

@@ -11,8 +11,15 @@ import torch
 
 import k3.lab
 from k3.bench.timing import interleaved_best, thread_clock
-from k3.lab.parts.attn_res import (attn_res_flops, attn_res_pair, attn_res_verdict, fit_overhead, k3_block_config,
-                                   leave_one_out, mean_sources)
+from k3.lab.parts.attn_res import (
+    attn_res_flops,
+    attn_res_pair,
+    attn_res_verdict,
+    fit_overhead,
+    k3_block_config,
+    leave_one_out,
+    mean_sources,
+)
 from k3.lab.parts.latent_moe import moe_flop_ratios, moe_flops
 from k3.lab.parts.situ import best_fused, situ_ratios, situ_verdicts, time_activations, time_elementwise
 from k3.models import get_config

@@ -4,8 +4,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3.lab.synthetic import (Plateau, Size, accuracy_by_kind, build_model, masked_loss, mixer_config,
-                              train_until_plateau)
+from k3.lab.synthetic import (
+    Plateau,
+    Size,
+    accuracy_by_kind,
+    build_model,
+    masked_loss,
+    mixer_config,
+    train_until_plateau,
+)
 from k3.lab.tasks import IGNORE, Vocab, mqar
 
 VOCAB = Vocab(8, 8)

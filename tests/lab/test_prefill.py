@@ -12,10 +12,10 @@ import k3.lab
 from k3.bench.ops import kda_inputs
 from k3.lab import prefill
 from k3.lab.prefill.fits import error_factor, fit_scale, loglog_slope
-from k3.ops.cost import article_cost, k3_cost
 from k3.lab.prefill.ledger import OpLedger
 from k3.lab.report import VERDICTS
 from k3.ops import chunk_kda, chunk_linear_attn
+from k3.ops.cost import article_cost, k3_cost
 
 
 def test_smoke_run_writes_claims_tables_figures(tmp_path):

@@ -194,7 +194,8 @@ def test_lab_softmax_reads_through_a_causal_convolution():
 
 
 def test_lab_linear_attention_is_deltanet_with_the_additive_update():
-    from k3.lab.synthetic import AdditiveLinearAttention, additive_rule, build_model
+    from k3.lab.mixers import AdditiveLinearAttention, additive_rule
+    from k3.lab.synthetic import build_model
     from k3.ops.common import l2norm
 
     torch.manual_seed(0)

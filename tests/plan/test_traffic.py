@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from k3.models import get_config
-from k3.plan.training import TrainSettings, plan_training
-from k3.plan.traffic import other_ranks_per_token, padded_shard, step_traffic
 from k3.plan.shapes import Param
+from k3.plan.traffic import other_ranks_per_token, padded_shard, step_traffic
+from k3.plan.training import TrainSettings, plan_training
 
 CONFIG = get_config("kimi-k3-tiny", vocab_size=257)
 

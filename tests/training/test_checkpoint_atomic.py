@@ -82,8 +82,10 @@ class Faults:
                 attr = getattr(tempfile, name)
                 return faults.wrap(f"tempfile.{name}", attr) if name == "mkstemp" else attr
 
-        monkeypatch.setattr(k3.io, "os", CountedOs())
-        monkeypatch.setattr(k3.io, "tempfile", CountedTempfile())
+        for module in (k3.io.atomic, k3.io.journal, k3.io.manifest):  # k3.io's modules
+            monkeypatch.setattr(module, "os", CountedOs())
+            if hasattr(module, "tempfile"):
+                monkeypatch.setattr(module, "tempfile", CountedTempfile())
         monkeypatch.setattr(safetensors.torch, "save_file", self.wrap("save_file", safetensors.torch.save_file))
         monkeypatch.setattr(torch, "save", self.wrap("torch.save", torch.save))
         monkeypatch.setattr(Tokenizer, "save", self.wrap("Tokenizer.save", Tokenizer.save))

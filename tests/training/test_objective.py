@@ -1,6 +1,6 @@
 """The LM head and cross-entropy in pieces (k3.models.loss.head_cross_entropy, CausalLM.forward with
-targets) against the whole logits' F.cross_entropy: the loss and every parameter's gradient, untied and tied heads, float32 and
-float64, pieces that do not divide the tokens; validation's summed loss both ways."""
+targets) against the whole logits' F.cross_entropy: the loss and every parameter's gradient, untied and
+tied heads, float32 and float64, pieces that do not divide the tokens; validation's summed loss both ways."""
 
 from __future__ import annotations
 

@@ -22,8 +22,11 @@ from k3.training import SingleProcess, TrainConfig, build_optimizer, qk_clip, tr
 from k3.training.config import qk_clip_threshold, saved_train_config
 from k3.training.metrics import METRICS_FILE, read_metrics
 
-from .test_train import config as train_config, corpus  # noqa: F401  (corpus: the module fixture)
 from ..processes import free_port, join
+from . import test_train
+
+train_config = test_train.config
+corpus = test_train.corpus  # test_train's module fixture, used here by name
 
 CPU = torch.device("cpu")
 

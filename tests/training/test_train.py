@@ -4,7 +4,6 @@ lose nothing, Ctrl-C, the schedule and the weight-decay groups."""
 from __future__ import annotations
 
 import dataclasses
-
 import errno
 import hashlib
 import signal
@@ -14,10 +13,9 @@ import torch
 
 from k3.cli import main
 from k3.models import CausalLM, get_config
+from k3.training import TrainConfig, build_optimizer, learning_rate, loop, no_decay, train
 from k3.training import checkpoint as ckpt_module
-from k3.training import loop, strategy
 from k3.training import step as step_module
-from k3.training import TrainConfig, build_optimizer, learning_rate, no_decay, train
 from k3.training.checkpoint import CheckpointError
 
 from ..corpus import write_corpus

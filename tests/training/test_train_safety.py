@@ -22,8 +22,8 @@ import torch
 from k3.io import file_mode
 from k3.models import CausalLM
 from k3.training import TrainConfig, build_optimizer, strategy, train
-from k3.training import step as step_module
 from k3.training import checkpoint as ckpt_module
+from k3.training import step as step_module
 from k3.training.checkpoint import CheckpointError, OutputFolderError, claim_output
 from k3.training.step import NonFiniteLossError
 
@@ -143,7 +143,8 @@ FULL_DISK = {  # how a full disk reaches the save: the writer that meets it, and
     "safetensors": (safetensors.torch, "save_file", safetensors.SafetensorError(
         "Error while serializing: I/O error: No space left on device (os error 28)")),
     "torch": (torch, "save", RuntimeError(
-        "[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file data/0: file write failed")),
+        "[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file data/0: "
+        "file write failed")),
     "os": (ckpt_module, "plot_history", OSError(errno.ENOSPC, "No space left on device")),
 }
 

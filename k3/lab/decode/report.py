@@ -61,7 +61,8 @@ def claims(sweep: Sweep, models: dict, analysis: dict) -> list[Claim]:
         "MLA caches only the latent c and k_pe: kv_lora_rank + qk_rope_head_dim values per token per layer "
         "(512 + 64 = 576 at K3 size)",
         f"an MLA layer grows {mla_slope:,.0f} bytes per token = {mla_slope / 4:.0f} floats "
-        f"({cfg.kv_lora_rank} + {cfg.qk_rope_head_dim}), against {mha_expected:,} for an MHA layer of the same width",
+        f"({cfg.kv_lora_rank} + {cfg.qk_rope_head_dim}), against {mha_expected:,} "
+        "for an MHA layer of the same width",
         "holds" if mla_slope == mla_expected else "does not hold"))
 
     growth = {name: latency[name][longest] / latency[name][shortest] for name in models}

@@ -15,9 +15,23 @@ from .. import plots
 from ..report import Claim, Figure, Table
 from ..text import paragraph
 from .recorder import Recorder
-from .stats import (ATTN_RES_SELECTIVE, BALANCED, CHANNEL_SPREAD, HALF_LIFE_CAP, RETRIEVAL, attn_res_verdict,
-                    balance_verdict, channel_half_lives, channel_verdict, forgets, half_life, imbalance,
-                    retrieval_scores, retrieval_verdict, within_head_spread)
+from .stats import (
+    ATTN_RES_SELECTIVE,
+    BALANCED,
+    CHANNEL_SPREAD,
+    HALF_LIFE_CAP,
+    RETRIEVAL,
+    attn_res_verdict,
+    balance_verdict,
+    channel_half_lives,
+    channel_verdict,
+    forgets,
+    half_life,
+    imbalance,
+    retrieval_scores,
+    retrieval_verdict,
+    within_head_spread,
+)
 
 
 def attn_res_part(docs: Path, trained: Recorder, initial: Recorder):

@@ -11,8 +11,18 @@ from .. import plots
 from ..report import Claim, Figure, Table
 from ..text import paragraph
 from .latent_moe import moe_flop_ratios, moe_flops, moe_verdict, routed_flops
-from .situ import (ALMOST_3X, FUSED_HOLDS, FUSED_VARIANTS, ROUGHLY_3X, SHORT_ROUNDS, SITU_SLOWDOWN, SITU_VARIANTS,
-                   best_fused, situ_ratios, situ_verdicts)
+from .situ import (
+    ALMOST_3X,
+    FUSED_HOLDS,
+    FUSED_VARIANTS,
+    ROUGHLY_3X,
+    SHORT_ROUNDS,
+    SITU_SLOWDOWN,
+    SITU_VARIANTS,
+    best_fused,
+    situ_ratios,
+    situ_verdicts,
+)
 
 
 # -- SiTU-GLU against SwiGLU -------------------------------------------------------------------------

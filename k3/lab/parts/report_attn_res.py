@@ -15,9 +15,22 @@ from ...models.params import count_params
 from .. import plots
 from ..report import Claim, Figure, Table
 from ..text import paragraph
-from .attn_res import (ATTN_RES_LATENCY, BLOCK_ATTN_RES, BLOCK_EXPERTS, BLOCK_LAYERS, BLOCK_VOCAB, HOLDS_AT_MOST,
-                       K3_WIDTH, PARTLY_AT_MOST, PHASES, attn_res_flops, attn_res_verdict, fit_overhead,
-                       leave_one_out, mean_sources)
+from .attn_res import (
+    ATTN_RES_LATENCY,
+    BLOCK_ATTN_RES,
+    BLOCK_EXPERTS,
+    BLOCK_LAYERS,
+    BLOCK_VOCAB,
+    HOLDS_AT_MOST,
+    K3_WIDTH,
+    PARTLY_AT_MOST,
+    PHASES,
+    attn_res_flops,
+    attn_res_verdict,
+    fit_overhead,
+    leave_one_out,
+    mean_sources,
+)
 
 
 def attn_res_part(docs: Path, k3: ModelConfig, timed: list, sizes: dict, rounds: int):

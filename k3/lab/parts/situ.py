@@ -13,10 +13,9 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-
-from ...bench.timing import interleaved_best, thread_clock
 from torch import nn
 
+from ...bench.timing import interleaved_best, thread_clock
 from ...layers.ffn import GatedMLP, situ, situ_reference
 from ..text import paragraph
 from .cases import forward, forward_backward

@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 
 from ...bench.timing import matmul_gflops
+from ...ops.cost import OPS, article_cost, k3_cost
 from ..report import Result, command
 from . import report
-from ...ops.cost import OPS, article_cost, k3_cost
 from .fits import error_factor, fit_scale, loglog_slope
 from .measure import FULL, SWEEPS, Sweep, measure_times, time_breakdown
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from ...ops.cost import OPS, article_cost, k3_cost
 from .. import plots
 from ..report import Claim, Figure, Table
 from ..text import paragraph
-from ...ops.cost import OPS, article_cost, k3_cost
 from .measure import FULL, Sweep
 
 LABELS = {"linear_attn": "linear attention", "kda": "KDA"}

@@ -28,10 +28,33 @@ from ..report import Figure, Result, Table, command
 from ..synthetic import DEPTH, LABELS, MIXERS, best_over_rates, mean_per_rate, mixer_config, rate_label
 from ..text import paragraph
 from .measure import best_head, filler_probe, mla_retrieval, score_mixer, stream_ratio
-from .plan import (FAMILY, PLANS, PROBES, PUBLISHED_PLACE, SOFTMAX_HOLDS, Plan, _cell_from_json, _key, _plan_dict,
-                   cell_settings)
-from .report import (LITERATURE, _plot, _plot_curves, _steps, capacity, disagreements, judge, judge_ordering,
-                     judge_retrieval, ordering_table, probe_table, retrieval_table, state_floats)
+from .plan import (
+    FAMILY,
+    PLANS,
+    PROBES,
+    PUBLISHED_PLACE,
+    SOFTMAX_HOLDS,
+    Plan,
+    _cell_from_json,
+    _key,
+    _plan_dict,
+    cell_settings,
+)
+from .report import (
+    LITERATURE,
+    _plot,
+    _plot_curves,
+    _steps,
+    capacity,
+    disagreements,
+    judge,
+    judge_ordering,
+    judge_retrieval,
+    ordering_table,
+    probe_table,
+    retrieval_table,
+    state_floats,
+)
 
 __all__ = ["FAMILY", "PLANS", "PROBES", "PUBLISHED_PLACE", "SOFTMAX_HOLDS", "Plan", "best_head", "capacity",
            "cell_settings", "disagreements", "filler_probe", "judge", "judge_ordering", "judge_retrieval",

@@ -53,8 +53,9 @@ def score_mixer(plan: Plan, mixer: str, head_dim: int, lr: float, train_from: in
 
 def filler_probe(model, plan: Plan, head_dim: int, generator: torch.Generator) -> dict[str, float]:
     """Filler, on a model trained without it: D pairs scored at T = 4 x D (no filler) and at T = 4 x the most
-    pairs (PAD tokens between the bindings and the queries). Linear attention writes k^T v for every token, PAD included, and nothing
-    takes it out again; the delta rule's write strength beta can leave a PAD token unwritten."""
+    pairs (PAD tokens between the bindings and the queries). Linear attention writes k^T v for every token,
+    PAD included, and nothing takes it out again; the delta rule's write strength beta can leave a PAD token
+    unwritten."""
     vocab, p = plan.vocab, head_dim
     long = 4 * plan.span * head_dim
     return {"pairs": p, "long": long,

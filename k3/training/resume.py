@@ -1,0 +1,63 @@
+"""What a resumed run takes from its checkpoint and what from the command (`_resume_overrides`: the saved
+configuration rules, but for RESUME_ADJUSTABLE; any other setting asked for that differs is an error naming
+it), and where the run reads and writes (`_share`, `_same_folder`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from .config import TrainConfig, qk_clip_threshold
+
+
+def _same_folder(a, b) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _share(parallel: str) -> tuple[int, int]:
+    """(rank, processes) of this process in a torchrun job (`--parallel` other than none), else (0, 1):
+    the processes split the hashing of a checkpoint's files."""
+    if parallel == "none" or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def _resume_overrides(requested: TrainConfig, saved: TrainConfig, asked: tuple[str, ...] = ()) -> dict:
+    """On resume the saved configuration rules. A field of `requested` that differs from the default,
+    or is named in `asked`, was asked for: the run's length, evaluation, machine and logging settings
+    (RESUME_ADJUSTABLE) change; any other that differs from the checkpoint's (its data, model,
+    tokenizer, optimizer, batch, seed...) is an error that names it, instead of being silently ignored
+    or silently changing the model."""
+    defaults = TrainConfig()
+    changes, conflicts = {}, []
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(requested, f.name)
+        if value == getattr(defaults, f.name) and f.name not in asked:
+            continue
+        if f.name in RESUME_ADJUSTABLE:
+            changes[f.name] = value
+        elif not _same_setting(f.name, value, _effective(saved, f.name)):
+            conflicts.append(f"`{f.name}` {value!r} (the checkpoint's: {_effective(saved, f.name)!r})")
+    if conflicts:
+        raise ValueError(f"--resume: {'; '.join(conflicts)}: a resumed run keeps its checkpoint's settings except "
+                         f"{', '.join(RESUME_ADJUSTABLE)}; drop the others to resume, or train a new run with "
+                         f"them (another --out)")
+    if "max_steps" in changes:
+        changes["time_budget"] = None
+    return changes
+
+
+RESUME_ADJUSTABLE = ("max_steps", "eval_every", "eval_tokens", "final_eval_tokens", "checkpoint_every", "threads",
+                     "out", "overwrite", "compile", "device", "precision", "log", "recompute", "ep")
+
+
+def _effective(cfg: TrainConfig, name: str):
+    """The setting `name` of `cfg` as the run applies it (`qk_clip` None: its optimizer's default)."""
+    return qk_clip_threshold(cfg) if name == "qk_clip" else getattr(cfg, name)
+
+
+def _same_setting(name: str, a, b) -> bool:
+    if name == "data" and a is not None and b is not None:  # the same corpus, however its path is written
+        return Path(a).resolve() == Path(b).resolve()
+    return a == b

@@ -1,0 +1,179 @@
+"""`k3 serve`'s answers to bad input over HTTP: every bad body answered 400 (404 for another model, 413 past
+a size limit) with OpenAI's error body naming the field; a request with extreme or failing sampling fails
+alone, the requests beside it unharmed."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+
+import pytest
+
+from k3.models import CausalLM
+
+from .conftest import NAME, post, start
+
+BAD = [
+    ('{"model": "tiny", "prompt": "hi"', 400, "body", "not valid JSON"),
+    ('{"model": "tiny", "prompt": "hi", "colour": 1}', 400, "colour", "Extra inputs"),
+    ('{"model": "tiny", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens", "greater than 0"),
+    ('{"model": "tiny", "prompt": "hi", "max_tokens": -3}', 400, "max_tokens", "greater than 0"),
+    ('{"model": "tiny", "prompt": "hi", "temperature": "warm"}', 400, "temperature", "number"),
+    ('{"model": "tiny", "prompt": ""}', 400, "prompt", "empty"),
+    ('{"model": "tiny", "prompt": [300]}', 400, "prompt", "vocabulary"),
+    ('{"model": "tiny", "prompt": "' + "x" * 600 + '"}', 400, "prompt", "at most 512"),
+    ('{"model": "tiny", "prompt": "hi", "max_tokens": 600}', 400, "max_tokens", "at most 511"),
+    ('{"model": "other", "prompt": "hi"}', 404, "model", "not served"),
+    ('{"model": "tiny"}', 400, "prompt", "Field required"),
+]
+
+
+@pytest.mark.parametrize("body,status,param,words", BAD)
+def test_bad_input(server, body, status, param, words):
+    code, out, _ = post(server, "/v1/completions", body)
+    assert code == status and out["error"]["param"] == param and words in out["error"]["message"], out
+
+
+def test_bad_chat_and_body(server):
+    code, out, _ = post(server, "/v1/chat/completions",
+                        '{"model": "tiny", "messages": [{"role": "bot", "content": "x"}]}')
+    assert code == 400 and out["error"]["param"] == "messages.0.role"
+    code, out, _ = post(server, "/v1/chat/completions", '{"model": "tiny", "messages": []}')
+    assert code == 400 and out["error"]["param"] == "messages"
+    code, out, _ = post(server, "/v1/completions", b'{"model": "tiny", "prompt": "h\xff\xfe"}')
+    assert code == 400 and out["error"]["param"] == "body" and "UTF-8" in out["error"]["message"]
+
+
+def chat_in_background(server, count: int, max_tokens: int = 40) -> tuple[list, list]:
+    """`count` greedy chat requests on threads; (threads, results): each result (status, body) once done."""
+    results = [None] * count
+
+    def ask(i):
+        body = {"model": NAME, "messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True}
+        code, out, _ = post(server, "/v1/chat/completions", json.dumps(body))
+        results[i] = (code, out)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+POISON = [{"seed": 2**64}, {"seed": -1}, {"seed": 10**30}, {"top_p": 1e-300}, {"temperature": 5e-324},
+          {"temperature": 1e-300, "top_p": 5e-324}, {"top_k": 0}, {"n": 2, "seed": 2**64 - 1}]
+
+
+def three_chats_running(server):
+    """Three chat requests started on threads, returned once the engine runs all three."""
+    threads, results = chat_in_background(server, 3)
+    deadline = time.time() + 30
+    while server.engine.stats()["running"] < 3:
+        assert time.time() < deadline
+        time.sleep(0.005)
+    return threads, results
+
+
+@pytest.mark.parametrize("poison", POISON, ids=[json.dumps(p) for p in POISON])
+def test_a_poisoned_request_does_not_fail_the_others(server, poison):
+    """Three chat requests decode; a completion with an out-of-range or extreme sampling setting arrives:
+    it is answered (400 naming the field, or 200: extreme settings in range sample finitely), and the
+    three get their normal answers."""
+    expected = [post(server, "/v1/chat/completions", json.dumps(
+        {"model": NAME, "messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": 40, "temperature": 0,
+         "ignore_eos": True}))[1]["choices"][0]["message"]["content"] for i in range(3)]
+    threads, results = three_chats_running(server)
+    code, out, _ = post(server, "/v1/completions", json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 4,
+                                                               "temperature": 1, **poison}))
+    if code == 400:
+        assert out["error"]["param"] in poison and out["error"]["type"] == "invalid_request_error", out
+    else:
+        assert code == 200 and out["usage"]["completion_tokens"] >= 1, out
+    for t in threads:
+        t.join(60)
+    assert [r[0] for r in results] == [200] * 3, results
+    assert [r[1]["choices"][0]["message"]["content"] for r in results] == expected
+
+
+def test_a_request_whose_sampling_raises_fails_alone(server, monkeypatch, caplog):
+    """A failure while sampling one request's row (bypassing validation: a patched `sample`) ends that
+    request with a 500 in OpenAI's shape and a line in the log; the requests beside it are unharmed."""
+    import k3.serve.engine as engine_module
+
+    real = engine_module.sample
+
+    def poisoned(logits, temperature, *args, **kw):
+        if temperature == 0.777:
+            raise RuntimeError("poisoned row")
+        return real(logits, temperature, *args, **kw)
+
+    monkeypatch.setattr(engine_module, "sample", poisoned)
+    threads, results = three_chats_running(server)
+    code, out, _ = post(server, "/v1/completions", json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 4,
+                                                               "temperature": 0.777}))
+    assert code == 500 and out["error"]["type"] == "server_error" and "poisoned row" in out["error"]["message"]
+    for t in threads:
+        t.join(60)
+    assert [r[0] for r in results] == [200] * 3, results
+    assert all(r[1]["usage"]["completion_tokens"] == 40 for r in results)
+    assert "poisoned row" in caplog.text
+
+
+TYPES = [
+    ('{"model": "tiny", "prompt": "hi", "stream": "yes"}', "stream"),
+    ('{"model": "tiny", "prompt": "hi", "max_tokens": "5"}', "max_tokens"),
+    ('{"model": "tiny", "prompt": "hi", "temperature": true}', "temperature"),
+    ('{"model": "tiny", "prompt": "hi", "temperature": NaN}', "temperature"),
+    ('{"model": "tiny", "prompt": "hi", "top_p": Infinity}', "top_p"),
+    ('{"model": "tiny", "prompt": "hi", "n": 1.5}', "n"),
+    ('{"model": "tiny", "prompt": "hi", "seed": "7"}', "seed"),
+    ('{"model": "tiny", "prompt": [1, 2.5]}', "prompt"),
+    ('{"model": "tiny", "prompt": "\\ud800"}', "prompt"),
+    ('{"model": "tiny", "prompt": "hi", "stop": ["\\udfff"]}', "stop"),
+    ('{"model": "tiny", "prompt": "hi", "\\ud800": 1}', "body"),  # a key no field has, and not text
+    ('{"model": "\\ud800", "prompt": "hi"}', "model"),
+    ('[1, 2]', "body"),
+    ('{"prompt": ' + "[" * 5000 + "]" * 5000 + "}", "body"),  # nested past json's recursion limit
+    ('{"prompt": "hi", "seed": ' + "9" * 5000 + "}", "body"),  # past Python's digits limit for an int
+    ('{"prompt": "hi", "stop": ' + json.dumps(["x"] * 17) + "}", "stop"),
+    ('{"prompt": ' + json.dumps([[1]] * 100) + ', "n": 16}', "prompt"),  # more sequences than --max-queue
+]
+
+
+@pytest.mark.parametrize("body,param", TYPES)
+def test_wrong_types_and_lone_surrogates_are_400(server, body, param):
+    code, out, _ = post(server, "/v1/completions", body)
+    assert code == 400 and out["error"]["type"] == "invalid_request_error", (code, out)
+    assert out["error"]["param"].split(".")[0] == param and out["error"]["code"] == 400, out
+
+
+def test_unknown_path_and_method_in_openai_shape(server):
+    code, out, _ = post(server, "/v1/engines", "{}")
+    assert code == 404 and out["error"]["type"] == "invalid_request_error" and "/v1/engines" in out["error"]["message"]
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/v1/completions")
+    r = conn.getresponse()
+    assert r.status == 405 and json.loads(r.read())["error"]["code"] == 405
+
+
+def test_a_lone_surrogate_in_a_chat_message_is_400(server):
+    code, out, _ = post(server, "/v1/chat/completions",
+                        '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}')
+    assert code == 400 and out["error"]["param"] == "messages.0.content", out
+
+
+def test_request_size_limits_are_413(checkpoint):
+    with start(CausalLM.from_pretrained(checkpoint).eval(), max_request_bytes=1000, max_prompt_tokens=50) as s:
+        code, out, _ = post(s, "/v1/completions", json.dumps({"model": NAME, "prompt": "x" * 2000}))
+        assert code == 413 and out["error"]["param"] == "body" and "1,000" in out["error"]["message"], out
+        code, out, _ = post(s, "/v1/completions", json.dumps({"model": NAME, "prompt": "x" * 60}))
+        assert code == 413 and out["error"]["param"] == "prompt" and "50" in out["error"]["message"], out
+        code, out, _ = post(s, "/v1/chat/completions", json.dumps(
+            {"model": NAME, "messages": [{"role": "user", "content": "x" * 60}]}))
+        assert code == 413 and out["error"]["param"] == "messages", out
+        code, out, _ = post(s, "/v1/completions", json.dumps({"model": NAME, "prompt": "x" * 10, "max_tokens": 2}))
+        assert code == 200, out
+
+
