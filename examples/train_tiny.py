@@ -22,8 +22,14 @@ def main() -> None:
     parser.add_argument("--prompt", default="ROMEO:")
     args = parser.parse_args()
 
-    config = TrainConfig(preset=args.preset, data=args.data, max_steps=args.steps, out=args.out,
-                         warmup_steps=min(50, args.steps), eval_every=max(1, args.steps // 4))
+    config = TrainConfig(
+        preset=args.preset,
+        data=args.data,
+        max_steps=args.steps,
+        out=args.out,
+        warmup_steps=min(50, args.steps),
+        eval_every=max(1, args.steps // 4),
+    )
     history = train(config)
     print(f"validation: {history['final_val_bpb']:.3f} bits per byte after {args.steps} steps")
 

@@ -18,9 +18,14 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "CausalLM": "k3.models", "HybridCache": "k3.models", "ModelConfig": "k3.models", "get_config": "k3.models",
-    "count_params": "k3.models", "PRESETS": "k3.models",
-    "TrainConfig": "k3.training", "train": "k3.training",
+    "CausalLM": "k3.models",
+    "HybridCache": "k3.models",
+    "ModelConfig": "k3.models",
+    "get_config": "k3.models",
+    "count_params": "k3.models",
+    "PRESETS": "k3.models",
+    "TrainConfig": "k3.training",
+    "train": "k3.training",
 }
 
 

@@ -88,9 +88,12 @@ def machine_speed_words(device: torch.device) -> str:
         def run():
             a @ b
             torch.cuda.synchronize(device)
-        speeds.append(2 * 4096 ** 3 / best_time(run, repeats=5) / 1e12)
-    return (f"GPU {props.name}, {props.total_memory / 2 ** 30:.0f} GiB; its matmul (4096^3): float32 "
-            f"{speeds[0]:.1f} TFLOP/s, bfloat16 {speeds[1]:.1f} TFLOP/s")
+
+        speeds.append(2 * 4096**3 / best_time(run, repeats=5) / 1e12)
+    return (
+        f"GPU {props.name}, {props.total_memory / 2**30:.0f} GiB; its matmul (4096^3): float32 "
+        f"{speeds[0]:.1f} TFLOP/s, bfloat16 {speeds[1]:.1f} TFLOP/s"
+    )
 
 
 def cxx_compiler() -> str | None:
@@ -108,8 +111,10 @@ def check_compiler(device="cpu", what: str = "compile") -> None:
     import torch
 
     if torch.device(device).type == "cpu" and cxx_compiler() is None:
-        raise ValueError(f"{what}: torch.compile builds C++ kernels for the CPU and no C++ compiler was found "
-                           f"(install g++ or set $CXX), or run without compiling")
+        raise ValueError(
+            f"{what}: torch.compile builds C++ kernels for the CPU and no C++ compiler was found "
+            f"(install g++ or set $CXX), or run without compiling"
+        )
 
 
 def available_memory() -> int | None:
@@ -140,8 +145,10 @@ def refuse_if_over_memory(what: str, nbytes: int, fix: str) -> None:
     before anything is allocated, instead of an allocator's abort or a machine that swaps to a halt."""
     total = available_memory()
     if total is not None and nbytes > total:
-        raise ValueError(f"{what} needs about {nbytes / 2**30:,.1f} GiB ({nbytes:,} bytes), more than the "
-                         f"{total / 2**30:,.1f} GiB of memory available on this machine; {fix}")
+        raise ValueError(
+            f"{what} needs about {nbytes / 2**30:,.1f} GiB ({nbytes:,} bytes), more than the "
+            f"{total / 2**30:,.1f} GiB of memory available on this machine; {fix}"
+        )
 
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -156,9 +163,13 @@ def resolve_device(name: str, flag: str = "--device") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if cuda else "mps" if mps else "cpu")
     if name == "cuda" and not cuda:
-        raise ValueError(f"{flag} cuda: this PyTorch sees no CUDA GPU (torch.cuda.is_available() is False: no GPU, "
-                         f"no driver, or a CPU-only build of torch {torch.__version__}); use {flag} cpu or auto")
+        raise ValueError(
+            f"{flag} cuda: this PyTorch sees no CUDA GPU (torch.cuda.is_available() is False: no GPU, "
+            f"no driver, or a CPU-only build of torch {torch.__version__}); use {flag} cpu or auto"
+        )
     if name == "mps" and not mps:
-        raise ValueError(f"{flag} mps: Apple's MPS is not available here (torch.backends.mps.is_available() is "
-                         f"False: it needs a Mac with Apple silicon and macOS 12.3+); use {flag} cpu or auto")
+        raise ValueError(
+            f"{flag} mps: Apple's MPS is not available here (torch.backends.mps.is_available() is "
+            f"False: it needs a Mac with Apple silicon and macOS 12.3+); use {flag} cpu or auto"
+        )
     return torch.device(name)

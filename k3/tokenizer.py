@@ -62,8 +62,10 @@ class Tokenizer:
         try:
             inner = HFTokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
-            raise ValueError(f"{path} is not a readable tokenizer.json ({e}); it is damaged or not a Hugging "
-                             f"Face tokenizers file: restore it from the run that wrote it") from e
+            raise ValueError(
+                f"{path} is not a readable tokenizer.json ({e}); it is damaged or not a Hugging "
+                f"Face tokenizers file: restore it from the run that wrote it"
+            ) from e
         return cls(inner)
 
 
@@ -73,9 +75,11 @@ def _unicode(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"the text has {text[e.start]!r} at character {e.start}, a lone surrogate, not a "
-                         f"character (Python reads bytes that are not UTF-8 this way, in a command-line argument "
-                         f"say); give UTF-8 text") from None
+        raise ValueError(
+            f"the text has {text[e.start]!r} at character {e.start}, a lone surrogate, not a "
+            f"character (Python reads bytes that are not UTF-8 this way, in a command-line argument "
+            f"say); give UTF-8 text"
+        ) from None
     except AttributeError:
         raise TypeError(f"expected text (str), got {type(text).__name__}") from None
     return text
@@ -105,8 +109,12 @@ def train_bpe(texts: list[str], vocab_size: int = 4096) -> Tokenizer:
     if vocab_size < 257:
         raise ValueError(f"train_bpe: `vocab_size` must be at least 257 (256 bytes + {EOT}), got {vocab_size}")
     tok = _byte_level(models.BPE())
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     return Tokenizer(tok)
 

@@ -19,8 +19,9 @@ def free_port() -> int:
 def join(rank: int, world: int, port: int) -> None:
     """Make this process rank `rank` of a `world`-process gloo group, as torchrun's environment would
     (one thread a process: a few processes share the 2 cores)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
 

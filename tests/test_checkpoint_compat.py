@@ -26,10 +26,14 @@ FIXTURES = Path(__file__).parent / "fixtures" / "main-0138790"
 # k3 at 0138790: `train(TrainConfig(max_steps=5), resume=...)` on each checkpoint (losses of steps 1-5;
 # validation bits per byte at steps 3 and 5)
 RESUMED = {
-    "kimi-k3-tiny": ([5.562506675720215, 5.545634746551514, 5.480974197387695, 5.451182842254639,
-                      5.411052227020264], [7.864296767354082, 7.78413634171753]),
-    "gpt2-tiny": ([5.5601091384887695, 5.490691184997559, 5.411683559417725, 5.372878074645996,
-                   5.309290885925293], [7.718758856818543, 7.635416752141029]),
+    "kimi-k3-tiny": (
+        [5.562506675720215, 5.545634746551514, 5.480974197387695, 5.451182842254639, 5.411052227020264],
+        [7.864296767354082, 7.78413634171753],
+    ),
+    "gpt2-tiny": (
+        [5.5601091384887695, 5.490691184997559, 5.411683559417725, 5.372878074645996, 5.309290885925293],
+        [7.718758856818543, 7.635416752141029],
+    ),
 }
 
 
@@ -42,7 +46,7 @@ def test_an_earlier_checkpoint_loads_and_computes_what_it_did(preset):
         torch.testing.assert_close(model(ids), ref["logits"], rtol=1e-5, atol=1e-5)
         cache = model.new_cache(ids.shape[0])
         model(ids[:, :7], cache=cache)
-        steps = torch.cat([model(ids[:, t:t + 1], cache=cache) for t in range(7, ids.shape[1])], dim=1)
+        steps = torch.cat([model(ids[:, t : t + 1], cache=cache) for t in range(7, ids.shape[1])], dim=1)
     torch.testing.assert_close(steps, ref["decode_logits"], rtol=1e-5, atol=1e-5)
 
 

@@ -23,8 +23,21 @@ from k3.training.config import model_config
 from .commands import fails
 from .corpus import write_corpus
 
-TINY_RUN = ["--tokenizer", "byte", "--hidden-size", "32", "--seq-len", "32", "--batch-size", "2", "--eval-every", "1",
-            "--eval-tokens", "64", "--no-progress"]
+TINY_RUN = [
+    "--tokenizer",
+    "byte",
+    "--hidden-size",
+    "32",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "2",
+    "--eval-every",
+    "1",
+    "--eval-tokens",
+    "64",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +49,20 @@ def corpus(tmp_path_factory):
 def run(corpus, tmp_path_factory):
     """A checkpoint as `k3 train --data corpus --max-steps 1 TINY_RUN` writes it, without the training."""
     out = tmp_path_factory.mktemp("run")
-    cfg = TrainConfig(model_overrides={"hidden_size": 32}, data=str(corpus), tokenizer="byte", seq_len=32,
-                      batch_size=2, max_steps=1, out=str(out))
+    cfg = TrainConfig(
+        model_overrides={"hidden_size": 32},
+        data=str(corpus),
+        tokenizer="byte",
+        seq_len=32,
+        batch_size=2,
+        max_steps=1,
+        out=str(out),
+    )
     model = CausalLM(model_config(cfg, 257))
     history = {"step": [], "loss": [], "lr": [], "val_step": [], "val_bpb": [], "tokens": 0, "seconds": 0.0}
-    save_training_checkpoint(out, model, build_optimizer(model, cfg), byte_tokenizer(), cfg, 0, 1,
-                             torch.Generator(), history)
+    save_training_checkpoint(
+        out, model, build_optimizer(model, cfg), byte_tokenizer(), cfg, 0, 1, torch.Generator(), history
+    )
     return out
 
 
@@ -51,61 +72,89 @@ def damaged(run, tmp_path):
     return lambda: shutil.copytree(run, tmp_path / "copy")
 
 
-@pytest.mark.parametrize("flags, expected", [
-    (["--max-steps", "0"], "--max-steps: expected training steps, an integer >= 1, got '0'"),
-    (["--max-steps", "-3"], "got '-3'"),
-    (["--time-budget", "-1"], "--time-budget: expected minutes, a finite number > 0, got '-1'"),
-    (["--checkpoint-every", "-1"], "--checkpoint-every: expected steps between checkpoints, an integer >= 1"),
-    (["--warmup", "-5"], "--warmup: expected warmup steps, an integer >= 0, got '-5'"),
-    (["--threads", "-1"], "--threads: expected torch threads, an integer >= 1, got '-1'"),
-    (["--lr", "nan"], "--lr: expected a learning rate, a finite number > 0, got 'nan'"),
-    (["--vocab-size", "100"], "--vocab-size: expected BPE entries"),
-    (["--set", "bogus_field=1"], "no ModelConfig field 'bogus_field'; the fields are: name, vocab_size, hidden_size"),
-    (["--set", "hiden_size=64"], "did you mean 'hidden_size'"),
-    (["--set", "hidden_size=abc"], "`hidden_size` must be an integer, got 'abc'"),
-    (["--set", "layer_types=[]"], "`layer_types` is empty; give one entry per layer"),
-    (["--set", 'layer_types=["kda", "mla"]', "--num-layers", "3"], "`layer_types` has 2, `num_layers` is 3"),
-    (["--set", "vocab_size=10", "--tokenizer", "byte"],
-     "--set vocab_size=10: the model's vocabulary is the tokenizer's (--tokenizer byte gives 257 tokens)"),
-    (["--set", "hidden_size=64", "--hidden-size", "96"], "--set hidden_size=64 and --hidden-size 96 both set"),
-    (["--set", "num_layers=3", "--num-layers", "4"], "--set num_layers=3 and --num-layers 4 both set"),
-    (["--max-steps", "2", "--time-budget", "1"], "--max-steps 2 and --time-budget 1 both set the run's length"),
-    (["--set", "hidden_size"], "--set expects FIELD=VALUE, got 'hidden_size'"),
-])
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--max-steps", "0"], "--max-steps: expected training steps, an integer >= 1, got '0'"),
+        (["--max-steps", "-3"], "got '-3'"),
+        (["--time-budget", "-1"], "--time-budget: expected minutes, a finite number > 0, got '-1'"),
+        (["--checkpoint-every", "-1"], "--checkpoint-every: expected steps between checkpoints, an integer >= 1"),
+        (["--warmup", "-5"], "--warmup: expected warmup steps, an integer >= 0, got '-5'"),
+        (["--threads", "-1"], "--threads: expected torch threads, an integer >= 1, got '-1'"),
+        (["--lr", "nan"], "--lr: expected a learning rate, a finite number > 0, got 'nan'"),
+        (["--vocab-size", "100"], "--vocab-size: expected BPE entries"),
+        (
+            ["--set", "bogus_field=1"],
+            "no ModelConfig field 'bogus_field'; the fields are: name, vocab_size, hidden_size",
+        ),
+        (["--set", "hiden_size=64"], "did you mean 'hidden_size'"),
+        (["--set", "hidden_size=abc"], "`hidden_size` must be an integer, got 'abc'"),
+        (["--set", "layer_types=[]"], "`layer_types` is empty; give one entry per layer"),
+        (["--set", 'layer_types=["kda", "mla"]', "--num-layers", "3"], "`layer_types` has 2, `num_layers` is 3"),
+        (
+            ["--set", "vocab_size=10", "--tokenizer", "byte"],
+            "--set vocab_size=10: the model's vocabulary is the tokenizer's (--tokenizer byte gives 257 tokens)",
+        ),
+        (["--set", "hidden_size=64", "--hidden-size", "96"], "--set hidden_size=64 and --hidden-size 96 both set"),
+        (["--set", "num_layers=3", "--num-layers", "4"], "--set num_layers=3 and --num-layers 4 both set"),
+        (["--max-steps", "2", "--time-budget", "1"], "--max-steps 2 and --time-budget 1 both set the run's length"),
+        (["--set", "hidden_size"], "--set expects FIELD=VALUE, got 'hidden_size'"),
+    ],
+)
 def test_bad_train_settings_are_refused_before_any_work(capsys, tmp_path, flags, expected):
     fails(capsys, ["train", "--data", str(tmp_path / "never read"), "--out", str(tmp_path / "out"), *flags], expected)
     assert not (tmp_path / "out").exists()
 
 
 def test_train_config_checks_its_fields():
-    for bad, expected in [({"max_steps": 0}, "`max_steps` must be an integer >= 1"),
-                          ({"time_budget": float("nan")}, "`time_budget` must be a finite number"),
-                          ({"warmup_steps": -5}, "`warmup_steps` must be an integer >= 0, or None (5% of the steps, "
-                                                 "at most 50), got -5"),
-                          ({"max_steps": 2, "time_budget": 1.0}, "`max_steps` 2 and `time_budget` 1.0 both set"),
-                          ({"model_overrides": {"vocab_size": 10}}, "`vocab_size` 10 would be replaced by the "
-                                                                     "tokenizer's vocabulary"),
-                          ({"threads": 0}, "`threads` must be an integer >= 1"),
-                          ({"checkpoint_every": -1}, "`checkpoint_every` must be an integer >= 1"),
-                          ({"betas": (0.9, 1.5)}, "`betas` must be two numbers in [0, 1)"),
-                          ({"preset": "gpt5"}, "unknown preset 'gpt5'")]:
+    for bad, expected in [
+        ({"max_steps": 0}, "`max_steps` must be an integer >= 1"),
+        ({"time_budget": float("nan")}, "`time_budget` must be a finite number"),
+        ({"warmup_steps": -5}, "`warmup_steps` must be an integer >= 0, or None (5% of the steps, at most 50), got -5"),
+        ({"max_steps": 2, "time_budget": 1.0}, "`max_steps` 2 and `time_budget` 1.0 both set"),
+        ({"model_overrides": {"vocab_size": 10}}, "`vocab_size` 10 would be replaced by the tokenizer's vocabulary"),
+        ({"threads": 0}, "`threads` must be an integer >= 1"),
+        ({"checkpoint_every": -1}, "`checkpoint_every` must be an integer >= 1"),
+        ({"betas": (0.9, 1.5)}, "`betas` must be two numbers in [0, 1)"),
+        ({"preset": "gpt5"}, "unknown preset 'gpt5'"),
+    ]:
         with pytest.raises(ValueError, match=re.escape(expected)):
             TrainConfig(**bad)
 
 
-def test_a_vocabulary_that_cannot_fit_is_refused_before_the_bpe_trainer_allocates(corpus, tmp_path, capsys,
-                                                                                monkeypatch):
+def test_a_vocabulary_that_cannot_fit_is_refused_before_the_bpe_trainer_allocates(
+    corpus, tmp_path, capsys, monkeypatch
+):
     monkeypatch.setattr(runtime, "available_memory", lambda: 8 << 30)  # the same answer on any machine
-    fails(capsys, ["train", "--data", str(corpus), "--tokenizer", "bpe", "--vocab-size", "1000000000", "--max-steps",
-                   "1", "--out", str(tmp_path / "out")],
-          "a BPE vocabulary of 1,000,000,000 entries needs about 93.1 GiB (100,000,000,000 bytes)", "8.0 GiB")
+    fails(
+        capsys,
+        [
+            "train",
+            "--data",
+            str(corpus),
+            "--tokenizer",
+            "bpe",
+            "--vocab-size",
+            "1000000000",
+            "--max-steps",
+            "1",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        "a BPE vocabulary of 1,000,000,000 entries needs about 93.1 GiB (100,000,000,000 bytes)",
+        "8.0 GiB",
+    )
 
 
 def test_a_model_that_cannot_fit_is_refused_before_training_allocates(corpus, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(runtime, "available_memory", lambda: 1 << 20)
-    fails(capsys, ["train", "--data", str(corpus), *TINY_RUN, "--max-steps", "1", "--out", str(tmp_path / "out")],
-          "training 'kimi-k3-tiny' (1,067,916 parameters x 16 bytes, and the activations of 2 x 32 tokens) needs "
-          "about 0.0 GiB (17,914,560 bytes), more than the 0.0 GiB of memory available", "--batch-size")
+    fails(
+        capsys,
+        ["train", "--data", str(corpus), *TINY_RUN, "--max-steps", "1", "--out", str(tmp_path / "out")],
+        "training 'kimi-k3-tiny' (1,067,916 parameters x 16 bytes, and the activations of 2 x 32 tokens) needs "
+        "about 0.0 GiB (17,914,560 bytes), more than the 0.0 GiB of memory available",
+        "--batch-size",
+    )
 
 
 def test_a_config_json_of_another_size_is_refused_before_the_model_is_built(damaged, capsys, monkeypatch):
@@ -118,8 +167,13 @@ def test_a_config_json_of_another_size_is_refused_before_the_model_is_built(dama
     argv = ["generate", "--checkpoint", str(copy), "--prompt", "to be"]
     fails(capsys, argv, f"--checkpoint {copy} does not match", "model [257, 200000]")
     monkeypatch.setattr(runtime, "available_memory", lambda: 1 << 30)
-    fails(capsys, argv, f"--checkpoint {copy}: loading 'kimi-k3-tiny' (", "parameters x 4 bytes) needs about",
-          "more than the 1.0 GiB of memory available")
+    fails(
+        capsys,
+        argv,
+        f"--checkpoint {copy}: loading 'kimi-k3-tiny' (",
+        "parameters x 4 bytes) needs about",
+        "more than the 1.0 GiB of memory available",
+    )
     assert not built
 
 
@@ -128,17 +182,22 @@ def test_a_damaged_model_safetensors_is_named(damaged, capsys, content, expected
     copy = damaged()
     weights = copy / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100] if content is None else content)
-    for argv in (["generate", "--checkpoint", str(copy), "--prompt", "to be"],
-                 ["train", "--resume", str(copy), "--max-steps", "2"],
-                 ["lab", "inspect", "--checkpoint", str(copy), "--smoke"]):
+    for argv in (
+        ["generate", "--checkpoint", str(copy), "--prompt", "to be"],
+        ["train", "--resume", str(copy), "--max-steps", "2"],
+        ["lab", "inspect", "--checkpoint", str(copy), "--smoke"],
+    ):
         fails(capsys, argv, f"{copy}: model.safetensors is damaged or not a safetensors file", expected)
 
 
 def test_a_malformed_tokenizer_json_is_named(damaged, capsys):
     copy = damaged()
     (copy / "tokenizer.json").write_text((copy / "tokenizer.json").read_text()[:100])
-    fails(capsys, ["generate", "--checkpoint", str(copy), "--prompt", "to be"],
-          f"{copy / 'tokenizer.json'} is not a readable tokenizer.json (EOF while parsing")
+    fails(
+        capsys,
+        ["generate", "--checkpoint", str(copy), "--prompt", "to be"],
+        f"{copy / 'tokenizer.json'} is not a readable tokenizer.json (EOF while parsing",
+    )
 
 
 @pytest.mark.parametrize("state", [b"not a zip archive", "truncated"])
@@ -149,20 +208,30 @@ def test_lab_inspect_refuses_a_damaged_trainer_state_before_the_analysis(damaged
     path = copy / "trainer_state.pt"
     path.write_bytes(path.read_bytes()[:200] if state == "truncated" else state)
     monkeypatch.setattr(k3.lab, "run", lambda *a, **k: pytest.fail("the analysis ran"))
-    fails(capsys, ["lab", "inspect", "--checkpoint", str(copy), "--smoke", "--docs", str(copy / "docs")],
-          f"--checkpoint {copy}: trainer_state.pt is damaged")
+    fails(
+        capsys,
+        ["lab", "inspect", "--checkpoint", str(copy), "--smoke", "--docs", str(copy / "docs")],
+        f"--checkpoint {copy}: trainer_state.pt is damaged",
+    )
 
 
 def test_bad_prompts_and_sampling_flags(run, tmp_path, capsys):
     generate = ["generate", "--checkpoint", str(run)]
-    fails(capsys, [*generate, "--prompt", "to b\udcff"], "--prompt: the text has '\\udcff' at character 4, a lone "
-          "surrogate", "give UTF-8 text")
+    fails(
+        capsys,
+        [*generate, "--prompt", "to b\udcff"],
+        "--prompt: the text has '\\udcff' at character 4, a lone surrogate",
+        "give UTF-8 text",
+    )
     prompts = tmp_path / "prompts.txt"
     prompts.write_bytes(b"to be\nor \xff not\n")
     fails(capsys, [*generate, "--prompt-file", str(prompts)], "not UTF-8 text (byte 0xff at offset 9)")
     for value in ("nan", "-1", "inf"):
-        fails(capsys, [*generate, "--prompt", "to be", "--temperature", value],
-              f"--temperature: expected a sampling temperature (0: greedy), a finite number >= 0, got '{value}'")
+        fails(
+            capsys,
+            [*generate, "--prompt", "to be", "--temperature", value],
+            f"--temperature: expected a sampling temperature (0: greedy), a finite number >= 0, got '{value}'",
+        )
     fails(capsys, [*generate, "--prompt", "to be", "--top-p", "1.5"], "a finite number > 0 and <= 1, got '1.5'")
     with pytest.raises(ValueError, match="`temperature` must be a finite number >= 0"):
         sample(torch.zeros(1, 4), temperature=float("nan"))
@@ -183,10 +252,17 @@ def test_ctrl_c_in_generate_keeps_the_text_and_exits_130(run, capsys, monkeypatc
 def test_resume_refuses_settings_it_would_ignore(run, corpus, tmp_path, capsys):
     other = write_corpus(tmp_path, docs=2, words=50)
     resume = ["train", "--resume", str(run), "--max-steps", "2", "--no-progress"]
-    fails(capsys, [*resume, "--data", str(other)], f"`data` '{other}' (the checkpoint's: '{corpus}')",
-          "drop the others to resume")
-    fails(capsys, [*resume, "--hidden-size", "48"], "`model_overrides` {'hidden_size': 48} (the checkpoint's: "
-          "{'hidden_size': 32})")
+    fails(
+        capsys,
+        [*resume, "--data", str(other)],
+        f"`data` '{other}' (the checkpoint's: '{corpus}')",
+        "drop the others to resume",
+    )
+    fails(
+        capsys,
+        [*resume, "--hidden-size", "48"],
+        "`model_overrides` {'hidden_size': 48} (the checkpoint's: {'hidden_size': 32})",
+    )
     fails(capsys, [*resume, "--lr", "0.01", "--seed", "3"], "`lr` 0.01", "; `seed` 3 (the checkpoint's: 0)")
 
 
@@ -195,13 +271,16 @@ def test_generate_from_a_missing_folder_says_so(capsys, tmp_path):
     assert "no such folder" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["bench", "profile", "--rounds", "0"], "--rounds: expected timing rounds, an integer >= 1, got '0'"),
-    (["bench", "profile", "--threads", "0"], "--threads: expected torch threads, an integer >= 1, got '0'"),
-    (["bench", "backward", "--rounds", "-2"], "--rounds: expected timing rounds, an integer >= 1, got '-2'"),
-    (["bench", "backward", "--threads", "-1"], "--threads: expected torch threads, an integer >= 1, got '-1'"),
-    (["bench", "models", "--threads", "x"], "--threads: expected torch threads, an integer >= 1, got 'x'"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["bench", "profile", "--rounds", "0"], "--rounds: expected timing rounds, an integer >= 1, got '0'"),
+        (["bench", "profile", "--threads", "0"], "--threads: expected torch threads, an integer >= 1, got '0'"),
+        (["bench", "backward", "--rounds", "-2"], "--rounds: expected timing rounds, an integer >= 1, got '-2'"),
+        (["bench", "backward", "--threads", "-1"], "--threads: expected torch threads, an integer >= 1, got '-1'"),
+        (["bench", "models", "--threads", "x"], "--threads: expected torch threads, an integer >= 1, got 'x'"),
+    ],
+)
 def test_bad_bench_counts_are_refused_before_any_work(capsys, argv, expected):
     capsys.readouterr()
     assert main(argv) == 2
@@ -210,7 +289,8 @@ def test_bad_bench_counts_are_refused_before_any_work(capsys, argv, expected):
 
 
 def test_a_batch_whose_activations_cannot_fit_is_refused_before_the_tokenizer_or_any_allocation(
-        corpus, tmp_path, capsys, monkeypatch):
+    corpus, tmp_path, capsys, monkeypatch
+):
     """The memory estimate counts the activations the backward keeps and the logits, not only parameters x 16
     bytes: --batch-size 10000000 is refused at once, naming the flags, before the corpus is tokenized."""
     from k3.training import strategy
@@ -221,20 +301,44 @@ def test_a_batch_whose_activations_cannot_fit_is_refused_before_the_tokenizer_or
     monkeypatch.setattr(strategy.SingleProcess, "prepare", no_work)
     monkeypatch.setattr(runtime, "available_memory", lambda: 22 << 30)
     for flags in (["--batch-size", "10000000"], ["--tokenizer", "bpe", "--batch-size", "10000000"]):
-        err = fails(capsys, ["train", "--data", str(corpus), *flags, "--max-steps", "1", "--out", str(tmp_path / "o")],
-                    "and the activations of 10000000 x 256 tokens", "more than the 22.0 GiB of memory available",
-                    "--batch-size", "--seq-len")
+        err = fails(
+            capsys,
+            ["train", "--data", str(corpus), *flags, "--max-steps", "1", "--out", str(tmp_path / "o")],
+            "and the activations of 10000000 x 256 tokens",
+            "more than the 22.0 GiB of memory available",
+            "--batch-size",
+            "--seq-len",
+        )
         assert "Traceback" not in err
     # kimi-k3-tiny at width 100,000: its parameters alone (about 21.8 GiB) fit in 22.2 GiB, its activations do not
-    monkeypatch.setattr(runtime, "available_memory", lambda: int(22.2 * 2 ** 30))
-    fails(capsys, ["train", "--data", str(corpus), "--tokenizer", "byte", "--hidden-size", "100000", "--max-steps",
-                   "1", "--out", str(tmp_path / "o")], "training 'kimi-k3-tiny'", "--hidden-size")
+    monkeypatch.setattr(runtime, "available_memory", lambda: int(22.2 * 2**30))
+    fails(
+        capsys,
+        [
+            "train",
+            "--data",
+            str(corpus),
+            "--tokenizer",
+            "byte",
+            "--hidden-size",
+            "100000",
+            "--max-steps",
+            "1",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        "training 'kimi-k3-tiny'",
+        "--hidden-size",
+    )
     assert not (tmp_path / "o").exists()
 
 
 def test_a_seed_out_of_range_is_refused_naming_the_flag(corpus, tmp_path, capsys):
-    fails(capsys, ["train", "--data", str(corpus), *TINY_RUN, "--seed", str(2 ** 64), "--out", str(tmp_path / "o")],
-          f"argument --seed: expected a seed, an integer in [0, {2 ** 64 - 1}], got '{2 ** 64}'")
+    fails(
+        capsys,
+        ["train", "--data", str(corpus), *TINY_RUN, "--seed", str(2**64), "--out", str(tmp_path / "o")],
+        f"argument --seed: expected a seed, an integer in [0, {2**64 - 1}], got '{2**64}'",
+    )
     with pytest.raises(ValueError, match=re.escape("`TrainConfig.seed` must be an int in [0, 2**64 - 1]")):
         TrainConfig(seed=-1)
 
@@ -243,10 +347,37 @@ def test_more_threads_than_cores_and_a_vocabulary_the_corpus_cannot_give_are_sai
     import os
 
     threads = (os.cpu_count() or 1) + 1
-    assert main(["train", "--data", str(corpus), "--tokenizer", "bpe", "--vocab-size", "100000", "--hidden-size", "32",
-                 "--seq-len", "32", "--batch-size", "2", "--max-steps", "1", "--eval-tokens", "64",
-                 "--final-eval-tokens", "64", "--threads", str(threads), "--no-progress",
-                 "--out", str(tmp_path / "o")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                str(corpus),
+                "--tokenizer",
+                "bpe",
+                "--vocab-size",
+                "100000",
+                "--hidden-size",
+                "32",
+                "--seq-len",
+                "32",
+                "--batch-size",
+                "2",
+                "--max-steps",
+                "1",
+                "--eval-tokens",
+                "64",
+                "--final-eval-tokens",
+                "64",
+                "--threads",
+                str(threads),
+                "--no-progress",
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert f"k3 train: warning: --threads {threads} is more than this machine's {os.cpu_count()} cores" in err, err
     assert "k3 train: warning: --vocab-size 100000: the corpus gave the BPE tokenizer only" in err, err

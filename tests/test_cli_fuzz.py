@@ -19,8 +19,25 @@ NUMBERS = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70).map(str),
     st.integers(min_value=-3, max_value=5000).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
-    st.sampled_from(["nan", "inf", "-inf", "1e999", "0x10", "1_000", " 7 ", "", "-0", "1e-300", "5e-324", "٣", "2**64",
-                     "18446744073709551616", "½"]),
+    st.sampled_from(
+        [
+            "nan",
+            "inf",
+            "-inf",
+            "1e999",
+            "0x10",
+            "1_000",
+            " 7 ",
+            "",
+            "-0",
+            "1e-300",
+            "5e-324",
+            "٣",
+            "2**64",
+            "18446744073709551616",
+            "½",
+        ]
+    ),
     st.text(max_size=12),
 )
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -41,11 +58,18 @@ ACTIONS = list(_typed_actions(build_parser()))
 
 def test_every_numeric_flag_is_found():
     flags = {(" ".join(path), option) for path, option, _ in ACTIONS}
-    for expected in [("train", "--seed"), ("generate", "--seed"), ("generate", "--max-new-tokens"),
-                     ("bench ops", "--T"), ("plan", "--gpus"), ("serve", "--threads")]:
+    for expected in [
+        ("train", "--seed"),
+        ("generate", "--seed"),
+        ("generate", "--max-new-tokens"),
+        ("bench ops", "--T"),
+        ("plan", "--gpus"),
+        ("serve", "--threads"),
+    ]:
         assert expected in flags, expected
-    assert all(action.type not in (int, float) for _, _, action in ACTIONS), \
-        [f"{' '.join(p)} {o}" for p, o, a in ACTIONS if a.type in (int, float)]  # a bare int() has no bounds
+    assert all(action.type not in (int, float) for _, _, action in ACTIONS), [
+        f"{' '.join(p)} {o}" for p, o, a in ACTIONS if a.type in (int, float)
+    ]  # a bare int() has no bounds
 
 
 @FAST
@@ -68,8 +92,12 @@ def test_a_numeric_flag_takes_a_usable_value_or_refuses_it(index, text):
 
 
 def test_argparse_errors_are_one_line(capsys):
-    for argv in (["train", "--seed", "18446744073709551616"], ["generate", "--checkpoint", "x", "--seed", "-1"],
-                 ["bench", "ops", "--T", "0"], ["plan", "kimi-k3", "--gpus", str(10**12)]):
+    for argv in (
+        ["train", "--seed", "18446744073709551616"],
+        ["generate", "--checkpoint", "x", "--seed", "-1"],
+        ["bench", "ops", "--T", "0"],
+        ["plan", "kimi-k3", "--gpus", str(10**12)],
+    ):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"k3 {argv[0]}"), err
@@ -78,12 +106,20 @@ def test_argparse_errors_are_one_line(capsys):
 PLAN_FLAGS = ["--gpus", "--fsdp", "--ep", "--pp", "--seq-len", "--micro-batch", "--global-batch-tokens", "--mfu"]
 
 
-@settings(max_examples=100, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # capsys read each time
-@given(flags=st.dictionaries(st.sampled_from(PLAN_FLAGS), st.one_of(
-    st.integers(min_value=-5, max_value=4096).map(str), st.sampled_from(["1", "2", "8", "64", "1048576", "0.5",
-                                                                          str(10**12), "nan", "-1", "x"])),
-    max_size=4), model=st.sampled_from(["kimi-k3", "kimi-k3-tiny", "gpt2"]))
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)  # capsys read each time
+@given(
+    flags=st.dictionaries(
+        st.sampled_from(PLAN_FLAGS),
+        st.one_of(
+            st.integers(min_value=-5, max_value=4096).map(str),
+            st.sampled_from(["1", "2", "8", "64", "1048576", "0.5", str(10**12), "nan", "-1", "x"]),
+        ),
+        max_size=4,
+    ),
+    model=st.sampled_from(["kimi-k3", "kimi-k3-tiny", "gpt2"]),
+)
 def test_k3_plan_ends_in_a_plan_or_one_line(flags, model, capsys):
     argv = ["plan", model, "--train"] + [part for flag, value in flags.items() for part in (flag, value)]
     code = main(argv)

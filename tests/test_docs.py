@@ -26,8 +26,11 @@ README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 
 # a fence at the start of a line, with the marker comment on the line before it if there is one
-FENCE = re.compile(r"^(?:<!--[ \t]*(?P<marker>[\w-]+):[ \t]*(?P<note>.*?)[ \t]*-->\n)?"
-                   r"```(?P<lang>[\w-]*)[ \t]*\n(?P<code>.*?)^```[ \t]*$", re.M | re.S)
+FENCE = re.compile(
+    r"^(?:<!--[ \t]*(?P<marker>[\w-]+):[ \t]*(?P<note>.*?)[ \t]*-->\n)?"
+    r"```(?P<lang>[\w-]*)[ \t]*\n(?P<code>.*?)^```[ \t]*$",
+    re.M | re.S,
+)
 MARKERS = ("tested-by", "no-test")
 
 
@@ -75,14 +78,20 @@ def run_block(code: str, filename: str | Path) -> dict:
 
 # -- the blocks and their markers -----------------------------------------------------------------------
 
+
 def test_every_fence_is_seen():
     """A fence the parser would miss (indented, say inside a list item) would leave its block unchecked."""
     for page in PAGES:
         text = page.read_text(encoding="utf-8")
         opening = sum(1 for line in text.splitlines() if line.lstrip().startswith("```"))
-        indented = [i + 1 for i, line in enumerate(text.splitlines()) if line.startswith((" ", "\t")) and
-                    line.lstrip().startswith("```")]
-        assert not indented, f"{page.relative_to(ROOT)}: fences at lines {indented} are indented; start them at column 0"
+        indented = [
+            i + 1
+            for i, line in enumerate(text.splitlines())
+            if line.startswith((" ", "\t")) and line.lstrip().startswith("```")
+        ]
+        assert not indented, (
+            f"{page.relative_to(ROOT)}: fences at lines {indented} are indented; start them at column 0"
+        )
         assert opening == 2 * len(blocks(page)), f"{page.relative_to(ROOT)}: a fence without its pair"
 
 
@@ -97,8 +106,9 @@ def test_markers_are_known_and_name_real_tests():
             path, _, name = b.note.partition("::")
             test_file = ROOT / path
             assert test_file.is_file(), f"{b.where}: {path} does not exist"
-            assert re.search(rf"^def {re.escape(name)}\(", test_file.read_text(), re.M), \
+            assert re.search(rf"^def {re.escape(name)}\(", test_file.read_text(), re.M), (
                 f"{b.where}: {path} has no test {name}"
+            )
 
 
 def test_blocks_that_do_not_run_are_rare():
@@ -117,6 +127,7 @@ def test_python_block_runs(block, tmp_path, monkeypatch):
 
 
 # -- command lines --------------------------------------------------------------------------------------
+
 
 def command_lines() -> list[tuple[str, str]]:
     """(where, line) for every command of every ```bash block, continuation lines joined."""
@@ -177,7 +188,7 @@ def test_command_line_parses(where, line):
     command, rest = argv[0], argv[1:]
     if command == "torchrun":
         assert "-m" in rest and rest[rest.index("-m") + 1] == "k3", f"{where}: torchrun runs `-m k3` in these pages"
-        check_k3(rest[rest.index("-m") + 2:], where)
+        check_k3(rest[rest.index("-m") + 2 :], where)
     elif command in ("python", "python3") and rest[:1] == ["-m"]:
         module, args = rest[1], rest[2:]
         if module == "k3":
@@ -245,13 +256,14 @@ def test_the_readme_links_to_every_page():
 
 # -- dedicated tests of blocks in docs/ -----------------------------------------------------------------
 
+
 def test_published_checkpoint_block_loads_a_tiny_one(tmp_path):
     """docs/checkpoints.md's four ways to load Kimi K3's published checkpoint, on a tiny one written in
     that layout (tests/models/kimi_k3_files.py)."""
     from .models.kimi_k3_files import tiny_config, write_published
 
     write_published(tmp_path / "Kimi-K3")
-    code = python_block("docs/checkpoints.md", "experts=\"mxfp4\"")
+    code = python_block("docs/checkpoints.md", 'experts="mxfp4"')
     assert code.count('"path/to/Kimi-K3"') == 1
     with pytest.warns(UserWarning, match="vision tensors"):  # said once a load: k3 reads the text model
         namespace = run_block(code.replace('"path/to/Kimi-K3"', repr(str(tmp_path / "Kimi-K3"))), "docs/checkpoints.md")

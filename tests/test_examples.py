@@ -26,15 +26,26 @@ def corpus(root: Path, docs: int, words: int) -> Path:
 
 def run_example(name: str, *args: str, cwd: Path) -> str:
     env = {**os.environ, "PYTHONPATH": str(EXAMPLES.parent), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
 def test_train_tiny(tmp_path):
-    out = run_example("train_tiny.py", "--data", str(corpus(tmp_path / "corpus", 3, 400)), "--steps", "3", "--out", str(tmp_path / "run"),
-                      "--prompt", "the", cwd=tmp_path)
+    out = run_example(
+        "train_tiny.py",
+        "--data",
+        str(corpus(tmp_path / "corpus", 3, 400)),
+        "--steps",
+        "3",
+        "--out",
+        str(tmp_path / "run"),
+        "--prompt",
+        "the",
+        cwd=tmp_path,
+    )
     assert "bits per byte after 3 steps" in out
     assert (tmp_path / "run" / "model.safetensors").exists()
 
@@ -48,11 +59,21 @@ def test_kimi_linear_generate(tmp_path):
     tokenizer = train_bpe(texts, vocab_size=280)
     torch.manual_seed(0)
     CausalLM(get_config("kimi-linear-tiny", vocab_size=tokenizer.vocab_size, hidden_size=32)).save_pretrained(
-        tmp_path / "k3")
+        tmp_path / "k3"
+    )
     tokenizer.save(tmp_path / "k3" / "tokenizer.json")
     export(tmp_path / "k3", tmp_path / "kimi", format="kimi-linear")
-    out = run_example("kimi_linear_generate.py", str(tmp_path / "kimi"), "--prompt", "the", "--max-new-tokens", "5",
-                      "--dtype", "float32", cwd=tmp_path)
+    out = run_example(
+        "kimi_linear_generate.py",
+        str(tmp_path / "kimi"),
+        "--prompt",
+        "the",
+        "--max-new-tokens",
+        "5",
+        "--dtype",
+        "float32",
+        cwd=tmp_path,
+    )
     assert "parameters, layers ['kda'" in out
     assert len(out.strip().splitlines()) == 2
 

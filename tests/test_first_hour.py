@@ -26,12 +26,42 @@ from k3.training.optim import learning_rate, warmup_steps
 from .commands import fails
 from .corpus import write_corpus
 
-TINY = dict(preset="kimi-k3-tiny", model_overrides={"hidden_size": 32, "num_layers": 2}, tokenizer="byte",
-            seq_len=16, batch_size=2, eval_every=2, eval_tokens=64, final_eval_tokens=64, val_fraction=0.2,
-            threads=1, device="cpu")
-TINY_FLAGS = ["--tokenizer", "byte", "--hidden-size", "32", "--num-layers", "2", "--seq-len", "16", "--batch-size",
-              "2", "--eval-every", "2", "--eval-tokens", "64", "--final-eval-tokens", "64", "--threads", "1",
-              "--device", "cpu", "--no-progress"]
+TINY = dict(
+    preset="kimi-k3-tiny",
+    model_overrides={"hidden_size": 32, "num_layers": 2},
+    tokenizer="byte",
+    seq_len=16,
+    batch_size=2,
+    eval_every=2,
+    eval_tokens=64,
+    final_eval_tokens=64,
+    val_fraction=0.2,
+    threads=1,
+    device="cpu",
+)
+TINY_FLAGS = [
+    "--tokenizer",
+    "byte",
+    "--hidden-size",
+    "32",
+    "--num-layers",
+    "2",
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "2",
+    "--eval-every",
+    "2",
+    "--eval-tokens",
+    "64",
+    "--final-eval-tokens",
+    "64",
+    "--threads",
+    "1",
+    "--device",
+    "cpu",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +79,11 @@ def trained(corpus, tmp_path_factory):
 
 def snapshot(folder) -> dict:
     """Every file of `folder` with its bytes' sha256 and its modification time."""
-    return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-            for p in sorted(folder.iterdir()) if p.is_file()}
+    return {
+        p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(folder.iterdir())
+        if p.is_file()
+    }
 
 
 # -- nothing lost, nothing silent ---------------------------------------------------------------------
@@ -84,13 +117,25 @@ def test_a_refused_run_leaves_nothing_behind(corpus, tmp_path, capsys):
     (tmp_path / "tiny.txt").write_text("abc")
     for data in ("missing.txt", "empty", "binary.bin", "tiny.txt"):
         out = tmp_path / "runs" / data / "out"
-        fails(capsys, ["train", "--data", str(tmp_path / data), "--out", str(out), "--max-steps", "2",
-                                *TINY_FLAGS])
+        fails(capsys, ["train", "--data", str(tmp_path / data), "--out", str(out), "--max-steps", "2", *TINY_FLAGS])
         assert not (tmp_path / "runs").exists(), data
     # a model far too big for memory: refused after the folder was claimed, which is removed again
     out = tmp_path / "big"
-    err = fails(capsys, ["train", "--data", str(corpus), "--out", str(out), "--max-steps", "2",
-                                  *TINY_FLAGS, "--set", "intermediate_size=2000000000"])
+    err = fails(
+        capsys,
+        [
+            "train",
+            "--data",
+            str(corpus),
+            "--out",
+            str(out),
+            "--max-steps",
+            "2",
+            *TINY_FLAGS,
+            "--set",
+            "intermediate_size=2000000000",
+        ],
+    )
     assert "memory" in err and not out.exists()
     # an existing folder keeps what it had: the earlier run's log is not emptied by a refused one
     kept = tmp_path / "kept"
@@ -137,8 +182,11 @@ def test_a_text_prompt_says_to_tokenize_it(model):
 
 
 def test_get_config_names_close_fields_and_presets():
-    with pytest.raises(ValueError, match=r"get_config\('kimi-k3-tiny'\): no ModelConfig field 'nonsense'; the fields "
-                                         r"are: name, vocab_size"):
+    with pytest.raises(
+        ValueError,
+        match=r"get_config\('kimi-k3-tiny'\): no ModelConfig field 'nonsense'; the fields "
+        r"are: name, vocab_size",
+    ):
         get_config("kimi-k3-tiny", nonsense=1)
     with pytest.raises(ValueError, match=r"no ModelConfig field 'hiden_size'; did you mean 'hidden_size'"):
         get_config("kimi-k3-tiny", hiden_size=64)
@@ -148,8 +196,11 @@ def test_get_config_names_close_fields_and_presets():
 
 
 def test_from_pretrained_of_a_missing_folder_says_what_a_checkpoint_holds(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"from_pretrained: .*nope: no such folder; a checkpoint folder holds "
-                                                r"config.json and model.safetensors"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"from_pretrained: .*nope: no such folder; a checkpoint folder holds "
+        r"config.json and model.safetensors",
+    ):
         CausalLM.from_pretrained(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"empty: no config.json \(expected a checkpoint folder"):
@@ -191,6 +242,7 @@ def test_the_default_warmup_follows_the_run_length():
 
 def test_help_shows_every_default():
     """Every option has a help text, and one with a default shows it in --help."""
+
     def parsers(parser):
         yield parser
         for action in parser._actions:
@@ -219,8 +271,11 @@ def test_help_shows_every_default():
 def test_a_broken_config_json_is_named(trained, tmp_path, capsys):
     run = shutil.copytree(trained, tmp_path / "run")
     (run / "config.json").write_text('{"k3": {"name": "x",\n  "hidden_size": 32,\n  "oops"')
-    for argv in (["generate", "--checkpoint", str(run), "--prompt", "to"], ["params", str(run)],
-                 ["train", "--resume", str(run), "--no-progress"]):
+    for argv in (
+        ["generate", "--checkpoint", str(run), "--prompt", "to"],
+        ["params", str(run)],
+        ["train", "--resume", str(run), "--no-progress"],
+    ):
         err = fails(capsys, argv)
         assert f"{run / 'config.json'}: not valid JSON (" in err and "line 3 column" in err, err
 
@@ -247,9 +302,23 @@ def test_a_changed_width_is_a_shape_mismatch_not_a_missing_tensor(tmp_path):
 
 
 def test_non_utf8_stdin_is_called_stdin(trained):
-    done = subprocess.run([sys.executable, "-m", "k3", "generate", "--checkpoint", str(trained), "--threads", "1",
-                           "--max-new-tokens", "2"], input=b"to be \xff\xfe\n", capture_output=True,
-                          env={"PATH": "/usr/bin:/bin", "LC_ALL": "C", "PYTHONUTF8": "0"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "k3",
+            "generate",
+            "--checkpoint",
+            str(trained),
+            "--threads",
+            "1",
+            "--max-new-tokens",
+            "2",
+        ],
+        input=b"to be \xff\xfe\n",
+        capture_output=True,
+        env={"PATH": "/usr/bin:/bin", "LC_ALL": "C", "PYTHONUTF8": "0"},
+    )
     err = done.stderr.decode()
     assert done.returncode == 2 and "k3 generate: error: stdin: not UTF-8 text (byte 0xff" in err, err
     assert "command-line argument" not in err
@@ -263,8 +332,12 @@ def test_generate_checks_the_manifest_and_takes_threads(trained, tmp_path, capsy
     assert f"{run / 'config.json'} has" in err and "its manifest says" in err
     threads = torch.get_num_threads()
     try:
-        assert main(["generate", "--checkpoint", str(trained), "--prompt", "to", "--max-new-tokens", "2",
-                     "--threads", "1"]) == 0
+        assert (
+            main(
+                ["generate", "--checkpoint", str(trained), "--prompt", "to", "--max-new-tokens", "2", "--threads", "1"]
+            )
+            == 0
+        )
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)

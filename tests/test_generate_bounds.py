@@ -10,8 +10,7 @@ import types
 import pytest
 import torch
 
-from k3.cli import main
-from k3.cli import interactive
+from k3.cli import interactive, main
 from k3.models import CausalLM, get_config
 from k3.tokenizer import byte_tokenizer
 
@@ -31,8 +30,11 @@ def checkpoint(tmp_path_factory, model):
 
 
 def test_a_static_cache_too_big_for_the_machine_is_refused_before_allocating(model):
-    with pytest.raises(ValueError, match=r"new_cache: a static cache of 1000000 row\(s\) x 1,000,000 tokens .* "
-                                         r"more than the .* GiB of memory available"):
+    with pytest.raises(
+        ValueError,
+        match=r"new_cache: a static cache of 1000000 row\(s\) x 1,000,000 tokens .* "
+        r"more than the .* GiB of memory available",
+    ):
         model.new_cache(10**6, max_length=10**6)
     assert model.new_cache(2, max_length=64).max_length == 64
 
@@ -51,8 +53,12 @@ def test_cache_bytes_is_what_a_static_cache_allocates(model):
 
 def test_k3_generate_max_new_tokens_too_big_is_one_line(checkpoint, capsys):
     for extra in ([], ["--compile"]):
-        assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", "hi", "--max-new-tokens",
-                     "100000000", *extra]) == 2
+        assert (
+            main(
+                ["generate", "--checkpoint", str(checkpoint), "--prompt", "hi", "--max-new-tokens", "100000000", *extra]
+            )
+            == 2
+        )
         out, err = capsys.readouterr()
         assert out == ""  # refused before the prompt is echoed
         err = err.strip().splitlines()
@@ -66,8 +72,9 @@ def test_a_long_prompt_prefills_with_progress_and_continues_exactly(model, capsy
     want = model.generate(torch.tensor([ids]), 6, temperature=0)[0, 100:].tolist()
     tokenizer = byte_tokenizer()
     for compile in (False, "aot_eager"):
-        args = types.SimpleNamespace(ignore_eot=True, compile=compile, max_new_tokens=6, temperature=0.0,
-                                     top_k=None, top_p=None)
+        args = types.SimpleNamespace(
+            ignore_eot=True, compile=compile, max_new_tokens=6, temperature=0.0, top_k=None, top_p=None
+        )
         new: list[int] = []
         interactive.stream_text(model, tokenizer, ids, args, None, new)
         assert new == want, compile

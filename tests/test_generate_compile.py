@@ -37,8 +37,9 @@ def checkpoint(tmp_path_factory):
 def aot_eager(monkeypatch):
     """compile=True compiles with "aot_eager" (what inductor would capture, without building C++)."""
     original = decode_step.compile_step
-    monkeypatch.setattr(decode_step, "compile_step", lambda fn, device, backend="inductor": original(
-        fn, device, "aot_eager"))
+    monkeypatch.setattr(
+        decode_step, "compile_step", lambda fn, device, backend="inductor": original(fn, device, "aot_eager")
+    )
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -75,8 +76,7 @@ def test_compiled_text_equals_eager(mode, checkpoint, aot_eager, monkeypatch, ca
 
 def test_compile_errors_are_one_line(checkpoint, monkeypatch, capsys):
     monkeypatch.setattr(runtime, "cxx_compiler", lambda: None)
-    code, _, err = run(monkeypatch, capsys, ["generate", "--checkpoint", str(checkpoint), "--prompt", "x",
-                                             "--compile"])
+    code, _, err = run(monkeypatch, capsys, ["generate", "--checkpoint", str(checkpoint), "--prompt", "x", "--compile"])
     assert code != 0 and "no C++ compiler was found" in err and len(err.strip().splitlines()) == 1
 
 

@@ -76,8 +76,9 @@ def test_each_prompt_on_its_own_as_with_prompt(checkpoint, monkeypatch, capsys, 
 
 def test_chat_keeps_the_cache_and_feeds_only_the_new_turn(checkpoint, monkeypatch, capsys, streams, one_thread):
     encode = byte_tokenizer().encode
-    code, out, err = run(monkeypatch, capsys, ["generate", "--checkpoint", str(checkpoint), "--chat", *TOKENS],
-                         "to be\nor not\n")
+    code, out, err = run(
+        monkeypatch, capsys, ["generate", "--checkpoint", str(checkpoint), "--chat", *TOKENS], "to be\nor not\n"
+    )
     assert code == 0 and out.startswith("to be") and "\nor not" in out, out
     (ids1, cache1, seen1, new1), (ids2, cache2, seen2, new2) = streams
     assert ids1 == encode("to be") and seen1 == 0
@@ -90,7 +91,9 @@ def test_chat_keeps_the_cache_and_feeds_only_the_new_turn(checkpoint, monkeypatc
 def test_without_chat_every_prompt_gets_a_new_cache(checkpoint, monkeypatch, capsys, streams, one_thread):
     code, _, _ = run(monkeypatch, capsys, ["generate", "--checkpoint", str(checkpoint), *TOKENS], "to be\nor not\n")
     assert code == 0 and [(ids, cache) for ids, cache, _, _ in streams] == [
-        (byte_tokenizer().encode("to be"), None), (byte_tokenizer().encode("or not"), None)]
+        (byte_tokenizer().encode("to be"), None),
+        (byte_tokenizer().encode("or not"), None),
+    ]
 
 
 def test_chat_continues_as_the_whole_conversation_would():
@@ -103,7 +106,7 @@ def test_chat_continues_as_the_whole_conversation_would():
     new1 = torch.stack(list(model.stream(turn1, 6, temperature=0, cache=cache)), dim=1)
     new2 = torch.stack(list(model.stream(torch.cat([new1[:, -1:], turn2], 1), 6, temperature=0, cache=cache)), dim=1)
     whole = torch.cat([turn1, new1, turn2], dim=1)
-    assert torch.equal(model.generate(whole, 6, temperature=0)[:, whole.shape[1]:], new2)
+    assert torch.equal(model.generate(whole, 6, temperature=0)[:, whole.shape[1] :], new2)
     assert cache.length == whole.shape[1] + 5
     with pytest.raises(ValueError, match="the cache holds 1 sequences, `input_ids` has 2"):
         next(model.stream(torch.zeros(2, 3, dtype=torch.long), 1, cache=cache))
@@ -114,8 +117,7 @@ def test_chat_continues_as_the_whole_conversation_would():
         next(gpt2.stream(torch.zeros(1, 6, dtype=torch.long), 1, cache=cache))
 
 
-def test_ctrl_c_stops_one_generation_and_chat_rebuilds_its_cache(checkpoint, monkeypatch, capsys, streams,
-                                                                 one_thread):
+def test_ctrl_c_stops_one_generation_and_chat_rebuilds_its_cache(checkpoint, monkeypatch, capsys, streams, one_thread):
     recording = CausalLM.stream
 
     def interrupted_first(self, prompt, *args, **kwargs):
@@ -125,8 +127,9 @@ def test_ctrl_c_stops_one_generation_and_chat_rebuilds_its_cache(checkpoint, mon
             yield token
 
     monkeypatch.setattr(CausalLM, "stream", interrupted_first)
-    code, out, err = run(monkeypatch, capsys, ["generate", "--checkpoint", str(checkpoint), "--chat", *TOKENS],
-                         "to be\nor not\n")
+    code, out, err = run(
+        monkeypatch, capsys, ["generate", "--checkpoint", str(checkpoint), "--chat", *TOKENS], "to be\nor not\n"
+    )
     assert code == 0 and "[interrupted (Ctrl-C) after 2 tokens]" in err and err.count("[5 tokens in") == 1, err
     assert out.startswith("to be") and "\nor not" in out
     (ids1, _, _, new1), (ids2, cache2, seen2, _) = streams
@@ -147,10 +150,13 @@ def test_ctrl_d_ends_with_0_and_ctrl_c_at_the_prompt_with_130(checkpoint, monkey
 
 
 def test_chat_needs_the_interactive_mode_and_says_so_in_help(checkpoint, monkeypatch, capsys):
-    code, _, err = run(monkeypatch, capsys, ["generate", "--checkpoint", str(checkpoint), "--chat", "--prompt", "x"],
-                       "")
-    assert code == 2 and err.strip() == ("k3 generate: error: --chat is for the interactive mode (prompts from "
-                                         "stdin): drop --prompt / --prompt-file, or --chat")
+    code, _, err = run(
+        monkeypatch, capsys, ["generate", "--checkpoint", str(checkpoint), "--chat", "--prompt", "x"], ""
+    )
+    assert code == 2 and err.strip() == (
+        "k3 generate: error: --chat is for the interactive mode (prompts from "
+        "stdin): drop --prompt / --prompt-file, or --chat"
+    )
     code, out, _ = run(monkeypatch, capsys, ["generate", "--help"], "")
     flat = " ".join(out.split())
     assert code == 0 and "read prompts from stdin, one a line" in flat and "Ctrl-D ends" in flat
@@ -159,9 +165,15 @@ def test_chat_needs_the_interactive_mode_and_says_so_in_help(checkpoint, monkeyp
 
 def test_piped_into_the_command(checkpoint, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "k3", "generate", "--checkpoint", str(checkpoint), "--chat",
-                           "--max-new-tokens", "3"], input="to be\nor not\n", capture_output=True, text=True,
-                          cwd=tmp_path, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "k3", "generate", "--checkpoint", str(checkpoint), "--chat", "--max-new-tokens", "3"],
+        input="to be\nor not\n",
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("to be") and "\nor not" in done.stdout and done.stderr.count("[3 tokens in") == 2
 
@@ -187,8 +199,22 @@ def test_a_continuation_ends_at_endoftext_unless_ignored(checkpoint, monkeypatch
     outs = []
     for extra in ([], ["--ignore-eot"]):
         calls.clear()
-        code, out, err = run(monkeypatch, capsys, ["generate", "--checkpoint", str(checkpoint), *source,
-                                                   "--max-new-tokens", "6", "--temperature", "0", *extra], "")
+        code, out, err = run(
+            monkeypatch,
+            capsys,
+            [
+                "generate",
+                "--checkpoint",
+                str(checkpoint),
+                *source,
+                "--max-new-tokens",
+                "6",
+                "--temperature",
+                "0",
+                *extra,
+            ],
+            "",
+        )
         assert code == 0, err
         outs.append((out, err))
     (stopped, stopped_err), (full, _) = outs

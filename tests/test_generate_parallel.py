@@ -23,8 +23,9 @@ NEW = 12
 
 def checkpoint(folder) -> None:
     torch.manual_seed(0)  # KDA + MoE, MLA + MoE; 8 experts, top-2: 4 a process
-    config = get_config("kimi-k3-tiny", vocab_size=257, hidden_size=48, num_layers=3, num_experts=8,
-                        num_experts_per_tok=2)
+    config = get_config(
+        "kimi-k3-tiny", vocab_size=257, hidden_size=48, num_layers=3, num_experts=8, num_experts_per_tok=2
+    )
     CausalLM(config).save_pretrained(folder)
     byte_tokenizer().save(folder / "tokenizer.json")
 
@@ -43,10 +44,32 @@ def _worker(rank: int, port: int, folder: str, out: str) -> None:
         import contextlib
 
         with contextlib.redirect_stdout(stdout):  # the command line, on the same process group
-            code = main(["generate", "--checkpoint", folder, "--prompt", "to be", "--temperature", "0",
-                         "--max-new-tokens", str(NEW), "--ignore-eot", "--parallel", "ep"])
-    torch.save({"held": held, "logits": logits, "rows": rows, "code": code,
-                "parameters": sum(p.numel() for p in model.parameters())}, f"{out}/rank{rank}.pt")
+            code = main(
+                [
+                    "generate",
+                    "--checkpoint",
+                    folder,
+                    "--prompt",
+                    "to be",
+                    "--temperature",
+                    "0",
+                    "--max-new-tokens",
+                    str(NEW),
+                    "--ignore-eot",
+                    "--parallel",
+                    "ep",
+                ]
+            )
+    torch.save(
+        {
+            "held": held,
+            "logits": logits,
+            "rows": rows,
+            "code": code,
+            "parameters": sum(p.numel() for p in model.parameters()),
+        },
+        f"{out}/rank{rank}.pt",
+    )
 
 
 def test_two_processes_generate_what_one_does(tmp_path):

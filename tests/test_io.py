@@ -41,7 +41,9 @@ def test_atomic_write_replaces_whole_or_not_at_all(tmp_path):
 
 
 def test_atomic_write_files_renames_only_when_all_are_written(tmp_path):
-    atomic_write_files(tmp_path / "ckpt", {"a": lambda t: Path(t).write_text("a1"), "b": lambda t: Path(t).write_text("b1")})
+    atomic_write_files(
+        tmp_path / "ckpt", {"a": lambda t: Path(t).write_text("a1"), "b": lambda t: Path(t).write_text("b1")}
+    )
 
     def fails(tmp):
         raise OSError(28, "No space left on device")
@@ -78,8 +80,12 @@ def _umask() -> int:
 def _interrupted_after_the_commit(folder: Path, monkeypatch) -> None:
     """Leave `folder` as a save that died just after writing its journal: "a" and "b" at version 1 in
     place, version 2 in temporaries named by the journal."""
-    atomic_write_files(folder, {"a": lambda t: Path(t).write_text("a1"), "b": lambda t: Path(t).write_text("b1")}, step=1,
-                       manifest=True)
+    atomic_write_files(
+        folder,
+        {"a": lambda t: Path(t).write_text("a1"), "b": lambda t: Path(t).write_text("b1")},
+        step=1,
+        manifest=True,
+    )
 
     def died(folder):
         raise KeyboardInterrupt
@@ -87,8 +93,12 @@ def _interrupted_after_the_commit(folder: Path, monkeypatch) -> None:
     with monkeypatch.context() as patch:
         patch.setattr(k3.io.journal, "_roll_forward", died)
         with pytest.raises(KeyboardInterrupt):
-            atomic_write_files(folder, {"a": lambda t: Path(t).write_text("a22"), "b": lambda t: Path(t).write_text("b2")},
-                               step=2, manifest=True)
+            atomic_write_files(
+                folder,
+                {"a": lambda t: Path(t).write_text("a22"), "b": lambda t: Path(t).write_text("b2")},
+                step=2,
+                manifest=True,
+            )
     assert (folder / JOURNAL).exists() and (folder / "a").read_text() == "a1"
 
 
@@ -109,9 +119,12 @@ def test_a_committed_save_in_a_read_only_folder_is_a_clear_error(tmp_path, monke
         raise OSError(errno.EROFS, "Read-only file system")
 
     monkeypatch.setattr(k3.io.journal.os, "replace", read_only)
-    with pytest.raises(CheckpointError, match=rf"{folder}: a save was committed \(its journal .k3-commit.json is there\) "
-                                              r"but could not be put in place: Read-only file system. Make the folder "
-                                              r"writable"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{folder}: a save was committed \(its journal .k3-commit.json is there\) "
+        r"but could not be put in place: Read-only file system. Make the folder "
+        r"writable",
+    ):
         with checked_folder(folder):
             pass
 
@@ -125,7 +138,8 @@ def test_a_check_of_an_unfinished_save_never_advises_deleting_the_manifest(tmp_p
     with pytest.raises(CheckpointError) as refused:
         k3.io.check_manifest(folder)
     assert "do not delete .k3-manifest.json" in str(refused.value) and "to load the files as they are" not in str(
-        refused.value)
+        refused.value
+    )
     (folder / "a").write_text("a1")
     with k3.io.reading(folder):
         assert not (folder / JOURNAL).exists() and (folder / "a").read_text() == "a22"
@@ -148,11 +162,18 @@ def test_an_uncommitted_saves_temporaries_are_removed_by_the_next_reader_or_writ
 
 def test_a_file_that_differs_from_the_manifest_is_refused_by_name(tmp_path):
     folder = tmp_path / "ckpt"
-    atomic_write_files(folder, {"a": lambda t: Path(t).write_text("a1"), "b": lambda t: Path(t).write_text("b1")}, step=7,
-                       manifest=True)
+    atomic_write_files(
+        folder,
+        {"a": lambda t: Path(t).write_text("a1"), "b": lambda t: Path(t).write_text("b1")},
+        step=7,
+        manifest=True,
+    )
     (folder / "b").write_text("b2")
-    with pytest.raises(CheckpointError, match=rf"{folder / 'b'} has sha256 .*, its manifest says .*: the checkpoint's "
-                                              r"files are not the ones the save at step 7 wrote together"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{folder / 'b'} has sha256 .*, its manifest says .*: the checkpoint's "
+        r"files are not the ones the save at step 7 wrote together",
+    ):
         check_manifest(folder)
     assert check_manifest(folder, ["a"])["step"] == 7  # only the files asked for are checked
     (folder / "b").write_text("b22")
@@ -169,8 +190,12 @@ def test_a_manifest_is_kept_true_by_a_save_that_does_not_start_one(tmp_path):
     folder = tmp_path / "ckpt"
     atomic_write_files(folder, {"a": lambda t: Path(t).write_text("a1")})
     assert not (folder / MANIFEST).exists()
-    atomic_write_files(folder, {"a": lambda t: Path(t).write_text("a1"), "b": lambda t: Path(t).write_text("b1")},
-                       step=3, manifest=True)
+    atomic_write_files(
+        folder,
+        {"a": lambda t: Path(t).write_text("a1"), "b": lambda t: Path(t).write_text("b1")},
+        step=3,
+        manifest=True,
+    )
     atomic_write_files(folder, {"b": lambda t: Path(t).write_text("b22")})  # save_pretrained over a checkpoint
     assert check_manifest(folder)["files"]["b"]["size"] == 3
 
@@ -180,8 +205,14 @@ def test_a_set_of_files_gets_the_permissions_open_gives(tmp_path):
 
     previous = os.umask(0o027)
     try:
-        atomic_write_files(tmp_path / "ckpt", {"w.safetensors": lambda t: save_file({"x": torch.zeros(2)}, t),
-                                               "c.json": lambda t: Path(t).write_text("{}")}, manifest=True)
+        atomic_write_files(
+            tmp_path / "ckpt",
+            {
+                "w.safetensors": lambda t: save_file({"x": torch.zeros(2)}, t),
+                "c.json": lambda t: Path(t).write_text("{}"),
+            },
+            manifest=True,
+        )
     finally:
         os.umask(previous)
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "ckpt").iterdir()}
@@ -193,16 +224,23 @@ def _text(content: str):
 
 
 def _tree(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()
-            and p.name not in (MANIFEST,)}
+    return {
+        str(p.relative_to(folder)): p.read_text()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name not in (MANIFEST,)
+    }
 
 
 def test_a_training_set_drops_the_files_of_its_previous_set_that_it_lacks(tmp_path):
     """A sharded checkpoint replacing a whole one (and back): the previous set's files that the new set
     lacks go at the commit, with the subfolder they leave empty; a file no manifest listed stays."""
     folder = tmp_path / "ckpt"
-    atomic_write_files(folder, {"config.json": _text("1"), "dcp/__0_0.distcp": _text("r0"),
-                                "dcp/__1_0.distcp": _text("r1")}, step=1, manifest=True)
+    atomic_write_files(
+        folder,
+        {"config.json": _text("1"), "dcp/__0_0.distcp": _text("r0"), "dcp/__1_0.distcp": _text("r1")},
+        step=1,
+        manifest=True,
+    )
     (folder / "notes.txt").write_text("mine")
     assert check_manifest(folder)["files"].keys() == {"config.json", "dcp/__0_0.distcp", "dcp/__1_0.distcp"}
     atomic_write_files(folder, {"config.json": _text("2"), "dcp/__0_0.distcp": _text("R0")}, step=2, manifest=True)

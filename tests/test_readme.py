@@ -10,7 +10,7 @@ from .test_docs import README, ROOT, python_block
 def test_readme_first_example_runs(capsys):
     """The README's ten lines: a tiny Kimi K3 generates, and the full one is counted on paper."""
     namespace: dict = {}
-    exec(compile(python_block(README, "count_params(get_config(\"kimi-k3\"))"), str(README), "exec"), namespace)  # noqa: S102
+    exec(compile(python_block(README, 'count_params(get_config("kimi-k3"))'), str(README), "exec"), namespace)  # noqa: S102
     assert namespace["out"].shape == (1, 24)
     assert capsys.readouterr().out.split() == ["torch.Size([1,", "24])", "True", "2779484393568"]
 
@@ -51,9 +51,11 @@ def test_top_level_names_load_lazily():
     import subprocess
     import sys
 
-    code = ("import sys, k3; assert 'k3.models' not in sys.modules and 'k3.training' not in sys.modules; "
-            "from k3 import CausalLM, TrainConfig, get_config, train, count_params; "
-            "import k3.models, k3.training; assert CausalLM is k3.models.CausalLM and train is k3.training.train; "
-            "print(sorted(n for n in dir(k3) if not n.startswith('_')))")
+    code = (
+        "import sys, k3; assert 'k3.models' not in sys.modules and 'k3.training' not in sys.modules; "
+        "from k3 import CausalLM, TrainConfig, get_config, train, count_params; "
+        "import k3.models, k3.training; assert CausalLM is k3.models.CausalLM and train is k3.training.train; "
+        "print(sorted(n for n in dir(k3) if not n.startswith('_')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "CausalLM" in out and "TrainConfig" in out

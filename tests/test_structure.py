@@ -34,7 +34,12 @@ LAYERS = [
 ]
 MAX_LINES = 450
 # third-party libraries imported only where their integration lives (bench may time transformers as a peer)
-ONLY_IN = {"transformers": {"k3.hf", "k3.bench"}, "lm_eval": {"k3.eval"}, "fastapi": {"k3.serve"}, "uvicorn": {"k3.serve"}}
+ONLY_IN = {
+    "transformers": {"k3.hf", "k3.bench"},
+    "lm_eval": {"k3.eval"},
+    "fastapi": {"k3.serve"},
+    "uvicorn": {"k3.serve"},
+}
 
 
 def modules() -> dict[str, Path]:
@@ -55,8 +60,11 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> tuple[set[str], se
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else [])) \
-                if node.level else node.module or ""
+            base = (
+                ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+                if node.level
+                else node.module or ""
+            )
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
         else:
             continue
@@ -95,8 +103,12 @@ def test_every_module_is_in_a_layer():
 
 def test_imports_go_down_the_layers(graph):
     edges, _ = graph
-    upward = [f"{a} -> {b}" for a, targets in edges.items() for b in targets
-              if package(a) != package(b) and layer(b) >= layer(a)]
+    upward = [
+        f"{a} -> {b}"
+        for a, targets in edges.items()
+        for b in targets
+        if package(a) != package(b) and layer(b) >= layer(a)
+    ]
     assert not upward, "imports against the layering: " + ", ".join(sorted(upward))
 
 
@@ -134,8 +146,12 @@ def test_no_import_circle(graph):
 
 def test_integrations_are_imported_only_where_they_live(graph):
     _, external = graph
-    stray = [f"{name} imports {lib}" for name, libs in external.items() for lib, homes in ONLY_IN.items()
-             if lib in libs and package(name) not in homes]
+    stray = [
+        f"{name} imports {lib}"
+        for name, libs in external.items()
+        for lib, homes in ONLY_IN.items()
+        if lib in libs and package(name) not in homes
+    ]
     assert not stray, ", ".join(stray)
 
 

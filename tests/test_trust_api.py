@@ -26,8 +26,11 @@ def checkpoint(tmp_path_factory):
 
 
 def test_causal_lm_of_a_preset_name_says_how():
-    with pytest.raises(TypeError, match=r"CausalLM takes a ModelConfig, got str 'kimi-k3-tiny': "
-                                        r"CausalLM\(get_config\('kimi-k3-tiny'\)\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"CausalLM takes a ModelConfig, got str 'kimi-k3-tiny': "
+        r"CausalLM\(get_config\('kimi-k3-tiny'\)\)",
+    ):
         CausalLM("kimi-k3-tiny")
 
 
@@ -37,9 +40,16 @@ def test_get_config_num_layers_below_one(depth):
         get_config("kimi-k3-tiny", num_layers=depth)
 
 
-@pytest.mark.parametrize("name, dtype", [("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16),
-                                         ("torch.float64", torch.float64), (torch.float16, torch.float16),
-                                         ("fp32", torch.float32)])
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        ("bf16", torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+        ("torch.float64", torch.float64),
+        (torch.float16, torch.float16),
+        ("fp32", torch.float32),
+    ],
+)
 def test_from_pretrained_takes_dtype_names(checkpoint, name, dtype):
     assert CausalLM.from_pretrained(checkpoint, dtype=name).lm_head.weight.dtype == dtype
 
@@ -52,12 +62,12 @@ def test_from_pretrained_refuses_other_dtypes_by_name(checkpoint, bad):
 
 def test_python_m_k3_eval_without_the_extra_is_one_line():
     # a fresh interpreter in which lm-eval cannot be imported (this one may have imported it already)
-    code = ("import runpy, sys; sys.modules['lm_eval'] = None; "
-            "runpy.run_module('k3.eval', run_name='__main__')")
+    code = "import runpy, sys; sys.modules['lm_eval'] = None; runpy.run_module('k3.eval', run_name='__main__')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip() == ("python -m k3.eval: error: lm-evaluation-harness is not installed; "
-                                   "pip install 'k3[eval]' (or lm-eval)")
+    assert proc.stderr.strip() == (
+        "python -m k3.eval: error: lm-evaluation-harness is not installed; pip install 'k3[eval]' (or lm-eval)"
+    )
 
 
 def test_export_on_a_full_disk_is_one_line_and_leaves_nothing(checkpoint, tmp_path, monkeypatch, capsys):
@@ -66,8 +76,9 @@ def test_export_on_a_full_disk_is_one_line_and_leaves_nothing(checkpoint, tmp_pa
     from safetensors import SafetensorError
 
     def full(*args, **kwargs):
-        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
-                              '"No space left on device" })')
+        raise SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        )
 
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     monkeypatch.setattr("transformers.modeling_utils.safe_save_file", full, raising=False)
@@ -85,12 +96,22 @@ def test_export_on_a_full_disk_is_one_line_and_leaves_nothing(checkpoint, tmp_pa
 def test_seed_outside_the_generators_range_names_the_flag(command, seed, capsys):
     assert main([*command, "--seed", seed]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"k3 {command[0]}: error: argument --seed: expected a seed, an integer in "
-                          f"[0, 18446744073709551615], got '{seed}'")
+    assert err.startswith(
+        f"k3 {command[0]}: error: argument --seed: expected a seed, an integer in "
+        f"[0, 18446744073709551615], got '{seed}'"
+    )
 
 
-@pytest.mark.parametrize("field, value", [("norm_eps", -1.0), ("norm_eps", 0.0), ("situ_beta", float("nan")),
-                                          ("routed_scaling_factor", float("inf")), ("rope_theta", -5.0)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("norm_eps", -1.0),
+        ("norm_eps", 0.0),
+        ("situ_beta", float("nan")),
+        ("routed_scaling_factor", float("inf")),
+        ("rope_theta", -5.0),
+    ],
+)
 def test_config_numbers_that_cannot_work_are_refused(field, value):
     with pytest.raises(ValueError, match=f"`{field}` must be"):
         get_config("kimi-k3-tiny", **{field: value})

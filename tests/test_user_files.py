@@ -19,8 +19,10 @@ def test_bench_json_never_replaces_a_file_it_did_not_write(tmp_path, capsys):
     mine.write_text('{"my": "numbers"}')
     assert main(["bench", "ops", "--quick", "--json", str(mine)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"k3 bench: error: --json {mine}: the file exists and k3 bench did not write it; give another "
-                   f"path, or move the file away"]
+    assert err == [
+        f"k3 bench: error: --json {mine}: the file exists and k3 bench did not write it; give another "
+        f"path, or move the file away"
+    ]
     assert mine.read_text() == '{"my": "numbers"}'
     with pytest.raises(FileExistsError):
         write_report(mine, {"x": 1}, "ops")  # the library's own writer refuses too
@@ -45,8 +47,7 @@ def test_lab_refuses_a_folder_of_the_users_files(tmp_path, capsys):
     (docs / "figures" / "x.png").write_bytes(b"png")
     assert main(["lab", "parts", "--smoke", "--docs", str(docs)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"k3 lab: error: --docs {docs}: it holds results.md, figures, which k3 lab did not "
-                              f"write")
+    assert err[-1].startswith(f"k3 lab: error: --docs {docs}: it holds results.md, figures, which k3 lab did not write")
     assert (docs / "results.md").read_text() == "# my results\n" and not (docs / LAB_MARK).exists()
     assert sorted(p.name for p in docs.rglob("*")) == ["figures", "results.md", "x.png"]
 

@@ -95,24 +95,37 @@ def peak_memory(op: str, way: str, T: int, H: int, d: int, chunk_size: int) -> f
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def run(shapes=((8, 256), (1, 8192)), memory_T: int = 16384, heads: int = 4, dim: int = 32, chunk_size: int = 64,
-        rounds: int = 15, ops=OPS, json_path: str | None = None, out=None) -> dict:
+def run(
+    shapes=((8, 256), (1, 8192)),
+    memory_T: int = 16384,
+    heads: int = 4,
+    dim: int = 32,
+    chunk_size: int = 64,
+    rounds: int = 15,
+    ops=OPS,
+    json_path: str | None = None,
+    out=None,
+) -> dict:
     out = sys.stdout if out is None else out
 
     def say(line=""):
         print(line, file=out, flush=True)
 
     gemm = matmul_gflops()
-    say(f"k3 bench backward: H={heads} K=V={dim} C={chunk_size} float32, {torch.get_num_threads()} threads, "
-        f"best of {rounds} interleaved rounds; machine matmul {gemm:.0f} GFLOP/s (1024^3 float32)")
+    say(
+        f"k3 bench backward: H={heads} K=V={dim} C={chunk_size} float32, {torch.get_num_threads()} threads, "
+        f"best of {rounds} interleaved rounds; machine matmul {gemm:.0f} GFLOP/s (1024^3 float32)"
+    )
     results: dict = {"gemm_gflops": gemm, "time": {}, "memory": {}}
     for op in ops:
         for B, T in shapes:
             times = interleaved_best(cases(op, B, T, heads, dim, chunk_size), rounds, grad=True)
             fwd = times["forward"]
             results["time"][f"{op}/B{B}/T{T}"] = times
-            say(f"  {op:17s} B={B} T={T:<6d} forward {fwd * 1e3:7.1f} ms   forward + backward: "
-                f"own {times['own'] / fwd:4.2f}x   autograd through the forward {times['autograd'] / fwd:4.2f}x")
+            say(
+                f"  {op:17s} B={B} T={T:<6d} forward {fwd * 1e3:7.1f} ms   forward + backward: "
+                f"own {times['own'] / fwd:4.2f}x   autograd through the forward {times['autograd'] / fwd:4.2f}x"
+            )
     if memory_T:
         say(f"peak memory of forward + backward at B=1, T={memory_T} (fresh interpreters):")
         for op in ops:

@@ -93,8 +93,10 @@ def compile_seconds(name: str, context: int, positions: int, cache_dir: str) -> 
     """A fresh process that builds `name`, prefills `context` tokens and takes one compiled step (batch 1)
     with inductor's cache in `cache_dir`: {"step": seconds of that first step, "run": seconds from the
     process's start to its first token}."""
-    code = (f"import time; start = time.perf_counter()\n"
-            f"from k3.bench.compiled import _probe; _probe({name!r}, {context}, {positions}, start)")
+    code = (
+        f"import time; start = time.perf_counter()\n"
+        f"from k3.bench.compiled import _probe; _probe({name!r}, {context}, {positions}, start)"
+    )
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if done.returncode:
@@ -112,8 +114,16 @@ def _probe(name: str, context: int, positions: int, start: float) -> None:
     print(json.dumps({"step": end - begin, "run": end - start}))
 
 
-def run(quick: bool = False, contexts=None, batch=None, steps: int | None = None, n_threads: int | None = None,
-        json_path: str | None = None, out=None, compile_times: bool | None = None) -> dict:
+def run(
+    quick: bool = False,
+    contexts=None,
+    batch=None,
+    steps: int | None = None,
+    n_threads: int | None = None,
+    json_path: str | None = None,
+    out=None,
+    compile_times: bool | None = None,
+) -> dict:
     """Time eager and compiled decode (see the module docstring); print the table and targets, return the figures."""
     from ..runtime import check_compiler
 
@@ -141,10 +151,14 @@ def _run(s: Settings, say, json_path: str | None) -> dict:
     models, gpt = build_k3(list(NAMES), positions)
     gemm = matmul_gflops()
     threads = torch.get_num_threads()
-    say(f"k3 bench models --compile: vocab {VOCAB}, float32, {threads} thread{'s' * (threads != 1)}; machine "
-        f"matmul {gemm:.1f} GFLOP/s (1024^3 float32 GEMM)")
-    say(f"matched GPT-2: gpt2-tiny at width {gpt['hidden_size']}, {gpt['num_layers']} layers; decode: median of "
-        f"{s.steps} steps round-robin, greedy; compiled: inductor (C++ wrapper) over a static cache\n")
+    say(
+        f"k3 bench models --compile: vocab {VOCAB}, float32, {threads} thread{'s' * (threads != 1)}; machine "
+        f"matmul {gemm:.1f} GFLOP/s (1024^3 float32 GEMM)"
+    )
+    say(
+        f"matched GPT-2: gpt2-tiny at width {gpt['hidden_size']}, {gpt['num_layers']} layers; decode: median of "
+        f"{s.steps} steps round-robin, greedy; compiled: inductor (C++ wrapper) over a static cache\n"
+    )
     compile_res = {}
     if s.compile_times:
         with tempfile.TemporaryDirectory(prefix="k3-inductor-") as fresh:
@@ -152,8 +166,10 @@ def _run(s: Settings, say, json_path: str | None) -> dict:
                 first = compile_seconds(name, s.contexts[0], positions, fresh)
                 cached = compile_seconds(name, s.contexts[0], positions, fresh)
                 compile_res[name] = {"first": first, "cached": cached}
-                say(f"compile {LABELS[name]}: first {first['step']:.1f} s (run to first token {first['run']:.1f} s), "
-                    f"cached {cached['step']:.1f} s (run {cached['run']:.1f} s)")
+                say(
+                    f"compile {LABELS[name]}: first {first['step']:.1f} s (run to first token {first['run']:.1f} s), "
+                    f"cached {cached['step']:.1f} s (run {cached['run']:.1f} s)"
+                )
         say()
     generator = torch.Generator().manual_seed(0)
     cases = {}
@@ -161,8 +177,9 @@ def _run(s: Settings, say, json_path: str | None) -> dict:
         for context in s.contexts:
             for b in s.batch:
                 for compiled in (False, True):
-                    cases[(name, context, b, compiled)] = Case(models[name], context, b, compiled, s.warmup + s.steps,
-                                                               generator)
+                    cases[(name, context, b, compiled)] = Case(
+                        models[name], context, b, compiled, s.warmup + s.steps, generator
+                    )
     times = median_steps(cases, s.warmup, s.steps)
     res = {name: {"label": LABELS[name], "decode_s": {}} for name in NAMES}
     for (name, context, b, compiled), t in times.items():
@@ -181,8 +198,15 @@ def _run(s: Settings, say, json_path: str | None) -> dict:
     say("\ntargets (issue 30):")
     for t in tgt:
         say(f"  {t['target']}: {t['measured']:.2f}{t['unit']} -> {'yes' if t['holds'] else 'no'}")
-    report = {"threads": threads, "gemm_gflops": gemm, "settings": s.__dict__, "matched_gpt2": gpt,
-              "models": res, "compile": compile_res, "targets": tgt}
+    report = {
+        "threads": threads,
+        "gemm_gflops": gemm,
+        "settings": s.__dict__,
+        "matched_gpt2": gpt,
+        "models": res,
+        "compile": compile_res,
+        "targets": tgt,
+    }
     if json_path:
         write_report(json_path, report, "compiled")
     return report
@@ -191,15 +215,33 @@ def _run(s: Settings, say, json_path: str | None) -> dict:
 def targets(times: dict, s: Settings, compile_res: dict) -> list[dict]:
     lo, hi, b = s.contexts[0], s.contexts[-1], s.batch[0]
     x = times[(K3_TINY, lo, b, False)] / times[(K3_TINY, lo, b, True)]
-    out = [dict(target=f"kimi-k3-tiny compiled decode >= 3x its eager tokens/s at {lo} context, batch {b}",
-                measured=x, unit="x", holds=x >= 3.0)]
+    out = [
+        dict(
+            target=f"kimi-k3-tiny compiled decode >= 3x its eager tokens/s at {lo} context, batch {b}",
+            measured=x,
+            unit="x",
+            holds=x >= 3.0,
+        )
+    ]
     for context, bound in ((lo, 1.0), (hi, 0.5)):
         r = times[(K3_TINY, context, b, True)] / times[(GPT2, context, b, True)]
-        out.append(dict(target=f"compiled kimi-k3-tiny <= {bound}x the compiled GPT-2's time at {context} context",
-                        measured=r, unit="x", holds=r <= bound))
+        out.append(
+            dict(
+                target=f"compiled kimi-k3-tiny <= {bound}x the compiled GPT-2's time at {context} context",
+                measured=r,
+                unit="x",
+                holds=r <= bound,
+            )
+        )
     if K3_TINY in compile_res:
         first, cached = compile_res[K3_TINY]["first"]["step"], compile_res[K3_TINY]["cached"]["run"]
         out.append(dict(target="kimi-k3-tiny first compile <= 90 s", measured=first, unit=" s", holds=first <= 90))
-        out.append(dict(target="kimi-k3-tiny cached start (process start to first token) <= 15 s", measured=cached,
-                        unit=" s", holds=cached <= 15))
+        out.append(
+            dict(
+                target="kimi-k3-tiny cached start (process start to first token) <= 15 s",
+                measured=cached,
+                unit=" s",
+                holds=cached <= 15,
+            )
+        )
     return out

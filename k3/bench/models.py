@@ -136,9 +136,11 @@ def ratios(res: dict, s: Settings) -> dict[str, dict]:
     base = res[GPT2]
     out = {}
     for name, r in res.items():
-        out[name] = {"prefill": r["prefill_s"] / base["prefill_s"],
-                     "train_step": r["train_step_s"] / base["train_step_s"],
-                     "decode": {c: r["decode_s"][c] / base["decode_s"][c] for c in s.contexts}}
+        out[name] = {
+            "prefill": r["prefill_s"] / base["prefill_s"],
+            "train_step": r["train_step_s"] / base["train_step_s"],
+            "decode": {c: r["decode_s"][c] / base["decode_s"][c] for c in s.contexts},
+        }
     return out
 
 
@@ -147,26 +149,49 @@ def targets(res: dict, rat: dict, s: Settings) -> list[dict]:
     out = []
     lo, hi = s.contexts[0], s.contexts[-1]
     if K3_TINY in rat:
-        out.append(dict(target=f"kimi-k3-tiny decode at {lo} context <= 1.0x GPT-2's time",
-                        measured=rat[K3_TINY]["decode"][lo], holds=rat[K3_TINY]["decode"][lo] <= 1.0))
+        out.append(
+            dict(
+                target=f"kimi-k3-tiny decode at {lo} context <= 1.0x GPT-2's time",
+                measured=rat[K3_TINY]["decode"][lo],
+                holds=rat[K3_TINY]["decode"][lo] <= 1.0,
+            )
+        )
         if hi != lo:
-            out.append(dict(target=f"kimi-k3-tiny decode at {hi} context <= 0.5x GPT-2's time",
-                            measured=rat[K3_TINY]["decode"][hi], holds=rat[K3_TINY]["decode"][hi] <= 0.5))
+            out.append(
+                dict(
+                    target=f"kimi-k3-tiny decode at {hi} context <= 0.5x GPT-2's time",
+                    measured=rat[K3_TINY]["decode"][hi],
+                    holds=rat[K3_TINY]["decode"][hi] <= 0.5,
+                )
+            )
     if KIMI_LINEAR in res and HF_KIMI in res:
         for c in s.contexts:
             x = res[HF_KIMI]["decode_s"][c] / res[KIMI_LINEAR]["decode_s"][c]
-            out.append(dict(target=f"kimi-linear-tiny decode at {c} context >= 4x faster than transformers' "
-                                   f"KimiLinearForCausalLM", measured=x, holds=x >= 4.0))
+            out.append(
+                dict(
+                    target=f"kimi-linear-tiny decode at {c} context >= 4x faster than transformers' "
+                    f"KimiLinearForCausalLM",
+                    measured=x,
+                    holds=x >= 4.0,
+                )
+            )
     for name in (K3_TINY, KIMI_LINEAR, GPT2):
         if name in res and "batch_speedup" in res[name]:
             x = res[name]["batch_speedup"]
-            out.append(dict(target=f"{name} decode at batch {s.batch[1]} >= 4x batch {s.batch[0]}'s tokens/s "
-                                   f"({s.contexts[0]} context)", measured=x, holds=x >= 4.0))
+            out.append(
+                dict(
+                    target=f"{name} decode at batch {s.batch[1]} >= 4x batch {s.batch[0]}'s tokens/s "
+                    f"({s.contexts[0]} context)",
+                    measured=x,
+                    holds=x >= 4.0,
+                )
+            )
     return out
 
 
 def table(res: dict, rat: dict, s: Settings) -> list[str]:
     """The Markdown table: one row per model, times with their ratio to the matched GPT-2."""
+
     def ratio(name, *key):
         if name not in rat:
             return ""
@@ -176,14 +201,19 @@ def table(res: dict, rat: dict, s: Settings) -> list[str]:
         return f" ({value:.2f}x)"
 
     B, T = s.train
-    head = (["model", "parameters", f"prefill {s.prefill}", f"train step {B}x{T}"]
-            + [f"decode @{c} (ms/token)" for c in s.contexts]
-            + [f"decode batch {s.batch[1]} (tok/s: x batch {s.batch[0]})"])
+    head = (
+        ["model", "parameters", f"prefill {s.prefill}", f"train step {B}x{T}"]
+        + [f"decode @{c} (ms/token)" for c in s.contexts]
+        + [f"decode batch {s.batch[1]} (tok/s: x batch {s.batch[0]})"]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in res.items():
-        cells = [r["label"], f"{r['parameters'] / 1e6:.2f}M",
-                 f"{r['prefill_s'] * 1e3:.0f} ms{ratio(name, 'prefill')}",
-                 f"{r['train_step_s'] * 1e3:.0f} ms, {r['train_tokens_per_s']:,.0f} tok/s{ratio(name, 'train_step')}"]
+        cells = [
+            r["label"],
+            f"{r['parameters'] / 1e6:.2f}M",
+            f"{r['prefill_s'] * 1e3:.0f} ms{ratio(name, 'prefill')}",
+            f"{r['train_step_s'] * 1e3:.0f} ms, {r['train_tokens_per_s']:,.0f} tok/s{ratio(name, 'train_step')}",
+        ]
         cells += [f"{r['decode_s'][c] * 1e3:.2f}{ratio(name, 'decode', c)}" for c in s.contexts]
         if "batch_speedup" in r:
             big = s.batch[1] / r["batch_decode_s"][s.batch[1]]
@@ -200,21 +230,36 @@ def peers(res: dict, s: Settings) -> list[str]:
     for ours, theirs in ((KIMI_LINEAR, HF_KIMI), (GPT2, HF_GPT2)):
         if ours in res and theirs in res:
             a, b = res[ours], res[theirs]
-            parts = [f"prefill {b['prefill_s'] / a['prefill_s']:.1f}x",
-                     f"train step {b['train_step_s'] / a['train_step_s']:.1f}x"]
+            parts = [
+                f"prefill {b['prefill_s'] / a['prefill_s']:.1f}x",
+                f"train step {b['train_step_s'] / a['train_step_s']:.1f}x",
+            ]
             parts += [f"decode @{c} {b['decode_s'][c] / a['decode_s'][c]:.1f}x" for c in s.contexts]
             lines.append(f"k3's {ours} against {LABELS[theirs]}: " + ", ".join(parts) + " faster")
     return lines
 
 
-def run(quick: bool = False, contexts=None, prefill: int | None = None, train=None, batch=None,
-        rounds: int | None = None, steps: int | None = None, warmup: int | None = None, models=MODELS,
-        n_threads: int | None = None, json_path: str | None = None, seed: int = 0, out=None) -> dict:
+def run(
+    quick: bool = False,
+    contexts=None,
+    prefill: int | None = None,
+    train=None,
+    batch=None,
+    rounds: int | None = None,
+    steps: int | None = None,
+    warmup: int | None = None,
+    models=MODELS,
+    n_threads: int | None = None,
+    json_path: str | None = None,
+    seed: int = 0,
+    out=None,
+) -> dict:
     """Time `models` (names from MODELS) under QUICK or the default Settings, any field given here
     overriding; print the table and targets to `out` (stdout) and return (and write) every figure."""
     base = QUICK if quick else Settings()
-    given = dict(contexts=contexts, prefill=prefill, train=train, batch=batch, rounds=rounds, steps=steps,
-                 warmup=warmup)
+    given = dict(
+        contexts=contexts, prefill=prefill, train=train, batch=batch, rounds=rounds, steps=steps, warmup=warmup
+    )
     given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None}
     s = Settings(**{**base.__dict__, **given})
     unknown = [m for m in models if m not in MODELS]
@@ -236,10 +281,14 @@ def _run(s: Settings, names: list[str], seed: int, json_path: str | None, say) -
     k3_models, gpt = build_k3([n for n in (K3_TINY, KIMI_LINEAR, GPT2) if n in need_k3], positions, seed)
     runners = {n: Runner(n, k3_models[n], hf=False) for n in k3_names}
     gemm = matmul_gflops()
-    say(f"k3 bench models: vocab {VOCAB}, float32, seed {seed}, {_threads()}; machine matmul "
-        f"{gemm:.1f} GFLOP/s (1024^3 float32 GEMM)")
-    say(f"matched GPT-2: gpt2-tiny at width {gpt['hidden_size']}, {gpt['num_layers']} layers, positions for "
-        f"{positions} tokens")
+    say(
+        f"k3 bench models: vocab {VOCAB}, float32, seed {seed}, {_threads()}; machine matmul "
+        f"{gemm:.1f} GFLOP/s (1024^3 float32 GEMM)"
+    )
+    say(
+        f"matched GPT-2: gpt2-tiny at width {gpt['hidden_size']}, {gpt['num_layers']} layers, positions for "
+        f"{positions} tokens"
+    )
     notes, check = [], None
     wanted_hf = [n for n in names if n in (HF_GPT2, HF_KIMI)]
     transformers = _transformers() if wanted_hf else None
@@ -256,18 +305,24 @@ def _run(s: Settings, names: list[str], seed: int, json_path: str | None, say) -
             error = logits_error(k3_kimi, hf_kimi)
             check = {"relative_error": error, "tolerance": LOGITS_TOLERANCE, "passes": error <= LOGITS_TOLERANCE}
             if not check["passes"]:
-                raise RuntimeError(f"bench models: transformers' KimiLinearForCausalLM gives logits {error:.1e} away "
-                                   f"from k3's kimi-linear-tiny (tolerance {LOGITS_TOLERANCE:.0e}): not the same model")
-            say(f"transformers' KimiLinearForCausalLM loads kimi-linear-tiny's weights: logits (prefill and one decode "
-                f"step) within {error:.1e} of k3's")
+                raise RuntimeError(
+                    f"bench models: transformers' KimiLinearForCausalLM gives logits {error:.1e} away "
+                    f"from k3's kimi-linear-tiny (tolerance {LOGITS_TOLERANCE:.0e}): not the same model"
+                )
+            say(
+                f"transformers' KimiLinearForCausalLM loads kimi-linear-tiny's weights: logits (prefill and one decode "
+                f"step) within {error:.1e} of k3's"
+            )
             runners[HF_KIMI] = hf_kimi
     for note in notes:
         say(note)
     runners = {n: runners[n] for n in names if n in runners}  # the order asked for
     B, T = s.train
-    say(f"prefill {s.prefill} tokens and train step {B}x{T}: best of {s.rounds} interleaved rounds; decode at "
+    say(
+        f"prefill {s.prefill} tokens and train step {B}x{T}: best of {s.rounds} interleaved rounds; decode at "
         f"{', '.join(map(str, s.contexts))} tokens of context: median of {s.steps} steps round-robin; "
-        f"ratios: time over gpt2-tiny's\n")
+        f"ratios: time over gpt2-tiny's\n"
+    )
     start = time.perf_counter()
     res = measure(runners, s, seed)
     rat = ratios(res, s)
@@ -282,9 +337,18 @@ def _run(s: Settings, names: list[str], seed: int, json_path: str | None, say) -
     for t in tgt:
         say(f"  {t['target']}: {t['measured']:.2f}x -> {'yes' if t['holds'] else 'no'}")
     say(f"\n({time.perf_counter() - start:.0f} s of timing)")
-    report = {"threads": torch.get_num_threads(), "gemm_gflops": gemm, "settings": s.__dict__, "matched_gpt2": gpt,
-              "transformers": transformers.__version__ if transformers else None, "notes": notes,
-              "kimi_linear_logits_check": check, "models": res, "ratios_vs_gpt2": rat, "targets": tgt}
+    report = {
+        "threads": torch.get_num_threads(),
+        "gemm_gflops": gemm,
+        "settings": s.__dict__,
+        "matched_gpt2": gpt,
+        "transformers": transformers.__version__ if transformers else None,
+        "notes": notes,
+        "kimi_linear_logits_check": check,
+        "models": res,
+        "ratios_vs_gpt2": rat,
+        "targets": tgt,
+    }
     if json_path:
         write_report(json_path, report, "models")
     return report

@@ -49,8 +49,15 @@ def model_flops(T: int, H: int, d: int, C: int) -> float:
     return H * (2 * T * d * d + 2 * T * C * d)
 
 
-def run(lengths=(512, 2048, 8192), chunk_sizes=(16, 32, 64, 128), heads: int = 8, dim: int = 64,
-        repeats: int = 3, json_path: str | None = None, out=None):
+def run(
+    lengths=(512, 2048, 8192),
+    chunk_sizes=(16, 32, 64, 128),
+    heads: int = 8,
+    dim: int = 64,
+    repeats: int = 3,
+    json_path: str | None = None,
+    out=None,
+):
     out = sys.stdout if out is None else out
 
     def say(line=""):
@@ -58,14 +65,18 @@ def run(lengths=(512, 2048, 8192), chunk_sizes=(16, 32, 64, 128), heads: int = 8
 
     gemm = matmul_gflops()
     bgemm = matmul_gflops(batch=512, size=dim)
-    say(f"k3 bench ops: B=1 H={heads} K=V={dim} float32, {torch.get_num_threads()} threads, "
-        f"best of {repeats} interleaved rounds")
+    say(
+        f"k3 bench ops: B=1 H={heads} K=V={dim} float32, {torch.get_num_threads()} threads, "
+        f"best of {repeats} interleaved rounds"
+    )
     say(f"machine matmul: {gemm:.1f} GFLOP/s (1024^3 GEMM), {bgemm:.1f} GFLOP/s (512 x {dim}^3 batched)")
     hf_gdn = _transformers_gdn()
     if hf_gdn is None:
         say("transformers not installed: skipping its torch_chunk_gated_delta_rule (pip install 'k3[hf]')")
-    mixers = {"kda": (recurrent_kda, chunk_kda), "gated_delta_rule": (recurrent_gated_delta_rule,
-                                                                      chunk_gated_delta_rule)}
+    mixers = {
+        "kda": (recurrent_kda, chunk_kda),
+        "gated_delta_rule": (recurrent_gated_delta_rule, chunk_gated_delta_rule),
+    }
     results = []
     for T in lengths:
         q, k, v, g, beta = kda_inputs(T, heads, dim)
@@ -74,8 +85,9 @@ def run(lengths=(512, 2048, 8192), chunk_sizes=(16, 32, 64, 128), heads: int = 8
         cases = {"sdpa": lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)}
         for name, (_, chunk) in mixers.items():
             for C in chunk_sizes:
-                cases[f"{name}/chunk/{C}"] = (
-                    lambda chunk=chunk, gate=gates[name], C=C: chunk(q, k, v, gate, beta, chunk_size=C))
+                cases[f"{name}/chunk/{C}"] = lambda chunk=chunk, gate=gates[name], C=C: chunk(
+                    q, k, v, gate, beta, chunk_size=C
+                )
         if hf_gdn is not None:
             gh = gates["gated_delta_rule"]
             cases["transformers_gdn"] = lambda: hf_gdn(q, k, v, gh, beta, chunk_size=64)
@@ -94,17 +106,20 @@ def run(lengths=(512, 2048, 8192), chunk_sizes=(16, 32, 64, 128), heads: int = 8
                 t = times[f"{name}/chunk/{C}"]
                 entry["chunk_s"][C] = t
                 gflops = model_flops(T, heads, dim, C) / t / 1e9
-                say(f"    chunk C={C:<4d} {t * 1e3:8.1f} ms  {rec_s / t:6.1f}x vs recurrent  "
-                    f"{t / sdpa:5.2f}x SDPA time  {gflops:5.1f} GFLOP/s (model)")
+                say(
+                    f"    chunk C={C:<4d} {t * 1e3:8.1f} ms  {rec_s / t:6.1f}x vs recurrent  "
+                    f"{t / sdpa:5.2f}x SDPA time  {gflops:5.1f} GFLOP/s (model)"
+                )
             if name == "gated_delta_rule" and hf_gdn is not None:
                 t = times["transformers_gdn"]
                 entry["transformers_chunk_s"] = t
                 ours = entry["chunk_s"].get(64, min(entry["chunk_s"].values()))
-                say(f"    transformers torch_chunk_gated_delta_rule C=64 {t * 1e3:8.1f} ms  "
-                    f"(k3 chunk C=64 is {t / ours:.1f}x faster)")
+                say(
+                    f"    transformers torch_chunk_gated_delta_rule C=64 {t * 1e3:8.1f} ms  "
+                    f"(k3 chunk C=64 is {t / ours:.1f}x faster)"
+                )
             row["ops"][name] = entry
         results.append(row)
     if json_path:
-        write_report(json_path, {"gemm_gflops": gemm, "batched_gemm_gflops": bgemm, "results": results},
-                     "ops")
+        write_report(json_path, {"gemm_gflops": gemm, "batched_gemm_gflops": bgemm, "results": results}, "ops")
     return results

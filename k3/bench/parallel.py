@@ -22,9 +22,14 @@ import torch
 
 __all__ = ["run", "measure"]
 
-CATEGORY = {"_allgather_base_": "fsdp all-gather", "_reduce_scatter_base_": "fsdp reduce-scatter",
-            "all_gather_into_tensor": "muon all-gather", "alltoall_base_": "all-to-all",
-            "allreduce_": "all-reduce", "all_reduce": "all-reduce"}
+CATEGORY = {
+    "_allgather_base_": "fsdp all-gather",
+    "_reduce_scatter_base_": "fsdp reduce-scatter",
+    "all_gather_into_tensor": "muon all-gather",
+    "alltoall_base_": "all-to-all",
+    "allreduce_": "all-reduce",
+    "all_reduce": "all-reduce",
+}
 
 
 class SentBytes(torch.utils._python_dispatch.TorchDispatchMode):
@@ -80,11 +85,22 @@ def _worker(rank: int, world: int, port: int, settings: dict, out: str) -> None:
     from ..training import TrainConfig
     from ..training.distributed import Distributed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
-    cfg = TrainConfig(batch_size=settings["batch_size"], seq_len=settings["seq_len"], recompute=settings["recompute"],
-                      ep=settings["ep"], optimizer=settings["optimizer"])
+    cfg = TrainConfig(
+        batch_size=settings["batch_size"],
+        seq_len=settings["seq_len"],
+        recompute=settings["recompute"],
+        ep=settings["ep"],
+        optimizer=settings["optimizer"],
+    )
     strategy = Distributed("fsdp", "cpu", settings["ep"])
     config = get_config(settings["preset"], vocab_size=257)
     model = strategy.new_model(config)
@@ -107,20 +123,35 @@ def _worker(rank: int, world: int, port: int, settings: dict, out: str) -> None:
     dist.destroy_process_group()
 
 
-def measure(world: int, ep: int, preset: str = "kimi-k3-tiny", seq_len: int = 256, batch_size: int = 8,
-            recompute: str = "none", optimizer: str = "muon") -> list[dict]:
+def measure(
+    world: int,
+    ep: int,
+    preset: str = "kimi-k3-tiny",
+    seq_len: int = 256,
+    batch_size: int = 8,
+    recompute: str = "none",
+    optimizer: str = "muon",
+) -> list[dict]:
     """One job of `world` gloo processes under fsdp x ep `ep`: per process, the bytes sent in one step by
     collective, and memory (see the module)."""
-    settings = dict(ep=ep, preset=preset, seq_len=seq_len, batch_size=batch_size, recompute=recompute,
-                    optimizer=optimizer)
+    settings = dict(
+        ep=ep, preset=preset, seq_len=seq_len, batch_size=batch_size, recompute=recompute, optimizer=optimizer
+    )
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "results.pt")
         torch.multiprocessing.spawn(_worker, args=(world, _free_port(), settings, out), nprocs=world)
         return torch.load(out, weights_only=False)
 
 
-def planned(world: int, ep: int, preset: str = "kimi-k3-tiny", seq_len: int = 256, batch_size: int = 8,
-            recompute: str = "none", optimizer: str = "muon") -> dict[str, float]:
+def planned(
+    world: int,
+    ep: int,
+    preset: str = "kimi-k3-tiny",
+    seq_len: int = 256,
+    batch_size: int = 8,
+    recompute: str = "none",
+    optimizer: str = "muon",
+) -> dict[str, float]:
     """`k3.plan.traffic.step_traffic` for the same job (float32 weights and rows, as on the CPU)."""
     from ..models import get_config
     from ..plan.traffic import step_traffic
@@ -129,8 +160,13 @@ def planned(world: int, ep: int, preset: str = "kimi-k3-tiny", seq_len: int = 25
     return step_traffic(config, world, ep, batch_size // world * seq_len, optimizer=optimizer, recompute=recompute)
 
 
-def run(layouts=((2, 1), (2, 2), (4, 2)), preset: str = "kimi-k3-tiny", seq_len: int = 256, batch_size: int = 8,
-        json_path: str | None = None) -> dict:
+def run(
+    layouts=((2, 1), (2, 2), (4, 2)),
+    preset: str = "kimi-k3-tiny",
+    seq_len: int = 256,
+    batch_size: int = 8,
+    json_path: str | None = None,
+) -> dict:
     """Measure each (processes, ep) of `layouts` with recompute none and full; print and return the table."""
     from tqdm import tqdm
 
@@ -140,8 +176,15 @@ def run(layouts=((2, 1), (2, 2), (4, 2)), preset: str = "kimi-k3-tiny", seq_len:
     jobs = [(w, e, r) for w, e in layouts for r in ("none", "full")]
     for world, ep, recompute in tqdm(jobs, desc="bench parallel", unit="job"):
         ranks = measure(world, ep, preset, seq_len, batch_size, recompute)
-        report["layouts"].append({"processes": world, "ep": ep, "recompute": recompute, "ranks": ranks,
-                                  "planned": planned(world, ep, preset, seq_len, batch_size, recompute)})
+        report["layouts"].append(
+            {
+                "processes": world,
+                "ep": ep,
+                "recompute": recompute,
+                "ranks": ranks,
+                "planned": planned(world, ep, preset, seq_len, batch_size, recompute),
+            }
+        )
     print(format_report(report))
     if json_path:
         write_report(json_path, report, "parallel")
@@ -149,18 +192,21 @@ def run(layouts=((2, 1), (2, 2), (4, 2)), preset: str = "kimi-k3-tiny", seq_len:
 
 
 def format_report(report: dict) -> str:
-    lines = [f"k3 bench parallel: {report['preset']}, {report['batch_size']} x {report['seq_len']} tokens a step, "
-             f"fsdp x ep on gloo; MB sent per process in one step (max over processes) beside k3 plan's model"]
+    lines = [
+        f"k3 bench parallel: {report['preset']}, {report['batch_size']} x {report['seq_len']} tokens a step, "
+        f"fsdp x ep on gloo; MB sent per process in one step (max over processes) beside k3 plan's model"
+    ]
     for row in report["layouts"]:
         ranks, plan = row["ranks"], row["planned"]
         head = f"{row['processes']} processes, ep {row['ep']}, recompute {row['recompute']}:"
         cells = []
         for name in ("fsdp all-gather", "fsdp reduce-scatter", "muon all-gather"):
-            cells.append(f"{name} {max(r['sent'].get(name, 0) for r in ranks) / 1e6:.3f} "
-                         f"(plan {plan[name] / 1e6:.3f})")
+            cells.append(f"{name} {max(r['sent'].get(name, 0) for r in ranks) / 1e6:.3f} (plan {plan[name] / 1e6:.3f})")
         a2a = [r["sent"].get("all-to-all", 0) / 1e6 for r in ranks]
-        cells.append(f"all-to-all {min(a2a):.3f}-{max(a2a):.3f} (plan {plan['all-to-all (uniform)'] / 1e6:.3f} "
-                     f"uniform, {plan['all-to-all (bound)'] / 1e6:.3f} bound)")
+        cells.append(
+            f"all-to-all {min(a2a):.3f}-{max(a2a):.3f} (plan {plan['all-to-all (uniform)'] / 1e6:.3f} "
+            f"uniform, {plan['all-to-all (bound)'] / 1e6:.3f} bound)"
+        )
         cells.append(f"all-reduce {max(r['sent'].get('all-reduce', 0) for r in ranks) / 1e3:.1f} kB")
         rss = [r["rss rise"] / 2**20 for r in ranks]
         peak = max(r["peak rss"] for r in ranks) / 2**20

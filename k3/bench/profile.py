@@ -55,6 +55,7 @@ def captured_inputs(model: CausalLM, modules: dict[str, nn.Module], input_ids: t
     def hook(name):
         def record(module, args, kwargs):
             inputs.setdefault(name, (keep(args), {k: keep(v) for k, v in kwargs.items()}))
+
         return record
 
     handles = [m.register_forward_pre_hook(hook(name), with_kwargs=True) for name, m in modules.items()]
@@ -120,9 +121,12 @@ def profile_step(model: CausalLM, cfg: TrainConfig, data, rounds: int = 5, seed:
         optimizer.step()
 
     step_optimizer = build_optimizer(model, cfg)
-    cases = {"step": lambda: training_step(model, step_optimizer, data.batch(cfg.batch_size, cfg.seq_len, gen), cfg),
-             "optimizer": optimizer_step, ("head", "forward"): head,
-             ("head", "both"): lambda: head().backward()}
+    cases = {
+        "step": lambda: training_step(model, step_optimizer, data.batch(cfg.batch_size, cfg.seq_len, gen), cfg),
+        "optimizer": optimizer_step,
+        ("head", "forward"): head,
+        ("head", "both"): lambda: head().backward(),
+    }
     for name, (args, kwargs) in inputs.items():
         for way, fn in part_cases(modules[name], args, kwargs).items():
             cases[(name, way)] = fn
@@ -130,11 +134,17 @@ def profile_step(model: CausalLM, cfg: TrainConfig, data, rounds: int = 5, seed:
     model.zero_grad(set_to_none=True)  # no gradient of a timed call left behind
 
     def split(name):
-        return {"forward": best[(name, "forward")],
-                "backward": max(best[(name, "both")] - best[(name, "forward")], 0.0)}
+        return {
+            "forward": best[(name, "forward")],
+            "backward": max(best[(name, "both")] - best[(name, "forward")], 0.0),
+        }
 
-    return {"step": best["step"], "optimizer": best["optimizer"], "head": split("head"),
-            "parts": {name: {"kind": type(modules[name]).__name__, **split(name)} for name in inputs}}
+    return {
+        "step": best["step"],
+        "optimizer": best["optimizer"],
+        "head": split("head"),
+        "parts": {name: {"kind": type(modules[name]).__name__, **split(name)} for name in inputs},
+    }
 
 
 def by_kind(profile: dict) -> dict[str, dict]:
@@ -154,12 +164,14 @@ def run(rounds: int = 5, json_path: str | None = None, data: str | None = None, 
     def say(line=""):
         print(line, file=out, flush=True)
 
-    cfg = TrainConfig(data=data, max_steps=None, eval_every=10 ** 9)
+    cfg = TrainConfig(data=data, max_steps=None, eval_every=10**9)
     tokenizer, token_data = prepare(cfg)
     gpt_overrides, _ = matched_gpt2(vocab_size=tokenizer.vocab_size)
-    say(f"k3 bench profile: one training step of {cfg.batch_size} x {cfg.seq_len} tokens ({cfg.optimizer}), "
+    say(
+        f"k3 bench profile: one training step of {cfg.batch_size} x {cfg.seq_len} tokens ({cfg.optimizer}), "
         f"{torch.get_num_threads()} threads, best of {rounds} interleaved rounds; machine matmul "
-        f"{matmul_gflops():.0f} GFLOP/s (1024^3 float32)")
+        f"{matmul_gflops():.0f} GFLOP/s (1024^3 float32)"
+    )
     results = {}
     for name, overrides in (("kimi-k3-tiny", {}), ("gpt2-tiny", gpt_overrides)):
         torch.manual_seed(0)
@@ -169,8 +181,10 @@ def run(rounds: int = 5, json_path: str | None = None, data: str | None = None, 
         step = profile["step"]
         say(f"\n{name}: training step {step:.1f} ms")
         say(f"  {'part':28s} {'forward':>9s} {'backward':>9s} {'share':>6s}")
-        rows = [(f"{kind} x{row['count']}", row["forward"], row["backward"])
-                for kind, row in results[name]["by_kind"].items()]
+        rows = [
+            (f"{kind} x{row['count']}", row["forward"], row["backward"])
+            for kind, row in results[name]["by_kind"].items()
+        ]
         rows += [("LM head + loss", profile["head"]["forward"], profile["head"]["backward"])]
         for label, fwd, bwd in rows:
             say(f"  {label:28s} {fwd:7.1f} ms {bwd:7.1f} ms {100 * (fwd + bwd) / step:5.1f}%")

@@ -12,23 +12,29 @@ from pathlib import Path
 
 import torch
 
-from ..models import CausalLM, get_config
 from ..checkpoints.checkpoint import kimi_state_dict
 from ..checkpoints.hf_config import kimi_linear_config
+from ..models import CausalLM, get_config
 from ..training import TrainConfig, build_optimizer, training_step
 from .train import matched_gpt2
 
 K3_TINY, KIMI_LINEAR, GPT2 = "kimi-k3-tiny", "kimi-linear-tiny", "gpt2-tiny"
 HF_GPT2, HF_KIMI = "transformers-gpt2", "transformers-kimi-linear"
 MODELS = (K3_TINY, KIMI_LINEAR, GPT2, HF_GPT2, HF_KIMI)
-LABELS = {K3_TINY: "kimi-k3-tiny", KIMI_LINEAR: "kimi-linear-tiny", GPT2: "gpt2-tiny (matched)",
-          HF_GPT2: "transformers GPT2LMHeadModel", HF_KIMI: "transformers KimiLinearForCausalLM"}
+LABELS = {
+    K3_TINY: "kimi-k3-tiny",
+    KIMI_LINEAR: "kimi-linear-tiny",
+    GPT2: "gpt2-tiny (matched)",
+    HF_GPT2: "transformers GPT2LMHeadModel",
+    HF_KIMI: "transformers KimiLinearForCausalLM",
+}
 VOCAB = 4096
 
 
 @dataclass
 class Runner:
     """One model and how to drive it: `prefill(ids)` -> cache, `decode(token, cache)`, `train_case`."""
+
     name: str
     model: torch.nn.Module
     hf: bool
@@ -60,8 +66,9 @@ class Runner:
         if not self.hf:
             optimizer = build_optimizer(self.model, cfg)
             return lambda: training_step(self.model, optimizer, windows, cfg)
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
-                                      weight_decay=cfg.weight_decay)
+        optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+        )
         inputs = windows[:, :-1]  # the same T tokens through the model (the loss shifts the labels)
         if getattr(self.model, "loss_type", None) is None:  # KimiLinear's: the causal LM loss, without a warning
             self.model.loss_type = "ForCausalLM"
@@ -72,6 +79,7 @@ class Runner:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
             optimizer.step()
+
         return step
 
 
@@ -103,11 +111,20 @@ def build_k3(names, positions: int, seed: int = 0) -> tuple[dict[str, CausalLM],
 def build_hf_gpt2(transformers, gpt: dict, seed: int = 0):
     """transformers' GPT2LMHeadModel of the matched GPT-2's shape, its own init, no dropout."""
     c = get_config(GPT2, vocab_size=VOCAB, **gpt)
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=c.hidden_size, n_layer=c.num_layers,
-                                     n_head=c.num_heads, n_positions=c.max_position_embeddings,
-                                     n_inner=c.intermediate_size, layer_norm_epsilon=c.norm_eps,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
-                                     eos_token_id=None)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=c.hidden_size,
+        n_layer=c.num_layers,
+        n_head=c.num_heads,
+        n_positions=c.max_position_embeddings,
+        n_inner=c.intermediate_size,
+        layer_norm_epsilon=c.norm_eps,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(config).eval()
 

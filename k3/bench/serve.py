@@ -64,11 +64,22 @@ class Load:
     after: dict = field(default_factory=dict)  # /health once the load is over
 
     def summary(self) -> dict:
-        return {"tokens_per_s": self.tokens / self.duration, "tokens": self.tokens, "requests": self.requests,
-                "completed": self.completed, "failed": self.failed, "rejected": self.rejected,
-                "disconnected": self.disconnected, "ttft_p50_s": pct(self.ttft, 50), "ttft_p99_s": pct(self.ttft, 99),
-                "itl_p50_ms": 1e3 * pct(self.itl, 50), "itl_p99_ms": 1e3 * pct(self.itl, 99),
-                "peak_running": self.peak_running, "after": self.after, "errors": self.errors[:5]}
+        return {
+            "tokens_per_s": self.tokens / self.duration,
+            "tokens": self.tokens,
+            "requests": self.requests,
+            "completed": self.completed,
+            "failed": self.failed,
+            "rejected": self.rejected,
+            "disconnected": self.disconnected,
+            "ttft_p50_s": pct(self.ttft, 50),
+            "ttft_p99_s": pct(self.ttft, 99),
+            "itl_p50_ms": 1e3 * pct(self.itl, 50),
+            "itl_p99_ms": 1e3 * pct(self.itl, 99),
+            "peak_running": self.peak_running,
+            "after": self.after,
+            "errors": self.errors[:5],
+        }
 
 
 def pct(values: list[float], q: float) -> float:
@@ -94,12 +105,27 @@ class ServerProcess:
     """`k3 serve` in a process of its own, on a free port; `stop()` sends SIGTERM and returns its exit code."""
 
     def __init__(self, checkpoint: Path, cache_memory: int, threads: int | None, max_queue: int = 1024):
-        argv = [sys.executable, "-m", "k3", "serve", "--checkpoint", str(checkpoint), "--port", "0",
-                "--cache-memory", str(cache_memory), "--max-queue", str(max_queue), "--log-level", "warning"]
+        argv = [
+            sys.executable,
+            "-m",
+            "k3",
+            "serve",
+            "--checkpoint",
+            str(checkpoint),
+            "--port",
+            "0",
+            "--cache-memory",
+            str(cache_memory),
+            "--max-queue",
+            str(max_queue),
+            "--log-level",
+            "warning",
+        ]
         if threads:
             argv += ["--threads", str(threads)]
-        self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            argv, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
         self.port = None
         deadline = time.time() + 180
         while self.port is None:
@@ -129,16 +155,32 @@ class ServerProcess:
             return -9
 
 
-def run_load(port: int, prompt: list[int], max_tokens: int, clients: int, duration: float,
-             disconnect: float = 0.0, seed: int = 0, warmup: float = 0.0) -> Load:
+def run_load(
+    port: int,
+    prompt: list[int],
+    max_tokens: int,
+    clients: int,
+    duration: float,
+    disconnect: float = 0.0,
+    seed: int = 0,
+    warmup: float = 0.0,
+) -> Load:
     """`clients` threads, each sending streamed completions one after another for `warmup` + `duration`
     seconds; tokens and latencies count in the last `duration` seconds (the window), once the first wave
     of prompts is prefilled. With `disconnect` > 0 that fraction of requests closes its connection at a
     random token."""
     load = Load(duration)
     lock = threading.Lock()
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                       "stream": True, "stream_options": {"continuous_usage_stats": True}}).encode()
+    body = json.dumps(
+        {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"continuous_usage_stats": True},
+        }
+    ).encode()
     opens = time.perf_counter() + warmup
     end = opens + duration
 
@@ -218,8 +260,18 @@ def run_load(port: int, prompt: list[int], max_tokens: int, clients: int, durati
     return load
 
 
-def serve_case(checkpoint: Path, config, prompt: list[int], output: int, clients: int, duration: float,
-               budget: int, threads: int | None, disconnect: float = 0.0, warmup: float = 0.0) -> dict:
+def serve_case(
+    checkpoint: Path,
+    config,
+    prompt: list[int],
+    output: int,
+    clients: int,
+    duration: float,
+    budget: int,
+    threads: int | None,
+    disconnect: float = 0.0,
+    warmup: float = 0.0,
+) -> dict:
     """One server, one load: the load's figures, the server's peak and what is left once it is over."""
     server = ServerProcess(checkpoint, budget, threads)
     try:
@@ -239,18 +291,37 @@ def serve_case(checkpoint: Path, config, prompt: list[int], output: int, clients
     return out
 
 
-def run(quick: bool = False, duration: float | None = None, clients: int = 64, contexts=(256, 4096),
-        cache_memory: int = 128 * 2**20, threads: int | None = None, soak: float | None = None,
-        disconnect: float = 0.3, warmup: float | None = None, json_path: str | None = None, say=print) -> dict:
+def run(
+    quick: bool = False,
+    duration: float | None = None,
+    clients: int = 64,
+    contexts=(256, 4096),
+    cache_memory: int = 128 * 2**20,
+    threads: int | None = None,
+    soak: float | None = None,
+    disconnect: float = 0.3,
+    warmup: float | None = None,
+    json_path: str | None = None,
+    say=print,
+) -> dict:
     duration = duration or (20.0 if quick else 60.0)
     warmup = (15.0 if quick else 30.0) if warmup is None else warmup
     gemm = matmul_gflops()
-    say(f"k3 bench serve: {torch.get_num_threads()} threads here, matmul {gemm:.1f} GFLOP/s (1024^3 float32); "
-        f"cache budget {cache_memory:,} bytes; the load generator shares this machine's cores with the server")
+    say(
+        f"k3 bench serve: {torch.get_num_threads()} threads here, matmul {gemm:.1f} GFLOP/s (1024^3 float32); "
+        f"cache budget {cache_memory:,} bytes; the load generator shares this machine's cores with the server"
+    )
     tokenizer = bench_tokenizer()
     models, gpt = build_k3(MODELS, max(contexts))
-    report = {"gemm_gflops": gemm, "cache_memory": cache_memory, "clients": clients, "duration_s": duration, "warmup_s": warmup,
-              "matched_gpt2": gpt, "cases": {}}
+    report = {
+        "gemm_gflops": gemm,
+        "cache_memory": cache_memory,
+        "clients": clients,
+        "duration_s": duration,
+        "warmup_s": warmup,
+        "matched_gpt2": gpt,
+        "cases": {},
+    }
     with tempfile.TemporaryDirectory(prefix="k3-bench-serve-") as tmp:
         folders = {}
         for name, model in models.items():
@@ -263,32 +334,65 @@ def run(quick: bool = False, duration: float | None = None, clients: int = 64, c
             return torch.randint(0, 4096, (n,), generator=rng).tolist()
 
         if soak:
-            say(f"soak: kimi-k3-tiny, {clients} clients for {soak:.0f} s, context 256, {disconnect:.0%} of requests "
-                f"disconnect at a random token")
-            case = serve_case(folders[K3_TINY], models[K3_TINY].config, prompt_of(128), 128, clients, soak,
-                              cache_memory, threads, disconnect)
+            say(
+                f"soak: kimi-k3-tiny, {clients} clients for {soak:.0f} s, context 256, {disconnect:.0%} of requests "
+                f"disconnect at a random token"
+            )
+            case = serve_case(
+                folders[K3_TINY],
+                models[K3_TINY].config,
+                prompt_of(128),
+                128,
+                clients,
+                soak,
+                cache_memory,
+                threads,
+                disconnect,
+            )
             report["soak"] = case
-            say(f"  {case['requests']} requests: {case['completed']} completed, {case['disconnected']} disconnected "
+            say(
+                f"  {case['requests']} requests: {case['completed']} completed, {case['disconnected']} disconnected "
                 f"on purpose, {case['failed']} failed, {case['rejected']} rejected (503); afterwards: running "
                 f"{case['after']['running']}, waiting {case['after']['waiting']}, cache bytes reserved "
-                f"{case['after']['cache_bytes_reserved']}; exit code {case['exit_code']}")
+                f"{case['after']['cache_bytes_reserved']}; exit code {case['exit_code']}"
+            )
             return _write(report, json_path)
         for context in contexts:
             half = context // 2
             prompt = prompt_of(half)
             for name in MODELS:
-                say(f"{LABELS[name]} at {context} tokens ({half} prompt + {context - half} output), {clients} clients, "
-                    f"{warmup:.0f} s warm-up, then {duration:.0f} s measured ...")
-                case = serve_case(folders[name], models[name].config, prompt, context - half, clients, duration,
-                                  cache_memory, threads, warmup=warmup)
+                say(
+                    f"{LABELS[name]} at {context} tokens ({half} prompt + {context - half} output), {clients} clients, "
+                    f"{warmup:.0f} s warm-up, then {duration:.0f} s measured ..."
+                )
+                case = serve_case(
+                    folders[name],
+                    models[name].config,
+                    prompt,
+                    context - half,
+                    clients,
+                    duration,
+                    cache_memory,
+                    threads,
+                    warmup=warmup,
+                )
                 report["cases"][f"{name}@{context}"] = case
                 say("  " + line(case))
         say(f"batching: kimi-k3-tiny at {min(contexts)} tokens, 1 client, then 16 ...")
         half = min(contexts) // 2
         prompt = prompt_of(half)
         for n in (1, 16):
-            case = serve_case(folders[K3_TINY], models[K3_TINY].config, prompt, min(contexts) - half, n, duration,
-                              cache_memory, threads, warmup=warmup)
+            case = serve_case(
+                folders[K3_TINY],
+                models[K3_TINY].config,
+                prompt,
+                min(contexts) - half,
+                n,
+                duration,
+                cache_memory,
+                threads,
+                warmup=warmup,
+            )
             report["cases"][f"batching-{n}"] = case
             say(f"  {n} client(s): " + line(case))
     report["targets"] = targets(report, contexts)
@@ -302,10 +406,12 @@ def line(case: dict) -> str:
         ttft = "TTFT: no request began in the window (all began in the warm-up)"
     else:
         ttft = f"TTFT p50 {case['ttft_p50_s']:.2f} s p99 {case['ttft_p99_s']:.2f} s"
-    return (f"{case['tokens_per_s']:.0f} output tokens/s; {ttft}; "
-            f"per token p50 {case['itl_p50_ms']:.1f} ms p99 {case['itl_p99_ms']:.1f} ms; "
-            f"peak running {case['peak_running']} (accounting fits {case['fits_by_accounting']}); "
-            f"{case['completed']} completed, {case['failed']} failed")
+    return (
+        f"{case['tokens_per_s']:.0f} output tokens/s; {ttft}; "
+        f"per token p50 {case['itl_p50_ms']:.1f} ms p99 {case['itl_p99_ms']:.1f} ms; "
+        f"peak running {case['peak_running']} (accounting fits {case['fits_by_accounting']}); "
+        f"{case['completed']} completed, {case['failed']} failed"
+    )
 
 
 def targets(report: dict, contexts) -> list[dict]:
@@ -314,12 +420,21 @@ def targets(report: dict, contexts) -> list[dict]:
     one, many = cases["batching-1"], cases["batching-16"]
     failed = sum(c["failed"] for c in cases.values())
     return [
-        {"target": f"kimi-k3-tiny admits >= 20x the matched GPT-2's concurrent sequences at {long}",
-         "value": k3["peak_running"] / max(gpt["peak_running"], 1), "holds": k3["peak_running"] >= 20 * gpt["peak_running"]},
-        {"target": f"kimi-k3-tiny serves >= 3x the matched GPT-2's output tokens/s at {long}",
-         "value": k3["tokens_per_s"] / max(gpt["tokens_per_s"], 1e-9), "holds": k3["tokens_per_s"] >= 3 * gpt["tokens_per_s"]},
-        {"target": "16 clients' total throughput >= 4x one client's",
-         "value": many["tokens_per_s"] / max(one["tokens_per_s"], 1e-9), "holds": many["tokens_per_s"] >= 4 * one["tokens_per_s"]},
+        {
+            "target": f"kimi-k3-tiny admits >= 20x the matched GPT-2's concurrent sequences at {long}",
+            "value": k3["peak_running"] / max(gpt["peak_running"], 1),
+            "holds": k3["peak_running"] >= 20 * gpt["peak_running"],
+        },
+        {
+            "target": f"kimi-k3-tiny serves >= 3x the matched GPT-2's output tokens/s at {long}",
+            "value": k3["tokens_per_s"] / max(gpt["tokens_per_s"], 1e-9),
+            "holds": k3["tokens_per_s"] >= 3 * gpt["tokens_per_s"],
+        },
+        {
+            "target": "16 clients' total throughput >= 4x one client's",
+            "value": many["tokens_per_s"] / max(one["tokens_per_s"], 1e-9),
+            "holds": many["tokens_per_s"] >= 4 * one["tokens_per_s"],
+        },
         {"target": "0 failed requests", "value": float(failed), "holds": failed == 0},
     ]
 

@@ -30,9 +30,15 @@ WARMUPS = ("inline", "ahead")
 thread_clock = time.thread_time
 
 
-def interleaved_best(cases: dict[Hashable, Callable[[], object]], rounds: int, *, warmup: str = "inline",
-                     cold: frozenset = frozenset(), grad: bool = False,
-                     clock: Callable[[], float] = time.perf_counter) -> dict[Hashable, float]:
+def interleaved_best(
+    cases: dict[Hashable, Callable[[], object]],
+    rounds: int,
+    *,
+    warmup: str = "inline",
+    cold: frozenset = frozenset(),
+    grad: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[Hashable, float]:
     """Best time (seconds of `clock`) of each case over `rounds` rounds, every round timing each case once.
 
     Every case but those named in `cold` (slow token loops, or cases of seconds each, which have nothing
@@ -87,8 +93,9 @@ def check_report_target(path: str | Path) -> None:
     except (ValueError, AttributeError, OSError):
         ours = False
     if not ours:
-        raise FileExistsError(f"--json {path}: the file exists and k3 bench did not write it; give another path, "
-                              f"or move the file away")
+        raise FileExistsError(
+            f"--json {path}: the file exists and k3 bench did not write it; give another path, or move the file away"
+        )
 
 
 def write_report(path: str | Path, report: dict, command: str, indent: int = 1) -> None:

@@ -99,8 +99,10 @@ def read_config(directory: Path, config_class) -> tuple[ModelConfig, bool]:
     (k3.models.ModelConfig, `CausalLM.config_class`), with its `from_dict` and `from_hf`."""
     path = directory / "config.json"
     if not path.exists():
-        raise FileNotFoundError(f"{directory}: no config.json (expected a checkpoint folder: config.json and "
-                                f"model.safetensors, or shards listed in model.safetensors.index.json)")
+        raise FileNotFoundError(
+            f"{directory}: no config.json (expected a checkpoint folder: config.json and "
+            f"model.safetensors, or shards listed in model.safetensors.index.json)"
+        )
     raw = read_json(path)
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object (a model configuration), got {type(raw).__name__}")
@@ -112,8 +114,11 @@ def read_config(directory: Path, config_class) -> tuple[ModelConfig, bool]:
 def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Strict load with an error that lists what is missing, unexpected or mis-shaped."""
     own = model.state_dict()
-    shapes = sorted(f"{k}: checkpoint {list(state[k].shape)}, model {list(own[k].shape)}"
-                    for k in set(own) & set(state) if state[k].shape != own[k].shape)
+    shapes = sorted(
+        f"{k}: checkpoint {list(state[k].shape)}, model {list(own[k].shape)}"
+        for k in set(own) & set(state)
+        if state[k].shape != own[k].shape
+    )
     raise_mismatch(source, sorted(set(own) - set(state)), sorted(set(state) - set(own)), shapes)
     model.load_state_dict(state, strict=True)
 
@@ -121,10 +126,15 @@ def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: st
 def raise_mismatch(source: str, missing: list[str], unexpected: list[str], shapes: list[str]) -> None:
     """The error of a checkpoint that does not fit the model (nothing when all three lists are empty)."""
     if missing or unexpected or shapes:
+
         def head(items):
             return ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
-        problems = [f"missing {head(missing)}" if missing else "", f"unexpected {head(unexpected)}" if unexpected else "",
-                    f"shape mismatch {head(shapes)}" if shapes else ""]
+
+        problems = [
+            f"missing {head(missing)}" if missing else "",
+            f"unexpected {head(unexpected)}" if unexpected else "",
+            f"shape mismatch {head(shapes)}" if shapes else "",
+        ]
         raise ValueError(f"{source} does not match the model's configuration: " + "; ".join(p for p in problems if p))
 
 
@@ -136,11 +146,17 @@ def save_pretrained(model, path: str | os.PathLike) -> None:
     state = weights_to_save(model)
     config = json.dumps({"k3": model.config.to_dict()}, indent=2)
     try:
-        atomic_write_files(path, {"model.safetensors": lambda tmp: save_file(state, tmp, metadata={"format": "pt"}),
-                                  "config.json": lambda tmp: Path(tmp).write_text(config)})
+        atomic_write_files(
+            path,
+            {
+                "model.safetensors": lambda tmp: save_file(state, tmp, metadata={"format": "pt"}),
+                "config.json": lambda tmp: Path(tmp).write_text(config),
+            },
+        )
     except CheckpointError:
         raise
     except Exception as e:  # a full disk reaches us as OSError or SafetensorError
         detail = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
-        raise CheckpointError(f"could not save the model to {path}: {detail}; the files there before (if any) "
-                              f"are intact") from e
+        raise CheckpointError(
+            f"could not save the model to {path}: {detail}; the files there before (if any) are intact"
+        ) from e

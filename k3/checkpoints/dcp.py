@@ -68,9 +68,11 @@ def load_sharded_state(state: dict, reader, no_dist: bool) -> None:
             rank, (failure, _) = next(iter(e.failures.items()))
             if not isinstance(failure, Exception):
                 raise failure from None
-            raise CheckpointError(f"{reader.path}: its files could not be read (process {rank}: "
-                                  f"{type(failure).__name__}: {failure}); they are damaged or incomplete: restore "
-                                  f"the checkpoint from a copy") from None
+            raise CheckpointError(
+                f"{reader.path}: its files could not be read (process {rank}: "
+                f"{type(failure).__name__}: {failure}); they are damaged or incomplete: restore "
+                f"the checkpoint from a copy"
+            ) from None
 
 
 def read_sharded_tensor(reader, key: str, meta=None) -> torch.Tensor:
@@ -119,17 +121,23 @@ def load_sharded(folder, model: nn.Module, optimizer_template: dict[str, nn.Para
     saved = reader.read_metadata().state_dict_metadata
     weights = model_state(model)
     missing = sorted(n for n in weights if MODEL_PREFIX + n not in saved)
-    shapes = sorted(f"{n}: checkpoint {list(saved[MODEL_PREFIX + n].size)}, model {list(t.shape)}"
-                    for n, t in weights.items() if MODEL_PREFIX + n in saved and saved[MODEL_PREFIX + n].size != t.shape)
+    shapes = sorted(
+        f"{n}: checkpoint {list(saved[MODEL_PREFIX + n].size)}, model {list(t.shape)}"
+        for n, t in weights.items()
+        if MODEL_PREFIX + n in saved and saved[MODEL_PREFIX + n].size != t.shape
+    )
     unexpected = []
     if no_dist:  # (with processes, the other processes' experts are in the checkpoint and not here)
-        unexpected = sorted(k[len(MODEL_PREFIX):] for k in saved
-                            if k.startswith(MODEL_PREFIX) and k[len(MODEL_PREFIX):] not in weights)
+        unexpected = sorted(
+            k[len(MODEL_PREFIX) :]
+            for k in saved
+            if k.startswith(MODEL_PREFIX) and k[len(MODEL_PREFIX) :] not in weights
+        )
     raise_mismatch(f"checkpoint {folder}", missing, unexpected, shapes)
     states: dict[str, dict] = {}
     for key, meta in saved.items():
         if key.startswith(OPTIMIZER_PREFIX):
-            name, state = key[len(OPTIMIZER_PREFIX):].rsplit(".", 1)
+            name, state = key[len(OPTIMIZER_PREFIX) :].rsplit(".", 1)
             if name in optimizer_template:
                 p = optimizer_template[name]
                 if meta.size == p.shape:  # placed as the parameter (a DTensor's shards)

@@ -90,7 +90,9 @@ def check_quantization(quant: dict | None) -> None:
         if group.get("input_activations"):
             problems.append(f"`config_groups.{name}.input_activations` (k3 quantizes weights only)")
     if problems:
-        raise ValueError("ModelConfig.from_hf: this `quantization_config` is not one k3 can read: " + "; ".join(problems))
+        raise ValueError(
+            "ModelConfig.from_hf: this `quantization_config` is not one k3 can read: " + "; ".join(problems)
+        )
 
 
 def _situ(cfg: dict) -> tuple[float, float | None]:
@@ -107,19 +109,26 @@ def _refusals(cfg: dict, lin: dict) -> list[str]:
     groups, topk_groups = _first(cfg, "num_expert_group", "n_group", default=1), _first(cfg, "topk_group", default=1)
     act = cfg.get("hidden_act", "silu")
     checks = (
-        (groups > 1 and topk_groups < groups,
-         f"group-limited routing ({topk_groups} of {groups} expert groups, `num_expert_group` / `topk_group`); "
-         f"k3 routes over all experts"),
-        (cfg.get("moe_router_activation_func", "sigmoid") != "sigmoid",
-         f"`moe_router_activation_func` {cfg.get('moe_router_activation_func')!r} (k3's router is sigmoid)"),
-        (cfg.get("topk_method", "noaux_tc") not in ("noaux_tc", "greedy"),
-         f"`topk_method` {cfg.get('topk_method')!r} (k3 chooses by score + correction bias: 'noaux_tc')"),
+        (
+            groups > 1 and topk_groups < groups,
+            f"group-limited routing ({topk_groups} of {groups} expert groups, `num_expert_group` / `topk_group`); "
+            f"k3 routes over all experts",
+        ),
+        (
+            cfg.get("moe_router_activation_func", "sigmoid") != "sigmoid",
+            f"`moe_router_activation_func` {cfg.get('moe_router_activation_func')!r} (k3's router is sigmoid)",
+        ),
+        (
+            cfg.get("topk_method", "noaux_tc") not in ("noaux_tc", "greedy"),
+            f"`topk_method` {cfg.get('topk_method')!r} (k3 chooses by score + correction bias: 'noaux_tc')",
+        ),
         (cfg.get("mla_use_nope") is False, "RoPE MLA (`mla_use_nope: false`); k3's MLA is NoPE"),
-        (bool(cfg.get("num_nextn_predict_layers")),
-         f"{cfg.get('num_nextn_predict_layers')} multi-token-prediction layers (`num_nextn_predict_layers`)"),
+        (
+            bool(cfg.get("num_nextn_predict_layers")),
+            f"{cfg.get('num_nextn_predict_layers')} multi-token-prediction layers (`num_nextn_predict_layers`)",
+        ),
         (act not in ("silu", "situ"), f"`hidden_act` {act!r} (silu or situ)"),
-        (cfg.get("latent_moe_use_norm") is False,
-         "a latent MoE without its RMSNorm (`latent_moe_use_norm: false`)"),
+        (cfg.get("latent_moe_use_norm") is False, "a latent MoE without its RMSNorm (`latent_moe_use_norm: false`)"),
     )
     return [what for bad, what in checks if bad]
 
@@ -131,7 +140,9 @@ def fields_from_hf(hf: dict) -> dict:
         raise ValueError(f"ModelConfig.from_hf: expected a dict (a parsed config.json), got {type(cfg).__name__}")
     missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in cfg]
     if missing:
-        raise ValueError(f"ModelConfig.from_hf: the config has no {missing}; is this a Kimi Linear / Kimi K3 config.json?")
+        raise ValueError(
+            f"ModelConfig.from_hf: the config has no {missing}; is this a Kimi Linear / Kimi K3 config.json?"
+        )
     n = cfg["num_hidden_layers"]
     lin = cfg.get("linear_attn_config") or {}
     problems = _refusals(cfg, lin)
@@ -143,9 +154,13 @@ def fields_from_hf(hf: dict) -> dict:
     situ = dict(zip(("situ_beta", "situ_linear_beta"), _situ(cfg))) if act == "situ" else {}
     return dict(
         name=hf.get("_name_or_path") or hf.get("model_type", cfg.get("model_type", "hf")).replace("_", "-"),
-        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], num_layers=n,
-        layer_types=_layer_types(cfg, n), mlp_types=_mlp_types(cfg, n),
-        norm="rmsnorm", norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        num_layers=n,
+        layer_types=_layer_types(cfg, n),
+        mlp_types=_mlp_types(cfg, n),
+        norm="rmsnorm",
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         num_heads=cfg.get("num_attention_heads", 1),
         linear_num_heads=_first(lin, "num_heads", default=_first(cfg, "linear_num_heads", "num_attention_heads")),
@@ -153,13 +168,18 @@ def fields_from_hf(hf: dict) -> dict:
         conv_size=_first(lin, "short_conv_kernel_size", default=_first(cfg, "linear_conv_kernel_dim", default=4)),
         kda_gate="safe" if lower is not None else "kimi_linear",
         kda_gate_lower_bound=float(lower) if lower is not None else -5.0,
-        linear_output_gate="full" if _first(lin, "use_full_rank_gate", default=cfg.get("use_full_rank_gate"))
+        linear_output_gate="full"
+        if _first(lin, "use_full_rank_gate", default=cfg.get("use_full_rank_gate"))
         else "low_rank",
-        q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg.get("kv_lora_rank", 512),
-        qk_nope_head_dim=cfg.get("qk_nope_head_dim", 128), qk_rope_head_dim=cfg.get("qk_rope_head_dim", 64),
-        v_head_dim=cfg.get("v_head_dim") or 128, mla_output_gate=bool(cfg.get("mla_use_output_gate", False)),
+        q_lora_rank=cfg.get("q_lora_rank"),
+        kv_lora_rank=cfg.get("kv_lora_rank", 512),
+        qk_nope_head_dim=cfg.get("qk_nope_head_dim", 128),
+        qk_rope_head_dim=cfg.get("qk_rope_head_dim", 64),
+        v_head_dim=cfg.get("v_head_dim") or 128,
+        mla_output_gate=bool(cfg.get("mla_use_output_gate", False)),
         ffn_activation="situ" if act == "situ" else "swiglu",
-        intermediate_size=cfg.get("intermediate_size", 4 * cfg["hidden_size"]), **situ,
+        intermediate_size=cfg.get("intermediate_size", 4 * cfg["hidden_size"]),
+        **situ,
         num_experts=_first(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0),
         num_experts_per_tok=_first(cfg, "num_experts_per_token", "num_experts_per_tok", default=0),
         moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
@@ -176,26 +196,46 @@ def config_to_hf(config) -> dict:
     published names (module docstring)."""
     c = config
     if not set(c.layer_types) <= {"kda", "mla"} or c.norm != "rmsnorm":
-        raise ValueError(f"config_to_hf: only KDA/MLA models have a Kimi config.json; {c.name!r} has "
-                         f"{sorted(set(c.layer_types))}")
+        raise ValueError(
+            f"config_to_hf: only KDA/MLA models have a Kimi config.json; {c.name!r} has {sorted(set(c.layer_types))}"
+        )
     first_dense = next((i for i, t in enumerate(c.mlp_types) if t == "moe"), c.num_layers)
     out = {
-        "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
-        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers,
-        "intermediate_size": c.intermediate_size, "rms_norm_eps": c.norm_eps,
-        "tie_word_embeddings": c.tie_word_embeddings, "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_heads, "q_lora_rank": c.q_lora_rank, "kv_lora_rank": c.kv_lora_rank,
-        "qk_nope_head_dim": c.qk_nope_head_dim, "qk_rope_head_dim": c.qk_rope_head_dim,
-        "v_head_dim": c.v_head_dim, "mla_use_nope": True, "hidden_act": "situ" if c.ffn_activation == "situ" else "silu",
-        "num_experts": c.num_experts, "num_experts_per_token": c.num_experts_per_tok,
-        "moe_intermediate_size": c.moe_intermediate_size, "num_shared_experts": c.num_shared_experts,
-        "routed_scaling_factor": c.routed_scaling_factor, "moe_renormalize": c.moe_renormalize,
-        "moe_router_activation_func": "sigmoid", "topk_method": "noaux_tc", "first_k_dense_replace": first_dense,
-        "moe_layer_freq": 1, "num_expert_group": 1, "topk_group": 1, "num_nextn_predict_layers": 0,
+        "model_type": "kimi_linear",
+        "architectures": ["KimiLinearForCausalLM"],
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_layers,
+        "intermediate_size": c.intermediate_size,
+        "rms_norm_eps": c.norm_eps,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_heads,
+        "q_lora_rank": c.q_lora_rank,
+        "kv_lora_rank": c.kv_lora_rank,
+        "qk_nope_head_dim": c.qk_nope_head_dim,
+        "qk_rope_head_dim": c.qk_rope_head_dim,
+        "v_head_dim": c.v_head_dim,
+        "mla_use_nope": True,
+        "hidden_act": "situ" if c.ffn_activation == "situ" else "silu",
+        "num_experts": c.num_experts,
+        "num_experts_per_token": c.num_experts_per_tok,
+        "moe_intermediate_size": c.moe_intermediate_size,
+        "num_shared_experts": c.num_shared_experts,
+        "routed_scaling_factor": c.routed_scaling_factor,
+        "moe_renormalize": c.moe_renormalize,
+        "moe_router_activation_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "first_k_dense_replace": first_dense,
+        "moe_layer_freq": 1,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "num_nextn_predict_layers": 0,
         "linear_attn_config": {
             "full_attn_layers": [i + 1 for i, t in enumerate(c.layer_types) if t == "mla"],
             "kda_layers": [i + 1 for i, t in enumerate(c.layer_types) if t == "kda"],
-            "num_heads": c.linear_num_heads, "head_dim": c.linear_head_dim,
+            "num_heads": c.linear_num_heads,
+            "head_dim": c.linear_head_dim,
             "short_conv_kernel_size": c.conv_size,
         },
     }
@@ -224,20 +264,27 @@ def kimi_linear_config(config) -> dict:
     c = config
     moe = [i for i, t in enumerate(c.mlp_types) if t == "moe"]
     other_mixers = sorted(set(c.layer_types) - {"kda", "mla"})
-    problems = [what for bad, what in (
-        (other_mixers, f"layer types {other_mixers} (only KDA and MLA)"),
-        (c.norm != "rmsnorm", f"norm {c.norm!r} (only RMSNorm)"),
-        (c.kda_gate != "kimi_linear", "the safe KDA gate (kda_gate 'safe')"),
-        (c.linear_output_gate != "low_rank", f"KDA output gate {c.linear_output_gate!r} (only 'low_rank')"),
-        (c.mla_output_gate, "gated MLA (mla_output_gate)"),
-        (c.rope_theta is not None, "RoPE in MLA (rope_theta; Kimi Linear's MLA is NoPE)"),
-        (c.ffn_activation != "swiglu", f"ffn_activation {c.ffn_activation!r} (only 'swiglu')"),
-        (c.moe_latent_size is not None, "a latent MoE (moe_latent_size)"),
-        (c.attn_res_block_size is not None, "Block Attention Residuals (attn_res_block_size)"),
-        (moe and moe != list(range(moe[0], c.num_layers)), "dense FFN layers after the first MoE layer"),
-        (moe and c.num_shared_experts < 1, "MoE layers without a shared expert"),
-    ) if bad]
+    problems = [
+        what
+        for bad, what in (
+            (other_mixers, f"layer types {other_mixers} (only KDA and MLA)"),
+            (c.norm != "rmsnorm", f"norm {c.norm!r} (only RMSNorm)"),
+            (c.kda_gate != "kimi_linear", "the safe KDA gate (kda_gate 'safe')"),
+            (c.linear_output_gate != "low_rank", f"KDA output gate {c.linear_output_gate!r} (only 'low_rank')"),
+            (c.mla_output_gate, "gated MLA (mla_output_gate)"),
+            (c.rope_theta is not None, "RoPE in MLA (rope_theta; Kimi Linear's MLA is NoPE)"),
+            (c.ffn_activation != "swiglu", f"ffn_activation {c.ffn_activation!r} (only 'swiglu')"),
+            (c.moe_latent_size is not None, "a latent MoE (moe_latent_size)"),
+            (c.attn_res_block_size is not None, "Block Attention Residuals (attn_res_block_size)"),
+            (moe and moe != list(range(moe[0], c.num_layers)), "dense FFN layers after the first MoE layer"),
+            (moe and c.num_shared_experts < 1, "MoE layers without a shared expert"),
+        )
+        if bad
+    ]
     if problems:
-        raise ValueError(f"{c.name!r} cannot be written in Kimi Linear's format, which cannot express: "
-                         + "; ".join(problems) + ". Export it in k3's own format instead (k3 export without --format)")
+        raise ValueError(
+            f"{c.name!r} cannot be written in Kimi Linear's format, which cannot express: "
+            + "; ".join(problems)
+            + ". Export it in k3's own format instead (k3 export without --format)"
+        )
     return config_to_hf(c)

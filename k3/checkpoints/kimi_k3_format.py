@@ -50,20 +50,40 @@ RENAMES = (
     (".latent_up_proj.weight", ".routed_expert_up_proj.weight"),
 )
 # the tensors the published checkpoint stores in float32 (name endings)
-FLOAT32_TENSORS = ("self_attn.A_log", "self_attn.dt_bias", "self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight",
-                   "self_attn.v_conv1d.weight", "self_attn.o_norm.weight", "gate.e_score_correction_bias")
+FLOAT32_TENSORS = (
+    "self_attn.A_log",
+    "self_attn.dt_bias",
+    "self_attn.q_conv1d.weight",
+    "self_attn.k_conv1d.weight",
+    "self_attn.v_conv1d.weight",
+    "self_attn.o_norm.weight",
+    "gate.e_score_correction_bias",
+)
 QUANTIZED_PARTS = (".weight_packed", ".weight_scale")
 EXPERT_MATRIX = re.compile(r"block_sparse_moe\.experts\.\d+\.w[123]$")
 QUANTIZATION_CONFIG = {
-    "quant_method": "compressed-tensors", "format": MXFP4_FORMAT,
-    "config_groups": {"group_0": {
-        "targets": ["Linear"], "format": MXFP4_FORMAT,
-        "weights": {**MXFP4_WEIGHTS, "scale_dtype": "torch.uint8", "dynamic": False},
-        "input_activations": None, "output_activations": None}},
+    "quant_method": "compressed-tensors",
+    "format": MXFP4_FORMAT,
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "format": MXFP4_FORMAT,
+            "weights": {**MXFP4_WEIGHTS, "scale_dtype": "torch.uint8", "dynamic": False},
+            "input_activations": None,
+            "output_activations": None,
+        }
+    },
     # everything that is not a routed expert
-    "ignore": ["re:.*lm_head$", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*\.mlp\..*",
-               r"re:.*block_sparse_moe\.gate$", r"re:.*routed_expert_(down|up)_proj$",
-               "re:vision_tower.*", "re:mm_projector.*"],
+    "ignore": [
+        "re:.*lm_head$",
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        r"re:.*\.mlp\..*",
+        r"re:.*block_sparse_moe\.gate$",
+        r"re:.*routed_expert_(down|up)_proj$",
+        "re:vision_tower.*",
+        "re:mm_projector.*",
+    ],
 }
 
 
@@ -98,8 +118,9 @@ def unpad_a_log(t: torch.Tensor, num_heads: int, key: str) -> torch.Tensor:
     if t.dim() != 1:
         return t
     if t.numel() < num_heads:
-        raise ValueError(f"{key}: a 1-D A_log must hold at least `linear_num_heads` = {num_heads} entries, "
-                         f"got {t.numel()}")
+        raise ValueError(
+            f"{key}: a 1-D A_log must hold at least `linear_num_heads` = {num_heads} entries, got {t.numel()}"
+        )
     return t[:num_heads].reshape(1, 1, num_heads, 1)
 
 
@@ -112,8 +133,10 @@ def pad_a_log(t: torch.Tensor, head_dim: int, padding: torch.Tensor | None = Non
     out[:heads] = t.detach().flatten().float()
     if padding is not None:
         if padding.shape != (out.numel() - heads,):
-            raise ValueError(f"pad_a_log: `padding` must hold {out.numel() - heads} entries (head_dim {head_dim} - "
-                             f"{heads} heads), got shape {list(padding.shape)}")
+            raise ValueError(
+                f"pad_a_log: `padding` must hold {out.numel() - heads} entries (head_dim {head_dim} - "
+                f"{heads} heads), got shape {list(padding.shape)}"
+            )
         out[heads:] = padding.float()
     return out
 
@@ -122,8 +145,11 @@ def a_log_padding(published: dict[str, torch.Tensor], num_heads: int, head_dim: 
     """{published name: the entries after the first `num_heads`} of each A_log among `published`
     (tensors under their published names) padded as the layout pads it (1-D, `head_dim` entries), for
     `published_entries` to write back."""
-    return {k: t[num_heads:] for k, t in published.items() if k.startswith(PREFIX) and k.endswith("self_attn.A_log")
-            and t.dim() == 1 and t.numel() == head_dim > num_heads}
+    return {
+        k: t[num_heads:]
+        for k, t in published.items()
+        if k.startswith(PREFIX) and k.endswith("self_attn.A_log") and t.dim() == 1 and t.numel() == head_dim > num_heads
+    }
 
 
 def stored_dtype(key: str, t: torch.Tensor) -> torch.dtype:
@@ -137,17 +163,28 @@ def stored_dtype(key: str, t: torch.Tensor) -> torch.dtype:
 def published_config(config: ModelConfig, quantized: bool) -> dict:
     """The published config.json for `config` (quantized: routed experts in MXFP4). Refuses what the
     layout cannot hold, naming the field."""
-    problems = [what for bad, what in (
-        (config.rope_theta is not None, "RoPE in MLA (rope_theta; K3's MLA is NoPE)"),
-        (config.linear_output_gate not in ("low_rank", "full"),
-         f"KDA output gate {config.linear_output_gate!r} (low_rank or full)"),
-        (config.linear_num_heads > config.linear_head_dim and "kda" in config.layer_types,
-         f"more KDA heads ({config.linear_num_heads}) than `linear_head_dim` ({config.linear_head_dim}): "
-         f"A_log is stored as [head_dim]"),
-        (quantized and config.num_experts and (
-            (config.moe_latent_size or config.hidden_size) % 32 or config.moe_intermediate_size % 32),
-         "MXFP4 experts need the expert's input and hidden sizes to be multiples of 32"),
-    ) if bad]
+    problems = [
+        what
+        for bad, what in (
+            (config.rope_theta is not None, "RoPE in MLA (rope_theta; K3's MLA is NoPE)"),
+            (
+                config.linear_output_gate not in ("low_rank", "full"),
+                f"KDA output gate {config.linear_output_gate!r} (low_rank or full)",
+            ),
+            (
+                config.linear_num_heads > config.linear_head_dim and "kda" in config.layer_types,
+                f"more KDA heads ({config.linear_num_heads}) than `linear_head_dim` ({config.linear_head_dim}): "
+                f"A_log is stored as [head_dim]",
+            ),
+            (
+                quantized
+                and config.num_experts
+                and ((config.moe_latent_size or config.hidden_size) % 32 or config.moe_intermediate_size % 32),
+                "MXFP4 experts need the expert's input and hidden sizes to be multiples of 32",
+            ),
+        )
+        if bad
+    ]
     if problems:
         raise ValueError(f"{config.name!r} cannot be written in Kimi K3's published layout: " + "; ".join(problems))
     text = config_to_hf(config)
@@ -186,12 +223,20 @@ def published_entries(model, quantize: bool, a_log_pad: dict[str, torch.Tensor] 
         if key.endswith(".weight_packed"):  # an MXFP4Expert's matrix
             base, scale = key[: -len(".weight_packed")], state[key[: -len("packed")] + "scale"]
             if quantize:
-                entries += [Entry(PREFIX + key, tuple(t.shape), t.dtype, lambda t=t: t),
-                            Entry(PREFIX + base + ".weight_scale", tuple(scale.shape), scale.dtype, lambda s=scale: s)]
+                entries += [
+                    Entry(PREFIX + key, tuple(t.shape), t.dtype, lambda t=t: t),
+                    Entry(PREFIX + base + ".weight_scale", tuple(scale.shape), scale.dtype, lambda s=scale: s),
+                ]
             else:
                 shape = (t.shape[0], 2 * t.shape[1])
-                entries.append(Entry(PREFIX + base + ".weight", shape, torch.bfloat16,
-                                     lambda t=t, s=scale: mxfp4.decode(t, s, torch.bfloat16)))
+                entries.append(
+                    Entry(
+                        PREFIX + base + ".weight",
+                        shape,
+                        torch.bfloat16,
+                        lambda t=t, s=scale: mxfp4.decode(t, s, torch.bfloat16),
+                    )
+                )
             continue
         name = to_published_name(key)
         if quantize and EXPERT_MATRIX.search(key):
@@ -202,12 +247,18 @@ def published_entries(model, quantize: bool, a_log_pad: dict[str, torch.Tensor] 
                 if "pair" not in codes:
                     codes["pair"] = mxfp4.encode(t)
                 return codes["pair"][i] if i == 0 else codes.pop("pair")[i]
-            entries += [Entry(name + "_packed", (rows, cols // 2), torch.uint8, lambda p=part: p(0)),
-                        Entry(name + "_scale", (rows, cols // mxfp4.GROUP_SIZE), torch.uint8, lambda p=part: p(1))]
+
+            entries += [
+                Entry(name + "_packed", (rows, cols // 2), torch.uint8, lambda p=part: p(0)),
+                Entry(name + "_scale", (rows, cols // mxfp4.GROUP_SIZE), torch.uint8, lambda p=part: p(1)),
+            ]
         elif key.endswith("self_attn.A_log"):
             pad = (a_log_pad or {}).get(name)
-            entries.append(Entry(name, (max(head_dim, t.numel()),), torch.float32,
-                                 lambda t=t, pad=pad: pad_a_log(t, head_dim, pad)))
+            entries.append(
+                Entry(
+                    name, (max(head_dim, t.numel()),), torch.float32, lambda t=t, pad=pad: pad_a_log(t, head_dim, pad)
+                )
+            )
         else:
             dtype = stored_dtype(key, t)
             entries.append(Entry(name, tuple(t.shape), dtype, lambda t=t, d=dtype: t.to(d).contiguous()))

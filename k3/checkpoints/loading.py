@@ -31,15 +31,19 @@ import torch
 from ..io import CheckpointError, checked_folder, read_json
 from ..layers import MoE
 from ..layers.mxfp4_expert import MXFP4Expert
-from ..runtime import refuse_if_over_memory
 from ..ops import mxfp4
+from ..runtime import refuse_if_over_memory
 from . import checkpoint, dcp, kimi_k3_format
 
 EXPERTS = (None, "mxfp4")
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.")
-WEIGHT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json",
-                f"{dcp.SHARDED}/*")  # what from_pretrained reads
+WEIGHT_FILES = (
+    "config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    f"{dcp.SHARDED}/*",
+)  # what from_pretrained reads
 
 
 def shard_files(directory: Path) -> list[Path]:
@@ -79,11 +83,11 @@ def check_same_step(directory: Path) -> None:
     else:
         return
     if weights_step is not None and int(weights_step) != config_step:
-        raise CheckpointError(f"{directory}: config.json is from step {config_step} but {source} from step "
-                              f"{weights_step}: the files come from different saves. Restore the checkpoint from "
-                              f"a copy")
-
-
+        raise CheckpointError(
+            f"{directory}: config.json is from step {config_step} but {source} from step "
+            f"{weights_step}: the files come from different saves. Restore the checkpoint from "
+            f"a copy"
+        )
 
 
 def subset_config(config: ModelConfig, layers) -> tuple[ModelConfig, dict[int, int]]:
@@ -91,10 +95,14 @@ def subset_config(config: ModelConfig, layers) -> tuple[ModelConfig, dict[int, i
     layers = list(layers)
     bad = [i for i in layers if not isinstance(i, int) or not 0 <= i < config.num_layers]
     if not layers or bad or len(set(layers)) != len(layers):
-        raise ValueError(f"from_pretrained: `layers` must be distinct layer indices in [0, {config.num_layers}), "
-                         f"got {layers}")
-    sub = config.replace(num_layers=len(layers), layer_types=[config.layer_types[i] for i in layers],
-                         mlp_types=[config.mlp_types[i] for i in layers])
+        raise ValueError(
+            f"from_pretrained: `layers` must be distinct layer indices in [0, {config.num_layers}), got {layers}"
+        )
+    sub = config.replace(
+        num_layers=len(layers),
+        layer_types=[config.layer_types[i] for i in layers],
+        mlp_types=[config.mlp_types[i] for i in layers],
+    )
     return sub, {old: new for new, old in enumerate(layers)}
 
 
@@ -104,8 +112,9 @@ def quantize_experts(model: torch.nn.Module) -> None:
         for i, expert in enumerate(moe.experts):
             hidden, dim = expert.w1.shape
             with torch.device(expert.w1.device):
-                moe.experts[i] = MXFP4Expert(dim, hidden, expert.activation, expert.situ_beta,
-                                             expert.situ_linear_beta, expert.w1.dtype)
+                moe.experts[i] = MXFP4Expert(
+                    dim, hidden, expert.activation, expert.situ_beta, expert.situ_linear_beta, expert.w1.dtype
+                )
 
 
 def build(cls, config: ModelConfig, dtype: torch.dtype | None, experts: str | None) -> torch.nn.Module:
@@ -186,12 +195,22 @@ def _renumbered(name: str, renumber: dict[int, int] | None) -> str | None:
     if renumber is None or m is None:
         return name
     index = int(m.group(1))
-    return f"model.layers.{renumber[index]}.{name[m.end():]}" if index in renumber else None
+    return f"model.layers.{renumber[index]}.{name[m.end() :]}" if index in renumber else None
 
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-          "float64": torch.float64, "fp64": torch.float64, "double": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "double": torch.float64,
+}
 
 
 def as_dtype(dtype) -> torch.dtype | None:
@@ -201,20 +220,24 @@ def as_dtype(dtype) -> torch.dtype | None:
         return dtype
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.removeprefix("torch.")]
-    raise ValueError(f"from_pretrained: `dtype` must be a floating torch.dtype or one of {', '.join(DTYPES)}, "
-                     f"got {dtype!r}")
+    raise ValueError(
+        f"from_pretrained: `dtype` must be a floating torch.dtype or one of {', '.join(DTYPES)}, got {dtype!r}"
+    )
 
 
-def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None, experts: str | None = None,
-                    layers=None) -> torch.nn.Module:
+def load_pretrained(
+    cls, path, dtype: torch.dtype | None = None, *, device=None, experts: str | None = None, layers=None
+) -> torch.nn.Module:
     """See the module docstring; `cls`: the model class (CausalLM), whose `config_class` (ModelConfig)
     reads config.json."""
     dtype = as_dtype(dtype)
     directory = Path(path)
     if not directory.is_dir():
-        raise FileNotFoundError(f"from_pretrained: {directory}: no such folder; a checkpoint folder holds config.json "
-                                f"and model.safetensors (or shards listed in model.safetensors.index.json), as k3 "
-                                f"train --out, save_pretrained and k3 export write them")
+        raise FileNotFoundError(
+            f"from_pretrained: {directory}: no such folder; a checkpoint folder holds config.json "
+            f"and model.safetensors (or shards listed in model.safetensors.index.json), as k3 "
+            f"train --out, save_pretrained and k3 export write them"
+        )
     # a save still in progress there is finished first; files are checked against k3's manifest
     with checked_folder(directory, WEIGHT_FILES):
         check_same_step(directory)
@@ -227,14 +250,19 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None,
             return model
         check_weights(model, directory, native, renumber)
         nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        refuse_if_over_memory(f"{directory}: loading {config.name!r}", nbytes,
-                              "load it on a machine with more memory, or a subset (layers=...) or experts='mxfp4'")
+        refuse_if_over_memory(
+            f"{directory}: loading {config.name!r}",
+            nbytes,
+            "load it on a machine with more memory, or a subset (layers=...) or experts='mxfp4'",
+        )
         allocate(model, device or "cpu")
         filler = _Filler(model, str(directory))
         skipped = _read_shards(directory, config, native, renumber, filler)
     if skipped:
-        warnings.warn(f"{directory}: skipped {skipped} vision tensors (vision_tower.*, mm_projector.*): "
-                      f"k3 loads the text model", stacklevel=3)
+        warnings.warn(
+            f"{directory}: skipped {skipped} vision tensors (vision_tower.*, mm_projector.*): k3 loads the text model",
+            stacklevel=3,
+        )
     filler.finish(config.tie_word_embeddings)
     return model
 
@@ -265,8 +293,13 @@ def load_held(model: torch.nn.Module, path) -> None:
     filler.finish(config.tie_word_embeddings)
 
 
-def check_weights(model: torch.nn.Module, directory: Path, native: bool, renumber: dict[int, int] | None = None,
-                  source: str | None = None) -> None:
+def check_weights(
+    model: torch.nn.Module,
+    directory: Path,
+    native: bool,
+    renumber: dict[int, int] | None = None,
+    source: str | None = None,
+) -> None:
     """The checkpoint's tensors, from the safetensors headers alone (no data read), against `model` on
     the meta device: the same names and shapes as the load would find, or the load's ValueError (naming
     `source`, default the folder), before anything is allocated. A damaged file is a ValueError naming it."""
@@ -275,14 +308,30 @@ def check_weights(model: torch.nn.Module, directory: Path, native: bool, renumbe
     filler.finish(model.config.tie_word_embeddings)
 
 
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
-                      "F8_E5M2": torch.float8_e5m2}
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
-def _read_shards(directory: Path, config: ModelConfig, native: bool, renumber: dict[int, int] | None,
-                 filler: _Filler, header_only: bool = False) -> int:
+def _read_shards(
+    directory: Path,
+    config: ModelConfig,
+    native: bool,
+    renumber: dict[int, int] | None,
+    filler: _Filler,
+    header_only: bool = False,
+) -> int:
     """Every tensor of the checkpoint's shards, one at a time, into `filler` under k3's names (as meta
     tensors of the header's shapes when `header_only`); returns the number of vision tensors skipped."""
     from safetensors import SafetensorError, safe_open
@@ -299,8 +348,9 @@ def _read_shards(directory: Path, config: ModelConfig, native: bool, renumber: d
                         skipped += 1
                         continue
                     # k3's names (k3.hf's under `k3.`), or a Kimi layout: K3's published names first
-                    name = _renumbered(key.removeprefix("k3.") if native else kimi_k3_format.to_kimi_name(key),
-                                       renumber)
+                    name = _renumbered(
+                        key.removeprefix("k3.") if native else kimi_k3_format.to_kimi_name(key), renumber
+                    )
                     if name is None:
                         continue
                     if filler.held_elsewhere(name):
@@ -318,8 +368,10 @@ def _read_shards(directory: Path, config: ModelConfig, native: bool, renumber: d
                     for k3_name, part in checkpoint.convert_kimi_tensor(name, t, config).items():
                         filler.put(k3_name, part)
         except SafetensorError as e:
-            raise ValueError(f"{directory}: {file.name} is damaged or not a safetensors file ({e}); restore it "
-                             f"from the run that wrote it") from None
+            raise ValueError(
+                f"{directory}: {file.name} is damaged or not a safetensors file ({e}); restore it "
+                f"from the run that wrote it"
+            ) from None
     return skipped
 
 
@@ -331,13 +383,15 @@ def _read_sharded(directory: Path, renumber: dict[int, int] | None, filler: _Fil
     try:
         tensors = reader.read_metadata().state_dict_metadata
     except Exception as e:  # a damaged .metadata: pickle's, torch's or the OS's error
-        raise ValueError(f"{directory}: {dcp.SHARDED}/.metadata is damaged or not written by "
-                         f"torch.distributed.checkpoint ({type(e).__name__}: {e}); restore it from the run that wrote "
-                         f"it") from None
+        raise ValueError(
+            f"{directory}: {dcp.SHARDED}/.metadata is damaged or not written by "
+            f"torch.distributed.checkpoint ({type(e).__name__}: {e}); restore it from the run that wrote "
+            f"it"
+        ) from None
     for key, meta in tensors.items():
         if not key.startswith(dcp.MODEL_PREFIX):
             continue
-        name = _renumbered(key[len(dcp.MODEL_PREFIX):], renumber)
+        name = _renumbered(key[len(dcp.MODEL_PREFIX) :], renumber)
         if name is None or filler.held_elsewhere(name):
             continue
         if header_only:

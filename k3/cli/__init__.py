@@ -9,7 +9,6 @@ mode stops only the generation under way; `k3 train` saves a checkpoint first). 
 bug and keeps its traceback.
 """
 
-
 from __future__ import annotations
 
 import sys

@@ -36,6 +36,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _count(low: int, what: str, high: int | None = None):
     """An argparse type: an integer >= low (and <= high, when given); `what` says what it counts."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -45,6 +46,7 @@ def _count(low: int, what: str, high: int | None = None):
             bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
             raise argparse.ArgumentTypeError(f"expected {what}, an integer {bounds}, got {text!r}")
         return value
+
     return parse
 
 
@@ -53,15 +55,18 @@ _SEED = _count(0, "a seed", high=MAX_SEED)
 
 def _text(what: str):
     """An argparse type: a string that is not empty; `what` says what it is."""
+
     def parse(text: str) -> str:
         if not text:
             raise argparse.ArgumentTypeError(f"expected {what}, a string that is not empty, got {text!r}")
         return text
+
     return parse
 
 
 def _number(low: float, what: str, above: bool = False, high: float = math.inf):
     """An argparse type: a finite number >= low (> low when `above`) and <= high."""
+
     def parse(text: str) -> float:
         try:
             value = float(text)
@@ -71,4 +76,5 @@ def _number(low: float, what: str, above: bool = False, high: float = math.inf):
             bounds = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
             raise argparse.ArgumentTypeError(f"expected {what}, a finite number {bounds}, got {text!r}")
         return value
+
     return parse

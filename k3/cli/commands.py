@@ -13,8 +13,9 @@ def _bench_ops(args) -> int:
         lengths, chunk_sizes, repeats = (512, 2048), (32, 64), 2
     else:
         lengths, chunk_sizes, repeats = tuple(args.T), tuple(args.chunk_sizes), args.repeats
-    ops.run(lengths=lengths, chunk_sizes=chunk_sizes, heads=args.heads, dim=args.dim, repeats=repeats,
-            json_path=args.json)
+    ops.run(
+        lengths=lengths, chunk_sizes=chunk_sizes, heads=args.heads, dim=args.dim, repeats=repeats, json_path=args.json
+    )
     return 0
 
 
@@ -24,11 +25,14 @@ def _use_threads(args) -> None:
         import os
 
         import torch
+
         cores = os.cpu_count()
         if cores and args.threads > cores:
-            print(f"k3 {args.command}: warning: --threads {args.threads} is more than this machine's {cores} cores; "
-                  f"threads beyond the cores wait for each other and slow the work down (default: all cores)",
-                  file=sys.stderr)
+            print(
+                f"k3 {args.command}: warning: --threads {args.threads} is more than this machine's {cores} cores; "
+                f"threads beyond the cores wait for each other and slow the work down (default: all cores)",
+                file=sys.stderr,
+            )
         torch.set_num_threads(args.threads)
 
 
@@ -58,12 +62,27 @@ def _bench_models(args) -> int:
     if args.compile:
         from ..bench import compiled
 
-        compiled.run(quick=args.quick, contexts=args.contexts, batch=args.batch, steps=args.steps,
-                     n_threads=args.threads, json_path=args.json)
+        compiled.run(
+            quick=args.quick,
+            contexts=args.contexts,
+            batch=args.batch,
+            steps=args.steps,
+            n_threads=args.threads,
+            json_path=args.json,
+        )
         return 0
-    models.run(quick=args.quick, contexts=args.contexts, prefill=args.prefill, train=args.train, batch=args.batch,
-               rounds=args.rounds, steps=args.steps, models=args.models or models.MODELS, n_threads=args.threads,
-               json_path=args.json)
+    models.run(
+        quick=args.quick,
+        contexts=args.contexts,
+        prefill=args.prefill,
+        train=args.train,
+        batch=args.batch,
+        rounds=args.rounds,
+        steps=args.steps,
+        models=args.models or models.MODELS,
+        n_threads=args.threads,
+        json_path=args.json,
+    )
     return 0
 
 
@@ -73,9 +92,17 @@ def _bench_serve(args) -> int:
 
     require_serve_extra("k3 bench serve")
     _use_threads(args)
-    serve.run(quick=args.quick, duration=args.duration, clients=args.clients, contexts=tuple(args.contexts),
-              cache_memory=parse_bytes(args.cache_memory), threads=args.threads, soak=args.soak,
-              disconnect=args.disconnect, json_path=args.json)
+    serve.run(
+        quick=args.quick,
+        duration=args.duration,
+        clients=args.clients,
+        contexts=tuple(args.contexts),
+        cache_memory=parse_bytes(args.cache_memory),
+        threads=args.threads,
+        soak=args.soak,
+        disconnect=args.disconnect,
+        json_path=args.json,
+    )
     return 0
 
 
@@ -128,8 +155,10 @@ def _bench_parallel(args) -> int:
         except ValueError:
             raise ValueError(f"--layouts takes N:EP pairs (processes : ep), e.g. 4:2, got {text!r}") from None
         if world < 1 or ep < 1 or world % ep or args.batch_size % world:
-            raise ValueError(f"--layouts {text}: ep must divide the {world} processes and the processes the "
-                             f"--batch-size {args.batch_size}")
+            raise ValueError(
+                f"--layouts {text}: ep must divide the {world} processes and the processes the "
+                f"--batch-size {args.batch_size}"
+            )
         layouts.append((world, ep))
     parallel.run(tuple(layouts), args.preset, args.seq_len, args.batch_size, args.json)
     return 0
@@ -156,23 +185,49 @@ def _train_config(args):
     for key, flag in (("hidden_size", "--hidden-size"), ("num_layers", "--num-layers")):
         if getattr(args, key) is not None:
             if key in overrides:
-                raise ValueError(f"--set {key}={overrides[key]!r} and {flag} {getattr(args, key)} both set "
-                                 f"`{key}`; give one")
+                raise ValueError(
+                    f"--set {key}={overrides[key]!r} and {flag} {getattr(args, key)} both set `{key}`; give one"
+                )
             overrides[key] = getattr(args, key)
     if "vocab_size" in overrides:
-        vocabulary = "--tokenizer byte gives 257 tokens" if args.tokenizer == "byte" else \
-            f"--vocab-size {args.vocab_size} gives the BPE tokenizer's"
-        raise ValueError(f"--set vocab_size={overrides['vocab_size']!r}: the model's vocabulary is the tokenizer's "
-                         f"({vocabulary}); drop --set vocab_size and use --vocab-size N (BPE) or --tokenizer byte")
+        vocabulary = (
+            "--tokenizer byte gives 257 tokens"
+            if args.tokenizer == "byte"
+            else f"--vocab-size {args.vocab_size} gives the BPE tokenizer's"
+        )
+        raise ValueError(
+            f"--set vocab_size={overrides['vocab_size']!r}: the model's vocabulary is the tokenizer's "
+            f"({vocabulary}); drop --set vocab_size and use --vocab-size N (BPE) or --tokenizer byte"
+        )
     if args.max_steps is not None and args.time_budget is not None:
-        raise ValueError(f"--max-steps {args.max_steps} and --time-budget {args.time_budget:g} both set the run's "
-                         f"length; give one (steps or minutes)")
-    fields = dict(preset=args.preset, model_overrides=overrides, data=args.data, tokenizer=args.tokenizer,
-                  vocab_size=args.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
-                  warmup_steps=args.warmup, schedule=args.schedule, weight_decay=args.weight_decay,
-                  grad_clip=args.grad_clip, max_steps=args.max_steps, time_budget=args.time_budget,
-                  eval_every=args.eval_every, eval_tokens=args.eval_tokens, checkpoint_every=args.checkpoint_every,
-                  out=args.out, overwrite=args.overwrite, seed=args.seed, threads=args.threads, compile=args.compile)
+        raise ValueError(
+            f"--max-steps {args.max_steps} and --time-budget {args.time_budget:g} both set the run's "
+            f"length; give one (steps or minutes)"
+        )
+    fields = dict(
+        preset=args.preset,
+        model_overrides=overrides,
+        data=args.data,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup_steps=args.warmup,
+        schedule=args.schedule,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip,
+        max_steps=args.max_steps,
+        time_budget=args.time_budget,
+        eval_every=args.eval_every,
+        eval_tokens=args.eval_tokens,
+        checkpoint_every=args.checkpoint_every,
+        out=args.out,
+        overwrite=args.overwrite,
+        seed=args.seed,
+        threads=args.threads,
+        compile=args.compile,
+    )
     # given only when asked for (a resumed run takes them even where they equal the defaults)
     for key in _ASKED_BY_NAME:
         if getattr(args, key) is not None:
@@ -180,8 +235,18 @@ def _train_config(args):
     return TrainConfig(**fields)
 
 
-_ASKED_BY_NAME = ("device", "precision", "grad_accum", "log", "final_eval_tokens", "optimizer", "max_steps",
-                  "recompute", "ep", "qk_clip")
+_ASKED_BY_NAME = (
+    "device",
+    "precision",
+    "grad_accum",
+    "log",
+    "final_eval_tokens",
+    "optimizer",
+    "max_steps",
+    "recompute",
+    "ep",
+    "qk_clip",
+)
 
 
 def _train(args) -> int:
@@ -232,8 +297,11 @@ def _lab(args) -> int:
         if name in lab.EXPERIMENTS:
             print(f"k3 lab {name} ({mode}): {lab.EXPERIMENTS[name][1]}", flush=True)
         result = lab.run(name, mode, args.docs, **options)
-        print(f"  {sum(c.verdict == 'holds' for c in result.claims)} of {len(result.claims)} claims hold; "
-              f"{result.seconds / 60:.1f} min; {len(result.figures)} figures", flush=True)
+        print(
+            f"  {sum(c.verdict == 'holds' for c in result.claims)} of {len(result.claims)} claims hold; "
+            f"{result.seconds / 60:.1f} min; {len(result.figures)} figures",
+            flush=True,
+        )
     print(f"wrote {args.docs}/results.md")
     return 0
 
@@ -267,8 +335,10 @@ def _check_cache_memory(budget: int, text: str, device) -> None:
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
         if budget > free:
-            raise ValueError(f"--cache-memory {text}: {budget:,} bytes asked, more than the {free:,} bytes free on "
-                             f"{device}; give a smaller --cache-memory")
+            raise ValueError(
+                f"--cache-memory {text}: {budget:,} bytes asked, more than the {free:,} bytes free on "
+                f"{device}; give a smaller --cache-memory"
+            )
         return
     refuse_if_over_memory(f"--cache-memory {text}", budget, "give a smaller --cache-memory")
 
@@ -279,18 +349,20 @@ def _serve(args) -> int:
 
     from ..io import reading
     from ..models import CausalLM
-    from .preflight import check_checkpoint
     from ..runtime import resolve_device
     from ..serve import Engine, build_app, require_serve_extra, serve
     from ..serve.text import load_chat_template
     from ..tokenizer import Tokenizer
+    from .preflight import check_checkpoint
 
     require_serve_extra()
     budget = _size(args.cache_memory, "--cache-memory")
     max_request_bytes = _size(args.max_request_bytes, "--max-request-bytes")
     if not Path(args.checkpoint).is_dir():
-        raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no such folder (expected a checkpoint folder, "
-                                f"e.g. what k3 train --out wrote)")
+        raise FileNotFoundError(
+            f"--checkpoint {args.checkpoint}: no such folder (expected a checkpoint folder, "
+            f"e.g. what k3 train --out wrote)"
+        )
     _use_threads(args)
     device = resolve_device(args.device)
     _check_cache_memory(budget, args.cache_memory, device)
@@ -304,18 +376,39 @@ def _serve(args) -> int:
     positions = model.config.max_position_embeddings
     max_model_len = args.max_model_len or positions
     if positions and max_model_len > positions:
-        raise ValueError(f"--max-model-len {max_model_len}: {model.config.name!r} has learned positions for "
-                         f"{positions} tokens only")
+        raise ValueError(
+            f"--max-model-len {max_model_len}: {model.config.name!r} has learned positions for {positions} tokens only"
+        )
     special = {k: v for k, v in tokens.items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
     name = args.served_model_name or Path(args.checkpoint).resolve().name
     engine = Engine(model, budget, max_queue=args.max_queue, max_running=args.max_running)
-    app = build_app(engine, tokenizer, name, chat_template=chat_template, special=special,
-                    max_model_len=max_model_len, api_key=args.api_key, max_request_bytes=max_request_bytes,
-                    max_prompt_tokens=args.max_prompt_tokens)
-    def ready(port: int) -> None:
-        print(f"k3 serve: {name!r} ({model.config.name}, {model.num_parameters():,} parameters, on {device}); "
-              f"cache budget {budget:,} bytes; http://{args.host}:{port}/v1", file=sys.stderr, flush=True)
+    app = build_app(
+        engine,
+        tokenizer,
+        name,
+        chat_template=chat_template,
+        special=special,
+        max_model_len=max_model_len,
+        api_key=args.api_key,
+        max_request_bytes=max_request_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )
 
-    serve(app, engine, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
-          log_level=args.log_level, on_ready=ready)
+    def ready(port: int) -> None:
+        print(
+            f"k3 serve: {name!r} ({model.config.name}, {model.num_parameters():,} parameters, on {device}); "
+            f"cache budget {budget:,} bytes; http://{args.host}:{port}/v1",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    serve(
+        app,
+        engine,
+        host=args.host,
+        port=args.port,
+        shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level,
+        on_ready=ready,
+    )
     return 0

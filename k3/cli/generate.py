@@ -20,20 +20,25 @@ def _generate(args) -> int:
     from ..inference.generation import check_cache_fits
     from ..io import reading
     from ..models import CausalLM
-    from .preflight import check_checkpoint
     from ..runtime import resolve_device
     from ..tokenizer import Tokenizer
     from .interactive import interactive, report, stream_text
+    from .preflight import check_checkpoint
 
     if args.chat and (args.prompt is not None or args.prompt_file):
-        raise ValueError("--chat is for the interactive mode (prompts from stdin): drop --prompt / --prompt-file, "
-                         "or --chat")
+        raise ValueError(
+            "--chat is for the interactive mode (prompts from stdin): drop --prompt / --prompt-file, or --chat"
+        )
     if not Path(args.checkpoint).is_dir():
-        raise FileNotFoundError(f"--checkpoint {args.checkpoint}: no such folder (expected a checkpoint folder, "
-                                f"e.g. what k3 train --out wrote)")
+        raise FileNotFoundError(
+            f"--checkpoint {args.checkpoint}: no such folder (expected a checkpoint folder, "
+            f"e.g. what k3 train --out wrote)"
+        )
     if args.parallel == "ep" and args.prompt is None and not args.prompt_file:
-        raise ValueError("--parallel ep takes --prompt or --prompt-file (every process runs the same prompts); "
-                         "the interactive mode reads stdin in one process")
+        raise ValueError(
+            "--parallel ep takes --prompt or --prompt-file (every process runs the same prompts); "
+            "the interactive mode reads stdin in one process"
+        )
     if args.compile and args.parallel == "ep":
         raise ValueError("--compile decodes in one process; it does not combine with --parallel ep (drop one)")
     _use_threads(args)
@@ -43,9 +48,11 @@ def _generate(args) -> int:
         from ..runtime import check_compiler
 
         check_compiler(device, "--compile")
-        print(f"k3 generate: --compile: the first tokens wait while the decode step compiles (about a minute the "
-              f"first time for a model and batch size; later runs load it from {compile_cache_dir()})",
-              file=sys.stderr)
+        print(
+            f"k3 generate: --compile: the first tokens wait while the decode step compiles (about a minute the "
+            f"first time for a model and batch size; later runs load it from {compile_cache_dir()})",
+            file=sys.stderr,
+        )
     with reading(args.checkpoint):  # one whole save, read under the folder's lock (k3.io.reading)
         # every file against the save's manifest, the weights' names and shapes, as `k3 train --resume` does
         check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
@@ -105,8 +112,12 @@ def _generate_expert_parallel(args, tokenizer, texts: list[str], prompts: list[l
         start = time.perf_counter()
         stream_text(model, tokenizer, prompts[0], args, generator, new)
         print(flush=True)
-        report(len(new), time.perf_counter() - start, len(prompts[0]),
-               f"{device}, {dist.get_world_size()} processes (--parallel ep)")
+        report(
+            len(new),
+            time.perf_counter() - start,
+            len(prompts[0]),
+            f"{device}, {dist.get_world_size()} processes (--parallel ep)",
+        )
     return 0
 
 
@@ -131,8 +142,10 @@ def _prompts(args, tokenizer) -> tuple[list[str], list[list[int]]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
-        raise ValueError(f"--prompt-file {path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
-                         f"{e.start}); save it as UTF-8") from None
+        raise ValueError(
+            f"--prompt-file {path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+            f"{e.start}); save it as UTF-8"
+        ) from None
     texts = [line for line in lines if line.strip()]
     if not texts:
         raise ValueError(f"--prompt-file {path}: no prompt in it (one prompt a line)")
@@ -153,16 +166,25 @@ def _generate_batch(args, model, tokenizer, texts: list[str], prompts: list[list
     generator = torch.Generator(device).manual_seed(args.seed)
     start = time.perf_counter()
     eot = None if args.ignore_eot else tokenizer.eot_id
-    rows = model.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, eos_token_id=eot, generator=generator,
-                          compile=getattr(args, "compile", False))
+    rows = model.generate(
+        prompts,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        eos_token_id=eot,
+        generator=generator,
+        compile=getattr(args, "compile", False),
+    )
     seconds = time.perf_counter() - start
     new = 0
     for i, (text, ids, row) in enumerate(zip(texts, prompts, rows)):
         new += row.numel() - len(ids)
         print(f"--- prompt {i + 1} of {len(texts)}")
-        print(text + tokenizer.decode([t for t in row[len(ids):].tolist() if t != eot]), flush=True)
-    print(f"[{len(texts)} prompts ({min(map(len, prompts))} to {max(map(len, prompts))} tokens), {new} new tokens "
-          f"in {seconds:.2f} s: {new / max(seconds, 1e-9):.1f} tokens/s, prefill included; on {device}]",
-          file=sys.stderr)
+        print(text + tokenizer.decode([t for t in row[len(ids) :].tolist() if t != eot]), flush=True)
+    print(
+        f"[{len(texts)} prompts ({min(map(len, prompts))} to {max(map(len, prompts))} tokens), {new} new tokens "
+        f"in {seconds:.2f} s: {new / max(seconds, 1e-9):.1f} tokens/s, prefill included; on {device}]",
+        file=sys.stderr,
+    )
     return 0

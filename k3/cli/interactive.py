@@ -20,8 +20,9 @@ import sys
 import time
 
 
-def stream_text(model, tokenizer, ids: list[int], args, generator, new: list[int], cache=None
-                ) -> tuple[float, float] | None:
+def stream_text(
+    model, tokenizer, ids: list[int], args, generator, new: list[int], cache=None
+) -> tuple[float, float] | None:
     """Print the continuation of the tokens `ids` as it is sampled (`args`: max_new_tokens and the
     sampling flags), a character split over several tokens once it is whole; each token is appended to
     `new`, which holds what was generated if a Ctrl-C ends it early. With `cache`, `ids` continue the
@@ -40,9 +41,17 @@ def stream_text(model, tokenizer, ids: list[int], args, generator, new: list[int
     if cache is None and len(ids) > LONG_PROMPT:
         prompt, cache = prefill_with_progress(model, prompt, args.max_new_tokens, compiled)
     arrivals: list[float] = []
-    for token in model.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, eos_token_id=eot, generator=generator, cache=cache,
-                              compile=compiled):
+    for token in model.stream(
+        prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        eos_token_id=eot,
+        generator=generator,
+        cache=cache,
+        compile=compiled,
+    ):
         if compiled and len(arrivals) < 2:
             arrivals.append(time.perf_counter())
         new.append(int(token[0]))
@@ -50,11 +59,11 @@ def stream_text(model, tokenizer, ids: list[int], args, generator, new: list[int
             break
         text = tokenizer.decode(new)
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            print(text[len(shown):], end="", flush=True)
+            print(text[len(shown) :], end="", flush=True)
             shown = text
     text = tokenizer.decode([t for t in new if t != eot])
     if text != shown:  # the stream ended inside a character: show what there is
-        print(text[len(shown):], end="", flush=True)
+        print(text[len(shown) :], end="", flush=True)
     return (arrivals[1] - arrivals[0], time.perf_counter() - arrivals[1]) if len(arrivals) == 2 else None
 
 
@@ -74,28 +83,31 @@ def prefill_with_progress(model, prompt, max_new_tokens: int, static: bool):
     T = prompt.shape[1]
     check_positions(model, [T], max_new_tokens)
     check_cache_fits(model, prompt, max_new_tokens)
-    cache = model.new_cache(1, max_length=_static_slots(model, T, max_new_tokens)) if static else \
-        model.new_cache(1)
+    cache = model.new_cache(1, max_length=_static_slots(model, T, max_new_tokens)) if static else model.new_cache(1)
     with torch.no_grad(), tqdm(total=T - 1, unit="tok", desc="prefill", file=sys.stderr, leave=False) as bar:
         for start in range(0, T - 1, PREFILL_PIECE):
-            piece = prompt[:, start:min(start + PREFILL_PIECE, T - 1)]
+            piece = prompt[:, start : min(start + PREFILL_PIECE, T - 1)]
             model(piece, cache=cache, logits_to_keep=1)
             bar.update(piece.shape[1])
     return prompt[:, -1:], cache
 
 
-def report(new: int, seconds: float, prefill: int, device=None, first_step: tuple[float, float] | None = None
-           ) -> None:
+def report(new: int, seconds: float, prefill: int, device=None, first_step: tuple[float, float] | None = None) -> None:
     """The speed line on stderr after a continuation; with --compile (`first_step`, from `stream_text`),
     also the time the compiled step's first call took and the speed of the tokens after it."""
     where = f"; on {device}" if device is not None else ""
     after = ""
     if first_step is not None and new > 2:
         compiling, rest = first_step
-        after = (f"; {compiling:.1f} s of it compiling or loading the decode step, then "
-                 f"{(new - 2) / max(rest, 1e-9):.1f} tokens/s")
-    print(f"[{new} tokens in {seconds:.2f} s: {new / max(seconds, 1e-9):.1f} tokens/s, prefill of {prefill} "
-          f"prompt tokens included{where}{after}]", file=sys.stderr)
+        after = (
+            f"; {compiling:.1f} s of it compiling or loading the decode step, then "
+            f"{(new - 2) / max(rest, 1e-9):.1f} tokens/s"
+        )
+    print(
+        f"[{new} tokens in {seconds:.2f} s: {new / max(seconds, 1e-9):.1f} tokens/s, prefill of {prefill} "
+        f"prompt tokens included{where}{after}]",
+        file=sys.stderr,
+    )
 
 
 def _read_line(tty: bool) -> str | None:
@@ -113,8 +125,9 @@ def _read_line(tty: bool) -> str | None:
     except UnicodeEncodeError as e:
         byte = ord(line[e.start]) - 0xDC00
         shown = f"byte {byte:#04x}" if 0x80 <= byte <= 0xFF else f"{line[e.start]!r}"
-        raise ValueError(f"stdin: not UTF-8 text ({shown} at character {e.start} of the line); give UTF-8 "
-                         f"text") from None
+        raise ValueError(
+            f"stdin: not UTF-8 text ({shown} at character {e.start} of the line); give UTF-8 text"
+        ) from None
     return line
 
 
@@ -153,12 +166,13 @@ def interactive(args, model, tokenizer) -> int:
             print(f"k3 generate: error: prompt {number}: {e}; skipped", file=sys.stderr)
             continue
         if not ids:
-            print(f"k3 generate: error: prompt {number} ({line!r}) is empty after tokenization; skipped",
-                  file=sys.stderr)
+            print(
+                f"k3 generate: error: prompt {number} ({line!r}) is empty after tokenization; skipped", file=sys.stderr
+            )
             continue
         if args.chat:
             cache = cache if cache is not None else _chat_cache(model, args)
-            feed = conversation[cache.length:] + ids
+            feed = conversation[cache.length :] + ids
         else:
             feed = ids
         if not tty:

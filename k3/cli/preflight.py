@@ -71,7 +71,9 @@ def check_checkpoint(path: str | os.PathLike, what: str | None = None) -> ModelC
                     raise RuntimeError("not a zip archive, which torch.save writes")
                 torch.load(state, weights_only=True, mmap=True)
             except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
-                raise ValueError(f"{what}: trainer_state.pt is damaged or not written by k3 train "
-                                 f"({str(e).splitlines()[0]}); restore it from the run that wrote it") from None
+                raise ValueError(
+                    f"{what}: trainer_state.pt is damaged or not written by k3 train "
+                    f"({str(e).splitlines()[0]}); restore it from the run that wrote it"
+                ) from None
         check_manifest(path)  # last: a file that reads but is not the one the save wrote (the checks above name worse)
     return config

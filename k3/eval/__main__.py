@@ -8,8 +8,10 @@ try:
 except ModuleNotFoundError as e:
     if e.name is None or not e.name.startswith("lm_eval"):
         raise
-    print("python -m k3.eval: error: lm-evaluation-harness is not installed; pip install 'k3[eval]' (or lm-eval)",
-          file=sys.stderr)
+    print(
+        "python -m k3.eval: error: lm-evaluation-harness is not installed; pip install 'k3[eval]' (or lm-eval)",
+        file=sys.stderr,
+    )
     sys.exit(2)
 
 sys.exit(main())

@@ -70,13 +70,21 @@ class K3LM(TemplateLM):
                 per forward piece when scoring long inputs (default 2048), their context is never cut
     """
 
-    def __init__(self, checkpoint: str, tokenizer: str | None = None, device: str = "cpu",
-                 dtype: str | torch.dtype = "float32", batch_size: int | str = 1, max_length: int | None = None):
+    def __init__(
+        self,
+        checkpoint: str,
+        tokenizer: str | None = None,
+        device: str = "cpu",
+        dtype: str | torch.dtype = "float32",
+        batch_size: int | str = 1,
+        max_length: int | None = None,
+    ):
         super().__init__()
         path = Path(checkpoint)
         if not path.is_dir():
-            raise FileNotFoundError(f"k3 lm-eval: `checkpoint` must be a k3 checkpoint directory; {str(path)!r} "
-                                    f"is not a directory")
+            raise FileNotFoundError(
+                f"k3 lm-eval: `checkpoint` must be a k3 checkpoint directory; {str(path)!r} is not a directory"
+            )
         self.checkpoint = str(path)
         self._device = _device(device)
         self.dtype = _dtype(dtype)
@@ -86,8 +94,10 @@ class K3LM(TemplateLM):
             self.model = CausalLM.from_pretrained(path, dtype=self.dtype).to(self._device).eval()
         config = self.model.config
         if self.k3_tokenizer.vocab_size > config.vocab_size:
-            raise ValueError(f"k3 lm-eval: the tokenizer has {self.k3_tokenizer.vocab_size} tokens but the model "
-                             f"only {config.vocab_size}; give the tokenizer the model was trained with")
+            raise ValueError(
+                f"k3 lm-eval: the tokenizer has {self.k3_tokenizer.vocab_size} tokens but the model "
+                f"only {config.vocab_size}; give the tokenizer the model was trained with"
+            )
         # learned positions (GPT-2) bound the context; other models only use max_length as a piece size
         self.positions = config.max_position_embeddings
         if max_length is None:
@@ -95,8 +105,10 @@ class K3LM(TemplateLM):
         else:
             self._max_length = _positive_int("max_length", max_length)
             if self.positions and self._max_length > self.positions:
-                raise ValueError(f"k3 lm-eval: `max_length` must be at most {self.positions} for {config.name!r} "
-                                 f"(its learned positions), got {self._max_length}")
+                raise ValueError(
+                    f"k3 lm-eval: `max_length` must be at most {self.positions} for {config.name!r} "
+                    f"(its learned positions), got {self._max_length}"
+                )
 
     # -- construction from lm-eval's arguments ------------------------------------------------------
     @classmethod
@@ -111,12 +123,19 @@ class K3LM(TemplateLM):
         unknown = sorted(set(arg_dict) - set(MODEL_ARGS))
         if unknown or "checkpoint" not in arg_dict:
             given = ", ".join(map(str, arg_dict)) or "none"
-            raise ValueError(f"k3 lm-eval: model_args are {', '.join(MODEL_ARGS)} (checkpoint=DIR required); got "
-                             f"{given}" + (f" ({', '.join(unknown)} unknown)" if unknown else ""))
-        harness = {k: v for k, v in (additional_config or {}).items()
-                   if k in ("device", "batch_size") and v is not None}
-        if "device" in harness and "device" not in arg_dict and str(harness["device"]).startswith("cuda") \
-                and not torch.cuda.is_available():
+            raise ValueError(
+                f"k3 lm-eval: model_args are {', '.join(MODEL_ARGS)} (checkpoint=DIR required); got "
+                f"{given}" + (f" ({', '.join(unknown)} unknown)" if unknown else "")
+            )
+        harness = {
+            k: v for k, v in (additional_config or {}).items() if k in ("device", "batch_size") and v is not None
+        }
+        if (
+            "device" in harness
+            and "device" not in arg_dict
+            and str(harness["device"]).startswith("cuda")
+            and not torch.cuda.is_available()
+        ):
             log.warning("k3 lm-eval: --device %s, but CUDA is not available; running on the CPU", harness["device"])
             harness["device"] = "cpu"
         return cls(**{**harness, **arg_dict})
@@ -139,8 +158,11 @@ class K3LM(TemplateLM):
         return self.checkpoint
 
     def get_model_info(self) -> dict:
-        return {"k3_model": self.model.config.name, "k3_parameters": self.model.num_parameters(),
-                "k3_dtype": str(self.dtype).removeprefix("torch.")}
+        return {
+            "k3_model": self.model.config.name,
+            "k3_parameters": self.model.num_parameters(),
+            "k3_dtype": str(self.dtype).removeprefix("torch."),
+        }
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         """k3's tokenizers add no special tokens; <|endoftext|> written in the text is that token."""
@@ -157,7 +179,7 @@ class K3LM(TemplateLM):
         for _, context, continuation in requests:
             tokens = context + continuation
             if self.positions:  # keep the last max_length inputs and the final target
-                tokens = tokens[-(self._max_length + 1):]
+                tokens = tokens[-(self._max_length + 1) :]
             rows.append((tokens, min(len(continuation), len(tokens) - 1)))
         results = self._score(rows, disable_tqdm)
         for (pair, _, _), result in zip(requests, results):
@@ -192,7 +214,7 @@ class K3LM(TemplateLM):
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         long = [i for i in order if len(rows[i][0]) - 1 > self._max_length]
         short = [i for i in order if len(rows[i][0]) - 1 <= self._max_length]
-        batches = [short[s:s + self.batch_size] for s in range(0, len(short), self.batch_size)]
+        batches = [short[s : s + self.batch_size] for s in range(0, len(short), self.batch_size)]
         with tqdm(total=len(rows), desc="k3 scoring", disable=disable_tqdm) as bar:
             for i in long:
                 results[i] = self._score_in_pieces(*rows[i])
@@ -210,8 +232,10 @@ class K3LM(TemplateLM):
         for b, (tokens, _) in enumerate(rows):
             ids[b, : len(tokens) - 1] = torch.tensor(tokens[:-1])
         logits = self.model(ids.to(self._device))  # [B, width, V]
-        return [_logprob(logits[b, len(tokens) - 1 - n: len(tokens) - 1], tokens[len(tokens) - n:])
-                for b, (tokens, n) in enumerate(rows)]
+        return [
+            _logprob(logits[b, len(tokens) - 1 - n : len(tokens) - 1], tokens[len(tokens) - n :])
+            for b, (tokens, n) in enumerate(rows)
+        ]
 
     @torch.no_grad()
     def _score_in_pieces(self, tokens: list[int], n: int) -> tuple[float, bool]:
@@ -220,11 +244,11 @@ class K3LM(TemplateLM):
         inputs, first = tokens[:-1], len(tokens) - 1 - n  # inputs[t] predicts tokens[t + 1]; score t >= first
         total, greedy = 0.0, True
         for start in range(0, len(inputs), self._max_length):
-            piece = inputs[start: start + self._max_length]
+            piece = inputs[start : start + self._max_length]
             logits = self.model(torch.tensor([piece], device=self._device), cache=cache)[0]
             lo, hi = max(first, start), start + len(piece)
             if lo < hi:
-                logprob, top = _logprob(logits[lo - start:], tokens[lo + 1: hi + 1])
+                logprob, top = _logprob(logits[lo - start :], tokens[lo + 1 : hi + 1])
                 total, greedy = total + logprob, greedy and top
         return total, greedy
 
@@ -240,8 +264,10 @@ class K3LM(TemplateLM):
     def _generate(self, context: str, kwargs: dict) -> str:
         unknown = sorted(set(kwargs) - set(GEN_KWARGS))
         if unknown or kwargs.get("num_beams", 1) != 1:
-            raise ValueError(f"k3 lm-eval: generation supports {', '.join(GEN_KWARGS)} (num_beams 1 only); the "
-                             f"task asks for {unknown or {'num_beams': kwargs['num_beams']}}")
+            raise ValueError(
+                f"k3 lm-eval: generation supports {', '.join(GEN_KWARGS)} (num_beams 1 only); the "
+                f"task asks for {unknown or {'num_beams': kwargs['num_beams']}}"
+            )
         until = kwargs.get("until") or []
         until = [s for s in ([until] if isinstance(until, str) else until) if s]
         steps = _positive_int("max_gen_toks", kwargs.get("max_gen_toks", kwargs.get("max_new_tokens", MAX_GEN_TOKS)))
@@ -250,12 +276,18 @@ class K3LM(TemplateLM):
         ids = self.tok_encode(context) or [self.prefix_token_id]
         if self.positions:  # prompt and new tokens must fit in the learned positions
             steps = min(steps, self._max_length - 1)
-            ids = ids[-(self._max_length - steps):]
+            ids = ids[-(self._max_length - steps) :]
         prompt = torch.tensor([ids], device=self._device)
         new: list[int] = []
         text = ""
-        for token in self.model.stream(prompt, steps, temperature=temperature, top_k=kwargs.get("top_k"),
-                                       top_p=kwargs.get("top_p"), eos_token_id=self.eot_token_id):
+        for token in self.model.stream(
+            prompt,
+            steps,
+            temperature=temperature,
+            top_k=kwargs.get("top_k"),
+            top_p=kwargs.get("top_p"),
+            eos_token_id=self.eot_token_id,
+        ):
             if int(token[0]) == self.eot_token_id:
                 break
             new.append(int(token[0]))
@@ -306,8 +338,10 @@ def _tokenizer(checkpoint: Path, tokenizer: str | None) -> Tokenizer:
     if not path.exists():
         if tokenizer is not None:
             raise FileNotFoundError(f"k3 lm-eval: `tokenizer` {tokenizer!r} does not exist")
-        raise FileNotFoundError(f"k3 lm-eval: {checkpoint} has no tokenizer.json (a `k3 train` checkpoint has one); "
-                                f"pass tokenizer=PATH to the tokenizer.json the model was trained with")
+        raise FileNotFoundError(
+            f"k3 lm-eval: {checkpoint} has no tokenizer.json (a `k3 train` checkpoint has one); "
+            f"pass tokenizer=PATH to the tokenizer.json the model was trained with"
+        )
     return Tokenizer.load(path)
 
 
@@ -318,8 +352,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     is_run = not args or args[0] == "run" or args[0].startswith("-")
-    if is_run and not any(a == "--model" or a.startswith("--model=") for a in args) and "-h" not in args \
-            and "--help" not in args:
+    if (
+        is_run
+        and not any(a == "--model" or a.startswith("--model=") for a in args)
+        and "-h" not in args
+        and "--help" not in args
+    ):
         args += ["--model", "k3"]
     saved = sys.argv
     sys.argv = ["lm_eval", *args]  # lm-eval's parser reads sys.argv itself

@@ -11,8 +11,7 @@ express.
 try:
     import transformers
 except ModuleNotFoundError as e:  # pragma: no cover - depends on the environment
-    raise ModuleNotFoundError("k3.hf needs Hugging Face transformers >= 4.57: pip install 'k3[hf]'",
-                              name=e.name) from e
+    raise ModuleNotFoundError("k3.hf needs Hugging Face transformers >= 4.57: pip install 'k3[hf]'", name=e.name) from e
 
 from .modeling import CACHE_ARG, K3Cache, K3Config, K3ForCausalLM
 

@@ -57,23 +57,30 @@ QUANTIZE = (None, "mxfp4", "bf16")  # kimi-k3's routed experts: as stored, MXFP4
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default shard size, "5GB"
 
 
-def export(checkpoint: str | os.PathLike, out: str | os.PathLike, format: str = "k3", quantize: str | None = None,
-           max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+def export(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    format: str = "k3",
+    quantize: str | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> list[str]:
     """Write `checkpoint` (a k3 training or model checkpoint directory, or any checkpoint
     `CausalLM.from_pretrained` reads) to `out`, a new or empty directory, in `format`. `quantize`
     (kimi-k3 only) says how the routed experts are stored: None, as the checkpoint stores them (MXFP4
     stays MXFP4, byte for byte); "mxfp4", MXFP4; "bf16", bfloat16. The other formats hold full-precision
     experts (MXFP4 ones are decoded). Returns the names of the files written."""
-    from ..models import CausalLM
     from ..checkpoints.hf_config import kimi_linear_config
     from ..checkpoints.kimi_k3_format import published_config
+    from ..models import CausalLM
     from ..tokenizer import Tokenizer
 
     if format not in FORMATS:
         raise ValueError(f"export: `format` must be one of {FORMATS}, got {format!r}")
     if quantize not in QUANTIZE or (quantize and format != "kimi-k3"):
-        raise ValueError(f"export: `quantize` must be one of {QUANTIZE} (mxfp4 and bf16 with format 'kimi-k3' "
-                         f"only), got {quantize!r} with format {format!r}")
+        raise ValueError(
+            f"export: `quantize` must be one of {QUANTIZE} (mxfp4 and bf16 with format 'kimi-k3' "
+            f"only), got {quantize!r} with format {format!r}"
+        )
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"export: `max_shard_bytes` must be a positive int, got {max_shard_bytes!r}")
     checkpoint, out = Path(checkpoint), Path(out).resolve()  # resolved: the staging folder goes beside it
@@ -118,8 +125,9 @@ def writing(out: Path) -> Iterator[None]:
         yield
     except (OSError, SafetensorError, RuntimeError) as e:
         detail = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
-        raise CheckpointError(f"export: could not write the files for {out}: {detail}; nothing was written "
-                              f"there") from e
+        raise CheckpointError(
+            f"export: could not write the files for {out}: {detail}; nothing was written there"
+        ) from e
 
 
 def check_output(checkpoint: str | os.PathLike, out: str | os.PathLike) -> None:
@@ -128,20 +136,26 @@ def check_output(checkpoint: str | os.PathLike, out: str | os.PathLike) -> None:
     training run's folder), nor hold it (ValueError for those three, FileExistsError for a file or a
     directory with entries, each naming `out` and what is there)."""
     source, target = Path(checkpoint).resolve(), Path(out).resolve()
-    for bad, what in ((target == source, "is the checkpoint being exported"),
-                      (target.is_relative_to(source), f"is inside the checkpoint being exported ({checkpoint})"),
-                      (source.is_relative_to(target), f"holds the checkpoint being exported ({checkpoint})")):
+    for bad, what in (
+        (target == source, "is the checkpoint being exported"),
+        (target.is_relative_to(source), f"is inside the checkpoint being exported ({checkpoint})"),
+        (source.is_relative_to(target), f"holds the checkpoint being exported ({checkpoint})"),
+    ):
         if bad:
-            raise ValueError(f"export: `out` must be a new or empty directory outside the checkpoint, got {out}, "
-                             f"which {what}")
+            raise ValueError(
+                f"export: `out` must be a new or empty directory outside the checkpoint, got {out}, which {what}"
+            )
     if os.path.lexists(out) and not Path(out).is_dir():
-        raise FileExistsError(f"export: `out` must be a new or empty directory, got {out}, which exists and is "
-                              f"not a directory")
+        raise FileExistsError(
+            f"export: `out` must be a new or empty directory, got {out}, which exists and is not a directory"
+        )
     entries = sorted(p.name for p in Path(out).iterdir()) if Path(out).is_dir() else []
     if entries:
         shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
-        raise FileExistsError(f"export: `out` must be a new or empty directory, got {out}, which holds {shown}; "
-                              f"export to another directory, or empty it first")
+        raise FileExistsError(
+            f"export: `out` must be a new or empty directory, got {out}, which holds {shown}; "
+            f"export to another directory, or empty it first"
+        )
 
 
 def _stored_layout(checkpoint: Path) -> tuple[bool, dict]:
@@ -166,8 +180,10 @@ def _stored_layout(checkpoint: Path) -> tuple[bool, dict]:
                         if key.startswith(PREFIX) and key.endswith("self_attn.A_log"):
                             a_logs[key] = f.get_tensor(key).to(torch.float32)
             except SafetensorError as e:
-                raise ValueError(f"{checkpoint}: {file.name} is damaged or not a safetensors file ({e}); restore it "
-                                 f"from the run that wrote it") from None
+                raise ValueError(
+                    f"{checkpoint}: {file.name} is damaged or not a safetensors file ({e}); restore it "
+                    f"from the run that wrote it"
+                ) from None
     return stored_mxfp4, a_log_padding(a_logs, config.linear_num_heads, config.linear_head_dim)
 
 
@@ -189,8 +205,9 @@ def _write_kimi_linear(model, config: dict, directory: Path, special: dict) -> N
     (directory / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def _write_kimi_k3(model, config: dict, directory: Path, special: dict, quantize: bool, max_shard_bytes: int,
-                   a_log_pad: dict) -> None:
+def _write_kimi_k3(
+    model, config: dict, directory: Path, special: dict, quantize: bool, max_shard_bytes: int, a_log_pad: dict
+) -> None:
     """Kimi K3's published layout: shards of at most `max_shard_bytes` (a bigger tensor gets one of its
     own), each tensor made when its shard is written, and the index."""
     from safetensors.torch import save_file
@@ -223,8 +240,12 @@ def _write_tokenizer(tokenizer, config, directory: Path) -> None:
     from ..tokenizer import EOT
 
     tokenizer.save(directory / "tokenizer.json")
-    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT, "eos_token": EOT,
-                "clean_up_tokenization_spaces": False}  # decode must give back k3's text exactly
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": EOT,
+        "eos_token": EOT,
+        "clean_up_tokenization_spaces": False,
+    }  # decode must give back k3's text exactly
     if config.max_position_embeddings:
         settings["model_max_length"] = config.max_position_embeddings
     (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))

@@ -48,13 +48,18 @@ class K3Config(PretrainedConfig):
         if model_config is not None and not isinstance(model_config, ModelConfig):
             raise ValueError(f"K3Config: `k3` must be a ModelConfig or its to_dict(), got {type(k3).__name__}")
         if model_config is not None:
-            derived = dict(vocab_size=model_config.vocab_size, hidden_size=model_config.hidden_size,
-                           num_hidden_layers=model_config.num_layers,
-                           tie_word_embeddings=model_config.tie_word_embeddings)
+            derived = dict(
+                vocab_size=model_config.vocab_size,
+                hidden_size=model_config.hidden_size,
+                num_hidden_layers=model_config.num_layers,
+                tie_word_embeddings=model_config.tie_word_embeddings,
+            )
             for name, value in derived.items():
                 if kwargs.get(name, value) != value:
-                    raise ValueError(f"K3Config: `{name}` is {kwargs[name]!r} but the k3 config says {value!r}; "
-                                     f"change the k3 config (`k3`), the other fields follow from it")
+                    raise ValueError(
+                        f"K3Config: `{name}` is {kwargs[name]!r} but the k3 config says {value!r}; "
+                        f"change the k3 config (`k3`), the other fields follow from it"
+                    )
             kwargs.update(derived)
         super().__init__(**kwargs)
         self.k3 = None if model_config is None else model_config.to_dict()
@@ -138,11 +143,15 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
         extra ones is an error here, not a warning."""
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        problems = [f"{what.replace('_', ' ')} {sorted(map(str, info[what]))[:8]}"
-                    for what in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(what)]
+        problems = [
+            f"{what.replace('_', ' ')} {sorted(map(str, info[what]))[:8]}"
+            for what in ("missing_keys", "unexpected_keys", "mismatched_keys")
+            if info.get(what)
+        ]
         if problems:
-            raise ValueError("K3ForCausalLM.from_pretrained: the checkpoint does not match its config: "
-                             + "; ".join(problems))
+            raise ValueError(
+                "K3ForCausalLM.from_pretrained: the checkpoint does not match its config: " + "; ".join(problems)
+            )
         return (model, info) if want_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -163,11 +172,20 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
         self.k3.new_cache(batch_size)  # argument checks
         return K3Cache(self.k3.config, batch_size)
 
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                past_key_values: K3Cache | None = None, cache: K3Cache | None = None,
-                labels: torch.Tensor | None = None, use_cache: bool | None = None,
-                return_dict: bool | None = None, inputs_embeds: torch.Tensor | None = None,
-                output_attentions: bool | None = None, output_hidden_states: bool | None = None, **kwargs):
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: K3Cache | None = None,
+        cache: K3Cache | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ):
         """input_ids [B, T] -> CausalLMOutputWithPast(logits [B, T, V], loss when `labels` are given, and
         the cache under CACHE_ARG when `use_cache` (default: in eval mode)). A given cache continues
         after the tokens it has seen and is updated in place. `kwargs` (position_ids, cache_position,
@@ -177,15 +195,18 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
         if output_attentions or output_hidden_states:
             raise ValueError("K3ForCausalLM: `output_attentions` / `output_hidden_states` are not supported")
         if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("K3ForCausalLM: padded batches are not supported (`attention_mask` has zeros): "
-                             "k3's recurrent layers would read the pad tokens into their state. Generate "
-                             "each prompt on its own, or batch prompts of equal length without padding")
+            raise ValueError(
+                "K3ForCausalLM: padded batches are not supported (`attention_mask` has zeros): "
+                "k3's recurrent layers would read the pad tokens into their state. Generate "
+                "each prompt on its own, or batch prompts of equal length without padding"
+            )
         if past_key_values is not None and cache is not None and past_key_values is not cache:
             raise ValueError("K3ForCausalLM: pass the cache once, as `cache` or `past_key_values`")
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, K3Cache):
-            raise ValueError(f"K3ForCausalLM: the cache must be a K3Cache (model.new_cache(batch_size)), "
-                             f"got {type(cache).__name__}")
+            raise ValueError(
+                f"K3ForCausalLM: the cache must be a K3Cache (model.new_cache(batch_size)), got {type(cache).__name__}"
+            )
         use_cache = (not self.training) if use_cache is None else use_cache
         if cache is None and use_cache:
             cache = self.new_cache(input_ids.shape[0])
@@ -197,19 +218,27 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
         return_dict = getattr(self.config, "return_dict", True) if return_dict is None else return_dict
         return out if return_dict else out.to_tuple()
 
-    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, past_key_values: K3Cache | None = None,
-                                      cache: K3Cache | None = None, attention_mask: torch.Tensor | None = None,
-                                      inputs_embeds: torch.Tensor | None = None, use_cache: bool = True,
-                                      **kwargs) -> dict:
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.Tensor,
+        past_key_values: K3Cache | None = None,
+        cache: K3Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool = True,
+        **kwargs,
+    ) -> dict:
         """The whole sequence while there is no cache yet (prefill), then only what the cache has not seen."""
         if inputs_embeds is not None:
             raise ValueError("K3ForCausalLM.generate: `inputs_embeds` is not supported; pass `input_ids`")
         cache = cache if cache is not None else past_key_values
         if isinstance(cache, K3Cache):
             if cache.length >= input_ids.shape[1]:
-                raise ValueError(f"K3ForCausalLM.generate: the cache has seen {cache.length} tokens, the input "
-                                 f"has {input_ids.shape[1]}; pass the whole sequence (the seen tokens and new ones)")
-            input_ids = input_ids[:, cache.length:]
+                raise ValueError(
+                    f"K3ForCausalLM.generate: the cache has seen {cache.length} tokens, the input "
+                    f"has {input_ids.shape[1]}; pass the whole sequence (the seen tokens and new ones)"
+                )
+            input_ids = input_ids[:, cache.length :]
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": use_cache}
         if cache is not None:
             inputs[CACHE_ARG] = cache

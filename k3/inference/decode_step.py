@@ -84,15 +84,25 @@ class DecodeStep:
     [B, vocab] keeps the logits they were sampled from. `compile`: False (eager), True (inductor), or a
     torch.compile backend name (tests use "aot_eager", which needs no C++ compiler)."""
 
-    def __init__(self, model, cache: StaticCache, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, generator: torch.Generator | None = None,
-                 compile: bool | str = False):
+    def __init__(
+        self,
+        model,
+        cache: StaticCache,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        compile: bool | str = False,
+    ):
         if not getattr(cache, "static", False):  # a StaticCache (k3.models.static_cache), duck-typed
-            raise ValueError(f"DecodeStep: `cache` must be a static cache (model.new_cache(batch_size, "
-                             f"max_length=N)), got {type(cache).__name__}")
+            raise ValueError(
+                f"DecodeStep: `cache` must be a static cache (model.new_cache(batch_size, "
+                f"max_length=N)), got {type(cache).__name__}"
+            )
         if cache.config != model.config:
-            raise ValueError(f"DecodeStep: the cache was made for {cache.config.name!r}, the model is "
-                             f"{model.config.name!r}")
+            raise ValueError(
+                f"DecodeStep: the cache was made for {cache.config.name!r}, the model is {model.config.name!r}"
+            )
         check_sampling(temperature, top_k, top_p)
         self.model, self.cache, self.generator = model, cache, generator
         self.temperature, self.top_k, self.top_p = float(temperature), top_k, top_p
@@ -100,18 +110,22 @@ class DecodeStep:
         # the step's inputs, each at one address (what CUDA graphs replay from) with one stride (a dynamo guard)
         device = cache.positions.device
         self._tokens = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=device)
-        self._noise = (torch.empty(cache.batch_size, model.config.vocab_size, device=device)
-                       if not is_greedy(self.temperature) else None)
+        self._noise = (
+            torch.empty(cache.batch_size, model.config.vocab_size, device=device)
+            if not is_greedy(self.temperature)
+            else None
+        )
         self.fused = prepare_for_decoding(model)  # the copies the step reads, the weights as they are now
         if any(isinstance(ffn, DecodeWeights) and ffn.experts is None for _, ffn in self.fused):
-            raise RuntimeError("DecodeStep: a captured decode step needs the routed experts stacked, which only "
-                               f"plain experts held in this process, within {STACKED_BYTES_LIMIT:,} bytes, allow")
+            raise RuntimeError(
+                "DecodeStep: a captured decode step needs the routed experts stacked, which only "
+                f"plain experts held in this process, within {STACKED_BYTES_LIMIT:,} bytes, allow"
+            )
         self._compiled, self._warm = bool(compile), False
         if compile and device.type == "cuda":
             self._mark_static_addresses()
         if compile:
-            self._run = compile_step(self._step, cache.positions.device,
-                                     "inductor" if compile is True else compile)
+            self._run = compile_step(self._step, cache.positions.device, "inductor" if compile is True else compile)
         else:
             self._run = self._step
 
@@ -142,8 +156,9 @@ class DecodeStep:
         """tokens [B] (int64, the rows' last tokens) -> the next tokens [B]."""
         cache = self.cache
         if tokens.shape != (cache.batch_size,):
-            raise ValueError(f"DecodeStep: `tokens` must be [{cache.batch_size}] (one per row), got "
-                             f"{list(tokens.shape)}")
+            raise ValueError(
+                f"DecodeStep: `tokens` must be [{cache.batch_size}] (one per row), got {list(tokens.shape)}"
+            )
         cache.check_room(1)
         if self._noise is not None:
             self._noise.exponential_(generator=self.generator)

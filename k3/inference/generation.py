@@ -61,8 +61,9 @@ def is_greedy(temperature: float) -> bool:
     return temperature < GREEDY_BELOW
 
 
-def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int | None = None,
-                   top_p: float | None = None) -> torch.Tensor:
+def sampling_probs(
+    logits: torch.Tensor, temperature: float, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
     """logits [B, V] -> the probabilities [B, V] (float32) sampling draws from at temperature > 0:
     softmax((logits - max) / temperature) over the top_k most likely tokens and then the smallest set whose
     probability reaches top_p (nucleus; the most likely token always stays), the rest 0. Subtracting the
@@ -83,8 +84,13 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int | None =
     return logits.softmax(-1)
 
 
-def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-           generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """logits [B, V] -> token ids [B]. temperature 0 is greedy; top_k keeps the k most likely tokens,
     top_p the smallest set whose probability reaches p (nucleus); both apply before sampling. The draw is
     `sample_with_noise`'s with noise from `generator`: the compiled decode step draws the same tokens for
@@ -93,8 +99,13 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = N
     return sample_with_noise(logits, _noise(logits, temperature, generator), temperature, top_k, top_p)
 
 
-def sample_with_noise(logits: torch.Tensor, noise: torch.Tensor | None, temperature: float = 1.0,
-                      top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+def sample_with_noise(
+    logits: torch.Tensor,
+    noise: torch.Tensor | None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> torch.Tensor:
     """`sample` with its randomness given: noise [B, V] ~ Exponential(1) (None when greedy), drawn by
     the caller. token = argmax_i p_i / E_i, a draw from p (the exponential race: the first of V
     exponential clocks of rates p_i to ring is i with probability p_i). No generator and no host sync
@@ -114,20 +125,26 @@ def _noise(logits: torch.Tensor, temperature: float, generator: torch.Generator 
 
 def refuse_text(prompts) -> None:
     """A TypeError for a prompt given as text: the model takes token ids (`tokenizer.encode(text)`)."""
-    texts = [prompts] if isinstance(prompts, str) else (
-        [p for p in prompts if isinstance(p, str)] if isinstance(prompts, (list, tuple)) else [])
+    texts = (
+        [prompts]
+        if isinstance(prompts, str)
+        else ([p for p in prompts if isinstance(p, str)] if isinstance(prompts, (list, tuple)) else [])
+    )
     if texts:
-        raise TypeError(f"generate: the prompt is text ({texts[0][:40]!r}), but the model takes token ids; encode it "
-                        f"first: tokenizer = k3.tokenizer.Tokenizer.load(checkpoint); "
-                        f"model.generate([tokenizer.encode(text)], ...), then tokenizer.decode(row)")
+        raise TypeError(
+            f"generate: the prompt is text ({texts[0][:40]!r}), but the model takes token ids; encode it "
+            f"first: tokenizer = k3.tokenizer.Tokenizer.load(checkpoint); "
+            f"model.generate([tokenizer.encode(text)], ...), then tokenizer.decode(row)"
+        )
 
 
 def as_prompt_list(prompts, device=None) -> list[torch.Tensor]:
     """A list of prompts (token-id lists or 1-D tensors, each non-empty) as 1-D int64 tensors."""
     refuse_text(prompts)
     if not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"generate: the prompts must be a [B, T] tensor or a list of token-id lists, got "
-                        f"{type(prompts).__name__}")
+        raise TypeError(
+            f"generate: the prompts must be a [B, T] tensor or a list of token-id lists, got {type(prompts).__name__}"
+        )
     out = []
     for i, p in enumerate(prompts):
         try:
@@ -135,8 +152,9 @@ def as_prompt_list(prompts, device=None) -> list[torch.Tensor]:
         except (TypeError, ValueError, RuntimeError):
             raise TypeError(f"generate: prompt {i} must be a sequence of token ids (ints), got {p!r:.60}") from None
         if ids.dim() != 1 or ids.numel() == 0:
-            raise ValueError(f"generate: prompt {i} must be a non-empty sequence of token ids, got shape "
-                             f"{list(ids.shape)}")
+            raise ValueError(
+                f"generate: prompt {i} must be a non-empty sequence of token ids, got shape {list(ids.shape)}"
+            )
         out.append(ids)
     if not out:
         raise ValueError("generate: the list of prompts is empty")
@@ -154,12 +172,16 @@ def check_positions(model, lengths: Sequence[int], max_new_tokens: int = 1, whic
     index = list(lengths).index(longest)
     which = which or ("the prompt" if len(lengths) == 1 else f"prompt {index}")
     if longest > positions:
-        raise ValueError(f"generate: {which} has {longest} tokens; {model.config.name!r} has learned positions "
-                         f"for {positions} tokens (max_position_embeddings): shorten it to at most {positions}")
+        raise ValueError(
+            f"generate: {which} has {longest} tokens; {model.config.name!r} has learned positions "
+            f"for {positions} tokens (max_position_embeddings): shorten it to at most {positions}"
+        )
     if longest + max_new_tokens - 1 > positions:
-        raise ValueError(f"generate: {which} has {longest} tokens and `max_new_tokens` is {max_new_tokens}, "
-                         f"{longest + max_new_tokens - 1} positions in all; {model.config.name!r} has learned "
-                         f"positions for {positions}: ask for at most {positions - longest + 1} new tokens")
+        raise ValueError(
+            f"generate: {which} has {longest} tokens and `max_new_tokens` is {max_new_tokens}, "
+            f"{longest + max_new_tokens - 1} positions in all; {model.config.name!r} has learned "
+            f"positions for {positions}: ask for at most {positions - longest + 1} new tokens"
+        )
 
 
 def prefill(model, prompts: Prompts, max_new_tokens: int = 1, static: bool = False):
@@ -210,10 +232,15 @@ def extend(model, input_ids: torch.Tensor, cache, max_new_tokens: int = 1) -> to
         shape = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"generate: with a `cache`, `input_ids` must be a [B, T] tensor with T >= 1, got {shape}")
     if input_ids.shape[0] != cache.batch_size:
-        raise ValueError(f"generate: the cache holds {cache.batch_size} sequences, `input_ids` has "
-                         f"{input_ids.shape[0]}")
-    check_positions(model, [cache.length + input_ids.shape[1]], max_new_tokens,
-                    which=f"the context ({cache.length} tokens in the cache, {input_ids.shape[1]} new)")
+        raise ValueError(
+            f"generate: the cache holds {cache.batch_size} sequences, `input_ids` has {input_ids.shape[0]}"
+        )
+    check_positions(
+        model,
+        [cache.length + input_ids.shape[1]],
+        max_new_tokens,
+        which=f"the context ({cache.length} tokens in the cache, {input_ids.shape[1]} new)",
+    )
     model.check_tokens(input_ids)
     return model(input_ids, cache=cache, logits_to_keep=1)[:, -1]
 
@@ -233,8 +260,10 @@ def compiled_prefill(model, prompts: Prompts, max_new_tokens: int, cache=None):
     if cache is None:
         return prefill(model, prompts, max_new_tokens, static=True)
     if not getattr(cache, "static", False):
-        raise ValueError(f"generate: `compile=True` decodes over a static cache; pass one made with "
-                         f"model.new_cache(batch_size, max_length=N), or no cache, not a {type(cache).__name__}")
+        raise ValueError(
+            f"generate: `compile=True` decodes over a static cache; pass one made with "
+            f"model.new_cache(batch_size, max_length=N), or no cache, not a {type(cache).__name__}"
+        )
     if isinstance(prompts, torch.Tensor) and prompts.dim() == 2:
         cache.check_room(prompts.shape[1] + max_new_tokens - 1)
     return extend(model, prompts, cache, max_new_tokens), cache
@@ -251,10 +280,12 @@ def check_cache_fits(model, prompts: Prompts, max_new_tokens: int, cache=None) -
     if cache is not None:
         longest += cache.length
     tokens = longest + max(max_new_tokens - 1, 0)
-    refuse_if_over_memory(f"generate: {rows} sequence(s) of up to {longest:,} prompt tokens and {max_new_tokens:,} "
-                          f"new ones, the cache of {model.config.name!r} at {tokens:,} tokens",
-                          model.cache_bytes(rows, tokens),
-                          "ask for fewer new tokens (k3 generate --max-new-tokens), or give fewer or shorter prompts")
+    refuse_if_over_memory(
+        f"generate: {rows} sequence(s) of up to {longest:,} prompt tokens and {max_new_tokens:,} "
+        f"new ones, the cache of {model.config.name!r} at {tokens:,} tokens",
+        model.cache_bytes(rows, tokens),
+        "ask for fewer new tokens (k3 generate --max-new-tokens), or give fewer or shorter prompts",
+    )
 
 
 def _static_slots(model, longest: int, max_new_tokens: int) -> int:
@@ -266,10 +297,18 @@ def _static_slots(model, longest: int, max_new_tokens: int) -> int:
 
 
 @torch.no_grad()
-def stream(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-           top_p: float | None = None, eos_token_id: int | None = None,
-           generator: torch.Generator | None = None, cache=None, compile: bool | str = False
-           ) -> Iterator[torch.Tensor]:
+def stream(
+    model,
+    input_ids: Prompts,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+    cache=None,
+    compile: bool | str = False,
+) -> Iterator[torch.Tensor]:
     """Yield the next token [B] of every sequence, max_new_tokens times or until all have emitted
     eos_token_id (a finished sequence keeps yielding eos). `input_ids`: [B, T], or a list of B prompts
     of any lengths.
@@ -287,8 +326,9 @@ def stream(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 
         raise ValueError(f"generate: `max_new_tokens` must be an int >= 0, got {max_new_tokens!r}")
     check_sampling(temperature, top_k, top_p)
     vocab = model.config.vocab_size
-    if eos_token_id is not None and (not isinstance(eos_token_id, int) or isinstance(eos_token_id, bool)
-                                     or not 0 <= eos_token_id < vocab):
+    if eos_token_id is not None and (
+        not isinstance(eos_token_id, int) or isinstance(eos_token_id, bool) or not 0 <= eos_token_id < vocab
+    ):
         raise ValueError(f"generate: `eos_token_id` must be None or a token id in [0, {vocab}), got {eos_token_id!r}")
     check_cache_fits(model, input_ids, max_new_tokens, cache)
     step = None
@@ -321,15 +361,23 @@ def stream(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 
             logits = model(token.unsqueeze(1), cache=cache, fused=fused)[:, -1]
 
 
-def generate(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-             generator: torch.Generator | None = None, compile: bool | str = False
-             ) -> torch.Tensor | list[torch.Tensor]:
+def generate(
+    model,
+    input_ids: Prompts,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+    compile: bool | str = False,
+) -> torch.Tensor | list[torch.Tensor]:
     """Prompt [B, T] -> prompt and new tokens [B, T + n], n <= max_new_tokens. A list of prompts of any
     lengths -> a list of 1-D tensors, each its prompt and its new tokens, up to and including its first
     eos_token_id. `compile`: see `stream`."""
-    new = list(stream(model, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator,
-                      compile=compile))
+    new = list(
+        stream(model, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, compile=compile)
+    )
     if isinstance(input_ids, torch.Tensor):
         return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1) if new else input_ids.clone()
     prompts = as_prompt_list(input_ids)

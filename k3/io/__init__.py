@@ -61,7 +61,25 @@ from .atomic import (
 from .journal import JOURNAL, MANIFEST, atomic_write_files, commit_files, move_files_into, recover, shared_staging
 from .manifest import check_manifest, checked_folder, reading
 
-__all__ = ["Writer", "JOURNAL", "MANIFEST", "CheckpointError", "file_mode", "temp_beside", "folder_lock",
-           "atomic_write", "write_json", "read_json", "describe", "staging_folder", "atomic_write_files",
-           "commit_files", "shared_staging", "move_files_into", "recover", "check_manifest", "reading",
-           "checked_folder"]
+__all__ = [
+    "Writer",
+    "JOURNAL",
+    "MANIFEST",
+    "CheckpointError",
+    "file_mode",
+    "temp_beside",
+    "folder_lock",
+    "atomic_write",
+    "write_json",
+    "read_json",
+    "describe",
+    "staging_folder",
+    "atomic_write_files",
+    "commit_files",
+    "shared_staging",
+    "move_files_into",
+    "recover",
+    "check_manifest",
+    "reading",
+    "checked_folder",
+]

@@ -127,11 +127,15 @@ def read_json(path: str | os.PathLike):
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); fix the file or "
-                         f"restore it from a copy") from None
+        raise ValueError(
+            f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); fix the file or "
+            f"restore it from a copy"
+        ) from None
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}), so not a "
-                         f"JSON file; restore it from a copy") from None
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}), so not a "
+            f"JSON file; restore it from a copy"
+        ) from None
 
 
 def describe(path: str | os.PathLike) -> dict:

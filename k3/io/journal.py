@@ -31,12 +31,15 @@ JOURNAL = ".k3-commit.json"
 MANIFEST = ".k3-manifest.json"
 _TEMPORARY = re.compile(r"^\..+\.k3-[^.]+\.tmp$")  # the names temp_beside gives
 # and those it gave a checkpoint's files before it marked them "k3-" (mkstemp's 8 random characters)
-_EARLIER_TEMPORARY = re.compile(r"^\.(model\.safetensors|config\.json|tokenizer\.json|trainer_state\.pt|loss\.png)"
-                                r"\.[a-z0-9_]{8}\.tmp$")
+_EARLIER_TEMPORARY = re.compile(
+    r"^\.(model\.safetensors|config\.json|tokenizer\.json|trainer_state\.pt|loss\.png)"
+    r"\.[a-z0-9_]{8}\.tmp$"
+)
 
 
-def atomic_write_files(folder: str | os.PathLike, writers: dict[str, Writer], step: int | None = None,
-                       manifest: bool = False) -> None:
+def atomic_write_files(
+    folder: str | os.PathLike, writers: dict[str, Writer], step: int | None = None, manifest: bool = False
+) -> None:
     """Write every file `name` of `writers` in `folder` (created if needed) with writer(tmp_path), and
     make them current together (the journal of the module's docstring). With `manifest` the folder's
     manifest becomes these files (and `step`): a k3 training checkpoint. Without it no manifest is
@@ -51,8 +54,13 @@ def atomic_write_files(folder: str | os.PathLike, writers: dict[str, Writer], st
         commit_files(folder, writers, step, manifest)
 
 
-def commit_files(folder: str | os.PathLike, writers: dict[str, Writer], step: int | None = None,
-                 manifest: bool = False, described: dict[str, dict] | None = None) -> None:
+def commit_files(
+    folder: str | os.PathLike,
+    writers: dict[str, Writer],
+    step: int | None = None,
+    manifest: bool = False,
+    described: dict[str, dict] | None = None,
+) -> None:
     """`atomic_write_files` in a folder whose lock the caller holds and which it has recovered
     (`shared_staging`). `described`: {name: {"size", "sha256"}} of files whose writer moves a file
     already hashed (by the process that wrote it) into place; their size is checked, not re-hashed."""
@@ -70,13 +78,22 @@ def commit_files(folder: str | os.PathLike, writers: dict[str, Writer], step: in
             temps[name] = tmp = temp_beside(folder / name)
             write(tmp)
             _settle(tmp)
-        files = {name: {"from": os.path.relpath(tmp, folder), **_described(tmp, described.get(name))}
-                 for name, tmp in temps.items()}
+        files = {
+            name: {"from": os.path.relpath(tmp, folder), **_described(tmp, described.get(name))}
+            for name, tmp in temps.items()
+        }
         stale = sorted(set(_listed(folder)) - set(files)) if manifest else []
         for sub in {(folder / name).parent for name in files}:
             _sync_folder(sub)
-        write_json(folder / JOURNAL, {"step": step, "manifest": manifest, "files": files,  # the commit point
-                                      "remove": stale})
+        write_json(
+            folder / JOURNAL,
+            {
+                "step": step,
+                "manifest": manifest,
+                "files": files,  # the commit point
+                "remove": stale,
+            },
+        )
     except BaseException:
         if (folder / JOURNAL).exists():  # interrupted just after the commit point: the new set stands
             _roll_forward(folder)
@@ -145,9 +162,11 @@ def _roll_forward(folder: Path) -> None:
             if os.path.lexists(folder / entry["from"]):
                 os.replace(folder / entry["from"], folder / name)
             elif not (folder / name).exists():
-                raise CheckpointError(f"{folder}: the journal {JOURNAL} of an interrupted save lists {name}, but "
-                                      f"neither it nor its temporary {entry['from']} is there; the checkpoint is "
-                                      f"incomplete (restore it from a copy)")
+                raise CheckpointError(
+                    f"{folder}: the journal {JOURNAL} of an interrupted save lists {name}, but "
+                    f"neither it nor its temporary {entry['from']} is there; the checkpoint is "
+                    f"incomplete (restore it from a copy)"
+                )
         for sub in {(folder / name).parent for name in journal["files"]}:
             _sync_folder(sub)
         files = {name: {"size": e["size"], "sha256": e["sha256"]} for name, e in journal["files"].items()}
@@ -162,9 +181,11 @@ def _roll_forward(folder: Path) -> None:
         raise
     except (OSError, ValueError, KeyError, TypeError) as e:
         detail = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
-        raise CheckpointError(f"{folder}: a save was committed (its journal {JOURNAL} is there) but could not be "
-                              f"put in place: {detail}. Make the folder writable and load or save it again to "
-                              f"complete it") from e
+        raise CheckpointError(
+            f"{folder}: a save was committed (its journal {JOURNAL} is there) but could not be "
+            f"put in place: {detail}. Make the folder writable and load or save it again to "
+            f"complete it"
+        ) from e
 
 
 def _inside(name: str) -> bool:
@@ -218,5 +239,3 @@ def recover(folder: str | os.PathLike) -> None:
                 if _TEMPORARY.match(leftover.name) and leftover.is_file():
                     with contextlib.suppress(OSError):
                         leftover.unlink()
-
-

@@ -47,4 +47,3 @@ def run(name: str, mode: str = "quick", docs: str | Path = "runs/lab", **options
     save_result(result, docs)
     write_results(docs, list(EXPERIMENTS))
     return result
-

@@ -23,8 +23,14 @@ def _call_one_thread(fn, args):
         return fn(*args)
 
 
-def run_jobs(fn: Callable, jobs: list[tuple], desc: str, workers: int | None = None, show: bool = True,
-             on_result: Callable[[int, object], None] | None = None) -> list:
+def run_jobs(
+    fn: Callable,
+    jobs: list[tuple],
+    desc: str,
+    workers: int | None = None,
+    show: bool = True,
+    on_result: Callable[[int, object], None] | None = None,
+) -> list:
     """[fn(*job) for job in jobs], one single-threaded job per core in separate processes (spawned, so each
     starts clean); in-process when there is one worker or one job. `fn` must be a module-level function.
     `on_result(i, result)` is called in this process as each job i finishes (what a long run saves as it goes).
@@ -53,8 +59,9 @@ def run_jobs(fn: Callable, jobs: list[tuple], desc: str, workers: int | None = N
             return out
         results: list = [None] * len(jobs)
         with _sigterm_exits():
-            pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=_worker_start)
+            pool = ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start
+            )
             try:
                 futures = {pool.submit(_call_one_thread, fn, job): i for i, job in enumerate(jobs)}
                 for future in as_completed(futures):
@@ -126,8 +133,7 @@ def _sigterm_exits():
     """Inside the block, SIGTERM raises SystemExit(128 + SIGTERM), so that `run_jobs` kills its workers and the
     caller unwinds as after Ctrl-C. Only from the main thread, and only where SIGTERM had the default action;
     the previous handler comes back after."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
         yield
         return
 

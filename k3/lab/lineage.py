@@ -44,12 +44,11 @@ BETTER = 0.01  # bits per byte: a model is better than another when lower by at 
 DECODE_CONTEXT = 4096
 
 SIZES = {  # per mode: the width, each model's minutes (None: `steps` steps), evaluations per run, eval tokens
-    "smoke": dict(width=32, minutes=None, steps=4, evaluations=2, eval_tokens=2048, speed_rounds=1,
-                  overrides=dict(num_layers=2)),
-    "quick": dict(width=192, minutes=1.0, steps=None, evaluations=8, eval_tokens=16384, speed_rounds=3,
-                  overrides={}),
-    "full": dict(width=192, minutes=10.0, steps=None, evaluations=12, eval_tokens=65536, speed_rounds=5,
-                 overrides={}),
+    "smoke": dict(
+        width=32, minutes=None, steps=4, evaluations=2, eval_tokens=2048, speed_rounds=1, overrides=dict(num_layers=2)
+    ),
+    "quick": dict(width=192, minutes=1.0, steps=None, evaluations=8, eval_tokens=16384, speed_rounds=3, overrides={}),
+    "full": dict(width=192, minutes=10.0, steps=None, evaluations=12, eval_tokens=65536, speed_rounds=5, overrides={}),
 }
 
 
@@ -65,8 +64,10 @@ def lineage_overrides(name: str, width: int, **overrides) -> dict:
 
 def lineage_configs(width: int, vocab_size: int, **overrides) -> dict:
     """{name: ModelConfig} of the lineage at `width` (`lineage_overrides`)."""
-    return {name: get_config(preset, vocab_size=vocab_size, **lineage_overrides(name, width, **overrides))
-            for name, (preset, _) in LINEAGE.items()}
+    return {
+        name: get_config(preset, vocab_size=vocab_size, **lineage_overrides(name, width, **overrides))
+        for name, (preset, _) in LINEAGE.items()
+    }
 
 
 def run(mode: str, docs: Path, **options) -> Result:
@@ -91,10 +92,20 @@ def _run(mode: str, docs: Path, root: Path) -> Result:
     from .inspect.checkpoint import write_corpus
 
     s = SIZES[mode]
-    corpus = dict(data=str(write_corpus(root)), tokenizer="byte", seq_len=32, batch_size=2, warmup_steps=2,
-                  val_fraction=0.2) if mode == "smoke" else dict(data=None)
-    base = TrainConfig(**corpus, time_budget=s["minutes"], max_steps=s["steps"], eval_every=10 ** 9,
-                       eval_tokens=s["eval_tokens"], final_eval_tokens=4 * s["eval_tokens"], seed=0)
+    corpus = (
+        dict(data=str(write_corpus(root)), tokenizer="byte", seq_len=32, batch_size=2, warmup_steps=2, val_fraction=0.2)
+        if mode == "smoke"
+        else dict(data=None)
+    )
+    base = TrainConfig(
+        **corpus,
+        time_budget=s["minutes"],
+        max_steps=s["steps"],
+        eval_every=10**9,
+        eval_tokens=s["eval_tokens"],
+        final_eval_tokens=4 * s["eval_tokens"],
+        seed=0,
+    )
     tokenizer, data = prepare(base)
     configs = lineage_configs(s["width"], tokenizer.vocab_size, **s["overrides"])
     gflops = matmul_gflops()
@@ -107,9 +118,14 @@ def _run(mode: str, docs: Path, root: Path) -> Result:
     for name, c in configs.items():
         # evaluations spread over the run: its step count estimated from the measured step time
         expected = s["steps"] or max(1, int(s["minutes"] * 60 / step_seconds[name]))
-        cfg = dataclasses.replace(base, preset=LINEAGE[name][0], eval_every=max(1, expected // s["evaluations"]),
-                                  model_overrides=lineage_overrides(name, s["width"], **s["overrides"]),
-                                  out=str(root / _slug(name)), overwrite=True)  # the lab's own folder
+        cfg = dataclasses.replace(
+            base,
+            preset=LINEAGE[name][0],
+            eval_every=max(1, expected // s["evaluations"]),
+            model_overrides=lineage_overrides(name, s["width"], **s["overrides"]),
+            out=str(root / _slug(name)),
+            overwrite=True,
+        )  # the lab's own folder
         print(f"k3 lab lineage: {name} ({LINEAGE[name][0]}, {count_params(c).total:,} parameters)", flush=True)
         history = train(cfg, progress=False)
         runs[name] = _curve(history, Path(cfg.out) / "metrics.jsonl", tokens_per_step)
@@ -135,9 +151,15 @@ def _curve(history: dict, metrics_path: Path, tokens_per_step: int) -> dict:
             elapsed += tokens_per_step / max(record["tokens_per_s"], 1e-9)
             seconds[record["step"]] = elapsed
     steps = history["val_step"]
-    return {"step": steps, "tokens": [s * tokens_per_step for s in steps], "seconds": [seconds[s] for s in steps],
-            "bpb": history["val_bpb"], "final_bpb": history["final_val_bpb"], "steps": history["step"][-1],
-            "train_seconds": elapsed}
+    return {
+        "step": steps,
+        "tokens": [s * tokens_per_step for s in steps],
+        "seconds": [seconds[s] for s in steps],
+        "bpb": history["val_bpb"],
+        "final_bpb": history["final_val_bpb"],
+        "steps": history["step"][-1],
+        "train_seconds": elapsed,
+    }
 
 
 def bpb_at(curve: dict, tokens: float) -> float:
@@ -159,27 +181,75 @@ def _report(mode, docs, s, configs, runs, step_seconds, tokens_per_step, gflops,
         pc, r = count_params(c), runs[name]
         state = sum(cache_bytes(c, DECODE_CONTEXT).values())
         at_fewest, tokens_per_s = bpb_at(r, fewest), tokens_per_step / step_seconds[name]
-        rows.append([name, c.num_layers, f"{pc.total:,}", f"{pc.active:,}", binary_bytes(state), f"{tokens_per_s:,.0f}",
-                     r["steps"], f"{r['tokens'][-1]:,}", round(at_fewest, 3), round(r["final_bpb"], 3)])
-        data[name] = {**r, "parameters": pc.total, "active": pc.active, "decode_state_bytes": state,
-                      "tokens_per_s": tokens_per_s, "bpb_at_fewest_tokens": at_fewest}
+        rows.append(
+            [
+                name,
+                c.num_layers,
+                f"{pc.total:,}",
+                f"{pc.active:,}",
+                binary_bytes(state),
+                f"{tokens_per_s:,.0f}",
+                r["steps"],
+                f"{r['tokens'][-1]:,}",
+                round(at_fewest, 3),
+                round(r["final_bpb"], 3),
+            ]
+        )
+        data[name] = {
+            **r,
+            "parameters": pc.total,
+            "active": pc.active,
+            "decode_state_bytes": state,
+            "tokens_per_s": tokens_per_s,
+            "bpb_at_fewest_tokens": at_fewest,
+        }
     budget = _budget(s)
     corpus = "the demo corpus" if base.data is None else "a generated corpus (smoke mode)"
-    table = Table(f"Every lineage model at width {s['width']}, {budget} of training each on {corpus} "
-                  f"({base.batch_size} x {base.seq_len} tokens per step, {base.optimizer}, lr {base.lr:g}); decode "
-                  f"state of one sequence at {DECODE_CONTEXT:,} tokens in bf16; tokens/s measured side by side "
-                  f"(machine matmul {gflops:.0f} GFLOP/s)",
-                  ["model", "layers", "parameters", "active", f"decode state @ {DECODE_CONTEXT:,}", "train tokens/s",
-                   "steps", "tokens seen", f"val bits/byte @ {fewest:,} tokens", "val bits/byte (final)"], rows)
+    table = Table(
+        f"Every lineage model at width {s['width']}, {budget} of training each on {corpus} "
+        f"({base.batch_size} x {base.seq_len} tokens per step, {base.optimizer}, lr {base.lr:g}); decode "
+        f"state of one sequence at {DECODE_CONTEXT:,} tokens in bf16; tokens/s measured side by side "
+        f"(machine matmul {gflops:.0f} GFLOP/s)",
+        [
+            "model",
+            "layers",
+            "parameters",
+            "active",
+            f"decode state @ {DECODE_CONTEXT:,}",
+            "train tokens/s",
+            "steps",
+            "tokens seen",
+            f"val bits/byte @ {fewest:,} tokens",
+            "val bits/byte (final)",
+        ],
+        rows,
+    )
     figures = _plots(docs, runs, s, budget)
-    return Result(name="lineage", title="The lineage on language modelling", mode=mode,
-                  command=command("lineage", mode), claims=_claims(data, fewest, budget), tables=[table], figures=figures,
-                  notes=[paragraph("lineage", "evaluation", final_tokens=4 * s["eval_tokens"],
-                                   eval_tokens=s["eval_tokens"], fewest=fewest), paragraph("lineage", "depth")],
-                  setup=dict(seed=0, width=s["width"], budget=budget, eval_tokens=s["eval_tokens"],
-                             models={n: [LINEAGE[n][0], LINEAGE[n][1]] for n in LINEAGE},
-                             overrides=s["overrides"], matmul_gflops=round(gflops)),
-                  data=data)
+    return Result(
+        name="lineage",
+        title="The lineage on language modelling",
+        mode=mode,
+        command=command("lineage", mode),
+        claims=_claims(data, fewest, budget),
+        tables=[table],
+        figures=figures,
+        notes=[
+            paragraph(
+                "lineage", "evaluation", final_tokens=4 * s["eval_tokens"], eval_tokens=s["eval_tokens"], fewest=fewest
+            ),
+            paragraph("lineage", "depth"),
+        ],
+        setup=dict(
+            seed=0,
+            width=s["width"],
+            budget=budget,
+            eval_tokens=s["eval_tokens"],
+            models={n: [LINEAGE[n][0], LINEAGE[n][1]] for n in LINEAGE},
+            overrides=s["overrides"],
+            matmul_gflops=round(gflops),
+        ),
+        data=data,
+    )
 
 
 def _claims(data: dict, fewest: int, budget: str) -> list[Claim]:
@@ -187,24 +257,38 @@ def _claims(data: dict, fewest: int, budget: str) -> list[Claim]:
     steps = list(zip(CHAIN, CHAIN[1:]))
     improved = [b for a, b in steps if final[b] <= final[a] - BETTER]
     chain = " -> ".join(f"{n} {final[n]:.3f}" for n in CHAIN)
-    verdict = "holds" if len(improved) == len(steps) else "partly" if len(improved) >= len(steps) - 1 else \
-        "does not hold"
-    claims = [Claim("Each architecture in this progression adds capacity to address a concrete limitation in the "
-                    "preceding system",
-                    f"validation bits/byte after {budget} each: {chain}; {len(improved)} of {len(steps)} steps "
-                    f"lower by >= {BETTER} (holds if all, partly if all but one)", verdict)]
+    verdict = (
+        "holds" if len(improved) == len(steps) else "partly" if len(improved) >= len(steps) - 1 else "does not hold"
+    )
+    claims = [
+        Claim(
+            "Each architecture in this progression adds capacity to address a concrete limitation in the "
+            "preceding system",
+            f"validation bits/byte after {budget} each: {chain}; {len(improved)} of {len(steps)} steps "
+            f"lower by >= {BETTER} (holds if all, partly if all but one)",
+            verdict,
+        )
+    ]
     gpt2 = final["GPT-2"]
     wins = [n for n in HYBRIDS if final[n] <= gpt2 - BETTER]
     ties = [n for n in HYBRIDS if abs(final[n] - gpt2) < BETTER]
     per_token = ", ".join(f"{n} {data[n]['bpb_at_fewest_tokens']:.3f}" for n in ("GPT-2", *HYBRIDS))
     state = ", ".join(f"{n} {binary_bytes(data[n]['decode_state_bytes'])}" for n in ("GPT-2", *HYBRIDS))
-    claims.append(Claim(
-        "Kimi Linear, under controlled comparisons, outperformed full attention (a drop-in replacement with better "
-        "quality)",
-        f"after {budget} each: GPT-2 {gpt2:.3f}, " + ", ".join(f"{n} {final[n]:.3f}" for n in HYBRIDS)
-        + f" bits/byte; at {fewest:,} tokens each: {per_token}; decode state at {DECODE_CONTEXT:,} tokens: {state} "
-        f"(holds if both hybrids are lower by >= {BETTER}, partly if one is, or both within {BETTER})",
-        "holds" if len(wins) == len(HYBRIDS) else "partly" if wins or len(ties) == len(HYBRIDS) else "does not hold"))
+    claims.append(
+        Claim(
+            "Kimi Linear, under controlled comparisons, outperformed full attention (a drop-in replacement with better "
+            "quality)",
+            f"after {budget} each: GPT-2 {gpt2:.3f}, "
+            + ", ".join(f"{n} {final[n]:.3f}" for n in HYBRIDS)
+            + f" bits/byte; at {fewest:,} tokens each: {per_token}; decode state at {DECODE_CONTEXT:,} tokens: {state} "
+            f"(holds if both hybrids are lower by >= {BETTER}, partly if one is, or both within {BETTER})",
+            "holds"
+            if len(wins) == len(HYBRIDS)
+            else "partly"
+            if wins or len(ties) == len(HYBRIDS)
+            else "does not hold",
+        )
+    )
     return claims
 
 
@@ -221,5 +305,10 @@ def _plots(docs: Path, runs: dict, s: dict, budget: str) -> list[Figure]:
             ax.set_ylabel("validation bits per byte")
             ax.grid(alpha=0.3)
         by_seconds.legend(fontsize=8)
-    return [Figure(path, f"Validation bits per byte of every lineage model at width {s['width']} ({budget} each): "
-                         "against the tokens it trained on (left) and the seconds it trained (right)")]
+    return [
+        Figure(
+            path,
+            f"Validation bits per byte of every lineage model at width {s['width']} ({budget} each): "
+            "against the tokens it trained on (left) and the seconds it trained (right)",
+        )
+    ]

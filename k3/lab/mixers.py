@@ -67,10 +67,19 @@ class ConvLatentAttention(MultiHeadLatentAttention):
 
     @classmethod
     def like(cls, mla: MultiHeadLatentAttention, conv_size: int) -> "ConvLatentAttention":
-        return cls(mla.hidden_size, mla.num_heads, q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
-                   qk_nope_head_dim=mla.dn, qk_rope_head_dim=mla.dr, v_head_dim=mla.dv,
-                   output_gate=None if mla.g_proj is None else "full", rope_theta=mla.rope_theta,
-                   norm_eps=mla.kv_a_layernorm.eps, conv_size=conv_size)
+        return cls(
+            mla.hidden_size,
+            mla.num_heads,
+            q_lora_rank=mla.q_lora_rank,
+            kv_lora_rank=mla.kv_lora_rank,
+            qk_nope_head_dim=mla.dn,
+            qk_rope_head_dim=mla.dr,
+            v_head_dim=mla.dv,
+            output_gate=None if mla.g_proj is None else "full",
+            rope_theta=mla.rope_theta,
+            norm_eps=mla.kv_a_layernorm.eps,
+            conv_size=conv_size,
+        )
 
     def mix_latents(self, c: torch.Tensor) -> torch.Tensor:
         """MLA's latent hook: c [B, T, r] -> the causal convolution of c over t (`latent_conv1d`)."""
@@ -82,13 +91,22 @@ class ConvLatentAttention(MultiHeadLatentAttention):
         return super().forward(x, None, absorb)
 
 
-def additive_rule(q, k, v, beta, *, initial_state=None, output_final_state=False, use_qk_l2norm=True,
-                  chunk_size=64, check_values=True):
+def additive_rule(
+    q, k, v, beta, *, initial_state=None, output_final_state=False, use_qk_l2norm=True, chunk_size=64, check_values=True
+):
     """Linear attention's update in the delta family's calling convention: S_t = S_{t-1} + k_t^T v_t,
     o_t = q_t S_t (no normaliser; the write strength beta is not used: linear attention only adds)."""
-    return chunk_linear_attn(q, k, v, initial_state=initial_state, output_final_state=output_final_state,
-                             use_qk_l2norm=use_qk_l2norm, normalize=False, chunk_size=chunk_size,
-                             check_values=check_values)
+    return chunk_linear_attn(
+        q,
+        k,
+        v,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm=use_qk_l2norm,
+        normalize=False,
+        chunk_size=chunk_size,
+        check_values=check_values,
+    )
 
 
 class AdditiveLinearAttention(DeltaNet):
@@ -104,6 +122,5 @@ class AdditiveLinearAttention(DeltaNet):
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         if cache is not None:
-            raise ValueError("AdditiveLinearAttention: a lab model for training and scoring; it has no decoding "
-                             "cache")
+            raise ValueError("AdditiveLinearAttention: a lab model for training and scoring; it has no decoding cache")
         return super().forward(x)

@@ -61,8 +61,12 @@ PLANS = {
     "full": Plan(pairs=12, rebound=6, steps=2000, batch=64, head_dim=16),
 }
 VOCAB = Vocab(num_keys=32, num_values=32)
-COLUMNS = [("overwrite", 1, "kept (bound once)"), ("overwrite", 2, "re-bound: latest value"),
-           ("switch", 1, "after a switch: current"), ("switch", 2, "after a switch: stale → NONE")]
+COLUMNS = [
+    ("overwrite", 1, "kept (bound once)"),
+    ("overwrite", 2, "re-bound: latest value"),
+    ("switch", 1, "after a switch: current"),
+    ("switch", 2, "after a switch: stale → NONE"),
+]
 
 
 def _either(plan: Plan, g: torch.Generator) -> Batch:
@@ -73,20 +77,26 @@ def _either(plan: Plan, g: torch.Generator) -> Batch:
 
 
 def size_of(plan: Plan) -> Size:
-    return Size(width=plan.width, layers=plan.layers, head_dim=plan.head_dim,
-                max_len=max(plan.overwrite_len, plan.switch_len))
+    return Size(
+        width=plan.width, layers=plan.layers, head_dim=plan.head_dim, max_len=max(plan.overwrite_len, plan.switch_len)
+    )
 
 
 def score_mixer(plan: Plan, mixer: str, lr: float) -> dict[str, float]:
     """Train one `mixer` model at `lr` on both tasks and return its accuracy per kind of query (held-out
     sequences)."""
-    model, _ = train_on_task(mixer_config(mixer, VOCAB.size, size_of(plan)), lambda g: _either(plan, g),
-                             plan.steps, lr=lr, seed=plan.seed)
+    model, _ = train_on_task(
+        mixer_config(mixer, VOCAB.size, size_of(plan)), lambda g: _either(plan, g), plan.steps, lr=lr, seed=plan.seed
+    )
     test = torch.Generator().manual_seed(10_000 + plan.seed)
-    acc = {"overwrite": accuracy_by_kind(model, overwrite(plan.eval_batch, plan.overwrite_len, plan.pairs,
-                                                          plan.rebound, VOCAB, generator=test)),
-           "switch": accuracy_by_kind(model, context_switch(plan.eval_batch, plan.switch_len, plan.pairs, VOCAB,
-                                                            generator=test))}
+    acc = {
+        "overwrite": accuracy_by_kind(
+            model, overwrite(plan.eval_batch, plan.overwrite_len, plan.pairs, plan.rebound, VOCAB, generator=test)
+        ),
+        "switch": accuracy_by_kind(
+            model, context_switch(plan.eval_batch, plan.switch_len, plan.pairs, VOCAB, generator=test)
+        ),
+    }
     return {label: acc[task].get(kind, float("nan")) for task, kind, label in COLUMNS}
 
 
@@ -103,27 +113,39 @@ def judge(scores: dict[str, dict[str, float]]) -> list[Claim]:
     claims = []
     if {"deltanet", "linear_attn"} <= scores.keys():
         d, lin = scores["deltanet"][rebound], scores["linear_attn"][rebound]
-        claims.append(Claim(
-            "Linear attention only adds, so a re-bound key recalls a blend; the delta rule replaces the old value",
-            f"re-bound keys answered with the latest value: DeltaNet {d:.0%}, linear attention {lin:.0%} "
-            "(holds at ≥ +10 points, partly at ≥ +2)", verdict(("deltanet", "linear_attn"), d - lin)))
+        claims.append(
+            Claim(
+                "Linear attention only adds, so a re-bound key recalls a blend; the delta rule replaces the old value",
+                f"re-bound keys answered with the latest value: DeltaNet {d:.0%}, linear attention {lin:.0%} "
+                "(holds at ≥ +10 points, partly at ≥ +2)",
+                verdict(("deltanet", "linear_attn"), d - lin),
+            )
+        )
     if {"deltanet", "gated_deltanet", "kda"} <= scores.keys():
         d = scores["deltanet"][stale]
         gated = min(scores["gated_deltanet"][stale], scores["kda"][stale])
-        claims.append(Claim(
-            "The delta rule cannot clear many associations at a context switch; a decay gate forgets them",
-            f"stale keys answered NONE after a switch: DeltaNet {d:.0%}, Gated DeltaNet "
-            f"{scores['gated_deltanet'][stale]:.0%}, KDA {scores['kda'][stale]:.0%} (holds if both gated mixers "
-            "beat DeltaNet by ≥ 10 points)", verdict(("deltanet", "gated_deltanet", "kda"), gated - d)))
+        claims.append(
+            Claim(
+                "The delta rule cannot clear many associations at a context switch; a decay gate forgets them",
+                f"stale keys answered NONE after a switch: DeltaNet {d:.0%}, Gated DeltaNet "
+                f"{scores['gated_deltanet'][stale]:.0%}, KDA {scores['kda'][stale]:.0%} (holds if both gated mixers "
+                "beat DeltaNet by ≥ 10 points)",
+                verdict(("deltanet", "gated_deltanet", "kda"), gated - d),
+            )
+        )
     if {"gated_deltanet", "kda"} <= scores.keys():
+
         def mean(m):
             return sum(scores[m].values()) / len(scores[m])
 
-        claims.append(Claim(
-            "KDA's per-channel gate forgets more finely than Gated DeltaNet's one scalar per head",
-            f"mean accuracy over all four query kinds: KDA {mean('kda'):.0%}, Gated DeltaNet "
-            f"{mean('gated_deltanet'):.0%} (holds at ≥ +10 points, partly at ≥ +2)",
-            verdict(("gated_deltanet", "kda"), mean("kda") - mean("gated_deltanet"))))
+        claims.append(
+            Claim(
+                "KDA's per-channel gate forgets more finely than Gated DeltaNet's one scalar per head",
+                f"mean accuracy over all four query kinds: KDA {mean('kda'):.0%}, Gated DeltaNet "
+                f"{mean('gated_deltanet'):.0%} (holds at ≥ +10 points, partly at ≥ +2)",
+                verdict(("gated_deltanet", "kda"), mean("kda") - mean("gated_deltanet")),
+            )
+        )
     return claims
 
 
@@ -131,8 +153,9 @@ def run(mode: str, docs: Path, **options) -> Result:
     plan = PLANS[mode]
     docs = Path(docs)
     jobs = [(plan, m, lr) for m in reversed(MIXERS) for lr in plan.lrs]  # the slowest first
-    results = run_jobs(score_mixer, jobs, "k3 lab overwrite", workers=1 if mode == "smoke" else None,
-                       show=mode != "smoke")
+    results = run_jobs(
+        score_mixer, jobs, "k3 lab overwrite", workers=1 if mode == "smoke" else None, show=mode != "smoke"
+    )
     found = {(m, lr): r for (_, m, lr), r in zip(jobs, results)}
     labels = [label for _, _, label in COLUMNS]
     scores, sweep = {}, {}
@@ -146,23 +169,42 @@ def run(mode: str, docs: Path, **options) -> Result:
         f"{plan.switch_len}; {plan.layers} layers, width {plan.width}, linear mixers' state "
         f"{size_of(plan).state_per_head()}; {plan.steps} steps of {plan.batch} sequences)",
         ["mixer"] + labels + ["best rate"],
-        [[LABELS[m]] + [f"{scores[m][c]:.0%}" for c in labels] + [rate_label(max(sweep[m], key=sweep[m].get))]
-         for m in MIXERS])
-    sweep_table = Table("The learning-rate sweep: mean accuracy over the four kinds of query per rate",
-                        ["mixer"] + [rate_label(lr) for lr in plan.lrs],
-                        [[LABELS[m]] + [f"{sweep[m][lr]:.0%}" for lr in plan.lrs] for m in MIXERS])
+        [
+            [LABELS[m]] + [f"{scores[m][c]:.0%}" for c in labels] + [rate_label(max(sweep[m], key=sweep[m].get))]
+            for m in MIXERS
+        ],
+    )
+    sweep_table = Table(
+        "The learning-rate sweep: mean accuracy over the four kinds of query per rate",
+        ["mixer"] + [rate_label(lr) for lr in plan.lrs],
+        [[LABELS[m]] + [f"{sweep[m][lr]:.0%}" for lr in plan.lrs] for m in MIXERS],
+    )
     path = "figures/overwrite.png"
     _plot(docs / path, scores, labels)
-    notes = [paragraph("overwrite", "training", rates=", ".join(rate_label(lr) for lr in plan.lrs)),
-             paragraph("overwrite", "stale", num_values=VOCAB.num_values), paragraph("overwrite", "learned")]
-    return Result(name="overwrite", title="Overwriting and forgetting", mode=mode, command=command("overwrite", mode),
-                  claims=judge(scores), tables=[table, sweep_table],
-                  figures=[Figure(path, "Accuracy per kind of query and mixer (best learning rate per bar): "
-                                        "re-bound keys test overwriting, stale keys after a context switch test "
-                                        "forgetting")],
-                  notes=notes, setup={"plan": plan.__dict__, "vocab": VOCAB.__dict__},
-                  data={"accuracy": scores, "sweep": {m: {rate_label(lr): a for lr, a in sweep[m].items()}
-                                                      for m in MIXERS}})
+    notes = [
+        paragraph("overwrite", "training", rates=", ".join(rate_label(lr) for lr in plan.lrs)),
+        paragraph("overwrite", "stale", num_values=VOCAB.num_values),
+        paragraph("overwrite", "learned"),
+    ]
+    return Result(
+        name="overwrite",
+        title="Overwriting and forgetting",
+        mode=mode,
+        command=command("overwrite", mode),
+        claims=judge(scores),
+        tables=[table, sweep_table],
+        figures=[
+            Figure(
+                path,
+                "Accuracy per kind of query and mixer (best learning rate per bar): "
+                "re-bound keys test overwriting, stale keys after a context switch test "
+                "forgetting",
+            )
+        ],
+        notes=notes,
+        setup={"plan": plan.__dict__, "vocab": VOCAB.__dict__},
+        data={"accuracy": scores, "sweep": {m: {rate_label(lr): a for lr, a in sweep[m].items()} for m in MIXERS}},
+    )
 
 
 def _plot(path: Path, scores: dict[str, dict[str, float]], labels: list[str]) -> None:

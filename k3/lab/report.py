@@ -43,8 +43,7 @@ class Table:
     def __post_init__(self):
         for i, row in enumerate(self.rows):
             if len(row) != len(self.header):
-                raise ValueError(f"Table {self.caption!r}: row {i} has {len(row)} cells, the header "
-                                 f"{len(self.header)}")
+                raise ValueError(f"Table {self.caption!r}: row {i} has {len(row)} cells, the header {len(self.header)}")
 
     def markdown(self) -> str:
         def cell(x) -> str:
@@ -52,8 +51,12 @@ class Table:
                 return f"{x:.3g}" if abs(x) < 1e4 else f"{x:,.0f}"
             return str(x)
 
-        lines = [f"*{self.caption}*", "", "| " + " | ".join(self.header) + " |",
-                 "|" + "|".join(["---"] * len(self.header)) + "|"]
+        lines = [
+            f"*{self.caption}*",
+            "",
+            "| " + " | ".join(self.header) + " |",
+            "|" + "|".join(["---"] * len(self.header)) + "|",
+        ]
         lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in self.rows]
         return "\n".join(lines)
 
@@ -91,8 +94,14 @@ class Result:
         return cls(**d)
 
     def markdown(self) -> str:
-        out = [f"## {self.title}", "", f"`{self.command}` ({self.mode} mode, {self.seconds / 60:.1f} min"
-               + (f", {self.machine.get('summary')}" if self.machine.get("summary") else "") + ")", ""]
+        out = [
+            f"## {self.title}",
+            "",
+            f"`{self.command}` ({self.mode} mode, {self.seconds / 60:.1f} min"
+            + (f", {self.machine.get('summary')}" if self.machine.get("summary") else "")
+            + ")",
+            "",
+        ]
         if self.claims:
             out += ["| the article says | measured here | verdict |", "|---|---|---|"]
             out += [f"| {c.claim} | {c.measured} | **{c.verdict}** |" for c in self.claims]
@@ -106,8 +115,16 @@ class Result:
         if self.notes:
             out.append("")
         if self.setup:
-            out += ["<details><summary>setup</summary>", "", "```json", json.dumps(self.setup), "```",
-                    "", "</details>", ""]
+            out += [
+                "<details><summary>setup</summary>",
+                "",
+                "```json",
+                json.dumps(self.setup),
+                "```",
+                "",
+                "</details>",
+                "",
+            ]
         return "\n".join(out)
 
 
@@ -116,9 +133,14 @@ def machine_summary() -> dict:
 
     import torch
 
-    return {"summary": f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads",
-            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"), "commit": source_commit()}
+    return {
+        "summary": f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": source_commit(),
+    }
 
 
 def source_commit() -> str | None:
@@ -128,10 +150,16 @@ def source_commit() -> str | None:
 
     root = Path(__file__).resolve().parents[2]
     try:
-        head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=root, capture_output=True,
-                              text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "k3"], cwd=root,
-                               capture_output=True, text=True, timeout=10)
+        head = subprocess.run(
+            ["git", "rev-parse", "--short=10", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", "k3"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     if head.returncode != 0:
@@ -153,12 +181,16 @@ def claim_folder(docs: str | Path) -> None:
     ours = (docs / LAB_MARK).exists() or (page.is_file() and page.read_text(errors="replace").startswith(HEADER[:20]))
     taken = [name for name in LAB_NAMES if (docs / name).exists() and not (name == "lab" and _lab_files(docs / name))]
     if taken and not ours:
-        raise FileExistsError(f"--docs {docs}: it holds {', '.join(taken)}, which k3 lab did not write and would "
-                              f"replace; choose another --docs folder (a new one, or one k3 lab wrote)")
+        raise FileExistsError(
+            f"--docs {docs}: it holds {', '.join(taken)}, which k3 lab did not write and would "
+            f"replace; choose another --docs folder (a new one, or one k3 lab wrote)"
+        )
     docs.mkdir(parents=True, exist_ok=True)
     if not (docs / LAB_MARK).exists():
-        atomic_write(docs / LAB_MARK, lambda tmp: Path(tmp).write_text("k3 lab writes results.md, lab/ and figures/ "
-                                                                       "in this folder\n"))
+        atomic_write(
+            docs / LAB_MARK,
+            lambda tmp: Path(tmp).write_text("k3 lab writes results.md, lab/ and figures/ in this folder\n"),
+        )
 
 
 def _lab_files(folder: Path) -> bool:
@@ -213,8 +245,9 @@ def write_results(docs: Path, order: list[str]) -> Path:
         parts.append("| experiment | claims holding | mode | minutes |\n|---|---|---|---|")
         for r in results:
             holds = sum(c.verdict == "holds" for c in r.claims)
-            parts.append(f"| [{r.title}](#{_anchor(r.title)}) | {holds} of {len(r.claims)} | {r.mode} | "
-                         f"{r.seconds / 60:.1f} |")
+            parts.append(
+                f"| [{r.title}](#{_anchor(r.title)}) | {holds} of {len(r.claims)} | {r.mode} | {r.seconds / 60:.1f} |"
+            )
         parts.append("")
     parts += [r.markdown() for r in results]
     path = Path(docs) / "results.md"

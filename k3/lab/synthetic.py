@@ -41,9 +41,14 @@ DEEP_MIXERS = ("4kda", "3kda+mla")
 # attention as the article writes it (k3.layers.LinearAttention: ELU+1 features, a normaliser, no convolution)
 PROBE_MIXERS = ("2mla", "3kda+mha", "mla+3kda", "3kda0+mla", "frozen3kda+mla", "elu_linear_attn")
 # the layers of the mixers that are not one kind repeated (the hybrid "kda+mla" takes `hybrid_layers`)
-LAYOUT = {"3kda+mla": ["kda", "kda", "kda", "mla"], "2mla": ["mla", "mla"], "3kda+mha": ["kda", "kda", "kda", "mha"],
-          "mla+3kda": ["mla", "kda", "kda", "kda"], "3kda0+mla": ["kda", "kda", "kda", "mla"],
-          "frozen3kda+mla": ["kda", "kda", "kda", "mla"]}
+LAYOUT = {
+    "3kda+mla": ["kda", "kda", "kda", "mla"],
+    "2mla": ["mla", "mla"],
+    "3kda+mha": ["kda", "kda", "kda", "mha"],
+    "mla+3kda": ["mla", "kda", "kda", "kda"],
+    "3kda0+mla": ["kda", "kda", "kda", "mla"],
+    "frozen3kda+mla": ["kda", "kda", "kda", "mla"],
+}
 # models whose linear layers start with o_proj = 0: at the start they add nothing to the residual stream, so the
 # attention layer after them reads the token embeddings as the first layer does
 ZERO_LINEAR_OUTPUTS = ("3kda0+mla",)
@@ -51,13 +56,22 @@ ZERO_LINEAR_OUTPUTS = ("3kda0+mla",)
 # but the attention layer can learn to carry a binding across the sequence
 FROZEN_LINEAR = ("frozen3kda+mla",)
 DEPTH = {"4kda": 4, **{m: len(layers) for m, layers in LAYOUT.items()}}  # their own depth (others: Size.layers)
-LABELS = {"softmax": "softmax attention", "linear_attn": "linear attention", "deltanet": "DeltaNet",
-          "gated_deltanet": "Gated DeltaNet", "kda": "KDA", "kda+mla": "KDA+MLA hybrid",
-          "4kda": "KDA, 4 layers", "3kda+mla": "3 KDA : 1 MLA, 4 layers", "2mla": "MLA alone, 2 layers",
-          "3kda+mha": "3 KDA : 1 softmax attention", "mla+3kda": "MLA first, then 3 KDA",
-          "3kda0+mla": "3 KDA : 1 MLA, KDA outputs zero at the start",
-          "frozen3kda+mla": "3 KDA, frozen at the start : 1 MLA",
-          "elu_linear_attn": "linear attention, the article's (ELU+1, normalised)"}
+LABELS = {
+    "softmax": "softmax attention",
+    "linear_attn": "linear attention",
+    "deltanet": "DeltaNet",
+    "gated_deltanet": "Gated DeltaNet",
+    "kda": "KDA",
+    "kda+mla": "KDA+MLA hybrid",
+    "4kda": "KDA, 4 layers",
+    "3kda+mla": "3 KDA : 1 MLA, 4 layers",
+    "2mla": "MLA alone, 2 layers",
+    "3kda+mha": "3 KDA : 1 softmax attention",
+    "mla+3kda": "MLA first, then 3 KDA",
+    "3kda0+mla": "3 KDA : 1 MLA, KDA outputs zero at the start",
+    "frozen3kda+mla": "3 KDA, frozen at the start : 1 MLA",
+    "elu_linear_attn": "linear attention, the article's (ELU+1, normalised)",
+}
 
 
 @dataclass(frozen=True)
@@ -103,20 +117,38 @@ def mixer_config(mixer: str, vocab_size: int, size: Size) -> ModelConfig:
     for name in ("head_dim", "attention_heads"):
         if size.width % getattr(size, name):
             raise ValueError(f"Size.width ({size.width}) must be a multiple of {name} ({getattr(size, name)})")
-    common = dict(name=f"lab-{mixer}", vocab_size=vocab_size, hidden_size=size.width, num_layers=layers,
-                  mlp_types=["dense"] * layers, intermediate_size=2 * size.width, ffn_activation="swiglu",
-                  num_heads=size.heads, linear_num_heads=size.heads, linear_head_dim=size.head_dim,
-                  chunk_size=size.chunk_size)
+    common = dict(
+        name=f"lab-{mixer}",
+        vocab_size=vocab_size,
+        hidden_size=size.width,
+        num_layers=layers,
+        mlp_types=["dense"] * layers,
+        intermediate_size=2 * size.width,
+        ffn_activation="swiglu",
+        num_heads=size.heads,
+        linear_num_heads=size.heads,
+        linear_head_dim=size.head_dim,
+        chunk_size=size.chunk_size,
+    )
     attention_head_dim = size.width // size.attention_heads
     if mixer == "softmax":
-        return ModelConfig(layer_types=["mha"] * size.layers, max_position_embeddings=size.max_len,
-                           **{**common, "num_heads": size.attention_heads})
+        return ModelConfig(
+            layer_types=["mha"] * size.layers,
+            max_position_embeddings=size.max_len,
+            **{**common, "num_heads": size.attention_heads},
+        )
     gate = {"linear_attn": None, "deltanet": None, "gated_deltanet": "full"}.get(mixer, "low_rank")
     common["kda_gate"] = "safe"  # KDA as Kimi K3 runs it (see the docstring)
     if mixer == "kda+mla" or mixer in LAYOUT:  # the attention layers: NoPE, one head as wide as the model
-        return ModelConfig(layer_types=LAYOUT.get(mixer, hybrid_layers(layers)), linear_output_gate=gate,
-                           kv_lora_rank=size.width // 2, qk_nope_head_dim=attention_head_dim, qk_rope_head_dim=0,
-                           v_head_dim=attention_head_dim, **{**common, "num_heads": size.attention_heads})
+        return ModelConfig(
+            layer_types=LAYOUT.get(mixer, hybrid_layers(layers)),
+            linear_output_gate=gate,
+            kv_lora_rank=size.width // 2,
+            qk_nope_head_dim=attention_head_dim,
+            qk_rope_head_dim=0,
+            v_head_dim=attention_head_dim,
+            **{**common, "num_heads": size.attention_heads},
+        )
     kind = "linear_attn" if mixer == "elu_linear_attn" else mixer.removeprefix("4")
     return ModelConfig(layer_types=[kind] * layers, linear_output_gate=gate, **common)
 
@@ -133,9 +165,14 @@ def build_model(config: ModelConfig) -> CausalLM:
         elif kind == "mla":
             conv = ConvLatentAttention.like(layer.self_attn, config.conv_size)
         elif kind == "linear_attn" and config.name != "lab-elu_linear_attn":
-            conv = AdditiveLinearAttention(config.hidden_size, config.linear_num_heads, config.linear_head_dim,
-                                           output_gate=None, conv_size=config.conv_size,
-                                           chunk_size=config.chunk_size)
+            conv = AdditiveLinearAttention(
+                config.hidden_size,
+                config.linear_num_heads,
+                config.linear_head_dim,
+                output_gate=None,
+                conv_size=config.conv_size,
+                chunk_size=config.chunk_size,
+            )
         else:
             continue
         conv.load_state_dict(layer.self_attn.state_dict(), strict=False)
@@ -163,12 +200,29 @@ def recipe(lr: float, warmup: int = 50) -> TrainConfig:
     matrices only, as `k3 train`: not on norms, biases, KDA's and Gated DeltaNet's A_log and dt_bias), gradients
     clipped to norm 1, no QK-Clip, a linear warm-up over `warmup` steps, then WSD: constant, and linear to 0 over
     the last fifth of the steps (`k3.training.learning_rate`)."""
-    return TrainConfig(optimizer="adamw", lr=lr, betas=(0.9, 0.98), weight_decay=0.1, grad_clip=1.0, qk_clip=0.0,
-                       warmup_steps=warmup, schedule="wsd", wsd_decay_fraction=0.2, min_lr_ratio=0.0)
+    return TrainConfig(
+        optimizer="adamw",
+        lr=lr,
+        betas=(0.9, 0.98),
+        weight_decay=0.1,
+        grad_clip=1.0,
+        qk_clip=0.0,
+        warmup_steps=warmup,
+        schedule="wsd",
+        wsd_decay_fraction=0.2,
+        min_lr_ratio=0.0,
+    )
 
 
-def train_on_task(config: ModelConfig, sample: Callable[[torch.Generator], Batch], steps: int, lr: float = 1e-3,
-                  seed: int = 0, warmup: int = 50, progress=None) -> tuple[CausalLM, list[float]]:
+def train_on_task(
+    config: ModelConfig,
+    sample: Callable[[torch.Generator], Batch],
+    steps: int,
+    lr: float = 1e-3,
+    seed: int = 0,
+    warmup: int = 50,
+    progress=None,
+) -> tuple[CausalLM, list[float]]:
     """`steps` of training's step on `recipe(lr, warmup)`; `sample(generator)` gives each step's batch (fresh data
     every step, as in Zoology). The rate of step s is training's WSD rate for a run of steps + 1 steps, whose last
     step (at rate 0, a step that changes nothing) is not taken, so every step taken moves the weights. A run that
@@ -245,9 +299,14 @@ class Curve:
     steps: int
 
 
-def train_until_plateau(config: ModelConfig, sample: Callable[[torch.Generator], Batch],
-                        score: Callable[[CausalLM], float], plateau: Plateau = Plateau(), lr: float = 1e-3,
-                        seed: int = 0) -> tuple[CausalLM, Curve]:
+def train_until_plateau(
+    config: ModelConfig,
+    sample: Callable[[torch.Generator], Batch],
+    score: Callable[[CausalLM], float],
+    plateau: Plateau = Plateau(),
+    lr: float = 1e-3,
+    seed: int = 0,
+) -> tuple[CausalLM, Curve]:
     """`train_on_task`'s model, optimizer and data, trained until `score(model)` (a held-out accuracy, higher
     is better) stops improving, by `plateau`'s rule: a constant rate after the warm-up until the plateau or
     the step budget, then a linear decay to 0 over a fifth (`plateau.decay`) of the steps so far. Returns the

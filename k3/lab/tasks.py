@@ -68,8 +68,14 @@ def _place_queries(seq, targets, kind, keys, answers, kinds, start: int) -> None
     targets[:, pos], kind[:, pos] = answers, kinds
 
 
-def mqar(batch: int, seq_len: int, num_pairs: int, vocab: Vocab = Vocab(), num_queries: int | None = None,
-         generator: torch.Generator | None = None) -> Batch:
+def mqar(
+    batch: int,
+    seq_len: int,
+    num_pairs: int,
+    vocab: Vocab = Vocab(),
+    num_queries: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Batch:
     """Multi-query associative recall: `num_pairs` distinct keys bound to random values, then `num_queries`
     (default: all of them, in random order) asked at the end of the sequence, after PAD filler."""
     num_queries = num_pairs if num_queries is None else num_queries
@@ -80,20 +86,25 @@ def mqar(batch: int, seq_len: int, num_pairs: int, vocab: Vocab = Vocab(), num_q
     keys = _distinct(g, batch, vocab.num_keys, num_pairs, FIRST_KEY)
     values = torch.randint(vocab.first_value, vocab.size, (batch, num_pairs), generator=g)
     seq = torch.full((batch, seq_len + 1), PAD, dtype=torch.long)
-    seq[:, 0:2 * num_pairs:2], seq[:, 1:2 * num_pairs:2] = keys, values
+    seq[:, 0 : 2 * num_pairs : 2], seq[:, 1 : 2 * num_pairs : 2] = keys, values
     targets, kind = torch.full_like(seq, IGNORE), torch.zeros_like(seq)
     asked = torch.rand(batch, num_pairs, generator=g).argsort(dim=1)[:, :num_queries]
     start = seq_len + 1 - 2 * num_queries
-    _place_queries(seq, targets, kind, keys.gather(1, asked), values.gather(1, asked),
-                   torch.ones_like(asked), start)
+    _place_queries(seq, targets, kind, keys.gather(1, asked), values.gather(1, asked), torch.ones_like(asked), start)
     return Batch(seq[:, :-1], targets[:, :-1], kind[:, :-1])
 
 
 OVERWRITE_KINDS = {1: "kept (bound once)", 2: "re-bound (latest value)"}
 
 
-def overwrite(batch: int, seq_len: int, num_pairs: int, num_rebound: int, vocab: Vocab = Vocab(),
-              generator: torch.Generator | None = None) -> Batch:
+def overwrite(
+    batch: int,
+    seq_len: int,
+    num_pairs: int,
+    num_rebound: int,
+    vocab: Vocab = Vocab(),
+    generator: torch.Generator | None = None,
+) -> Batch:
     """`num_pairs` bindings, then `num_rebound` of those keys bound again to new values; every key is then
     queried and must answer its latest value. kind 1: a key bound once, kind 2: a re-bound key."""
     _check("num_pairs", num_pairs, 1, vocab.num_keys)
@@ -109,25 +120,33 @@ def overwrite(batch: int, seq_len: int, num_pairs: int, num_rebound: int, vocab:
     order = torch.rand(batch, num_pairs, generator=g).argsort(dim=1)
     rebound = order[:, :num_rebound]  # which bindings change
     seq = torch.full((batch, seq_len + 1), PAD, dtype=torch.long)
-    seq[:, 0:2 * num_pairs:2], seq[:, 1:2 * num_pairs:2] = keys, old
+    seq[:, 0 : 2 * num_pairs : 2], seq[:, 1 : 2 * num_pairs : 2] = keys, old
     at = 2 * num_pairs
-    seq[:, at:at + 2 * num_rebound:2] = keys.gather(1, rebound)
-    seq[:, at + 1:at + 2 * num_rebound:2] = new.gather(1, rebound)
+    seq[:, at : at + 2 * num_rebound : 2] = keys.gather(1, rebound)
+    seq[:, at + 1 : at + 2 * num_rebound : 2] = new.gather(1, rebound)
     latest, kinds = old.clone(), torch.ones_like(old)
     latest.scatter_(1, rebound, new.gather(1, rebound))
     kinds.scatter_(1, rebound, torch.full_like(rebound, 2))
     asked = torch.rand(batch, num_pairs, generator=g).argsort(dim=1)
     targets, kind = torch.full_like(seq, IGNORE), torch.zeros_like(seq)
-    _place_queries(seq, targets, kind, keys.gather(1, asked), latest.gather(1, asked), kinds.gather(1, asked),
-                   seq_len + 1 - 2 * num_pairs)
+    _place_queries(
+        seq,
+        targets,
+        kind,
+        keys.gather(1, asked),
+        latest.gather(1, asked),
+        kinds.gather(1, asked),
+        seq_len + 1 - 2 * num_pairs,
+    )
     return Batch(seq[:, :-1], targets[:, :-1], kind[:, :-1])
 
 
 SWITCH_KINDS = {1: "current (bound after the switch)", 2: "stale (bound only before: answer NONE)"}
 
 
-def context_switch(batch: int, seq_len: int, num_pairs: int, vocab: Vocab = Vocab(),
-                   generator: torch.Generator | None = None) -> Batch:
+def context_switch(
+    batch: int, seq_len: int, num_pairs: int, vocab: Vocab = Vocab(), generator: torch.Generator | None = None
+) -> Batch:
     """Bindings A (`num_pairs`), SWITCH, bindings B (`num_pairs`, drawn afresh so some keys repeat with new values),
     then queries: every key of B (answer: its B value) and as many keys bound only in A (answer: NONE), shuffled.
     kind 1: a current key, kind 2: a stale key."""
@@ -149,11 +168,18 @@ def context_switch(batch: int, seq_len: int, num_pairs: int, vocab: Vocab = Voca
     _check("seq_len", seq_len, 4 * num_pairs + 2 * n_q)
     shuffle = torch.rand(batch, n_q, generator=g).argsort(dim=1)
     seq = torch.full((batch, seq_len + 1), PAD, dtype=torch.long)
-    seq[:, 0:2 * num_pairs:2], seq[:, 1:2 * num_pairs:2] = keys_a, values_a
+    seq[:, 0 : 2 * num_pairs : 2], seq[:, 1 : 2 * num_pairs : 2] = keys_a, values_a
     seq[:, 2 * num_pairs] = SWITCH
     b0 = 2 * num_pairs + 1
-    seq[:, b0:b0 + 2 * num_pairs:2], seq[:, b0 + 1:b0 + 2 * num_pairs:2] = keys_b, values_b
+    seq[:, b0 : b0 + 2 * num_pairs : 2], seq[:, b0 + 1 : b0 + 2 * num_pairs : 2] = keys_b, values_b
     targets, kind = torch.full_like(seq, IGNORE), torch.zeros_like(seq)
-    _place_queries(seq, targets, kind, queries.gather(1, shuffle), answers.gather(1, shuffle),
-                   kinds.gather(1, shuffle), seq_len + 1 - 2 * n_q)
+    _place_queries(
+        seq,
+        targets,
+        kind,
+        queries.gather(1, shuffle),
+        answers.gather(1, shuffle),
+        kinds.gather(1, shuffle),
+        seq_len + 1 - 2 * n_q,
+    )
     return Batch(seq[:, :-1], targets[:, :-1], kind[:, :-1])

@@ -12,17 +12,40 @@ from .cache import LayerCache, StaticSequenceCache
 from .conv import ShortConvolution
 from .ffn import GatedMLP, GeluMLP, situ
 from .linear_attention import (
-    DeltaNet, GatedDeltaNet, KimiDeltaAttention, LinearAttention, RecurrentCache, StaticRecurrentCache,
+    DeltaNet,
+    GatedDeltaNet,
+    KimiDeltaAttention,
+    LinearAttention,
 )
 from .mla import LatentCache, MultiHeadLatentAttention, StaticLatentCache
 from .moe import Expert, MoE, RoutedExperts, Router
 from .norm import RMSNorm
+from .recurrent_cache import RecurrentCache, StaticRecurrentCache
 
 __all__ = [
-    "MultiHeadAttention", "KVCache", "LinearAttention",
-    "RMSNorm", "GeluMLP", "GatedMLP", "situ", "ShortConvolution",
-    "DeltaNet", "GatedDeltaNet", "KimiDeltaAttention", "RecurrentCache",
-    "MultiHeadLatentAttention", "LatentCache", "MoE", "Expert", "RoutedExperts", "Router", "BlockAttnRes",
-    "LayerCache", "StaticSequenceCache", "StaticKVCache", "StaticLatentCache", "StaticRecurrentCache",
+    "MultiHeadAttention",
+    "KVCache",
+    "LinearAttention",
+    "RMSNorm",
+    "GeluMLP",
+    "GatedMLP",
+    "situ",
+    "ShortConvolution",
+    "DeltaNet",
+    "GatedDeltaNet",
+    "KimiDeltaAttention",
+    "RecurrentCache",
+    "MultiHeadLatentAttention",
+    "LatentCache",
+    "MoE",
+    "Expert",
+    "RoutedExperts",
+    "Router",
+    "BlockAttnRes",
+    "LayerCache",
+    "StaticSequenceCache",
+    "StaticKVCache",
+    "StaticLatentCache",
+    "StaticRecurrentCache",
     "DepthSources",
 ]

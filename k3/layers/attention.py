@@ -65,8 +65,9 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int):
         super().__init__()
         if hidden_size % num_heads:
-            raise ValueError(f"MultiHeadAttention: `hidden_size` ({hidden_size}) must be divisible by "
-                             f"`num_heads` ({num_heads})")
+            raise ValueError(
+                f"MultiHeadAttention: `hidden_size` ({hidden_size}) must be divisible by `num_heads` ({num_heads})"
+            )
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.c_attn = nn.Linear(hidden_size, 3 * hidden_size)
         self.c_proj = nn.Linear(hidden_size, hidden_size)

@@ -197,8 +197,10 @@ class SequenceCache(LayerCache):
         if slots <= 0:
             return
         if self.pad is None or bool((self.pad < slots).any()):
-            raise ValueError(f"{type(self).__name__}.trim: {slots} leading slots hold tokens of some row "
-                             f"(pad {None if self.pad is None else self.pad.tolist()})")
+            raise ValueError(
+                f"{type(self).__name__}.trim: {slots} leading slots hold tokens of some row "
+                f"(pad {None if self.pad is None else self.pad.tolist()})"
+            )
         for name in self.sequence_fields:
             held = getattr(self, name)
             setattr(self, name, None if held is None else held[:, slots:])
@@ -219,22 +221,26 @@ class SequenceCache(LayerCache):
                     held = torch.cat([held.new_zeros(held.shape[0], slots - held.shape[1], *held.shape[2:]), held], 1)
                 parts.append(held)
             setattr(out, name, torch.cat(parts))
-        pads = [torch.full((c.batch_size,), slots - c.length, dtype=torch.long) + (0 if c.pad is None else c.pad.cpu())
-                for c in caches]
+        pads = [
+            torch.full((c.batch_size,), slots - c.length, dtype=torch.long) + (0 if c.pad is None else c.pad.cpu())
+            for c in caches
+        ]
         pad = torch.cat(pads)
         out.pad = pad.to(out._stored(cls.sequence_fields[0]).device) if bool(pad.any()) else None
         return out
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(batch_size={self.batch_size}, length={self.length}, "
-                f"capacity={self.capacity})")
+        return f"{type(self).__name__}(batch_size={self.batch_size}, length={self.length}, capacity={self.capacity})"
 
 
 def _writable(buffer: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether x's rows can be written into `buffer` in place: same dtype and device, and not an
     inference tensor outside inference mode (torch forbids writing into one there)."""
-    return (buffer.dtype == x.dtype and buffer.device == x.device
-            and (torch.is_inference_mode_enabled() or not buffer.is_inference()))
+    return (
+        buffer.dtype == x.dtype
+        and buffer.device == x.device
+        and (torch.is_inference_mode_enabled() or not buffer.is_inference())
+    )
 
 
 def _regrown(buffer: torch.Tensor, held: int, capacity: int, x: torch.Tensor) -> torch.Tensor:
@@ -316,13 +322,17 @@ class StaticSequenceCache(LayerCache):
         return self.allocated_bytes()
 
     def reorder(self, index: torch.Tensor) -> None:
-        raise NotImplementedError(f"{type(self).__name__}: a static cache keeps its rows in place; reorder a "
-                                  f"growing cache (model.new_cache(batch_size) without max_length)")
+        raise NotImplementedError(
+            f"{type(self).__name__}: a static cache keeps its rows in place; reorder a "
+            f"growing cache (model.new_cache(batch_size) without max_length)"
+        )
 
     @classmethod
     def concat(cls, caches, slots):
-        raise NotImplementedError(f"{cls.__name__}: static caches are not joined; prefill the rows into one "
-                                  f"(k3.models.static_cache.StaticCache.load)")
+        raise NotImplementedError(
+            f"{cls.__name__}: static caches are not joined; prefill the rows into one "
+            f"(k3.models.static_cache.StaticCache.load)"
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(batch_size={self.batch_size}, capacity={self.capacity})"

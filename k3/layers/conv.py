@@ -35,8 +35,9 @@ class ShortConvolution(nn.Module):
     def reset_parameters(self) -> None:
         init.kaiming_uniform_fan_in_(self.weight)  # nn.Conv1d's default (as fla and Kimi Linear keep it)
 
-    def forward(self, x: torch.Tensor, conv_state: torch.Tensor | None = None,
-                output_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, conv_state: torch.Tensor | None = None, output_final_state: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [B, T, D]; conv_state [B, D, W-1] (the previous W-1 inputs) or None (zeros).
         Returns (y [B, T, D], new conv_state [B, D, W-1] or None)."""
         if x.dim() != 3 or x.shape[-1] != self.dim:
@@ -44,8 +45,10 @@ class ShortConvolution(nn.Module):
         B, T, D = x.shape
         W = self.kernel_size
         if conv_state is not None and tuple(conv_state.shape) != (B, D, W - 1):
-            raise ValueError(f"ShortConvolution: `conv_state` must be [{B}, {D}, {W - 1}] "
-                             f"(batch, channels, kernel_size - 1), got {list(conv_state.shape)}")
+            raise ValueError(
+                f"ShortConvolution: `conv_state` must be [{B}, {D}, {W - 1}] "
+                f"(batch, channels, kernel_size - 1), got {list(conv_state.shape)}"
+            )
         if T == 1 and conv_state is not None:
             y, state = self.step(x[:, 0], conv_state)
             return y.unsqueeze(1), (state if output_final_state else None)
@@ -89,12 +92,12 @@ class _ShortConv(torch.autograd.Function):
             pre = padded * taps[:, W - 1]
             for j in range(max(0, W - T), W - 1):  # the taps whose shift W-1-j is < T
                 shift = W - 1 - j
-                pre[:, shift:].addcmul_(padded[:, :T - shift], taps[:, j])
+                pre[:, shift:].addcmul_(padded[:, : T - shift], taps[:, j])
         else:
             T = padded.shape[1] - (W - 1)
-            pre = padded[:, W - 1:] * taps[:, W - 1]
+            pre = padded[:, W - 1 :] * taps[:, W - 1]
             for j in range(W - 1):
-                pre.addcmul_(padded[:, j:j + T], taps[:, j])
+                pre.addcmul_(padded[:, j : j + T], taps[:, j])
         ctx.save_for_backward(padded, weight, pre)
         ctx.silu, ctx.zero_history = silu, zero_history
         return F.silu(pre) if silu else pre.clone()
@@ -113,25 +116,27 @@ class _ShortConv(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 grad_padded = P * taps[:, W - 1]
                 for j, shift in shifts[:-1]:
-                    grad_padded[:, :T - shift].addcmul_(P[:, shift:], taps[:, j])
+                    grad_padded[:, : T - shift].addcmul_(P[:, shift:], taps[:, j])
             if ctx.needs_input_grad[1]:
                 grad_weight = padded.new_zeros(taps.shape)
                 for j, shift in shifts:
-                    grad_weight[:, j] = torch.linalg.vecdot(padded[:, :T - shift], P[:, shift:], dim=1).sum(0)
+                    grad_weight[:, j] = torch.linalg.vecdot(padded[:, : T - shift], P[:, shift:], dim=1).sum(0)
                 grad_weight = grad_weight.view(weight.shape)
             return grad_padded, grad_weight, None, None
         if ctx.needs_input_grad[0]:
             grad_padded = padded.new_zeros(padded.shape)
             for j in range(W):
-                grad_padded[:, j:j + T].addcmul_(P, taps[:, j])
+                grad_padded[:, j : j + T].addcmul_(P, taps[:, j])
         if ctx.needs_input_grad[1]:
-            grad_weight = torch.stack([torch.linalg.vecdot(padded[:, j:j + T], P, dim=1).sum(0) for j in range(W)],
-                                      dim=-1).view(weight.shape)
+            grad_weight = torch.stack(
+                [torch.linalg.vecdot(padded[:, j : j + T], P, dim=1).sum(0) for j in range(W)], dim=-1
+            ).view(weight.shape)
         return grad_padded, grad_weight, None, None
 
 
-def rolling_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, activation: str | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def rolling_step(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, activation: str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The convolution at one new position, as a rolling window: x [B, D], conv_state [B, D, W-1],
     weight [D, 1, W] -> (y [B, D], new state [B, D, W-1]).
 
@@ -147,8 +152,9 @@ def rolling_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
     return y, window[..., 1:]
 
 
-def joint_step(convs: list[ShortConvolution], xs: list[torch.Tensor], states: list[torch.Tensor]
-               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def joint_step(
+    convs: list[ShortConvolution], xs: list[torch.Tensor], states: list[torch.Tensor]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """`step` of several convolutions (same kernel size and activation) on one token, as one rolling
     window over their channels side by side: xs [B, D_i], states [B, D_i, W-1] -> (y [B, sum D_i], the
     new states [B, D_i, W-1]). See `joint_window_step`, which takes and gives the states joined."""
@@ -156,8 +162,9 @@ def joint_step(convs: list[ShortConvolution], xs: list[torch.Tensor], states: li
     return y, list(window.split([conv.dim for conv in convs], dim=1))
 
 
-def joint_window_step(convs: list[ShortConvolution], xs: list[torch.Tensor], window: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def joint_window_step(
+    convs: list[ShortConvolution], xs: list[torch.Tensor], window: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`joint_step` with the states joined along the channels: window [B, sum D_i, W-1] -> (y [B, sum D_i],
     the new window [B, sum D_i, W-1]). What the linear family's decode step runs for its q, k and v (a
     static cache keeps the three states as one such window)."""

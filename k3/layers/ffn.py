@@ -34,8 +34,9 @@ def _check_betas(beta: float, linear_beta: float | None) -> None:
         raise ValueError(f"situ: `linear_beta` must be > 0 or None, got {linear_beta}")
 
 
-def situ_reference(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float | None = 25.0
-                   ) -> torch.Tensor:
+def situ_reference(
+    gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float | None = 25.0
+) -> torch.Tensor:
     """The SiTU-GLU formula as written (see the module docstring), through autograd: what `situ` equals."""
     _check_betas(beta, linear_beta)
     g, u = upcast(gate), upcast(up)
@@ -45,8 +46,7 @@ def situ_reference(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, line
     return (a * u).to(gate.dtype)
 
 
-def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float | None = 25.0
-         ) -> torch.Tensor:
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float | None = 25.0) -> torch.Tensor:
     """SiTU-GLU activation a(gate) * u(up), computed in float32 (float64 for float64 inputs) and
     returned in gate's dtype; gradients in each input's dtype."""
     _check_betas(beta, linear_beta)
@@ -56,8 +56,9 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: f
     return _situ_forward(gate, up, float(beta), linear_beta)  # nothing to save: no autograd node
 
 
-def _situ_forward(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None,
-                  keep: list | None = None) -> torch.Tensor:
+def _situ_forward(
+    gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None, keep: list | None = None
+) -> torch.Tensor:
     """SiTU-GLU's value (see `_SiTU` for the form): beta t s u, or beta l_beta t s t_u. With `keep` a
     list, appends t (and t_u with l_beta) for the backward."""
     g, u = upcast(gate), upcast(up)
@@ -150,8 +151,14 @@ class GatedMLP(nn.Module):
     activation: "swiglu" (SiLU(gate) * up) or "situ" (see `situ`, with `situ_beta`, `situ_linear_beta`).
     """
 
-    def __init__(self, dim: int, hidden: int, activation: str = "swiglu", situ_beta: float = 4.0,
-                 situ_linear_beta: float | None = 25.0):
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        activation: str = "swiglu",
+        situ_beta: float = 4.0,
+        situ_linear_beta: float | None = 25.0,
+    ):
         super().__init__()
         if activation not in ("swiglu", "situ"):
             raise ValueError(f"GatedMLP: `activation` must be 'swiglu' or 'situ', got {activation!r}")

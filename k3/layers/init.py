@@ -54,14 +54,20 @@ def seeded_by_name(names: dict[int, str], seed: int) -> Iterator[None]:
 
 def normal_(tensor: torch.Tensor, std: float) -> torch.Tensor:
     """tensor ~ N(0, std), in place (see the module docstring for which generator draws it)."""
-    return _draw(tensor, lambda g, shape: torch.randn(shape, generator=g, dtype=torch.float32) * std,
-                 lambda t: nn.init.normal_(t, std=std))
+    return _draw(
+        tensor,
+        lambda g, shape: torch.randn(shape, generator=g, dtype=torch.float32) * std,
+        lambda t: nn.init.normal_(t, std=std),
+    )
 
 
 def uniform_(tensor: torch.Tensor, low: float, high: float) -> torch.Tensor:
     """tensor ~ U(low, high), in place (see the module docstring for which generator draws it)."""
-    return _draw(tensor, lambda g, shape: torch.rand(shape, generator=g, dtype=torch.float32) * (high - low) + low,
-                 lambda t: nn.init.uniform_(t, low, high))
+    return _draw(
+        tensor,
+        lambda g, shape: torch.rand(shape, generator=g, dtype=torch.float32) * (high - low) + low,
+        lambda t: nn.init.uniform_(t, low, high),
+    )
 
 
 def _draw(tensor: torch.Tensor, sample: Callable, unseeded: Callable) -> torch.Tensor:
@@ -78,7 +84,7 @@ def _draw(tensor: torch.Tensor, sample: Callable, unseeded: Callable) -> torch.T
         start, stop = block * ROW_BLOCK, min((block + 1) * ROW_BLOCK, full_rows)
         generator = torch.Generator().manual_seed(_block_seed(name, block))
         values = sample(generator, (stop - start, *tensor.shape[1:]))
-        pieces.append(values[max(rows.start, start) - start:min(rows.stop, stop) - start])
+        pieces.append(values[max(rows.start, start) - start : min(rows.stop, stop) - start])
     values = torch.cat(pieces) if tensor.dim() else pieces[0].reshape(())
     for dim in range(1, tensor.dim()):  # a shard of the other dimensions: its slice of the rows
         values = values.narrow(dim, offset[dim], local.shape[dim])

@@ -34,93 +34,37 @@ prefill already paid for.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..ops import (
-    chunk_delta_rule, chunk_gated_delta_rule, chunk_kda, chunk_linear_attn, l2norm, recurrent_delta_rule,
-    recurrent_gated_delta_rule, recurrent_kda, recurrent_linear_attn,
+    chunk_delta_rule,
+    chunk_gated_delta_rule,
+    chunk_kda,
+    chunk_linear_attn,
+    l2norm,
+    recurrent_delta_rule,
+    recurrent_gated_delta_rule,
+    recurrent_kda,
+    recurrent_linear_attn,
 )
 from ..ops.common import cast
 from ..ops.delta_rule import delta_rule_step
 from ..ops.gated_delta_rule import gated_delta_rule_step
 from ..ops.kda import kda_step
 from ..ops.linear_attn import linear_attn_step
-from .cache import LayerCache
+from . import init
 from .checks import check_mixer_input
 from .conv import ShortConvolution, joint_window_step
-from .joined import join, project
-from . import init
 from .init import init_linear
+from .joined import join, project
 from .norm import RMSNorm, upcast
+from .recurrent_cache import RecurrentCache, StaticRecurrentCache
 
 OUTPUT_GATES = (None, "low_rank", "full")
 KDA_GATES = ("kimi_linear", "safe")
-
-
-@dataclass
-class RecurrentCache(LayerCache):
-    """Decode state of one linear-family layer: conv states (q, k, v) [N, D, W-1] (None for plain
-    linear attention) and the recurrent state, [N, H, K, V] (or (S, z) for linear attention)."""
-
-    conv_states: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    recurrent_state: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
-
-    tensor_fields = ("conv_states", "recurrent_state")  # nothing grows with the sequence
-
-    def conv_window(self) -> torch.Tensor:
-        """The three conv states joined along the channels, [N, 3D, W-1] (what a decode step reads)."""
-        return torch.cat(self.conv_states, dim=1)
-
-    def store(self, recurrent_state, conv_states=None, conv_window: torch.Tensor | None = None) -> None:
-        """Keep a forward's new state: the recurrent state, and the conv states as three tensors or as one
-        joined window [N, 3D, W-1] (split here). A growing cache adopts the tensors given."""
-        if conv_window is not None:
-            conv_states = tuple(conv_window.split(conv_window.shape[1] // 3, dim=1))
-        if conv_states is not None:
-            self.conv_states = tuple(conv_states)
-        self.recurrent_state = recurrent_state
-
-
-class StaticRecurrentCache(RecurrentCache):
-    """A linear-family layer's decode state in buffers allocated once, updated in place (transformers'
-    static linear-attention layers; vLLM's state pool): the three conv states as one window
-    [N, 3D, W-1] (`conv_window`, read whole by a decode step; `conv_states` gives its three views) and the
-    recurrent state [N, H, K, V] (linear attention: (S, z)). They start at zero, which is a fresh
-    sequence's state; `store` copies a forward's new state into them, so their addresses never change."""
-
-    static = True
-
-    def __init__(self, window: torch.Tensor | None, recurrent_state):
-        self._window, self.recurrent_state = window, recurrent_state
-
-    @property
-    def conv_states(self):
-        return None if self._window is None else tuple(self._window.split(self._window.shape[1] // 3, dim=1))
-
-    def conv_window(self) -> torch.Tensor:
-        return self._window
-
-    def buffers(self) -> list[torch.Tensor]:
-        """The tensors allocated for this cache: the conv window (when the layer has convolutions) and the state(s)."""
-        return [t for t in (self._window, *_as_tuple(self.recurrent_state)) if t is not None]
-
-    def store(self, recurrent_state, conv_states=None, conv_window: torch.Tensor | None = None) -> None:
-        if conv_window is not None:
-            self._window.copy_(conv_window)
-        elif conv_states is not None:
-            D = self._window.shape[1] // 3
-            for i, state in enumerate(conv_states):  # narrow: one view at a time (split's may not be written)
-                self._window.narrow(1, i * D, D).copy_(state)
-        for buffer, state in zip(_as_tuple(self.recurrent_state), _as_tuple(recurrent_state)):
-            buffer.copy_(state)
-
-    def reorder(self, index: torch.Tensor) -> None:
-        raise NotImplementedError("StaticRecurrentCache: a static cache keeps its rows in place; reorder a "
-                                  "growing cache (model.new_cache(batch_size) without max_length)")
 
 
 def _as_tuple(state) -> tuple:
@@ -150,12 +94,22 @@ class _DeltaRuleAttention(nn.Module):
     step_op = staticmethod(delta_rule_step)
     forget_input: str | None = None  # the forget gate's projection of x ("a_proj", "f_a_proj"); None: no gate
 
-    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, output_gate: str | None = "full",
-                 conv_size: int = 4, norm_eps: float = 1e-6, chunk_size: int = 64):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        *,
+        output_gate: str | None = "full",
+        conv_size: int = 4,
+        norm_eps: float = 1e-6,
+        chunk_size: int = 64,
+    ):
         super().__init__()
         if output_gate not in OUTPUT_GATES:
-            raise ValueError(f"{type(self).__name__}: `output_gate` must be None, 'low_rank' or 'full', "
-                             f"got {output_gate!r}")
+            raise ValueError(
+                f"{type(self).__name__}: `output_gate` must be None, 'low_rank' or 'full', got {output_gate!r}"
+            )
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.output_gate, self.chunk_size = output_gate, chunk_size
         inner = num_heads * head_dim
@@ -209,12 +163,14 @@ class _DeltaRuleAttention(nn.Module):
         (float32; float64 in a float64 model); `owner` and `max_length` are not needed: nothing grows."""
         w = self.q_proj.weight
         inner, W = self.num_heads * self.head_dim, self.q_conv1d.kernel_size
-        state = torch.zeros(batch_size, self.num_heads, self.head_dim, self.head_dim, dtype=upcast(w).dtype,
-                            device=w.device)
+        state = torch.zeros(
+            batch_size, self.num_heads, self.head_dim, self.head_dim, dtype=upcast(w).dtype, device=w.device
+        )
         return StaticRecurrentCache(w.new_zeros(batch_size, 3 * inner, W - 1), state)
 
-    def forward(self, x: torch.Tensor, cache: RecurrentCache | None = None,
-                fused: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: RecurrentCache | None = None, fused: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [B, T, hidden_size] -> y [B, T, hidden_size]; with `cache`, continue from its state and leave
         the new state in it. Three paths, chosen by the shapes: the whole sequence (no cache, or a prefill
         through one) runs the chunk op (the recurrent op for a first single token); one token after a
@@ -238,11 +194,10 @@ class _DeltaRuleAttention(nn.Module):
             out_gate = self.g_b_proj(out_gate)
 
         if one_step:  # short conv + SiLU as one window, q and k L2-normalised here, the op's step
-            y, window = joint_window_step([self.q_conv1d, self.k_conv1d, self.v_conv1d], [q, k, v],
-                                          cache.conv_window())
+            y, window = joint_window_step([self.q_conv1d, self.k_conv1d, self.v_conv1d], [q, k, v], cache.conv_window())
             qkv = upcast(y).view(B, 3, H, Dh)
             q, k = l2norm(qkv[:, :2]).unbind(1)  # [B, H, Dh] each
-            o, state = self.step_op(q, k, qkv[:, 2], *gate_args, beta, state, Dh ** -0.5)
+            o, state = self.step_op(q, k, qkv[:, 2], *gate_args, beta, state, Dh**-0.5)
             cache.store(state, conv_window=window)
         else:  # short conv + SiLU per projection (continuing the cache's), q and k L2-normalised by the op
             keep = cache is not None
@@ -252,11 +207,30 @@ class _DeltaRuleAttention(nn.Module):
             v, conv_v = self.v_conv1d(v, conv_in[2], keep)
             q, k, v = (upcast(t).view(B, T, H, Dh) for t in (q, k, v))
             if keep and T == 1:  # a first token, with no state yet
-                o, state = self.recurrent_op(q, k, v, *gate_args, beta, initial_state=state, output_final_state=True,
-                                             use_qk_l2norm=True, check_values=False)
+                o, state = self.recurrent_op(
+                    q,
+                    k,
+                    v,
+                    *gate_args,
+                    beta,
+                    initial_state=state,
+                    output_final_state=True,
+                    use_qk_l2norm=True,
+                    check_values=False,
+                )
             else:
-                o, state = self.chunk_op(q, k, v, *gate_args, beta, initial_state=state, output_final_state=keep,
-                                         use_qk_l2norm=True, chunk_size=self.chunk_size, check_values=False)
+                o, state = self.chunk_op(
+                    q,
+                    k,
+                    v,
+                    *gate_args,
+                    beta,
+                    initial_state=state,
+                    output_final_state=keep,
+                    use_qk_l2norm=True,
+                    chunk_size=self.chunk_size,
+                    check_values=False,
+                )
             if keep:
                 cache.store(state, conv_states=(conv_q, conv_k, conv_v))
 
@@ -314,8 +288,17 @@ class KimiDeltaAttention(_DeltaRuleAttention):
     step_op = staticmethod(kda_step)
     forget_input = "f_a_proj"
 
-    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, kda_gate: str = "kimi_linear",
-                 gate_lower_bound: float = -5.0, output_gate: str | None = "low_rank", **kwargs):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        *,
+        kda_gate: str = "kimi_linear",
+        gate_lower_bound: float = -5.0,
+        output_gate: str | None = "low_rank",
+        **kwargs,
+    ):
         if kda_gate not in KDA_GATES:
             raise ValueError(f"KimiDeltaAttention: `kda_gate` must be 'kimi_linear' or 'safe', got {kda_gate!r}")
         if not gate_lower_bound < 0:
@@ -370,8 +353,13 @@ class LinearAttention(nn.Module):
         """A zeroed state (S [B, H, K, V], z [B, H, K]) in float32 (float64 in a float64 model); no conv."""
         w = self.q_proj.weight
         dtype, H, D = upcast(w).dtype, self.num_heads, self.head_dim
-        return StaticRecurrentCache(None, (torch.zeros(batch_size, H, D, D, dtype=dtype, device=w.device),
-                                           torch.zeros(batch_size, H, D, dtype=dtype, device=w.device)))
+        return StaticRecurrentCache(
+            None,
+            (
+                torch.zeros(batch_size, H, D, D, dtype=dtype, device=w.device),
+                torch.zeros(batch_size, H, D, dtype=dtype, device=w.device),
+            ),
+        )
 
     def forward(self, x: torch.Tensor, cache: RecurrentCache | None = None) -> torch.Tensor:
         """x [B, T, hidden_size] -> y [B, T, hidden_size]; with `cache`, continue from (S, z) and update it."""
@@ -380,16 +368,22 @@ class LinearAttention(nn.Module):
         state = None if cache is None else cache.recurrent_state
         if T == 1 and state is not None:  # decode: [B, ...] tensors and the op's lean step
             q, k, v = self._features(x[:, 0])
-            o, state = linear_attn_step(q, k, v, state, self.head_dim ** -0.5)
+            o, state = linear_attn_step(q, k, v, state, self.head_dim**-0.5)
             cache.store(state)
             return self.o_proj(cast(o.reshape(B, -1), x.dtype)).unsqueeze(1)
         q, k, v = self._features(x)
         if cache is not None and T == 1:  # a first token, with no state yet
-            o, state = recurrent_linear_attn(q, k, v, initial_state=state, output_final_state=True,
-                                             check_values=False)
+            o, state = recurrent_linear_attn(q, k, v, initial_state=state, output_final_state=True, check_values=False)
         else:
-            o, state = chunk_linear_attn(q, k, v, initial_state=state, output_final_state=cache is not None,
-                                         chunk_size=self.chunk_size, check_values=False)
+            o, state = chunk_linear_attn(
+                q,
+                k,
+                v,
+                initial_state=state,
+                output_final_state=cache is not None,
+                chunk_size=self.chunk_size,
+                check_values=False,
+            )
         if cache is not None:
             cache.store(state)
         return self.o_proj(cast(o.reshape(B, T, -1), x.dtype))

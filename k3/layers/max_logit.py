@@ -20,13 +20,14 @@ import torch
 
 from ..ops.common import cast, compute_dtype
 
-MAX_SCORES = 2 ** 22  # scores of one block of queries (16 MiB in float32): the computation's memory bound
+MAX_SCORES = 2**22  # scores of one block of queries (16 MiB in float32): the computation's memory bound
 QUERY_BLOCK = 64  # the most queries a block: a block of early queries multiplies only the keys they see, so the
 # causal triangle costs about half the products of the whole square (62% at T = 256, 53% at T = 2048)
 
 
-def causal_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, start: torch.Tensor | None = None
-                      ) -> torch.Tensor:
+def causal_max_logits(
+    q: torch.Tensor, k: torch.Tensor, scale: float, start: torch.Tensor | None = None
+) -> torch.Tensor:
     """q [B, T, H, K] (the last T slots of the sequence), k [B, S, H, K] -> S_max [H]: each head's largest
     scale * q_i . k_j over the slots j <= S - T + i that query i sees (and j >= start[b], a row's empty
     leading slots, with `start` [B]), as k3.ops.attention.causal_attention masks them."""
@@ -51,8 +52,9 @@ def causal_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, start: tor
     return best * scale
 
 
-def record_max_logits(module, q: torch.Tensor, k: torch.Tensor, scale: float,
-                      start: torch.Tensor | None = None) -> None:
+def record_max_logits(
+    module, q: torch.Tensor, k: torch.Tensor, scale: float, start: torch.Tensor | None = None
+) -> None:
     """Take `causal_max_logits(q, k, scale, start)` into `module.max_logits` (the maximum with what it
     holds), when the trainer asks for it (`module.record_max_logits`) in a training forward; else nothing."""
     if not (module.record_max_logits and module.training and torch.is_grad_enabled()):

@@ -1,8 +1,8 @@
 """Multi-head Latent Attention (MLA), as in DeepSeek-V2/V3, Kimi Linear and Kimi K3.
 
-    q            = q_b(RMSNorm(q_a(x)))  (query LoRA; q_proj(x) when q_lora_rank is None)   [B, T, H, dn + dr]
-    [c | k_pe]   = kv_a_proj_with_mqa(x);  c = RMSNorm(c)                                    [B, T, r], [B, T, dr]
-    [k_nope | v] = kv_b(c) per head                                                          [B, S, H, dn], [B, S, H, dv]
+    q            = q_b(RMSNorm(q_a(x)))  (query LoRA; q_proj(x) when q_lora_rank is None)  [B, T, H, dn + dr]
+    [c | k_pe]   = kv_a_proj_with_mqa(x);  c = RMSNorm(c)                                   [B, T, r], [B, T, dr]
+    [k_nope | v] = kv_b(c) per head                                                         [B, S, H, dn], [B, S, H, dv]
     key          = [k_nope | k_pe]  (k_pe shared by all heads; NoPE by default, RoPE optional)
     o            = softmax(q key^T / sqrt(dn + dr), causal) v
     gated MLA:   o <- o * sigmoid(g_proj(x))   (Kimi K3), then y = o_proj(o)
@@ -61,7 +61,7 @@ def rotate_half_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> 
     cos = torch.cat([angles.cos(), angles.cos()], -1).view(shape)
     sin = torch.cat([angles.sin(), angles.sin()], -1).view(shape)
     xf = upcast(x)
-    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
     return (xf * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
 
 
@@ -73,9 +73,20 @@ class MultiHeadLatentAttention(nn.Module):
     record_max_logits = False  # set by k3.training.qk_clip for its training steps
     max_logits: torch.Tensor | None = None  # [H]: the largest logit of each head since it was cleared
 
-    def __init__(self, hidden_size: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
-                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, output_gate: str | None = None,
-                 rope_theta: float | None = None, norm_eps: float = 1e-6):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        *,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        output_gate: str | None = None,
+        rope_theta: float | None = None,
+        norm_eps: float = 1e-6,
+    ):
         super().__init__()
         if output_gate not in OUTPUT_GATES:
             raise ValueError(f"MultiHeadLatentAttention: `output_gate` must be None or 'full', got {output_gate!r}")
@@ -123,7 +134,7 @@ class MultiHeadLatentAttention(nn.Module):
         if self.rope_theta is not None:  # NoPE unless asked: the rope part is carried, never rotated
             if isinstance(positions, int):
                 positions = torch.arange(positions, positions + T, device=x.device)
-            q = torch.cat([q[..., : self.dn], rotate_half_rope(q[..., self.dn:], positions, self.rope_theta)], -1)
+            q = torch.cat([q[..., : self.dn], rotate_half_rope(q[..., self.dn :], positions, self.rope_theta)], -1)
             k_pe = rotate_half_rope(k_pe.unsqueeze(2), positions, self.rope_theta).squeeze(2)
         return q, c, k_pe
 
@@ -137,11 +148,19 @@ class MultiHeadLatentAttention(nn.Module):
     def new_static_cache(self, owner, batch_size: int, max_length: int) -> "StaticLatentCache":
         """Preallocated latents for `batch_size` rows of `max_length` tokens (see StaticLatentCache)."""
         w = self.kv_a_proj_with_mqa.weight
-        return StaticLatentCache(owner, c=w.new_zeros(batch_size, max_length, self.kv_lora_rank),
-                                 k_pe=w.new_zeros(batch_size, max_length, self.dr))
+        return StaticLatentCache(
+            owner,
+            c=w.new_zeros(batch_size, max_length, self.kv_lora_rank),
+            k_pe=w.new_zeros(batch_size, max_length, self.dr),
+        )
 
-    def forward(self, x: torch.Tensor, cache: LatentCache | StaticLatentCache | None = None,
-                absorb: bool | None = None, fused: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: LatentCache | StaticLatentCache | None = None,
+        absorb: bool | None = None,
+        fused: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x [B, T, hidden_size] -> y [B, T, hidden_size]. With `cache`, attend over its latents too
         and append this call's. `absorb` (default: when decoding one token from a cache) runs attention
         against the latents with kv_b folded into the query and the output. `fused`: the decode step's
@@ -157,8 +176,7 @@ class MultiHeadLatentAttention(nn.Module):
             absorb = cache is not None and T == 1
         pad = None if cache is None else cache.pad
         mask = cache.visible(T, c_all.shape[1], x.device) if cache is not None and cache.static else None
-        o = (self._absorbed(q, c_all, k_pe_all, pad, mask) if absorb
-             else self._plain(q, c_all, k_pe_all, pad, mask))
+        o = self._absorbed(q, c_all, k_pe_all, pad, mask) if absorb else self._plain(q, c_all, k_pe_all, pad, mask)
         o = o.reshape(B, T, self.num_heads * self.dv)
         if gate:  # gated MLA
             o = o * torch.sigmoid(gate[0])
@@ -175,8 +193,9 @@ class MultiHeadLatentAttention(nn.Module):
         decode step passes to `forward` as `fused`."""
         return join(self._input_projections())
 
-    def _plain(self, q, c_all, k_pe_all, pad: torch.Tensor | None = None, mask: torch.Tensor | None = None
-               ) -> torch.Tensor:
+    def _plain(
+        self, q, c_all, k_pe_all, pad: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Expand every cached latent to per-head keys and values, then causal softmax attention of the
         T queries (the last T slots) over all S slots (but a row's `pad` leading empty ones; or the slots
         `mask` [B, 1, T, S] allows, a static cache's)."""
@@ -190,10 +209,11 @@ class MultiHeadLatentAttention(nn.Module):
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b's two halves per head: W_uk [H, dn, r] (latent -> key) and W_uv [H, dv, r] (latent -> value)."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.kv_lora_rank)
-        return w[:, : self.dn], w[:, self.dn:]
+        return w[:, : self.dn], w[:, self.dn :]
 
-    def _latent_probs(self, q, c_all, k_pe_all, w_uk: torch.Tensor, pad: torch.Tensor | None = None,
-                      mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _latent_probs(
+        self, q, c_all, k_pe_all, w_uk: torch.Tensor, pad: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Causal attention probabilities [B, H*T, S] (rows head-major: h * T + i; in q's dtype) against
         the latents, with scores = (W_uk^T q_nope) . c + q_pe . k_pe; query i sits at slot S - T + i
         (and sees no slot before pad[b], a row's empty leading ones), or sees the slots `mask`
@@ -205,7 +225,7 @@ class MultiHeadLatentAttention(nn.Module):
         S = c_all.shape[1]
         q_nope = q[..., : self.dn].permute(2, 0, 1, 3).reshape(H, B * T, self.dn)
         q_latent = torch.bmm(q_nope, w_uk).view(H, B, T, -1).transpose(0, 1).reshape(B, H * T, -1)  # [B, H*T, r]
-        q_pe = q[..., self.dn:].transpose(1, 2).reshape(B, H * T, self.dr)
+        q_pe = q[..., self.dn :].transpose(1, 2).reshape(B, H * T, self.dr)
         scores = torch.bmm(q_pe, k_pe_all.transpose(1, 2))  # [B, H*T, S]
         scores = upcast(torch.baddbmm(scores, q_latent, c_all.transpose(1, 2)).mul_(self.scale))
         allowed = causal_mask(T, S, pad, q.device) if mask is None else mask  # None: one query, a full cache
@@ -213,8 +233,9 @@ class MultiHeadLatentAttention(nn.Module):
             scores = scores.view(B, H, T, S).masked_fill(~allowed, float("-inf")).view(B, H * T, S)
         return cast(torch.softmax(scores, dim=-1), q.dtype)
 
-    def _absorbed(self, q, c_all, k_pe_all, pad: torch.Tensor | None = None, mask: torch.Tensor | None = None
-                  ) -> torch.Tensor:
+    def _absorbed(
+        self, q, c_all, k_pe_all, pad: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Attention against the latents: o = W_uv (p . c) per head with p from `_latent_probs`
         -> [B, T, H, dv]."""
         B, T, H, _ = q.shape

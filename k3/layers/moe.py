@@ -24,9 +24,9 @@ Dispatch (`RoutedExperts`) costs what the k chosen experts cost, not all E, one 
 decoding: the assignments grouped by expert in slots, every slot at once as three batched matmuls against its
 expert's matrices gathered by index, the number of slots set by the shapes alone, so nothing is read back to
 the host and the forward compiles whole (a few tokens: one slot per assignment, gpt-fast's Mixtral). A decode
-step (k3.inference.decode_step) passes the experts stacked once (`fused`, from `MoE.fuse_for_decoding`). It is a module of its own so
-that expert parallelism (k3.training.parallel) plugs in from outside: a process keeps a slice of the
-experts, and hooks on this module gather the tokens before it and sum the slices' outputs after it.
+step (k3.inference.decode_step) passes the experts stacked once (`fused`, from `MoE.fuse_for_decoding`). It
+is a module of its own so that expert parallelism (k3.training.parallel) plugs in from outside: a process keeps
+a slice of the experts, and hooks on this module gather the tokens before it and sum the slices' outputs after it.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.common import cast
-from .ffn import GatedMLP, situ
 from . import init
+from .ffn import GatedMLP, situ
 from .init import init_linear
 from .joined import join, project
 from .norm import RMSNorm, upcast
@@ -62,8 +62,14 @@ class Expert(nn.Module):
     nn.Linear submodules: Kimi K3 has 82,432 experts and a module per matrix would make building it
     on the meta device take minutes. Checkpoints' `experts.N.w1.weight` map to `experts.N.w1`."""
 
-    def __init__(self, dim: int, hidden: int, activation: str = "swiglu", situ_beta: float = 4.0,
-                 situ_linear_beta: float | None = 25.0):
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        activation: str = "swiglu",
+        situ_beta: float = 4.0,
+        situ_linear_beta: float | None = 25.0,
+    ):
         super().__init__()
         self.activation, self.situ_beta, self.situ_linear_beta = activation, situ_beta, situ_linear_beta
         self.w1 = nn.Parameter(torch.empty(hidden, dim))
@@ -78,7 +84,7 @@ class Expert(nn.Module):
             return
         if std is None:  # nn.Linear's default for each matrix
             for w in (self.w1, self.w3, self.w2):
-                init.uniform_(w, -w.shape[1] ** -0.5, w.shape[1] ** -0.5)
+                init.uniform_(w, -(w.shape[1] ** -0.5), w.shape[1] ** -0.5)
             return
         init.normal_(self.w1, std)
         init.normal_(self.w3, std)
@@ -98,8 +104,9 @@ class Expert(nn.Module):
 class Router(nn.Module):
     """Sigmoid router with the aux-loss-free correction bias (`weight` [E, d], `e_score_correction_bias` [E])."""
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, routed_scaling_factor: float = 1.0,
-                 renormalize: bool = True):
+    def __init__(
+        self, dim: int, num_experts: int, top_k: int, routed_scaling_factor: float = 1.0, renormalize: bool = True
+    ):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"Router: `top_k` must be in [1, num_experts = {num_experts}], got {top_k}")
@@ -158,8 +165,13 @@ class RoutedExperts(nn.ModuleList):
     be None: under expert parallelism a process holds only its own slice of the experts; assignments to
     the others go to no slot (their processes compute them)."""
 
-    def forward(self, z: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
-                stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        z: torch.Tensor,
+        chosen: torch.Tensor,
+        weights: torch.Tensor,
+        stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """z [N, d], chosen [N, k] expert indices, weights [N, k] -> [N, d]. `stack`: the held experts'
         (W1, W3, W2) stacked once (`stack_for_decoding`, a decode step's copy), a keyword (expert
         parallelism's hooks see the three tensors before it); without it they are stacked here."""
@@ -207,8 +219,10 @@ class RoutedExperts(nn.ModuleList):
         stack them again). None past STACKED_BYTES_LIMIT bytes, and for experts that are not plain `Expert`s
         (MXFP4: kept packed, decoded as each forward stacks them)."""
         held = [e for e in self if e is not None]
-        if not all(type(e) is Expert for e in held) or sum(
-                p.numel() * p.element_size() for e in held for p in (e.w1, e.w3, e.w2)) > STACKED_BYTES_LIMIT:
+        if (
+            not all(type(e) is Expert for e in held)
+            or sum(p.numel() * p.element_size() for e in held for p in (e.w1, e.w3, e.w2)) > STACKED_BYTES_LIMIT
+        ):
             return None
         return tuple(torch.stack([getattr(e, name).detach() for e in held]) for name in ("w1", "w3", "w2"))
 
@@ -230,17 +244,33 @@ def slot_capacity(assignments: int, experts: int) -> int:
 class MoE(nn.Module):
     """Routed experts (optionally in a latent space) plus shared experts. See the module docstring."""
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, expert_hidden: int, *, num_shared: int = 1,
-                 latent_dim: int | None = None, activation: str = "swiglu", situ_beta: float = 4.0,
-                 situ_linear_beta: float | None = 25.0, routed_scaling_factor: float = 1.0, renormalize: bool = True,
-                 norm_eps: float = 1e-6):
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        expert_hidden: int,
+        *,
+        num_shared: int = 1,
+        latent_dim: int | None = None,
+        activation: str = "swiglu",
+        situ_beta: float = 4.0,
+        situ_linear_beta: float | None = 25.0,
+        routed_scaling_factor: float = 1.0,
+        renormalize: bool = True,
+        norm_eps: float = 1e-6,
+    ):
         super().__init__()
         expert_dim = dim if latent_dim is None else latent_dim
         self.gate = Router(dim, num_experts, top_k, routed_scaling_factor, renormalize)
-        self.experts = RoutedExperts(Expert(expert_dim, expert_hidden, activation, situ_beta, situ_linear_beta)
-                                     for _ in range(num_experts))
-        self.shared_experts = (GatedMLP(dim, num_shared * expert_hidden, activation, situ_beta, situ_linear_beta)
-                               if num_shared > 0 else None)
+        self.experts = RoutedExperts(
+            Expert(expert_dim, expert_hidden, activation, situ_beta, situ_linear_beta) for _ in range(num_experts)
+        )
+        self.shared_experts = (
+            GatedMLP(dim, num_shared * expert_hidden, activation, situ_beta, situ_linear_beta)
+            if num_shared > 0
+            else None
+        )
         if latent_dim is not None:
             self.latent_down_proj = nn.Linear(dim, latent_dim, bias=False)
             self.latent_norm = RMSNorm(latent_dim, eps=norm_eps)
@@ -279,7 +309,8 @@ class MoE(nn.Module):
         projected = project(h, self._input_projections(), None if fused is None else fused.inputs)
         z = h if self.latent_dim is None else projected.pop(0)
         self.last_load = torch.zeros(len(self.experts), dtype=torch.long, device=chosen.device).index_add_(
-            0, chosen.flatten(), torch.ones_like(chosen.flatten()))
+            0, chosen.flatten(), torch.ones_like(chosen.flatten())
+        )
         routed = self.experts(z, chosen, weights, stack=None if fused is None else fused.experts)
         if self.latent_dim is not None:
             routed = self.latent_up_proj(self.latent_norm(routed))

@@ -23,13 +23,22 @@ PARTS = ("weight_packed", "weight_scale")
 class MXFP4Expert(nn.Module):
     """One routed expert, w2(act(w1 x) * w3 x), whose matrices stay MXFP4-encoded (module docstring)."""
 
-    def __init__(self, dim: int, hidden: int, activation: str = "swiglu", situ_beta: float = 4.0,
-                 situ_linear_beta: float | None = 25.0, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        activation: str = "swiglu",
+        situ_beta: float = 4.0,
+        situ_linear_beta: float | None = 25.0,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         for size in (dim, hidden):
             if size % mxfp4.GROUP_SIZE:
-                raise ValueError(f"MXFP4Expert: the expert's sizes must be multiples of {mxfp4.GROUP_SIZE} "
-                                 f"(one scale per {mxfp4.GROUP_SIZE} inputs), got dim {dim}, hidden {hidden}")
+                raise ValueError(
+                    f"MXFP4Expert: the expert's sizes must be multiples of {mxfp4.GROUP_SIZE} "
+                    f"(one scale per {mxfp4.GROUP_SIZE} inputs), got dim {dim}, hidden {hidden}"
+                )
         self.activation, self.situ_beta, self.situ_linear_beta = activation, situ_beta, situ_linear_beta
         self.dtype = dtype  # what the matrices decode to; follows model.to(dtype)
         shapes = {"w1": (hidden, dim), "w3": (hidden, dim), "w2": (dim, hidden)}
@@ -75,16 +84,18 @@ class MXFP4Expert(nn.Module):
                 buffer = getattr(self, f"{name}_{suffix}")
                 destination[f"{prefix}{name}.{part}"] = buffer if keep_vars else buffer.detach()
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         for name in MATRICES:
             for part, suffix in zip(PARTS, ("packed", "scale")):
                 key, buffer = f"{prefix}{name}.{part}", getattr(self, f"{name}_{suffix}")
                 if key not in state_dict:
                     missing_keys.append(key)
                 elif state_dict[key].shape != buffer.shape:
-                    error_msgs.append(f"size mismatch for {key}: checkpoint {list(state_dict[key].shape)}, "
-                                      f"model {list(buffer.shape)}")
+                    error_msgs.append(
+                        f"size mismatch for {key}: checkpoint {list(state_dict[key].shape)}, model {list(buffer.shape)}"
+                    )
                 else:
                     with torch.no_grad():
                         buffer.copy_(state_dict[key])

@@ -106,5 +106,7 @@ class HybridCache:
         return out
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}({self.config.name!r}, batch_size={self.batch_size}, length={self.length}, "
-                f"nbytes={self.nbytes():,})")
+        return (
+            f"{type(self).__name__}({self.config.name!r}, batch_size={self.batch_size}, length={self.length}, "
+            f"nbytes={self.nbytes():,})"
+        )

@@ -96,24 +96,37 @@ class ModelConfig:
             need(getattr(self, name) > 0, f"`{name}` must be positive, got {getattr(self, name)}")
         for name in ("norm_eps", "situ_beta", "routed_scaling_factor"):  # finite and > 0 (NaN fails it too)
             need(0 < getattr(self, name) < math.inf, f"`{name}` must be a finite number > 0, got {getattr(self, name)}")
-        need(self.rope_theta is None or 0 < self.rope_theta < math.inf,
-             f"`rope_theta` must be None (no rotary positions) or a finite number > 0, got {self.rope_theta}")
+        need(
+            self.rope_theta is None or 0 < self.rope_theta < math.inf,
+            f"`rope_theta` must be None (no rotary positions) or a finite number > 0, got {self.rope_theta}",
+        )
         for name, values in (("layer_types", self.layer_types), ("mlp_types", self.mlp_types)):
-            need(len(values) == self.num_layers,
-                 f"`{name}` has {len(values)} entries but `num_layers` is {self.num_layers}",
-                 "give one entry per layer")
+            need(
+                len(values) == self.num_layers,
+                f"`{name}` has {len(values)} entries but `num_layers` is {self.num_layers}",
+                "give one entry per layer",
+            )
         for t in self.layer_types:
             need(t in MIXERS, f"unknown layer type {t!r} in `layer_types`", f"choose from {MIXERS}")
         for t in self.mlp_types:
             need(t in FFNS, f"unknown FFN type {t!r} in `mlp_types`", f"choose from {FFNS}")
         need(self.norm in ("rmsnorm", "layernorm"), f"`norm` must be 'rmsnorm' or 'layernorm', got {self.norm!r}")
-        need(self.ffn_activation in ("gelu", "swiglu", "situ"),
-             f"`ffn_activation` must be 'gelu', 'swiglu' or 'situ', got {self.ffn_activation!r}")
-        need(self.kda_gate in ("kimi_linear", "safe"), f"`kda_gate` must be 'kimi_linear' or 'safe', got {self.kda_gate!r}")
-        need(math.isfinite(self.kda_gate_lower_bound) and self.kda_gate_lower_bound < 0,
-             f"`kda_gate_lower_bound` must be a finite negative number, got {self.kda_gate_lower_bound}")
-        need(self.linear_output_gate in (None, "low_rank", "full"),
-             f"`linear_output_gate` must be None, 'low_rank' or 'full', got {self.linear_output_gate!r}")
+        need(
+            self.ffn_activation in ("gelu", "swiglu", "situ"),
+            f"`ffn_activation` must be 'gelu', 'swiglu' or 'situ', got {self.ffn_activation!r}",
+        )
+        need(
+            self.kda_gate in ("kimi_linear", "safe"),
+            f"`kda_gate` must be 'kimi_linear' or 'safe', got {self.kda_gate!r}",
+        )
+        need(
+            math.isfinite(self.kda_gate_lower_bound) and self.kda_gate_lower_bound < 0,
+            f"`kda_gate_lower_bound` must be a finite negative number, got {self.kda_gate_lower_bound}",
+        )
+        need(
+            self.linear_output_gate in (None, "low_rank", "full"),
+            f"`linear_output_gate` must be None, 'low_rank' or 'full', got {self.linear_output_gate!r}",
+        )
         for name in dict.fromkeys(self.layer_types):
             for problem in kinds.MIXERS[name].check(self):
                 need(False, problem)
@@ -121,10 +134,14 @@ class ModelConfig:
             for problem in kinds.FFNS[name].check(self):
                 need(False, problem)
         if self.norm == "layernorm" or self.ffn_activation == "gelu" or self.max_position_embeddings:
-            need(set(self.layer_types) <= {"mha"},
-                 "LayerNorm, GELU MLP and learned positions are GPT-2's: they go with 'mha' layers only")
-        need(self.attn_res_block_size is None or self.attn_res_block_size > 0,
-             f"`attn_res_block_size` must be None or positive, got {self.attn_res_block_size}")
+            need(
+                set(self.layer_types) <= {"mha"},
+                "LayerNorm, GELU MLP and learned positions are GPT-2's: they go with 'mha' layers only",
+            )
+        need(
+            self.attn_res_block_size is None or self.attn_res_block_size > 0,
+            f"`attn_res_block_size` must be None or positive, got {self.attn_res_block_size}",
+        )
 
     # -- convenience --------------------------------------------------------------------------------
     def replace(self, **changes) -> "ModelConfig":
@@ -145,7 +162,6 @@ class ModelConfig:
         """Read a Kimi Linear / Kimi K3 `config.json` (the Hub's or transformers' spelling; a nested
         `text_config` is used when present). See `k3.checkpoints.hf_config` for the field mapping."""
         return cls(**fields_from_hf(hf))
-
 
 
 def check_field_names(names, where: str) -> None:

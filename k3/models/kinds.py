@@ -26,8 +26,19 @@ from typing import Iterator
 from torch import nn
 
 from ..layers import (
-    DeltaNet, GatedDeltaNet, GatedMLP, GeluMLP, KimiDeltaAttention, KVCache, LatentCache, LayerCache,
-    LinearAttention, MoE, MultiHeadAttention, MultiHeadLatentAttention, RecurrentCache,
+    DeltaNet,
+    GatedDeltaNet,
+    GatedMLP,
+    GeluMLP,
+    KimiDeltaAttention,
+    KVCache,
+    LatentCache,
+    LayerCache,
+    LinearAttention,
+    MoE,
+    MultiHeadAttention,
+    MultiHeadLatentAttention,
+    RecurrentCache,
 )
 
 STATE_BYTES = 4  # recurrent states are kept in float32
@@ -69,8 +80,10 @@ class SoftmaxAttention(MixerKind):
 
     def check(self, c):
         if not (c.num_heads > 0 and c.hidden_size % c.num_heads == 0):
-            yield (f"`hidden_size` ({c.hidden_size}) must be divisible by `num_heads` ({c.num_heads}); pick a head "
-                   f"count that divides the width")
+            yield (
+                f"`hidden_size` ({c.hidden_size}) must be divisible by `num_heads` ({c.num_heads}); pick a head "
+                f"count that divides the width"
+            )
 
     def build(self, c):
         return MultiHeadAttention(c.hidden_size, c.num_heads)
@@ -104,17 +117,31 @@ class LatentAttention(MixerKind):
 
     def build(self, c):
         return MultiHeadLatentAttention(
-            c.hidden_size, c.num_heads, q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
-            qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
-            output_gate="full" if c.mla_output_gate else None, rope_theta=c.rope_theta,
+            c.hidden_size,
+            c.num_heads,
+            q_lora_rank=c.q_lora_rank,
+            kv_lora_rank=c.kv_lora_rank,
+            qk_nope_head_dim=c.qk_nope_head_dim,
+            qk_rope_head_dim=c.qk_rope_head_dim,
+            v_head_dim=c.v_head_dim,
+            output_gate="full" if c.mla_output_gate else None,
+            rope_theta=c.rope_theta,
             # the latent norms keep DeepSeek's eps 1e-6 whatever rms_norm_eps says, as Kimi Linear does
-            norm_eps=1e-6)
+            norm_eps=1e-6,
+        )
 
     def new_cache(self):
         return LatentCache()
 
     def params(self, c):
-        d, H, dn, dr, dv, r = c.hidden_size, c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        d, H, dn, dr, dv, r = (
+            c.hidden_size,
+            c.num_heads,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+            c.kv_lora_rank,
+        )
         rq = c.q_lora_rank
         q = d * H * (dn + dr) if rq is None else d * rq + rq + rq * H * (dn + dr)  # q_proj, or q_a, its norm, q_b
         gate = d * H * dv if c.mla_output_gate else 0
@@ -129,8 +156,10 @@ class _LinearFamily(MixerKind):
 
     def check(self, c):
         if not (c.linear_num_heads > 0 and c.linear_head_dim > 0):
-            yield (f"`linear_num_heads` and `linear_head_dim` must be positive, got {c.linear_num_heads} and "
-                   f"{c.linear_head_dim}")
+            yield (
+                f"`linear_num_heads` and `linear_head_dim` must be positive, got {c.linear_num_heads} and "
+                f"{c.linear_head_dim}"
+            )
         if c.conv_size < 1:
             yield f"`conv_size` must be >= 1, got {c.conv_size}"
 
@@ -161,8 +190,9 @@ class DeltaRule(_LinearFamily):
     layer: type
 
     def layer_options(self, c) -> dict:
-        return dict(output_gate=c.linear_output_gate, conv_size=c.conv_size, norm_eps=c.norm_eps,
-                    chunk_size=c.chunk_size)
+        return dict(
+            output_gate=c.linear_output_gate, conv_size=c.conv_size, norm_eps=c.norm_eps, chunk_size=c.chunk_size
+        )
 
     def build(self, c):
         return self.layer(c.hidden_size, c.linear_num_heads, c.linear_head_dim, **self.layer_options(c))
@@ -204,10 +234,17 @@ class KimiDeltaAttentionKind(DeltaRule):
         return d * K + K * H * K + H + H * K  # f_a, f_b, A_log, dt_bias
 
 
-MIXERS: dict[str, MixerKind] = {kind.name: kind for kind in (
-    SoftmaxAttention(), LinearAttentionKind(), DeltaNetKind(), GatedDeltaNetKind(), KimiDeltaAttentionKind(),
-    LatentAttention(),
-)}
+MIXERS: dict[str, MixerKind] = {
+    kind.name: kind
+    for kind in (
+        SoftmaxAttention(),
+        LinearAttentionKind(),
+        DeltaNetKind(),
+        GatedDeltaNetKind(),
+        KimiDeltaAttentionKind(),
+        LatentAttention(),
+    )
+}
 
 
 class FFNKind:
@@ -253,11 +290,15 @@ class MixtureOfExperts(FFNKind):
 
     def check(self, c):
         if not (c.num_experts > 0 and c.moe_intermediate_size > 0):
-            yield (f"MoE layers need `num_experts` and `moe_intermediate_size` > 0, got {c.num_experts} and "
-                   f"{c.moe_intermediate_size}")
+            yield (
+                f"MoE layers need `num_experts` and `moe_intermediate_size` > 0, got {c.num_experts} and "
+                f"{c.moe_intermediate_size}"
+            )
         if not 1 <= c.num_experts_per_tok <= c.num_experts:
-            yield (f"`num_experts_per_tok` ({c.num_experts_per_tok}) must be in [1, num_experts = {c.num_experts}]; "
-                   f"lower top-k or add experts")
+            yield (
+                f"`num_experts_per_tok` ({c.num_experts_per_tok}) must be in [1, num_experts = {c.num_experts}]; "
+                f"lower top-k or add experts"
+            )
         if c.num_shared_experts < 0:
             yield f"`num_shared_experts` must be >= 0, got {c.num_shared_experts}"
         if c.ffn_activation == "gelu":
@@ -266,10 +307,20 @@ class MixtureOfExperts(FFNKind):
             yield f"`moe_latent_size` must be None or positive, got {c.moe_latent_size}"
 
     def build(self, c):
-        return MoE(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
-                   num_shared=c.num_shared_experts, latent_dim=c.moe_latent_size, activation=c.ffn_activation,
-                   situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta,
-                   routed_scaling_factor=c.routed_scaling_factor, renormalize=c.moe_renormalize, norm_eps=c.norm_eps)
+        return MoE(
+            c.hidden_size,
+            c.num_experts,
+            c.num_experts_per_tok,
+            c.moe_intermediate_size,
+            num_shared=c.num_shared_experts,
+            latent_dim=c.moe_latent_size,
+            activation=c.ffn_activation,
+            situ_beta=c.situ_beta,
+            situ_linear_beta=c.situ_linear_beta,
+            routed_scaling_factor=c.routed_scaling_factor,
+            renormalize=c.moe_renormalize,
+            norm_eps=c.norm_eps,
+        )
 
     def _per_expert(self, c) -> int:
         return 3 * (c.moe_latent_size or c.hidden_size) * c.moe_intermediate_size

@@ -48,8 +48,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
         dw = torch.zeros(w.shape, dtype=acc, device=w.device) if want_w else None
         with without_autocast(h_all):
             for start in range(0, h_all.shape[0], tokens_per_piece):
-                h, y = h_all[start:start + tokens_per_piece], targets[start:start + tokens_per_piece, None]
-                c = scale[start:start + tokens_per_piece, None].to(acc)  # [n, 1]
+                h, y = h_all[start : start + tokens_per_piece], targets[start : start + tokens_per_piece, None]
+                c = scale[start : start + tokens_per_piece, None].to(acc)  # [n, 1]
                 logits = (h @ w.t()).to(acc)  # [n, V]
                 picked = logits.gather(1, y)  # the target's logit, [n, 1]
                 top = logits.amax(1, keepdim=True)
@@ -69,24 +69,27 @@ class _HeadCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         dh, dw = ctx.saved_tensors
         if (ctx.needs_input_grad[0] and dh is None) or (ctx.needs_input_grad[1] and dw is None):
-            raise RuntimeError("head_cross_entropy: the gradient is formed in the forward pass; run it with "
-                               "gradients enabled to differentiate it")
+            raise RuntimeError(
+                "head_cross_entropy: the gradient is formed in the forward pass; run it with "
+                "gradients enabled to differentiate it"
+            )
         grad_h = None if dh is None else (dh * grad_loss).to(ctx.dtypes[0])
         grad_w = None if dw is None else (dw * grad_loss).to(ctx.dtypes[1])
         return grad_h, grad_w, None, None, None, None
 
 
-def _accumulate(grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, dh: torch.Tensor | None,
-                dw: torch.Tensor | None, start: int) -> None:
+def _accumulate(
+    grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, dh: torch.Tensor | None, dw: torch.Tensor | None, start: int
+) -> None:
     """dh[piece] = grad W and dW += grad^T h for one piece; in place when the matmuls run in the sums'
     dtype, else (autocast's bf16 products) added in float32."""
     n = grad.shape[0]
     same = grad.dtype == (dh if dh is not None else dw).dtype
     if dh is not None:
         if same:
-            torch.mm(grad, w, out=dh[start:start + n])
+            torch.mm(grad, w, out=dh[start : start + n])
         else:
-            dh[start:start + n] = grad @ w
+            dh[start : start + n] = grad @ w
     if dw is not None:
         if same:
             dw.addmm_(grad.t(), h)
@@ -94,21 +97,25 @@ def _accumulate(grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, dh: torch.
             dw += grad.t() @ h
 
 
-def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                       reduction: str = "mean", piece: int = HEAD_PIECE) -> torch.Tensor:
+def head_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "mean", piece: int = HEAD_PIECE
+) -> torch.Tensor:
     """Cross-entropy of the logits hidden @ weight^T against `targets`, without forming them whole.
 
     hidden [N, d], weight [V, d] (the LM head's, or the tied embedding), targets [N] token ids, where
     IGNORE_INDEX (-100, PyTorch's and transformers' convention) marks a token that does not count;
-    `reduction` "mean" (over the counted tokens) or "sum". Computed in float32 (float64 for float64 inputs), `piece` logits at
-    a time (whole tokens, at least one); equals F.cross_entropy(hidden @ weight^T, targets) to rounding.
+    `reduction` "mean" (over the counted tokens) or "sum". Computed in float32 (float64 for float64 inputs),
+    `piece` logits at a time (whole tokens, at least one); equals F.cross_entropy(hidden @ weight^T, targets)
+    to rounding.
     With gradients enabled the gradient is formed during this call (see `_HeadCrossEntropy`)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"head_cross_entropy: `reduction` must be 'mean' or 'sum', got {reduction!r}")
     targets = targets.reshape(-1)
     if hidden.dim() != 2 or hidden.shape[0] != targets.numel():
-        raise ValueError(f"head_cross_entropy: `hidden` must be [N, d] with N = {targets.numel()} (the targets), "
-                         f"got {list(hidden.shape)}")
+        raise ValueError(
+            f"head_cross_entropy: `hidden` must be [N, d] with N = {targets.numel()} (the targets), "
+            f"got {list(hidden.shape)}"
+        )
     # every token goes through the head (no data-dependent selection: nothing is read back to the host);
     # an ignored one's weight is 0, and its target a valid index that it never counts for
     counted = targets != IGNORE_INDEX

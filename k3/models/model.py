@@ -26,139 +26,18 @@ from torch import nn
 
 from ..checkpoints import checkpoint, loading
 from ..inference import generation
-from ..layers import BlockAttnRes, DepthSources, MoE, RMSNorm
-from ..layers import init
+from ..layers import MoE, init
 from ..layers.init import STD
 from .cache import HybridCache
 from .config import ModelConfig
-from .kinds import FFNS, MIXERS, cache_bytes
+from .decoder import Decoder
+from .kinds import cache_bytes
 from .loss import IGNORE_INDEX, head_cross_entropy
 from .static_cache import StaticCache
 
 # Tokens per forward when a long input runs into a cache: prefill memory grows linearly with the prompt
 # (the recurrent states are fixed; attention scores are at most a piece of queries by the cached keys).
 PREFILL_PIECE = 2048
-
-
-def build_norm(config: ModelConfig, dim: int) -> nn.Module:
-    if config.norm == "layernorm":
-        return nn.LayerNorm(dim, eps=config.norm_eps)
-    return RMSNorm(dim, eps=config.norm_eps)
-
-
-def starts_attn_res_block(config: ModelConfig, index: int) -> bool:
-    """Whether decoder layer `index` starts a Block AttnRes block (and so makes the running sum a source)."""
-    return config.attn_res_block_size is not None and index % config.attn_res_block_size == 0
-
-
-def attn_res_source_counts(config: ModelConfig) -> list[int]:
-    """How many sources each AttnRes mix reads, in the order the decoder runs them: before attention and
-    before the FFN of every layer, then the final one ([] without AttnRes)."""
-    if config.attn_res_block_size is None:
-        return []
-    blocks, counts = 0, []
-    for i in range(config.num_layers):
-        if starts_attn_res_block(config, i):
-            blocks += 1
-            counts.append(blocks)  # the completed sources only: the new running sum is still empty
-        else:
-            counts.append(blocks + 1)
-        counts.append(blocks + 1)
-    return counts + [blocks + 1]
-
-
-def _given(fused) -> dict:
-    """The keyword that hands a layer its decode-time weight copies, when it has some."""
-    return {} if fused is None else {"fused": fused}
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm mixer + FFN (Kimi Linear names), with the two AttnRes queries when the model uses them."""
-
-    def __init__(self, config: ModelConfig, index: int):
-        super().__init__()
-        self.layer_type, self.mlp_type = config.layer_types[index], config.mlp_types[index]
-        self.starts_block = starts_attn_res_block(config, index)
-        self.input_layernorm = build_norm(config, config.hidden_size)
-        self.self_attn = MIXERS[self.layer_type].build(config)
-        self.post_attention_layernorm = build_norm(config, config.hidden_size)
-        ffn = FFNS[self.mlp_type]
-        setattr(self, ffn.attribute, ffn.build(config))
-        self._ffn_attribute = ffn.attribute
-        self.attn_res = self.mlp_res = None
-        if config.attn_res_block_size is not None:
-            self.attn_res = BlockAttnRes(config.hidden_size, eps=config.norm_eps)
-            self.mlp_res = BlockAttnRes(config.hidden_size, eps=config.norm_eps)
-
-    @property
-    def ffn(self) -> nn.Module:
-        """The feed-forward block: `mlp` (dense) or `block_sparse_moe` (MoE)."""
-        return getattr(self, self._ffn_attribute)
-
-    def forward(self, x: torch.Tensor | None, cache=None, blocks: list[torch.Tensor] | DepthSources = (),
-                fused: tuple = (None, None)) -> torch.Tensor:
-        """The whole layer: x [B, T, d] -> x + attention, then + FFN (pre-norm), updating `cache`.
-
-        With Block AttnRes, x is the current block's partial sum (None in a block's first layer, where
-        the decoder has just made the previous sum a source) and `blocks` the completed sources; each
-        sub-layer reads a depth mix of [*blocks, x] instead of x (`blocks` may be a static decode step's
-        `DepthSources` buffer). `fused`: (the mixer's, the FFN's) weight copies a decode step passes
-        (`k3.layers.joined`; None where there are none). Returns the new partial sum."""
-        mixer_fused, ffn_fused = fused
-        h = self._read(self.attn_res, blocks, x)
-        out = self.self_attn(self.input_layernorm(h), cache=cache, **_given(mixer_fused))
-        x = out if x is None else x + out
-        return x + self.ffn(self.post_attention_layernorm(self._read(self.mlp_res, blocks, x)), **_given(ffn_fused))
-
-    @staticmethod
-    def _read(mix: BlockAttnRes | None, blocks, x: torch.Tensor | None) -> torch.Tensor:
-        if mix is None:  # a plain residual stream
-            return x
-        if isinstance(blocks, DepthSources):
-            return blocks.read(mix, x)
-        return mix(list(blocks) if x is None else [*blocks, x])
-
-
-class Decoder(nn.Module):
-    """Embeddings, layers and the final norm (the checkpoints' `model.` prefix)."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        if config.max_position_embeddings:
-            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.final_res = None
-        if config.attn_res_block_size is not None:
-            self.final_res = BlockAttnRes(config.hidden_size, eps=config.norm_eps)
-        self.norm = build_norm(config, config.hidden_size)
-
-    def forward(self, input_ids: torch.Tensor, caches: list | None, positions: torch.Tensor | None = None,
-                sources: torch.Tensor | None = None, fused: list[tuple] | None = None) -> torch.Tensor:
-        """input_ids [B, T] at `positions` ([T] or [B, T]: each row's own, as the cache gives them; None:
-        0 ... T - 1), continuing the layer `caches` when given -> the final hidden states [B, T, d].
-        `sources`: a buffer [n, B, T, d] for the Block AttnRes sources (a static decode step's). `fused`:
-        each layer's weight copies (`CausalLM.decoding_weights`: decoding's)."""
-        x = self.embed_tokens(input_ids)
-        if self.config.max_position_embeddings:
-            if positions is None:
-                positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-            x = x + self.embed_positions(positions.to(input_ids.device))
-        # Block AttnRes: the completed sources, the embedding first
-        blocks: list[torch.Tensor] | DepthSources = [] if sources is None else DepthSources(sources)
-        none = [None] * len(self.layers)
-        for layer, cache, copies in zip(self.layers, caches or none, fused or [(None, None)] * len(self.layers)):
-            if layer.starts_block:  # the running sum becomes a source of its own
-                if isinstance(blocks, DepthSources):
-                    blocks.add(x)
-                else:
-                    blocks = blocks + [x]
-                x = None
-            x = layer(x, cache, blocks, copies)
-        if self.final_res is not None:
-            x = self.final_res(blocks + [x]) if isinstance(blocks, list) else blocks.read(self.final_res, x)
-        return self.norm(x)
 
 
 class CausalLM(nn.Module):
@@ -170,12 +49,14 @@ class CausalLM(nn.Module):
         super().__init__()
         if not isinstance(config, ModelConfig):
             hint = f"CausalLM(get_config({config!r}))" if isinstance(config, str) else "CausalLM(get_config(name))"
-            raise TypeError(f"CausalLM takes a ModelConfig, got {type(config).__name__} {config!r:.60}: {hint} "
-                            f"builds a preset, CausalLM.from_pretrained(folder) loads a checkpoint")
+            raise TypeError(
+                f"CausalLM takes a ModelConfig, got {type(config).__name__} {config!r:.60}: {hint} "
+                f"builds a preset, CausalLM.from_pretrained(folder) loads a checkpoint"
+            )
         self.config = config
         # the seed of this model's weights: the global generator's next draw, taken first, so a model
         # built on the meta device (whose layers draw nothing) gets the same one as a model built whole
-        self.init_seed = int(torch.empty((), dtype=torch.int64, device="cpu").random_(0, 2 ** 62))
+        self.init_seed = int(torch.empty((), dtype=torch.int64, device="cpu").random_(0, 2**62))
         self.model = Decoder(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -235,14 +116,23 @@ class CausalLM(nn.Module):
         """The weight copies decoding reads (k3.layers.joined), from the weights as they are now: for each decoder
         layer, (its mixer's, its FFN's) `fuse_for_decoding()` (the joined projections, a MoE's stacked experts),
         None where the module has none. Give them back as `forward(..., fused=)` (a decode step keeps its own)."""
+
         def fused(module):
             return module.fuse_for_decoding() if hasattr(module, "fuse_for_decoding") else None
 
         return [(fused(layer.self_attn), fused(layer.ffn)) for layer in self.model.layers]
 
-    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None, *,
-                targets: torch.Tensor | None = None, reduction: str = "mean", logits_to_keep: int = 0,
-                prefill_piece: int | None = None, fused: list[tuple] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: HybridCache | None = None,
+        *,
+        targets: torch.Tensor | None = None,
+        reduction: str = "mean",
+        logits_to_keep: int = 0,
+        prefill_piece: int | None = None,
+        fused: list[tuple] | None = None,
+    ) -> torch.Tensor:
         """input_ids [B, T] (int64) -> logits [B, T, vocab_size]. With `cache`, continue after the tokens
         it has seen and leave the new state in it (T > 1: chunked prefill, `prefill_piece` tokens at a
         time, default PREFILL_PIECE; T = 1: recurrent decode step). `logits_to_keep` n > 0 returns the
@@ -258,9 +148,11 @@ class CausalLM(nn.Module):
             raise ValueError(f"CausalLM: `logits_to_keep` must be an int >= 0 (0: all), got {logits_to_keep!r}")
         if targets is not None:
             if cache is not None or targets.shape != input_ids.shape:
-                raise ValueError(f"CausalLM: `targets` must be [B, T] like `input_ids` {list(input_ids.shape)} "
-                                 f"and come without a cache, got {list(targets.shape)}"
-                                 + (" with a cache" if cache is not None else ""))
+                raise ValueError(
+                    f"CausalLM: `targets` must be [B, T] like `input_ids` {list(input_ids.shape)} "
+                    f"and come without a cache, got {list(targets.shape)}"
+                    + (" with a cache" if cache is not None else "")
+                )
             if targets.dtype not in (torch.int64, torch.int32):
                 raise ValueError(f"CausalLM: `targets` must be int64 (or int32) token ids, got {targets.dtype}")
             hidden = self.model(input_ids, None)
@@ -275,12 +167,19 @@ class CausalLM(nn.Module):
     def _piece(prefill_piece: int | None) -> int:
         piece = PREFILL_PIECE if prefill_piece is None else prefill_piece
         if isinstance(piece, bool) or not isinstance(piece, int) or piece < 1:
-            raise ValueError(f"CausalLM: `prefill_piece` must be a positive int (tokens per prefill forward), "
-                             f"got {piece!r}")
+            raise ValueError(
+                f"CausalLM: `prefill_piece` must be a positive int (tokens per prefill forward), got {piece!r}"
+            )
         return piece
 
-    def _through_cache(self, input_ids: torch.Tensor, cache: HybridCache | StaticCache, keep: int, piece: int,
-                       fused: list[tuple] | None = None) -> torch.Tensor:
+    def _through_cache(
+        self,
+        input_ids: torch.Tensor,
+        cache: HybridCache | StaticCache,
+        keep: int,
+        piece: int,
+        fused: list[tuple] | None = None,
+    ) -> torch.Tensor:
         """The final hidden states of input_ids [B, T] after the tokens in `cache`, run `piece` tokens at a
         time, each piece after the cache the previous one left: [B, T, d], or with keep > 0 at least the
         last `keep` positions (the hidden states of earlier pieces are dropped as soon as they are not
@@ -301,13 +200,17 @@ class CausalLM(nn.Module):
         there in the embedding's or the loss's own index check, without naming it)."""
         outside = self._outside_vocabulary(input_ids)
         if outside:
-            raise ValueError(f"CausalLM: token ids must be in [0, {self.config.vocab_size}); got ids from "
-                             f"{outside[0]} to {outside[1]} (does the tokenizer match the model?)")
+            raise ValueError(
+                f"CausalLM: token ids must be in [0, {self.config.vocab_size}); got ids from "
+                f"{outside[0]} to {outside[1]} (does the tokenizer match the model?)"
+            )
         if targets is not None:
             outside = self._outside_vocabulary(targets[targets != IGNORE_INDEX])
             if outside:
-                raise ValueError(f"CausalLM: `targets` must be token ids in [0, {self.config.vocab_size}) or "
-                                 f"{IGNORE_INDEX} (not counted); got ids from {outside[0]} to {outside[1]}")
+                raise ValueError(
+                    f"CausalLM: `targets` must be token ids in [0, {self.config.vocab_size}) or "
+                    f"{IGNORE_INDEX} (not counted); got ids from {outside[0]} to {outside[1]}"
+                )
 
     def _outside_vocabulary(self, ids: torch.Tensor) -> tuple[int, int] | None:
         """(lowest, highest) of `ids` when one is not in [0, vocab_size); None when all are (or none is
@@ -324,30 +227,46 @@ class CausalLM(nn.Module):
         if input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"CausalLM: `input_ids` must be int64 (or int32), got {input_ids.dtype}")
         if input_ids.numel() == 0:
-            raise ValueError(f"CausalLM: `input_ids` {list(input_ids.shape)} holds no tokens; give at least one "
-                             f"sequence of at least one token ([B, T] with B, T >= 1)")
+            raise ValueError(
+                f"CausalLM: `input_ids` {list(input_ids.shape)} holds no tokens; give at least one "
+                f"sequence of at least one token ([B, T] with B, T >= 1)"
+            )
         if cache is not None:
             if not isinstance(cache, (HybridCache, StaticCache)):
                 raise ValueError(f"CausalLM: `cache` must come from model.new_cache(), got {type(cache).__name__}")
             if cache.config != self.config:
-                raise ValueError(f"CausalLM: this cache was made for another model ({cache.config.name!r}); "
-                                 f"make one with this model's new_cache()")
+                raise ValueError(
+                    f"CausalLM: this cache was made for another model ({cache.config.name!r}); "
+                    f"make one with this model's new_cache()"
+                )
             if cache.batch_size != input_ids.shape[0]:
-                raise ValueError(f"CausalLM: the cache was made for batch size {cache.batch_size}, `input_ids` "
-                                 f"has batch size {input_ids.shape[0]}; make a new cache with "
-                                 f"new_cache({input_ids.shape[0]})")
+                raise ValueError(
+                    f"CausalLM: the cache was made for batch size {cache.batch_size}, `input_ids` "
+                    f"has batch size {input_ids.shape[0]}; make a new cache with "
+                    f"new_cache({input_ids.shape[0]})"
+                )
             cache.check_room(input_ids.shape[1])
         positions = self.config.max_position_embeddings
         seen = 0 if cache is None else cache.length
         if positions and cache is not None and cache.pad is not None:
             seen -= int(cache.pad.min())  # the longest row's tokens
         if positions and seen + input_ids.shape[1] > positions:
-            raise ValueError(f"CausalLM: {self.config.name!r} has learned positions for {positions} tokens; "
-                             f"this call would reach position {seen + input_ids.shape[1]}")
+            raise ValueError(
+                f"CausalLM: {self.config.name!r} has learned positions for {positions} tokens; "
+                f"this call would reach position {seen + input_ids.shape[1]}"
+            )
 
-    def generate(self, input_ids: torch.Tensor | list, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-                 generator: torch.Generator | None = None, compile: bool = False) -> torch.Tensor | list[torch.Tensor]:
+    def generate(
+        self,
+        input_ids: torch.Tensor | list,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+        compile: bool = False,
+    ) -> torch.Tensor | list[torch.Tensor]:
         """Prompt [B, T] -> [B, T + n] with n <= max_new_tokens sampled tokens (temperature 0: greedy).
         Stops early once every sequence has produced `eos_token_id` (later positions repeat it).
 
@@ -355,21 +274,37 @@ class CausalLM(nn.Module):
         without padding (k3.inference.generation) and returns a list: each prompt with its new tokens.
         `compile=True`: decode with a compiled step over a static cache (`k3.inference.decode_step`; the first call
         compiles, later ones reuse what was compiled, also in later runs)."""
-        return generation.generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator,
-                                   compile=compile)
+        return generation.generate(
+            self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, compile=compile
+        )
 
-    def stream(self, input_ids: torch.Tensor | list, max_new_tokens: int, temperature: float = 1.0,
-               top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-               generator: torch.Generator | None = None, cache: HybridCache | StaticCache | None = None,
-               compile: bool = False) -> Iterator[torch.Tensor]:
+    def stream(
+        self,
+        input_ids: torch.Tensor | list,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+        cache: HybridCache | StaticCache | None = None,
+        compile: bool = False,
+    ) -> Iterator[torch.Tensor]:
         """As `generate`, yielding each new token [B] as soon as it is sampled. With `cache`, `input_ids`
         [B, T] continue the tokens it has seen (a conversation; see `k3.inference.generation.stream`)."""
-        return generation.stream(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator,
-                                 cache, compile=compile)
+        return generation.stream(
+            self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, cache, compile=compile
+        )
 
-    def decode_step(self, cache: StaticCache, temperature: float = 0.0, top_k: int | None = None,
-                    top_p: float | None = None, generator: torch.Generator | None = None,
-                    compile: bool | str = False):
+    def decode_step(
+        self,
+        cache: StaticCache,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        compile: bool | str = False,
+    ):
         """One token of every row of a static `cache` per call, sampling inside the step, eager or compiled
         whole (`k3.inference.decode_step.DecodeStep`): `step(last_tokens [B]) -> next tokens [B]`."""
         from ..inference.decode_step import DecodeStep
@@ -378,8 +313,9 @@ class CausalLM(nn.Module):
 
     # -- weights in and out ---------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype | None = None, *, device=None, experts: str | None = None,
-                        layers=None) -> "CausalLM":
+    def from_pretrained(
+        cls, path, dtype: torch.dtype | None = None, *, device=None, experts: str | None = None, layers=None
+    ) -> "CausalLM":
         """Load a k3 checkpoint, a Kimi Linear checkpoint (Hub or transformers layout) or Kimi K3's published
         one (sharded, MXFP4 experts) from a directory with config.json and safetensors weights, one tensor
         at a time. `dtype`: the model's dtype; `experts="mxfp4"`: keep the routed experts MXFP4 (decoded

@@ -71,9 +71,13 @@ def count_params(config: ModelConfig, cache_dtype_bytes: int = 2) -> ParamCount:
         return sum(MIXERS[kind].cache_bytes_per_token(c, cache_dtype_bytes) for t in c.layer_types if t == kind)
 
     return ParamCount(
-        total=total, active=total - unused - lookups, breakdown=parts,
-        mla_cache_bytes_per_token=per_token("mla"), kv_cache_bytes_per_token=per_token("mha"),
-        recurrent_state_bytes_per_sequence=sum(MIXERS[t].state_bytes(c, cache_dtype_bytes) for t in c.layer_types))
+        total=total,
+        active=total - unused - lookups,
+        breakdown=parts,
+        mla_cache_bytes_per_token=per_token("mla"),
+        kv_cache_bytes_per_token=per_token("mha"),
+        recurrent_state_bytes_per_sequence=sum(MIXERS[t].state_bytes(c, cache_dtype_bytes) for t in c.layer_types),
+    )
 
 
 def config_for(source: str) -> ModelConfig:
@@ -87,8 +91,10 @@ def config_for(source: str) -> ModelConfig:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ValueError(f"{source!r} is neither a preset (choose from: {', '.join(PRESETS)}) nor a "
-                         f"checkpoint directory or config.json")
+        raise ValueError(
+            f"{source!r} is neither a preset (choose from: {', '.join(PRESETS)}) nor a "
+            f"checkpoint directory or config.json"
+        )
     raw = read_json(path)
     return ModelConfig.from_dict(raw["k3"]) if "k3" in raw else ModelConfig.from_hf(raw)
 
@@ -113,15 +119,19 @@ def layer_bytes(config: ModelConfig, index: int, mxfp4_experts: bool = False) ->
     return 2 * (n - routed) + routed * 17 // 32
 
 
-def refuse_if_too_big(config: ModelConfig, bytes_per_parameter: int, purpose: str, fix: str,
-                      share: float = 1.0) -> None:
+def refuse_if_too_big(
+    config: ModelConfig, bytes_per_parameter: int, purpose: str, fix: str, share: float = 1.0
+) -> None:
     """ValueError, before anything is allocated, when `config`'s parameters at `bytes_per_parameter`
     bytes each (4: float32 weights; 16: training with AdamW) are more than this machine's memory.
     `share`: the part of them this machine holds (its processes' shards of a sharded run; 1: all)."""
     total = count_params(config).total
     held = f", {share:.3g} of them on this machine" if share != 1 else ""
-    refuse_if_over_memory(f"{purpose} {config.name!r} ({total:,} parameters x {bytes_per_parameter} bytes{held})",
-                          int(total * bytes_per_parameter * share), fix)
+    refuse_if_over_memory(
+        f"{purpose} {config.name!r} ({total:,} parameters x {bytes_per_parameter} bytes{held})",
+        int(total * bytes_per_parameter * share),
+        fix,
+    )
 
 
 def _human(n: float) -> str:
@@ -134,17 +144,21 @@ def _human(n: float) -> str:
 def format_report(config: ModelConfig, vs: ModelConfig | None = None) -> str:
     """The `k3 params` table: totals, breakdown, decode memory, and optionally the ratio to `vs`."""
     pc = count_params(config)
-    lines = [f"{config.name}: {config.num_layers} layers ({_layer_summary(config)}), d {config.hidden_size}, "
-             f"vocab {config.vocab_size}",
-             f"  total parameters   {pc.total:>20,}  ({_human(pc.total)})",
-             f"  active per token   {pc.active:>20,}  ({_human(pc.active)})", "", "  breakdown:"]
+    lines = [
+        f"{config.name}: {config.num_layers} layers ({_layer_summary(config)}), d {config.hidden_size}, "
+        f"vocab {config.vocab_size}",
+        f"  total parameters   {pc.total:>20,}  ({_human(pc.total)})",
+        f"  active per token   {pc.active:>20,}  ({_human(pc.active)})",
+        "",
+        "  breakdown:",
+    ]
     for key, n in sorted(pc.breakdown.items(), key=lambda kv: -kv[1]):
         lines.append(f"    {key:<26} {n:>20,}  {100 * n / pc.total:6.2f}%")
-    lines += ["", "  weights in memory:",
-              f"    bf16                   {_bytes(weight_bytes(config))}"]
+    lines += ["", "  weights in memory:", f"    bf16                   {_bytes(weight_bytes(config))}"]
     if pc.breakdown.get("routed experts"):
-        lines.append(f"    routed experts MXFP4   {_bytes(weight_bytes(config, True))}  (4.25 bits a weight; the "
-                     f"rest bf16)")
+        lines.append(
+            f"    routed experts MXFP4   {_bytes(weight_bytes(config, True))}  (4.25 bits a weight; the rest bf16)"
+        )
     i = next((i for i, t in enumerate(config.mlp_types) if t == "moe"), 0)
     kind = f"{config.layer_types[i]} + {config.mlp_types[i]}"
     lines.append(f"    decoder layer {i:<8} {_bytes(layer_bytes(config, i))}  ({kind}, bf16)")
@@ -153,23 +167,31 @@ def format_report(config: ModelConfig, vs: ModelConfig | None = None) -> str:
     lines += ["", "  decode memory (bf16 caches, fp32 recurrent states):"]
     if pc.mla_cache_bytes_per_token:
         per_layer = (config.kv_lora_rank + config.qk_rope_head_dim) * 2
-        lines.append(f"    MLA latent cache       {pc.mla_cache_bytes_per_token:>12,} bytes/token "
-                     f"({config.layer_types.count('mla')} layers x {per_layer} bytes: "
-                     f"{config.kv_lora_rank} + {config.qk_rope_head_dim} values)")
+        lines.append(
+            f"    MLA latent cache       {pc.mla_cache_bytes_per_token:>12,} bytes/token "
+            f"({config.layer_types.count('mla')} layers x {per_layer} bytes: "
+            f"{config.kv_lora_rank} + {config.qk_rope_head_dim} values)"
+        )
     if pc.kv_cache_bytes_per_token:
         lines.append(f"    MHA KV cache           {pc.kv_cache_bytes_per_token:>12,} bytes/token")
     if pc.recurrent_state_bytes_per_sequence:
-        lines.append(f"    recurrent state        {pc.recurrent_state_bytes_per_sequence:>12,} bytes/sequence "
-                     f"(constant in length)")
+        lines.append(
+            f"    recurrent state        {pc.recurrent_state_bytes_per_sequence:>12,} bytes/sequence "
+            f"(constant in length)"
+        )
     if vs is not None:
         other = count_params(vs)
         ratio = pc.total / other.total
         lines += ["", f"  {config.name} / {vs.name}: {pc.total:,} / {other.total:,} = {ratio:,.2f}"]
         if vs.name == "gpt2" and config.name.startswith("kimi-k3"):
-            lines.append(f"  the article says {ARTICLE_GPT2_RATIO:,}; this count gives {ratio:,.0f} "
-                         f"({ratio - ARTICLE_GPT2_RATIO:+,.0f}, {100 * (ratio / ARTICLE_GPT2_RATIO - 1):+.2f}%)")
-            lines.append(f"  the article's figure is the rounded totals' ratio: 2.8T / 124M = {2.8e12 / 124e6:,.1f}; "
-                         f"exact counts give {pc.total / 1e12:.4f}T / {other.total / 1e6:.2f}M")
+            lines.append(
+                f"  the article says {ARTICLE_GPT2_RATIO:,}; this count gives {ratio:,.0f} "
+                f"({ratio - ARTICLE_GPT2_RATIO:+,.0f}, {100 * (ratio / ARTICLE_GPT2_RATIO - 1):+.2f}%)"
+            )
+            lines.append(
+                f"  the article's figure is the rounded totals' ratio: 2.8T / 124M = {2.8e12 / 124e6:,.1f}; "
+                f"exact counts give {pc.total / 1e12:.4f}T / {other.total / 1e6:.2f}M"
+            )
     return "\n".join(lines)
 
 
@@ -179,7 +201,7 @@ def _bytes(n: float) -> str:
 
 def binary_bytes(n: float) -> str:
     """`n` bytes in the largest binary unit that leaves at least 1 (KiB, MiB, GiB, TiB), 3 significant digits."""
-    for unit, size in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             value = n / size
             return f"{value:,.{max(0, 2 - len(str(int(value))) + 1)}f} {unit}"

@@ -27,44 +27,108 @@ def _dense_first(num_layers: int) -> list[str]:
 
 
 def gpt2(num_layers: int = 12, **kw) -> ModelConfig:
-    base = dict(name="gpt2", vocab_size=50304, hidden_size=768, num_heads=12, norm="layernorm", norm_eps=1e-5,
-                max_position_embeddings=1024, tie_word_embeddings=True, ffn_activation="gelu",
-                intermediate_size=3072)
-    return ModelConfig(num_layers=num_layers, layer_types=["mha"] * num_layers, mlp_types=["dense"] * num_layers,
-                       **{**base, **kw})
+    base = dict(
+        name="gpt2",
+        vocab_size=50304,
+        hidden_size=768,
+        num_heads=12,
+        norm="layernorm",
+        norm_eps=1e-5,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        ffn_activation="gelu",
+        intermediate_size=3072,
+    )
+    return ModelConfig(
+        num_layers=num_layers, layer_types=["mha"] * num_layers, mlp_types=["dense"] * num_layers, **{**base, **kw}
+    )
 
 
 def _lineage(mixer: str, name: str, output_gate: str | None):
     def build(num_layers: int = 12, **kw) -> ModelConfig:
-        base = dict(name=name, vocab_size=50304, hidden_size=768, linear_num_heads=12, linear_head_dim=64,
-                    linear_output_gate=output_gate, ffn_activation="swiglu", intermediate_size=2048)
-        return ModelConfig(num_layers=num_layers, layer_types=[mixer] * num_layers,
-                           mlp_types=["dense"] * num_layers, **{**base, **kw})
+        base = dict(
+            name=name,
+            vocab_size=50304,
+            hidden_size=768,
+            linear_num_heads=12,
+            linear_head_dim=64,
+            linear_output_gate=output_gate,
+            ffn_activation="swiglu",
+            intermediate_size=2048,
+        )
+        return ModelConfig(
+            num_layers=num_layers, layer_types=[mixer] * num_layers, mlp_types=["dense"] * num_layers, **{**base, **kw}
+        )
+
     return build
 
 
 def kimi_linear(num_layers: int = 27, **kw) -> ModelConfig:
     """Kimi-Linear-48B-A3B: KDA at 1-3, 5-7, ..., 25-26 and MLA at 4, 8, ..., 24, 27 (1-based)."""
-    base = dict(name="kimi-linear", vocab_size=163840, hidden_size=2304, norm_eps=1e-5,
-                num_heads=32, linear_num_heads=32, linear_head_dim=128, kda_gate="kimi_linear",
-                linear_output_gate="low_rank", q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
-                qk_rope_head_dim=64, v_head_dim=128, ffn_activation="swiglu", intermediate_size=9216,
-                num_experts=256, num_experts_per_tok=8, moe_intermediate_size=1024, num_shared_experts=1,
-                routed_scaling_factor=2.446)
-    return ModelConfig(num_layers=num_layers, layer_types=_hybrid(num_layers), mlp_types=_dense_first(num_layers),
-                       **{**base, **kw})
+    base = dict(
+        name="kimi-linear",
+        vocab_size=163840,
+        hidden_size=2304,
+        norm_eps=1e-5,
+        num_heads=32,
+        linear_num_heads=32,
+        linear_head_dim=128,
+        kda_gate="kimi_linear",
+        linear_output_gate="low_rank",
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        ffn_activation="swiglu",
+        intermediate_size=9216,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1024,
+        num_shared_experts=1,
+        routed_scaling_factor=2.446,
+    )
+    return ModelConfig(
+        num_layers=num_layers, layer_types=_hybrid(num_layers), mlp_types=_dense_first(num_layers), **{**base, **kw}
+    )
 
 
 def kimi_k3(num_layers: int = 93, last_mla: bool = True, **kw) -> ModelConfig:
     """Kimi K3's public configuration: 69 KDA + 24 MLA (MLA at 4, 8, ..., 92 and 93, 1-based)."""
-    base = dict(name="kimi-k3", vocab_size=163840, hidden_size=7168, norm_eps=1e-5,
-                num_heads=96, linear_num_heads=96, linear_head_dim=128, kda_gate="safe", linear_output_gate="full",
-                q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                mla_output_gate=True, ffn_activation="situ", intermediate_size=33792, situ_beta=4.0,
-                situ_linear_beta=25.0, num_experts=896, num_experts_per_tok=16, moe_intermediate_size=3072,
-                num_shared_experts=2, moe_latent_size=3584, routed_scaling_factor=1.0, attn_res_block_size=12)
-    return ModelConfig(num_layers=num_layers, layer_types=_hybrid(num_layers, last_mla=last_mla),
-                       mlp_types=_dense_first(num_layers), **{**base, **kw})
+    base = dict(
+        name="kimi-k3",
+        vocab_size=163840,
+        hidden_size=7168,
+        norm_eps=1e-5,
+        num_heads=96,
+        linear_num_heads=96,
+        linear_head_dim=128,
+        kda_gate="safe",
+        linear_output_gate="full",
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        mla_output_gate=True,
+        ffn_activation="situ",
+        intermediate_size=33792,
+        situ_beta=4.0,
+        situ_linear_beta=25.0,
+        num_experts=896,
+        num_experts_per_tok=16,
+        moe_intermediate_size=3072,
+        num_shared_experts=2,
+        moe_latent_size=3584,
+        routed_scaling_factor=1.0,
+        attn_res_block_size=12,
+    )
+    return ModelConfig(
+        num_layers=num_layers,
+        layer_types=_hybrid(num_layers, last_mla=last_mla),
+        mlp_types=_dense_first(num_layers),
+        **{**base, **kw},
+    )
 
 
 def kimi_k3_article(num_layers: int = 92, **kw) -> ModelConfig:
@@ -86,6 +150,7 @@ _PRESET_ARGUMENTS = ("last_mla",)
 def _tiny(build: Callable[..., ModelConfig], name: str, num_layers: int, **sizes):
     def tiny(num_layers: int = num_layers, **kw) -> ModelConfig:
         return build(num_layers, **{"name": name, **_TINY_COMMON, **sizes, **kw})
+
     return tiny
 
 
@@ -98,24 +163,57 @@ PRESETS: dict[str, Callable[..., ModelConfig]] = {
     "kimi-k3": kimi_k3,
     "kimi-k3-article": kimi_k3_article,
 }
-PRESETS.update({
-    "gpt2-tiny": _tiny(gpt2, "gpt2-tiny", 4, num_heads=4, intermediate_size=512, max_position_embeddings=1024),
-    "linear-attn-tiny": _tiny(PRESETS["linear-attn"], "linear-attn-tiny", 4, **_TINY_MIXER, intermediate_size=352),
-    "deltanet-tiny": _tiny(PRESETS["deltanet"], "deltanet-tiny", 4, **_TINY_MIXER, intermediate_size=352),
-    "gated-deltanet-tiny": _tiny(PRESETS["gated-deltanet"], "gated-deltanet-tiny", 4, **_TINY_MIXER,
-                                 intermediate_size=352),
-    "kimi-linear-tiny": _tiny(kimi_linear, "kimi-linear-tiny", 8, **_TINY_MIXER, **_TINY_MLA, **_TINY_MOE,
-                              num_experts=8, num_experts_per_tok=2),
-    # Kimi K3's shape in 5 layers (KDA, KDA, KDA, MLA + the final MLA), width 192: on the 2-core CPU
-    # this trains twice as many tokens per second as 9 layers at width 128, and reaches a lower
-    # validation loss in the same minutes (measured; see docs/benchmarks.md)
-    "kimi-k3-tiny": _tiny(kimi_k3, "kimi-k3-tiny", 5, **_TINY_MIXER, **_TINY_MLA, **_TINY_MOE, hidden_size=192,
-                          q_lora_rank=64, num_experts=16, num_experts_per_tok=4, moe_latent_size=64,
-                          attn_res_block_size=2),
-    "kimi-k3-article-tiny": _tiny(kimi_k3_article, "kimi-k3-article-tiny", 8, **_TINY_MIXER, **_TINY_MLA,
-                                  **_TINY_MOE, hidden_size=192, q_lora_rank=64, num_experts=16,
-                                  num_experts_per_tok=4, moe_latent_size=64, attn_res_block_size=2),
-})
+PRESETS.update(
+    {
+        "gpt2-tiny": _tiny(gpt2, "gpt2-tiny", 4, num_heads=4, intermediate_size=512, max_position_embeddings=1024),
+        "linear-attn-tiny": _tiny(PRESETS["linear-attn"], "linear-attn-tiny", 4, **_TINY_MIXER, intermediate_size=352),
+        "deltanet-tiny": _tiny(PRESETS["deltanet"], "deltanet-tiny", 4, **_TINY_MIXER, intermediate_size=352),
+        "gated-deltanet-tiny": _tiny(
+            PRESETS["gated-deltanet"], "gated-deltanet-tiny", 4, **_TINY_MIXER, intermediate_size=352
+        ),
+        "kimi-linear-tiny": _tiny(
+            kimi_linear,
+            "kimi-linear-tiny",
+            8,
+            **_TINY_MIXER,
+            **_TINY_MLA,
+            **_TINY_MOE,
+            num_experts=8,
+            num_experts_per_tok=2,
+        ),
+        # Kimi K3's shape in 5 layers (KDA, KDA, KDA, MLA + the final MLA), width 192: on the 2-core CPU
+        # this trains twice as many tokens per second as 9 layers at width 128, and reaches a lower
+        # validation loss in the same minutes (measured; see docs/benchmarks.md)
+        "kimi-k3-tiny": _tiny(
+            kimi_k3,
+            "kimi-k3-tiny",
+            5,
+            **_TINY_MIXER,
+            **_TINY_MLA,
+            **_TINY_MOE,
+            hidden_size=192,
+            q_lora_rank=64,
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_latent_size=64,
+            attn_res_block_size=2,
+        ),
+        "kimi-k3-article-tiny": _tiny(
+            kimi_k3_article,
+            "kimi-k3-article-tiny",
+            8,
+            **_TINY_MIXER,
+            **_TINY_MLA,
+            **_TINY_MOE,
+            hidden_size=192,
+            q_lora_rank=64,
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_latent_size=64,
+            attn_res_block_size=2,
+        ),
+    }
+)
 
 
 def get_config(name: str, **overrides) -> ModelConfig:
@@ -135,8 +233,10 @@ def get_config(name: str, **overrides) -> ModelConfig:
         if key in overrides:
             value = overrides.pop(key)
             if isinstance(value, str) or not isinstance(value, (list, tuple)):
-                raise TypeError(f"get_config({name!r}): `{key}` must be a list with one entry per layer, e.g. "
-                                f"['kda', 'kda', 'kda', 'mla'], got {value!r}")
+                raise TypeError(
+                    f"get_config({name!r}): `{key}` must be a list with one entry per layer, e.g. "
+                    f"['kda', 'kda', 'kda', 'mla'], got {value!r}"
+                )
             pattern[key] = list(value)
     if pattern:
         lengths = {key: len(value) for key, value in pattern.items()}
@@ -144,8 +244,10 @@ def get_config(name: str, **overrides) -> ModelConfig:
             lengths["num_layers"] = overrides["num_layers"]
         if len(set(lengths.values())) > 1:
             given = ", ".join(f"`{key}` {'is' if key == 'num_layers' else 'has'} {n}" for key, n in lengths.items())
-            raise ValueError(f"get_config({name!r}): {given}: the layer lists give the depth; give them one "
-                             f"entry per layer each (num_layers may be left out: it follows them)")
+            raise ValueError(
+                f"get_config({name!r}): {given}: the layer lists give the depth; give them one "
+                f"entry per layer each (num_layers may be left out: it follows them)"
+            )
         depth = next(iter(lengths.values()))
         if depth < 1:
             raise ValueError(f"get_config({name!r}): `{next(iter(pattern))}` is empty; give one entry per layer")

@@ -35,17 +35,22 @@ class StaticCache:
 
     def __init__(self, model, batch_size: int, max_length: int):
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
-            raise ValueError(f"new_cache: `max_length` must be a positive int (the most tokens a row will hold), "
-                             f"got {max_length!r}")
+            raise ValueError(
+                f"new_cache: `max_length` must be a positive int (the most tokens a row will hold), got {max_length!r}"
+            )
         positions = model.config.max_position_embeddings
         if positions and max_length > positions:
-            raise ValueError(f"new_cache: `max_length` {max_length} is more than the {positions} positions "
-                             f"{model.config.name!r} has learned (max_position_embeddings)")
+            raise ValueError(
+                f"new_cache: `max_length` {max_length} is more than the {positions} positions "
+                f"{model.config.name!r} has learned (max_position_embeddings)"
+            )
         weight = model.lm_head.weight
         nbytes = model.cache_bytes(batch_size, max_length)
-        refuse_if_over_memory(f"new_cache: a static cache of {batch_size} row(s) x {max_length:,} tokens for "
-                              f"{model.config.name!r}", nbytes, "give fewer rows or a smaller `max_length` "
-                              "(k3 generate: fewer prompts or --max-new-tokens)")
+        refuse_if_over_memory(
+            f"new_cache: a static cache of {batch_size} row(s) x {max_length:,} tokens for {model.config.name!r}",
+            nbytes,
+            "give fewer rows or a smaller `max_length` (k3 generate: fewer prompts or --max-new-tokens)",
+        )
         self.config: ModelConfig = model.config
         self.batch_size, self.max_length = batch_size, max_length
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=weight.device)
@@ -54,8 +59,14 @@ class StaticCache:
         self.sources = None  # Block AttnRes: a decode step's depth sources [n, B, 1, d], float32 (DepthSources)
         if self.config.attn_res_block_size is not None:
             blocks = -(-self.config.num_layers // self.config.attn_res_block_size)
-            self.sources = torch.zeros(blocks + 1, batch_size, 1, self.config.hidden_size, device=weight.device,
-                                       dtype=torch.promote_types(weight.dtype, torch.float32))
+            self.sources = torch.zeros(
+                blocks + 1,
+                batch_size,
+                1,
+                self.config.hidden_size,
+                device=weight.device,
+                dtype=torch.promote_types(weight.dtype, torch.float32),
+            )
 
     @property
     def length(self) -> int:
@@ -73,9 +84,11 @@ class StaticCache:
     def check_room(self, T: int) -> None:
         """A clear error when T more tokens would pass `max_length` in the longest row."""
         if self.longest + T > self.max_length:
-            raise ValueError(f"StaticCache: {T} more token(s) after {self.longest} would pass `max_length` "
-                             f"{self.max_length}; make the cache with a larger max_length "
-                             f"(model.new_cache(batch_size, max_length=N))")
+            raise ValueError(
+                f"StaticCache: {T} more token(s) after {self.longest} would pass `max_length` "
+                f"{self.max_length}; make the cache with a larger max_length "
+                f"(model.new_cache(batch_size, max_length=N))"
+            )
 
     def advance(self, T: int) -> None:
         """After a forward of T tokens: every row has seen T more (in place: `positions` keeps its address)."""
@@ -95,13 +108,17 @@ class StaticCache:
         """Copy a growing cache's state (`HybridCache`, the same model and batch size, rows of any lengths:
         right-aligned behind `pad` there) into this one, each row left-aligned at its own length."""
         if cache.config != self.config or cache.batch_size != self.batch_size:
-            raise ValueError(f"StaticCache.load: the cache holds {cache.batch_size} rows of "
-                             f"{cache.config.name!r}; this static cache is for {self.batch_size} of "
-                             f"{self.config.name!r}")
+            raise ValueError(
+                f"StaticCache.load: the cache holds {cache.batch_size} rows of "
+                f"{cache.config.name!r}; this static cache is for {self.batch_size} of "
+                f"{self.config.name!r}"
+            )
         lengths = cache.lengths()
         if cache.length == 0 or int(lengths.max()) > self.max_length:
-            raise ValueError(f"StaticCache.load: the cache's rows hold {lengths.tolist()} tokens; each must "
-                             f"hold at least one and at most max_length = {self.max_length}")
+            raise ValueError(
+                f"StaticCache.load: the cache's rows hold {lengths.tolist()} tokens; each must "
+                f"hold at least one and at most max_length = {self.max_length}"
+            )
         device = self.positions.device
         pad = torch.zeros(self.batch_size, dtype=torch.long) if cache.pad is None else cache.pad.cpu()
         for static, grown in zip(self.layers, cache.layers):
@@ -132,5 +149,7 @@ class StaticCache:
         return out
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}({self.config.name!r}, batch_size={self.batch_size}, "
-                f"max_length={self.max_length}, longest={self.longest}, nbytes={self.nbytes():,})")
+        return (
+            f"{type(self).__name__}({self.config.name!r}, batch_size={self.batch_size}, "
+            f"max_length={self.max_length}, longest={self.longest}, nbytes={self.nbytes():,})"
+        )

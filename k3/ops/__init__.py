@@ -20,9 +20,13 @@ from .linear_attn import chunk_linear_attn, recurrent_linear_attn
 
 __all__ = [
     "attention",
-    "recurrent_linear_attn", "chunk_linear_attn",
-    "recurrent_delta_rule", "chunk_delta_rule",
-    "recurrent_gated_delta_rule", "chunk_gated_delta_rule",
-    "recurrent_kda", "chunk_kda",
+    "recurrent_linear_attn",
+    "chunk_linear_attn",
+    "recurrent_delta_rule",
+    "chunk_delta_rule",
+    "recurrent_gated_delta_rule",
+    "chunk_gated_delta_rule",
+    "recurrent_kda",
+    "chunk_kda",
     "l2norm",
 ]

@@ -18,7 +18,15 @@ import torch
 import torch.nn.functional as F
 
 from .common import (
-    cast, check_cu_seqlens, check_qkv, check_scale, check_tensor, compute_dtype, keep_causal, l2norm, nonfinite_onwards,
+    cast,
+    check_cu_seqlens,
+    check_qkv,
+    check_scale,
+    check_tensor,
+    compute_dtype,
+    keep_causal,
+    l2norm,
+    nonfinite_onwards,
     run_packed,
 )
 
@@ -38,8 +46,9 @@ def causal_mask(T: int, S: int, start: torch.Tensor | None = None, device=None) 
     return (allowed & filled[:, None, :]).unsqueeze(1)
 
 
-def causal_attention(q, k, v, scale: float, start: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                     guard: bool = False):
+def causal_attention(
+    q, k, v, scale: float, start: torch.Tensor | None = None, mask: torch.Tensor | None = None, guard: bool = False
+):
     """The attention of the last T positions of a sequence over all of it (internal: no checks, the
     core of `attention` and of the decode steps of the attention layers).
 
@@ -61,16 +70,26 @@ def causal_attention(q, k, v, scale: float, start: torch.Tensor | None = None, m
     T, S = q.shape[1], k.shape[1]
     dtype = compute_dtype(q.dtype)
     qf, kf, vf = (cast(x, dtype) for x in (q, k, v))
-    onwards = None if T == 1 or mask is not None or not guard else nonfinite_onwards(kf[:, S - T:], vf[:, S - T:])
+    onwards = None if T == 1 or mask is not None or not guard else nonfinite_onwards(kf[:, S - T :], vf[:, S - T :])
     o = _fused_attention(qf, kf, vf, scale, start, mask)
-    o = keep_causal(o, onwards, lambda zero: _fused_attention(
-        qf, torch.cat([kf[:, : S - T], zero(kf[:, S - T:])], 1), torch.cat([vf[:, : S - T], zero(vf[:, S - T:])], 1),
-        scale, start, mask))
+    o = keep_causal(
+        o,
+        onwards,
+        lambda zero: _fused_attention(
+            qf,
+            torch.cat([kf[:, : S - T], zero(kf[:, S - T :])], 1),
+            torch.cat([vf[:, : S - T], zero(vf[:, S - T :])], 1),
+            scale,
+            start,
+            mask,
+        ),
+    )
     return cast(o, q.dtype)
 
 
-def _fused_attention(q, k, v, scale: float, start: torch.Tensor | None, mask: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+def _fused_attention(
+    q, k, v, scale: float, start: torch.Tensor | None, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """`causal_attention` of inputs in the accumulation dtype, by torch's fused kernel (keys and values
     padded to one head size)."""
     T, S = q.shape[1], k.shape[1]
@@ -89,8 +108,17 @@ def _fused_attention(q, k, v, scale: float, start: torch.Tensor | None, mask: to
     return o[..., :V].transpose(1, 2)
 
 
-def attention(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-              use_qk_l2norm=False, check_values=True):
+def attention(
+    q,
+    k,
+    v,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    use_qk_l2norm=False,
+    check_values=True,
+):
     """Causal softmax attention with an optional KV cache.
 
     q, k [B,T,H,K]; v [B,T,H,V]; initial_state (past_k [B,P,H,K], past_v [B,P,H,V]); cu_seqlens [N+1]
@@ -103,11 +131,15 @@ def attention(q, k, v, scale=None, initial_state=None, output_final_state=False,
     scale = check_scale(op, scale, K)
     if initial_state is not None:
         if cu_seqlens is not None:
-            raise ValueError(f"{op}: `initial_state` must be None when `cu_seqlens` is given, "
-                             f"got a past of type {type(initial_state).__name__}")
+            raise ValueError(
+                f"{op}: `initial_state` must be None when `cu_seqlens` is given, "
+                f"got a past of type {type(initial_state).__name__}"
+            )
         if not (isinstance(initial_state, (tuple, list)) and len(initial_state) == 2):
-            raise ValueError(f"{op}: `initial_state` must be a tuple (past_k [B, P, H, K], past_v [B, P, H, V]),"
-                             f" got {type(initial_state).__name__}")
+            raise ValueError(
+                f"{op}: `initial_state` must be a tuple (past_k [B, P, H, K], past_v [B, P, H, V]),"
+                f" got {type(initial_state).__name__}"
+            )
         past_k, past_v = initial_state
         check_tensor(op, "initial_state[0] (past_k)", past_k, (B, None, H, K), q)
         check_tensor(op, "initial_state[1] (past_v)", past_v, (B, past_k.shape[1], H, V), q)

@@ -37,8 +37,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from .common import keep_causal, nonfinite_onwards
 from .chunk_backward import slab_backward
+from .common import keep_causal, nonfinite_onwards
 from .gates import gate_from_tensors, gate_of, gate_tensors, lower_masks, sub_chunk_size
 from .numerics import LOG_DECAY_FLOOR
 from .scan import state_scan
@@ -74,8 +74,11 @@ def chunk_delta(q, k, v, beta, *, g=None, initial_state=None, scale: float, chun
     only ever reaches its own row, and g is a validated log decay whose -inf is clamped)."""
     onwards = nonfinite_onwards(k, v, beta) if guard else None
     o, S = _chunk_delta(q, k, v, beta, g, initial_state, scale, chunk_size)
-    return keep_causal(o, onwards, lambda zero: _chunk_delta(q, zero(k), zero(v), zero(beta), zero(g),
-                                                              initial_state, scale, chunk_size)[0]), S
+    return keep_causal(
+        o,
+        onwards,
+        lambda zero: _chunk_delta(q, zero(k), zero(v), zero(beta), zero(g), initial_state, scale, chunk_size)[0],
+    ), S
 
 
 def _chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int):
@@ -134,9 +137,11 @@ def _slabs(n: int, per_slab: int, N: int, H: int):
     chunk-major [chunks, N*H, C, d] (a copy), `unslab(y)` lays such a result back as [N, chunks, C, H, d]."""
     for i in range(0, n, per_slab):
         part = slice(i, i + per_slab)
-        yield (part,
-               lambda x, part=part: x[:, part].permute(1, 0, 3, 2, 4).reshape(-1, N * H, x.shape[2], x.shape[-1]),
-               lambda y: y.view(-1, N, H, *y.shape[-2:]).permute(1, 0, 3, 2, 4))
+        yield (
+            part,
+            lambda x, part=part: x[:, part].permute(1, 0, 3, 2, 4).reshape(-1, N * H, x.shape[2], x.shape[-1]),
+            lambda y: y.view(-1, N, H, *y.shape[-2:]).permute(1, 0, 3, 2, 4),
+        )
 
 
 def _chunk_forward(q, k, v, beta, g, S0, scale: float, per_slab: int, saved: list | None = None, out=None):
@@ -208,13 +213,14 @@ class ChunkDelta(torch.autograd.Function):
                 part, slab, unslab = slabs[j]
                 names, rest = ctx.gates[j]
                 start = ends[j] - per - len(names)
-                *own, W, U, states = kept[start: start + per]
-                gate = gate_from_tensors(names, kept[start + per: ends[j]], rest)
+                *own, W, U, states = kept[start : start + per]
+                gate = gate_from_tensors(names, kept[start + per : ends[j]], rest)
                 inputs, blocks = own[:ins], own[ins:]
-                A_qk, T = BlockLower(blocks[0], blocks[1:m]), BlockLower(blocks[m], blocks[m + 1:])
+                A_qk, T = BlockLower(blocks[0], blocks[1:m]), BlockLower(blocks[m], blocks[m + 1 :])
                 G = inputs[4] if ctx.gated else None
                 (dq_s, dk_s, dv_s, dbeta_s, dG_s), dS = slab_backward(
-                    *inputs[:4], G, gate, states, A_qk, T, W, U, slab(do), dS, ctx.scale)
+                    *inputs[:4], G, gate, states, A_qk, T, W, U, slab(do), dS, ctx.scale
+                )
                 grads = (dq_s, dk_s, dv_s, dbeta_s, None if dG_s is None else _reverse_cumsum_within_chunks(dG_s))
                 for out, grad in zip((dq, dk, dv, dbeta, dg), grads):
                     if out is not None:
@@ -253,4 +259,3 @@ def _chunk_slab(q, k, v, beta, G, S, scale: float, states_buffer=None, keep: lis
     o = q_start.view(n, M, C, K) @ states[:-1]
     A_qk.addmm_(o.view(n * M, C, V), U.view(n * M, C, V), beta=scale, alpha=scale)
     return o.view(n, M, C, V), states[-1]
-

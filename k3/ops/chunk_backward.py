@@ -35,9 +35,11 @@ def slab_backward(q, k, v, beta, G, gate, states, A_qk, T, W, U, do, dS, scale: 
     """Gradients of one slab. q, k [n, M, C, K] (q not yet scaled); v, do [n, M, C, V]; beta [n, M, C, 1];
     G None | [n, M, C, K|1]; gate the slab's gate (`k3.ops.gates`, as the forward kept it); states
     [n, M, K, V] the state entering each chunk; A_qk, T `BlockLower`
-    [n*M, C, C], W [n, M, C, K] and U [n, M, C, V] as the forward kept them; dS [M, K, V] w.r.t. the state after the slab.
+    [n*M, C, C], W [n, M, C, K] and U [n, M, C, V] as the forward kept them; dS [M, K, V] w.r.t. the state
+    after the slab.
 
-    Returns ((dq, dk, dv, dbeta, dG) in the inputs' layouts, dG None without a gate; dS w.r.t. the state before the slab)."""
+    Returns ((dq, dk, dv, dbeta, dG) in the inputs' layouts, dG None without a gate; dS w.r.t. the state
+    before the slab)."""
     n, M, C, K = q.shape
     V = v.shape[-1]
     P = n * M
@@ -58,8 +60,9 @@ def slab_backward(q, k, v, beta, G, gate, states, A_qk, T, W, U, do, dS, scale: 
     do = do * scale
     dU = A_qk.t_matmul(do)[0]
     dS_direct = q_start.transpose(-1, -2) @ do
-    dU, dS_next, dS = state_scan_backward(dU.view(n, M, C, V), dS_direct.view(n, M, K, V), W.view(n, M, C, K),
-                                          k_end.view(n, M, C, K), decay_end, dS)
+    dU, dS_next, dS = state_scan_backward(
+        dU.view(n, M, C, V), dS_direct.view(n, M, K, V), W.view(n, M, C, K), k_end.view(n, M, C, K), decay_end, dS
+    )
     dU, dS_next = dU.view(P, C, V), dS_next.view(P, K, V)
 
     # 2. chunk-local products

@@ -83,14 +83,17 @@ def check_cu_seqlens(op: str, cu_seqlens, B: int, T: int, device) -> torch.Tenso
     if not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.as_tensor(cu_seqlens)
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
-        raise _fail(op, "cu_seqlens", "a 1-D integer tensor [N+1] with N >= 1",
-                    f"dtype {cu_seqlens.dtype}, shape {list(cu_seqlens.shape)}")
+        raise _fail(
+            op,
+            "cu_seqlens",
+            "a 1-D integer tensor [N+1] with N >= 1",
+            f"dtype {cu_seqlens.dtype}, shape {list(cu_seqlens.shape)}",
+        )
     if B != 1:
         raise _fail(op, "cu_seqlens", "used with batch size B = 1 (sequences packed along T)", f"B = {B}")
     offsets = cu_seqlens.tolist()
     if offsets[0] != 0 or offsets[-1] != T:
-        raise _fail(op, "cu_seqlens", f"offsets starting at 0 and ending at T = {T}",
-                    f"{offsets[0]} ... {offsets[-1]}")
+        raise _fail(op, "cu_seqlens", f"offsets starting at 0 and ending at T = {T}", f"{offsets[0]} ... {offsets[-1]}")
     if any(b <= a for a, b in zip(offsets, offsets[1:])):
         raise _fail(op, "cu_seqlens", "strictly increasing (every sequence non-empty)", offsets)
     return cu_seqlens.to(device=device, dtype=torch.long)
@@ -111,8 +114,9 @@ def check_state(op: str, name: str, state, shape: tuple, ref: torch.Tensor) -> t
         raise _fail(op, name, "a torch.Tensor", type(state).__name__)
     if tuple(state.shape) != tuple(shape):
         layout = "[N, H, K, V]" if len(shape) == 4 else "[N, H, K]"
-        raise _fail(op, name, f"of shape {list(shape)} {layout} (N = batch size or packed sequences)",
-                    list(state.shape))
+        raise _fail(
+            op, name, f"of shape {list(shape)} {layout} (N = batch size or packed sequences)", list(state.shape)
+        )
     if not state.is_floating_point():
         raise _fail(op, name, "a floating-point tensor", state.dtype)
     if state.device != ref.device:
@@ -127,14 +131,18 @@ def check_log_decay(op: str, g: torch.Tensor) -> None:
     largest = g.max()  # NaN if any entry is NaN
     if not bool(largest <= 0):
         bad = g[(g > 0) | torch.isnan(g)]
-        raise _fail(op, "g", "a log decay with every entry <= 0 (alpha = exp(g) in [0, 1])",
-                    f"{bad.numel()} entries > 0 or NaN, e.g. {bad.flatten()[0].item()}")
+        raise _fail(
+            op,
+            "g",
+            "a log decay with every entry <= 0 (alpha = exp(g) in [0, 1])",
+            f"{bad.numel()} entries > 0 or NaN, e.g. {bad.flatten()[0].item()}",
+        )
 
 
 def check_scale(op: str, scale, K: int) -> float:
     """scale multiplies q; None means K^-1/2."""
     if scale is None:
-        return K ** -0.5
+        return K**-0.5
     if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):
         raise _fail(op, "scale", "a Python float or None", type(scale).__name__)
     return float(scale)

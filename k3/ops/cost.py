@@ -45,7 +45,6 @@ def k3_cost(op: str, T: int, d: int, C: int) -> float:
     if op == "kda":
         s = sub_chunk_size(C)
         m = C // s
-        per_chunk = (3.0 * C * d * d + 2.5 * C * d * (C + s) + m * s * s * (s - 1) / 2
-                     + s ** 3 * m * (m * m - 1) / 3)
+        per_chunk = 3.0 * C * d * d + 2.5 * C * d * (C + s) + m * s * s * (s - 1) / 2 + s**3 * m * (m * m - 1) / 3
         return padded // C * per_chunk
     raise ValueError(f"k3_cost: `op` must be one of {OPS}, got {op!r}")

@@ -19,8 +19,19 @@ from typing import Callable
 import torch
 
 from .common import (
-    cast, check_chunk_size, check_cu_seqlens, check_log_decay, check_qkv, check_scale, check_state, check_tensor,
-    compute_dtype, inference_unless_grad, l2norm, run_packed, without_autocast,
+    cast,
+    check_chunk_size,
+    check_cu_seqlens,
+    check_log_decay,
+    check_qkv,
+    check_scale,
+    check_state,
+    check_tensor,
+    compute_dtype,
+    inference_unless_grad,
+    l2norm,
+    run_packed,
+    without_autocast,
 )
 
 
@@ -45,9 +56,24 @@ def token_loop(recurrence: Callable) -> Callable:
     return form
 
 
-def run_delta_op(op: str, form: Callable, q, k, v, beta, *, g=None, gate: str | None = None, scale,
-                 initial_state, output_final_state: bool, cu_seqlens, use_qk_l2norm: bool,
-                 chunk_size: int | None = None, check_values: bool = True):
+def run_delta_op(
+    op: str,
+    form: Callable,
+    q,
+    k,
+    v,
+    beta,
+    *,
+    g=None,
+    gate: str | None = None,
+    scale,
+    initial_state,
+    output_final_state: bool,
+    cu_seqlens,
+    use_qk_l2norm: bool,
+    chunk_size: int | None = None,
+    check_values: bool = True,
+):
     """Validate the public arguments of `op`, cast to the accumulation dtype, pack/unpack `cu_seqlens`,
     and run `form` (a `token_loop`, or `chunk_delta` when chunk_size is given).
 

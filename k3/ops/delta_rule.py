@@ -43,22 +43,66 @@ def delta_rule_step(q, k, v, beta, S, scale: float):
     return delta_step(q, k, v, beta, S, scale)
 
 
-def recurrent_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
-                         cu_seqlens=None, use_qk_l2norm=False, check_values=True):
+def recurrent_delta_rule(
+    q,
+    k,
+    v,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    use_qk_l2norm=False,
+    check_values=True,
+):
     """DeltaNet token by token: the reference form, and the decode step (T = 1).
 
     q, k [B,T,H,K]; v [B,T,H,V]; beta [B,T,H]; initial_state [N,H,K,V]; cu_seqlens [N+1] (B = 1).
     Returns (o [B,T,H,V], final state [N,H,K,V] or None)."""
-    return run_delta_op("recurrent_delta_rule", token_loop(_recurrence), q, k, v, beta,
-                        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                        cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, check_values=check_values)
+    return run_delta_op(
+        "recurrent_delta_rule",
+        token_loop(_recurrence),
+        q,
+        k,
+        v,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm=use_qk_l2norm,
+        check_values=check_values,
+    )
 
 
-def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
-                     cu_seqlens=None, use_qk_l2norm=False, chunk_size=64, check_values=True):
+def chunk_delta_rule(
+    q,
+    k,
+    v,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    use_qk_l2norm=False,
+    chunk_size=64,
+    check_values=True,
+):
     """DeltaNet chunkwise-parallel (the article's `chunk_delta_rule_forward`); equals the recurrence.
 
     Arguments and result as `recurrent_delta_rule`, plus chunk_size C (any T)."""
-    return run_delta_op("chunk_delta_rule", chunk_delta, q, k, v, beta,
-                        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                        cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, check_values=check_values)
+    return run_delta_op(
+        "chunk_delta_rule",
+        chunk_delta,
+        q,
+        k,
+        v,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm=use_qk_l2norm,
+        chunk_size=chunk_size,
+        check_values=check_values,
+    )

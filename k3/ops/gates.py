@@ -134,8 +134,14 @@ class HeadGate(NoGate):
     def intra(self, q, k):
         blocks = lambda A: BlockLower.split(A, sub_chunk_size(self.C))  # noqa: E731
         k_t = k.transpose(-1, -2)
-        return (blocks((q @ k_t) * (self.decay * self.incl)), blocks((k @ k_t) * (self.decay * self.strict)),
-                q * self.gamma, k * self.gamma, k * self.to_end, self.decay_end)
+        return (
+            blocks((q @ k_t) * (self.decay * self.incl)),
+            blocks((k @ k_t) * (self.decay * self.strict)),
+            q * self.gamma,
+            k * self.gamma,
+            k * self.to_end,
+            self.decay_end,
+        )
 
     def start_factor(self):
         return self.gamma
@@ -255,16 +261,27 @@ class ChannelGate:
         base = k_sub * self.to_end  # k_i exp(G_end(b) - G_i) <= 1
         q_off, k_off = q_sub * self.from_ref, k_sub * self.from_ref  # x_r exp(G_r - G_ref(a))
         if m == 1:  # G_ref = 0: these are already the rows decayed from the chunk start
-            return (BlockLower(diag_qk, []), BlockLower(diag_kk, []), q_off.view(P, C, K), k_off.view(P, C, K),
-                    base.view(P, C, K), self.decay_end)
+            return (
+                BlockLower(diag_qk, []),
+                BlockLower(diag_kk, []),
+                q_off.view(P, C, K),
+                k_off.view(P, C, K),
+                base.view(P, C, K),
+                self.decay_end,
+            )
         below_qk, below_kk = [], []
         for a in range(1, m):
             cols = self._cross_cols(base, a).transpose(-1, -2)
             below_qk.append(q_off[:, a] @ cols)
             below_kk.append(k_off[:, a] @ cols)
-        return (BlockLower(diag_qk, below_qk), BlockLower(diag_kk, below_kk),
-                (q_off * self.from_start).view(P, C, K), (k_off * self.from_start).view(P, C, K),
-                (base * self.end_from_sub).view(P, C, K), self.decay_end)
+        return (
+            BlockLower(diag_qk, below_qk),
+            BlockLower(diag_kk, below_kk),
+            (q_off * self.from_start).view(P, C, K),
+            (k_off * self.from_start).view(P, C, K),
+            (base * self.end_from_sub).view(P, C, K),
+            self.decay_end,
+        )
 
     def _cross_cols(self, base, a: int):
         """Rows i of the sub-chunks before a, decayed to the gate before a: base_i exp(G_ref(a) - G_end(b))
@@ -307,8 +324,13 @@ class ChannelGate:
         out.mul_(self.col)
         if self.unsafe is not None:
             idx = self.unsafe
-            out = out.index_put(idx, _sum(torch.einsum("bri,brc,bric->bic", M.diag[idx], X_sub[idx], self.pair)
-                                          for (M, _), X_sub in zip(pairs, subs)))
+            out = out.index_put(
+                idx,
+                _sum(
+                    torch.einsum("bri,brc,bric->bic", M.diag[idx], X_sub[idx], self.pair)
+                    for (M, _), X_sub in zip(pairs, subs)
+                ),
+            )
         if m > 1:
             X_off = [X_sub[:, 1:] * self.from_ref[:, 1:] for X_sub in subs]  # x_r exp(G_r - G_ref(a)), a >= 1
             below = torch.zeros_like(out[:, :-1])

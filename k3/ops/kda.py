@@ -45,23 +45,73 @@ def kda_step(q, k, v, g, beta, S, scale: float):
     return delta_step(q, k, v, beta, S, scale, decay=torch.exp(g).unsqueeze(-1))
 
 
-def recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                  cu_seqlens=None, use_qk_l2norm=False, check_values=True):
+def recurrent_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    use_qk_l2norm=False,
+    check_values=True,
+):
     """KDA token by token: the reference form, and the decode step (T = 1).
 
     q, k [B,T,H,K]; v [B,T,H,V]; g [B,T,H,K] log decay <= 0; beta [B,T,H]; initial_state [N,H,K,V];
     cu_seqlens [N+1] (B = 1). Returns (o [B,T,H,V], final state [N,H,K,V] or None)."""
-    return run_delta_op("recurrent_kda", token_loop(_recurrence), q, k, v, beta, g=g, gate="channel",
-                        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                        cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, check_values=check_values)
+    return run_delta_op(
+        "recurrent_kda",
+        token_loop(_recurrence),
+        q,
+        k,
+        v,
+        beta,
+        g=g,
+        gate="channel",
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm=use_qk_l2norm,
+        check_values=check_values,
+    )
 
 
-def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, use_qk_l2norm=False, chunk_size=64, check_values=True):
+def chunk_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    use_qk_l2norm=False,
+    chunk_size=64,
+    check_values=True,
+):
     """KDA chunkwise-parallel (UT transform inside chunks, state across them); equals `recurrent_kda`.
 
     Arguments and result as `recurrent_kda`, plus chunk_size C: any T works (the last chunk is padded
     with no-op steps). Cost ~ 2*T*K*V + 2*T*C*K per head."""
-    return run_delta_op("chunk_kda", chunk_delta, q, k, v, beta, g=g, gate="channel",
-                        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                        cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, check_values=check_values)
+    return run_delta_op(
+        "chunk_kda",
+        chunk_delta,
+        q,
+        k,
+        v,
+        beta,
+        g=g,
+        gate="channel",
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm=use_qk_l2norm,
+        chunk_size=chunk_size,
+        check_values=check_values,
+    )

@@ -22,8 +22,20 @@ import torch
 import torch.nn.functional as F
 
 from .common import (
-    cast, check_chunk_size, check_cu_seqlens, check_qkv, check_scale, check_state, compute_dtype, from_chunks,
-    keep_causal, l2norm, nonfinite_onwards, run_packed, to_chunks, without_autocast,
+    cast,
+    check_chunk_size,
+    check_cu_seqlens,
+    check_qkv,
+    check_scale,
+    check_state,
+    compute_dtype,
+    from_chunks,
+    keep_causal,
+    l2norm,
+    nonfinite_onwards,
+    run_packed,
+    to_chunks,
+    without_autocast,
 )
 
 
@@ -66,16 +78,32 @@ def _chunk_form(q, k, v1, S0, chunk_size):
     return from_chunks(o, N, H)[:, :T], states[-1].view(N, H, K, V1)
 
 
-def _linear_attn(op, form, q, k, v, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
-                 normalize, eps, chunk_size=None, check_values=True):
+def _linear_attn(
+    op,
+    form,
+    q,
+    k,
+    v,
+    scale,
+    initial_state,
+    output_final_state,
+    cu_seqlens,
+    use_qk_l2norm,
+    normalize,
+    eps,
+    chunk_size=None,
+    check_values=True,
+):
     B, T, H, K, V = check_qkv(op, q, k, v)
     cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     S0 = None
     if initial_state is not None:
         if not (isinstance(initial_state, (tuple, list)) and len(initial_state) == 2):
-            raise ValueError(f"{op}: `initial_state` must be a tuple (S [N, H, K, V], z [N, H, K]), "
-                             f"got {type(initial_state).__name__}")
+            raise ValueError(
+                f"{op}: `initial_state` must be a tuple (S [N, H, K, V], z [N, H, K]), "
+                f"got {type(initial_state).__name__}"
+            )
         S = check_state(op, "initial_state[0] (S)", initial_state[0], (N, H, K, V), q)
         z = check_state(op, "initial_state[1] (z)", initial_state[1], (N, H, K), q)
         S0 = torch.cat([S, z.unsqueeze(-1)], dim=-1)
@@ -111,20 +139,70 @@ def linear_attn_step(q, k, v, state, scale: float, eps: float = 1e-6):
     return (q.unsqueeze(-1) * S).sum(-2) / ((q * z).sum(-1, keepdim=True) + eps), (S, z)
 
 
-def recurrent_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False,
-                          cu_seqlens=None, use_qk_l2norm=False, normalize=True, eps=1e-6, check_values=True):
+def recurrent_linear_attn(
+    q,
+    k,
+    v,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    use_qk_l2norm=False,
+    normalize=True,
+    eps=1e-6,
+    check_values=True,
+):
     """Linear attention token by token: the reference form, and the decode step (T = 1).
 
     q, k [B,T,H,K] (already feature-mapped); v [B,T,H,V]; initial_state (S [N,H,K,V], z [N,H,K]);
     cu_seqlens [N+1] (B = 1); normalize divides by q.z + eps. Returns (o [B,T,H,V], (S, z) or None)."""
-    return _linear_attn("recurrent_linear_attn", _recurrence, q, k, v, scale, initial_state,
-                        output_final_state, cu_seqlens, use_qk_l2norm, normalize, eps, check_values=check_values)
+    return _linear_attn(
+        "recurrent_linear_attn",
+        _recurrence,
+        q,
+        k,
+        v,
+        scale,
+        initial_state,
+        output_final_state,
+        cu_seqlens,
+        use_qk_l2norm,
+        normalize,
+        eps,
+        check_values=check_values,
+    )
 
 
-def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False,
-                      cu_seqlens=None, use_qk_l2norm=False, normalize=True, eps=1e-6, chunk_size=64, check_values=True):
+def chunk_linear_attn(
+    q,
+    k,
+    v,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    use_qk_l2norm=False,
+    normalize=True,
+    eps=1e-6,
+    chunk_size=64,
+    check_values=True,
+):
     """Linear attention chunkwise-parallel; equals `recurrent_linear_attn` for any T.
 
     Arguments and result as `recurrent_linear_attn`, plus chunk_size C (any T)."""
-    return _linear_attn("chunk_linear_attn", _chunked, q, k, v, scale, initial_state,
-                        output_final_state, cu_seqlens, use_qk_l2norm, normalize, eps, chunk_size, check_values=check_values)
+    return _linear_attn(
+        "chunk_linear_attn",
+        _chunked,
+        q,
+        k,
+        v,
+        scale,
+        initial_state,
+        output_final_state,
+        cu_seqlens,
+        use_qk_l2norm,
+        normalize,
+        eps,
+        chunk_size,
+        check_values=check_values,
+    )

@@ -66,9 +66,11 @@ def decode(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch
     _check("weight_scale", scale)
     columns = packed.shape[-1] * 2
     if scale.shape[:-1] != packed.shape[:-1] or scale.shape[-1] * GROUP_SIZE != columns:
-        raise ValueError(f"MXFP4: `weight_scale` must be {[*packed.shape[:-1], columns // GROUP_SIZE]} for "
-                         f"`weight_packed` {list(packed.shape)} (one scale per {GROUP_SIZE} columns), "
-                         f"got {list(scale.shape)}")
+        raise ValueError(
+            f"MXFP4: `weight_scale` must be {[*packed.shape[:-1], columns // GROUP_SIZE]} for "
+            f"`weight_packed` {list(packed.shape)} (one scale per {GROUP_SIZE} columns), "
+            f"got {list(scale.shape)}"
+        )
     values = e2m1_values(packed.device)[unpack_codes(packed).long()]  # [..., out, in]
     groups = values.unflatten(-1, (-1, GROUP_SIZE)) * scale_factors(scale).unsqueeze(-1)
     return groups.flatten(-2).to(dtype)
@@ -78,8 +80,10 @@ def encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W [..., out, in] (`in` a multiple of 32) -> (`weight_packed` [..., out, in / 2], `weight_scale`
     [..., out, in / 32]), both uint8, by the compressed-tensors rule (module docstring)."""
     if not weight.is_floating_point() or weight.shape[-1] % GROUP_SIZE:
-        raise ValueError(f"MXFP4: the weight must be floating point with a multiple of {GROUP_SIZE} columns, "
-                         f"got {weight.dtype} {list(weight.shape)}")
+        raise ValueError(
+            f"MXFP4: the weight must be floating point with a multiple of {GROUP_SIZE} columns, "
+            f"got {weight.dtype} {list(weight.shape)}"
+        )
     groups = weight.detach().float().unflatten(-1, (-1, GROUP_SIZE))  # [..., out, in / 32, 32]
     amax = groups.abs().amax(-1)
     # round amax to a power of two (adding 2^21 to the bits carries into the exponent from 1.75 x 2^e

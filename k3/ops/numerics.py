@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 LOG_DECAY_FLOOR = {torch.float32: -110.0, torch.float64: -800.0}
 DECAY_FLUSH = {torch.float32: -24.0, torch.float64: -300.0}  # log of the smallest decay factor kept
-UT_FLUSH = {torch.float32: 2.0 ** -40, torch.float64: 2.0 ** -100}
+UT_FLUSH = {torch.float32: 2.0**-40, torch.float64: 2.0**-100}
 FACTOR_EXP_LIMIT = {torch.float32: 80.0, torch.float64: 600.0}
 
 

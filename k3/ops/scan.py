@@ -22,7 +22,8 @@ def state_scan(W, U0, K_end, decay_end, S0, buffer=None):
     n = W.shape[0]
     K_end_T = K_end.transpose(-1, -2)
     needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (W, U0, K_end, decay_end, S0))
+        t is not None and t.requires_grad for t in (W, U0, K_end, decay_end, S0)
+    )
     if needs_grad:
         # chunks taken by unbind, not by indexing: the backward of x[i] writes its gradient into a zeroed
         # copy of the whole x, once per chunk; unbind's stacks the chunks' gradients once

@@ -37,7 +37,7 @@ class BlockLower(NamedTuple):
         P, C, _ = A.shape
         m = C // s
         diag = A.view(P, m, s, m, s).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)
-        return BlockLower(diag, [A[:, a * s:(a + 1) * s, :a * s] for a in range(1, m)])
+        return BlockLower(diag, [A[:, a * s : (a + 1) * s, : a * s] for a in range(1, m)])
 
     def scale_rows(self, x: torch.Tensor) -> "BlockLower":
         """Diag(x) L for x [P, C, 1]."""
@@ -49,11 +49,10 @@ class BlockLower(NamedTuple):
         """out <- beta out + alpha L X, in place; X, out [P, C, d]."""
         P, m, s, _ = self.diag.shape
         d = X.shape[-1]
-        out.view(P * m, s, d).baddbmm_(self.diag.reshape(P * m, s, s), X.reshape(P * m, s, d),
-                                       beta=beta, alpha=alpha)
+        out.view(P * m, s, d).baddbmm_(self.diag.reshape(P * m, s, s), X.reshape(P * m, s, d), beta=beta, alpha=alpha)
         for a, block in enumerate(self.below, start=1):
             # into a fresh product first: baddbmm_ into a strided row slice is slow on CPU
-            out[:, a * s:(a + 1) * s].add_(block @ X[:, :a * s], alpha=alpha)
+            out[:, a * s : (a + 1) * s].add_(block @ X[:, : a * s], alpha=alpha)
         return out
 
     def unit_inverse(self) -> "BlockLower":
@@ -63,20 +62,30 @@ class BlockLower(NamedTuple):
         eye = torch.eye(s, dtype=self.diag.dtype, device=self.diag.device).expand(P, m, s, s)
         # X (I + L_aa) = I gives the same inverse as (I + L_aa) X = I; on CPU the right-hand solve on a
         # contiguous copy is the faster of the two
-        inv = flush_tiny(torch.linalg.solve_triangular(flush_tiny(self.diag.contiguous()), eye,
-                                                       upper=False, left=False, unitriangular=True))
+        inv = flush_tiny(
+            torch.linalg.solve_triangular(
+                flush_tiny(self.diag.contiguous()), eye, upper=False, left=False, unitriangular=True
+            )
+        )
         lefts: list[torch.Tensor] = []  # T_a,<a for a >= 1
         for a, block in enumerate(self.below, start=1):
-            above = inv[:, 0] if a == 1 else _stack_rows(
-                [inv[:, 0]] + [torch.cat([left, inv[:, i]], dim=-1) for i, left in enumerate(lefts, start=1)], a * s)
+            above = (
+                inv[:, 0]
+                if a == 1
+                else _stack_rows(
+                    [inv[:, 0]] + [torch.cat([left, inv[:, i]], dim=-1) for i, left in enumerate(lefts, start=1)], a * s
+                )
+            )
             lefts.append(flush_tiny(-inv[:, a] @ (flush_tiny(block) @ above)))
         return BlockLower(inv, lefts)
 
     def scale_columns(self, x: torch.Tensor) -> "BlockLower":
         """L Diag(x) for x [P, C, 1]."""
         P, m, s, _ = self.diag.shape
-        return BlockLower(self.diag * x.view(P, m, s, 1).transpose(-1, -2),
-                          [b * x[:, : a * s].transpose(-1, -2) for a, b in enumerate(self.below, start=1)])
+        return BlockLower(
+            self.diag * x.view(P, m, s, 1).transpose(-1, -2),
+            [b * x[:, : a * s].transpose(-1, -2) for a, b in enumerate(self.below, start=1)],
+        )
 
     def matmul(self, *rhs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """L X for each X [P, C, d] of `rhs`, block row by block row."""
@@ -85,8 +94,10 @@ class BlockLower(NamedTuple):
         for X in rhs:
             parts = X.split(s, dim=1)
             out = [self.diag[:, 0] @ parts[0]]
-            out += [torch.baddbmm(self.diag[:, a] @ parts[a], left, X[:, : a * s])
-                    for a, left in enumerate(self.below, start=1)]
+            out += [
+                torch.baddbmm(self.diag[:, a] @ parts[a], left, X[:, : a * s])
+                for a, left in enumerate(self.below, start=1)
+            ]
             results.append(out[0] if m == 1 else torch.cat(out, dim=1))
         return tuple(results)
 
@@ -98,7 +109,7 @@ class BlockLower(NamedTuple):
             d = X.shape[-1]
             out = self.diag.transpose(-1, -2) @ X.view(P, m, s, d)  # [P, m, s, d]
             for a, block in enumerate(self.below, start=1):
-                out[:, :a] += (block.transpose(-1, -2) @ X[:, a * s:(a + 1) * s]).view(P, a, s, d)
+                out[:, :a] += (block.transpose(-1, -2) @ X[:, a * s : (a + 1) * s]).view(P, a, s, d)
             results.append(out.view(P, m * s, d))
         return tuple(results)
 
@@ -109,7 +120,7 @@ class BlockLower(NamedTuple):
         P, C, d = A.shape
         m = C // s
         diag = (A.view(P * m, s, d) @ B.view(P * m, s, d).transpose(-1, -2)).view(P, m, s, s).tril_(-1 if strict else 0)
-        below = [A[:, a * s:(a + 1) * s] @ B[:, : a * s].transpose(-1, -2) for a in range(1, m)]
+        below = [A[:, a * s : (a + 1) * s] @ B[:, : a * s].transpose(-1, -2) for a in range(1, m)]
         return BlockLower(diag, below)
 
     def mul(self, other: "BlockLower") -> "BlockLower":

@@ -12,6 +12,7 @@ MAX_TOKENS = 1 << 40  # tokens of a sequence, a context or a step
 
 def _positive(what: str, high: int):
     """An argparse type: an integer in [1, high]; `what` says what it counts."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -20,6 +21,7 @@ def _positive(what: str, high: int):
         if not 1 <= value <= high:
             raise argparse.ArgumentTypeError(f"expected {what}, an integer in [1, {high:,}], got {text!r}")
         return value
+
     return parse
 
 
@@ -34,44 +36,87 @@ def _fraction(text: str) -> float:
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", metavar="PRESET|CONFIG_DIR",
-                        help="a preset (k3 params lists them) or a directory with a config.json")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        metavar="PRESET|CONFIG_DIR",
+        help="a preset (k3 params lists them) or a directory with a config.json",
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--train", action="store_true", help="a training plan (the default)")
     mode.add_argument("--serve", action="store_true", help="a serving plan")
-    mode.add_argument("--published", action="store_true",
-                      help="the planner against published figures (DeepSeek-V3, Kimi K3's repository, nanoGPT)")
+    mode.add_argument(
+        "--published",
+        action="store_true",
+        help="the planner against published figures (DeepSeek-V3, Kimi K3's repository, nanoGPT)",
+    )
     parser.add_argument("--json", action="store_true", help="every figure with its unit, as JSON")
     parser.add_argument("--gpu", choices=tuple(GPUS), default="h200", help="GPU type (default h200)")
-    parser.add_argument("--gpus", type=_positive("GPUs", MAX_RANKS),
-                        help="training: GPUs in all (default 8); serving: GPUs per replica (default: the fewest whole "
-                             "nodes that hold the weights)")
+    parser.add_argument(
+        "--gpus",
+        type=_positive("GPUs", MAX_RANKS),
+        help="training: GPUs in all (default 8); serving: GPUs per replica (default: the fewest whole "
+        "nodes that hold the weights)",
+    )
     train = parser.add_argument_group("training")
-    train.add_argument("--fsdp", type=_positive("FSDP ranks", MAX_RANKS),
-                       help="FSDP ranks per pipeline stage (default: gpus / pp)")
-    train.add_argument("--ep", type=_positive("expert-parallel ranks", MAX_RANKS),
-                       help="expert-parallel ranks (default: the largest up to 64 that divides the experts and --fsdp)")
+    train.add_argument(
+        "--fsdp", type=_positive("FSDP ranks", MAX_RANKS), help="FSDP ranks per pipeline stage (default: gpus / pp)"
+    )
+    train.add_argument(
+        "--ep",
+        type=_positive("expert-parallel ranks", MAX_RANKS),
+        help="expert-parallel ranks (default: the largest up to 64 that divides the experts and --fsdp)",
+    )
     train.add_argument("--pp", type=_positive("pipeline stages", MAX_RANKS), help="pipeline stages (default 1)")
-    train.add_argument("--seq-len", type=_positive("tokens per sequence", MAX_TOKENS), default=4096,
-                       help="tokens per training sequence (default 4096)")
-    train.add_argument("--micro-batch", type=_positive("sequences", MAX_TOKENS), default=1,
-                       help="sequences per micro-batch (default 1)")
-    train.add_argument("--global-batch-tokens", type=_positive("tokens", MAX_TOKENS),
-                       help="tokens per optimizer step (default: one micro-batch per rank)")
-    train.add_argument("--optimizer", choices=("muon", "adamw"), default="muon",
-                       help="whose states the memory plan counts: muon (k3 train's default; one momentum a "
-                            "matrix, AdamW's two moments on the rest) or adamw (default muon)")
+    train.add_argument(
+        "--seq-len",
+        type=_positive("tokens per sequence", MAX_TOKENS),
+        default=4096,
+        help="tokens per training sequence (default 4096)",
+    )
+    train.add_argument(
+        "--micro-batch",
+        type=_positive("sequences", MAX_TOKENS),
+        default=1,
+        help="sequences per micro-batch (default 1)",
+    )
+    train.add_argument(
+        "--global-batch-tokens",
+        type=_positive("tokens", MAX_TOKENS),
+        help="tokens per optimizer step (default: one micro-batch per rank)",
+    )
+    train.add_argument(
+        "--optimizer",
+        choices=("muon", "adamw"),
+        default="muon",
+        help="whose states the memory plan counts: muon (k3 train's default; one momentum a "
+        "matrix, AdamW's two moments on the rest) or adamw (default muon)",
+    )
     train.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="whose dense peak the MFU is of")
     train.add_argument("--mfu", type=_fraction, default=0.40, help="assumed model FLOP utilisation (default 0.40)")
-    train.add_argument("--recompute", choices=("none", "selective", "full"),
-                       help="activation recomputation (default: the least that fits)")
+    train.add_argument(
+        "--recompute",
+        choices=("none", "selective", "full"),
+        help="activation recomputation (default: the least that fits)",
+    )
     serve = parser.add_argument_group("serving")
-    serve.add_argument("--context", type=_positive("tokens", MAX_TOKENS), default=1 << 20,
-                       help="tokens per sequence (default 1,048,576)")
-    serve.add_argument("--experts", choices=("bf16", "mxfp4"), default="mxfp4",
-                       help="routed experts' format (default mxfp4, as Kimi K3 is published)")
-    serve.add_argument("--concurrent", type=_positive("sequences", MAX_TOKENS),
-                       help="sequences decoded together (default: as many as fit)")
+    serve.add_argument(
+        "--context",
+        type=_positive("tokens", MAX_TOKENS),
+        default=1 << 20,
+        help="tokens per sequence (default 1,048,576)",
+    )
+    serve.add_argument(
+        "--experts",
+        choices=("bf16", "mxfp4"),
+        default="mxfp4",
+        help="routed experts' format (default mxfp4, as Kimi K3 is published)",
+    )
+    serve.add_argument(
+        "--concurrent",
+        type=_positive("sequences", MAX_TOKENS),
+        help="sequences decoded together (default: as many as fit)",
+    )
 
 
 def load_config(name: str):
@@ -102,11 +147,32 @@ def run_plan(args) -> list:
     if args.serve:
         from .serving import ServeSettings, plan_serving
 
-        return [plan_serving(config, ServeSettings(gpu=args.gpu, gpus=args.gpus, context=args.context,
-                                                   experts=args.experts, concurrent=args.concurrent))]
+        return [
+            plan_serving(
+                config,
+                ServeSettings(
+                    gpu=args.gpu, gpus=args.gpus, context=args.context, experts=args.experts, concurrent=args.concurrent
+                ),
+            )
+        ]
     from .training import TrainSettings, plan_training
 
-    return [plan_training(config, TrainSettings(
-        gpus=args.gpus or 8, gpu=args.gpu, pp=args.pp, fsdp=args.fsdp, ep=args.ep, seq_len=args.seq_len,
-        global_batch_tokens=args.global_batch_tokens, micro_batch=args.micro_batch, optimizer=args.optimizer,
-        precision=args.precision, mfu=args.mfu, recompute=args.recompute))]
+    return [
+        plan_training(
+            config,
+            TrainSettings(
+                gpus=args.gpus or 8,
+                gpu=args.gpu,
+                pp=args.pp,
+                fsdp=args.fsdp,
+                ep=args.ep,
+                seq_len=args.seq_len,
+                global_batch_tokens=args.global_batch_tokens,
+                micro_batch=args.micro_batch,
+                optimizer=args.optimizer,
+                precision=args.precision,
+                mfu=args.mfu,
+                recompute=args.recompute,
+            ),
+        )
+    ]

@@ -60,10 +60,12 @@ def decode_flops_per_token(config: ModelConfig, context: int) -> dict[str, float
     """FLOPs of decoding one token after `context` cached tokens, by term (see the module docstring)."""
     c = config
     out = {"matmuls (2 x active)": 2.0 * count_params(c).active}
-    per_layer = {"mha": 2.0 * c.hidden_size * context,
-                 "mla": c.num_heads * context * (2 * c.kv_lora_rank + c.qk_rope_head_dim)}
+    per_layer = {
+        "mha": 2.0 * c.hidden_size * context,
+        "mla": c.num_heads * context * (2 * c.kv_lora_rank + c.qk_rope_head_dim),
+    }
     for kind in dict.fromkeys(c.layer_types):
-        macs = per_layer.get(kind, 4.0 * c.linear_num_heads * c.linear_head_dim ** 2)
+        macs = per_layer.get(kind, 4.0 * c.linear_num_heads * c.linear_head_dim**2)
         out[f"sequence ({kind})"] = 2.0 * c.layer_types.count(kind) * macs
     return out
 
@@ -77,15 +79,22 @@ def _mixer_tensors(c: ModelConfig, kind: str) -> list[tuple[float, str]]:
         t = [(d, "norm")]
         if c.q_lora_rank:
             t += [(c.q_lora_rank, "keep"), (c.q_lora_rank, "norm")]  # q_a output, its norm
-        t += [(r + c.qk_rope_head_dim, "keep"), (r, "norm"), (2 * H * qk + H * dv, "up"),  # kv_a, norm; q, k, v
-              (H * dv, "keep"), (2 * H, "keep")]  # attention output, fp32 statistics
+        t += [
+            (r + c.qk_rope_head_dim, "keep"),
+            (r, "norm"),
+            (2 * H * qk + H * dv, "up"),  # kv_a, norm; q, k, v
+            (H * dv, "keep"),
+            (2 * H, "keep"),
+        ]  # attention output, fp32 statistics
         if c.mla_output_gate:
             t += [(H * dv, "keep"), (H * dv, "act")]  # the gate's logits, the gated output (o_proj's input)
         return t
     H, K, inner = c.linear_num_heads, c.linear_head_dim, c.linear_num_heads * c.linear_head_dim
     t = [(d, "norm"), (3 * inner, "keep"), (3 * inner, "act"), (H, "act")]  # q,k,v before / after conv+SiLU, beta
-    t += {"kda": [(K, "keep"), (inner, "keep"), (2 * inner, "act")],  # f_a out, f_b out, the gate (fp32)
-          "gated_deltanet": [(H, "keep"), (2 * H, "act")]}.get(kind, [])
+    t += {
+        "kda": [(K, "keep"), (inner, "keep"), (2 * inner, "act")],  # f_a out, f_b out, the gate (fp32)
+        "gated_deltanet": [(H, "keep"), (2 * H, "act")],
+    }.get(kind, [])
     t += [(inner, "keep"), (inner, "norm")]  # the op's output, its per-head norm
     gate = {"full": [(inner, "keep")], "low_rank": [(K, "keep"), (inner, "keep")], None: []}[c.linear_output_gate]
     return t + gate + ([(inner, "act")] if gate else [])  # the gated output (o_proj's input)
@@ -129,8 +138,10 @@ def activation_bytes_per_token(config: ModelConfig, layers: range, recompute: st
     what the layers keep inside, the recompute working set (one layer at "none" detail, under full
     recompute), Block AttnRes' block sums (fp32) and the output logits (bf16 + the fp32 softmax)."""
     c = config
-    out = {"layer inputs": 2.0 * c.hidden_size * len(layers),
-           "inside the layers": 2.0 * sum(layer_values(c, i, recompute) for i in layers)}
+    out = {
+        "layer inputs": 2.0 * c.hidden_size * len(layers),
+        "inside the layers": 2.0 * sum(layer_values(c, i, recompute) for i in layers),
+    }
     if recompute == "full":
         out["recompute working set"] = 2.0 * max(layer_values(c, i, "none") for i in layers)
     if c.attn_res_block_size is not None:

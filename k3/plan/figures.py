@@ -26,14 +26,18 @@ class Figures:
         return self.values[name][0]
 
     def to_json(self) -> dict:
-        return {"title": self.title, "inputs": self.inputs, "chosen_by_planner": self.chosen,
-                "figures": {name: {"value": v, "unit": u} for name, (v, u) in self.values.items()},
-                "notes": self.notes}
+        return {
+            "title": self.title,
+            "inputs": self.inputs,
+            "chosen_by_planner": self.chosen,
+            "figures": {name: {"value": v, "unit": u} for name, (v, u) in self.values.items()},
+            "notes": self.notes,
+        }
 
     def format(self) -> str:
         lines = [self.title]
         settings = [f"{k} {v}" + (" (planner)" if k in self.chosen else "") for k, v in self.inputs.items()]
-        lines += ["  " + ", ".join(settings[i:i + 4]) for i in range(0, len(settings), 4)]
+        lines += ["  " + ", ".join(settings[i : i + 4]) for i in range(0, len(settings), 4)]
         width = max(map(len, self.values), default=0)
         for name, (value, unit) in self.values.items():
             lines.append(f"  {name:<{width}}  {_show(value, unit)}")

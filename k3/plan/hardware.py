@@ -35,21 +35,24 @@ class Gpu:
 
 
 T, GB = 1e12, 1e9
-GPUS: dict[str, Gpu] = {gpu.name: gpu for gpu in (
-    # NVIDIA H100 Tensor Core GPU datasheet, SXM5: 80 GB HBM3, 3.35 TB/s; BF16 1,979 / FP8 3,958 TFLOPS sparse
-    Gpu("h100", 80 * GB, 989.5 * T, 1979 * T, 3.35e12, "NVIDIA H100 datasheet (SXM5)"),
-    # NVIDIA H200 Tensor Core GPU datasheet, SXM: 141 GB HBM3e, 4.8 TB/s; BF16 1,979 / FP8 3,958 TFLOPS sparse
-    Gpu("h200", 141 * GB, 989.5 * T, 1979 * T, 4.8e12, "NVIDIA H200 datasheet (SXM)"),
-    # NVIDIA DGX B200 / HGX B200 datasheet: 1,440 GB and 64 TB/s per 8 GPUs; FP8 72 / BF16 36 PFLOPS sparse per 8
-    Gpu("b200", 180 * GB, 2250 * T, 4500 * T, 8e12, "NVIDIA HGX B200 datasheet (per GPU: 1/8 of the board)"),
-    # H800 SXM5: the H100 SXM5's compute and memory with NVLink cut to 400 GB/s (NVIDIA H800 product brief;
-    # the DeepSeek-V3 report's cluster)
-    Gpu("h800", 80 * GB, 989.5 * T, 1979 * T, 3.35e12, "NVIDIA H800 product brief (SXM5)"),
-    # NVIDIA A100 Tensor Core GPU datasheet, 80 GB SXM: HBM2e 2,039 GB/s; BF16 312 TFLOPS dense; no FP8
-    Gpu("a100", 80 * GB, 312 * T, None, 2.039e12, "NVIDIA A100 datasheet (80 GB SXM)"),
-    # the same datasheet, 40 GB SXM (nanoGPT's GPT-2 reproduction ran on 8 of these): 1,555 GB/s
-    Gpu("a100-40gb", 40 * GB, 312 * T, None, 1.555e12, "NVIDIA A100 datasheet (40 GB SXM)"),
-)}
+GPUS: dict[str, Gpu] = {
+    gpu.name: gpu
+    for gpu in (
+        # NVIDIA H100 Tensor Core GPU datasheet, SXM5: 80 GB HBM3, 3.35 TB/s; BF16 1,979 / FP8 3,958 TFLOPS sparse
+        Gpu("h100", 80 * GB, 989.5 * T, 1979 * T, 3.35e12, "NVIDIA H100 datasheet (SXM5)"),
+        # NVIDIA H200 Tensor Core GPU datasheet, SXM: 141 GB HBM3e, 4.8 TB/s; BF16 1,979 / FP8 3,958 TFLOPS sparse
+        Gpu("h200", 141 * GB, 989.5 * T, 1979 * T, 4.8e12, "NVIDIA H200 datasheet (SXM)"),
+        # NVIDIA DGX B200 / HGX B200 datasheet: 1,440 GB and 64 TB/s per 8 GPUs; FP8 72 / BF16 36 PFLOPS sparse per 8
+        Gpu("b200", 180 * GB, 2250 * T, 4500 * T, 8e12, "NVIDIA HGX B200 datasheet (per GPU: 1/8 of the board)"),
+        # H800 SXM5: the H100 SXM5's compute and memory with NVLink cut to 400 GB/s (NVIDIA H800 product brief;
+        # the DeepSeek-V3 report's cluster)
+        Gpu("h800", 80 * GB, 989.5 * T, 1979 * T, 3.35e12, "NVIDIA H800 product brief (SXM5)"),
+        # NVIDIA A100 Tensor Core GPU datasheet, 80 GB SXM: HBM2e 2,039 GB/s; BF16 312 TFLOPS dense; no FP8
+        Gpu("a100", 80 * GB, 312 * T, None, 2.039e12, "NVIDIA A100 datasheet (80 GB SXM)"),
+        # the same datasheet, 40 GB SXM (nanoGPT's GPT-2 reproduction ran on 8 of these): 1,555 GB/s
+        Gpu("a100-40gb", 40 * GB, 312 * T, None, 1.555e12, "NVIDIA A100 datasheet (40 GB SXM)"),
+    )
+}
 
 
 def get_gpu(name: str) -> Gpu:

@@ -85,8 +85,13 @@ def plan_serving(config: ModelConfig, s: ServeSettings, shapes: ModelShapes | No
     fit = math.floor((gpus * gpu.usable_bytes - w) / per_seq) if per_seq else 0
     batch = s.concurrent or max(fit, 1)
     f = Figures(f"k3 plan --serve {config.name}: {gpu.name} ({gpu.source})")
-    f.inputs = {"gpu": gpu.name, "gpus per replica": gpus, "context": s.context, "experts": s.experts,
-                "concurrent": batch}
+    f.inputs = {
+        "gpu": gpu.name,
+        "gpus per replica": gpus,
+        "context": s.context,
+        "experts": s.experts,
+        "concurrent": batch,
+    }
     f.chosen = [name for name, v in (("gpus per replica", s.gpus), ("concurrent", s.concurrent)) if v is None]
     for name, value in weights.items():
         f.add(f"weights: {name}", value, "bytes")
@@ -98,9 +103,11 @@ def plan_serving(config: ModelConfig, s: ServeSettings, shapes: ModelShapes | No
     f.add("sequences per replica", max(fit, 0), "sequences")
     f.add("sequences per node", max(fit, 0) * GPUS_PER_NODE / gpus, "sequences/node")
     if fit < 1 or batch > fit:
-        f.notes.append(f"DOES NOT FIT: {gpus} x {gpu.name} hold {gpus * gpu.usable_bytes / 1e9:,.0f} GB usable; "
-                       f"the weights need {w / 1e9:,.0f} GB and {batch} sequence(s) {batch * per_seq / 1e9:,.1f} GB "
-                       f"more; use more --gpus or fewer --concurrent")
+        f.notes.append(
+            f"DOES NOT FIT: {gpus} x {gpu.name} hold {gpus * gpu.usable_bytes / 1e9:,.0f} GB usable; "
+            f"the weights need {w / 1e9:,.0f} GB and {batch} sequence(s) {batch * per_seq / 1e9:,.1f} GB "
+            f"more; use more --gpus or fewer --concurrent"
+        )
     flops = decode_flops_per_token(config, s.context)
     for name, value in flops.items():
         f.add(f"decode FLOPs per token: {name}", value, "FLOP")

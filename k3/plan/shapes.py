@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models import CausalLM, ModelConfig
-from ..models.model import DecoderLayer
+from ..models.decoder import DecoderLayer
 
 EXPERTS_PREFIX = "block_sparse_moe.experts."
 
@@ -50,8 +50,11 @@ class ModelShapes:
 
     def numel(self) -> int:
         one = sum(p.numel for p in self.expert)
-        return (sum(p.numel for p in self.first + self.last) + sum(p.numel for ps in self.layers for p in ps)
-                + one * sum(self.experts))
+        return (
+            sum(p.numel for p in self.first + self.last)
+            + sum(p.numel for ps in self.layers for p in ps)
+            + one * sum(self.experts)
+        )
 
 
 @dataclass(frozen=True)
@@ -101,8 +104,9 @@ def model_shapes(config: ModelConfig) -> ModelShapes:
     root modules, all built on the meta device."""
     with torch.device("meta"):
         # the root: a one-layer model of the same config (its first layer kept), that layer left out
-        one = dataclasses.replace(config, num_layers=1, layer_types=config.layer_types[:1],
-                                  mlp_types=config.mlp_types[:1])
+        one = dataclasses.replace(
+            config, num_layers=1, layer_types=config.layer_types[:1], mlp_types=config.mlp_types[:1]
+        )
         root = [(n, p) for n, p in CausalLM(one).named_parameters() if not n.startswith("model.layers.")]
         kinds: dict[tuple[str, str], tuple[list[Param], list[Param]]] = {}
         for i, key in enumerate(zip(config.layer_types, config.mlp_types)):

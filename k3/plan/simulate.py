@@ -61,11 +61,13 @@ def main(argv: list[str]) -> None:
     rank = int(argv[3]) if len(argv) == 4 else 0
     sim = simulate(config, n, ep, rank)
     planned = sum(rank_values(model_shapes(config), Layout(n, 1, n, ep), rank).values())
-    print(f"{config.name}, N = {n}, ep = {ep}, rank {rank}: {sim['values']:,} parameter values on the sharded "
-          f"module ({4 * sim['values'] / 1e9:.3f} GB fp32, {2 * sim['values'] / 1e9:.3f} GB bf16; routed experts "
-          f"{sim['routed expert values']:,}); planner {planned:,} "
-          f"({'equal' if planned == sim['values'] else 'DIFFERENT'}); "
-          f"{sim['seconds']:.1f} s")
+    print(
+        f"{config.name}, N = {n}, ep = {ep}, rank {rank}: {sim['values']:,} parameter values on the sharded "
+        f"module ({4 * sim['values'] / 1e9:.3f} GB fp32, {2 * sim['values'] / 1e9:.3f} GB bf16; routed experts "
+        f"{sim['routed expert values']:,}); planner {planned:,} "
+        f"({'equal' if planned == sim['values'] else 'DIFFERENT'}); "
+        f"{sim['seconds']:.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -49,9 +49,18 @@ def other_ranks_per_token(config: ModelConfig, ep: int) -> tuple[float, int]:
     return (ep - 1) * (1 - missed), min(k, ep - 1)
 
 
-def step_traffic(config: ModelConfig, fsdp: int, ep: int, tokens_per_rank: int, micro_batches: int = 1,
-                 optimizer: str = "muon", recompute: str = "none", weight_bytes: int = 4, row_bytes: int = 4,
-                 shapes: ModelShapes | None = None) -> dict[str, float]:
+def step_traffic(
+    config: ModelConfig,
+    fsdp: int,
+    ep: int,
+    tokens_per_rank: int,
+    micro_batches: int = 1,
+    optimizer: str = "muon",
+    recompute: str = "none",
+    weight_bytes: int = 4,
+    row_bytes: int = 4,
+    shapes: ModelShapes | None = None,
+) -> dict[str, float]:
     """Bytes one rank sends in one step (see the module) with `fsdp` ranks, experts split over `ep`,
     `tokens_per_rank` tokens in each of its `micro_batches`. `weight_bytes`: the gathered weights' and
     reduced gradients' element size (k3 train: float32); `row_bytes`: the exchanged rows' (float32 on
@@ -70,26 +79,31 @@ def step_traffic(config: ModelConfig, fsdp: int, ep: int, tokens_per_rank: int, 
     root = shapes.first + shapes.last
     layer_shards = [padded_shard(ps, fsdp) for ps in dense_layers]
     expert_shards = [padded_shard(ps, efsdp) for ps in held]
-    gathers = ((fsdp - 1) * (2 * sum(layer_shards) + padded_shard(root, fsdp))
-               + (efsdp - 1) * 2 * sum(expert_shards))
+    gathers = (fsdp - 1) * (2 * sum(layer_shards) + padded_shard(root, fsdp)) + (efsdp - 1) * 2 * sum(expert_shards)
     scatters = (fsdp - 1) * (sum(layer_shards) + padded_shard(root, fsdp)) + (efsdp - 1) * sum(expert_shards)
     muon = 0
     if optimizer == "muon":
         dense = [p for ps in dense_layers + [root] for p in ps if p.kind == "matrix"]
         experts = [p for ps in held for p in ps if p.kind == "matrix"]
-        muon = (fsdp - 1) * sum(padded_shard([p], fsdp) for p in dense) + \
-            (efsdp - 1) * sum(padded_shard([p], efsdp) for p in experts)
-    out = {"fsdp all-gather": gathers * weight_bytes * micro_batches,
-           "fsdp reduce-scatter": scatters * weight_bytes * micro_batches,
-           "muon all-gather": muon * weight_bytes}
+        muon = (fsdp - 1) * sum(padded_shard([p], fsdp) for p in dense) + (efsdp - 1) * sum(
+            padded_shard([p], efsdp) for p in experts
+        )
+    out = {
+        "fsdp all-gather": gathers * weight_bytes * micro_batches,
+        "fsdp reduce-scatter": scatters * weight_bytes * micro_batches,
+        "muon all-gather": muon * weight_bytes,
+    }
     width = config.moe_latent_size or config.hidden_size
     k = config.num_experts_per_tok
     forward_row = width * row_bytes + k * 4 + k * 8 + width * row_bytes  # latent, weights, indices; output back
     backward_row = width * row_bytes + k * 4 + width * row_bytes  # their gradients
     from ..training.parallel import SELECTIVE_EVERY
 
-    forwards = [2 if recompute == "full" or (recompute == "selective" and (i + 1) % SELECTIVE_EVERY == 0) else 1
-                for i, n in enumerate(shapes.experts) if n]  # each MoE layer's forward exchanges
+    forwards = [
+        2 if recompute == "full" or (recompute == "selective" and (i + 1) % SELECTIVE_EVERY == 0) else 1
+        for i, n in enumerate(shapes.experts)
+        if n
+    ]  # each MoE layer's forward exchanges
     for name, rows in zip(("uniform", "bound"), other_ranks_per_token(config, ep)):
         total = sum((ep - 1) * 8 * f + tokens_per_rank * rows * (f * forward_row + backward_row) for f in forwards)
         out[f"all-to-all ({name})"] = total * micro_batches if ep > 1 else 0.0

@@ -87,10 +87,13 @@ def memory(config: ModelConfig, shapes: ModelShapes, layout: Layout, s: TrainSet
         optimizer = 8 * n if s.optimizer == "adamw" else 4 * (n - adam_only) + 8 * adam_only
         layers = layout.stage_layers(config.num_layers, stage)
         per_token = sum(activation_bytes_per_token(config, layers, recompute).values())
-        parts = {"parameters (fp32, sharded)": 4.0 * n, "gradients (fp32, sharded)": 4.0 * n,
-                 f"optimizer state ({s.optimizer})": float(optimizer),
-                 "FSDP all-gather buffers": 8.0 * unsharded_layer_values(shapes, layout),
-                 "activations": tokens * per_token * (layout.pp - stage)}
+        parts = {
+            "parameters (fp32, sharded)": 4.0 * n,
+            "gradients (fp32, sharded)": 4.0 * n,
+            f"optimizer state ({s.optimizer})": float(optimizer),
+            "FSDP all-gather buffers": 8.0 * unsharded_layer_values(shapes, layout),
+            "activations": tokens * per_token * (layout.pp - stage),
+        }
         if any(config.mlp_types[i] == "moe" for i in layers):
             width = config.moe_latent_size or config.hidden_size
             visits = min(config.num_experts_per_tok, layout.ep)  # ranks a token is sent to, at most
@@ -119,23 +122,44 @@ def plan_training(config: ModelConfig, s: TrainSettings, shapes: ModelShapes | N
     peak = gpu.peak_flops(s.precision)
     shapes = shapes or model_shapes(config)
     layout = layout_of(config, s)
-    chosen = [name for name, v in (("pp", s.pp), ("fsdp", s.fsdp), ("ep", s.ep), ("recompute", s.recompute),
-                                   ("global batch tokens", s.global_batch_tokens)) if v is None]
+    chosen = [
+        name
+        for name, v in (
+            ("pp", s.pp),
+            ("fsdp", s.fsdp),
+            ("ep", s.ep),
+            ("recompute", s.recompute),
+            ("global batch tokens", s.global_batch_tokens),
+        )
+        if v is None
+    ]
     recompute = s.recompute or next((r for r in RECOMPUTE if _fits(config, shapes, layout, s, r, gpu)[0]), "full")
     micro_tokens = s.micro_batch * s.seq_len
     micro_batches = max(1, math.ceil((s.global_batch_tokens or 0) / (layout.fsdp * micro_tokens)))
     batch = micro_batches * layout.fsdp * micro_tokens
     if s.global_batch_tokens is not None and batch != s.global_batch_tokens:
-        notes = [f"global batch: --global-batch-tokens {s.global_batch_tokens:,} rounded up to {batch:,}, whole "
-                 f"micro-batches ({micro_batches} a rank of {s.micro_batch} x {s.seq_len} tokens) on each of "
-                 f"{layout.fsdp} FSDP ranks"]
+        notes = [
+            f"global batch: --global-batch-tokens {s.global_batch_tokens:,} rounded up to {batch:,}, whole "
+            f"micro-batches ({micro_batches} a rank of {s.micro_batch} x {s.seq_len} tokens) on each of "
+            f"{layout.fsdp} FSDP ranks"
+        ]
     else:
         notes = []
     f = Figures(f"k3 plan --train {config.name}: {layout.gpus} x {gpu.name} ({gpu.source})")
-    f.inputs = {"gpus": layout.gpus, "gpu": gpu.name, "pp": layout.pp, "fsdp": layout.fsdp, "ep": layout.ep,
-                "seq len": s.seq_len, "micro-batch": f"{s.micro_batch} x {s.seq_len} tokens",
-                "global batch tokens": batch, "optimizer": s.optimizer, "precision": s.precision, "mfu": s.mfu,
-                "recompute": recompute}
+    f.inputs = {
+        "gpus": layout.gpus,
+        "gpu": gpu.name,
+        "pp": layout.pp,
+        "fsdp": layout.fsdp,
+        "ep": layout.ep,
+        "seq len": s.seq_len,
+        "micro-batch": f"{s.micro_batch} x {s.seq_len} tokens",
+        "global batch tokens": batch,
+        "optimizer": s.optimizer,
+        "precision": s.precision,
+        "mfu": s.mfu,
+        "recompute": recompute,
+    }
     f.chosen = chosen
     f.notes += notes
     pc = count_params(config)
@@ -161,42 +185,65 @@ def plan_training(config: ModelConfig, s: TrainSettings, shapes: ModelShapes | N
     f.add("tokens per day", batch / step * 86400, "tokens")
     f.add("GPU-hours per trillion tokens", layout.gpus * step / batch * 1e12 / 3600, "GPU-hours")
     if layout.pp == 1:  # bytes each GPU sends in a step (k3.plan.traffic), as k3 train runs it
-        traffic = step_traffic(config, layout.fsdp, layout.ep, micro_tokens, micro_batches, s.optimizer, recompute,
-                               weight_bytes=4, row_bytes=2 if s.precision == "bf16" else 4, shapes=shapes)
+        traffic = step_traffic(
+            config,
+            layout.fsdp,
+            layout.ep,
+            micro_tokens,
+            micro_batches,
+            s.optimizer,
+            recompute,
+            weight_bytes=4,
+            row_bytes=2 if s.precision == "bf16" else 4,
+            shapes=shapes,
+        )
         for name, value in traffic.items():
             f.add(f"sent per GPU per step: {name}", value, "bytes")
     if not fits:
-        f.notes.append(f"DOES NOT FIT: {total / 1e9:,.1f} GB per GPU, {gpu.usable_bytes / 1e9:,.1f} GB usable "
-                       f"({gpu.memory_bytes / 1e9:.0f} GB x 0.9).")
+        f.notes.append(
+            f"DOES NOT FIT: {total / 1e9:,.1f} GB per GPU, {gpu.usable_bytes / 1e9:,.1f} GB usable "
+            f"({gpu.memory_bytes / 1e9:.0f} GB x 0.9)."
+        )
         f.notes += smallest_changes(config, shapes, s, layout, recompute, gpu)
     else:
         f.notes += train_command(config, s, layout, recompute, micro_batches)
     return f
 
 
-def train_command(config: ModelConfig, s: TrainSettings, layout: Layout, recompute: str,
-                  micro_batches: int) -> list[str]:
+def train_command(
+    config: ModelConfig, s: TrainSettings, layout: Layout, recompute: str, micro_batches: int
+) -> list[str]:
     """The `torchrun ... -m k3 train` command line that runs this layout (8 GPUs a node), or why none
     does: k3 train shards over all ranks (fsdp, with --ep inside it) and has no pipeline stages or fp8."""
     from ..models import PRESETS
 
     if layout.pp > 1:
-        return [f"k3 train has no pipeline parallelism: this layout (pp {layout.pp}) is not runnable by it; "
-                f"with --pp 1 it would shard over all {layout.gpus} GPUs"]
+        return [
+            f"k3 train has no pipeline parallelism: this layout (pp {layout.pp}) is not runnable by it; "
+            f"with --pp 1 it would shard over all {layout.gpus} GPUs"
+        ]
     if s.precision != "bf16":
         return [f"k3 train runs bf16 autocast, not {s.precision}: plan with --precision bf16 for its command"]
     nodes, per_node = (math.ceil(layout.gpus / 8), 8) if layout.gpus > 8 else (1, layout.gpus)
     preset = config.name if config.name in PRESETS else None
-    flags = [f"--preset {preset}" if preset else "--preset PRESET --set ... (this config's fields)",
-             "--parallel fsdp", *([f"--ep {layout.ep}"] if layout.ep > 1 else []),
-             f"--recompute {'full' if recompute == 'selective' else recompute}", f"--seq-len {s.seq_len}",
-             f"--batch-size {s.micro_batch * layout.gpus}", *([f"--grad-accum {micro_batches}"] if micro_batches > 1
-                                                            else []),
-             f"--optimizer {s.optimizer}", "--precision bf16", "--device cuda"]
+    flags = [
+        f"--preset {preset}" if preset else "--preset PRESET --set ... (this config's fields)",
+        "--parallel fsdp",
+        *([f"--ep {layout.ep}"] if layout.ep > 1 else []),
+        f"--recompute {'full' if recompute == 'selective' else recompute}",
+        f"--seq-len {s.seq_len}",
+        f"--batch-size {s.micro_batch * layout.gpus}",
+        *([f"--grad-accum {micro_batches}"] if micro_batches > 1 else []),
+        f"--optimizer {s.optimizer}",
+        "--precision bf16",
+        "--device cuda",
+    ]
     lines = [f"run it: torchrun --nnodes={nodes} --nproc_per_node={per_node} -m k3 train {' '.join(flags)}"]
     if recompute == "selective":
-        lines.append("(k3 train's --recompute selective recomputes every 2nd layer, not the plan's op-level "
-                     "selective; full keeps less)")
+        lines.append(
+            "(k3 train's --recompute selective recomputes every 2nd layer, not the plan's op-level "
+            "selective; full keeps less)"
+        )
     return lines
 
 
@@ -206,7 +253,7 @@ def smallest_changes(config, shapes, s: TrainSettings, layout: Layout, recompute
     GPU type that fit with the rest as it is."""
     fixed = dict(pp=layout.pp, fsdp=layout.fsdp, ep=layout.ep)
     free: list[tuple[str, TrainSettings, str]] = []
-    for r in RECOMPUTE[RECOMPUTE.index(recompute) + 1:]:
+    for r in RECOMPUTE[RECOMPUTE.index(recompute) + 1 :]:
         free.append((f"--recompute {r}", replace(s, **fixed), r))
     micro = s.micro_batch
     while micro > 1:
@@ -235,13 +282,15 @@ def smallest_changes(config, shapes, s: TrainSettings, layout: Layout, recompute
             break
     else:
         lines.append(f"no change of recomputation, micro-batch, ep, pp or optimizer fits on these {layout.gpus} GPUs")
-    for times in (2 ** k for k in range(1, 11)):
+    for times in (2**k for k in range(1, 11)):
         settings = replace(s, gpus=layout.gpus * times, fsdp=layout.fsdp * times, pp=layout.pp, ep=None)
         candidate = layout_of(config, settings)
         ok, total = _fits(config, shapes, candidate, settings, recompute, gpu)
         if ok:
-            lines.append(f"fewest GPUs that fit: --gpus {candidate.gpus} (ep {candidate.ep}, recompute {recompute}: "
-                         f"{total / 1e9:,.1f} GB per GPU)")
+            lines.append(
+                f"fewest GPUs that fit: --gpus {candidate.gpus} (ep {candidate.ep}, recompute {recompute}: "
+                f"{total / 1e9:,.1f} GB per GPU)"
+            )
             break
     for other in sorted(GPUS.values(), key=lambda g: g.memory_bytes):
         if other.memory_bytes > gpu.memory_bytes:

@@ -26,11 +26,35 @@ import time
 
 from .engine import Draining, Engine, QueueFull, Sequence, prefill_bytes, sequence_bytes
 
-__all__ = ["Draining", "Engine", "QueueFull", "Sequence", "build_app", "parse_bytes", "prefill_bytes", "sequence_bytes",
-           "serve", "ServerThread"]
+__all__ = [
+    "Draining",
+    "Engine",
+    "QueueFull",
+    "Sequence",
+    "build_app",
+    "parse_bytes",
+    "prefill_bytes",
+    "sequence_bytes",
+    "serve",
+    "ServerThread",
+]
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "t": 10**12,
+    "tb": 10**12,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -54,8 +78,10 @@ def require_serve_extra(what: str = "k3 serve") -> None:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        raise ValueError(f"{what} needs the optional extra k3[serve] (FastAPI and uvicorn), which is not installed "
-                         f"({e.name} is missing): pip install 'k3[serve]'") from None
+        raise ValueError(
+            f"{what} needs the optional extra k3[serve] (FastAPI and uvicorn), which is not installed "
+            f"({e.name} is missing): pip install 'k3[serve]'"
+        ) from None
 
 
 def _server(app, engine: Engine, host: str, port: int, shutdown_timeout: float, log_level: str, on_ready=None):
@@ -94,13 +120,21 @@ def _server(app, engine: Engine, host: str, port: int, shutdown_timeout: float, 
             if on_ready is not None and self.servers:
                 on_ready(self.servers[0].sockets[0].getsockname()[1])
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
-                            access_log=False)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout, access_log=False
+    )
     return Server(config)
 
 
-def serve(app, engine: Engine, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
-          log_level: str = "info", on_ready=None) -> None:
+def serve(
+    app,
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    shutdown_timeout: float = 30.0,
+    log_level: str = "info",
+    on_ready=None,
+) -> None:
     """Run `app` under uvicorn until SIGTERM or Ctrl-C (see the module docstring). `on_ready(port)` is
     called once the socket listens (the port uvicorn bound: useful with port=0)."""
     server = _server(app, engine, host, port, shutdown_timeout, log_level, on_ready)
@@ -120,8 +154,15 @@ class ServerThread:
     """`app` served on a thread of this process (a notebook, a test, a benchmark): `url` once started,
     `stop()` shuts it down as SIGTERM would. A context manager."""
 
-    def __init__(self, app, engine: Engine, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float = 5.0,
-                 log_level: str = "warning"):
+    def __init__(
+        self,
+        app,
+        engine: Engine,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        shutdown_timeout: float = 5.0,
+        log_level: str = "warning",
+    ):
         ready = threading.Event()
         self.port: int | None = None
 

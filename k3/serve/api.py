@@ -44,13 +44,23 @@ CHAT_TOKENS = 256  # k3's default for a chat reply (OpenAI: up to the context; a
 _UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|function-[a-z]+\[.*\])$")
 
 
-def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str | None = None,
-              special: dict | None = None, max_model_len: int | None = None, api_key: str | None = None,
-              max_request_bytes: int = MAX_REQUEST_BYTES, max_prompt_tokens: int | None = None):
+def build_app(
+    engine: Engine,
+    tokenizer,
+    model_name: str,
+    *,
+    chat_template: str | None = None,
+    special: dict | None = None,
+    max_model_len: int | None = None,
+    api_key: str | None = None,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+    max_prompt_tokens: int | None = None,
+):
     """The FastAPI app serving `engine`'s model as `model_name`. The app starts the engine when it starts
     and stops it when it shuts down. `max_model_len`: the most tokens a sequence may hold (prompt and
     completion), None for no limit but the cache budget; `max_request_bytes`: the largest request body;
     `max_prompt_tokens`: the most tokens one prompt may have (413 past it; None: max_model_len's bound)."""
+
     @asynccontextmanager
     async def lifespan(app):
         if engine._thread is None:
@@ -68,8 +78,12 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):  # Starlette's own: an unknown path, a body json cannot parse
-        return error_response(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
-                              "body" if e.status_code == 400 else None, headers=getattr(e, "headers", None))
+        return error_response(
+            e.status_code,
+            f"{request.method} {request.url.path}: {e.detail}",
+            "body" if e.status_code == 400 else None,
+            headers=getattr(e, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def bug(request, e: Exception):  # Starlette logs the traceback; the client gets JSON, not plain text
@@ -90,13 +104,13 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
     @app.get("/health")
     async def health():
         stats = engine.stats()
-        return JSONResponse({"status": "draining" if stats["draining"] else "ok", **stats},
-                            503 if stats["draining"] else 200)
+        return JSONResponse(
+            {"status": "draining" if stats["draining"] else "ok", **stats}, 503 if stats["draining"] else 200
+        )
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "k3"}]}
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "k3"}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -124,13 +138,21 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
 
     def check_model(body: Sampling) -> None:
         if body.model is not None and body.model != model_name:
-            raise APIError(404, f"model: {body.model!r} is not served here; this server serves {model_name!r} "
-                                f"(GET /v1/models)", "model", "invalid_request_error")
+            raise APIError(
+                404,
+                f"model: {body.model!r} is not served here; this server serves {model_name!r} (GET /v1/models)",
+                "model",
+                "invalid_request_error",
+            )
 
     def check_prompt_tokens(ids: list[int], param: str) -> None:
         if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-            raise APIError(413, f"{param}: the prompt has {len(ids)} tokens, more than this server takes, "
-                                f"{max_prompt_tokens} (--max-prompt-tokens)", param)
+            raise APIError(
+                413,
+                f"{param}: the prompt has {len(ids)} tokens, more than this server takes, "
+                f"{max_prompt_tokens} (--max-prompt-tokens)",
+                param,
+            )
 
     async def completion_prompts(prompt, n: int) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -140,40 +162,69 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
         if not prompt:
             raise APIError(400, "prompt: empty (give a text or a list of token ids)", "prompt")
         if len(prompt) * n > engine.max_queue:  # before any is tokenized: it could never be queued whole
-            raise APIError(400, f"prompt: {len(prompt)} prompts x n = {n} are {len(prompt) * n} sequences; this "
-                                f"server queues at most {engine.max_queue} (--max-queue): send fewer at a time",
-                           "prompt")
+            raise APIError(
+                400,
+                f"prompt: {len(prompt)} prompts x n = {n} are {len(prompt) * n} sequences; this "
+                f"server queues at most {engine.max_queue} (--max-queue): send fewer at a time",
+                "prompt",
+            )
         out = []
         for p in prompt:
             ids = await asyncio.to_thread(tokenizer.encode, p) if isinstance(p, str) else list(p)
             check_prompt_tokens(ids, "prompt")
             bad = [t for t in ids if not 0 <= t < engine.model.config.vocab_size]
             if bad:
-                raise APIError(400, f"prompt: token id {bad[0]} is outside the model's vocabulary "
-                                    f"(0 ... {engine.model.config.vocab_size - 1})", "prompt")
+                raise APIError(
+                    400,
+                    f"prompt: token id {bad[0]} is outside the model's vocabulary "
+                    f"(0 ... {engine.model.config.vocab_size - 1})",
+                    "prompt",
+                )
             out.append(ids)
         return out
 
-    async def respond(request, body: Sampling, prompts: list[list[int]], max_tokens: int, stops: list[str],
-                      chat: bool, param: str = "prompt"):
+    async def respond(
+        request,
+        body: Sampling,
+        prompts: list[list[int]],
+        max_tokens: int,
+        stops: list[str],
+        chat: bool,
+        param: str = "prompt",
+    ):
         for ids in prompts:
             if not ids:
                 raise APIError(400, f"{param}: the prompt is empty after tokenization", param)
             if max_model_len is not None and len(ids) > max_model_len:
-                raise APIError(400, f"{param}: the prompt has {len(ids)} tokens; this model takes at most "
-                                    f"{max_model_len} (prompt and completion)", param)
+                raise APIError(
+                    400,
+                    f"{param}: the prompt has {len(ids)} tokens; this model takes at most "
+                    f"{max_model_len} (prompt and completion)",
+                    param,
+                )
             if max_model_len is not None and len(ids) + max_tokens - 1 > max_model_len:
-                raise APIError(400, f"max_tokens: the prompt has {len(ids)} tokens and max_tokens is {max_tokens}, "
-                                    f"more than the {max_model_len} tokens this model takes; ask for at most "
-                                    f"{max_model_len - len(ids) + 1}", "max_tokens")
+                raise APIError(
+                    400,
+                    f"max_tokens: the prompt has {len(ids)} tokens and max_tokens is {max_tokens}, "
+                    f"more than the {max_model_len} tokens this model takes; ask for at most "
+                    f"{max_model_len - len(ids) + 1}",
+                    "max_tokens",
+                )
         job = Job(asyncio.get_running_loop())
         eos = None if body.ignore_eos else tokenizer.eot_id
         for ids in prompts:
             for j in range(body.n):
                 seed = None if body.seed is None else (body.seed + j) % 2**64
                 try:
-                    sequence = Sequence(list(ids), max_tokens, body.temperature,
-                                        None if body.top_p >= 1 else body.top_p, body.top_k, seed, eos)
+                    sequence = Sequence(
+                        list(ids),
+                        max_tokens,
+                        body.temperature,
+                        None if body.top_p >= 1 else body.top_p,
+                        body.top_k,
+                        seed,
+                        eos,
+                    )
                 except ValueError as e:  # the protocol's checks come first: this is a second line
                     raise APIError(400, str(e), None) from None
                 job.add(sequence, TextStream(tokenizer, stops))
@@ -188,14 +239,21 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
             raise APIError(503, f"{e}; retry later", None, "server_busy", headers={"Retry-After": "1"}) from None
         prompt_tokens = sum(len(ids) for ids in prompts) * body.n
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": model_name}
+        head = {
+            "id": ident,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+        }
         if body.stream:
             options = body.stream_options
             usage = options is not None and (options.include_usage or options.continuous_usage_stats)
             running = options is not None and options.continuous_usage_stats
-            return StreamingResponse(stream_events(job, head, chat, prompt_tokens, usage, running),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                stream_events(job, head, chat, prompt_tokens, usage, running),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         try:
             texts = await job.collect(engine, request)
         except ClientGone:
@@ -251,5 +309,8 @@ def sse(payload: dict) -> str:
 
 
 def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

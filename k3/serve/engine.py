@@ -138,12 +138,12 @@ class Engine:
     prefilled per turn before the running batch decodes again, so a long prompt or a burst of them does not
     stall the others for long."""
 
-    def __init__(self, model, cache_memory: int, max_queue: int = 256, max_running: int = 256,
-                 prefill_tokens: int = 4096):
+    def __init__(
+        self, model, cache_memory: int, max_queue: int = 256, max_running: int = 256, prefill_tokens: int = 4096
+    ):
         if cache_memory <= 0:
             raise ValueError(f"Engine: `cache_memory` must be > 0 bytes, got {cache_memory}")
-        for name, value in (("max_queue", max_queue), ("max_running", max_running),
-                            ("prefill_tokens", prefill_tokens)):
+        for name, value in (("max_queue", max_queue), ("max_running", max_running), ("prefill_tokens", prefill_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Engine: `{name}` must be an int >= 1, got {value!r}")
         self.model = model
@@ -186,9 +186,11 @@ class Engine:
         cache = self.bytes_for(sequence)
         piece, transient = self.plan(sequence)
         if cache + transient > self.cache_memory:
-            raise ValueError(f"the sequence needs {cache + transient:,} bytes ({sequence.total_tokens} tokens of "
-                             f"cache: prompt and max_tokens; and its prefill), more than the server's whole cache "
-                             f"budget, {self.cache_memory:,} bytes (--cache-memory): ask for fewer tokens")
+            raise ValueError(
+                f"the sequence needs {cache + transient:,} bytes ({sequence.total_tokens} tokens of "
+                f"cache: prompt and max_tokens; and its prefill), more than the server's whole cache "
+                f"budget, {self.cache_memory:,} bytes (--cache-memory): ask for fewer tokens"
+            )
         with self._lock:
             if self._draining:
                 raise Draining("the server is shutting down")
@@ -231,10 +233,15 @@ class Engine:
     def stats(self) -> dict:
         """running: sequences prefilling or decoding; waiting: queued for admission."""
         with self._lock:
-            return {"running": len(self.running) + len(self.prefilling), "waiting": len(self.waiting),
-                    "cache_bytes_reserved": self.reserved + self._prefill_reserve(),
-                    "cache_memory": self.cache_memory, "peak_running": self.peak_running, "steps": self.steps,
-                    "draining": self._draining}
+            return {
+                "running": len(self.running) + len(self.prefilling),
+                "waiting": len(self.waiting),
+                "cache_bytes_reserved": self.reserved + self._prefill_reserve(),
+                "cache_memory": self.cache_memory,
+                "peak_running": self.peak_running,
+                "steps": self.steps,
+                "draining": self._draining,
+            }
 
     # -- the loop, its own thread ------------------------------------------------------------------
     def _loop(self) -> None:
@@ -257,8 +264,9 @@ class Engine:
                         self._decode()
                     self._drop_ended()
             except Exception as e:  # the batch's own forward failed: fail what ran, keep serving
-                log.exception("k3 serve: the batch's forward failed; its %d sequences end with an error",
-                              len(self.running))
+                log.exception(
+                    "k3 serve: the batch's forward failed; its %d sequences end with an error", len(self.running)
+                )
                 self._fail_running(e)
 
     def _admissible(self) -> bool:
@@ -316,7 +324,7 @@ class Engine:
             sequence.cache = self.model.new_cache(1)
         start = sequence.prefilled
         n = min(sequence.piece, budget, len(sequence.prompt) - start)
-        ids = torch.tensor([sequence.prompt[start:start + n]], device=self.device)
+        ids = torch.tensor([sequence.prompt[start : start + n]], device=self.device)
         logits = self.model(ids, cache=sequence.cache, logits_to_keep=1, prefill_piece=n)[:, -1]
         sequence.prefilled += n
         if sequence.prefilled == len(sequence.prompt):
@@ -360,10 +368,17 @@ class Engine:
             if is_greedy(s.temperature) or s.finish_reason is not None:
                 continue
             try:
-                tokens[i] = sample(logits[i:i + 1], s.temperature, s.top_k, s.top_p, s.generator)[0]
+                tokens[i] = sample(logits[i : i + 1], s.temperature, s.top_k, s.top_p, s.generator)[0]
             except Exception as e:
-                log.error("k3 serve: sequence %d failed to sample (temperature %r, top_k %r, top_p %r): %s: %s",
-                          s.id, s.temperature, s.top_k, s.top_p, type(e).__name__, e)
+                log.error(
+                    "k3 serve: sequence %d failed to sample (temperature %r, top_k %r, top_p %r): %s: %s",
+                    s.id,
+                    s.temperature,
+                    s.top_k,
+                    s.top_p,
+                    type(e).__name__,
+                    e,
+                )
                 self._finish(s, f"error: {type(e).__name__}: {e}")
         return tokens
 

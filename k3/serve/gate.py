@@ -10,8 +10,14 @@ MAX_REQUEST_BYTES = 2**20  # a request body's default bound (k3 serve --max-requ
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
 
@@ -20,8 +26,13 @@ def error_body(message: str, kind: str, param: str | None, code) -> dict:
     return {"error": {"message": _printable(message), "type": kind, "param": _printable(param), "code": code}}
 
 
-def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                   headers: dict | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    kind: str = "invalid_request_error",
+    headers: dict | None = None,
+) -> JSONResponse:
     return JSONResponse(error_body(message, kind, param, status), status, headers=headers)
 
 
@@ -42,8 +53,11 @@ class Gate:
         self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
 
     async def _too_big(self, scope, receive, send, size: str):
-        response = error_response(413, f"body: {size}, more than this server takes, {self.max_request_bytes:,} "
-                                       f"bytes (--max-request-bytes)", "body")
+        response = error_response(
+            413,
+            f"body: {size}, more than this server takes, {self.max_request_bytes:,} bytes (--max-request-bytes)",
+            "body",
+        )
         await response(scope, receive, send)
 
     async def __call__(self, scope, receive, send):
@@ -52,8 +66,12 @@ class Gate:
         if self.api_key is not None and scope["path"].startswith("/v1/"):
             headers = dict(scope.get("headers") or [])
             if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
-                response = error_response(401, "a valid API key is needed: header 'Authorization: Bearer KEY' "
-                                               "(k3 serve --api-key)", None, "authentication_error")
+                response = error_response(
+                    401,
+                    "a valid API key is needed: header 'Authorization: Bearer KEY' (k3 serve --api-key)",
+                    None,
+                    "authentication_error",
+                )
                 return await response(scope, receive, send)
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)

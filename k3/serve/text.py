@@ -64,14 +64,14 @@ class TextStream:
         start = max(0, self.sent - max((len(s) for s in self.stop), default=0))
         hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            self.text = self.text[: min(hits)]
             self.stopped = True
             end = len(self.text)
         elif final:
             end = len(self.text)
         else:
             end = len(self.text) - self._held_back()
-        out = self.text[self.sent:end] if end > self.sent else ""
+        out = self.text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return out
 

@@ -20,5 +20,18 @@ from .optim import build_optimizer, learning_rate, no_decay
 from .step import train_step, training_step
 from .strategy import SingleProcess
 
-__all__ = ["TrainConfig", "TokenData", "train", "prepare", "build_optimizer", "training_step", "train_step",
-           "learning_rate", "no_decay", "next_token_loss", "bits_per_byte", "SingleProcess", "Muon"]
+__all__ = [
+    "TrainConfig",
+    "TokenData",
+    "train",
+    "prepare",
+    "build_optimizer",
+    "training_step",
+    "train_step",
+    "learning_rate",
+    "no_decay",
+    "next_token_loss",
+    "bits_per_byte",
+    "SingleProcess",
+    "Muon",
+]

@@ -26,8 +26,10 @@ def _replan(cfg: TrainConfig, step: int, elapsed: float, per_step: float, max_st
     bar.total = fits
     if abs(fits - max_steps) > 0.1 * max_steps:  # said only when it is news
         what = "slowed" if fits < max_steps else "sped up"
-        bar.write(f"k3 train: the machine {what} to {per_step:.2f} s/step; {fits} steps now fit in "
-                  f"{cfg.time_budget:g} min", file=sys.stderr)
+        bar.write(
+            f"k3 train: the machine {what} to {per_step:.2f} s/step; {fits} steps now fit in {cfg.time_budget:g} min",
+            file=sys.stderr,
+        )
     return fits
 
 

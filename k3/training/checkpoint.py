@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from ..io import JOURNAL, MANIFEST, CheckpointError, atomic_write_files, checked_folder, read_json
 from ..checkpoints.checkpoint import restore_tied_head, weights_to_save
 from ..checkpoints.dcp import SHARDED, is_sharded, sharded_step
+from ..io import JOURNAL, MANIFEST, CheckpointError, atomic_write_files, checked_folder, read_json
 from ..tokenizer import Tokenizer
 from .config import saved_train_config
 from .optim import portable_state
@@ -45,8 +45,13 @@ FILES = ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt
 SHARDED_FILES = (f"{SHARDED}/.metadata", *FILES[1:])  # and dcp/__R_I.distcp: k3.checkpoints.dcp
 LOCK = ".k3-train.lock"
 
-__all__ = ["CheckpointError", "OutputFolderError", "save_training_checkpoint", "load_training_checkpoint",
-           "claim_output"]
+__all__ = [
+    "CheckpointError",
+    "OutputFolderError",
+    "save_training_checkpoint",
+    "load_training_checkpoint",
+    "claim_output",
+]
 
 
 class OutputFolderError(OSError):
@@ -79,14 +84,18 @@ def check_new_run_folder(out, overwrite: bool = False) -> None:
         if overwrite:
             return
         step = _saved_step(out)
-        raise OutputFolderError(f"--out {out} holds the k3 checkpoint of another run{step}, which a new run would "
-                                f"replace: continue it with --resume {out}, train into another --out, or give "
-                                f"--overwrite to replace it")
+        raise OutputFolderError(
+            f"--out {out} holds the k3 checkpoint of another run{step}, which a new run would "
+            f"replace: continue it with --resume {out}, train into another --out, or give "
+            f"--overwrite to replace it"
+        )
     theirs = sorted(name for name in RUN_NAMES if os.path.lexists(out / name))
     if theirs:
-        raise OutputFolderError(f"--out {out} holds {', '.join(theirs)}, which k3 did not write and the run would "
-                                f"replace: move {'them' if len(theirs) > 1 else 'it'} or train into another --out "
-                                f"(--overwrite replaces only a k3 checkpoint)")
+        raise OutputFolderError(
+            f"--out {out} holds {', '.join(theirs)}, which k3 did not write and the run would "
+            f"replace: move {'them' if len(theirs) > 1 else 'it'} or train into another --out "
+            f"(--overwrite replaces only a k3 checkpoint)"
+        )
 
 
 def _saved_config(folder: Path) -> dict:
@@ -99,14 +108,25 @@ def _saved_config(folder: Path) -> dict:
 
 
 def _saved_step(folder: Path) -> str:
-    """" (at step N)" from the folder's config.json (nothing when it does not say)."""
+    """ " (at step N)" from the folder's config.json (nothing when it does not say)."""
     step = _saved_config(folder).get("step")
     return f" (at step {step})" if isinstance(step, int) else ""
 
 
-def save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step: int, max_steps: int | None,
-                             generator: torch.Generator, history: dict, *, weights: dict | None = None,
-                             optimizer_state: dict | None = None) -> None:
+def save_training_checkpoint(
+    out,
+    model,
+    optimizer,
+    tokenizer,
+    cfg,
+    step: int,
+    max_steps: int | None,
+    generator: torch.Generator,
+    history: dict,
+    *,
+    weights: dict | None = None,
+    optimizer_state: dict | None = None,
+) -> None:
     """Write the checkpoint directory `out` whole, or raise CheckpointError and leave it as it was.
     `weights` and `optimizer_state` stand for the model's and optimizer's own state dicts when those
     are spread over processes (k3.training.distributed gathers them)."""
@@ -124,27 +144,53 @@ def save_training_checkpoint(out, model, optimizer, tokenizer, cfg, step: int, m
         atomic_write_files(out, writers, step=step, manifest=True)
 
 
-def _run_files(model, tokenizer, cfg, step: int, max_steps: int | None, generator: torch.Generator,
-               history: dict, optimizer_state: dict) -> dict:
+def _run_files(
+    model,
+    tokenizer,
+    cfg,
+    step: int,
+    max_steps: int | None,
+    generator: torch.Generator,
+    history: dict,
+    optimizer_state: dict,
+) -> dict:
     """The writers of a checkpoint's files other than the weights."""
     return {
-        "config.json": lambda p: Path(p).write_text(json.dumps(
-            {"k3": model.config.to_dict(), "train": dataclasses.asdict(cfg), "step": step}, indent=2)),
+        "config.json": lambda p: Path(p).write_text(
+            json.dumps({"k3": model.config.to_dict(), "train": dataclasses.asdict(cfg), "step": step}, indent=2)
+        ),
         "tokenizer.json": tokenizer.save,
-        "trainer_state.pt": lambda p: torch.save({
-            "optimizer": optimizer_state, "step": step, "max_steps": max_steps,
-            "data_rng": generator.get_state(), "torch_rng": torch.get_rng_state(), "history": history}, p),
+        "trainer_state.pt": lambda p: torch.save(
+            {
+                "optimizer": optimizer_state,
+                "step": step,
+                "max_steps": max_steps,
+                "data_rng": generator.get_state(),
+                "torch_rng": torch.get_rng_state(),
+                "history": history,
+            },
+            p,
+        ),
         "loss.png": lambda p: plot_history(history, p, title=f"{model.config.name}, step {step}"),
     }
 
 
-def sharded_run_files(model, tokenizer, cfg, step: int, max_steps: int | None, generator: torch.Generator,
-                      history: dict, param_groups: list[dict]) -> dict:
+def sharded_run_files(
+    model,
+    tokenizer,
+    cfg,
+    step: int,
+    max_steps: int | None,
+    generator: torch.Generator,
+    history: dict,
+    param_groups: list[dict],
+) -> dict:
     """The writers of a sharded checkpoint's files besides `dcp/` (k3.training.sharded), written by the
     main process: the optimizer's groups (hyperparameters, parameter names in the single-process
     order) stand in trainer_state.pt for its state dict, whose tensors are in `dcp/`."""
-    return _run_files(model, tokenizer, cfg, step, max_steps, generator, history,
-                      {"param_groups": param_groups, "sharded": SHARDED})
+    return _run_files(
+        model, tokenizer, cfg, step, max_steps, generator, history, {"param_groups": param_groups, "sharded": SHARDED}
+    )
 
 
 @contextlib.contextmanager
@@ -157,8 +203,9 @@ def saving(out: Path):
         raise
     except Exception as e:
         detail = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
-        raise CheckpointError(f"could not save the checkpoint to {out}: {detail}; the previous "
-                              f"checkpoint there (if any) is intact") from e
+        raise CheckpointError(
+            f"could not save the checkpoint to {out}: {detail}; the previous checkpoint there (if any) is intact"
+        ) from e
 
 
 def first_non_finite(state: dict) -> str | None:
@@ -174,8 +221,10 @@ def first_non_finite(state: dict) -> str | None:
 def refuse_non_finite(name: str | None, out: Path, step: int) -> None:
     """A checkpoint never holds a NaN or an infinity: CheckpointError naming the tensor `name` (None: none)."""
     if name is not None:
-        raise CheckpointError(f"not saving the checkpoint of step {step} to {out}: {name} holds NaN or "
-                              f"infinite values; the previous checkpoint there (if any) is intact")
+        raise CheckpointError(
+            f"not saving the checkpoint of step {step} to {out}: {name} holds NaN or "
+            f"infinite values; the previous checkpoint there (if any) is intact"
+        )
 
 
 def load_training_checkpoint(path, share: tuple[int, int] = (0, 1)) -> dict:
@@ -205,19 +254,29 @@ def load_training_checkpoint(path, share: tuple[int, int] = (0, 1)) -> dict:
             weights = load_file(path / "model.safetensors")
         tokenizer = Tokenizer.load(path / "tokenizer.json")
     weights_file = f"{SHARDED}/" if sharded else "model.safetensors"
-    steps = {"config.json": config.get("step"), "trainer_state.pt": state.get("step"),
-             weights_file: None if weights_step is None else int(weights_step)}
+    steps = {
+        "config.json": config.get("step"),
+        "trainer_state.pt": state.get("step"),
+        weights_file: None if weights_step is None else int(weights_step),
+    }
     if manifest is not None and manifest.get("step") is not None:
         steps[".k3-manifest.json"] = manifest["step"]
     known = {name: s for name, s in steps.items() if s is not None}
     if len(set(known.values())) > 1:
-        raise CheckpointError(f"{path}: its files come from different saves ("
-                              + ", ".join(f"{name} at step {s}" for name, s in known.items())
-                              + "); resuming would not continue either run. Restore the checkpoint from a copy")
+        raise CheckpointError(
+            f"{path}: its files come from different saves ("
+            + ", ".join(f"{name} at step {s}" for name, s in known.items())
+            + "); resuming would not continue either run. Restore the checkpoint from a copy"
+        )
     if weights is not None:
         weights = restore_tied_head(weights, bool(config["k3"].get("tie_word_embeddings")))
-    return {**state, "train_config": saved_train_config(config["train"]), "model": weights, "tokenizer": tokenizer,
-            "sharded": path if sharded else None}
+    return {
+        **state,
+        "train_config": saved_train_config(config["train"]),
+        "model": weights,
+        "tokenizer": tokenizer,
+        "sharded": path if sharded else None,
+    }
 
 
 class claim_output:
@@ -232,8 +291,9 @@ class claim_output:
     def __init__(self, out):
         self.out, self.path, self.fd = Path(out), Path(out) / LOCK, None
         if self.out.exists() and not self.out.is_dir():
-            raise OutputFolderError(f"--out {self.out}: is a file, expected a folder for the checkpoint; "
-                                    f"choose another --out")
+            raise OutputFolderError(
+                f"--out {self.out}: is a file, expected a folder for the checkpoint; choose another --out"
+            )
         self.created = [p for p in (self.out, *self.out.parents) if not p.exists()]  # innermost first
         try:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -242,8 +302,10 @@ class claim_output:
         except OSError as e:
             if isinstance(e, OutputFolderError):
                 raise
-            raise OutputFolderError(f"--out {self.out}: cannot write the checkpoint there ({e.strerror or e}); "
-                                    f"choose a writable folder with --out") from e
+            raise OutputFolderError(
+                f"--out {self.out}: cannot write the checkpoint there ({e.strerror or e}); "
+                f"choose a writable folder with --out"
+            ) from e
 
     def _lock(self) -> int | None:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
@@ -256,8 +318,10 @@ class claim_output:
         except BlockingIOError:
             pid = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise OutputFolderError(f"--out {self.out}: another k3 train (pid {pid}) is writing its checkpoint "
-                                    f"there; wait for it to end, stop it, or choose another --out") from None
+            raise OutputFolderError(
+                f"--out {self.out}: another k3 train (pid {pid}) is writing its checkpoint "
+                f"there; wait for it to end, stop it, or choose another --out"
+            ) from None
         try:  # the file we locked may have been removed by the run that held it before us: then again
             same = os.path.samestat(os.fstat(fd), os.stat(self.path))
         except FileNotFoundError:

@@ -78,13 +78,16 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: `schedule` must be 'cosine' or 'wsd', got {self.schedule!r}")
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
-                raise ValueError(f"TrainConfig: `{name}` must be one of {', '.join(map(repr, choices))}, got "
-                                 f"{getattr(self, name)!r}")
+                raise ValueError(
+                    f"TrainConfig: `{name}` must be one of {', '.join(map(repr, choices))}, got {getattr(self, name)!r}"
+                )
         if self.tokenizer not in ("bpe", "byte"):
             raise ValueError(f"TrainConfig: `tokenizer` must be 'bpe' or 'byte', got {self.tokenizer!r}")
         if self.max_steps is not None and self.time_budget is not None:
-            raise ValueError(f"TrainConfig: `max_steps` {self.max_steps!r} and `time_budget` {self.time_budget!r} "
-                             f"both set the run's length; give one (steps or minutes)")
+            raise ValueError(
+                f"TrainConfig: `max_steps` {self.max_steps!r} and `time_budget` {self.time_budget!r} "
+                f"both set the run's length; give one (steps or minutes)"
+            )
         if self.max_steps is None and self.time_budget is None:
             self.max_steps = DEFAULT_MAX_STEPS
         for name, (ok, expected) in _RULES.items():
@@ -94,8 +97,10 @@ class TrainConfig:
         if not (len(self.betas) == 2 and all(_number(b) and 0 <= b < 1 for b in self.betas)):
             raise ValueError(f"TrainConfig: `betas` must be two numbers in [0, 1), got {self.betas!r}")
         if self.tokenizer == "bpe" and self.vocab_size < 257:
-            raise ValueError(f"TrainConfig: `vocab_size` must be at least 257 (256 bytes + <|endoftext|>) for "
-                             f"a BPE tokenizer, got {self.vocab_size}")
+            raise ValueError(
+                f"TrainConfig: `vocab_size` must be at least 257 (256 bytes + <|endoftext|>) for "
+                f"a BPE tokenizer, got {self.vocab_size}"
+            )
         check_seed(self.seed, "TrainConfig.seed")
         if self.preset not in PRESETS:
             raise ValueError(f"TrainConfig: unknown preset {self.preset!r}; choose from: {', '.join(PRESETS)}")
@@ -130,12 +135,14 @@ def model_config(cfg: TrainConfig, vocab_size: int, share: float = 1.0) -> Model
     config = get_config(cfg.preset, **{**cfg.model_overrides, "vocab_size": vocab_size})
     total = count_params(config).total
     held = f", {share:.3g} of them on this machine" if share != 1 else ""
-    refuse_if_over_memory(f"training {config.name!r} ({total:,} parameters x {TRAINING_BYTES_PER_PARAMETER} bytes"
-                          f"{held}, and the activations of {cfg.batch_size} x {cfg.seq_len} tokens)",
-                          training_bytes(cfg, config, share),
-                          "choose a smaller preset, --hidden-size or --num-layers, or a smaller --batch-size or "
-                          "--seq-len (--grad-accum N takes a batch in N micro-batches; --recompute full keeps "
-                          "fewer activations)")
+    refuse_if_over_memory(
+        f"training {config.name!r} ({total:,} parameters x {TRAINING_BYTES_PER_PARAMETER} bytes"
+        f"{held}, and the activations of {cfg.batch_size} x {cfg.seq_len} tokens)",
+        training_bytes(cfg, config, share),
+        "choose a smaller preset, --hidden-size or --num-layers, or a smaller --batch-size or "
+        "--seq-len (--grad-accum N takes a batch in N micro-batches; --recompute full keeps "
+        "fewer activations)",
+    )
     return config
 
 
@@ -148,8 +155,11 @@ def training_bytes(cfg: TrainConfig, config: ModelConfig, share: float = 1.0) ->
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tokens = cfg.batch_size * cfg.seq_len * int(os.environ.get("LOCAL_WORLD_SIZE", world)) / world
     layer = tokens * config.hidden_size * ACTIVATION_VALUES_PER_WIDTH * 4
-    kept = layer + config.num_layers * tokens * config.hidden_size * 4 if cfg.recompute == "full" else (
-        config.num_layers * layer)
+    kept = (
+        layer + config.num_layers * tokens * config.hidden_size * 4
+        if cfg.recompute == "full"
+        else (config.num_layers * layer)
+    )
     logits = tokens * config.vocab_size * 4 * LOGIT_COPIES
     return int(count_params(config).total * TRAINING_BYTES_PER_PARAMETER * share + kept + logits)
 
@@ -163,8 +173,10 @@ def _count(low: int, none: bool = False):
 
 
 def _in(low: float, high: float = math.inf, low_open: bool = False, high_open: bool = False, none: bool = False):
-    return lambda v: (none and v is None) or (_number(v) and (low < v if low_open else low <= v)
-                                              and (v < high if high_open else v <= high))
+    return lambda v: (
+        (none and v is None)
+        or (_number(v) and (low < v if low_open else low <= v) and (v < high if high_open else v <= high))
+    )
 
 
 _CHOICES = {  # field: the values it takes
@@ -193,8 +205,10 @@ _RULES = {  # field: (check, what it expects)
     "calibration_steps": (_count(1), "an integer >= 1"),
     "eval_every": (_count(1), "an integer >= 1"),
     "eval_tokens": (_count(1), "an integer >= 1"),
-    "final_eval_tokens": (_count(0, none=True), "an integer >= 0 (0: no final evaluation), or None (all "
-                                                "validation tokens)"),
+    "final_eval_tokens": (
+        _count(0, none=True),
+        "an integer >= 0 (0: no final evaluation), or None (all validation tokens)",
+    ),
     "grad_accum": (_count(1), "an integer >= 1"),
     "ep": (_count(1), "an integer >= 1 (1: no expert parallelism inside fsdp)"),
     "checkpoint_every": (_count(1, none=True), "an integer >= 1, or None (a checkpoint at the end only)"),
@@ -211,7 +225,9 @@ def _check_model_overrides(cfg: TrainConfig) -> None:
     check_field_names(cfg.model_overrides, where)
     if "vocab_size" in cfg.model_overrides:
         vocabulary = "257 tokens with tokenizer 'byte'" if cfg.tokenizer == "byte" else f"vocab_size {cfg.vocab_size}"
-        raise ValueError(f"{where}: `vocab_size` {cfg.model_overrides['vocab_size']!r} would be replaced by the "
-                         f"tokenizer's vocabulary ({vocabulary}); drop it from the overrides (--set) and choose "
-                         f"the vocabulary with --vocab-size (BPE) or --tokenizer byte")
+        raise ValueError(
+            f"{where}: `vocab_size` {cfg.model_overrides['vocab_size']!r} would be replaced by the "
+            f"tokenizer's vocabulary ({vocabulary}); drop it from the overrides (--set) and choose "
+            f"the vocabulary with --vocab-size (BPE) or --tokenizer byte"
+        )
     get_config(cfg.preset, **cfg.model_overrides)

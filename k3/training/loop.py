@@ -53,8 +53,13 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, parallel: str = "none",
-          asked: tuple[str, ...] = ()) -> dict:
+def train(
+    cfg: TrainConfig,
+    resume: str | None = None,
+    progress: bool = True,
+    parallel: str = "none",
+    asked: tuple[str, ...] = (),
+) -> dict:
     """Train (or resume from the checkpoint directory `resume`); returns the run's history.
     `parallel`: "none", or under torchrun "ddp", "fsdp" or "ep" (k3.training.distributed). `asked`:
     fields of `cfg` given by name, which a resumed run takes even where they equal the default
@@ -105,8 +110,10 @@ def _launch_ep(saved: int, parallel: str) -> int:
     if parallel == "ep":  # (--parallel ep splits the experts over all its processes itself)
         return 1
     if os.environ.get("RANK", "0") == "0":
-        _say(f"k3 train: the checkpoint was trained with --ep {saved} (--parallel fsdp); this launch (--parallel "
-             f"{parallel}, {world} process{'es' if world > 1 else ''}) trains on with ep 1")
+        _say(
+            f"k3 train: the checkpoint was trained with --ep {saved} (--parallel fsdp); this launch (--parallel "
+            f"{parallel}, {world} process{'es' if world > 1 else ''}) trains on with ep 1"
+        )
     return 1
 
 
@@ -118,21 +125,28 @@ def _nothing_to_do(state: dict, cfg: TrainConfig, changes: dict, resume: str) ->
     if target is None or done < target:
         return False
     if "max_steps" in changes and target < done:
-        raise ValueError(f"--max-steps {target}: the checkpoint in {resume} has trained {done} steps already; "
-                         f"give --max-steps above {done} to train on (a run cannot go back)")
-    _say(f"k3 train: nothing to do: the checkpoint in {resume} has trained all its {done} steps; give --max-steps "
-         f"above {done} to train on (nothing was written)")
+        raise ValueError(
+            f"--max-steps {target}: the checkpoint in {resume} has trained {done} steps already; "
+            f"give --max-steps above {done} to train on (a run cannot go back)"
+        )
+    _say(
+        f"k3 train: nothing to do: the checkpoint in {resume} has trained all its {done} steps; give --max-steps "
+        f"above {done} to train on (nothing was written)"
+    )
     return True
 
 
-def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: str | None, out: Path,
-         progress: bool) -> dict:
+def _run(
+    cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: str | None, out: Path, progress: bool
+) -> dict:
     """`train` once the run's configuration is known and its output folder claimed."""
     tokenizer, data = strategy.prepare(cfg, state["tokenizer"] if state else None)
     if strategy.is_main and state is None and cfg.tokenizer == "bpe" and tokenizer.vocab_size < cfg.vocab_size:
-        _say(f"k3 train: warning: --vocab-size {cfg.vocab_size}: the corpus gave the BPE tokenizer only "
-             f"{tokenizer.vocab_size:,} tokens (no more merges to learn); the model's vocabulary is "
-             f"{tokenizer.vocab_size:,}")
+        _say(
+            f"k3 train: warning: --vocab-size {cfg.vocab_size}: the corpus gave the BPE tokenizer only "
+            f"{tokenizer.vocab_size:,} tokens (no more merges to learn); the model's vocabulary is "
+            f"{tokenizer.vocab_size:,}"
+        )
     # a corpus too short for one window is refused before anything is said or written
     data.batch(1, cfg.seq_len, torch.Generator())
     data.val_windows(cfg.seq_len, cfg.seq_len)
@@ -157,20 +171,27 @@ def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: 
         history, step = state["history"], state["step"]
         max_steps = cfg.max_steps if "max_steps" in changes else state["max_steps"]
         if strategy.is_main:
-            _say(f"k3 train: resumed {resume} at step {step} of {max_steps or 'a time budget'} "
-                 f"({history['tokens']:,} tokens, {history['seconds'] / 60:.1f} min trained so far)")
+            _say(
+                f"k3 train: resumed {resume} at step {step} of {max_steps or 'a time budget'} "
+                f"({history['tokens']:,} tokens, {history['seconds'] / 60:.1f} min trained so far)"
+            )
     if strategy.is_main:  # the machine's speed beside the run's, so tokens/s compare across machines
         precision = "bf16 autocast (float32 weights and optimizer states)" if cfg.precision == "bf16" else "float32"
         optimizer = "Muon (matrices) + AdamW" if cfg.optimizer == "muon" else "AdamW"
         if cfg.recompute != "none":
             precision += f", {cfg.recompute} activation recompute"
-        _say(f"k3 train: {mconfig.name}, {num_parameters:,} parameters, "
-             f"{data.train.numel():,} training tokens ({data.val.numel():,} validation), {_batch_words(cfg)}, "
-             f"{optimizer}, "
-             f"on {_device_words(cfg, strategy.device)}, {precision}, {_threads_words()}{strategy.describe()}; "
-             f"{machine_speed_words(strategy.device)}")
-    metrics = MetricsLog(out, step, Path(resume) if resume else None, cfg.log,
-                         dataclasses.asdict(cfg)) if strategy.is_main else None
+        _say(
+            f"k3 train: {mconfig.name}, {num_parameters:,} parameters, "
+            f"{data.train.numel():,} training tokens ({data.val.numel():,} validation), {_batch_words(cfg)}, "
+            f"{optimizer}, "
+            f"on {_device_words(cfg, strategy.device)}, {precision}, {_threads_words()}{strategy.describe()}; "
+            f"{machine_speed_words(strategy.device)}"
+        )
+    metrics = (
+        MetricsLog(out, step, Path(resume) if resume else None, cfg.log, dataclasses.asdict(cfg))
+        if strategy.is_main
+        else None
+    )
     try:
         return _loop(cfg, strategy, data, tokenizer, generator, history, step, max_steps, out, progress, metrics)
     finally:
@@ -181,8 +202,10 @@ def _run(cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: 
 def _batch_words(cfg: TrainConfig) -> str:
     if cfg.grad_accum == 1:
         return f"{cfg.batch_size} x {cfg.seq_len} tokens per step"
-    return (f"{cfg.batch_size * cfg.grad_accum} x {cfg.seq_len} tokens per step in {cfg.grad_accum} micro-batches "
-            f"of {cfg.batch_size}")
+    return (
+        f"{cfg.batch_size * cfg.grad_accum} x {cfg.seq_len} tokens per step in {cfg.grad_accum} micro-batches "
+        f"of {cfg.batch_size}"
+    )
 
 
 def _threads_words() -> str:
@@ -197,8 +220,19 @@ def _device_words(cfg: TrainConfig, device: torch.device) -> str:
     return f"{device} (--device auto: CUDA, else MPS, else the CPU)"
 
 
-def _loop(cfg: TrainConfig, strategy, data, tokenizer, generator: torch.Generator, history: dict, step: int,
-          max_steps: int | None, out: Path, progress: bool, metrics: MetricsLog | None) -> dict:
+def _loop(
+    cfg: TrainConfig,
+    strategy,
+    data,
+    tokenizer,
+    generator: torch.Generator,
+    history: dict,
+    step: int,
+    max_steps: int | None,
+    out: Path,
+    progress: bool,
+    metrics: MetricsLog | None,
+) -> dict:
     """The steps, the evaluations and the saves of `_run`, from `step`; returns the history."""
     from tqdm import tqdm
 
@@ -206,8 +240,15 @@ def _loop(cfg: TrainConfig, strategy, data, tokenizer, generator: torch.Generato
     strategy.model.train()
     started = time.time() - history["seconds"]
     start = {"step": step, "tokens": history["tokens"], "seconds": history["seconds"]}  # this run's own figures
-    bar = tqdm(total=max_steps, initial=step, disable=not (progress and strategy.is_main), unit="step",
-               dynamic_ncols=True, desc="train", file=sys.stderr)
+    bar = tqdm(
+        total=max_steps,
+        initial=step,
+        disable=not (progress and strategy.is_main),
+        unit="step",
+        dynamic_ncols=True,
+        desc="train",
+        file=sys.stderr,
+    )
 
     def save() -> None:
         history["seconds"] = time.time() - started
@@ -231,7 +272,8 @@ def _loop(cfg: TrainConfig, strategy, data, tokenizer, generator: torch.Generato
                     raise NonFiniteLossError(
                         f"step {step + 1}: {e}; stopped there without saving it (the checkpoint in "
                         f"{out}, if any, is from before). Lower --lr or raise --warmup, then resume or start "
-                        f"again") from None
+                        f"again"
+                    ) from None
                 step_seconds = time.time() - step_started
                 if step >= 2:  # the first two steps warm up allocators and caches: not timed
                     step_times.append(step_seconds)
@@ -250,11 +292,18 @@ def _loop(cfg: TrainConfig, strategy, data, tokenizer, generator: torch.Generato
                     max_steps = strategy.share(_steps_in_budget(cfg, step, elapsed, per_step))
                     bar.total = max_steps
                     if strategy.is_main:
-                        bar.write(f"k3 train: {per_step:.2f} s/step; {max_steps} steps fit in "
-                                  f"{cfg.time_budget:g} min with the evaluations", file=sys.stderr)
-                record = {"step": step, "loss": loss, "lr": lr,
-                          "tokens_per_s": windows[:, 1:].numel() / max(step_seconds, 1e-9),
-                          "grad_norm": strategy.grad_norm}
+                        bar.write(
+                            f"k3 train: {per_step:.2f} s/step; {max_steps} steps fit in "
+                            f"{cfg.time_budget:g} min with the evaluations",
+                            file=sys.stderr,
+                        )
+                record = {
+                    "step": step,
+                    "loss": loss,
+                    "lr": lr,
+                    "tokens_per_s": windows[:, 1:].numel() / max(step_seconds, 1e-9),
+                    "grad_norm": strategy.grad_norm,
+                }
                 if qk_clip_threshold(cfg) > 0:  # QK-Clip's figures: the step's largest logit, the heads it scaled
                     record.update(max_logit=strategy.max_logit, qk_clipped_heads=strategy.qk_clipped_heads)
                 if step % cfg.eval_every == 0 or step == max_steps:
@@ -263,10 +312,14 @@ def _loop(cfg: TrainConfig, strategy, data, tokenizer, generator: torch.Generato
                     history["val_bpb"].append(bpb)
                     record["val_bpb"] = bpb
                     if strategy.is_main:
-                        bar.write(f"step {step}: train loss {loss:.3f}, validation {bpb:.3f} bits/byte", file=sys.stderr)
+                        bar.write(
+                            f"step {step}: train loss {loss:.3f}, validation {bpb:.3f} bits/byte", file=sys.stderr
+                        )
                 if metrics is not None:
                     metrics.write(record)
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{history['tokens'] / max(elapsed, 1e-9):.0f}", lr=f"{lr:.1e}")
+                bar.set_postfix(
+                    loss=f"{loss:.3f}", tok_s=f"{history['tokens'] / max(elapsed, 1e-9):.0f}", lr=f"{lr:.1e}"
+                )
                 bar.update(1)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != max_steps:
                     save()
@@ -287,8 +340,10 @@ def _loop(cfg: TrainConfig, strategy, data, tokenizer, generator: torch.Generato
         final_windows = data.val_windows(cfg.seq_len, cfg.final_eval_tokens)
         final = strategy.evaluate(data, final_windows)
         history["final_val_bpb"] = final
-        said = (f"validation {final:.3f} bits per byte ({final_windows[:, 1:].numel():,} of {data.val.numel():,} "
-                f"validation tokens)")
+        said = (
+            f"validation {final:.3f} bits per byte ({final_windows[:, 1:].numel():,} of {data.val.numel():,} "
+            f"validation tokens)"
+        )
         if metrics is not None:
             metrics.write({"step": step, "final_val_bpb": final, "final_eval_tokens": final_windows[:, 1:].numel()})
     save()
@@ -305,8 +360,10 @@ def _run_words(step: int, history: dict, start: dict) -> str:
     words = f"{steps} steps, {tokens:,} tokens in {seconds / 60:.1f} min ({tokens / seconds:.0f} tokens/s)"
     if start["step"] == 0:
         return words
-    return (f"this run {words} from step {start['step']}; in all {step} steps, {history['tokens']:,} tokens, "
-            f"{history['seconds'] / 60:.1f} min")
+    return (
+        f"this run {words} from step {start['step']}; in all {step} steps, {history['tokens']:,} tokens, "
+        f"{history['seconds'] / 60:.1f} min"
+    )
 
 
 class _stop_on_ctrl_c:

@@ -39,14 +39,18 @@ def check_logger(log: str | None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter  # noqa: F401  (imports the tensorboard package)
         except ImportError:
-            raise ValueError("--log tensorboard needs the tensorboard package, which is not installed: "
-                             "pip install tensorboard (or train without --log)") from None
+            raise ValueError(
+                "--log tensorboard needs the tensorboard package, which is not installed: "
+                "pip install tensorboard (or train without --log)"
+            ) from None
     elif log == "wandb":
         try:
             import wandb  # noqa: F401
         except ImportError:
-            raise ValueError("--log wandb needs the wandb package, which is not installed: pip install wandb "
-                             "(or train without --log)") from None
+            raise ValueError(
+                "--log wandb needs the wandb package, which is not installed: pip install wandb "
+                "(or train without --log)"
+            ) from None
     elif log is not None:
         raise ValueError(f"--log must be 'tensorboard' or 'wandb', got {log!r}")
 
@@ -73,8 +77,9 @@ class MetricsLog:
     """metrics.jsonl in `out` (and the `log` backend), for a run that starts at `step`. `previous`: the
     folder of the checkpoint it resumes (None for a new run), whose log it continues."""
 
-    def __init__(self, out: Path, step: int, previous: Path | None = None, log: str | None = None,
-                 run_config: dict | None = None):
+    def __init__(
+        self, out: Path, step: int, previous: Path | None = None, log: str | None = None, run_config: dict | None = None
+    ):
         self.path = Path(out) / METRICS_FILE
         self._start = (Path(out), step, None if previous is None else Path(previous), log, run_config or {})
         self._file = self._backend = None

@@ -82,10 +82,11 @@ def _like(update: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if not hasattr(param, "device_mesh"):
         return update
     from torch.distributed.tensor import distribute_tensor
+
     return distribute_tensor(update, param.device_mesh, param.placements, src_data_rank=None)
 
 
-STACK_VALUES = 2 ** 25  # values in one Newton-Schulz stack (128 MiB in float32): its workspace is a few of them
+STACK_VALUES = 2**25  # values in one Newton-Schulz stack (128 MiB in float32): its workspace is a few of them
 
 
 def _stacks(items: list, shape: torch.Size) -> list[list]:
@@ -94,7 +95,7 @@ def _stacks(items: list, shape: torch.Size) -> list[list]:
     matrices, the next iterate) stay a few stacks' worth, not a few copies of every matrix of one shape
     (all the experts of all the MoE layers)."""
     per_stack = max(1, STACK_VALUES // math.prod(shape))
-    return [items[i:i + per_stack] for i in range(0, len(items), per_stack)]
+    return [items[i : i + per_stack] for i in range(0, len(items), per_stack)]
 
 
 class Muon(torch.optim.Optimizer):
@@ -107,14 +108,31 @@ class Muon(torch.optim.Optimizer):
         Muon([{"params": hidden_matrices, "use_muon": True}, {"params": everything_else}], lr=3e-3)
     """
 
-    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8,
-                 momentum: float = 0.95, ns_steps: int = 5, fused: bool | None = None):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        betas=(0.9, 0.95),
+        eps: float = 1e-8,
+        momentum: float = 0.95,
+        ns_steps: int = 5,
+        fused: bool | None = None,
+    ):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"Muon: `momentum` must be in [0, 1), got {momentum!r}")
         if not (isinstance(ns_steps, int) and ns_steps >= 1):
             raise ValueError(f"Muon: `ns_steps` must be an integer >= 1, got {ns_steps!r}")
-        defaults = dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps, momentum=momentum,
-                        ns_steps=ns_steps, use_muon=False, fused=fused)
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=tuple(betas),
+            eps=eps,
+            momentum=momentum,
+            ns_steps=ns_steps,
+            use_muon=False,
+            fused=fused,
+        )
         super().__init__(params, defaults)
         for group in self.param_groups:
             if group["use_muon"]:
@@ -168,6 +186,19 @@ class Muon(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
-        adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-              [], [s["step"] for s in states], fused=group["fused"], amsgrad=False, beta1=beta1, beta2=beta2,
-              lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        adamw(
+            params,
+            [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [],
+            [s["step"] for s in states],
+            fused=group["fused"],
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )

@@ -27,8 +27,14 @@ def next_token_loss(model: CausalLM, windows: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def summed_loss(model: CausalLM, data: TokenData, windows: torch.Tensor, batch_size: int = 16,
-                counted: torch.Tensor | None = None, device: torch.device | None = None) -> tuple[float, int]:
+def summed_loss(
+    model: CausalLM,
+    data: TokenData,
+    windows: torch.Tensor,
+    batch_size: int = 16,
+    counted: torch.Tensor | None = None,
+    device: torch.device | None = None,
+) -> tuple[float, int]:
     """(next-token loss summed over `windows` [n, T + 1] in nats, bytes the predicted tokens stand for),
     evaluated `batch_size` windows at a time on `device`. `counted` [n] (bool): only those windows
     count; the others are still run (a process of a sharded model makes the calls the others make)."""

@@ -50,8 +50,13 @@ def learning_rate(cfg: TrainConfig, step: int, total: int | None) -> float:
 
 def no_decay(name: str, param: torch.Tensor) -> bool:
     """Norm weights, biases, the decay parameters and the AttnRes queries are not decayed."""
-    return (param.dim() < 2 or name.endswith(("A_log", "dt_bias")) or "_res." in name
-            or name.endswith(".bias") or "norm" in name)
+    return (
+        param.dim() < 2
+        or name.endswith(("A_log", "dt_bias"))
+        or "_res." in name
+        or name.endswith(".bias")
+        or "norm" in name
+    )
 
 
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -71,8 +76,11 @@ def muon_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             keep.append(p)
         else:
             (matrices if takes_muon(name, p) else decay).append(p)
-    return [{"params": matrices, "weight_decay": weight_decay, "use_muon": True},
-            {"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
+    return [
+        {"params": matrices, "weight_decay": weight_decay, "use_muon": True},
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": keep, "weight_decay": 0.0},
+    ]
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool | None = None) -> torch.optim.Optimizer:
@@ -84,8 +92,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool | None
     groups = muon_groups(model, cfg.weight_decay) if cfg.optimizer == "muon" else decay_groups(model, cfg.weight_decay)
     params = [p for group in groups for p in group["params"]]
     if fused is None:
-        fused = bool(params) and all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda")
-                                     for p in params)
+        fused = bool(params) and all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda") for p in params)
     if cfg.optimizer == "muon":
         return Muon(groups, lr=cfg.lr, betas=cfg.betas, fused=fused or None)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused or None)
@@ -126,13 +133,16 @@ def flat_names(groups: list[list[str]]) -> list[str]:
 def named_state(state: dict, names: list[str]) -> dict:
     """An optimizer state dict in torch's numbering (parameters numbered in group order) -> keyed by
     parameter name, given the names in that order (the layout of torch.distributed.checkpoint)."""
-    return {"state": {names[i]: s for i, s in state["state"].items()},
-            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+    return {
+        "state": {names[i]: s for i, s in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
 
 
 def numbered_state(state: dict) -> dict:
     """The inverse of `named_state`: parameters numbered in the order the groups list them."""
     index = {name: i for i, name in enumerate(flat_names([g["params"] for g in state["param_groups"]]))}
-    return {"state": {index[n]: s for n, s in state["state"].items()},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
-
+    return {
+        "state": {index[n]: s for n, s in state["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+    }

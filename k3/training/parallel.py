@@ -36,7 +36,6 @@ from ..layers.norm import upcast
 from ..models import CausalLM
 from ..ops.common import cast
 
-
 MODES = ("none", "ddp", "fsdp", "ep")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -79,7 +78,7 @@ class ParallelDims:
     def local_batch(self, windows: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous, equal share of a global batch [B, T + 1], on its device."""
         b = windows.shape[0] // self.world
-        return windows[self.rank * b:(self.rank + 1) * b].to(self.device)
+        return windows[self.rank * b : (self.rank + 1) * b].to(self.device)
 
     def local_windows(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The validation windows this rank runs, and which of them count (None: all): an equal share
@@ -115,8 +114,10 @@ def init_parallel(mode: str, device: str = "auto", ep: int = 1) -> tuple[Paralle
     from ..runtime import resolve_device
 
     if device == "mps":
-        raise ValueError(f"--device mps: --parallel {mode} runs its processes on CUDA GPUs (NCCL) or CPUs "
-                         f"(gloo); MPS has no multi-process backend. Use --device cpu, or one process")
+        raise ValueError(
+            f"--device mps: --parallel {mode} runs its processes on CUDA GPUs (NCCL) or CPUs "
+            f"(gloo); MPS has no multi-process backend. Use --device cpu, or one process"
+        )
     resolve_device("cpu" if device == "auto" else device)  # (checks that a named device exists)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if device != "cpu" and torch.cuda.is_available():
@@ -170,8 +171,11 @@ def parallelize(model: CausalLM, dims: ParallelDims) -> nn.Module:
         # an expert that none of a rank's tokens chose has no gradient there; on a step where every
         # expert was chosen DDP would warn that it found no unused parameter: expected with MoE
         warnings.filterwarnings("ignore", message="find_unused_parameters=True was specified in DDP constructor")
-        return DistributedDataParallel(model, device_ids=[dims.device.index] if dims.device.type == "cuda" else None,
-                                       find_unused_parameters=bool(model.moe_layers()))
+        return DistributedDataParallel(
+            model,
+            device_ids=[dims.device.index] if dims.device.type == "cuda" else None,
+            find_unused_parameters=bool(model.moe_layers()),
+        )
     return model
 
 
@@ -227,8 +231,10 @@ def load_expert_parallel(path, device: torch.device) -> CausalLM:
 
     missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
-        raise ValueError(f"--parallel ep runs under torchrun (missing {', '.join(missing)} in the environment): "
-                         f"torchrun --nproc_per_node=N -m k3 generate --parallel ep ...")
+        raise ValueError(
+            f"--parallel ep runs under torchrun (missing {', '.join(missing)} in the environment): "
+            f"torchrun --nproc_per_node=N -m k3 generate --parallel ep ..."
+        )
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     config, _ = read_config(Path(path), CausalLM.config_class)
@@ -246,16 +252,22 @@ def check_ep(config, mode: str, ep: int) -> None:
         return
     world = dist.get_world_size()
     if mode != "fsdp":
-        raise ValueError(f"--ep {ep} is for --parallel fsdp (fsdp x expert parallelism); --parallel {mode} "
-                         f"takes none (--parallel ep splits the experts over all {world} processes)")
+        raise ValueError(
+            f"--ep {ep} is for --parallel fsdp (fsdp x expert parallelism); --parallel {mode} "
+            f"takes none (--parallel ep splits the experts over all {world} processes)"
+        )
     if world % ep:
-        raise ValueError(f"--ep {ep} does not divide the {world} processes: an ep group is {ep} of them; use a "
-                         f"process count that {ep} divides, or another --ep")
+        raise ValueError(
+            f"--ep {ep} does not divide the {world} processes: an ep group is {ep} of them; use a "
+            f"process count that {ep} divides, or another --ep"
+        )
     if "moe" not in config.mlp_types:
         raise ValueError(f"--ep {ep}: {config.name} has no MoE layer (use --parallel fsdp alone)")
     if config.num_experts % ep:
-        raise ValueError(f"--ep {ep} does not divide the {config.num_experts} experts of each MoE layer; use an "
-                         f"--ep that divides {config.num_experts}")
+        raise ValueError(
+            f"--ep {ep} does not divide the {config.num_experts} experts of each MoE layer; use an "
+            f"--ep that divides {config.num_experts}"
+        )
 
 
 def apply_fsdp(model: CausalLM, device: torch.device, ep: int, shard_dense: bool = True, mesh=None) -> None:
@@ -296,14 +308,17 @@ def check_expert_split(config, world_size: int) -> None:
     if "moe" not in config.mlp_types:
         raise ValueError(f"--parallel ep needs a model with MoE layers; {config.name} has none (use ddp or fsdp)")
     if config.num_experts % world_size:
-        raise ValueError(f"--parallel ep: the {config.num_experts} experts of each MoE layer do not split evenly "
-                         f"over {world_size} processes; use a process count that divides {config.num_experts}")
+        raise ValueError(
+            f"--parallel ep: the {config.num_experts} experts of each MoE layer do not split evenly "
+            f"over {world_size} processes; use a process count that divides {config.num_experts}"
+        )
 
 
 def held_expert_parameters(model: CausalLM) -> list[nn.Parameter]:
     """The routed experts' parameters this process holds (under ep, its own slice of the experts)."""
-    return [p for moe in model.moe_layers() for expert in moe.experts if expert is not None
-            for p in expert.parameters()]
+    return [
+        p for moe in model.moe_layers() for expert in moe.experts if expert is not None for p in expert.parameters()
+    ]
 
 
 def _broadcast_from_main(model: nn.Module) -> None:
@@ -319,9 +334,11 @@ def _fully_shard(model: CausalLM, mesh) -> None:
     fully_shard(model, mesh=mesh)
     if model.moe_layers():
         if not hasattr(model, "set_reduce_scatter_unused_params"):
-            raise RuntimeError(f"--parallel fsdp with MoE layers needs FSDPModule.set_reduce_scatter_unused_params "
-                               f"(torch {torch.__version__} lacks it): an expert none of a rank's tokens chose has "
-                               f"no gradient there, and FSDP's reduce-scatter needs the same tensors on every rank")
+            raise RuntimeError(
+                f"--parallel fsdp with MoE layers needs FSDPModule.set_reduce_scatter_unused_params "
+                f"(torch {torch.__version__} lacks it): an expert none of a rank's tokens chose has "
+                f"no gradient there, and FSDP's reduce-scatter needs the same tensors on every rank"
+            )
         model.set_reduce_scatter_unused_params(True)  # zeros; globally unused experts go back to None
     # k3 adds every sub-layer's output out of place, so the in-place hazard this warns of cannot arise
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")

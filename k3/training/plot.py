@@ -16,7 +16,9 @@ def plot_history(history: dict, path, title: str = "") -> None:
         # training loss in bits per token, smoothed over ~1% of the run
         losses = [x / math.log(2) for x in history["loss"]]
         w = max(1, len(losses) // 100)
-        smooth = [sum(losses[max(0, i - w + 1):i + 1]) / len(losses[max(0, i - w + 1):i + 1]) for i in range(len(losses))]
+        smooth = [
+            sum(losses[max(0, i - w + 1) : i + 1]) / len(losses[max(0, i - w + 1) : i + 1]) for i in range(len(losses))
+        ]
         ax.plot(history["step"], smooth, label="train loss (bits/token)", color="tab:blue")
         ax.set_xlabel("step")
         ax.set_ylabel("bits per token", color="tab:blue")

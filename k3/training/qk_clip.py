@@ -49,8 +49,12 @@ def begin_step(model: nn.Module, tau: float) -> list[nn.Module]:
 def head_max_logits(layers: list[nn.Module], device: torch.device) -> torch.Tensor:
     """Every head's recorded S_max, the layers' [H] one after the other (float64, on `device`); -inf for
     a layer that recorded nothing."""
-    parts = [torch.full((layer.num_heads,), float("-inf"), dtype=torch.float64, device=device)
-             if layer.max_logits is None else layer.max_logits.to(device, torch.float64) for layer in layers]
+    parts = [
+        torch.full((layer.num_heads,), float("-inf"), dtype=torch.float64, device=device)
+        if layer.max_logits is None
+        else layer.max_logits.to(device, torch.float64)
+        for layer in layers
+    ]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
 
 
@@ -70,8 +74,9 @@ def clip(layers: list[nn.Module], tau: float, max_over_processes=None) -> tuple[
     over = maxima > tau
     gamma = torch.where(over, tau / maxima, torch.ones_like(maxima))  # min(1, tau / S_max): 1 where not over
     with torch.no_grad():
-        for layer, g, hit in zip(layers, gamma.split([m.num_heads for m in layers]), over.split(
-                [m.num_heads for m in layers])):
+        for layer, g, hit in zip(
+            layers, gamma.split([m.num_heads for m in layers]), over.split([m.num_heads for m in layers])
+        ):
             if hit.any():  # a layer with no head over tau is not touched at all
                 (_clip_mla if isinstance(layer, MultiHeadLatentAttention) else _clip_mha)(layer, g)
     return maxima.max().item(), int(over.sum())

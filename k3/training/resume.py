@@ -40,16 +40,32 @@ def _resume_overrides(requested: TrainConfig, saved: TrainConfig, asked: tuple[s
         elif not _same_setting(f.name, value, _effective(saved, f.name)):
             conflicts.append(f"`{f.name}` {value!r} (the checkpoint's: {_effective(saved, f.name)!r})")
     if conflicts:
-        raise ValueError(f"--resume: {'; '.join(conflicts)}: a resumed run keeps its checkpoint's settings except "
-                         f"{', '.join(RESUME_ADJUSTABLE)}; drop the others to resume, or train a new run with "
-                         f"them (another --out)")
+        raise ValueError(
+            f"--resume: {'; '.join(conflicts)}: a resumed run keeps its checkpoint's settings except "
+            f"{', '.join(RESUME_ADJUSTABLE)}; drop the others to resume, or train a new run with "
+            f"them (another --out)"
+        )
     if "max_steps" in changes:
         changes["time_budget"] = None
     return changes
 
 
-RESUME_ADJUSTABLE = ("max_steps", "eval_every", "eval_tokens", "final_eval_tokens", "checkpoint_every", "threads",
-                     "out", "overwrite", "compile", "device", "precision", "log", "recompute", "ep")
+RESUME_ADJUSTABLE = (
+    "max_steps",
+    "eval_every",
+    "eval_tokens",
+    "final_eval_tokens",
+    "checkpoint_every",
+    "threads",
+    "out",
+    "overwrite",
+    "compile",
+    "device",
+    "precision",
+    "log",
+    "recompute",
+    "ep",
+)
 
 
 def _effective(cfg: TrainConfig, name: str):

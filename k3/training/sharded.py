@@ -28,8 +28,9 @@ import torch
 from ..checkpoints.dcp import SHARDED, save_sharded_state, state_to_save
 
 
-def save_sharded(strategy, out: Path, tokenizer, cfg, step: int, max_steps: int | None, generator: torch.Generator,
-                 history: dict) -> None:
+def save_sharded(
+    strategy, out: Path, tokenizer, cfg, step: int, max_steps: int | None, generator: torch.Generator, history: dict
+) -> None:
     """Write the sharded checkpoint of `strategy`'s model and optimizer to the folder `out`, every process
     its own shards (see the module), or raise CheckpointError on every process and leave `out` as it
     was. Called by every process of the run alike; `strategy` gives the collectives (share, gather,
@@ -56,14 +57,17 @@ def save_sharded(strategy, out: Path, tokenizer, cfg, step: int, max_steps: int 
         with saving(out):  # DCP raises on every process when one fails
             save_sharded_state(state, staging, no_dist=strategy.world_size == 1)
         files = sorted(p.name for p in staging.iterdir())  # every process's, and the .metadata
-        mine = {name: describe(staging / name) for i, name in enumerate(files)
-                if i % strategy.world_size == strategy.rank}
+        mine = {
+            name: describe(staging / name) for i, name in enumerate(files) if i % strategy.world_size == strategy.rank
+        }
         parts = strategy.gather(mine)
 
         def commit() -> None:
             described = {f"{SHARDED}/{name}": d for part in parts for name, d in part.items()}
-            groups = [{**g, "params": full}
-                      for g, full in zip(portable_state(local_state)["param_groups"], strategy.saved_groups())]
+            groups = [
+                {**g, "params": full}
+                for g, full in zip(portable_state(local_state)["param_groups"], strategy.saved_groups())
+            ]
             writers = {f"{SHARDED}/{name}": _mover(staging / name) for name in files}
             writers.update(sharded_run_files(model, tokenizer, cfg, step, max_steps, generator, history, groups))
             with saving(out):

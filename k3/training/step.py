@@ -58,9 +58,15 @@ def autocast(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, windows: torch.Tensor, cfg: TrainConfig,
-               dims: ParallelDims | None = None, net: nn.Module | None = None,
-               targets: torch.Tensor | None = None) -> StepResult:
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    windows: torch.Tensor,
+    cfg: TrainConfig,
+    dims: ParallelDims | None = None,
+    net: nn.Module | None = None,
+    targets: torch.Tensor | None = None,
+) -> StepResult:
     """One step of `optimizer` on `model` (a CausalLM) and the global batch `windows` [B, T + 1], taken as
     `cfg.grad_accum` equal micro-batches in `cfg.precision` (see the module). `dims`: the processes
     (None: this one alone, on the model's device); `net`: the module to call (a DDP wrapper; None:
@@ -76,8 +82,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, windows: torc
     parts = windows.chunk(cfg.grad_accum)
     aims = [None] * len(parts) if targets is None else targets.chunk(cfg.grad_accum)
     if len(parts) != cfg.grad_accum or windows.shape[0] % cfg.grad_accum:
-        raise ValueError(f"a batch of {windows.shape[0]} windows does not split into grad_accum = "
-                         f"{cfg.grad_accum} equal micro-batches")
+        raise ValueError(
+            f"a batch of {windows.shape[0]} windows does not split into grad_accum = "
+            f"{cfg.grad_accum} equal micro-batches"
+        )
     model.check_tokens(windows, targets)  # once per step, here: the forwards read nothing back
     optimizer.zero_grad(set_to_none=True)
     tau = qk_clip_threshold(cfg)
@@ -111,8 +119,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, windows: torc
     return result
 
 
-def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, windows: torch.Tensor, cfg: TrainConfig,
-                  targets: torch.Tensor | None = None) -> float:
+def training_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    windows: torch.Tensor,
+    cfg: TrainConfig,
+    targets: torch.Tensor | None = None,
+) -> float:
     """`train_step` on one process, with a model and optimizer of the caller's, on the model's device;
     returns the batch's loss (`targets`: `train_step`'s)."""
     return train_step(model, optimizer, windows, cfg, targets=targets).loss

@@ -98,8 +98,11 @@ class SingleProcess:
         """`train_step` on the global batch `windows` [B, T + 1]; returns the batch's loss and keeps the
         step's gradient norm, largest attention logit and clipped heads for the log."""
         result = train_step(self.model, self.optimizer, windows, cfg, self.dims, self.net)
-        self.grad_norm, self.max_logit, self.qk_clipped_heads = \
-            result.grad_norm, result.max_logit, result.qk_clipped_heads
+        self.grad_norm, self.max_logit, self.qk_clipped_heads = (
+            result.grad_norm,
+            result.max_logit,
+            result.qk_clipped_heads,
+        )
         return result.loss
 
     def evaluate(self, data: TokenData, windows: torch.Tensor) -> float:
@@ -107,13 +110,33 @@ class SingleProcess:
         return evaluate(self.model, data, windows, self.dims, self.precision)
 
     # -- checkpoints ----------------------------------------------------------------------------------
-    def save(self, out, tokenizer: Tokenizer, cfg: TrainConfig, step: int, max_steps: int | None,
-             generator: torch.Generator, history: dict) -> None:
+    def save(
+        self,
+        out,
+        tokenizer: Tokenizer,
+        cfg: TrainConfig,
+        step: int,
+        max_steps: int | None,
+        generator: torch.Generator,
+        history: dict,
+    ) -> None:
         """`save_training_checkpoint` of the whole model and optimizer, written by the main process."""
         weights, optimizer_state = self.full_state()
-        self.on_main(lambda: save_training_checkpoint(
-            out, self.model, self.optimizer, tokenizer, cfg, step, max_steps, generator, history,
-            weights=weights, optimizer_state=optimizer_state))
+        self.on_main(
+            lambda: save_training_checkpoint(
+                out,
+                self.model,
+                self.optimizer,
+                tokenizer,
+                cfg,
+                step,
+                max_steps,
+                generator,
+                history,
+                weights=weights,
+                optimizer_state=optimizer_state,
+            )
+        )
 
     def full_state(self) -> tuple[dict | None, dict | None]:
         """The single-process model and optimizer state dicts on the main process (None elsewhere), on
@@ -139,11 +162,14 @@ class SingleProcess:
 
         names = group_names(self.model, self.optimizer)
         params = dict(self.model.named_parameters())
-        states = load_sharded(folder, self.model, {n: params[n] for n in flat_names(names)},
-                              no_dist=self.world_size == 1)
+        states = load_sharded(
+            folder, self.model, {n: params[n] for n in flat_names(names)}, no_dist=self.world_size == 1
+        )
         groups = [{**g, "params": mine} for g, mine in zip(saved["param_groups"], names)]
-        load_keeping_implementation(self.optimizer, lambda: self.optimizer.load_state_dict(
-            numbered_state({"state": states, "param_groups": groups})))
+        load_keeping_implementation(
+            self.optimizer,
+            lambda: self.optimizer.load_state_dict(numbered_state({"state": states, "param_groups": groups})),
+        )
 
     # -- agreement ------------------------------------------------------------------------------------
     def on_main(self, work):
@@ -182,7 +208,9 @@ def compile_decoder(model: CausalLM) -> None:
     docs/training.md). On a CPU, inductor builds C++ kernels: without a C++ compiler it cannot run, and
     this says so before any work is done."""
     if model.lm_head.weight.device.type == "cpu" and cxx_compiler() is None:
-        raise ValueError("--compile: torch.compile builds C++ kernels for the CPU and no C++ compiler was found "
-                         "(looked for $CXX, g++, c++, clang++); install one (e.g. apt install g++) or train without "
-                         "--compile")
+        raise ValueError(
+            "--compile: torch.compile builds C++ kernels for the CPU and no C++ compiler was found "
+            "(looked for $CXX, g++, c++, clang++); install one (e.g. apt install g++) or train without "
+            "--compile"
+        )
     model.model.compile()

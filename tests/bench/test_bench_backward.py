@@ -17,8 +17,9 @@ def test_bench_backward_tiny_run(tmp_path):
     """Every op and shape gets forward, own and autograd timings (the JSON holds them all)."""
     out = tmp_path / "bench.json"
     buf = io.StringIO()
-    backward.run(shapes=((2, 40), (1, 70)), memory_T=0, heads=2, dim=8, chunk_size=16, rounds=1,
-                 json_path=str(out), out=buf)
+    backward.run(
+        shapes=((2, 40), (1, 70)), memory_T=0, heads=2, dim=8, chunk_size=16, rounds=1, json_path=str(out), out=buf
+    )
     text = buf.getvalue()
     assert "machine matmul" in text and text.count("autograd through the forward") == 6
     data = json.loads(out.read_text())

@@ -18,8 +18,9 @@ from k3.inference import decode_step
 @pytest.fixture
 def aot_eager(monkeypatch):
     original = decode_step.compile_step
-    monkeypatch.setattr(decode_step, "compile_step", lambda fn, device, backend="inductor": original(
-        fn, device, "aot_eager"))
+    monkeypatch.setattr(
+        decode_step, "compile_step", lambda fn, device, backend="inductor": original(fn, device, "aot_eager")
+    )
     monkeypatch.setattr(compiled, "Settings", _no_compile_times(compiled.Settings))
     torch._dynamo.reset()
     yield
@@ -29,13 +30,34 @@ def aot_eager(monkeypatch):
 def _no_compile_times(settings):
     def make(**kw):
         return settings(**{**kw, "compile_times": False})
+
     return make
 
 
 def test_cli_tiny_run_reports_every_case(aot_eager, tmp_path, capsys):
     out = tmp_path / "compiled.json"
-    assert main(["bench", "models", "--compile", "--contexts", "8", "20", "--batch", "1", "2", "--steps", "2",
-                 "--threads", "1", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "models",
+                "--compile",
+                "--contexts",
+                "8",
+                "20",
+                "--batch",
+                "1",
+                "2",
+                "--steps",
+                "2",
+                "--threads",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "GFLOP/s (1024^3 float32 GEMM)" in text and "1 thread;" in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| model")]
@@ -43,8 +65,9 @@ def test_cli_tiny_run_reports_every_case(aot_eager, tmp_path, capsys):
     assert all(line.count("x) |") + line.count("x)|") >= 1 for line in rows)
     report = json.loads(out.read_text())
     for name in compiled.NAMES:
-        assert set(report["models"][name]["decode_s"]) == {f"{mode} @{c} x{b}" for mode in ("eager", "compiled")
-                                                            for c in (8, 20) for b in (1, 2)}
+        assert set(report["models"][name]["decode_s"]) == {
+            f"{mode} @{c} x{b}" for mode in ("eager", "compiled") for c in (8, 20) for b in (1, 2)
+        }
     assert [t["target"].split(" ")[0] for t in report["targets"]] == ["kimi-k3-tiny", "compiled", "compiled"]
     assert "targets (issue 30):" in text
 

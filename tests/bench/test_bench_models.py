@@ -13,8 +13,23 @@ import pytest
 from k3.bench import models
 from k3.cli import main
 
-TINY = ["--contexts", "8", "16", "--prefill", "16", "--train", "2", "8", "--batch", "1", "3", "--rounds", "1",
-        "--steps", "2"]
+TINY = [
+    "--contexts",
+    "8",
+    "16",
+    "--prefill",
+    "16",
+    "--train",
+    "2",
+    "8",
+    "--batch",
+    "1",
+    "3",
+    "--rounds",
+    "1",
+    "--steps",
+    "2",
+]
 K3_ROWS = (models.K3_TINY, models.KIMI_LINEAR, models.GPT2)
 
 try:
@@ -31,8 +46,14 @@ def test_cli_tiny_run_reports_every_model_and_figure(tmp_path, capsys):
     assert "GFLOP/s (1024^3 float32 GEMM)" in text and "1 thread;" in text
     lines = text.splitlines()
     header = next(line for line in lines if line.startswith("| model |"))
-    columns = ("parameters", "prefill 16", "train step 2x8", "decode @8", "decode @16",
-               "decode batch 3 (tok/s: x batch 1)")
+    columns = (
+        "parameters",
+        "prefill 16",
+        "train step 2x8",
+        "decode @8",
+        "decode @16",
+        "decode batch 3 (tok/s: x batch 1)",
+    )
     for column in columns:
         assert column in header, column
     expected = list(K3_ROWS) + ([models.HF_GPT2] if transformers else []) + ([models.HF_KIMI] if KIMI else [])
@@ -70,8 +91,18 @@ def test_cli_tiny_run_reports_every_model_and_figure(tmp_path, capsys):
 def test_without_transformers_its_rows_are_skipped_with_a_note(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails as if not installed
     buf = io.StringIO()
-    report = models.run(contexts=(8,), prefill=8, train=(1, 8), batch=(1, 2), rounds=1, steps=1, warmup=0,
-                        models=(models.K3_TINY, models.GPT2, models.HF_GPT2, models.HF_KIMI), n_threads=1, out=buf)
+    report = models.run(
+        contexts=(8,),
+        prefill=8,
+        train=(1, 8),
+        batch=(1, 2),
+        rounds=1,
+        steps=1,
+        warmup=0,
+        models=(models.K3_TINY, models.GPT2, models.HF_GPT2, models.HF_KIMI),
+        n_threads=1,
+        out=buf,
+    )
     text = buf.getvalue()
     assert "transformers is not installed: no transformers rows" in text
     assert list(report["models"]) == [models.K3_TINY, models.GPT2] and report["transformers"] is None

@@ -12,8 +12,26 @@ from k3.cli import main
 def test_bench_ops_tiny_run(tmp_path, capsys):
     """The CLI times recurrent, chunk and SDPA for each length and writes them as JSON."""
     out = tmp_path / "bench.json"
-    rc = main(["bench", "ops", "--T", "40", "70", "--chunk-sizes", "16", "32", "--heads", "2", "--dim", "8",
-               "--repeats", "1", "--json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "ops",
+            "--T",
+            "40",
+            "70",
+            "--chunk-sizes",
+            "16",
+            "32",
+            "--heads",
+            "2",
+            "--dim",
+            "8",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "machine matmul" in text and "T = 70: causal SDPA" in text

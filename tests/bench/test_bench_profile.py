@@ -28,9 +28,12 @@ class _Tokens:
 @pytest.mark.parametrize("preset", ["kimi-k3-tiny", "gpt2-tiny"])
 def test_every_part_is_timed_and_summed_by_kind(preset):
     torch.manual_seed(0)
-    model = CausalLM(get_config(preset, vocab_size=64, hidden_size=32, num_layers=2)
-                     if preset == "gpt2-tiny" else get_config(preset, vocab_size=64))
-    cfg = TrainConfig(batch_size=2, seq_len=32, max_steps=None, eval_every=10 ** 9)
+    model = CausalLM(
+        get_config(preset, vocab_size=64, hidden_size=32, num_layers=2)
+        if preset == "gpt2-tiny"
+        else get_config(preset, vocab_size=64)
+    )
+    cfg = TrainConfig(batch_size=2, seq_len=32, max_steps=None, eval_every=10**9)
     result = bench_profile.profile_step(model, cfg, _Tokens(64), rounds=1)
     named = bench_profile.parts(model)
     assert set(result["parts"]) == set(named) and len(named) > len(model.model.layers)
@@ -41,10 +44,12 @@ def test_every_part_is_timed_and_summed_by_kind(preset):
     kinds = bench_profile.by_kind(result)
     assert sum(row["count"] for row in kinds.values()) == len(named)
     assert sum(row["forward"] for row in kinds.values()) == pytest.approx(
-        sum(part["forward"] for part in result["parts"].values()))
+        sum(part["forward"] for part in result["parts"].values())
+    )
     if preset == "kimi-k3-tiny":  # the hybrid's kinds, each as often as the model has it
         assert kinds["KimiDeltaAttention"]["count"] == sum(
-            type(layer.self_attn).__name__ == "KimiDeltaAttention" for layer in model.model.layers)
+            type(layer.self_attn).__name__ == "KimiDeltaAttention" for layer in model.model.layers
+        )
         assert {"MoE", "MultiHeadLatentAttention", "BlockAttnRes", "RMSNorm"} <= set(kinds)
 
 
@@ -53,7 +58,7 @@ def test_profiling_trains_the_model_and_leaves_no_gradient():
     torch.manual_seed(0)
     model = CausalLM(get_config("kimi-k3-tiny", vocab_size=64))
     before = model.lm_head.weight.detach().clone()
-    cfg = TrainConfig(batch_size=2, seq_len=32, max_steps=None, eval_every=10 ** 9)
+    cfg = TrainConfig(batch_size=2, seq_len=32, max_steps=None, eval_every=10**9)
     bench_profile.profile_step(model, cfg, _Tokens(64), rounds=1)
     assert not torch.equal(model.lm_head.weight, before)
     assert all(p.grad is None for p in model.parameters())

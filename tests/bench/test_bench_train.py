@@ -18,8 +18,9 @@ def test_tiny_run_reports_speed_and_validation(tmp_path, capsys):
     (tmp_path / "corpus").mkdir()
     corpus = write_corpus(tmp_path / "corpus", docs=6, words=2000)
     out = tmp_path / "train.json"
-    results = bench_train.run(minutes=0.02, speed_steps=1, out=str(tmp_path / "runs"), json_path=str(out),
-                              data=str(corpus))
+    results = bench_train.run(
+        minutes=0.02, speed_steps=1, out=str(tmp_path / "runs"), json_path=str(out), data=str(corpus)
+    )
     text = capsys.readouterr().out
     assert "GFLOP/s (1024^3 float32)" in text and "trains at" in text and "validation bits per byte" in text
     assert set(results) == {"kimi-k3-tiny", "gpt2-tiny"}

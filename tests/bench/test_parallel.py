@@ -19,6 +19,12 @@ def test_four_processes_send_what_the_planner_says():
             assert rank["sent"][name] == pytest.approx(plan[name], rel=1e-12), name
         assert 0.9 * plan["all-to-all (uniform)"] < rank["sent"]["all-to-all"] <= plan["all-to-all (bound)"]
         assert rank["sent"]["all-reduce"] < 1e4  # the loss, the expert loads, the clipping norm
-    report = parallel.format_report({"preset": "kimi-k3-tiny", "seq_len": 32, "batch_size": 8, "layouts": [
-        {"processes": 4, "ep": 2, "recompute": "full", "ranks": ranks, "planned": plan}]})
+    report = parallel.format_report(
+        {
+            "preset": "kimi-k3-tiny",
+            "seq_len": 32,
+            "batch_size": 8,
+            "layouts": [{"processes": 4, "ep": 2, "recompute": "full", "ranks": ranks, "planned": plan}],
+        }
+    )
     assert "4 processes, ep 2, recompute full:" in report and "(plan " in report

@@ -16,6 +16,7 @@ def logged_cases(names="abc"):
     def case(name):
         def run():
             log.append((name, torch.is_grad_enabled()))
+
         return run
 
     return log, {name: case(name) for name in names}
@@ -47,10 +48,12 @@ def test_each_case_keeps_its_fastest_round_on_the_given_clock():
 
         def run():
             now[0] += next(calls)
+
         return run
 
-    best = interleaved_best({name: case(name) for name in durations}, rounds=3, warmup="ahead", cold=frozenset("ab"),
-                            clock=clock)
+    best = interleaved_best(
+        {name: case(name) for name in durations}, rounds=3, warmup="ahead", cold=frozenset("ab"), clock=clock
+    )
     assert best == {"a": 2, "b": 1}
     with pytest.raises(ValueError, match="`warmup` must be one of"):
         interleaved_best({}, rounds=1, warmup="before")

@@ -38,9 +38,25 @@ def k3_checkpoint(tmp_path_factory, corpus) -> Path:
     """What `k3 train --out DIR` writes, after one step."""
     out = tmp_path_factory.mktemp("k3_train")
     threads = torch.get_num_threads()
-    train(TrainConfig(preset="kimi-k3-tiny", model_overrides={"hidden_size": 32}, data=str(corpus), tokenizer="bpe",
-                      vocab_size=300, seq_len=32, batch_size=2, max_steps=1, warmup_steps=1, eval_every=1,
-                      eval_tokens=64, final_eval_tokens=64, out=str(out), threads=1), progress=False)
+    train(
+        TrainConfig(
+            preset="kimi-k3-tiny",
+            model_overrides={"hidden_size": 32},
+            data=str(corpus),
+            tokenizer="bpe",
+            vocab_size=300,
+            seq_len=32,
+            batch_size=2,
+            max_steps=1,
+            warmup_steps=1,
+            eval_every=1,
+            eval_tokens=64,
+            final_eval_tokens=64,
+            out=str(out),
+            threads=1,
+        ),
+        progress=False,
+    )
     torch.set_num_threads(threads)
     return out
 
@@ -51,8 +67,9 @@ def gpt2_checkpoint(tmp_path_factory, corpus) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("gpt2")
     tokenizer = train_bpe([p.read_text() for p in corpus.iterdir()], vocab_size=280)
     torch.manual_seed(0)
-    model = CausalLM(get_config("gpt2-tiny", vocab_size=tokenizer.vocab_size, hidden_size=32,
-                                max_position_embeddings=16))
+    model = CausalLM(
+        get_config("gpt2-tiny", vocab_size=tokenizer.vocab_size, hidden_size=32, max_position_embeddings=16)
+    )
     model.save_pretrained(root / "model")
     tokenizer.save(root / "tokenizer.json")
     return root / "model", root / "tokenizer.json"

@@ -37,7 +37,7 @@ def direct(model, tokens: list[int], start: int) -> tuple[float, bool]:
     tokens[i] is the argmax."""
     logp = model(torch.tensor([tokens[:-1]]))[0].float().log_softmax(-1)
     target = torch.tensor(tokens[start:])
-    rows = logp[start - 1:]
+    rows = logp[start - 1 :]
     return float(rows.gather(-1, target[:, None]).sum()), bool((rows.argmax(-1) == target).all())
 
 
@@ -45,7 +45,7 @@ def direct(model, tokens: list[int], start: int) -> tuple[float, bool]:
 def greedy(model, tokenizer, context: str, steps: int) -> list[int]:
     """k3's own greedy generation (CausalLM.generate), up to <|endoftext|>."""
     ids = tokenizer.encode(context)
-    new = model.generate(torch.tensor([ids]), steps, temperature=0)[0, len(ids):].tolist()
+    new = model.generate(torch.tensor([ids]), steps, temperature=0)[0, len(ids) :].tolist()
     return new[: new.index(tokenizer.eot_id)] if tokenizer.eot_id in new else new
 
 
@@ -63,8 +63,13 @@ def count_forwards(model) -> list:
 def test_loglikelihood_is_the_continuations_log_probability(k3_checkpoint):
     lm = K3LM(checkpoint=str(k3_checkpoint))
     tok, model = lm.k3_tokenizer, lm.model
-    pairs = [("to be or not", " to be"), ("the question", " whether tis nobler in mind"),
-             ("", "slings arrows"), ("mind", " suffer"), ("that is", " the")]
+    pairs = [
+        ("to be or not", " to be"),
+        ("the question", " whether tis nobler in mind"),
+        ("", "slings arrows"),
+        ("mind", " suffer"),
+        ("that is", " the"),
+    ]
     one_by_one = lm.loglikelihood(requests("loglikelihood", *pairs))
     lm.batch_size = 3  # right-padded batches of different lengths give the same numbers
     batched = lm.loglikelihood(requests("loglikelihood", *pairs))
@@ -82,7 +87,7 @@ def test_is_greedy_when_the_continuation_is_the_argmax(k3_checkpoint):
     lm = K3LM(checkpoint=str(k3_checkpoint))
     context = lm.k3_tokenizer.encode("whether tis nobler")
     with torch.no_grad():
-        best = lm.model.generate(torch.tensor([context]), 4, temperature=0)[0, len(context):].tolist()
+        best = lm.model.generate(torch.tensor([context]), 4, temperature=0)[0, len(context) :].tolist()
     other = best[:-1] + [(best[-1] + 1) % lm.model.config.vocab_size]
     (_, top), (_, not_top) = lm._loglikelihood_tokens([(("", ""), context, best), (("", ""), context, other)])
     assert top and not not_top
@@ -116,8 +121,11 @@ def test_gpt2_is_scored_in_windows_of_its_positions(gpt2_checkpoint):
     assert 32 < n < 48, n  # two full windows of 16 predictions and a partial one
     # lm-eval's rolling windows: predict t[0:16] from <eot> t[0:15], t[16:32] from t[15:31], and the
     # rest t[32:n] with a full window of 16 inputs t[n-17:n-1]
-    want = direct(model, [tok.eot_id] + t[:16], 1)[0] + direct(model, t[15:32], 1)[0] + \
-        direct(model, t[n - 17:], 17 - (n - 32))[0]
+    want = (
+        direct(model, [tok.eot_id] + t[:16], 1)[0]
+        + direct(model, t[15:32], 1)[0]
+        + direct(model, t[n - 17 :], 17 - (n - 32))[0]
+    )
     assert lm.loglikelihood_rolling(requests("loglikelihood_rolling", (text,)))[0] == pytest.approx(want, rel=1e-5)
     # a context longer than the positions loses its left end
     context, continuation = text, " to be"
@@ -140,14 +148,19 @@ def test_generate_until_is_greedy_generation_cut_at_the_stop_string(k3_checkpoin
     context = "to be or not to be"
     new = greedy(model, tok, context, 12)
     full = tok.decode(new)
-    starts = [i for i in range(2, len(full) - 1) if full.find(full[i:i + 2]) == i]
+    starts = [i for i in range(2, len(full) - 1) if full.find(full[i : i + 2]) == i]
     assert starts, f"greedy output {full!r} has no fresh 2-character string to stop at"
-    stop = full[starts[0]:starts[0] + 2]
+    stop = full[starts[0] : starts[0] + 2]
     needed = next(k for k in range(1, len(new) + 1) if stop in tok.decode(new[:k]))
     calls = count_forwards(model)
-    got = lm.generate_until(requests("generate_until", (context, {"until": [stop, "never said"], "max_gen_toks": 12}),
-                                     (context, {"until": "never said", "max_gen_toks": 12}),
-                                     (context, {"max_gen_toks": 3})))
+    got = lm.generate_until(
+        requests(
+            "generate_until",
+            (context, {"until": [stop, "never said"], "max_gen_toks": 12}),
+            (context, {"until": "never said", "max_gen_toks": 12}),
+            (context, {"max_gen_toks": 3}),
+        )
+    )
     assert got == [cut(full, [stop]), full, tok.decode(new[:3])]
     assert got[0] == full[: starts[0]]
     assert len(calls) == needed + len(new) + 3  # it stopped as soon as the stop string was out
@@ -158,12 +171,13 @@ def test_sampling_follows_the_task_and_the_seed(k3_checkpoint):
     tok = lm.k3_tokenizer
     context = "the question"
     torch.manual_seed(7)
-    (got,) = lm.generate_until(requests("generate_until", (context, {"do_sample": True, "temperature": 0.7,
-                                                                    "top_k": 5, "max_gen_toks": 8})))
+    (got,) = lm.generate_until(
+        requests("generate_until", (context, {"do_sample": True, "temperature": 0.7, "top_k": 5, "max_gen_toks": 8}))
+    )
     ids = tok.encode(context)
     torch.manual_seed(7)
     with torch.no_grad():
-        new = lm.model.generate(torch.tensor([ids]), 8, temperature=0.7, top_k=5)[0, len(ids):].tolist()
+        new = lm.model.generate(torch.tensor([ids]), 8, temperature=0.7, top_k=5)[0, len(ids) :].tolist()
     new = new[: new.index(tok.eot_id)] if tok.eot_id in new else new
     assert got == tok.decode(new)
     with pytest.raises(ValueError, match=r"task asks for \['repetition_penalty'\]"):
@@ -196,8 +210,10 @@ def test_bad_model_args_say_what_is_wrong(k3_checkpoint, gpt2_checkpoint, tmp_pa
 
 
 def test_model_args_win_over_the_harness_settings(k3_checkpoint):
-    lm = K3LM.create_from_arg_string(f"checkpoint={k3_checkpoint},batch_size=3,dtype=bfloat16",
-                                     {"batch_size": 8, "max_batch_size": 64, "device": "cpu"})
+    lm = K3LM.create_from_arg_string(
+        f"checkpoint={k3_checkpoint},batch_size=3,dtype=bfloat16",
+        {"batch_size": 8, "max_batch_size": 64, "device": "cpu"},
+    )
     assert (lm.batch_size, lm.dtype, lm.device.type) == (3, torch.bfloat16, "cpu")
     assert lm.model.lm_head.weight.dtype == torch.bfloat16
     assert K3LM.create_from_arg_obj({"checkpoint": str(k3_checkpoint)}, {"batch_size": 2}).batch_size == 2
@@ -213,8 +229,9 @@ def test_registered_as_k3_and_declared_as_an_lm_eval_plugin():
     assert get_model("k3") is K3LM
     assert "hf" in model_registry and "vllm" in model_registry  # lm-eval's own models are still there
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    entry = importlib.metadata.EntryPoint(name="k3", value=project["entry-points"]["lm_eval.models"]["k3"],
-                                          group="lm_eval.models")
+    entry = importlib.metadata.EntryPoint(
+        name="k3", value=project["entry-points"]["lm_eval.models"]["k3"], group="lm_eval.models"
+    )
     assert entry.load() is K3LM
     assert any(dep.startswith("lm-eval") for dep in project["optional-dependencies"]["eval"])
 
@@ -227,8 +244,11 @@ def test_k3_eval_is_lm_evals_command_line_with_model_k3(monkeypatch):
     main(["--tasks", "x", "--model_args", "checkpoint=d"])
     main(["run", "--model", "hf", "--tasks", "x"])
     main(["ls", "tasks"])
-    assert seen == [["lm_eval", "--tasks", "x", "--model_args", "checkpoint=d", "--model", "k3"],
-                    ["lm_eval", "run", "--model", "hf", "--tasks", "x"], ["lm_eval", "ls", "tasks"]]
+    assert seen == [
+        ["lm_eval", "--tasks", "x", "--model_args", "checkpoint=d", "--model", "k3"],
+        ["lm_eval", "run", "--model", "hf", "--tasks", "x"],
+        ["lm_eval", "ls", "tasks"],
+    ]
 
 
 # -- lm-eval end to end, offline -------------------------------------------------------------------
@@ -237,9 +257,13 @@ def test_simple_evaluate_on_local_tasks(k3_checkpoint, no_network, monkeypatch, 
     from lm_eval.tasks import TaskManager
 
     monkeypatch.chdir(tmp_path)  # the tasks find their data next to their YAML, from any working directory
-    out = simple_evaluate(model="k3", model_args={"checkpoint": str(k3_checkpoint), "batch_size": 4},
-                          tasks=["k3_tiny_mc", "k3_tiny_gen", "k3_tiny_ppl"], log_samples=True,
-                          task_manager=TaskManager(include_path=str(TASKS), include_defaults=False))
+    out = simple_evaluate(
+        model="k3",
+        model_args={"checkpoint": str(k3_checkpoint), "batch_size": 4},
+        tasks=["k3_tiny_mc", "k3_tiny_gen", "k3_tiny_ppl"],
+        log_samples=True,
+        task_manager=TaskManager(include_path=str(TASKS), include_defaults=False),
+    )
     assert no_network == []
     results, samples = out["results"], out["samples"]
     lm = K3LM(checkpoint=str(k3_checkpoint), batch_size=4)
@@ -267,12 +291,12 @@ def test_simple_evaluate_on_local_tasks(k3_checkpoint, no_network, monkeypatch, 
     assert results["k3_tiny_ppl"]["bits_per_byte,none"] > 0
 
 
-SOCKET_GUARD = '''import socket, sys
+SOCKET_GUARD = """import socket, sys
 def _refuse(self, address, *args):
     print(f"network access attempted: {address}", file=sys.stderr)
     raise OSError("network access attempted during an offline test")
 socket.socket.connect = socket.socket.connect_ex = _refuse
-'''
+"""
 
 
 def lm_eval_script() -> Path | None:
@@ -297,12 +321,33 @@ def test_lm_eval_command_line(command, k3_checkpoint, tmp_path):
     if command == "lm_eval" and lm_eval_script() is None:
         pytest.skip("k3 is not pip-installed in this environment, so its lm-eval start-up hook is not either")
     (tmp_path / "sitecustomize.py").write_text(SOCKET_GUARD)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "HF_DATASETS_OFFLINE": "1",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*COMMANDS[command](), "--model", "k3", "--model_args",
-                           f"checkpoint={k3_checkpoint},batch_size=4", "--tasks", "k3_tiny_mc", "k3_tiny_gen",
-                           "--include_path", str(TASKS)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets"),
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.run(
+        [
+            *COMMANDS[command](),
+            "--model",
+            "k3",
+            "--model_args",
+            f"checkpoint={k3_checkpoint},batch_size=4",
+            "--tasks",
+            "k3_tiny_mc",
+            "k3_tiny_gen",
+            "--include_path",
+            str(TASKS),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "network access attempted" not in proc.stderr
     if not torch.cuda.is_available():  # no --device given: lm-eval's default cuda:0 falls back to the CPU
@@ -331,8 +376,13 @@ print(model_registry._objs.get("k3"), "k3.eval.lm_eval" in sys.modules, "hf" in 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = {}
     for case in ("on", "taken", "off"):
-        proc = subprocess.run([sys.executable, "-c", script, case], capture_output=True, text=True, timeout=120,
-                              env={**env, "K3_LM_EVAL_PLUGIN": "0" if case == "off" else "1"})
+        proc = subprocess.run(
+            [sys.executable, "-c", script, case],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**env, "K3_LM_EVAL_PLUGIN": "0" if case == "off" else "1"},
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[case] = proc.stdout.split()
     assert out["on"] == ["k3.eval.lm_eval:K3LM", "False", "True"]  # registered, not yet imported
@@ -363,13 +413,21 @@ def test_lm_eval_hf_runs_a_kimi_linear_export(corpus, no_network, tmp_path, monk
     checkpoint = tmp_path / "checkpoint"
     torch.manual_seed(0)
     tokenizer = train_bpe([p.read_text() for p in corpus.iterdir()], vocab_size=300)
-    CausalLM(get_config("kimi-linear-tiny", vocab_size=tokenizer.vocab_size, hidden_size=32)).save_pretrained(checkpoint)
+    CausalLM(get_config("kimi-linear-tiny", vocab_size=tokenizer.vocab_size, hidden_size=32)).save_pretrained(
+        checkpoint
+    )
     tokenizer.save(checkpoint / "tokenizer.json")
     export(checkpoint, tmp_path / "export", format="kimi-linear")
     monkeypatch.chdir(tmp_path)
-    out = simple_evaluate(model="hf", model_args={"pretrained": str(tmp_path / "export"), "dtype": "float32"},
-                          tasks=["k3_tiny_mc"], device="cpu", batch_size=4, log_samples=True,
-                          task_manager=TaskManager(include_path=str(TASKS), include_defaults=False))
+    out = simple_evaluate(
+        model="hf",
+        model_args={"pretrained": str(tmp_path / "export"), "dtype": "float32"},
+        tasks=["k3_tiny_mc"],
+        device="cpu",
+        batch_size=4,
+        log_samples=True,
+        task_manager=TaskManager(include_path=str(TASKS), include_defaults=False),
+    )
     assert no_network == []
     assert len(out["samples"]["k3_tiny_mc"]) == 4
     assert 0.0 <= out["results"]["k3_tiny_mc"]["acc,none"] <= 1.0

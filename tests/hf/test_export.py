@@ -18,10 +18,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from k3.checkpoints.hf_config import kimi_linear_config  # noqa: E402
 from k3.cli import main  # noqa: E402
 from k3.hf.export import export  # noqa: E402
 from k3.models import CausalLM, get_config  # noqa: E402
-from k3.checkpoints.hf_config import kimi_linear_config  # noqa: E402
 from k3.tokenizer import Tokenizer, train_bpe  # noqa: E402
 from k3.training import TrainConfig  # noqa: E402
 
@@ -53,9 +53,12 @@ def assert_greedy_under(model: CausalLM, tokens: torch.Tensor, prompt_length: in
     `margin` of it: transformers' own Kimi Linear runs float32 only, and a near-tie between two tokens
     may go either way in another code path's rounding."""
     with torch.no_grad():
-        logits = copy.deepcopy(model).double()(tokens)[:, prompt_length - 1:-1]
+        logits = copy.deepcopy(model).double()(tokens)[:, prompt_length - 1 : -1]
     chosen = logits.gather(-1, tokens[:, prompt_length:, None]).squeeze(-1)
-    assert tokens.shape[1] > prompt_length and (logits.amax(-1) - chosen <= margin).all(), (tokens, logits.amax(-1) - chosen)
+    assert tokens.shape[1] > prompt_length and (logits.amax(-1) - chosen <= margin).all(), (
+        tokens,
+        logits.amax(-1) - chosen,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +72,15 @@ def test_cli_export_k3_format(kimi_linear, tmp_path, capsys):
     out = tmp_path / "hf"
     assert main(["export", str(checkpoint), str(out)]) == 0
     assert "k3 format" in capsys.readouterr().out
-    names = ["config.json", "configuration_k3.py", "generation_config.json", "model.safetensors", "modeling_k3.py",
-             "tokenizer.json", "tokenizer_config.json"]  # the .py files: remote code (test_remote_code.py)
+    names = [
+        "config.json",
+        "configuration_k3.py",
+        "generation_config.json",
+        "model.safetensors",
+        "modeling_k3.py",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]  # the .py files: remote code (test_remote_code.py)
     assert sorted(os.listdir(out)) == names
     umask = os.umask(0)
     os.umask(umask)
@@ -89,16 +99,20 @@ def test_cli_export_k3_format(kimi_linear, tmp_path, capsys):
     with torch.no_grad():
         torch.testing.assert_close(hf(prompt).logits, model(prompt), rtol=1e-5, atol=1e-6)
     hf64, model64 = hf.double(), copy.deepcopy(model).double()
-    assert torch.equal(hf64.generate(prompt, do_sample=False, max_new_tokens=20),
-                       model64.generate(prompt, 20, temperature=0, eos_token_id=tokenizer.eot_id))
+    assert torch.equal(
+        hf64.generate(prompt, do_sample=False, max_new_tokens=20),
+        model64.generate(prompt, 20, temperature=0, eos_token_id=tokenizer.eot_id),
+    )
     # k3 reads the exported directory as one of its own checkpoints: the same config and tensors
     # (bitwise: a round trip of the tensors), and `k3 generate` runs from it
     exported, original = CausalLM.from_pretrained(out), CausalLM.from_pretrained(checkpoint)
     assert exported.config == original.config
     assert all(torch.equal(a, b) for a, b in zip(exported.state_dict().values(), original.state_dict().values()))
     assert exported.state_dict().keys() == original.state_dict().keys()
-    assert main(["generate", "--checkpoint", str(out), "--prompt", "to be", "--temperature", "0",
-                 "--max-new-tokens", "8"]) == 0
+    assert (
+        main(["generate", "--checkpoint", str(out), "--prompt", "to be", "--temperature", "0", "--max-new-tokens", "8"])
+        == 0
+    )
     assert capsys.readouterr().out.startswith("to be")
 
 
@@ -131,8 +145,14 @@ def test_kimi_linear_format_refuses_kimi_k3(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["export", str(checkpoint), str(out), "--format", "kimi-linear"]) == 2
     err = capsys.readouterr().err
-    for what in ("safe KDA gate", "output gate 'full'", "gated MLA", "'situ'", "latent MoE",
-                 "Block Attention Residuals"):
+    for what in (
+        "safe KDA gate",
+        "output gate 'full'",
+        "gated MLA",
+        "'situ'",
+        "latent MoE",
+        "Block Attention Residuals",
+    ):
         assert what in err, what
     assert "k3 export: error:" in err and "k3's own format" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["k3run"]  # nothing written

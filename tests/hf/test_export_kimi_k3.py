@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from k3.checkpoints.kimi_k3_format import pad_a_log, published_entries
 from k3.hf.export import export
 from k3.models import CausalLM, ModelConfig
-from k3.checkpoints.kimi_k3_format import pad_a_log, published_entries
 from tests.models.kimi_k3_files import FLOAT32, write_published
 
 

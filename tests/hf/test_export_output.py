@@ -35,8 +35,11 @@ def run(tmp_path_factory):
 def test_exporting_into_the_checkpoint_itself_is_refused(run):
     before = snapshot(run)
     for out in (run, run / ".", run / "sub" / ".."):
-        with pytest.raises(ValueError, match=r"`out` must be a new or empty directory outside the checkpoint, "
-                                             r"got .*run1, which is the checkpoint being exported"):
+        with pytest.raises(
+            ValueError,
+            match=r"`out` must be a new or empty directory outside the checkpoint, "
+            r"got .*run1, which is the checkpoint being exported",
+        ):
             export(run, out)
     with pytest.raises(ValueError, match="which is inside the checkpoint being exported"):
         export(run, run / "hf")
@@ -49,8 +52,11 @@ def test_an_existing_output_is_refused_unless_empty(run, tmp_path):
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "config.json").write_text('{"mine": true}')
-    with pytest.raises(FileExistsError, match=r"`out` must be a new or empty directory, got .*taken, which holds "
-                                              r"config.json; export to another directory, or empty it first"):
+    with pytest.raises(
+        FileExistsError,
+        match=r"`out` must be a new or empty directory, got .*taken, which holds "
+        r"config.json; export to another directory, or empty it first",
+    ):
         export(run, taken)
     (tmp_path / "file").write_text("x")
     with pytest.raises(FileExistsError, match="got .*file, which exists and is not a directory"):
@@ -74,6 +80,7 @@ def test_files_that_appear_while_exporting_are_not_overwritten(run, tmp_path, mo
         write_k3(model, directory, special)
         out.mkdir()
         (out / "config.json").write_text("theirs")
+
     monkeypatch.setattr(export_module, "_write_k3", meanwhile)
     with pytest.raises(FileExistsError, match="which holds config.json"):
         export(run, out)
@@ -86,8 +93,10 @@ def test_cli_refuses_to_export_a_checkpoint_onto_itself(run, tmp_path, capsys):
     for out in (run, run / "hf"):
         assert main(["export", str(run), str(out)]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("k3 export: error: export: `out` must be a new or empty directory outside the "
-                              "checkpoint") and err.count("\n") == 1, err
+        assert (
+            err.startswith("k3 export: error: export: `out` must be a new or empty directory outside the checkpoint")
+            and err.count("\n") == 1
+        ), err
     assert snapshot(run) == before  # config.json still holds "train": `k3 train --resume run1` works
     assert "train" in json.loads((run / "config.json").read_text())
 

@@ -62,12 +62,25 @@ def exports(tmp_path_factory):
 def load_in_fresh_interpreter(cases, tmp_path) -> dict[str, tuple[str, dict]]:
     """Run SCRIPT on `cases` with stdin empty and offline -> {case: (its output, its result)}; stdout and
     stderr together, so a prompt (stdout) and transformers' logs (stderr) are both seen."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cases), SAMPLE], cwd=tmp_path, env=env,
-                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "HF_HOME": str(tmp_path / "hf_home"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(cases), SAMPLE],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-4000:]
     out = {}
     for part in done.stdout.split("=== ")[1:]:
@@ -84,16 +97,20 @@ def test_exported_tokenizers_load_without_remote_code_or_a_prompt(exports, tmp_p
         settings = json.loads((folder / "tokenizer_config.json").read_text())
         assert settings["tokenizer_class"] == "PreTrainedTokenizerFast" and "auto_map" not in settings
         assert "AutoTokenizer" not in json.loads((folder / "config.json").read_text()).get("auto_map", {})
-    cases = [("kimi-linear", str(folders["kimi-linear"]), {}, False),
-             ("kimi-k3", str(folders["kimi-k3"]), {}, False),
-             ("k3, trust_remote_code", str(folders["k3"]), {"trust_remote_code": True}, False),
-             ("k3, import k3.hf", str(folders["k3"]), {}, True)]  # last: the import registers "k3" for good
+    cases = [
+        ("kimi-linear", str(folders["kimi-linear"]), {}, False),
+        ("kimi-k3", str(folders["kimi-k3"]), {}, False),
+        ("k3, trust_remote_code", str(folders["k3"]), {"trust_remote_code": True}, False),
+        ("k3, import k3.hf", str(folders["k3"]), {}, True),
+    ]  # last: the import registers "k3" for good
     results = load_in_fresh_interpreter(cases, tmp_path)
     ids = tokenizer.encode(SAMPLE)
     for name, (output, got) in results.items():
         assert PROMPT not in output, (name, output)
-        assert got["module"].startswith("transformers.") and got["class"] in ("PreTrainedTokenizerFast",
-                                                                               "TokenizersBackend"), (name, got)
+        assert got["module"].startswith("transformers.") and got["class"] in (
+            "PreTrainedTokenizerFast",
+            "TokenizersBackend",
+        ), (name, got)
         assert got["ids"] == ids and got["text"] == tokenizer.decode(ids) == SAMPLE, name
         assert got["eos"] == tokenizer.eot_id, name
         if name != "kimi-k3":  # transformers 5.24 does not know model_type "kimi_k3" (see the docstring)

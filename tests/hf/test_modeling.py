@@ -82,8 +82,9 @@ def test_sampling_runs_and_top_k_1_is_greedy(pair):
     assert int(sampled.min()) >= 0 and int(sampled.max()) < VOCAB
     torch.manual_seed(0)
     assert torch.equal(hf.generate(ids, do_sample=True, top_k=8, temperature=1.5, max_new_tokens=6), sampled)
-    assert torch.equal(hf.generate(ids, do_sample=True, top_k=1, max_new_tokens=6),
-                       hf.generate(ids, do_sample=False, max_new_tokens=6))
+    assert torch.equal(
+        hf.generate(ids, do_sample=True, top_k=1, max_new_tokens=6), hf.generate(ids, do_sample=False, max_new_tokens=6)
+    )
     nucleus = hf.generate(ids, do_sample=True, top_p=0.9, max_new_tokens=6)
     assert nucleus.shape == (1, 11) and int(nucleus.max()) < VOCAB
 
@@ -105,9 +106,9 @@ def test_forward_returns_the_cache_and_decodes_from_it():
     with torch.no_grad():
         out = hf(ids[:, :8], use_cache=True)
         cache = out[CACHE_ARG]
-        steps = [out.logits] + [hf(ids[:, t:t + 1], **{CACHE_ARG: cache}).logits for t in (8, 9)]
+        steps = [out.logits] + [hf(ids[:, t : t + 1], **{CACHE_ARG: cache}).logits for t in (8, 9)]
         k3_cache = model.new_cache(1)
-        ref = [model(ids[:, :8], cache=k3_cache)] + [model(ids[:, t:t + 1], cache=k3_cache) for t in (8, 9)]
+        ref = [model(ids[:, :8], cache=k3_cache)] + [model(ids[:, t : t + 1], cache=k3_cache) for t in (8, 9)]
     assert cache.length == 10
     # bitwise: the wrapper runs the very same module on the same weights (from_k3 shares, not copies)
     torch.testing.assert_close(torch.cat(steps, 1), torch.cat(ref, 1), rtol=0, atol=0)

@@ -36,10 +36,22 @@ def test_export_loading_block_runs_without_k3_imported(tmp_path):
     training_checkpoint(tmp_path / "runs" / "demo", "kimi-k3-tiny", hidden_size=64, num_layers=2)
     assert main(["export", str(tmp_path / "runs" / "demo"), str(tmp_path / "runs" / "demo-hf")]) == 0
     guard = "import sys\nassert 'k3' not in sys.modules\n"  # the block imports transformers only
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", guard + code], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300, stdin=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "HF_HOME": str(tmp_path / "hf_home"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", guard + code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.count("ROMEO:") >= 2, done.stdout  # both continuations print their prompt

@@ -71,21 +71,35 @@ def exported(tmp_path_factory):
 def test_export_names_its_remote_code(exported):
     _, _, folder = exported
     config = json.loads((folder / "config.json").read_text())
-    assert config["auto_map"] == {"AutoConfig": "configuration_k3.K3Config",
-                                  "AutoModelForCausalLM": "modeling_k3.K3ForCausalLM"} == AUTO_MAP
+    assert (
+        config["auto_map"]
+        == {"AutoConfig": "configuration_k3.K3Config", "AutoModelForCausalLM": "modeling_k3.K3ForCausalLM"}
+        == AUTO_MAP
+    )
     assert config["architectures"] == ["K3ForCausalLM"] and config["model_type"] == "k3"
     assert all((folder / name).is_file() for name in REMOTE_CODE_FILES)
 
 
 def test_fresh_interpreter_loads_the_export_with_trust_remote_code(exported, tmp_path):
     model, tokenizer, folder = exported
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "HF_HOME": str(tmp_path / "hf_home"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     results = tmp_path / "results.pt"
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(folder), str(results), TEXT, str(NEW_TOKENS)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-                          stdin=subprocess.DEVNULL)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(folder), str(results), TEXT, str(NEW_TOKENS)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     got = torch.load(results)
 

@@ -37,16 +37,23 @@ def test_recall_resumes_from_its_kept_cells(tmp_path, monkeypatch):
     # one cell lost: only that one is trained
     (folder / "D=4,kda,3e-3.json").unlink()
     trained = []
-    monkeypatch.setattr(recall, "score_mixer", lambda *job: trained.append(job[1:]) or
-                        recall._cell_from_json(json.loads((folder / "D=4,kda,1e-3.json").read_text())["result"]))
+    monkeypatch.setattr(
+        recall,
+        "score_mixer",
+        lambda *job: (
+            trained.append(job[1:])
+            or recall._cell_from_json(json.loads((folder / "D=4,kda,1e-3.json").read_text())["result"])
+        ),
+    )
     lab.run("recall", "smoke", tmp_path)
     assert trained == [("kda", 4, 3e-3, 1)]
     assert (folder / "D=4,kda,3e-3.json").exists()
 
 
 def test_a_kept_cell_has_int_pair_counts_again():
-    out = recall._cell_from_json({"accuracy": {"2": 0.5, "16": 0.1}, "retrieval": {"16": {"uniform": 0.1}},
-                                  "curve": [[1, 0.2]]})
+    out = recall._cell_from_json(
+        {"accuracy": {"2": 0.5, "16": 0.1}, "retrieval": {"16": {"uniform": 0.1}}, "curve": [[1, 0.2]]}
+    )
     assert out["accuracy"] == {2: 0.5, 16: 0.1} and list(out["retrieval"]) == [16]
     with pytest.raises(KeyError):
         _ = out["filler"]
@@ -69,8 +76,13 @@ def _fake_cell(plan, mixer, head_dim, lr, train_from):
     pairs = plan.pairs(head_dim)
     solved = mixer in ("softmax", "2mla")
     accuracy = {p: 1.0 if solved else min(1.0, head_dim / p) * (0.9 if mixer == "linear_attn" else 1.0) for p in pairs}
-    out = {"accuracy": accuracy, "curve": [[100, 0.2], [200, 0.5], [240, 0.55]], "stable": 200,
-           "stopped_by": "plateau", "steps": 240}
+    out = {
+        "accuracy": accuracy,
+        "curve": [[100, 0.2], [200, 0.5], [240, 0.55]],
+        "stable": 200,
+        "stopped_by": "plateau",
+        "steps": 240,
+    }
     if mixer != "softmax" and ("mla" in mixer or "mha" in mixer):
         best = 0.9 if mixer in ("2mla", "3kda0+mla", "mla+3kda") else 0.01
         out["retrieval"] = {p: {"value": [[best]], "key": [[0.0]], "uniform": 4 / (4 * p)} for p in pairs}
@@ -96,10 +108,13 @@ def test_a_full_run_renders_from_its_kept_cells(tmp_path):
     assert any(c.startswith("The order of the mixers") for c in captions)
     assert any(c.startswith("The probes") for c in captions) and any("filler" in c for c in captions)
     verdicts = {c.claim: c.verdict for c in result.claims}
-    assert verdicts["Linear attention adds every pair into one D×D state: past its capacity (N ≫ D) associations "
-                    "interfere"] == "holds"
-    assert any(n.startswith("Disagreement — MLA in the hybrid") and "The cause is the start" in n
-               for n in result.notes)
+    assert (
+        verdicts[
+            "Linear attention adds every pair into one D×D state: past its capacity (N ≫ D) associations interfere"
+        ]
+        == "holds"
+    )
+    assert any(n.startswith("Disagreement — MLA in the hybrid") and "The cause is the start" in n for n in result.notes)
     assert (tmp_path / "figures" / "recall-curves-full.png").exists()
     assert json.loads((tmp_path / "lab" / "recall-full.json").read_text())["mode"] == "full"
 
@@ -107,9 +122,13 @@ def test_a_full_run_renders_from_its_kept_cells(tmp_path):
 def test_a_plan_without_probes_renders_without_their_table(tmp_path, monkeypatch):
     import dataclasses
 
-    monkeypatch.setitem(recall.PLANS, "smoke", dataclasses.replace(recall.PLANS["smoke"], probes=False,
-                                                                   mixers=("softmax", "linear_attn", "deltanet",
-                                                                           "kda", "kda+mla")))
+    monkeypatch.setitem(
+        recall.PLANS,
+        "smoke",
+        dataclasses.replace(
+            recall.PLANS["smoke"], probes=False, mixers=("softmax", "linear_attn", "deltanet", "kda", "kda+mla")
+        ),
+    )
     result = lab.run("recall", "smoke", tmp_path)
     assert not any(t.caption.startswith("The probes") for t in result.tables)
     assert len(list((tmp_path / "lab" / "recall-cells").glob("*.json"))) == 5 * 2

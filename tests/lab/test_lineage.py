@@ -34,8 +34,7 @@ def test_smoke_run_trains_every_model_and_writes_its_section(tmp_path):
 
 def test_lineage_at_one_width_in_the_articles_order():
     configs = lineage_configs(192, 4096)
-    assert list(configs) == ["GPT-2", "linear attention", "DeltaNet", "Gated DeltaNet", "KDA", "Kimi Linear",
-                             "Kimi K3"]
+    assert list(configs) == ["GPT-2", "linear attention", "DeltaNet", "Gated DeltaNet", "KDA", "Kimi Linear", "Kimi K3"]
     assert {c.hidden_size for c in configs.values()} == {192}
     kinds = {name: set(c.layer_types) for name, c in configs.items()}
     assert kinds["GPT-2"] == {"mha"} and kinds["KDA"] == {"kda"} and kinds["Gated DeltaNet"] == {"gated_deltanet"}
@@ -56,8 +55,15 @@ def _data(final: dict) -> dict:
 
 
 def test_verdicts_follow_their_thresholds():
-    falling = {"GPT-2": 2.5, "linear attention": 2.6, "DeltaNet": 2.5, "Gated DeltaNet": 2.4, "KDA": 2.3,
-               "Kimi Linear": 2.2, "Kimi K3": 2.1}
+    falling = {
+        "GPT-2": 2.5,
+        "linear attention": 2.6,
+        "DeltaNet": 2.5,
+        "Gated DeltaNet": 2.4,
+        "KDA": 2.3,
+        "Kimi Linear": 2.2,
+        "Kimi K3": 2.1,
+    }
     chain, hybrids = _claims(_data(falling), 1000, "1 min")
     assert chain.verdict == "holds" and hybrids.verdict == "holds"
     one_flat = {**falling, "Gated DeltaNet": 2.5, "KDA": 2.4}  # one step (DeltaNet -> Gated DeltaNet) fails

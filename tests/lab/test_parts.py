@@ -23,7 +23,7 @@ from k3.lab.parts.attn_res import (
 from k3.lab.parts.latent_moe import moe_flop_ratios, moe_flops
 from k3.lab.parts.situ import best_fused, situ_ratios, situ_verdicts, time_activations, time_elementwise
 from k3.models import get_config
-from k3.models.model import attn_res_source_counts
+from k3.models.decoder import attn_res_source_counts
 
 
 def test_smoke_run_writes_claims_tables_figures(tmp_path):
@@ -45,10 +45,17 @@ def test_smoke_run_writes_claims_tables_figures(tmp_path):
 
 def test_moe_flops_by_hand_at_k3_size():
     c = get_config("kimi-k3")
-    lat = moe_flops(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
-                    c.moe_latent_size, c.num_shared_experts)
-    full = moe_flops(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
-                     None, c.num_shared_experts)
+    lat = moe_flops(
+        c.hidden_size,
+        c.moe_intermediate_size,
+        c.num_experts,
+        c.num_experts_per_tok,
+        c.moe_latent_size,
+        c.num_shared_experts,
+    )
+    full = moe_flops(
+        c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok, None, c.num_shared_experts
+    )
     assert lat["routed experts"] == 16 * 3 * 2 * 3584 * 3072 == full["routed experts"] // 2
     assert lat["latent projections"] == 2 * 2 * 7168 * 3584 and full["latent projections"] == 0
     assert lat["shared experts"] == full["shared experts"] == 3 * 2 * 7168 * 2 * 3072
@@ -97,15 +104,16 @@ def test_fit_overhead_recovers_a_synthetic_curve_and_extrapolates_it():
     on = [t + p + q * d for t, d in zip(off, widths)]
     fit = fit_overhead(widths, on, off)
     assert fit.off == pytest.approx((a, b, c), rel=1e-6) and fit.extra == pytest.approx((p, q), rel=1e-6)
-    assert fit.overhead(7168) == pytest.approx((p + q * 7168) / (a + b * 7168 + c * 7168 ** 2), rel=1e-6)
+    assert fit.overhead(7168) == pytest.approx((p + q * 7168) / (a + b * 7168 + c * 7168**2), rel=1e-6)
     # a term that would fit negative is left out (non-negative least squares): off = c d^2 exactly
     fit = fit_overhead([1, 2, 3, 4], [1.1, 4.1, 9.1, 16.1], [1.0, 4.0, 9.0, 16.0])
     assert fit.off == pytest.approx((0.0, 0.0, 1.0), abs=1e-9) and fit.extra == pytest.approx((0.1, 0.0), abs=1e-9)
     widths = [256, 512, 1024, 2048, 4096]
     off = [a + b * d + c * d * d for d in widths]
-    exact = (p + q * 7168) / (a + b * 7168 + c * 7168 ** 2)
-    assert leave_one_out(widths, [t + p + q * d for t, d in zip(off, widths)], off, 7168) == \
-        pytest.approx((exact, exact), rel=1e-6)  # every subset recovers an exact curve
+    exact = (p + q * 7168) / (a + b * 7168 + c * 7168**2)
+    assert leave_one_out(widths, [t + p + q * d for t, d in zip(off, widths)], off, 7168) == pytest.approx(
+        (exact, exact), rel=1e-6
+    )  # every subset recovers an exact curve
     with pytest.raises(ValueError, match="needs three distinct widths"):
         fit_overhead([256, 256, 512], [1.0, 1.0, 2.0], [1.0, 1.0, 2.0])
     with pytest.raises(ValueError, match="one entry each"):
@@ -121,8 +129,12 @@ def test_k3_block_keeps_k3s_proportions_and_shares_weights_between_attn_res_on_a
     for name in ("q_lora_rank", "kv_lora_rank", "moe_intermediate_size", "moe_latent_size"):
         assert abs(getattr(block, name) - f * getattr(k3, name)) <= 4, name  # rounded to a multiple of 8
     assert block.num_heads == block.linear_num_heads == round(96 * f)
-    assert (block.linear_head_dim, block.qk_nope_head_dim, block.qk_rope_head_dim, block.v_head_dim) == \
-        (k3.linear_head_dim, k3.qk_nope_head_dim, k3.qk_rope_head_dim, k3.v_head_dim)
+    assert (block.linear_head_dim, block.qk_nope_head_dim, block.qk_rope_head_dim, block.v_head_dim) == (
+        k3.linear_head_dim,
+        k3.qk_nope_head_dim,
+        k3.qk_rope_head_dim,
+        k3.v_head_dim,
+    )
     assert block.num_experts_per_tok == k3.num_experts_per_tok and block.ffn_activation == "situ"
     assert mean_sources(block) == pytest.approx(29 / 9) and mean_sources(k3) > mean_sources(block)
     with pytest.raises(ValueError, match="`width` must be an int >= 8, got 4"):
@@ -143,18 +155,29 @@ def test_interleaved_best_keeps_each_cases_fastest_round():
     def case(name):
         def run():
             calls[name] += 1
+
         return run
 
-    best = interleaved_best({"a": case("a"), "b": case("b")}, rounds=3, warmup="ahead", grad=True,
-                            clock=thread_clock)  # as k3 lab parts times
+    best = interleaved_best(
+        {"a": case("a"), "b": case("b")}, rounds=3, warmup="ahead", grad=True, clock=thread_clock
+    )  # as k3 lab parts times
     assert calls == {"a": 4, "b": 4} and set(best) == {"a", "b"} and all(t >= 0 for t in best.values())
-    ratios = situ_ratios({("activation", "situ formula", "fwd", "eager"): 3.0,
-                          ("activation", "situ fused", "fwd", "eager"): 1.8,
-                          ("activation", "situ formula", "fwd", "compiled"): 1.2,
-                          ("activation", "swiglu", "fwd", "eager"): 1.5,
-                          ("activation", "swiglu", "fwd", "compiled"): 1.0})
-    assert ratios == pytest.approx({("activation", "fwd", "unfused formula"): 2.0,
-                                    ("activation", "fwd", "k3 fused"): 1.2, ("activation", "fwd", "torch.compile"): 1.2})
+    ratios = situ_ratios(
+        {
+            ("activation", "situ formula", "fwd", "eager"): 3.0,
+            ("activation", "situ fused", "fwd", "eager"): 1.8,
+            ("activation", "situ formula", "fwd", "compiled"): 1.2,
+            ("activation", "swiglu", "fwd", "eager"): 1.5,
+            ("activation", "swiglu", "fwd", "compiled"): 1.0,
+        }
+    )
+    assert ratios == pytest.approx(
+        {
+            ("activation", "fwd", "unfused formula"): 2.0,
+            ("activation", "fwd", "k3 fused"): 1.2,
+            ("activation", "fwd", "torch.compile"): 1.2,
+        }
+    )
 
 
 def test_a_failing_compile_leaves_eager_figures_and_a_note(monkeypatch):
@@ -169,5 +192,8 @@ def test_a_failing_compile_leaves_eager_figures_and_a_note(monkeypatch):
     ratios = situ_ratios(times)
     assert {variant for *_, variant in ratios} == {"unfused formula", "k3 fused"}
     assert best_fused(ratios) == "k3 fused" and situ_verdicts(ratios)[1] != "not measurable here"
-    assert set(time_elementwise(8, 4, rounds=1, compiled=True)) == {("tanh", "eager"), ("sigmoid", "eager"),
-                                                                    ("silu", "eager")}
+    assert set(time_elementwise(8, 4, rounds=1, compiled=True)) == {
+        ("tanh", "eager"),
+        ("sigmoid", "eager"),
+        ("silu", "eager"),
+    }

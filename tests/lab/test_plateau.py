@@ -87,8 +87,10 @@ def test_the_rate_warms_up_holds_and_decays_to_zero(monkeypatch):
     assert rates[8:] == pytest.approx([1e-2, 7.5e-3, 5e-3, 2.5e-3])  # 4 decay steps, the last at 1/4
 
 
-@pytest.mark.parametrize("field,value", [("every", 0), ("patience", 0), ("max_steps", 0), ("decay", 0.0),
-                                         ("decay", 1.5), ("floor", -0.1), ("floor", 1.0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [("every", 0), ("patience", 0), ("max_steps", 0), ("decay", 0.0), ("decay", 1.5), ("floor", -0.1), ("floor", 1.0)],
+)
 def test_plateau_rejects_bad_settings(field, value):
     with pytest.raises(ValueError, match=f"Plateau.{field}"):
         Plateau(**{field: value})
@@ -120,12 +122,28 @@ def test_the_lab_steps_through_trainings_step_on_the_scored_positions():
     cfg = recipe(1e-2, warmup=1)
     loss = training_step(model, build_optimizer(model, cfg, fused=False), batch.inputs, cfg, targets=batch.targets)
     assert loss == pytest.approx(masked_loss(twin, batch).item())
-    optimizer = torch.optim.AdamW([{"params": [p for n, p in twin.named_parameters() if p.dim() >= 2
-                                               and not n.endswith(("A_log", "dt_bias")) and "norm" not in n],
-                                    "weight_decay": 0.1},
-                                   {"params": [p for n, p in twin.named_parameters() if not (
-                                       p.dim() >= 2 and not n.endswith(("A_log", "dt_bias")) and "norm" not in n)],
-                                    "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.98))
+    optimizer = torch.optim.AdamW(
+        [
+            {
+                "params": [
+                    p
+                    for n, p in twin.named_parameters()
+                    if p.dim() >= 2 and not n.endswith(("A_log", "dt_bias")) and "norm" not in n
+                ],
+                "weight_decay": 0.1,
+            },
+            {
+                "params": [
+                    p
+                    for n, p in twin.named_parameters()
+                    if not (p.dim() >= 2 and not n.endswith(("A_log", "dt_bias")) and "norm" not in n)
+                ],
+                "weight_decay": 0.0,
+            },
+        ],
+        lr=1e-2,
+        betas=(0.9, 0.98),
+    )
     masked_loss(twin, batch).backward()
     torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
     optimizer.step()

@@ -63,7 +63,7 @@ def test_kda_cost_is_cubic_in_one_chunk():
 def test_fit_scale_and_slope_recover_known_values():
     costs = [1.0, 2.0, 8.0]
     assert fit_scale(costs, [3e-9 * x for x in costs]) == pytest.approx(3e-9)
-    assert loglog_slope([1, 2, 4, 8], [5 * x ** 2.5 for x in (1, 2, 4, 8)]) == pytest.approx(2.5)
+    assert loglog_slope([1, 2, 4, 8], [5 * x**2.5 for x in (1, 2, 4, 8)]) == pytest.approx(2.5)
     assert error_factor(2.0, 1.0) == error_factor(1.0, 2.0) == 2.0
     assert math.isclose(error_factor(3.0, 3.0), 1.0)
 

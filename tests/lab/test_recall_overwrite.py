@@ -149,8 +149,9 @@ def _scores(value):
 
 def test_recall_verdicts_follow_the_numbers():
     # linear attention collapses past D = 4; everyone else holds: every claim holds
-    good = recall.judge(_scores(lambda m, p: 0.2 if m == "linear_attn" and p > 4 else
-                                (0.5 if m == "kda" and p > 4 else 1.0)), 4)
+    good = recall.judge(
+        _scores(lambda m, p: 0.2 if m == "linear_attn" and p > 4 else (0.5 if m == "kda" and p > 4 else 1.0)), 4
+    )
     assert [c.verdict for c in good] == ["holds"] * 4
     # nobody learned anything: nothing is measurable
     flat = recall.judge(_scores(lambda m, p: 0.03), 4)
@@ -202,7 +203,7 @@ def test_lab_linear_attention_is_deltanet_with_the_additive_update():
     B, T, H, D = 2, 11, 3, 5  # T not a multiple of the chunk, odd head size
     q, k, v = (torch.randn(B, T, H, D, dtype=torch.float64) for _ in range(3))
     o, _ = additive_rule(q, k, v, torch.rand(B, T, H, dtype=torch.float64), chunk_size=4)
-    qn, kn = l2norm(q) * D ** -0.5, l2norm(k)
+    qn, kn = l2norm(q) * D**-0.5, l2norm(k)
     S = torch.zeros(B, H, D, D, dtype=torch.float64)
     for t in range(T):  # S_t = S_{t-1} + k_t^T v_t, o_t = q_t S_t: beta and any normaliser play no part
         S = S + kn[:, t, :, :, None] * v[:, t, :, None, :]
@@ -219,8 +220,14 @@ def test_lab_linear_attention_is_deltanet_with_the_additive_update():
 
 def test_ordering_verdict_follows_the_means():
     def means(soft, hybrid, family, linear):
-        return {"softmax": soft, "kda+mla": hybrid, "deltanet": family, "gated_deltanet": family, "kda": family,
-                "linear_attn": linear}
+        return {
+            "softmax": soft,
+            "kda+mla": hybrid,
+            "deltanet": family,
+            "gated_deltanet": family,
+            "kda": family,
+            "linear_attn": linear,
+        }
 
     published = means(1.0, 0.9, 0.7, 0.3)
     assert recall.judge_ordering({64: published, 128: published}).verdict == "holds"
@@ -243,6 +250,7 @@ def test_a_full_run_is_kept_beside_the_quick_one(tmp_path):
 
 def test_lab_kda_uses_k3s_safe_gate_and_decays_only_matrices(monkeypatch):
     from k3.lab.synthetic import train_on_task
+
     size = Size(width=16, layers=2, head_dim=4)
     assert mixer_config("kda", 40, size).kda_gate == "safe" and mixer_config("kda+mla", 40, size).kda_gate == "safe"
     vocab = Vocab(8, 8)
@@ -254,8 +262,9 @@ def test_lab_kda_uses_k3s_safe_gate_and_decays_only_matrices(monkeypatch):
         return real(groups, **kw)
 
     monkeypatch.setattr(torch.optim, "AdamW", spy)
-    model, _ = train_on_task(mixer_config("kda", vocab.size, size), lambda g: mqar(2, 8, 2, vocab, generator=g),
-                             steps=1)
+    model, _ = train_on_task(
+        mixer_config("kda", vocab.size, size), lambda g: mqar(2, 8, 2, vocab, generator=g), steps=1
+    )
     names = {id(p): n for n, p in model.named_parameters()}
     decayed, kept = ({names[id(p)] for p in g["params"]} for g in seen["groups"])
     assert seen["groups"][0]["weight_decay"] > 0 and seen["groups"][1]["weight_decay"] == 0
@@ -266,6 +275,7 @@ def test_lab_kda_uses_k3s_safe_gate_and_decays_only_matrices(monkeypatch):
 
 def test_lab_mla_reads_its_latents_through_a_causal_convolution():
     from k3.lab.synthetic import ConvLatentAttention, build_model
+
     torch.manual_seed(0)
     config = mixer_config("kda+mla", 20, Size(width=16, layers=2, head_dim=4))
     plain = CausalLM(config).model.layers[1].self_attn
@@ -297,7 +307,7 @@ def test_lab_mla_reads_its_latents_through_a_causal_convolution():
     for b in range(4):
         for t in (7, 9, 11):
             binding = int((batch.inputs[b, :6] == batch.inputs[b, t]).nonzero()[0])
-            expected.append(probs[b, t, binding + 1:binding + 5].sum().item())
+            expected.append(probs[b, t, binding + 1 : binding + 5].sum().item())
     assert out["value"][0][0] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
 
 
@@ -349,6 +359,7 @@ def test_probe_models_are_what_their_names_say():
     assert configs["3kda+mha"].max_position_embeddings is None  # NoPE, as MLA
     assert configs["mla+3kda"].layer_types == ["mla", "kda", "kda", "kda"]
     from k3.layers import LinearAttention
+
     elu = build_model(configs["elu_linear_attn"])
     assert all(type(layer.self_attn) is LinearAttention for layer in elu.model.layers)  # the article's form
     torch.manual_seed(0)
@@ -382,10 +393,15 @@ def test_the_mla_disagreement_names_the_probe_that_explains_it():
     scores = _scores(lambda m, p: 0.5)
 
     def paragraph(zero, from_large, mha=0.02, frozen=0.02, frozen_answers=0.5):
-        probes = {("2mla", 0): _probe_cell(0.95, 1.0), ("3kda+mha", 0): _probe_cell(mha),
-                  ("mla+3kda", 0): _probe_cell(0.9), ("3kda0+mla", 0): _probe_cell(zero, 0.8),
-                  ("3kda+mla", 2): _probe_cell(from_large), ("frozen3kda+mla", 0): _probe_cell(frozen, frozen_answers),
-                  ("elu_linear_attn", 0): {"accuracy": {2: 0.4, 4: 0.2}}}
+        probes = {
+            ("2mla", 0): _probe_cell(0.95, 1.0),
+            ("3kda+mha", 0): _probe_cell(mha),
+            ("mla+3kda", 0): _probe_cell(0.9),
+            ("3kda0+mla", 0): _probe_cell(zero, 0.8),
+            ("3kda+mla", 2): _probe_cell(from_large),
+            ("frozen3kda+mla", 0): _probe_cell(frozen, frozen_answers),
+            ("elu_linear_attn", 0): {"accuracy": {2: 0.4, 4: 0.2}},
+        }
         (note,) = recall.disagreements(claims, scores, 4, plan, probes, {})
         return note
 
@@ -415,8 +431,10 @@ def test_the_deltanet_disagreement_sets_the_article_s_linear_attention_beside():
     scores = _scores(lambda m, p: 0.9 if p <= 4 else (0.3 if m == "deltanet" else 0.25))
     plan = recall.Plan(head_dims=(4,), span=3, lrs=(1e-3,), plateau=plan.plateau)  # pairs 2, 4, 8 (12 unscored)
     elu = {("elu_linear_attn", 0): {"accuracy": {2: 0.4, 4: 0.2, 8: 0.05}}}
-    filler = {"linear_attn": {"pairs": 4, "long": 48, "no filler": 0.9, "filler": 0.2},
-              "deltanet": {"pairs": 4, "long": 48, "no filler": 0.95, "filler": 0.9}}
+    filler = {
+        "linear_attn": {"pairs": 4, "long": 48, "no filler": 0.9, "filler": 0.2},
+        "deltanet": {"pairs": 4, "long": 48, "no filler": 0.95, "filler": 0.9},
+    }
     note, _ = recall.disagreements(claims, scores, 4, plan, elu, filler)
     assert "DeltaNet answers 90% and linear attention 90%; past D 30% and 25%" in note
     assert "the article writes it" in note and "30% at or below D pairs, 5% past D" in note

@@ -9,11 +9,18 @@ from k3.lab.report import Claim, Figure, Result, Table, command, load_results, s
 
 
 def result(name: str, verdict: str = "holds") -> Result:
-    return Result(name=name, title=f"Title of {name}", mode="quick", command=command(name, "quick"),
-                  claims=[Claim("the article says X", "we measured 0.5", verdict)],
-                  tables=[Table("caption", ["a", "b"], [[1, 2.5], ["x", 12345.6]])],
-                  figures=[Figure(f"figures/{name}.png", "a picture")], notes=["a note"], setup={"steps": 3},
-                  data={"raw": [1, 2]})
+    return Result(
+        name=name,
+        title=f"Title of {name}",
+        mode="quick",
+        command=command(name, "quick"),
+        claims=[Claim("the article says X", "we measured 0.5", verdict)],
+        tables=[Table("caption", ["a", "b"], [[1, 2.5], ["x", 12345.6]])],
+        figures=[Figure(f"figures/{name}.png", "a picture")],
+        notes=["a note"],
+        setup={"steps": 3},
+        data={"raw": [1, 2]},
+    )
 
 
 def test_round_trip_and_markdown(tmp_path):

@@ -15,7 +15,7 @@ import k3
 # the parent: 4 long jobs on 2 workers; each job writes its worker's pid, then sleeps. With K3_TEST_NO_PDEATHSIG
 # the module-level patch also runs in each worker (spawn imports this script there as __mp_main__), leaving
 # only the parent-watching thread to end them.
-PARENT = '''
+PARENT = """
 import os
 import sys
 import time
@@ -34,7 +34,7 @@ def job(folder):
 
 if __name__ == "__main__":
     jobs.run_jobs(job, [(sys.argv[1],)] * 4, "test", workers=2, show=False)
-'''
+"""
 
 
 def _alive(pid: int) -> bool:
@@ -66,8 +66,13 @@ def test_workers_end_with_their_parent(tmp_path, how):
     if how == "SIGKILL, no pdeathsig":
         env["K3_TEST_NO_PDEATHSIG"] = "1"
     with open(log, "w") as out:
-        parent = subprocess.Popen([sys.executable, str(script), str(pids)], env=env, stdout=out,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+        parent = subprocess.Popen(
+            [sys.executable, str(script), str(pids)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     workers: list[int] = []
     try:
         started = _wait_for(lambda: len(list(pids.iterdir())) == 2 or parent.poll() is not None, 120)
@@ -80,8 +85,9 @@ def test_workers_end_with_their_parent(tmp_path, how):
             parent.send_signal(signal.SIGTERM if how == "SIGTERM" else signal.SIGKILL)
         parent.wait(timeout=30)  # SIGTERM and Ctrl-C: the parent kills its workers and exits by itself
         assert parent.returncode != 0
-        assert _wait_for(lambda: not any(_alive(pid) for pid in workers), 10), \
+        assert _wait_for(lambda: not any(_alive(pid) for pid in workers), 10), (
             f"workers still running: {[pid for pid in workers if _alive(pid)]}\n{log.read_text()}"
+        )
         assert len(list(pids.iterdir())) == 2  # no queued job started as the pool went down
     finally:
         if parent.poll() is None:

@@ -46,7 +46,7 @@ def check(batch, expect_stale: bool = False):
             if pos + 1 < inputs.shape[1]:
                 assert int(inputs[row, pos + 1]) == answer, "teacher forcing: the answer follows its query"
             # no leakage: within the query region, the answer never appears before its query
-            region = inputs[row, start:pos + 1].tolist()
+            region = inputs[row, start : pos + 1].tolist()
             own = [i for i, tok in enumerate(region) if tok == answer]
             assert all(i % 2 == 1 for i in own), "an answer token in the query region only as another answer"
         stale = [int(batch.kind[row, p]) == 2 for p in scored]
@@ -59,7 +59,7 @@ def test_mqar_answers_are_the_bound_values(pairs, seq_len):
     b = mqar(6, seq_len, pairs, VOCAB, generator=torch.Generator().manual_seed(pairs))
     check(b)
     assert int((b.targets != IGNORE).sum()) == 6 * pairs
-    keys = b.inputs[:, 0:2 * pairs:2]
+    keys = b.inputs[:, 0 : 2 * pairs : 2]
     assert all(len(set(r.tolist())) == pairs for r in keys), "keys in one context are distinct"
 
 
@@ -90,12 +90,15 @@ def test_context_switch_forgets_and_rebinds():
     assert ((b.kind == 2) & (b.targets != IGNORE)).any(), "some stale keys are asked"
 
 
-@pytest.mark.parametrize("call,name", [
-    (lambda: mqar(2, 10, 3, VOCAB), "seq_len"),
-    (lambda: mqar(2, 64, 17, VOCAB), "num_pairs"),
-    (lambda: overwrite(2, 64, 4, 5, VOCAB), "num_rebound"),
-    (lambda: context_switch(2, 64, 9, VOCAB), "num_pairs"),
-])
+@pytest.mark.parametrize(
+    "call,name",
+    [
+        (lambda: mqar(2, 10, 3, VOCAB), "seq_len"),
+        (lambda: mqar(2, 64, 17, VOCAB), "num_pairs"),
+        (lambda: overwrite(2, 64, 4, 5, VOCAB), "num_rebound"),
+        (lambda: context_switch(2, 64, 9, VOCAB), "num_pairs"),
+    ],
+)
 def test_bad_sizes_name_the_argument(call, name):
     with pytest.raises(ValueError, match=name):
         call()

@@ -11,6 +11,6 @@ def prefill_then_decode_error(layer, cache, x: torch.Tensor, prefix: int) -> flo
     with torch.no_grad():
         full = layer(x)
         parts = [layer(x[:, :prefix], cache=cache)]
-        parts += [layer(x[:, t:t + 1], cache=cache) for t in range(prefix, x.shape[1])]
+        parts += [layer(x[:, t : t + 1], cache=cache) for t in range(prefix, x.shape[1])]
     got = torch.cat(parts, dim=1)
     return ((got - full).norm() / full.norm()).item()

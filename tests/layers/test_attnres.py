@@ -74,11 +74,12 @@ def test_one_by_one_mix_gradients_equal_the_formulas():
     out = layer._mix_each(sources)
     seed = torch.randn_like(out)
     got = torch.autograd.grad((out * seed).sum(), params)
-    want = torch.autograd.grad((direct(sources[:-1], sources[-1], layer.norm.weight, layer.proj.weight) * seed).sum(),
-                               params)
+    want = torch.autograd.grad(
+        (direct(sources[:-1], sources[-1], layer.norm.weight, layer.proj.weight) * seed).sum(), params
+    )
     for g, w in zip(got, want):
         assert ((g - w).norm() / w.norm()).item() <= 1e-12
     assert torch.autograd.gradcheck(lambda *vs: layer._mix_each(list(vs)), sources[:2])
     one = [torch.randn(4, 7, dtype=torch.float64, requires_grad=True)]  # a single source: the mix is itself
-    g, = torch.autograd.grad(layer._mix_each(one).sum(), one)
+    (g,) = torch.autograd.grad(layer._mix_each(one).sum(), one)
     torch.testing.assert_close(g, torch.ones_like(g))

@@ -118,7 +118,7 @@ def test_short_conv_state_chaining(split):
     torch.testing.assert_close(s2, state)
     steps, s = [], None
     for t in range(11):
-        y_t, s = conv(x[:, t:t + 1], conv_state=s, output_final_state=True)
+        y_t, s = conv(x[:, t : t + 1], conv_state=s, output_final_state=True)
         steps.append(y_t)
     torch.testing.assert_close(torch.cat(steps, 1), y)
 

@@ -82,7 +82,7 @@ def test_joint_step_is_each_convolution_side_by_side():
     for conv, x, s, ns in zip(convs, xs, states, new_states):
         want_y, want_s = rolling_step(x, s, conv.weight, conv.activation)
         want_conv = F.silu(F.conv1d(torch.cat([s, x[..., None]], -1), conv.weight, groups=conv.dim))[..., 0]
-        torch.testing.assert_close(y[:, at:at + conv.dim], want_y, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(y[:, at : at + conv.dim], want_y, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(want_y, want_conv, rtol=1e-12, atol=1e-12)
         assert torch.equal(ns, want_s)
         at += conv.dim

@@ -59,8 +59,19 @@ def test_gates_in_range():
 
 def test_parameter_names_follow_kimi_linear():
     names = {n for n, _ in make("kda").named_parameters()}
-    assert {"q_proj.weight", "q_conv1d.weight", "A_log", "dt_bias", "b_proj.weight", "f_a_proj.weight",
-            "f_b_proj.weight", "g_a_proj.weight", "g_b_proj.weight", "o_norm.weight", "o_proj.weight"} <= names
+    assert {
+        "q_proj.weight",
+        "q_conv1d.weight",
+        "A_log",
+        "dt_bias",
+        "b_proj.weight",
+        "f_a_proj.weight",
+        "f_b_proj.weight",
+        "g_a_proj.weight",
+        "g_b_proj.weight",
+        "o_norm.weight",
+        "o_proj.weight",
+    } <= names
     assert make("kda").A_log.shape == (1, 1, 3, 1) and make("kda").dt_bias.shape == (24,)
     assert "g_proj.weight" in {n for n, _ in make("kda-k3").named_parameters()}
 

@@ -18,8 +18,9 @@ CONFIGS = {
 
 def make(name, dtype=torch.float32):
     torch.manual_seed(0)
-    return MultiHeadLatentAttention(32, 4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                                    v_head_dim=6, **CONFIGS[name]).to(dtype)
+    return MultiHeadLatentAttention(
+        32, 4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, **CONFIGS[name]
+    ).to(dtype)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -59,8 +60,16 @@ def test_cache_grows_by_latent_size_per_token():
 
 def test_names_and_bad_input():
     names = {n for n, _ in make("k3").named_parameters()}
-    assert {"q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
-            "kv_a_layernorm.weight", "kv_b_proj.weight", "g_proj.weight", "o_proj.weight"} == names
+    assert {
+        "q_a_proj.weight",
+        "q_a_layernorm.weight",
+        "q_b_proj.weight",
+        "kv_a_proj_with_mqa.weight",
+        "kv_a_layernorm.weight",
+        "kv_b_proj.weight",
+        "g_proj.weight",
+        "o_proj.weight",
+    } == names
     assert "q_proj.weight" in {n for n, _ in make("kimi-linear").named_parameters()}
     layer, cache = make("k3"), LatentCache()
     with torch.no_grad():
@@ -75,8 +84,9 @@ def test_attention_probs_give_the_layers_output():
     """`attention_probs` (what k3 lab inspect plots) are the probabilities forward attends with: the value
     path rebuilt from them (o = W_uv (p . c), gated, o_proj) gives the layer's output; causal rows sum to 1."""
     torch.manual_seed(0)
-    mla = MultiHeadLatentAttention(32, 2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                                   v_head_dim=8, output_gate="full")
+    mla = MultiHeadLatentAttention(
+        32, 2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, output_gate="full"
+    )
     x = torch.randn(1, 7, 32)
     probs = mla.attention_probs(x)
     _, c, _ = mla._queries_and_latents(x, 0)

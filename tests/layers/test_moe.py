@@ -14,7 +14,7 @@ def dense_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     chosen, weights = moe.gate(h)
     dense_w = torch.zeros(h.shape[0], len(moe.experts), dtype=weights.dtype).scatter(1, chosen, weights)
     z = h if moe.latent_dim is None else moe.latent_down_proj(h)
-    routed = sum(dense_w[:, e:e + 1].to(z.dtype) * expert(z) for e, expert in enumerate(moe.experts))
+    routed = sum(dense_w[:, e : e + 1].to(z.dtype) * expert(z) for e, expert in enumerate(moe.experts))
     if moe.latent_dim is not None:
         routed = moe.latent_up_proj(moe.latent_norm(routed))
     if moe.shared_experts is not None:
@@ -23,10 +23,24 @@ def dense_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
 
 CONFIGS = {
-    "kimi-linear": dict(num_experts=8, top_k=2, expert_hidden=12, num_shared=1, latent_dim=None,
-                        activation="swiglu", routed_scaling_factor=2.446),
-    "k3-latent": dict(num_experts=8, top_k=3, expert_hidden=12, num_shared=2, latent_dim=10,
-                      activation="situ", routed_scaling_factor=1.0),
+    "kimi-linear": dict(
+        num_experts=8,
+        top_k=2,
+        expert_hidden=12,
+        num_shared=1,
+        latent_dim=None,
+        activation="swiglu",
+        routed_scaling_factor=2.446,
+    ),
+    "k3-latent": dict(
+        num_experts=8,
+        top_k=3,
+        expert_hidden=12,
+        num_shared=2,
+        latent_dim=10,
+        activation="situ",
+        routed_scaling_factor=1.0,
+    ),
 }
 
 
@@ -71,8 +85,7 @@ def test_bias_update_moves_against_load():
 
 def test_names_follow_kimi_checkpoints():
     names = {n for n, _ in MoE(8, num_experts=3, top_k=1, expert_hidden=4).named_parameters()}
-    assert {"gate.weight", "experts.2.w1", "experts.2.w2", "experts.2.w3",
-            "shared_experts.gate_proj.weight"} <= names
+    assert {"gate.weight", "experts.2.w1", "experts.2.w2", "experts.2.w3", "shared_experts.gate_proj.weight"} <= names
     assert "gate.e_score_correction_bias" in MoE(8, num_experts=3, top_k=1, expert_hidden=4).state_dict()
 
 
@@ -84,8 +97,10 @@ def values_and_grads(moe: MoE, x: torch.Tensor, params: list, **kwargs) -> tuple
 def assert_equals_dense(moe: MoE, x: torch.Tensor, params: list) -> tuple:
     """The layer's output and gradients equal the dense reference's (float64 rounding); returns them."""
     y, grads = values_and_grads(moe, x, params)
-    want, want_grads = dense_reference(moe, x), torch.autograd.grad(dense_reference(moe, x).sum(), params,
-                                                                    allow_unused=True)
+    want, want_grads = (
+        dense_reference(moe, x),
+        torch.autograd.grad(dense_reference(moe, x).sum(), params, allow_unused=True),
+    )
     torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
     for a, b in zip(grads, want_grads):
         if a is None:  # an expert no token chose: no gradient (the reference's is zero)
@@ -172,10 +187,8 @@ def test_experts_held_elsewhere_are_skipped():
     for e in (1, 4, 5):
         moe.experts[e] = None
     dense_w = torch.zeros(11, 8, dtype=weights.dtype).scatter(1, chosen, weights)
-    want = sum(dense_w[:, e:e + 1] * held[e](z) for e in range(8) if moe.experts[e] is not None)
+    want = sum(dense_w[:, e : e + 1] * held[e](z) for e in range(8) if moe.experts[e] is not None)
     torch.testing.assert_close(moe.experts(z, chosen, weights), want)
     torch.testing.assert_close(moe.experts(z, chosen, weights, stack=moe.experts.stack_for_decoding()), want)
     none_held = moe.experts(z, chosen.fill_(1), weights)
     assert torch.equal(none_held, torch.zeros_like(z))
-
-

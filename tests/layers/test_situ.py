@@ -57,8 +57,9 @@ def test_low_precision_inputs(dtype, rtol, beta, linear_beta, scale):
     itself in that dtype, within rtol; small inputs too, where a tanh formed as 2 sigmoid(2x) - 1 would
     lose its relative accuracy (1e-4 on inputs of 0.02)."""
     gate, up, grad = inputs(dtype, scale=scale)
-    exact = value_and_grads(situ_reference, *(t.detach().double().requires_grad_() for t in (gate, up)),
-                            grad.double(), beta, linear_beta)
+    exact = value_and_grads(
+        situ_reference, *(t.detach().double().requires_grad_() for t in (gate, up)), grad.double(), beta, linear_beta
+    )
     got = value_and_grads(situ, gate, up, grad, beta, linear_beta)
     formula = value_and_grads(situ_reference, gate, up, grad, beta, linear_beta)
     for name, a, f, e in zip(("out", "d gate", "d up"), got, formula, exact):
@@ -72,8 +73,9 @@ def test_one_input_without_gradient_and_no_grad_mode():
     up = up.detach()
     out = situ(gate, up)
     (d_gate,) = torch.autograd.grad(out, (gate,), grad)
-    torch.testing.assert_close(d_gate, torch.autograd.grad(situ_reference(gate, up), (gate,), grad)[0],
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        d_gate, torch.autograd.grad(situ_reference(gate, up), (gate,), grad)[0], rtol=1e-5, atol=1e-5
+    )
     with torch.no_grad():
         assert not situ(gate, up).requires_grad
 

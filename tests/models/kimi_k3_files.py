@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from k3.models import CausalLM, get_config
 from k3.checkpoints.hf_config import config_to_hf
+from k3.models import CausalLM, get_config
 from k3.ops import mxfp4
 
 # k3 name ending -> the published one (issue 14's table)
@@ -34,15 +34,35 @@ PUBLISHED_NAMES = [
     (".latent_up_proj.weight", ".routed_expert_up_proj.weight"),
 ]
 # stored F32 in the published checkpoint (with full float32 values here: a bf16 round trip would show)
-FLOAT32 = ("self_attn.A_log", "self_attn.dt_bias", "self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight",
-           "self_attn.v_conv1d.weight", "self_attn.o_norm.weight", "e_score_correction_bias")
+FLOAT32 = (
+    "self_attn.A_log",
+    "self_attn.dt_bias",
+    "self_attn.q_conv1d.weight",
+    "self_attn.k_conv1d.weight",
+    "self_attn.v_conv1d.weight",
+    "self_attn.o_norm.weight",
+    "e_score_correction_bias",
+)
 SATURATING = 30.0  # A_log padding: exp(30) * (f + dt_bias) would pin every gate at -5 or 0
-QUANT = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
-         "config_groups": {"group_0": {"targets": ["Linear"], "format": "mxfp4-pack-quantized",
-                                       "weights": {"num_bits": 4, "type": "float", "symmetric": True,
-                                                   "strategy": "group", "group_size": 32,
-                                                   "scale_dtype": "torch.uint8"}}},
-         "ignore": ["re:.*lm_head$", "re:.*self_attn.*", "re:.*shared_experts.*"]}
+QUANT = {
+    "quant_method": "compressed-tensors",
+    "format": "mxfp4-pack-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "format": "mxfp4-pack-quantized",
+            "weights": {
+                "num_bits": 4,
+                "type": "float",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": 32,
+                "scale_dtype": "torch.uint8",
+            },
+        }
+    },
+    "ignore": ["re:.*lm_head$", "re:.*self_attn.*", "re:.*shared_experts.*"],
+}
 
 
 def tiny_config(**overrides):
@@ -56,8 +76,9 @@ def published_name(key: str) -> str:
     return "language_model." + key
 
 
-def write_published(directory: Path, config=None, seed: int = 0, canonical: bool = False,
-                    shards: int = 3) -> dict[str, torch.Tensor]:
+def write_published(
+    directory: Path, config=None, seed: int = 0, canonical: bool = False, shards: int = 3
+) -> dict[str, torch.Tensor]:
     """Write a published-layout checkpoint of `config` (kimi-k3-tiny by default) with random values
     (bf16-exact where stored BF16; experts from random MXFP4 bytes, or `canonical`: from the encoder)
     -> the k3 truth."""

@@ -72,7 +72,9 @@ def test_static_addresses_for_cuda_graphs_keep_the_step_exact():
     model = tiny_model("kimi-k3-tiny")
     ids = _ids(2, 9)
     eager = DecodeStep(model, _prefilled(model, ids))
-    compiled = DecodeStep(model, _prefilled(model, ids), temperature=0.5, compile=CompileCounterWithBackend("aot_eager"))
+    compiled = DecodeStep(
+        model, _prefilled(model, ids), temperature=0.5, compile=CompileCounterWithBackend("aot_eager")
+    )
     marked = []
     original = torch._dynamo.mark_static_address
     torch._dynamo.mark_static_address = lambda t: marked.append(t) or original(t)
@@ -170,8 +172,9 @@ def test_generate_compiled_greedy_equals_eager(name):
     want = model.generate(ids, 9, temperature=0)
     assert torch.equal(model.generate(ids, 9, temperature=0, compile="aot_eager"), want)
     batch = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
-    for got, alone in zip(model.generate(batch, 8, temperature=0, compile="aot_eager"),
-                          model.generate(batch, 8, temperature=0)):
+    for got, alone in zip(
+        model.generate(batch, 8, temperature=0, compile="aot_eager"), model.generate(batch, 8, temperature=0)
+    ):
         assert torch.equal(got, alone)
     g = torch.Generator().manual_seed(3)
     sampled = model.generate(batch, 8, temperature=0.9, top_k=50, top_p=0.95, generator=g, compile="aot_eager")
@@ -193,8 +196,7 @@ def test_stream_compiled_continues_a_static_cache_and_refuses_a_growing_one():
 
 
 def test_static_length_buckets():
-    assert [static_length(n) for n in (1, 256, 257, 1000, 1025, 4096, 4097)] == [256, 256, 512, 1024, 2048, 4096,
-                                                                                 5120]
+    assert [static_length(n) for n in (1, 256, 257, 1000, 1025, 4096, 4097)] == [256, 256, 512, 1024, 2048, 4096, 5120]
 
 
 def test_no_cxx_compiler_is_one_clear_line(monkeypatch):

@@ -44,7 +44,7 @@ def test_joined_cache_logits_equal_each_rows_own():
     step = torch.tensor([[1], [2], [3]])
     together = model(step, cache=joined)
     for i, cache in enumerate(caches):
-        torch.testing.assert_close(together[i], model(step[i:i + 1], cache=cache)[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(together[i], model(step[i : i + 1], cache=cache)[0], rtol=1e-12, atol=1e-12)
     assert joined.lengths().tolist() == [5, 8, 3]
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3.models import CausalLM, get_config
 from k3.checkpoints.checkpoint import convert_kimi_state_dict, load_into
+from k3.models import CausalLM, get_config
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "KimiLinearForCausalLM"):
@@ -22,11 +22,28 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def hf_model():
     cfg = transformers.KimiLinearConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, num_local_experts=8,
-        num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
-        v_head_dim=16, linear_head_dim=16, linear_num_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        layer_types=["linear_attention"] * 3 + ["full_attention"])
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        linear_head_dim=16,
+        linear_num_heads=4,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+    )
     torch.manual_seed(0)
     return transformers.KimiLinearForCausalLM(cfg).eval()
 
@@ -51,9 +68,9 @@ def test_saved_checkpoint_loads_and_matches_prefill_and_decode(hf_model, saved):
         cache = model.new_cache(2)
         steps = [model(ids[:, :33], cache=cache)]
         for s in range(33, 41):
-            out = hf_model(ids[:, s:s + 1], cache=hf_cache, use_cache=True)
+            out = hf_model(ids[:, s : s + 1], cache=hf_cache, use_cache=True)
             hf_steps.append(out.logits)
-            steps.append(model(ids[:, s:s + 1], cache=cache))
+            steps.append(model(ids[:, s : s + 1], cache=cache))
     hf_decoded, decoded = torch.cat(hf_steps, 1), torch.cat(steps, 1)
     assert rel(hf_decoded, ref) <= 1e-4  # transformers' own decode is consistent
     assert rel(decoded, hf_decoded) <= 1e-4

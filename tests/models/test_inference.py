@@ -8,7 +8,8 @@ import torch
 
 from k3.layers import BlockAttnRes
 from k3.models import CausalLM, get_config
-from k3.models.model import HybridCache, attn_res_source_counts
+from k3.models.decoder import attn_res_source_counts
+from k3.models.model import HybridCache
 
 from .conftest import TINY, tiny_model
 
@@ -26,7 +27,7 @@ def test_prefill_then_decode_equals_full_forward(name):
         for t in (1, 5, 64, 100):
             cache = model.new_cache(2)
             steps = [model(ids[:, :t], cache=cache)]
-            steps += [model(ids[:, s:s + 1], cache=cache) for s in range(t, t + 6)]
+            steps += [model(ids[:, s : s + 1], cache=cache) for s in range(t, t + 6)]
             got = torch.cat(steps, dim=1)
             assert got.shape == (2, t + 6, 512)
             assert cache.length == t + 6
@@ -65,6 +66,7 @@ def test_cache_memory_constant_for_kda_and_linear_in_length_for_mla():
 def direct_attn_res_forward(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
     """The article's block_attn_res, written out: V = stack(blocks + [partial]); K = RMS(V);
     h = sum softmax(w . K) V with w = norm.weight * proj.weight; a block closes every B layers."""
+
     def block_attn_res(blocks, partial, res):
         V = torch.stack(blocks + [partial])
         K = V / torch.sqrt(V.pow(2).mean(-1, keepdim=True) + res.eps)
@@ -170,8 +172,11 @@ def test_attn_res_source_counts_match_the_model():
     config = get_config("kimi-k3-tiny", hidden_size=32, num_layers=7, attn_res_block_size=3)
     model = CausalLM(config).eval()
     seen = []
-    hooks = [m.register_forward_hook(lambda mod, inputs, out: seen.append(len(inputs[0])))
-             for m in model.modules() if isinstance(m, BlockAttnRes)]
+    hooks = [
+        m.register_forward_hook(lambda mod, inputs, out: seen.append(len(inputs[0])))
+        for m in model.modules()
+        if isinstance(m, BlockAttnRes)
+    ]
     with torch.no_grad():
         model(torch.zeros(1, 3, dtype=torch.long))
     for h in hooks:

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from k3.checkpoints.hf_config import config_to_hf
 from k3.layers.mxfp4_expert import MXFP4Expert
 from k3.models import CausalLM, ModelConfig, get_config
-from k3.checkpoints.hf_config import config_to_hf
 from k3.models.params import config_for, count_params
 
 from .kimi_k3_files import SATURATING, tiny_config, write_published
@@ -52,14 +52,18 @@ def test_old_k3_names_still_read(published):
     del lin["gate_lower_bound"], lin["use_full_rank_gate"]
     text["linear_lower_bound"], text["use_full_rank_gate"] = -5, True
     text["moe_latent_size"] = text.pop("routed_expert_hidden_size")
-    text["situ_beta"], text["situ_linear_beta"] = text.pop("activation_situ_beta"), text.pop("activation_situ_linear_beta")
+    text["situ_beta"], text["situ_linear_beta"] = (
+        text.pop("activation_situ_beta"),
+        text.pop("activation_situ_linear_beta"),
+    )
     assert ModelConfig.from_hf({**published, "text_config": text}) == get_config("kimi-k3")
     # ... but never written: k3 writes the published names
     written = config_to_hf(get_config("kimi-k3"))
     old = {"linear_lower_bound", "use_full_rank_gate", "moe_latent_size", "situ_beta", "situ_linear_beta"}
     assert not old & set(written)
-    assert {k: written[k] for k in published["text_config"] if k in written} == \
-        {k: v for k, v in published["text_config"].items() if k in written}
+    assert {k: written[k] for k in published["text_config"] if k in written} == {
+        k: v for k, v in published["text_config"].items() if k in written
+    }
 
 
 def test_situ_defaults_follow_the_official_code(published):
@@ -79,16 +83,19 @@ def test_gate_lower_bound_and_renormalisation_are_read_and_written(published):
     assert written["linear_attn_config"]["gate_lower_bound"] == -3.0 and written["moe_renormalize"] is False
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"num_expert_group": 8, "topk_group": 4}, "group-limited routing"),
-    ({"moe_router_activation_func": "softmax"}, "moe_router_activation_func"),
-    ({"mla_use_nope": False}, "RoPE MLA"),
-    ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers"),
-    ({"latent_moe_use_norm": False}, "latent_moe_use_norm"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}, "quant_method.*'fp8'"),
-    ({"quantization_config": "group_size"}, "group_size"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_expert_group": 8, "topk_group": 4}, "group-limited routing"),
+        ({"moe_router_activation_func": "softmax"}, "moe_router_activation_func"),
+        ({"mla_use_nope": False}, "RoPE MLA"),
+        ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers"),
+        ({"latent_moe_use_norm": False}, "latent_moe_use_norm"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}, "quant_method.*'fp8'"),
+        ({"quantization_config": "group_size"}, "group_size"),
+    ],
+)
 def test_unsupported_fields_are_refused_by_name(published, change, message):
     text = copy.deepcopy(published["text_config"])
     if change.get("quantization_config") == "group_size":
@@ -129,7 +136,7 @@ def test_prefill_then_decode_equals_the_full_forward(checkpoint):
     with torch.no_grad():
         full = model(ids)
         cache = model.new_cache(2)
-        steps = [model(ids[:, :7], cache=cache)] + [model(ids[:, t:t + 1], cache=cache) for t in range(7, 11)]
+        steps = [model(ids[:, :7], cache=cache)] + [model(ids[:, t : t + 1], cache=cache) for t in range(7, 11)]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
 
 
@@ -144,6 +151,7 @@ def test_experts_kept_in_mxfp4_give_the_same_logits_in_less_memory(checkpoint):
 
     def routed_bytes(model):
         return sum(t.nbytes for k, t in model.state_dict().items() if ".experts." in k)
+
     weights = sum(t.numel() for k, t in full.state_dict().items() if ".experts." in k)
     assert routed_bytes(kept) * 8 == weights * 4.25  # 4.25 bits a weight
     assert routed_bytes(full) == weights * 4  # float32

@@ -44,10 +44,15 @@ def measure(name: str) -> dict[str, torch.Tensor]:
         cache = model.new_cache(B)
         steps = [model(ids[:, :PREFILL], cache=cache)[:, -1]]
         for t in range(PREFILL, T):
-            steps.append(model(ids[:, t:t + 1], cache=cache)[:, -1])
+            steps.append(model(ids[:, t : t + 1], cache=cache)[:, -1])
     steps = torch.stack(steps, 1)
-    return {"logits": logits[..., :SLICE].clone(), "logsumexp": logits.logsumexp(-1), "loss": loss.reshape(1),
-            "decode": steps[..., :SLICE].clone(), "decode_logsumexp": steps.logsumexp(-1)}
+    return {
+        "logits": logits[..., :SLICE].clone(),
+        "logsumexp": logits.logsumexp(-1),
+        "loss": loss.reshape(1),
+        "decode": steps[..., :SLICE].clone(),
+        "decode_logsumexp": steps.logsumexp(-1),
+    }
 
 
 def test_write_fixture_when_asked():

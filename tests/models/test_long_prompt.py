@@ -33,7 +33,7 @@ def test_prefill_in_several_pieces_then_decode_equals_the_full_forward(name):
         full = model(ids)
         cache = model.new_cache(2)
         prefilled = model(ids[:, :19], cache=cache, prefill_piece=4)  # pieces of 4, 4, 4, 4 and 3 tokens
-        steps = [model(ids[:, t:t + 1], cache=cache) for t in range(19, 23)]
+        steps = [model(ids[:, t : t + 1], cache=cache) for t in range(19, 23)]
         assert cache.length == 23
         torch.testing.assert_close(torch.cat([prefilled, *steps], dim=1), full, rtol=1e-9, atol=1e-9)
         last = model(ids[:, :19], cache=model.new_cache(2), prefill_piece=4, logits_to_keep=1)
@@ -98,8 +98,13 @@ def test_prefill_memory_grows_linearly_with_the_prompt():
     """Peak RSS growth of a kimi-k3-tiny prefill at N and 4N tokens (one process, pieces of 256): about
     4 times, not the 16 times of [T, T] attention scores (which alone would take 256 MiB at 4N)."""
     n = 1024
-    out = subprocess.run([sys.executable, "-c", PEAK_GROWTH, str(n), str(4 * n)], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parents[2], timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK_GROWTH, str(n), str(4 * n)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     grown_n, grown_4n = (int(line) / 1024 for line in out.stdout.split())  # MiB
     assert grown_4n <= 6 * grown_n + 16, (grown_n, grown_4n)

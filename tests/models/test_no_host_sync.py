@@ -22,8 +22,15 @@ import torch
 
 from k3.models import CausalLM, get_config
 
-PRESETS = ["gpt2-tiny", "linear-attn-tiny", "deltanet-tiny", "gated-deltanet-tiny", "kimi-linear-tiny",
-           "kimi-k3-tiny", "kimi-k3-article-tiny"]
+PRESETS = [
+    "gpt2-tiny",
+    "linear-attn-tiny",
+    "deltanet-tiny",
+    "gated-deltanet-tiny",
+    "kimi-linear-tiny",
+    "kimi-k3-tiny",
+    "kimi-k3-article-tiny",
+]
 READ_BACKS = ("item", "tolist", "__bool__", "nonzero", "__int__", "__float__", "__index__")
 KDA_GATE = "k3/ops/gates.py"  # the one call site left (see the module docstring)
 
@@ -49,6 +56,7 @@ def read_backs(monkeypatch):
             if seen.watching and "/k3/" in caller.filename:
                 seen[(name, "k3/" + caller.filename.split("/k3/")[-1], caller.lineno)] += 1
             return original(self, *args, **kwargs)
+
         return method
 
     for name in READ_BACKS:

@@ -9,8 +9,15 @@ import math
 import pytest
 import torch
 
-from k3.inference.generation import (MAX_SEED, check_sampling, check_seed, is_greedy, sample, sample_with_noise,
-                           sampling_probs)
+from k3.inference.generation import (
+    MAX_SEED,
+    check_sampling,
+    check_seed,
+    is_greedy,
+    sample,
+    sample_with_noise,
+    sampling_probs,
+)
 
 from .conftest import tiny_model
 
@@ -99,6 +106,7 @@ def test_eager_and_compiled_are_greedy_alike_at_underflowing_settings(temperatur
     ids = torch.tensor([[5, 6, 7, 8]])
     greedy = model.generate(ids, 6, temperature=0)
     for compile in (False, "aot_eager"):
-        got = model.generate(ids, 6, temperature=temperature, top_p=top_p,
-                             generator=torch.Generator().manual_seed(0), compile=compile)
+        got = model.generate(
+            ids, 6, temperature=temperature, top_p=top_p, generator=torch.Generator().manual_seed(0), compile=compile
+        )
         assert torch.equal(got, greedy), compile

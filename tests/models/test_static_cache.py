@@ -28,7 +28,7 @@ def test_prefill_then_decode_equals_full_forward(name, overrides):
             cache = model.new_cache(2, max_length=48)
             assert isinstance(cache, StaticCache)
             steps = [model(ids[:, :t], cache=cache)]
-            steps += [model(ids[:, s:s + 1], cache=cache) for s in range(t, t + 5)]
+            steps += [model(ids[:, s : s + 1], cache=cache) for s in range(t, t + 5)]
             torch.testing.assert_close(torch.cat(steps, 1), full[:, : t + 5], rtol=1e-10, atol=1e-10)
             assert cache.length == t + 5 and cache.positions.tolist() == [t + 5] * 2
 
@@ -40,8 +40,11 @@ def test_prefill_in_pieces_and_the_decode_step_keep_the_buffers():
     cache = model.new_cache(3, max_length=32)
     pointers = [t.data_ptr() for layer in cache.layers for t in layer.tensors()] + [cache.positions.data_ptr()]
     with torch.no_grad():
-        got = torch.cat([model(ids[:, :11], cache=cache), model(ids[:, 11:25], cache=cache)]
-                        + [model(ids[:, s:s + 1], cache=cache) for s in range(25, 30)], 1)
+        got = torch.cat(
+            [model(ids[:, :11], cache=cache), model(ids[:, 11:25], cache=cache)]
+            + [model(ids[:, s : s + 1], cache=cache) for s in range(25, 30)],
+            1,
+        )
         torch.testing.assert_close(got, model(ids), rtol=1e-10, atol=1e-10)
     assert [t.data_ptr() for layer in cache.layers for t in layer.tensors()] + [cache.positions.data_ptr()] == pointers
 
@@ -64,12 +67,12 @@ def test_load_rows_of_different_lengths_then_decode_equals_each_alone(name):
         for _ in range(3):
             together = model(step, cache=static)
             for i, c in enumerate(caches):
-                torch.testing.assert_close(together[i], model(step[i:i + 1], cache=c)[0], rtol=1e-10, atol=1e-10)
+                torch.testing.assert_close(together[i], model(step[i : i + 1], cache=c)[0], rtol=1e-10, atol=1e-10)
         # a prefill of T > 1 tokens with the rows at different positions (each takes T after its own)
         more = _ids(3, 4, seed=5)
         together = model(more, cache=static)
         for i, c in enumerate(caches):
-            torch.testing.assert_close(together[i], model(more[i:i + 1], cache=c)[0], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(together[i], model(more[i : i + 1], cache=c)[0], rtol=1e-10, atol=1e-10)
     assert static.positions.tolist() == [n + 7 for n in lengths]
 
 
@@ -100,5 +103,6 @@ def test_reset_and_memory():
         cache.reset()
         assert cache.length == 0 and not any(bool(t.any()) for layer in cache.layers for t in layer.tensors())
         torch.testing.assert_close(model(_ids(2, 5), cache=cache), first, rtol=0, atol=0)
-    assert all(isinstance(layer, StaticSequenceCache) == (kind == "mla")
-               for layer, kind in zip(cache.layers, c.layer_types))
+    assert all(
+        isinstance(layer, StaticSequenceCache) == (kind == "mla") for layer, kind in zip(cache.layers, c.layer_types)
+    )

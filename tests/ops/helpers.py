@@ -16,8 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops import (
-    chunk_delta_rule, chunk_gated_delta_rule, chunk_kda, chunk_linear_attn, recurrent_delta_rule,
-    recurrent_gated_delta_rule, recurrent_kda, recurrent_linear_attn,
+    chunk_delta_rule,
+    chunk_gated_delta_rule,
+    chunk_kda,
+    chunk_linear_attn,
+    recurrent_delta_rule,
+    recurrent_gated_delta_rule,
+    recurrent_kda,
+    recurrent_linear_attn,
 )
 
 # Acceptance thresholds (rel = ||a - b|| / ||b||, which is also the relative RMS error).
@@ -51,13 +57,12 @@ class Mixer:
 KDA = Mixer("kda", recurrent_kda, chunk_kda, gate="channel")
 KDA_HARD = Mixer("kda-hardgate", recurrent_kda, chunk_kda, gate="channel", gate_kind="hard")
 GDN = Mixer("gdn", recurrent_gated_delta_rule, chunk_gated_delta_rule, gate="head")
-GDN_HARD = Mixer("gdn-hardgate", recurrent_gated_delta_rule, chunk_gated_delta_rule, gate="head",
-                 gate_kind="hard")
+GDN_HARD = Mixer("gdn-hardgate", recurrent_gated_delta_rule, chunk_gated_delta_rule, gate="head", gate_kind="hard")
 DELTA = Mixer("delta", recurrent_delta_rule, chunk_delta_rule)
-LINEAR = Mixer("linear-norm", recurrent_linear_attn, chunk_linear_attn, has_beta=False,
-               extra={"normalize": True})
-LINEAR_PLAIN = Mixer("linear-plain", recurrent_linear_attn, chunk_linear_attn, has_beta=False,
-                     extra={"normalize": False})
+LINEAR = Mixer("linear-norm", recurrent_linear_attn, chunk_linear_attn, has_beta=False, extra={"normalize": True})
+LINEAR_PLAIN = Mixer(
+    "linear-plain", recurrent_linear_attn, chunk_linear_attn, has_beta=False, extra={"normalize": False}
+)
 
 MIXERS = [KDA, KDA_HARD, GDN, GDN_HARD, DELTA, LINEAR, LINEAR_PLAIN]
 BASIC_MIXERS = [KDA, GDN, DELTA, LINEAR, LINEAR_PLAIN]  # one gate kind each
@@ -91,8 +96,21 @@ def make_gate(kind: str, shape) -> torch.Tensor:
     raise ValueError(kind)
 
 
-def make_inputs(mixer: Mixer, B=1, T=16, H=2, K=8, V=8, dtype=torch.float64, *, seed=0,
-                initial_state=False, N=None, gate_kind=None, normalize_keys=True) -> dict:
+def make_inputs(
+    mixer: Mixer,
+    B=1,
+    T=16,
+    H=2,
+    K=8,
+    V=8,
+    dtype=torch.float64,
+    *,
+    seed=0,
+    initial_state=False,
+    N=None,
+    gate_kind=None,
+    normalize_keys=True,
+) -> dict:
     """Keyword arguments (q, k, v[, g][, beta][, initial_state]) for `mixer`.
 
     Delta family: q ~ N(0, 1), k L2-normalised (unless `normalize_keys=False`), v ~ N(0, 1),
@@ -144,8 +162,8 @@ def cast_inputs(inputs: dict, dtype) -> dict:
 def state_index(state, n: int):
     """Sequence n's slice (kept 1 x ...) of a state [N, ...] or a tuple of such states."""
     if isinstance(state, (tuple, list)):
-        return tuple(s[n:n + 1] for s in state)
-    return state[n:n + 1]
+        return tuple(s[n : n + 1] for s in state)
+    return state[n : n + 1]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ def test_matches_naive_softmax_reference(T, K, V):
     q, k, v = qkv(T=T, K=K, V=V, seed=T + K)
     o, (k_all, v_all) = attention(q, k, v, output_final_state=True)
     assert o.shape == (2, T, 3, V) and o.dtype == torch.float64
-    assert_rel(o, naive_attention(q, k, v, K ** -0.5), TOL_F64, "o")
+    assert_rel(o, naive_attention(q, k, v, K**-0.5), TOL_F64, "o")
     assert torch.equal(k_all, k) and torch.equal(v_all, v)
     o_none, state = attention(q, k, v)
     assert state is None
@@ -61,7 +61,7 @@ def test_scale_and_qk_l2norm():
     o_norm, _ = attention(q, k, v, use_qk_l2norm=True)
     o_pre, _ = attention(l2norm(q), l2norm(k), v)
     assert_rel(o_norm, o_pre, TOL_F64, "use_qk_l2norm")
-    o_ref = naive_attention(l2norm(q), l2norm(k), v, 12 ** -0.5)
+    o_ref = naive_attention(l2norm(q), l2norm(k), v, 12**-0.5)
     assert_rel(o_norm, o_ref, TOL_F64, "use_qk_l2norm vs naive")
 
 
@@ -72,11 +72,12 @@ def test_past_kv_matches_naive(past):
     pk, pv = qkv(T=past, seed=100 + past)[1:]
     o, (k_all, v_all) = attention(q, k, v, initial_state=(pk, pv), output_final_state=True)
     assert torch.equal(k_all, torch.cat([pk, k], dim=1)) and torch.equal(v_all, torch.cat([pv, v], dim=1))
-    assert_rel(o, naive_attention(q, k_all, v_all, 12 ** -0.5, past=past), TOL_F64, "o")
+    assert_rel(o, naive_attention(q, k_all, v_all, 12**-0.5, past=past), TOL_F64, "o")
 
 
-@pytest.mark.parametrize("splits", [[10], [1], [3, 4, 11], list(range(1, 20))],
-                         ids=["one-split", "split-at-1", "uneven", "token-by-token"])
+@pytest.mark.parametrize(
+    "splits", [[10], [1], [3, 4, 11], list(range(1, 20))], ids=["one-split", "split-at-1", "uneven", "token-by-token"]
+)
 def test_split_and_chain_equals_one_call(splits):
     """Running the sequence in pieces, passing the returned (k, v) cache on, == one call (o and cache)."""
     q, k, v = qkv(T=20, seed=3)
@@ -96,5 +97,5 @@ def test_float32_matches_float64_reference():
     pk, pv = qkv(T=5, dtype=torch.float32, seed=5)[1:]
     o, _ = attention(q, k, v, initial_state=(pk, pv))
     assert o.dtype == torch.float32
-    ref = naive_attention(q, torch.cat([pk, k], 1), torch.cat([pv, v], 1), 12 ** -0.5, past=5)
+    ref = naive_attention(q, torch.cat([pk, k], 1), torch.cat([pv, v], 1), 12**-0.5, past=5)
     assert_rel(o, ref, TOL_F32, "o")

@@ -57,8 +57,17 @@ def test_gradients_with_strong_gates(mixer, gate_kind):
     the exact pairwise path), and g = -inf at some steps (the state cleared): gradients finite and equal
     to the recurrence's, at C = 64 (two sub-chunks)."""
     B, T, H, K, V = 1, 150, 2, 4, 3
-    inputs = make_inputs(mixer, B=B, T=T, H=H, K=K, V=V, seed=5, initial_state=True,
-                         gate_kind="hard" if gate_kind == "minus-inf" else gate_kind)
+    inputs = make_inputs(
+        mixer,
+        B=B,
+        T=T,
+        H=H,
+        K=K,
+        V=V,
+        seed=5,
+        initial_state=True,
+        gate_kind="hard" if gate_kind == "minus-inf" else gate_kind,
+    )
     if gate_kind == "minus-inf":
         inputs["g"][:, [3, 70, 71, 140]] = -torch.inf
     check(mixer, inputs, B, T, H, K, V, chunk_size=64)

@@ -15,8 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def to_cuda(inputs: dict) -> dict:
-    return {name: (tuple(s.cuda() for s in x) if isinstance(x, tuple) else x.cuda())
-            for name, x in inputs.items()}
+    return {name: (tuple(s.cuda() for s in x) if isinstance(x, tuple) else x.cuda()) for name, x in inputs.items()}
 
 
 @pytest.mark.parametrize("mixer", mixer_params(MIXERS))

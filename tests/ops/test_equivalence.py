@@ -9,8 +9,17 @@ import torch
 from k3.ops import attention, l2norm
 
 from .helpers import (
-    BASIC_MIXERS, TOL_BF16, TOL_F32, TOL_F64, assert_rel, cast_inputs, make_inputs, mixer_params,
-    slice_time, state_index, tol_for,
+    BASIC_MIXERS,
+    TOL_BF16,
+    TOL_F32,
+    TOL_F64,
+    assert_rel,
+    cast_inputs,
+    make_inputs,
+    mixer_params,
+    slice_time,
+    state_index,
+    tol_for,
 )
 
 CHUNK_SIZES = (16, 24, 64)
@@ -45,8 +54,9 @@ def test_chunk_matches_recurrent_float32(mixer, T, H):
     """float32: chunk form (chunk sizes 16, 24, 64) == recurrent form to relative RMS 5e-4, in o and
     final state (K = 60, V = 100, with an initial state)."""
     B = 1 if T == 500 else 2
-    inputs = make_inputs(mixer, B=B, T=T, H=H, K=60, V=100, dtype=torch.float32, seed=T * 10 + H + 1,
-                         initial_state=True)
+    inputs = make_inputs(
+        mixer, B=B, T=T, H=H, K=60, V=100, dtype=torch.float32, seed=T * 10 + H + 1, initial_state=True
+    )
     o_ref, s_ref = mixer("recurrent", inputs, output_final_state=True)
     assert o_ref.dtype == torch.float32
     for C in CHUNK_SIZES:
@@ -59,8 +69,7 @@ def test_chunk_matches_recurrent_float32(mixer, T, H):
 @pytest.mark.parametrize("mixer", mixer_params(BASIC_MIXERS))
 def test_chunk_matches_recurrent_with_qk_l2norm(mixer):
     """use_qk_l2norm=True on raw q, k: chunk == recurrent, and both equal feeding l2norm(q), l2norm(k)."""
-    inputs = make_inputs(mixer, B=2, T=45, H=2, K=12, V=7, seed=3, initial_state=True,
-                         normalize_keys=False)
+    inputs = make_inputs(mixer, B=2, T=45, H=2, K=12, V=7, seed=3, initial_state=True, normalize_keys=False)
     o_ref, s_ref = mixer("recurrent", inputs, output_final_state=True, use_qk_l2norm=True)
     o, s = mixer("chunk", inputs, output_final_state=True, use_qk_l2norm=True, chunk_size=16)
     assert_rel(o, o_ref, TOL_F64, "o")
@@ -75,14 +84,17 @@ def test_chunk_matches_recurrent_with_qk_l2norm(mixer):
 @pytest.mark.parametrize("form", ["chunk", "recurrent"])
 def test_final_state_only_when_requested(mixer, form):
     """final_state is None unless output_final_state=True; the state dtype is the accumulation dtype."""
-    for dtype, state_dtype in [(torch.float64, torch.float64), (torch.float32, torch.float32),
-                               (torch.bfloat16, torch.float32)]:
+    for dtype, state_dtype in [
+        (torch.float64, torch.float64),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+    ]:
         inputs = make_inputs(mixer, B=2, T=5, H=2, K=4, V=3, dtype=dtype, seed=1)
         o, s = mixer(form, inputs)
         assert s is None
         assert o.shape == (2, 5, 2, 3) and o.dtype == dtype
         _, s = mixer(form, inputs, output_final_state=True)
-        for part in (s if isinstance(s, tuple) else (s,)):
+        for part in s if isinstance(s, tuple) else (s,):
             assert part.dtype == state_dtype
         if mixer.is_linear_attn:
             assert s[0].shape == (2, 2, 4, 3) and s[1].shape == (2, 2, 4)
@@ -127,8 +139,7 @@ def test_prefill_then_decode_steps(mixer):
     o, state = mixer("chunk", slice_time(inputs, 0, 50), output_final_state=True, chunk_size=16)
     outs.append(o)
     for t in range(50, T):
-        o, state = mixer("recurrent", dict(slice_time(inputs, t, t + 1), initial_state=state),
-                         output_final_state=True)
+        o, state = mixer("recurrent", dict(slice_time(inputs, t, t + 1), initial_state=state), output_final_state=True)
         outs.append(o)
     assert_rel(torch.cat(outs, dim=1), o_full, TOL_F64, "prefill + decode o")
     assert_rel(state, s_full, TOL_F64, "prefill + decode state")
@@ -190,8 +201,9 @@ def test_cu_seqlens_attention_equals_separate_sequences():
 @pytest.mark.parametrize("mixer", mixer_params(BASIC_MIXERS))
 def test_cu_seqlens_chunk_matches_recurrent(mixer):
     """Packed input: the chunk form == the recurrent form (float32, odd chunk size)."""
-    inputs = make_inputs(mixer, B=1, T=117, H=2, K=9, V=6, dtype=torch.float32, seed=8,
-                         initial_state=True, N=len(LENGTHS))
+    inputs = make_inputs(
+        mixer, B=1, T=117, H=2, K=9, V=6, dtype=torch.float32, seed=8, initial_state=True, N=len(LENGTHS)
+    )
     o_ref, s_ref = mixer("recurrent", inputs, output_final_state=True, cu_seqlens=CU_SEQLENS)
     o, s = mixer("chunk", inputs, output_final_state=True, cu_seqlens=CU_SEQLENS, chunk_size=24)
     assert_rel(o, o_ref, TOL_F32, "o")
@@ -208,14 +220,13 @@ def test_bfloat16_inputs(mixer, form):
     """bf16 inputs: finite bf16 output and float32 state, within bf16 tolerance (rel RMS 2e-2) of the
     float32 result on the same (bf16-representable) inputs and of the float32 result on the original
     float32 inputs."""
-    inputs32 = make_inputs(mixer, B=2, T=100, H=2, K=32, V=48, dtype=torch.float32, seed=4,
-                           initial_state=True)
+    inputs32 = make_inputs(mixer, B=2, T=100, H=2, K=32, V=48, dtype=torch.float32, seed=4, initial_state=True)
     inputs16 = cast_inputs(inputs32, torch.bfloat16)
     kw = {"chunk_size": 16} if form == "chunk" else {}
     o16, s16 = mixer(form, inputs16, output_final_state=True, **kw)
     assert o16.dtype == torch.bfloat16 and o16.shape == (2, 100, 2, 48)
     assert torch.isfinite(o16.float()).all()
-    for part in (s16 if isinstance(s16, tuple) else (s16,)):
+    for part in s16 if isinstance(s16, tuple) else (s16,):
         assert part.dtype == torch.float32
     o_up, s_up = mixer(form, cast_inputs(inputs16, torch.float32), output_final_state=True, **kw)
     assert_rel(o16, o_up, TOL_BF16, "o vs float32 on bf16-rounded inputs")
@@ -240,8 +251,7 @@ def test_float32_close_to_float64(mixer):
     """The float32 chunk result is within float32 tolerance of the float64 recurrence on the same inputs."""
     inputs = make_inputs(mixer, B=1, T=200, H=2, K=16, V=24, seed=9, initial_state=True)
     o64, s64 = mixer("recurrent", inputs, output_final_state=True)
-    inputs32 = {n: (tuple(t.float() for t in x) if isinstance(x, tuple) else x.float())
-                for n, x in inputs.items()}
+    inputs32 = {n: (tuple(t.float() for t in x) if isinstance(x, tuple) else x.float()) for n, x in inputs.items()}
     o32, s32 = mixer("chunk", inputs32, output_final_state=True, chunk_size=64)
     assert_rel(o32, o64, tol_for(torch.float32), "o")
     assert_rel(s32, s64, tol_for(torch.float32), "state")

@@ -14,8 +14,15 @@ import pytest
 import torch
 
 from k3.ops import (
-    attention, chunk_delta_rule, chunk_gated_delta_rule, chunk_kda, chunk_linear_attn, recurrent_delta_rule,
-    recurrent_gated_delta_rule, recurrent_kda, recurrent_linear_attn,
+    attention,
+    chunk_delta_rule,
+    chunk_gated_delta_rule,
+    chunk_kda,
+    chunk_linear_attn,
+    recurrent_delta_rule,
+    recurrent_gated_delta_rule,
+    recurrent_kda,
+    recurrent_linear_attn,
 )
 
 B, T, H, K, V = 1, 6, 2, 4, 3
@@ -83,8 +90,10 @@ class Case:
 
 def replace(**changes):
     """mutate(): the valid kwargs with some entries replaced (callables get (kwargs, family))."""
+
     def mutate(x, family):
         return dict(x, **{n: (c(x, family) if callable(c) else c) for n, c in changes.items()})
+
     return mutate
 
 
@@ -113,50 +122,87 @@ CASES = [
     Case("cu-seqlens-long", "cu_seqlens", replace(cu_seqlens=torch.tensor([0, 3, 7]))),
     # beta [B, T, H]
     Case("beta-shape", "beta", replace(beta=lambda x, f: x["beta"][..., 0]), (shape(B, T),), DELTA_FAMILY),
-    Case("beta-dtype", "beta", replace(beta=lambda x, f: x["beta"].double()), ("float64", "float32"),
-         DELTA_FAMILY),
+    Case("beta-dtype", "beta", replace(beta=lambda x, f: x["beta"].double()), ("float64", "float32"), DELTA_FAMILY),
     Case("beta-device", "beta", replace(beta=lambda x, f: on_meta(x["beta"])), ("meta", "cpu"), DELTA_FAMILY),
     # g: [B, T, H, K] (KDA) or [B, T, H] (Gated DeltaNet), every entry <= 0
-    Case("g-shape", "g", replace(g=lambda x, f: x["g"][..., 0] if f == "kda" else x["g"][..., None]),
-         families=GATED),
-    Case("g-positive", "g", replace(g=lambda x, f: x["g"].index_fill(1, torch.tensor([2]), 0.5)),
-         families=GATED),
+    Case("g-shape", "g", replace(g=lambda x, f: x["g"][..., 0] if f == "kda" else x["g"][..., None]), families=GATED),
+    Case("g-positive", "g", replace(g=lambda x, f: x["g"].index_fill(1, torch.tensor([2]), 0.5)), families=GATED),
     Case("g-dtype", "g", replace(g=lambda x, f: x["g"].double()), ("float64", "float32"), GATED),
     Case("g-device", "g", replace(g=lambda x, f: on_meta(x["g"])), ("meta", "cpu"), GATED),
     # initial_state of the delta family: [N, H, K, V]
-    Case("state-transposed", "initial_state", replace(initial_state=torch.zeros(B, H, V, K)),
-         (shape(B, H, K, V), shape(B, H, V, K)), DELTA_FAMILY),
-    Case("state-rank", "initial_state", replace(initial_state=torch.zeros(H, K, V)), (shape(H, K, V),),
-         DELTA_FAMILY),
-    Case("state-batch", "initial_state", replace(initial_state=torch.zeros(2, H, K, V)),
-         (shape(B, H, K, V), shape(2, H, K, V)), DELTA_FAMILY),
-    Case("state-cu-seqlens", "initial_state",
-         replace(initial_state=torch.zeros(1, H, K, V), cu_seqlens=TWO_SEQS),
-         (shape(2, H, K, V), shape(1, H, K, V)), DELTA_FAMILY),
-    Case("state-device", "initial_state", replace(initial_state=on_meta(torch.zeros(B, H, K, V))),
-         ("meta", "cpu"), DELTA_FAMILY),
+    Case(
+        "state-transposed",
+        "initial_state",
+        replace(initial_state=torch.zeros(B, H, V, K)),
+        (shape(B, H, K, V), shape(B, H, V, K)),
+        DELTA_FAMILY,
+    ),
+    Case("state-rank", "initial_state", replace(initial_state=torch.zeros(H, K, V)), (shape(H, K, V),), DELTA_FAMILY),
+    Case(
+        "state-batch",
+        "initial_state",
+        replace(initial_state=torch.zeros(2, H, K, V)),
+        (shape(B, H, K, V), shape(2, H, K, V)),
+        DELTA_FAMILY,
+    ),
+    Case(
+        "state-cu-seqlens",
+        "initial_state",
+        replace(initial_state=torch.zeros(1, H, K, V), cu_seqlens=TWO_SEQS),
+        (shape(2, H, K, V), shape(1, H, K, V)),
+        DELTA_FAMILY,
+    ),
+    Case(
+        "state-device",
+        "initial_state",
+        replace(initial_state=on_meta(torch.zeros(B, H, K, V))),
+        ("meta", "cpu"),
+        DELTA_FAMILY,
+    ),
     # initial_state of linear attention: (S [N, H, K, V], z [N, H, K])
-    Case("state-not-tuple", "initial_state", replace(initial_state=torch.zeros(B, H, K, V)),
-         families=STATEFUL_TUPLE),
-    Case("state-S-shape", "initial_state",
-         replace(initial_state=(torch.zeros(B, H, V, K), torch.zeros(B, H, K))), (shape(B, H, V, K),),
-         {"linear"}),
-    Case("state-z-shape", "initial_state",
-         replace(initial_state=(torch.zeros(B, H, K, V), torch.zeros(B, H, V))), (shape(B, H, V),),
-         {"linear"}),
+    Case("state-not-tuple", "initial_state", replace(initial_state=torch.zeros(B, H, K, V)), families=STATEFUL_TUPLE),
+    Case(
+        "state-S-shape",
+        "initial_state",
+        replace(initial_state=(torch.zeros(B, H, V, K), torch.zeros(B, H, K))),
+        (shape(B, H, V, K),),
+        {"linear"},
+    ),
+    Case(
+        "state-z-shape",
+        "initial_state",
+        replace(initial_state=(torch.zeros(B, H, K, V), torch.zeros(B, H, V))),
+        (shape(B, H, V),),
+        {"linear"},
+    ),
     # initial_state of attention: (past_k [B, P, H, K], past_v [B, P, H, V]), never with cu_seqlens
-    Case("state-past-heads", "initial_state",
-         replace(initial_state=(torch.zeros(B, 3, 1, K), torch.zeros(B, 3, 1, V))), (shape(B, 3, 1, K),),
-         {"attention"}),
-    Case("state-past-lengths", "initial_state",
-         replace(initial_state=(torch.zeros(B, 3, H, K), torch.zeros(B, 2, H, V))), (shape(B, 2, H, V),),
-         {"attention"}),
-    Case("state-past-dtype", "initial_state",
-         replace(initial_state=(torch.zeros(B, 3, H, K).double(), torch.zeros(B, 3, H, V))),
-         ("float64", "float32"), {"attention"}),
-    Case("state-with-cu-seqlens", "initial_state",
-         replace(initial_state=lambda x, f: state_for(f)["initial_state"], cu_seqlens=TWO_SEQS),
-         families={"attention"}),
+    Case(
+        "state-past-heads",
+        "initial_state",
+        replace(initial_state=(torch.zeros(B, 3, 1, K), torch.zeros(B, 3, 1, V))),
+        (shape(B, 3, 1, K),),
+        {"attention"},
+    ),
+    Case(
+        "state-past-lengths",
+        "initial_state",
+        replace(initial_state=(torch.zeros(B, 3, H, K), torch.zeros(B, 2, H, V))),
+        (shape(B, 2, H, V),),
+        {"attention"},
+    ),
+    Case(
+        "state-past-dtype",
+        "initial_state",
+        replace(initial_state=(torch.zeros(B, 3, H, K).double(), torch.zeros(B, 3, H, V))),
+        ("float64", "float32"),
+        {"attention"},
+    ),
+    Case(
+        "state-with-cu-seqlens",
+        "initial_state",
+        replace(initial_state=lambda x, f: state_for(f)["initial_state"], cu_seqlens=TWO_SEQS),
+        families={"attention"},
+    ),
     # chunk_size: a positive int
     Case("chunk-size-zero", "chunk_size", replace(chunk_size=0), ("0",), chunk_only=True),
     Case("chunk-size-negative", "chunk_size", replace(chunk_size=-16), ("-16",), chunk_only=True),
@@ -166,9 +212,12 @@ CASES = [
 
 
 def _params():
-    return [pytest.param(op_name, case, id=f"{case.id}-{op_name}")
-            for case in CASES for op_name, (_, family, is_chunk) in OPS.items()
-            if case.applies_to(family, is_chunk)]
+    return [
+        pytest.param(op_name, case, id=f"{case.id}-{op_name}")
+        for case in CASES
+        for op_name, (_, family, is_chunk) in OPS.items()
+        if case.applies_to(family, is_chunk)
+    ]
 
 
 @pytest.mark.parametrize("op_name,case", _params())

@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from .helpers import (
-    BASIC_MIXERS, TOL_GRAD_F64, assert_rel, make_inputs, mixer_params,
+    BASIC_MIXERS,
+    TOL_GRAD_F64,
+    assert_rel,
+    make_inputs,
+    mixer_params,
 )
 
 B, T, H, K, V = 1, 37, 2, 6, 5
@@ -86,8 +90,7 @@ def test_chunk_gradients_match_recurrent(mixer, with_state):
 @pytest.mark.parametrize("mixer", mixer_params(BASIC_MIXERS))
 def test_chunk_gradients_match_recurrent_qk_l2norm_odd_chunk(mixer):
     """Same with use_qk_l2norm=True on raw q, k (gradients through the normalisation) and chunk_size 24."""
-    inputs = make_inputs(mixer, B=B, T=T, H=H, K=K, V=V, seed=17, initial_state=True,
-                         normalize_keys=False)
+    inputs = make_inputs(mixer, B=B, T=T, H=H, K=K, V=V, seed=17, initial_state=True, normalize_keys=False)
     do, ds = upstream(mixer, seed=5)
     g_ref = grads(mixer, "recurrent", inputs, do, ds, use_qk_l2norm=True)
     g_chunk = grads(mixer, "chunk", inputs, do, ds, use_qk_l2norm=True, chunk_size=24)
@@ -150,7 +153,7 @@ def test_l2norm_backward_equals_autograd_through_the_formula():
     x[0, 0, 0] = 0.0
     x.requires_grad_()
     seed = torch.randn_like(x)
-    got, = torch.autograd.grad((l2norm(x) * seed).sum(), x)
-    want, = torch.autograd.grad((x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6) * seed).sum(), x)
+    (got,) = torch.autograd.grad((l2norm(x) * seed).sum(), x)
+    (want,) = torch.autograd.grad((x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6) * seed).sum(), x)
     assert ((got - want).norm() / want.norm()).item() <= 1e-12
     assert torch.autograd.gradcheck(l2norm, (x[:1, :2].detach().requires_grad_(),))

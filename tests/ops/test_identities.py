@@ -10,12 +10,27 @@ import pytest
 import torch
 
 from k3.ops import (
-    chunk_delta_rule, chunk_gated_delta_rule, chunk_kda, chunk_linear_attn, recurrent_delta_rule,
-    recurrent_gated_delta_rule, recurrent_kda, recurrent_linear_attn,
+    chunk_delta_rule,
+    chunk_gated_delta_rule,
+    chunk_kda,
+    chunk_linear_attn,
+    recurrent_delta_rule,
+    recurrent_gated_delta_rule,
+    recurrent_kda,
+    recurrent_linear_attn,
 )
 
 from .helpers import (
-    BASIC_MIXERS, DELTA, GDN, KDA, KDA_HARD, LINEAR, TOL_F64, assert_rel, make_inputs, mixer_params,
+    BASIC_MIXERS,
+    DELTA,
+    GDN,
+    KDA,
+    KDA_HARD,
+    LINEAR,
+    TOL_F64,
+    assert_rel,
+    make_inputs,
+    mixer_params,
 )
 
 FORMS = {
@@ -68,8 +83,7 @@ def test_zero_gate_is_delta_rule(form):
     o_g, s_g = FORMS["gdn"][idx](**x, g=g_head, output_final_state=True, **kw)
     assert_rel(o_g, o_d, TOL_F64, "gdn o")
     assert_rel(s_g, s_d, TOL_F64, "gdn final state")
-    o_k, s_k = FORMS["kda"][idx](**x, g=torch.zeros(2, 70, 3, 12, dtype=torch.float64),
-                                 output_final_state=True, **kw)
+    o_k, s_k = FORMS["kda"][idx](**x, g=torch.zeros(2, 70, 3, 12, dtype=torch.float64), output_final_state=True, **kw)
     assert_rel(o_k, o_d, TOL_F64, "kda o")
     assert_rel(s_k, s_d, TOL_F64, "kda final state")
 
@@ -93,7 +107,7 @@ def test_scale_multiplies_q(mixer, form):
     x = make_inputs(mixer, B=1, T=20, H=2, K=9, V=4, seed=4, initial_state=True)
     kw = {} if form == "recurrent" else {"chunk_size": 8}
     o_default, _ = mixer(form, x, **kw)
-    o_explicit, _ = mixer(form, x, scale=9 ** -0.5, **kw)
+    o_explicit, _ = mixer(form, x, scale=9**-0.5, **kw)
     assert_rel(o_default, o_explicit, TOL_F64, "default scale")
     o_s, s_s = mixer(form, x, scale=0.37, output_final_state=True, **kw)
     o_1, s_1 = mixer(form, dict(x, q=0.37 * x["q"]), scale=1.0, output_final_state=True, **kw)
@@ -152,7 +166,7 @@ def test_delta_rule_single_chunk_matches_closed_form(chunk_size):
     """chunk_delta_rule with one chunk covering the sequence (chunk_size >= T) == the closed-form UT
     transform computed with torch.linalg.inv; the recurrence agrees too."""
     x = make_inputs(DELTA, B=2, T=50, H=2, K=7, V=5, seed=5, initial_state=True)
-    scale = 7 ** -0.5
+    scale = 7**-0.5
     o_ref, s_ref = delta_rule_closed_form(x["q"], x["k"], x["v"], x["beta"], x["initial_state"], scale)
     o, s = chunk_delta_rule(**x, output_final_state=True, chunk_size=chunk_size)
     assert_rel(o, o_ref, TOL_F64, "chunk o")
@@ -169,7 +183,7 @@ def test_gated_single_chunk_matches_closed_form(mixer):
     T, K = 48, 6
     x = make_inputs(mixer, B=2, T=T, H=2, K=K, V=5, seed=6, initial_state=True)
     g = x["g"] if x["g"].dim() == 4 else x["g"].unsqueeze(-1).expand(-1, -1, -1, K)
-    o_ref, s_ref = gated_closed_form(x["q"], x["k"], x["v"], g, x["beta"], x["initial_state"], K ** -0.5)
+    o_ref, s_ref = gated_closed_form(x["q"], x["k"], x["v"], g, x["beta"], x["initial_state"], K**-0.5)
     o, s = mixer("chunk", x, output_final_state=True, chunk_size=T)
     assert_rel(o, o_ref, TOL_F64, "chunk o")
     assert_rel(s, s_ref, TOL_F64, "chunk final state")
@@ -187,7 +201,7 @@ def test_linear_attn_single_chunk_matches_masked_attention(normalize):
     x = make_inputs(LINEAR, B=2, T=T, H=2, K=K, V=5, seed=7, initial_state=True)
     S0, z0 = x["initial_state"]
     Q, Kk, Vv = (t.transpose(1, 2) for t in (x["q"], x["k"], x["v"]))  # [B, H, T, d]
-    scale = K ** -0.5
+    scale = K**-0.5
     scores = torch.tril(scale * Q @ Kk.transpose(-1, -2))
     num = scale * Q @ S0 + scores @ Vv
     den = scale * Q @ z0.unsqueeze(-1) + scores.sum(-1, keepdim=True) + 1e-6
@@ -247,9 +261,15 @@ def test_article_delta_rule_overwrite_unit_key(form, fn):
     khat = k / k.norm()
     v_old, v_new = torch.tensor([2.0, 4.0], dtype=f64), torch.tensor([0.0, 1.0], dtype=f64)
     S_old = torch.outer(k, v_old)
-    o, S = fn(khat.view(1, 1, 1, 2), khat.view(1, 1, 1, 2), v_new.view(1, 1, 1, 2),
-              torch.ones(1, 1, 1, dtype=f64), scale=1.0, initial_state=S_old.view(1, 1, 2, 2),
-              output_final_state=True)
+    o, S = fn(
+        khat.view(1, 1, 1, 2),
+        khat.view(1, 1, 1, 2),
+        v_new.view(1, 1, 1, 2),
+        torch.ones(1, 1, 1, dtype=f64),
+        scale=1.0,
+        initial_state=S_old.view(1, 1, 2, 2),
+        output_final_state=True,
+    )
     S_total = torch.tensor([[0.0, 1.0], [0.0, 3.0]], dtype=f64)
     assert_exact(S[0, 0], S_total / math.sqrt(10.0))
     assert_exact(o[0, 0, 0], v_new)

@@ -23,8 +23,9 @@ def table_decode(byte: int, column: int, scale: int) -> float:
 
 def test_decoder_matches_the_table_on_every_byte():
     packed = torch.arange(256, dtype=torch.uint8).view(1, 256)  # 512 columns, 16 groups
-    scale = torch.tensor([[0, 1, 60, 100, 120, 126, 127, 128, 130, 140, 160, 200, 230, 240, 250, 252]],
-                         dtype=torch.uint8)
+    scale = torch.tensor(
+        [[0, 1, 60, 100, 120, 126, 127, 128, 130, 140, 160, 200, 230, 240, 250, 252]], dtype=torch.uint8
+    )
     decoded = mxfp4.decode(packed, scale)
     for column in range(512):
         byte, group = column // 2, column // 32
@@ -78,7 +79,9 @@ def test_mxfp4_expert_runs_the_decoded_matrices():
     torch.manual_seed(0)
     expert = Expert(64, 96, "situ")
     kept = MXFP4Expert.from_expert(expert)
-    assert list(kept.state_dict()) == [f"{m}.{p}" for m in ("w1", "w3", "w2") for p in ("weight_packed", "weight_scale")]
+    assert list(kept.state_dict()) == [
+        f"{m}.{p}" for m in ("w1", "w3", "w2") for p in ("weight_packed", "weight_scale")
+    ]
     for name in ("w1", "w3", "w2"):
         with torch.no_grad():
             getattr(expert, name).copy_(mxfp4.decode(*mxfp4.encode(getattr(expert, name))))

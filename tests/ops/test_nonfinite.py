@@ -34,9 +34,11 @@ def inputs_for(mixer, dtype, name: str) -> dict:
     return x
 
 
-@pytest.mark.parametrize("value, dtype", [(math.nan, torch.float32), (math.inf, torch.float64),
-                                          (-math.inf, torch.float32)], ids=["nan-float32", "inf-float64",
-                                                                            "-inf-float32"])
+@pytest.mark.parametrize(
+    "value, dtype",
+    [(math.nan, torch.float32), (math.inf, torch.float64), (-math.inf, torch.float32)],
+    ids=["nan-float32", "inf-float64", "-inf-float32"],
+)
 @pytest.mark.parametrize("name", ["q", "k", "v", "beta"])
 @pytest.mark.parametrize("mixer", CHUNKED)
 def test_a_non_finite_input_reaches_no_earlier_output(mixer, name, value, dtype):

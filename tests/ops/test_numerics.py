@@ -25,17 +25,19 @@ def clear_at(inputs: dict, positions, zero_beta: bool = False) -> dict:
     return out
 
 
-@pytest.mark.parametrize("mixer,dtype", [
-    pytest.param(KDA, torch.float32, id="kda-float32"),
-    pytest.param(GDN, torch.float64, id="gdn-float64"),
-])
+@pytest.mark.parametrize(
+    "mixer,dtype",
+    [
+        pytest.param(KDA, torch.float32, id="kda-float32"),
+        pytest.param(GDN, torch.float64, id="gdn-float64"),
+    ],
+)
 def test_long_sequence_extreme_gates(mixer, dtype):
     """T = 16384, per-step g = -20 * U(0, 1) and g = -inf at a few positions: the chunk output is finite
     and equals the recurrence (fp32 rel RMS 5e-4, fp64 rel 1e-9), and after the last -inf step it
     equals a run from a zero state (the state is fully cleared)."""
     T = 16384
-    x = make_inputs(mixer, B=1, T=T, H=1, K=8, V=8, dtype=dtype, seed=16384, gate_kind="extreme",
-                    initial_state=True)
+    x = make_inputs(mixer, B=1, T=T, H=1, K=8, V=8, dtype=dtype, seed=16384, gate_kind="extreme", initial_state=True)
     last = 16001
     x = clear_at(x, [5, 1000, 4097, 9999, last])
     o_ref, s_ref = mixer("recurrent", x, output_final_state=True)
@@ -48,17 +50,19 @@ def test_long_sequence_extreme_gates(mixer, dtype):
     assert_rel(s, s_tail, tol_for(dtype), "final state vs zero state")
 
 
-@pytest.mark.parametrize("mixer,dtype", [
-    pytest.param(KDA, torch.float64, id="kda-float64"),
-    pytest.param(GDN, torch.float32, id="gdn-float32"),
-])
+@pytest.mark.parametrize(
+    "mixer,dtype",
+    [
+        pytest.param(KDA, torch.float64, id="kda-float64"),
+        pytest.param(GDN, torch.float32, id="gdn-float32"),
+    ],
+)
 def test_long_sequence_extreme_gates_chunk_only(mixer, dtype):
     """The other (op, dtype) pairs at T = 16384: chunk output finite, equal across chunk sizes 64 and 16,
     and equal to the recurrence on a 2000-token window that starts at a -inf step (where both forms
     start from a cleared state)."""
     T, start, stop = 16384, 9999, 11999
-    x = make_inputs(mixer, B=1, T=T, H=1, K=8, V=8, dtype=dtype, seed=77, gate_kind="extreme",
-                    initial_state=True)
+    x = make_inputs(mixer, B=1, T=T, H=1, K=8, V=8, dtype=dtype, seed=77, gate_kind="extreme", initial_state=True)
     x = clear_at(x, [5, 1000, 4097, start])
     o64, s64 = mixer("chunk", x, output_final_state=True, chunk_size=64)
     o16, s16 = mixer("chunk", x, output_final_state=True, chunk_size=16)
@@ -75,8 +79,7 @@ def test_long_sequence_extreme_gates_chunk_only(mixer, dtype):
 def test_strong_decays_match_recurrence(mixer, dtype, gate_kind):
     """Per-step decays down to e^-20 and e^-100 (16-token sums far beyond the float32 exponent range):
     chunk == recurrence at chunk sizes 16, 24 and 64, outputs finite."""
-    x = make_inputs(mixer, B=2, T=300, H=2, K=16, V=12, dtype=dtype, seed=31, gate_kind=gate_kind,
-                    initial_state=True)
+    x = make_inputs(mixer, B=2, T=300, H=2, K=16, V=12, dtype=dtype, seed=31, gate_kind=gate_kind, initial_state=True)
     o_ref, s_ref = mixer("recurrent", x, output_final_state=True)
     for C in (16, 24, 64):
         o, s = mixer("chunk", x, output_final_state=True, chunk_size=C)
@@ -93,9 +96,9 @@ def test_kda_mixed_channel_rates(dtype):
     torch.manual_seed(42)
     g = torch.empty(1, T, 2, K, dtype=torch.float64)
     g[..., : K // 2] = -1e-3 * torch.rand(1, T, 2, K // 2, dtype=torch.float64)
-    g[..., K // 2:] = -60.0 * torch.rand(1, T, 2, K // 2, dtype=torch.float64)
+    g[..., K // 2 :] = -60.0 * torch.rand(1, T, 2, K // 2, dtype=torch.float64)
     g[:, 17, :, 3] = -float("inf")
-    g[:, 90, :, K // 2:] = -float("inf")
+    g[:, 90, :, K // 2 :] = -float("inf")
     g[:, 150, 0] = -1e4
     x["g"] = g.to(dtype)
     o_ref, s_ref = KDA("recurrent", x, output_final_state=True)
@@ -114,20 +117,18 @@ def test_minus_inf_gate_clears_state(mixer, form, dtype):
     ignored entirely."""
     T, p = 100, 37  # p not chunk-aligned
     kw = {"chunk_size": 16} if form == "chunk" else {}
-    x = make_inputs(mixer, B=2, T=T, H=2, K=8, V=6, dtype=dtype, seed=51, gate_kind="hard",
-                    initial_state=True)
+    x = make_inputs(mixer, B=2, T=T, H=2, K=8, V=6, dtype=dtype, seed=51, gate_kind="hard", initial_state=True)
     cleared = clear_at(x, [p], zero_beta=True)
     o, s = mixer(form, cleared, output_final_state=True, **kw)
     assert torch.isfinite(o).all()
     assert torch.count_nonzero(o[:, p]) == 0, "output at the clearing step must be exactly 0"
     o_rest, s_rest = mixer(form, slice_time(cleared, p + 1, T), output_final_state=True, **kw)
-    assert_rel(o[:, p + 1:], o_rest, tol_for(dtype), "o after clearing vs zero state")
+    assert_rel(o[:, p + 1 :], o_rest, tol_for(dtype), "o after clearing vs zero state")
     assert_rel(s, s_rest, tol_for(dtype), "final state vs zero state")
 
     first = clear_at(x, [0])
     o_a, s_a = mixer(form, first, output_final_state=True, **kw)
-    o_b, s_b = mixer(form, {n: t for n, t in first.items() if n != "initial_state"},
-                     output_final_state=True, **kw)
+    o_b, s_b = mixer(form, {n: t for n, t in first.items() if n != "initial_state"}, output_final_state=True, **kw)
     assert_rel(o_a, o_b, tol_for(dtype), "o: initial state cleared at step 0")
     assert_rel(s_a, s_b, tol_for(dtype), "final state: initial state cleared at step 0")
 

@@ -9,16 +9,18 @@ from hypothesis import strategies as st
 
 from .helpers import BASIC_MIXERS, TOL_F64, assert_rel, make_inputs, mixer_params
 
-shapes = st.fixed_dictionaries({
-    "B": st.integers(1, 2),
-    "T": st.integers(1, 90),
-    "H": st.integers(1, 3),
-    "K": st.integers(1, 17),
-    "V": st.integers(1, 17),
-    "chunk_size": st.integers(1, 40),
-    "initial_state": st.booleans(),
-    "seed": st.integers(0, 2**16),
-})
+shapes = st.fixed_dictionaries(
+    {
+        "B": st.integers(1, 2),
+        "T": st.integers(1, 90),
+        "H": st.integers(1, 3),
+        "K": st.integers(1, 17),
+        "V": st.integers(1, 17),
+        "chunk_size": st.integers(1, 40),
+        "initial_state": st.booleans(),
+        "seed": st.integers(0, 2**16),
+    }
+)
 
 
 @pytest.mark.parametrize("mixer", mixer_params(BASIC_MIXERS))

@@ -35,7 +35,8 @@ def test_sequences_fit_and_decode_is_bounded():
     many = f["decode, 4 sequences together: tokens/s per replica"]
     assert many > one  # a batch shares the weight reads
     assert f["decode step, one sequence alone: bandwidth-bound time"] == pytest.approx(
-        f["decode step, one sequence alone: bytes read"] / 3.35e12)
+        f["decode step, one sequence alone: bytes read"] / 3.35e12
+    )
 
 
 def test_kimi_k3_needs_two_h200_nodes_at_1m():

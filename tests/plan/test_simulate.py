@@ -24,8 +24,13 @@ print(json.dumps([simulate(config, n, ep, r)["values"] for r in map(int, sys.arg
 
 def _simulated(name: str, n: int, ep: int, ranks: list[int]) -> list[int]:
     # its own process: torch allows one default process group per process
-    out = subprocess.run([sys.executable, "-c", SCRIPT, name, str(n), str(ep), *map(str, ranks)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, name, str(n), str(ep), *map(str, ranks)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 

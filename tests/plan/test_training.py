@@ -35,8 +35,9 @@ def test_shard_rows_is_torch_chunk():
 def test_gpt2_tiny_on_one_gpu_by_hand():
     config = get_config("gpt2-tiny")
     T = 256
-    f = plan_training(config, TrainSettings(gpus=1, gpu="h100", seq_len=T, recompute="full", global_batch_tokens=T,
-                                            optimizer="adamw"))
+    f = plan_training(
+        config, TrainSettings(gpus=1, gpu="h100", seq_len=T, recompute="full", global_batch_tokens=T, optimizer="adamw")
+    )
     n = count_params(config)
     assert f["memory: parameters (fp32, sharded)"] == 4 * n.total
     assert f["memory: gradients (fp32, sharded)"] == 4 * n.total
@@ -66,8 +67,10 @@ def test_muon_keeps_one_moment_on_matrices():
 
 def test_recompute_lowers_activations_and_the_planner_picks_the_least_that_fits():
     config = get_config("kimi-k3-tiny")
-    acts = [sum(activation_bytes_per_token(config, range(config.num_layers), r).values())
-            for r in ("none", "selective", "full")]
+    acts = [
+        sum(activation_bytes_per_token(config, range(config.num_layers), r).values())
+        for r in ("none", "selective", "full")
+    ]
     assert acts[0] > acts[1] > acts[2]
     assert plan_training(config, TrainSettings(gpus=1)).inputs["recompute"] == "none"
 

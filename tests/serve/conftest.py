@@ -40,8 +40,12 @@ def server(checkpoint):
 
 def post(server, path: str, body: bytes | str, headers: dict | None = None) -> tuple[int, dict, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    conn.request("POST", path, body.encode() if isinstance(body, str) else body,
-                 {"Content-Type": "application/json", **(headers or {})})
+    conn.request(
+        "POST",
+        path,
+        body.encode() if isinstance(body, str) else body,
+        {"Content-Type": "application/json", **(headers or {})},
+    )
     r = conn.getresponse()
     out = json.loads(r.read() or b"{}")
     conn.close()

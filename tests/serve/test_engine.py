@@ -23,7 +23,7 @@ def tiny(preset: str, dtype=torch.float64) -> CausalLM:
 
 
 def alone(model, prompt: list[int], n: int) -> list[int]:
-    return model.generate([prompt], n, temperature=0)[0][len(prompt):].tolist()
+    return model.generate([prompt], n, temperature=0)[0][len(prompt) :].tolist()
 
 
 class Collector:
@@ -33,8 +33,14 @@ class Collector:
         self.tokens, self.reason, self.done = [], None, threading.Event()
 
     def sequence(self, prompt, max_tokens, **kw) -> Sequence:
-        return Sequence(prompt, max_tokens, temperature=kw.pop("temperature", 0.0), on_token=self.tokens.append,
-                        on_finish=self._finish, **kw)
+        return Sequence(
+            prompt,
+            max_tokens,
+            temperature=kw.pop("temperature", 0.0),
+            on_token=self.tokens.append,
+            on_finish=self._finish,
+            **kw,
+        )
 
     def _finish(self, reason):
         self.reason = reason
@@ -50,8 +56,10 @@ def wait_until(condition, timeout: float = 20.0) -> None:
 
 def prompts(count: int, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 97, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(count)]
+    return [
+        torch.randint(0, 97, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(count)
+    ]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -146,8 +154,9 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
         assert lone.done.wait(120)
         crowd = [Collector() for _ in range(4)]
         for i, c in enumerate(crowd):
-            engine.submit(c.sequence([5, 6, 7] if i == 2 else [i + 1] * (i + 2), 12, temperature=1.0,
-                                     seed=42 if i == 2 else i))
+            engine.submit(
+                c.sequence([5, 6, 7] if i == 2 else [i + 1] * (i + 2), 12, temperature=1.0, seed=42 if i == 2 else i)
+            )
         for c in crowd:
             assert c.done.wait(120)
         assert crowd[2].tokens == lone.tokens

@@ -34,8 +34,9 @@ def server():
     torch.manual_seed(0)
     model = CausalLM(get_config("kimi-k3-tiny", vocab_size=257, hidden_size=32)).eval()
     engine = Engine(model, cache_memory=10**8, max_queue=64)
-    app = build_app(engine, byte_tokenizer(), NAME, max_model_len=CONTEXT, max_request_bytes=16 * 1024,
-                    max_prompt_tokens=CONTEXT)
+    app = build_app(
+        engine, byte_tokenizer(), NAME, max_model_len=CONTEXT, max_request_bytes=16 * 1024, max_prompt_tokens=CONTEXT
+    )
     with ServerThread(app, engine) as s:
         s.bystander = Bystander(s)
         yield s
@@ -66,24 +67,38 @@ class Bystander:
 # -- values ---------------------------------------------------------------------------------------
 surrogates = st.characters(categories=["Cs"])
 words = st.text(max_size=12)
-weird = st.one_of(st.text(alphabet=surrogates, min_size=1, max_size=2), st.just(""),
-                  st.builds(lambda a, s, b: a + s + b, st.text(max_size=4), surrogates, st.text(max_size=4)))
+weird = st.one_of(
+    st.text(alphabet=surrogates, min_size=1, max_size=2),
+    st.just(""),
+    st.builds(lambda a, s, b: a + s + b, st.text(max_size=4), surrogates, st.text(max_size=4)),
+)
 texts = st.one_of(words, words, words, words, words, weird)
 tiny_floats = st.sampled_from([0.0, -0.0, 5e-324, 1e-300, 1e-45, 1.2e-38, 1e-7, 0.5, 1.0, 2.0])
-floats = st.one_of(tiny_floats, st.floats(allow_nan=True, allow_infinity=True),
-                   st.sampled_from([1.0000001, 2.0000001, 1e308, -1e-300]))
-huge_ints = st.sampled_from([2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**30, -2**64, -10**30, -1])
+floats = st.one_of(
+    tiny_floats, st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([1.0000001, 2.0000001, 1e308, -1e-300])
+)
+huge_ints = st.sampled_from([2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**30, -(2**64), -(10**30), -1])
 ints = st.one_of(st.integers(-3, 40), huge_ints)
 scalars = st.one_of(st.none(), st.booleans(), ints, floats, texts, st.just("x" * 20_000))
 junk = st.one_of(scalars, st.lists(scalars, max_size=3), st.dictionaries(st.text(max_size=4), scalars, max_size=2))
 
 # each field's values of its own type (in range or not: extreme floats, huge seeds, surrogates)
 token_ids = st.lists(st.one_of(st.integers(0, 256), st.integers(0, 256), ints), min_size=0, max_size=CONTEXT + 4)
-good_prompts = st.one_of(words.filter(bool), words.filter(bool), texts, st.lists(texts, max_size=3), token_ids,
-                         st.lists(token_ids, max_size=3))
-good_messages = st.lists(st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant"]), "content": texts},
-    optional={"name": texts}), min_size=1, max_size=3)
+good_prompts = st.one_of(
+    words.filter(bool),
+    words.filter(bool),
+    texts,
+    st.lists(texts, max_size=3),
+    token_ids,
+    st.lists(token_ids, max_size=3),
+)
+good_messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant"]), "content": texts}, optional={"name": texts}
+    ),
+    min_size=1,
+    max_size=3,
+)
 
 
 def mostly(valid, edge):
@@ -92,14 +107,20 @@ def mostly(valid, edge):
 
 
 GOOD = {
-    "model": st.just(NAME), "max_tokens": mostly(st.integers(1, 8), huge_ints),
+    "model": st.just(NAME),
+    "max_tokens": mostly(st.integers(1, 8), huge_ints),
     "temperature": mostly(st.one_of(st.floats(0, 2), tiny_floats), floats),
     "top_p": mostly(st.one_of(st.floats(0, 1, exclude_min=True), tiny_floats.filter(lambda x: 0 < x <= 1)), floats),
-    "top_k": mostly(st.integers(1, 300), huge_ints), "n": st.integers(1, 3),
-    "stop": st.one_of(texts, st.lists(texts, max_size=3)), "seed": mostly(st.integers(0, 2**64 - 1), huge_ints),
-    "stream": st.booleans(), "user": texts, "ignore_eos": st.booleans(),
-    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
-                                                          "continuous_usage_stats": st.booleans()}),
+    "top_k": mostly(st.integers(1, 300), huge_ints),
+    "n": st.integers(1, 3),
+    "stop": st.one_of(texts, st.lists(texts, max_size=3)),
+    "seed": mostly(st.integers(0, 2**64 - 1), huge_ints),
+    "stream": st.booleans(),
+    "user": texts,
+    "ignore_eos": st.booleans(),
+    "stream_options": st.fixed_dictionaries(
+        {}, optional={"include_usage": st.booleans(), "continuous_usage_stats": st.booleans()}
+    ),
 }
 
 
@@ -107,8 +128,14 @@ GOOD = {
 def bodies(draw, chat: bool) -> bytes:
     """A body with its required field and some optional ones of their own types; now and then one field
     (or a field no endpoint has) replaced by any value at all."""
-    fields = dict(GOOD, **({"messages": good_messages, "max_completion_tokens": st.integers(1, 8)} if chat
-                           else {"prompt": good_prompts}))
+    fields = dict(
+        GOOD,
+        **(
+            {"messages": good_messages, "max_completion_tokens": st.integers(1, 8)}
+            if chat
+            else {"prompt": good_prompts}
+        ),
+    )
     required = "messages" if chat else "prompt"
     chosen = draw(st.lists(st.sampled_from(sorted(fields)), max_size=5, unique=True))
     # (hypothesis draws the first of `sampled_from`'s choices most, and shrinks towards it)
@@ -126,29 +153,46 @@ def encode(body) -> bytes:
 
 # bodies the server must answer 200: every setting in range, the extreme ones included
 in_range = {
-    "max_tokens": st.integers(1, 8), "temperature": st.one_of(st.floats(0, 2), tiny_floats),
+    "max_tokens": st.integers(1, 8),
+    "temperature": st.one_of(st.floats(0, 2), tiny_floats),
     "top_p": st.one_of(st.floats(0, 1, exclude_min=True), st.sampled_from([5e-324, 1e-300, 1e-45, 1.0])),
-    "top_k": st.integers(1, 300), "n": st.integers(1, 3), "seed": st.integers(0, 2**64 - 1),
-    "stream": st.booleans(), "ignore_eos": st.booleans(), "stop": st.lists(words, max_size=2),
+    "top_k": st.integers(1, 300),
+    "n": st.integers(1, 3),
+    "seed": st.integers(0, 2**64 - 1),
+    "stream": st.booleans(),
+    "ignore_eos": st.booleans(),
+    "stop": st.lists(words, max_size=2),
 }
 valid = st.one_of(
-    st.tuples(st.just("/v1/completions"), st.fixed_dictionaries(
-        {"prompt": st.one_of(words.filter(bool), st.lists(st.integers(0, 256), min_size=1, max_size=12))},
-        optional=in_range).map(encode)),
-    st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries(
-        {"messages": good_messages}, optional=in_range).map(encode)),
+    st.tuples(
+        st.just("/v1/completions"),
+        st.fixed_dictionaries(
+            {"prompt": st.one_of(words.filter(bool), st.lists(st.integers(0, 256), min_size=1, max_size=12))},
+            optional=in_range,
+        ).map(encode),
+    ),
+    st.tuples(
+        st.just("/v1/chat/completions"),
+        st.fixed_dictionaries({"messages": good_messages}, optional=in_range).map(encode),
+    ),
 )
 
 # bodies past a parser's limits: nesting, digits, more prompts than the queue holds
-HOSTILE = [b"{" * 5000, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
-           b'{"prompt": "a", "n": 1' + b"0" * 5000 + b"}", b'{"prompt": ' + json.dumps([[1]] * 300).encode() + b"}"]
+HOSTILE = [
+    b"{" * 5000,
+    b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    b'{"prompt": "a", "n": 1' + b"0" * 5000 + b"}",
+    b'{"prompt": ' + json.dumps([[1]] * 300).encode() + b"}",
+]
 
 requests = st.one_of(
     valid,
     st.tuples(st.just("/v1/completions"), bodies(chat=False)),
     st.tuples(st.just("/v1/chat/completions"), bodies(chat=True)),
-    st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
-              st.one_of(st.binary(max_size=40), junk.map(encode), st.sampled_from(HOSTILE))),
+    st.tuples(
+        st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+        st.one_of(st.binary(max_size=40), junk.map(encode), st.sampled_from(HOSTILE)),
+    ),
 )
 
 
@@ -162,8 +206,11 @@ def send(server, path: str, body: bytes) -> tuple[int, bytes]:
         conn.close()
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                    HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(request=requests)
 def test_any_request_is_answered_without_a_server_error(server, request):
     path, body = request

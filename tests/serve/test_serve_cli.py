@@ -27,8 +27,13 @@ def test_errors(capsys, tmp_path):
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--port", "-1"], "--port")
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--port", "70000"], "--port", "in [0, 65535]", "70000")
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--api-key", ""], "--api-key", "not empty")
-    fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--cache-memory", "1000TiB", "--device", "cpu"],
-          "--cache-memory 1000TiB", "1,099,511,627,776,000 bytes", "available")
+    fails(
+        capsys,
+        ["serve", "--checkpoint", str(tmp_path), "--cache-memory", "1000TiB", "--device", "cpu"],
+        "--cache-memory 1000TiB",
+        "1,099,511,627,776,000 bytes",
+        "available",
+    )
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--max-request-bytes", "0"], "--max-request-bytes", "512MiB")
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--max-prompt-tokens", "0"], "--max-prompt-tokens")
 
@@ -46,9 +51,12 @@ def test_sigterm_finishes_the_running_request_and_exits_0(tmp_path):
     torch.manual_seed(0)
     CausalLM(get_config("kimi-k3-tiny", vocab_size=257, hidden_size=32)).save_pretrained(tmp_path)
     byte_tokenizer().save(tmp_path / "tokenizer.json")
-    proc = subprocess.Popen([sys.executable, "-m", "k3", "serve", "--checkpoint", str(tmp_path), "--port", "0",
-                             "--threads", "1"], stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "k3", "serve", "--checkpoint", str(tmp_path), "--port", "0", "--threads", "1"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         port = None
         deadline = time.time() + 120
@@ -59,8 +67,12 @@ def test_sigterm_finishes_the_running_request_and_exits_0(tmp_path):
             port = int(found.group(1)) if found else None
             assert time.time() < deadline
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 300, "ignore_eos": True}),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": "Hi", "max_tokens": 300, "ignore_eos": True}),
+            {"Content-Type": "application/json"},
+        )
         time.sleep(0.5)  # it is decoding
         proc.send_signal(signal.SIGTERM)
         r = conn.getresponse()

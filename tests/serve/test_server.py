@@ -31,9 +31,23 @@ def client(server):
 def generated(capsys, checkpoint, prompt: str, n: int) -> str:
     """`k3 generate`'s greedy continuation of `prompt` (what it prints after the prompt)."""
     capsys.readouterr()
-    assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", prompt, "--max-new-tokens", str(n),
-                 "--temperature", "0"]) == 0
-    return capsys.readouterr().out[len(prompt):-1]  # less the prompt and the closing newline
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                str(checkpoint),
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                str(n),
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
+    return capsys.readouterr().out[len(prompt) : -1]  # less the prompt and the closing newline
 
 
 def test_completion_equals_k3_generate(client, checkpoint, capsys):
@@ -54,8 +68,9 @@ def test_chat_completion_equals_k3_generate(client, checkpoint, capsys):
     r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0, stop=["\n\n\n"])
     # the plain template stops at a new "User:"/"System:" line; the text is what generate gives up to there
     assert expected.startswith(r.choices[0].message.content) and r.choices[0].message.role == "assistant"
-    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
@@ -67,7 +82,7 @@ def test_stop_n_seed_and_models(client):
     text = r.choices[0].text
     stop = text[3:5]
     cut = client.completions.create(model=NAME, prompt="Hello", max_tokens=12, temperature=0, stop=stop)
-    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
     a = client.completions.create(model=NAME, prompt="Hello", max_tokens=8, temperature=1, seed=7, n=3)
     b = client.completions.create(model=NAME, prompt="Hello", max_tokens=8, temperature=1, seed=7, n=3)
     assert [c.text for c in a.choices] == [c.text for c in b.choices] and len(a.choices) == 3
@@ -81,15 +96,22 @@ def test_concurrent_requests_each_as_alone(checkpoint):
     tok = byte_tokenizer()
     texts = [("ROMEO: " * (1 + i % 5))[: 3 + 4 * i] for i in range(16)]
     lengths = [4 + i % 9 for i in range(16)]
-    expected = [tok.decode(model.generate([tok.encode(t)], n, temperature=0, eos_token_id=tok.eot_id)[0]
-                           [len(tok.encode(t)):].tolist()) for t, n in zip(texts, lengths)]
+    expected = [
+        tok.decode(
+            model.generate([tok.encode(t)], n, temperature=0, eos_token_id=tok.eot_id)[0][len(tok.encode(t)) :].tolist()
+        )
+        for t, n in zip(texts, lengths)
+    ]
     with start(model) as s:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
         results = [None] * 16
 
         def ask(i):
-            results[i] = client.completions.create(model=NAME, prompt=texts[i], max_tokens=lengths[i],
-                                                   temperature=0).choices[0].text
+            results[i] = (
+                client.completions.create(model=NAME, prompt=texts[i], max_tokens=lengths[i], temperature=0)
+                .choices[0]
+                .text
+            )
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
         for t in threads:
@@ -104,9 +126,12 @@ def test_concurrent_requests_each_as_alone(checkpoint):
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_frees_the_slot(server, stream):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 500,
-                                                        "ignore_eos": True, "stream": stream}),
-                 {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 500, "ignore_eos": True, "stream": stream}),
+        {"Content-Type": "application/json"},
+    )
     deadline = time.time() + 10
     while server.engine.stats()["running"] == 0:
         assert time.time() < deadline
@@ -170,8 +195,9 @@ class SlowTokenizer:
 def test_tokenizing_does_not_block_health(checkpoint):
     engine = Engine(CausalLM.from_pretrained(checkpoint).eval(), cache_memory=10**9)
     with ServerThread(build_app(engine, SlowTokenizer(), NAME), engine) as s:
-        thread = threading.Thread(target=post, args=(s, "/v1/completions", json.dumps({"prompt": "Hi",
-                                                                                       "max_tokens": 2})))
+        thread = threading.Thread(
+            target=post, args=(s, "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}))
+        )
         thread.start()
         time.sleep(0.3)
         t0 = time.time()
@@ -187,8 +213,12 @@ def test_draining_answers_503_with_retry_after(checkpoint):
     engine = Engine(CausalLM.from_pretrained(checkpoint).eval(), cache_memory=10**9)
     with ServerThread(build_app(engine, byte_tokenizer(), NAME), engine, shutdown_timeout=60) as s:
         conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 100, "ignore_eos": True}),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": "Hi", "max_tokens": 100, "ignore_eos": True}),
+            {"Content-Type": "application/json"},
+        )
         deadline = time.time() + 30
         while s.engine.stats()["running"] == 0:
             assert time.time() < deadline

@@ -37,8 +37,9 @@ def test_bad_input(server, body, status, param, words):
 
 
 def test_bad_chat_and_body(server):
-    code, out, _ = post(server, "/v1/chat/completions",
-                        '{"model": "tiny", "messages": [{"role": "bot", "content": "x"}]}')
+    code, out, _ = post(
+        server, "/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "bot", "content": "x"}]}'
+    )
     assert code == 400 and out["error"]["param"] == "messages.0.role"
     code, out, _ = post(server, "/v1/chat/completions", '{"model": "tiny", "messages": []}')
     assert code == 400 and out["error"]["param"] == "messages"
@@ -51,8 +52,13 @@ def chat_in_background(server, count: int, max_tokens: int = 40) -> tuple[list, 
     results = [None] * count
 
     def ask(i):
-        body = {"model": NAME, "messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": max_tokens,
-                "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": NAME,
+            "messages": [{"role": "user", "content": f"Hi {i}"}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         code, out, _ = post(server, "/v1/chat/completions", json.dumps(body))
         results[i] = (code, out)
 
@@ -62,8 +68,16 @@ def chat_in_background(server, count: int, max_tokens: int = 40) -> tuple[list, 
     return threads, results
 
 
-POISON = [{"seed": 2**64}, {"seed": -1}, {"seed": 10**30}, {"top_p": 1e-300}, {"temperature": 5e-324},
-          {"temperature": 1e-300, "top_p": 5e-324}, {"top_k": 0}, {"n": 2, "seed": 2**64 - 1}]
+POISON = [
+    {"seed": 2**64},
+    {"seed": -1},
+    {"seed": 10**30},
+    {"top_p": 1e-300},
+    {"temperature": 5e-324},
+    {"temperature": 1e-300, "top_p": 5e-324},
+    {"top_k": 0},
+    {"n": 2, "seed": 2**64 - 1},
+]
 
 
 def three_chats_running(server):
@@ -81,12 +95,28 @@ def test_a_poisoned_request_does_not_fail_the_others(server, poison):
     """Three chat requests decode; a completion with an out-of-range or extreme sampling setting arrives:
     it is answered (400 naming the field, or 200: extreme settings in range sample finitely), and the
     three get their normal answers."""
-    expected = [post(server, "/v1/chat/completions", json.dumps(
-        {"model": NAME, "messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": 40, "temperature": 0,
-         "ignore_eos": True}))[1]["choices"][0]["message"]["content"] for i in range(3)]
+    expected = [
+        post(
+            server,
+            "/v1/chat/completions",
+            json.dumps(
+                {
+                    "model": NAME,
+                    "messages": [{"role": "user", "content": f"Hi {i}"}],
+                    "max_tokens": 40,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
+            ),
+        )[1]["choices"][0]["message"]["content"]
+        for i in range(3)
+    ]
     threads, results = three_chats_running(server)
-    code, out, _ = post(server, "/v1/completions", json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 4,
-                                                               "temperature": 1, **poison}))
+    code, out, _ = post(
+        server,
+        "/v1/completions",
+        json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 4, "temperature": 1, **poison}),
+    )
     if code == 400:
         assert out["error"]["param"] in poison and out["error"]["type"] == "invalid_request_error", out
     else:
@@ -111,8 +141,9 @@ def test_a_request_whose_sampling_raises_fails_alone(server, monkeypatch, caplog
 
     monkeypatch.setattr(engine_module, "sample", poisoned)
     threads, results = three_chats_running(server)
-    code, out, _ = post(server, "/v1/completions", json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 4,
-                                                               "temperature": 0.777}))
+    code, out, _ = post(
+        server, "/v1/completions", json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 4, "temperature": 0.777})
+    )
     assert code == 500 and out["error"]["type"] == "server_error" and "poisoned row" in out["error"]["message"]
     for t in threads:
         t.join(60)
@@ -134,7 +165,7 @@ TYPES = [
     ('{"model": "tiny", "prompt": "hi", "stop": ["\\udfff"]}', "stop"),
     ('{"model": "tiny", "prompt": "hi", "\\ud800": 1}', "body"),  # a key no field has, and not text
     ('{"model": "\\ud800", "prompt": "hi"}', "model"),
-    ('[1, 2]', "body"),
+    ("[1, 2]", "body"),
     ('{"prompt": ' + "[" * 5000 + "]" * 5000 + "}", "body"),  # nested past json's recursion limit
     ('{"prompt": "hi", "seed": ' + "9" * 5000 + "}", "body"),  # past Python's digits limit for an int
     ('{"prompt": "hi", "stop": ' + json.dumps(["x"] * 17) + "}", "stop"),
@@ -159,8 +190,9 @@ def test_unknown_path_and_method_in_openai_shape(server):
 
 
 def test_a_lone_surrogate_in_a_chat_message_is_400(server):
-    code, out, _ = post(server, "/v1/chat/completions",
-                        '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}')
+    code, out, _ = post(
+        server, "/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    )
     assert code == 400 and out["error"]["param"] == "messages.0.content", out
 
 
@@ -170,10 +202,9 @@ def test_request_size_limits_are_413(checkpoint):
         assert code == 413 and out["error"]["param"] == "body" and "1,000" in out["error"]["message"], out
         code, out, _ = post(s, "/v1/completions", json.dumps({"model": NAME, "prompt": "x" * 60}))
         assert code == 413 and out["error"]["param"] == "prompt" and "50" in out["error"]["message"], out
-        code, out, _ = post(s, "/v1/chat/completions", json.dumps(
-            {"model": NAME, "messages": [{"role": "user", "content": "x" * 60}]}))
+        code, out, _ = post(
+            s, "/v1/chat/completions", json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x" * 60}]})
+        )
         assert code == 413 and out["error"]["param"] == "messages", out
         code, out, _ = post(s, "/v1/completions", json.dumps({"model": NAME, "prompt": "x" * 10, "max_tokens": 2}))
         assert code == 200, out
-
-

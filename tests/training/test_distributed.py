@@ -54,10 +54,22 @@ def batches() -> list[torch.Tensor]:
 
 
 def run_cfg(corpus, out, **kw) -> TrainConfig:
-    base = dict(preset="kimi-k3-tiny", model_overrides=SMALL, data=str(corpus), tokenizer="byte",
-                seq_len=16, batch_size=4, max_steps=4, warmup_steps=2, eval_every=2, eval_tokens=128,
-                final_eval_tokens=256, out=str(out), val_fraction=0.2,
-                device="cpu")
+    base = dict(
+        preset="kimi-k3-tiny",
+        model_overrides=SMALL,
+        data=str(corpus),
+        tokenizer="byte",
+        seq_len=16,
+        batch_size=4,
+        max_steps=4,
+        warmup_steps=2,
+        eval_every=2,
+        eval_tokens=128,
+        final_eval_tokens=256,
+        out=str(out),
+        val_fraction=0.2,
+        device="cpu",
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -112,19 +124,29 @@ def _peak_rss_of_a_large_model_on_meta() -> dict:
     import resource
 
     strategy = distributed.Distributed("fsdp")
-    config = get_config("kimi-k3-tiny", vocab_size=VOCAB, hidden_size=512, num_experts=64, moe_intermediate_size=512,
-                        moe_latent_size=512)
+    config = get_config(
+        "kimi-k3-tiny",
+        vocab_size=VOCAB,
+        hidden_size=512,
+        num_experts=64,
+        moe_intermediate_size=512,
+        moe_latent_size=512,
+    )
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     model = strategy.new_model(config)
     strategy.setup(model, STEP_CFG)
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    return {"grown": grown, "whole": 4 * model.num_parameters(), "norm": float(
-        sum(p.to_local().double().pow(2).sum() for p in model.parameters()))}
+    return {
+        "grown": grown,
+        "whole": 4 * model.num_parameters(),
+        "norm": float(sum(p.to_local().double().pow(2).sum() for p in model.parameters())),
+    }
 
 
 def _worker(rank: int, port: int, corpus: str, root: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     results = {case: _two_steps(*case) for case in CASES}
@@ -138,19 +160,22 @@ def _worker(rank: int, port: int, corpus: str, root: str) -> None:
     # single-process checkpoints resumed by 2
     results["ep2"] = train(run_cfg(corpus, f"{root}/ep2", max_steps=2), progress=False, parallel="ep")
     # --parallel ep is fsdp x ep with the experts over all processes and the dense part whole: the same steps
-    results["fsdp_ep2"] = train(run_cfg(corpus, f"{root}/fsdp_ep2", max_steps=2, ep=2), progress=False,
-                                parallel="fsdp")
+    results["fsdp_ep2"] = train(run_cfg(corpus, f"{root}/fsdp_ep2", max_steps=2, ep=2), progress=False, parallel="fsdp")
     for mode in ("fsdp", "ep"):
-        results[f"resumed_{mode}"] = train(TrainConfig(max_steps=4), resume=f"{root}/single2_{mode}",
-                                           progress=False, parallel=mode)
-    results["resumed_unchosen"] = train(TrainConfig(max_steps=3), resume=f"{root}/single2_unchosen",
-                                        progress=False, parallel="fsdp")
+        results[f"resumed_{mode}"] = train(
+            TrainConfig(max_steps=4), resume=f"{root}/single2_{mode}", progress=False, parallel=mode
+        )
+    results["resumed_unchosen"] = train(
+        TrainConfig(max_steps=3), resume=f"{root}/single2_unchosen", progress=False, parallel="fsdp"
+    )
     for mode, recompute in (("fsdp", "full"), ("ep", "selective")):  # the layers' forwards run again
-        results[f"recompute_{mode}"] = train(run_cfg(corpus, f"{root}/recompute_{mode}", recompute=recompute),
-                                             progress=False, parallel=mode)
+        results[f"recompute_{mode}"] = train(
+            run_cfg(corpus, f"{root}/recompute_{mode}", recompute=recompute), progress=False, parallel=mode
+        )
     for mode in ("ddp", "fsdp", "ep"):  # 2 micro-batches of 2 windows, one per rank: the reference's steps
-        results[f"accumulated_{mode}"] = train(run_cfg(corpus, f"{root}/accumulated_{mode}", batch_size=2,
-                                                       grad_accum=2), progress=False, parallel=mode)
+        results[f"accumulated_{mode}"] = train(
+            run_cfg(corpus, f"{root}/accumulated_{mode}", batch_size=2, grad_accum=2), progress=False, parallel=mode
+        )
     if rank == 0:
         torch.save(results, f"{root}/results.pt")
     torch.distributed.destroy_process_group()
@@ -214,8 +239,9 @@ def assert_same_tensors(got: dict, want: dict, what: str, atol: float = 0.0, rto
         assert (g is None) == (w is None), f"{what} {name}: one is None"
         if w is not None:
             worst = float((g - w).abs().max()) if w.numel() else 0.0
-            assert relative(g, w) <= rtol or worst <= atol, \
+            assert relative(g, w) <= rtol or worst <= atol, (
                 f"{what} {name}: relative difference {relative(g, w):.2e}, largest {worst:.2e}"
+            )
 
 
 @pytest.mark.parametrize("preset,mode", CASES)
@@ -251,8 +277,9 @@ def test_two_processes_take_the_single_process_steps(runs, preset, mode):
         assert bool(((loads[0] == 0) != (loads[1] == 0)).any())
 
 
-@pytest.mark.parametrize("preset,mode", [("kimi-k3-tiny", "fsdp"), ("kimi-k3-tiny", "ep"), ("kimi-k3-tiny", "ddp"),
-                                         ("gpt2-tiny", "fsdp")])
+@pytest.mark.parametrize(
+    "preset,mode", [("kimi-k3-tiny", "fsdp"), ("kimi-k3-tiny", "ep"), ("kimi-k3-tiny", "ddp"), ("gpt2-tiny", "fsdp")]
+)
 def test_a_model_built_on_meta_and_split_gets_the_one_process_weights(runs, preset, mode):
     """Under torchrun the model is built on the meta device, split, and each rank initialises its share:
     the same tensors, bit for bit, as one process builds with the same seed (each parameter's values come

@@ -25,9 +25,22 @@ SMALL = {"hidden_size": 32, "num_layers": 3, "num_experts": 8, "num_experts_per_
 
 
 def run_cfg(corpus, out, **kw) -> TrainConfig:
-    base = dict(preset="kimi-k3-tiny", model_overrides=SMALL, data=str(corpus), tokenizer="byte", seq_len=16,
-                batch_size=8, max_steps=4, warmup_steps=2, eval_every=2, eval_tokens=128, final_eval_tokens=256,
-                out=str(out), val_fraction=0.2, device="cpu")
+    base = dict(
+        preset="kimi-k3-tiny",
+        model_overrides=SMALL,
+        data=str(corpus),
+        tokenizer="byte",
+        seq_len=16,
+        batch_size=8,
+        max_steps=4,
+        warmup_steps=2,
+        eval_every=2,
+        eval_tokens=128,
+        final_eval_tokens=256,
+        out=str(out),
+        val_fraction=0.2,
+        device="cpu",
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -52,23 +65,33 @@ def _held(rank: int) -> dict:
     held = rank_values(model_shapes(config), Layout(4, 1, 4, 2), rank)
     n = sum(held.values())
     adam_only = held["embedding"] + held["vector"]
-    return {"values": sum(local(p).numel() for p in model.parameters()), "planned values": n,
-            "optimizer bytes": sum(local(v).numel() * v.element_size() for state in strategy.optimizer.state.values()
-                                   for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0),
-            "planned optimizer bytes": 4 * (n - adam_only) + 8 * adam_only}
+    return {
+        "values": sum(local(p).numel() for p in model.parameters()),
+        "planned values": n,
+        "optimizer bytes": sum(
+            local(v).numel() * v.element_size()
+            for state in strategy.optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ),
+        "planned optimizer bytes": 4 * (n - adam_only) + 8 * adam_only,
+    }
 
 
 def _four(rank: int, port: int, corpus: str, root: str) -> None:
     join(rank, 4, port)
     held = [None] * 4
     torch.distributed.all_gather_object(held, _held(rank))
-    results = {"held": held,
+    results = {
+        "held": held,
         "muon": train(run_cfg(corpus, f"{root}/muon", ep=2), progress=False, parallel="fsdp"),
         "adamw": train(run_cfg(corpus, f"{root}/adamw", ep=2, optimizer="adamw"), progress=False, parallel="fsdp"),
-        "accumulated": train(run_cfg(corpus, f"{root}/accumulated", ep=2, batch_size=4, grad_accum=2),
-                             progress=False, parallel="fsdp"),
-        "recompute": train(run_cfg(corpus, f"{root}/recompute", ep=2, recompute="full"), progress=False,
-                           parallel="fsdp"),
+        "accumulated": train(
+            run_cfg(corpus, f"{root}/accumulated", ep=2, batch_size=4, grad_accum=2), progress=False, parallel="fsdp"
+        ),
+        "recompute": train(
+            run_cfg(corpus, f"{root}/recompute", ep=2, recompute="full"), progress=False, parallel="fsdp"
+        ),
     }
     train(run_cfg(corpus, f"{root}/chain", ep=2, max_steps=2), progress=False, parallel="fsdp")
     with pytest.raises(ValueError, match="--ep 3 does not divide the 4 processes"):
@@ -91,8 +114,13 @@ def _two(rank: int, port: int, root: str) -> None:
 
     distributed.Distributed.new_model = spy
     try:
-        history = train(TrainConfig(max_steps=3, ep=1), resume=f"{root}/chain", asked=("max_steps", "ep"),
-                        progress=False, parallel="fsdp")
+        history = train(
+            TrainConfig(max_steps=3, ep=1),
+            resume=f"{root}/chain",
+            asked=("max_steps", "ep"),
+            progress=False,
+            parallel="fsdp",
+        )
     finally:
         distributed.Distributed.new_model = new_model
     # the sharded checkpoint of 2 processes, read back split over them: each reads only its own experts
@@ -115,15 +143,18 @@ def runs(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        reference = {"muon": train(run_cfg(corpus, root / "single"), progress=False),
-                     "adamw": train(run_cfg(corpus, root / "single_adamw", optimizer="adamw"), progress=False)}
+        reference = {
+            "muon": train(run_cfg(corpus, root / "single"), progress=False),
+            "adamw": train(run_cfg(corpus, root / "single_adamw", optimizer="adamw"), progress=False),
+        }
         torch.multiprocessing.spawn(_four, args=(free_port(), str(corpus), str(root)), nprocs=4)
         files = {"four": (shards(root / "chain"), (root / "chain" / "model.safetensors").exists())}
         torch.multiprocessing.spawn(_two, args=(free_port(), str(root)), nprocs=2)
         files["two"] = (shards(root / "chain"), (root / "chain" / "model.safetensors").exists())
         two = torch.load(root / "two.pt", weights_only=False)
-        two["one process rows"] = CausalLM.from_pretrained(root / "chain").double().eval().generate(
-            PROMPTS, 8, temperature=0)
+        two["one process rows"] = (
+            CausalLM.from_pretrained(root / "chain").double().eval().generate(PROMPTS, 8, temperature=0)
+        )
         resumed = train(TrainConfig(max_steps=4), resume=str(root / "chain"), asked=("max_steps",), progress=False)
         files["one"] = (shards(root / "chain"), (root / "chain" / "model.safetensors").exists())
     finally:
@@ -138,8 +169,9 @@ def assert_follows(history: dict, reference: dict, steps: int | None = None) -> 
     assert history["loss"] == pytest.approx(reference["loss"][:steps], rel=RTOL)
 
 
-@pytest.mark.parametrize("case,reference", [("muon", "muon"), ("adamw", "adamw"), ("accumulated", "muon"),
-                                            ("recompute", "muon")])
+@pytest.mark.parametrize(
+    "case,reference", [("muon", "muon"), ("adamw", "adamw"), ("accumulated", "muon"), ("recompute", "muon")]
+)
 def test_four_processes_fsdp_x_ep_take_the_single_process_steps(runs, case, reference):
     single, four, _, _ = runs
     assert_follows(four[case], single[reference])

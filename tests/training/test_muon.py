@@ -57,11 +57,21 @@ def test_one_step_is_muon_on_the_matrices_and_adamw_elsewhere():
     twin = _Tiny().double()
     twin.load_state_dict(model.state_dict())
     lr, wd, mu, betas = 0.02, 0.1, 0.95, (0.9, 0.95)
-    opt = Muon([{"params": [model.proj.weight, model.up.weight], "use_muon": True, "weight_decay": wd},
-                {"params": [model.embed.weight], "weight_decay": wd},
-                {"params": [model.proj.bias], "weight_decay": 0.0}], lr=lr, betas=betas, momentum=mu)
-    adamw = torch.optim.AdamW([{"params": [twin.embed.weight], "weight_decay": wd},
-                               {"params": [twin.proj.bias], "weight_decay": 0.0}], lr=lr, betas=betas)
+    opt = Muon(
+        [
+            {"params": [model.proj.weight, model.up.weight], "use_muon": True, "weight_decay": wd},
+            {"params": [model.embed.weight], "weight_decay": wd},
+            {"params": [model.proj.bias], "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=betas,
+        momentum=mu,
+    )
+    adamw = torch.optim.AdamW(
+        [{"params": [twin.embed.weight], "weight_decay": wd}, {"params": [twin.proj.bias], "weight_decay": 0.0}],
+        lr=lr,
+        betas=betas,
+    )
     matrices = [twin.proj.weight, twin.up.weight]
     momentum = [torch.zeros_like(w) for w in matrices]
     for _ in range(3):
@@ -84,8 +94,7 @@ def test_the_state_dict_round_trips_and_the_next_step_repeats():
     model = _Tiny()
 
     def groups(m):
-        return [{"params": [m.proj.weight, m.up.weight], "use_muon": True},
-                {"params": [m.embed.weight, m.proj.bias]}]
+        return [{"params": [m.proj.weight, m.up.weight], "use_muon": True}, {"params": [m.embed.weight, m.proj.bias]}]
 
     opt = Muon(groups(model), lr=0.01)
     for _ in range(2):
@@ -162,7 +171,7 @@ def test_matrices_orthogonalised_in_runs_take_the_step_of_one_stack(monkeypatch)
     params = [nn.Parameter(torch.randn(6, 4, dtype=torch.float64)) for _ in range(5)]
     grads = [torch.randn_like(p) for p in params]
     results = []
-    for values in (10 ** 6, 24):  # one stack of 5; runs of 1 matrix
+    for values in (10**6, 24):  # one stack of 5; runs of 1 matrix
         monkeypatch.setattr(muon, "STACK_VALUES", values)
         copies = [nn.Parameter(p.detach().clone()) for p in params]
         for p, g in zip(copies, grads):

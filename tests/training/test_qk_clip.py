@@ -33,8 +33,16 @@ CPU = torch.device("cpu")
 
 def mla(q_lora_rank: int | None = 8, rope_theta: float | None = 10000.0) -> MultiHeadLatentAttention:
     torch.manual_seed(0)
-    return MultiHeadLatentAttention(16, 3, q_lora_rank=q_lora_rank, kv_lora_rank=8, qk_nope_head_dim=4,
-                                    qk_rope_head_dim=2, v_head_dim=5, rope_theta=rope_theta).double()
+    return MultiHeadLatentAttention(
+        16,
+        3,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=8,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=2,
+        v_head_dim=5,
+        rope_theta=rope_theta,
+    ).double()
 
 
 def mha() -> MultiHeadAttention:
@@ -78,8 +86,10 @@ def test_the_blocked_maximum_is_the_maximum_of_all_scores(monkeypatch, T, S, pad
     else:
         monkeypatch.setattr(max_logit, "QUERY_BLOCK", 2)  # blocks of two queries against the keys they see
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(2, T, 3, 4, generator=g, dtype=torch.float64), torch.randn(2, S, 3, 4, generator=g,
-                                                                                   dtype=torch.float64)
+    q, k = (
+        torch.randn(2, T, 3, 4, generator=g, dtype=torch.float64),
+        torch.randn(2, S, 3, 4, generator=g, dtype=torch.float64),
+    )
     start = torch.tensor([0, 2]) if padded else None
     assert torch.equal(causal_max_logits(q, k, 0.5, start), brute_max_logits(q, k, 0.5, start))
 
@@ -113,9 +123,10 @@ def test_after_the_clip_no_head_is_above_tau_and_heads_under_it_keep_their_weigh
         q_name = "q_proj.weight" if layer.q_lora_rank is None else "q_b_proj.weight"
         q = expected[q_name].view(layer.num_heads, layer.dn + layer.dr, -1)
         q[:, : layer.dn] *= gamma.sqrt()[:, None, None]
-        q[:, layer.dn:] *= gamma[:, None, None]
-        expected["kv_b_proj.weight"].view(layer.num_heads, layer.dn + layer.dv, -1)[:, : layer.dn] *= \
-            gamma.sqrt()[:, None, None]
+        q[:, layer.dn :] *= gamma[:, None, None]
+        expected["kv_b_proj.weight"].view(layer.num_heads, layer.dn + layer.dv, -1)[:, : layer.dn] *= gamma.sqrt()[
+            :, None, None
+        ]
         touched = {q_name, "kv_b_proj.weight"}
     else:
         D = layer.hidden_size // layer.num_heads
@@ -168,8 +179,9 @@ def test_the_default_is_100_with_muon_and_off_with_adamw_and_bad_values_are_refu
     assert qk_clip_threshold(_train_config(parse(["train", "--optimizer", "adamw", "--qk-clip", "30"]))) == 30.0
     for bad in ("-1", "inf", "nan", "big"):
         assert main(["train", "--qk-clip", bad]) == 2
-        assert f"--qk-clip: expected a logit bound (0: off), a finite number >= 0, got '{bad}'" in \
-            capsys.readouterr().err
+        assert (
+            f"--qk-clip: expected a logit bound (0: off), a finite number >= 0, got '{bad}'" in capsys.readouterr().err
+        )
     for bad in (-1.0, math.inf, math.nan, True):
         with pytest.raises(ValueError, match="`qk_clip` must be a finite number >= 0"):
             TrainConfig(qk_clip=bad)
@@ -205,7 +217,13 @@ def test_metrics_log_the_largest_logit_and_the_clipped_heads_and_resume_is_exact
     assert "max_logit" not in read_metrics(tmp_path / "off" / METRICS_FILE)[0]
     adamw = train(config(corpus, tmp_path / "adamw", optimizer="adamw", max_steps=1), progress=False)
     assert adamw["step"] == [1] and set(read_metrics(tmp_path / "adamw" / METRICS_FILE)[0]) == {
-        "step", "loss", "lr", "tokens_per_s", "grad_norm", "val_bpb"}
+        "step",
+        "loss",
+        "lr",
+        "tokens_per_s",
+        "grad_norm",
+        "val_bpb",
+    }
     config_json = json.loads((tmp_path / "half" / "config.json").read_text())
     assert config_json["train"]["qk_clip"] == TINY_TAU
 
@@ -248,10 +266,16 @@ def _fsdp_worker(rank: int, port: int, root: str) -> None:
         assert any(isinstance(p, DTensor) for layer in layers for p in layer.parameters())
         strategy.step(windows(), cfg)
         local = qk_clip.head_max_logits(layers, CPU)  # what this rank's tokens gave, before the all-reduce
-        weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                   for n, p in strategy.model.named_parameters()}
-        out[preset] = {"local": local, "max_logit": strategy.max_logit, "clipped": strategy.qk_clipped_heads,
-                       "weights": weights}
+        weights = {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in strategy.model.named_parameters()
+        }
+        out[preset] = {
+            "local": local,
+            "max_logit": strategy.max_logit,
+            "clipped": strategy.qk_clipped_heads,
+            "weights": weights,
+        }
     parts = [None] * WORLD
     torch.distributed.all_gather_object(parts, out)
     if rank == 0:
@@ -261,8 +285,11 @@ def _fsdp_worker(rank: int, port: int, root: str) -> None:
 
 def tiny_model(preset: str) -> CausalLM:
     torch.manual_seed(0)
-    overrides = {"hidden_size": 32, "num_layers": 3, "num_experts": 8, "num_experts_per_tok": 2} \
-        if preset == "kimi-k3-tiny" else {"hidden_size": 32, "num_layers": 2}
+    overrides = (
+        {"hidden_size": 32, "num_layers": 3, "num_experts": 8, "num_experts_per_tok": 2}
+        if preset == "kimi-k3-tiny"
+        else {"hidden_size": 32, "num_layers": 2}
+    )
     return CausalLM(get_config(preset, vocab_size=257, **overrides))
 
 

@@ -69,12 +69,28 @@ def test_parameter_names_are_unchanged_and_bad_modes_refused():
 def test_training_with_recompute_takes_the_same_steps_and_resumes_without_it(tmp_path):
     (tmp_path / "corpus").mkdir()
     corpus = write_corpus(tmp_path / "corpus", docs=4, words=300)
-    base = dict(preset="kimi-k3-tiny", model_overrides={"hidden_size": 32, "num_layers": 3}, data=str(corpus),
-                tokenizer="byte", seq_len=16, batch_size=2, max_steps=4, eval_every=2, eval_tokens=64,
-                final_eval_tokens=64, val_fraction=0.2, threads=1, device="cpu")
+    base = dict(
+        preset="kimi-k3-tiny",
+        model_overrides={"hidden_size": 32, "num_layers": 3},
+        data=str(corpus),
+        tokenizer="byte",
+        seq_len=16,
+        batch_size=2,
+        max_steps=4,
+        eval_every=2,
+        eval_tokens=64,
+        final_eval_tokens=64,
+        val_fraction=0.2,
+        threads=1,
+        device="cpu",
+    )
     plain = train(TrainConfig(**base, out=str(tmp_path / "plain")), progress=False)
     half = train(TrainConfig(**{**base, "max_steps": 2}, out=str(tmp_path / "full"), recompute="full"), progress=False)
     assert half["loss"] == pytest.approx(plain["loss"][:2], rel=1e-5)
-    resumed = train(TrainConfig(max_steps=4, recompute="selective"), resume=str(tmp_path / "full"),
-                    asked=("max_steps", "recompute"), progress=False)  # recompute changes no arithmetic
+    resumed = train(
+        TrainConfig(max_steps=4, recompute="selective"),
+        resume=str(tmp_path / "full"),
+        asked=("max_steps", "recompute"),
+        progress=False,
+    )  # recompute changes no arithmetic
     assert resumed["loss"] == pytest.approx(plain["loss"], rel=1e-5)

@@ -30,9 +30,24 @@ SMALL = {"hidden_size": 32, "num_layers": 3, "num_experts": 8, "num_experts_per_
 
 
 def run_cfg(corpus, out, **kw) -> TrainConfig:
-    base = dict(preset="kimi-k3-tiny", model_overrides=SMALL, data=str(corpus), tokenizer="byte", seq_len=16,
-                batch_size=4, max_steps=4, warmup_steps=2, eval_every=2, eval_tokens=64, final_eval_tokens=128,
-                checkpoint_every=2, out=str(out), val_fraction=0.2, threads=1, device="cpu")
+    base = dict(
+        preset="kimi-k3-tiny",
+        model_overrides=SMALL,
+        data=str(corpus),
+        tokenizer="byte",
+        seq_len=16,
+        batch_size=4,
+        max_steps=4,
+        warmup_steps=2,
+        eval_every=2,
+        eval_tokens=64,
+        final_eval_tokens=128,
+        checkpoint_every=2,
+        out=str(out),
+        val_fraction=0.2,
+        threads=1,
+        device="cpu",
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -49,9 +64,16 @@ def run(tmp_path_factory):
     saves = {}
 
     def sharded(self, out, tokenizer, cfg, step, max_steps, generator, history):
-        saves[step] = dict(strategy=copy.deepcopy(self), tokenizer=tokenizer, cfg=cfg, step=step, max_steps=max_steps,
-                           data_rng=generator.get_state(), torch_rng=torch.get_rng_state(),
-                           history=copy.deepcopy(history))
+        saves[step] = dict(
+            strategy=copy.deepcopy(self),
+            tokenizer=tokenizer,
+            cfg=cfg,
+            step=step,
+            max_steps=max_steps,
+            data_rng=generator.get_state(),
+            torch_rng=torch.get_rng_state(),
+            history=copy.deepcopy(history),
+        )
         save_sharded(self, Path(out), tokenizer, cfg, step, max_steps, generator, history)
 
     with pytest.MonkeyPatch.context() as patch:
@@ -65,8 +87,16 @@ def replay(save: dict, out: Path) -> None:
     torch.set_rng_state(save["torch_rng"])
     generator = torch.Generator()
     generator.set_state(save["data_rng"])
-    save_sharded(save["strategy"], out, save["tokenizer"], save["cfg"], save["step"], save["max_steps"], generator,
-                 save["history"])
+    save_sharded(
+        save["strategy"],
+        out,
+        save["tokenizer"],
+        save["cfg"],
+        save["step"],
+        save["max_steps"],
+        generator,
+        save["history"],
+    )
 
 
 def files(folder: Path) -> list[str]:
@@ -76,8 +106,15 @@ def files(folder: Path) -> list[str]:
 def test_a_sharded_checkpoint_holds_dcp_files_and_resumes_on_the_same_losses(run):
     root = run["root"]
     assert run["sharded"]["loss"] == run["full"]["loss"]
-    assert files(root / "S2") == [".k3-manifest.json", "config.json", "dcp/.metadata", "dcp/__0_0.distcp",
-                                  "loss.png", "tokenizer.json", "trainer_state.pt"]
+    assert files(root / "S2") == [
+        ".k3-manifest.json",
+        "config.json",
+        "dcp/.metadata",
+        "dcp/__0_0.distcp",
+        "loss.png",
+        "tokenizer.json",
+        "trainer_state.pt",
+    ]
     state = ckpt_module.load_training_checkpoint(root / "S2")
     assert state["model"] is None and state["sharded"] == root / "S2" and state["step"] == 2
     assert "state" not in state["optimizer"] and state["optimizer"]["param_groups"]  # the tensors are in dcp/
@@ -92,8 +129,11 @@ def test_from_pretrained_export_and_generate_read_it_one_tensor_at_a_time(run, t
     expected = run["saves"][4]["strategy"].model.state_dict()
     reads = []
     real = dcp.load_sharded_state
-    monkeypatch.setattr(dcp, "load_sharded_state",
-                        lambda state, reader, no_dist: (reads.append(list(state)), real(state, reader, no_dist)))
+    monkeypatch.setattr(
+        dcp,
+        "load_sharded_state",
+        lambda state, reader, no_dist: (reads.append(list(state)), real(state, reader, no_dist)),
+    )
     model = CausalLM.from_pretrained(source)
     assert model.state_dict().keys() == expected.keys()
     for name, tensor in model.state_dict().items():
@@ -104,8 +144,22 @@ def test_from_pretrained_export_and_generate_read_it_one_tensor_at_a_time(run, t
     assert main(["export", str(source), str(tmp_path / "hf")]) == 0
     exported = CausalLM.from_pretrained(tmp_path / "hf")
     assert all(torch.equal(t, expected[n]) for n, t in exported.state_dict().items())
-    assert main(["generate", "--checkpoint", str(source), "--prompt", "to be", "--max-new-tokens", "4",
-                 "--temperature", "0"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                str(source),
+                "--prompt",
+                "to be",
+                "--max-new-tokens",
+                "4",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
 
 
 @pytest.mark.parametrize("mode", ["error", "death"])
@@ -127,10 +181,15 @@ def test_a_sharded_save_stopped_at_any_file_operation_leaves_one_whole_checkpoin
     assert positions >= 25, counted.ops
     # DCP writes each tensor with a torch.save into the staging folder: of that run (all before the
     # commit point, alike) the first, middle and last are stopped at; every other operation is
-    inside = [at for at in range(1, positions + 1) if counted.ops[at - 1] == "torch.save"
-              and "dcp.save" in counted.ops[:at - 1] and "save_file" not in counted.ops[:at - 1]
-              and "Tokenizer.save" not in counted.ops[:at - 1]]
-    kept = set(inside[:1] + inside[len(inside) // 2:len(inside) // 2 + 1] + inside[-1:])
+    inside = [
+        at
+        for at in range(1, positions + 1)
+        if counted.ops[at - 1] == "torch.save"
+        and "dcp.save" in counted.ops[: at - 1]
+        and "save_file" not in counted.ops[: at - 1]
+        and "Tokenizer.save" not in counted.ops[: at - 1]
+    ]
+    kept = set(inside[:1] + inside[len(inside) // 2 : len(inside) // 2 + 1] + inside[-1:])
     chosen = [at for at in range(1, positions + 1) if at not in inside or at in kept]
     outcomes = []
     for at in chosen:
@@ -155,8 +214,10 @@ def test_a_sharded_save_stopped_at_any_file_operation_leaves_one_whole_checkpoin
             assert ("intact" in str(error)) == (outcome == "previous"), (where, str(error))
         outcomes.append(outcome)
     assert set(outcomes) == {"previous", "new"}
-    print(f"{mode}: {positions} positions ({len(chosen)} stopped at), {outcomes.count('new')} ended with the new "
-          f"checkpoint")
+    print(
+        f"{mode}: {positions} positions ({len(chosen)} stopped at), {outcomes.count('new')} ended with the new "
+        f"checkpoint"
+    )
     if mode == "death":  # the first position that kept the new checkpoint resumes on the run's losses
         first_new = tmp_path / f"at{chosen[outcomes.index('new')]}"
         resumed = train(TrainConfig(), resume=str(first_new), progress=False)

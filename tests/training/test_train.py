@@ -29,10 +29,22 @@ def corpus(tmp_path_factory):
 
 
 def config(corpus, out, **kw) -> TrainConfig:
-    base = dict(preset="kimi-k3-tiny", model_overrides={"hidden_size": 32}, data=str(corpus), tokenizer="byte",
-                seq_len=32, batch_size=2, max_steps=6, warmup_steps=2, eval_every=3, eval_tokens=256,
-                final_eval_tokens=512, out=str(out), val_fraction=0.2,
-                device="cpu")
+    base = dict(
+        preset="kimi-k3-tiny",
+        model_overrides={"hidden_size": 32},
+        data=str(corpus),
+        tokenizer="byte",
+        seq_len=32,
+        batch_size=2,
+        max_steps=6,
+        warmup_steps=2,
+        eval_every=3,
+        eval_tokens=256,
+        final_eval_tokens=512,
+        out=str(out),
+        val_fraction=0.2,
+        device="cpu",
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -51,8 +63,15 @@ def test_resume_gives_the_uninterrupted_loss_sequence(corpus, tmp_path):
 def test_checkpoint_holds_everything_and_loads(corpus, tmp_path):
     train(config(corpus, tmp_path, max_steps=2), progress=False)
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == [".k3-manifest.json", "config.json", "loss.png", "metrics.jsonl", "model.safetensors",
-                     "tokenizer.json", "trainer_state.pt"]
+    assert names == [
+        ".k3-manifest.json",
+        "config.json",
+        "loss.png",
+        "metrics.jsonl",
+        "model.safetensors",
+        "tokenizer.json",
+        "trainer_state.pt",
+    ]
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     model = CausalLM.from_pretrained(tmp_path)
     assert model.config.hidden_size == 32 and model.config.vocab_size == 257
@@ -71,8 +90,9 @@ def test_a_failed_save_leaves_the_previous_checkpoint(corpus, tmp_path, monkeypa
     after = {p.name: digest(p) for p in tmp_path.iterdir()}
     assert after.keys() == before.keys()  # no temp files
     # nothing of the checkpoint changed (the metrics log, beside it, has the lines of the steps run)
-    assert {n: d for n, d in after.items() if n != "metrics.jsonl"} == \
-        {n: d for n, d in before.items() if n != "metrics.jsonl"}
+    assert {n: d for n, d in after.items() if n != "metrics.jsonl"} == {
+        n: d for n, d in before.items() if n != "metrics.jsonl"
+    }
     monkeypatch.undo()
     assert ckpt_module.load_training_checkpoint(tmp_path)["step"] == 2
 
@@ -102,7 +122,9 @@ def test_ctrl_c_finishes_the_step_saves_and_resumes_exactly(corpus, tmp_path, mo
 def test_resume_with_another_model_names_the_setting(corpus, tmp_path):
     train(config(corpus, tmp_path, max_steps=1), progress=False)
     wider = TrainConfig(max_steps=2, preset="kimi-k3-tiny", model_overrides={"hidden_size": 48})
-    with pytest.raises(ValueError, match="`model_overrides` {'hidden_size': 48} \\(the checkpoint's: {'hidden_size': 32}\\)"):
+    with pytest.raises(
+        ValueError, match="`model_overrides` {'hidden_size': 48} \\(the checkpoint's: {'hidden_size': 32}\\)"
+    ):
         train(wider, resume=str(tmp_path), progress=False)
 
 
@@ -127,9 +149,31 @@ def test_weight_decay_spares_norms_gates_and_queries():
 
 def test_cli_train_then_generate(corpus, tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["train", "--data", str(corpus), "--tokenizer", "byte", "--hidden-size", "32", "--seq-len", "32",
-                 "--batch-size", "2", "--max-steps", "2", "--eval-every", "2", "--out", str(out),
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                str(corpus),
+                "--tokenizer",
+                "byte",
+                "--hidden-size",
+                "32",
+                "--seq-len",
+                "32",
+                "--batch-size",
+                "2",
+                "--max-steps",
+                "2",
+                "--eval-every",
+                "2",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert main(["generate", "--checkpoint", str(out), "--prompt", "to be", "--max-new-tokens", "5"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("to be") and "tokens/s" in captured.err
@@ -137,8 +181,22 @@ def test_cli_train_then_generate(corpus, tmp_path, capsys):
     assert "empty after tokenization" in capsys.readouterr().err
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("to be\n\nwhat light through yonder\nO\n")
-    assert main(["generate", "--checkpoint", str(out), "--prompt-file", str(prompts), "--max-new-tokens", "4",
-                 "--temperature", "0"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                str(out),
+                "--prompt-file",
+                str(prompts),
+                "--max-new-tokens",
+                "4",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     blocks = captured.out.split("--- prompt ")[1:]
     texts = ["to be", "what light through yonder", "O"]
@@ -146,8 +204,12 @@ def test_cli_train_then_generate(corpus, tmp_path, capsys):
     assert len(blocks) == 3 and "3 prompts" in captured.err
     alone = []
     for text in texts:
-        assert main(["generate", "--checkpoint", str(out), "--prompt", text, "--max-new-tokens", "4",
-                     "--temperature", "0"]) == 0
+        assert (
+            main(
+                ["generate", "--checkpoint", str(out), "--prompt", text, "--max-new-tokens", "4", "--temperature", "0"]
+            )
+            == 0
+        )
         alone.append(capsys.readouterr().out.rstrip("\n"))
     # each line as if alone (greedy; streaming holds back a last incomplete character)
     assert all(b.split("\n", 1)[1].startswith(a) for b, a in zip(blocks, alone))
@@ -178,8 +240,9 @@ def test_a_time_budget_run_follows_the_machine_speed():
         def write(self, *args, **kwargs):
             pass
 
-    cfg = TrainConfig(max_steps=None, time_budget=2.0, eval_every=100, eval_tokens=4096, final_eval_tokens=4096,
-                      warmup_steps=5)
+    cfg = TrainConfig(
+        max_steps=None, time_budget=2.0, eval_every=100, eval_tokens=4096, final_eval_tokens=4096, warmup_steps=5
+    )
     # after 100 s at 10 s/step about a dozen of the planned 1000 fit in the 20 s left
     assert 10 < loop._replan(cfg, 10, 100.0, 10.0, 1000, Bar()) < 20
     # a machine that keeps the planned speed keeps the plan (within 3%)
@@ -207,8 +270,26 @@ def test_compile_compiles_the_decoder_and_needs_a_cxx_compiler(corpus, tmp_path,
     monkeypatch.setattr(strategy_module, "cxx_compiler", runtime.cxx_compiler)
     with pytest.raises(ValueError, match="no C\\+\\+ compiler was found"):
         train(config(corpus, tmp_path / "d", max_steps=1, compile=True), progress=False)
-    assert main(["train", "--data", str(corpus), "--tokenizer", "byte", "--hidden-size", "32", "--max-steps", "1",
-                 "--compile", "--out", str(tmp_path / "e"), "--no-progress"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                str(corpus),
+                "--tokenizer",
+                "byte",
+                "--hidden-size",
+                "32",
+                "--max-steps",
+                "1",
+                "--compile",
+                "--out",
+                str(tmp_path / "e"),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     assert "install one" in capsys.readouterr().err
 
 

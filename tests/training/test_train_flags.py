@@ -35,10 +35,24 @@ def corpus(tmp_path_factory):
 
 
 def config(corpus, out, **kw) -> TrainConfig:
-    base = dict(preset="kimi-k3-tiny", model_overrides={"hidden_size": 32}, data=str(corpus), tokenizer="byte",
-                seq_len=32, batch_size=2, max_steps=3, warmup_steps=1, eval_every=3, eval_tokens=256,
-                final_eval_tokens=256, out=str(out), val_fraction=0.2, moe_bias_rate=1e-2, lr=LR,
-                device="cpu")
+    base = dict(
+        preset="kimi-k3-tiny",
+        model_overrides={"hidden_size": 32},
+        data=str(corpus),
+        tokenizer="byte",
+        seq_len=32,
+        batch_size=2,
+        max_steps=3,
+        warmup_steps=1,
+        eval_every=3,
+        eval_tokens=256,
+        final_eval_tokens=256,
+        out=str(out),
+        val_fraction=0.2,
+        moe_bias_rate=1e-2,
+        lr=LR,
+        device="cpu",
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -57,8 +71,14 @@ def test_grad_accum_takes_the_step_of_a_larger_batch(corpus, tmp_path):
         assert float((a[name] - b[name]).abs().max()) <= 0.05 * LR, name
     # AdamW stepped 3 times (an expert that no token chose in a step has no gradient then, in both runs;
     # Muon's matrices keep a momentum and no count)
-    steps = [[float(s["step"]) for s in torch.load(tmp_path / run / "trainer_state.pt", weights_only=True)
-              ["optimizer"]["state"].values() if "step" in s] for run in ("accum", "whole")]
+    steps = [
+        [
+            float(s["step"])
+            for s in torch.load(tmp_path / run / "trainer_state.pt", weights_only=True)["optimizer"]["state"].values()
+            if "step" in s
+        ]
+        for run in ("accum", "whole")
+    ]
     assert steps[0] and steps[0] == steps[1] and max(steps[0]) == 3.0
 
 
@@ -80,8 +100,10 @@ def test_bf16_trains_float32_weights_and_states_close_to_float32(corpus):
     assert moments and {t.dtype for t in moments} == {torch.float32}
 
 
-@pytest.mark.parametrize("op,gate", [(chunk_delta_rule, None), (chunk_gated_delta_rule, "head"),
-                                     (chunk_kda, "channel"), (chunk_linear_attn, "linear")])
+@pytest.mark.parametrize(
+    "op,gate",
+    [(chunk_delta_rule, None), (chunk_gated_delta_rule, "head"), (chunk_kda, "channel"), (chunk_linear_attn, "linear")],
+)
 def test_linear_attention_ops_keep_float32_under_autocast(op, gate):
     """Under bf16 autocast the ops' matmuls and states stay float32: the same outputs and state as
     without autocast (autocast would otherwise run the chunk matmuls in bfloat16)."""
@@ -92,8 +114,11 @@ def test_linear_attention_ops_keep_float32_under_autocast(op, gate):
         args, kwargs = (q, k, v), dict(output_final_state=True, chunk_size=16)
     else:
         beta = torch.rand(B, T, H, generator=g)
-        decay = {None: (), "head": (-torch.rand(B, T, H, generator=g),),
-                 "channel": (-torch.rand(B, T, H, K, generator=g),)}[gate]
+        decay = {
+            None: (),
+            "head": (-torch.rand(B, T, H, generator=g),),
+            "channel": (-torch.rand(B, T, H, K, generator=g),),
+        }[gate]
         args, kwargs = (q, k, v, *decay, beta), dict(output_final_state=True, use_qk_l2norm=True, chunk_size=16)
     o, state = op(*args, **kwargs)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -113,8 +138,11 @@ def test_metrics_log_has_every_step_and_continues_on_resume(corpus, tmp_path, ca
     first = read_metrics(out / METRICS_FILE)
     assert [r["step"] for r in first] == [1, 2, 2]
     assert set(first[0]) == {"step", "loss", "lr", "tokens_per_s", "grad_norm", "max_logit", "qk_clipped_heads"}
-    assert set(first[1]) == set(first[0]) | {"val_bpb"} and set(first[2]) == {"step", "final_val_bpb",
-                                                                              "final_eval_tokens"}
+    assert set(first[1]) == set(first[0]) | {"val_bpb"} and set(first[2]) == {
+        "step",
+        "final_val_bpb",
+        "final_eval_tokens",
+    }
     assert first[0]["lr"] == pytest.approx(LR) and first[0]["grad_norm"] > 0 and first[0]["tokens_per_s"] > 0
     # lines a killed run wrote after its checkpoint (a step it will take again, and a cut line) go;
     # the rest is kept as it was, and the resumed steps follow; no final evaluation with 0 tokens
@@ -127,8 +155,10 @@ def test_metrics_log_has_every_step_and_continues_on_resume(corpus, tmp_path, ca
     assert (out / METRICS_FILE).read_text().endswith("}\n")
     assert "no final evaluation" in capsys.readouterr().err
     # k3 generate --device
-    assert main(["generate", "--checkpoint", str(out), "--prompt", "to be", "--max-new-tokens", "2",
-                 "--device", "cpu"]) == 0
+    assert (
+        main(["generate", "--checkpoint", str(out), "--prompt", "to be", "--max-new-tokens", "2", "--device", "cpu"])
+        == 0
+    )
     assert "on cpu]" in capsys.readouterr().err
 
 
@@ -136,31 +166,64 @@ def test_cli_flags_reach_the_config_and_a_resume(corpus, tmp_path, monkeypatch):
     from k3.cli import build_parser
     from k3.cli.commands import _train_config
 
-    args = build_parser().parse_args(["train", "--device", "cpu", "--precision", "bf16", "--grad-accum", "3",
-                                      "--eval-tokens", "128", "--final-eval-tokens", "0", "--log", "none"])
+    args = build_parser().parse_args(
+        [
+            "train",
+            "--device",
+            "cpu",
+            "--precision",
+            "bf16",
+            "--grad-accum",
+            "3",
+            "--eval-tokens",
+            "128",
+            "--final-eval-tokens",
+            "0",
+            "--log",
+            "none",
+        ]
+    )
     cfg = _train_config(args)
-    assert (cfg.device, cfg.precision, cfg.grad_accum, cfg.eval_tokens, cfg.final_eval_tokens, cfg.log) == \
-        ("cpu", "bf16", 3, 128, 0, None)
+    assert (cfg.device, cfg.precision, cfg.grad_accum, cfg.eval_tokens, cfg.final_eval_tokens, cfg.log) == (
+        "cpu",
+        "bf16",
+        3,
+        128,
+        0,
+        None,
+    )
     defaults = _train_config(build_parser().parse_args(["train"]))
-    assert (defaults.device, defaults.precision, defaults.grad_accum, defaults.final_eval_tokens) == \
-        ("auto", "fp32", 1, TrainConfig().final_eval_tokens)
+    assert (defaults.device, defaults.precision, defaults.grad_accum, defaults.final_eval_tokens) == (
+        "auto",
+        "fp32",
+        1,
+        TrainConfig().final_eval_tokens,
+    )
     saved = TrainConfig(precision="bf16", grad_accum=2, device="cuda", log="wandb")
     # asked by name, the defaults count: back to fp32, the CPU and no logger; the batch may not change
-    assert _resume_overrides(TrainConfig(), saved, asked=("precision", "device", "log")) == \
-        {"precision": "fp32", "device": "auto", "log": None}
+    assert _resume_overrides(TrainConfig(), saved, asked=("precision", "device", "log")) == {
+        "precision": "fp32",
+        "device": "auto",
+        "log": None,
+    }
     assert _resume_overrides(TrainConfig(), saved) == {}
     with pytest.raises(ValueError, match="`grad_accum` 1 \\(the checkpoint's: 2\\)"):
         _resume_overrides(TrainConfig(), saved, asked=("grad_accum",))
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--log", "tensorboard"], "--log tensorboard needs the tensorboard package, which is not installed: pip "
-                               "install tensorboard"),
-    (["--log", "wandb"], "--log wandb needs the wandb package, which is not installed: pip install wandb"),
-    (["--device", "cuda"], "--device cuda: this PyTorch sees no CUDA GPU"),
-    (["--device", "mps"], "--device mps: Apple's MPS is not available here"),
-    (["--grad-accum", "0"], "argument --grad-accum: expected micro-batches per optimizer step, an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--log", "tensorboard"],
+            "--log tensorboard needs the tensorboard package, which is not installed: pip install tensorboard",
+        ),
+        (["--log", "wandb"], "--log wandb needs the wandb package, which is not installed: pip install wandb"),
+        (["--device", "cuda"], "--device cuda: this PyTorch sees no CUDA GPU"),
+        (["--device", "mps"], "--device mps: Apple's MPS is not available here"),
+        (["--grad-accum", "0"], "argument --grad-accum: expected micro-batches per optimizer step, an integer >= 1"),
+    ],
+)
 def test_what_cannot_run_is_one_line_before_any_work(corpus, tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails, installed or not
     monkeypatch.setitem(sys.modules, "wandb", None)
@@ -206,10 +269,17 @@ def test_tensorboard_and_wandb_get_the_metrics_lines(tmp_path, monkeypatch):
         metrics.write(record)
         metrics.close()
         assert read_metrics(tmp_path / log / METRICS_FILE) == [record]
-    assert scalars == [("train/loss", 2.5, 5), ("train/lr", 1e-3, 5), ("train/tokens_per_s", 100.0, 5),
-                       ("val/val_bpb", 1.5, 5), "closed"]
-    assert logged == [({"train/loss": 2.5, "train/lr": 1e-3, "train/tokens_per_s": 100.0, "val/val_bpb": 1.5}, 5),
-                      "finished"]
+    assert scalars == [
+        ("train/loss", 2.5, 5),
+        ("train/lr", 1e-3, 5),
+        ("train/tokens_per_s", 100.0, 5),
+        ("val/val_bpb", 1.5, 5),
+        "closed",
+    ]
+    assert logged == [
+        ({"train/loss": 2.5, "train/lr": 1e-3, "train/tokens_per_s": 100.0, "val/val_bpb": 1.5}, 5),
+        "finished",
+    ]
 
 
 def test_the_head_under_autocast_runs_bf16_matmuls_and_a_float32_softmax():

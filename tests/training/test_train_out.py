@@ -25,9 +25,35 @@ def corpus(tmp_path_factory):
 
 
 def flags(corpus, out, *more: str) -> list[str]:
-    return ["train", "--preset", "gpt2-tiny", "--hidden-size", "16", "--data", str(corpus), "--tokenizer", "byte",
-            "--seq-len", "16", "--batch-size", "2", "--max-steps", "1", "--eval-tokens", "64",
-            "--final-eval-tokens", "64", "--threads", "1", "--device", "cpu", "--no-progress", "--out", str(out), *more]
+    return [
+        "train",
+        "--preset",
+        "gpt2-tiny",
+        "--hidden-size",
+        "16",
+        "--data",
+        str(corpus),
+        "--tokenizer",
+        "byte",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--max-steps",
+        "1",
+        "--eval-tokens",
+        "64",
+        "--final-eval-tokens",
+        "64",
+        "--threads",
+        "1",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--out",
+        str(out),
+        *more,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +77,15 @@ def test_a_new_run_into_a_checkpoint_is_refused_with_the_ways_on(corpus, checkpo
     monkeypatch.setattr(strategy.SingleProcess, "prepare", no_work)
     # of the same model, and of another one (kimi-k3-tiny into a gpt2-tiny run's folder)
     for more in ((), ("--preset", "kimi-k3-tiny")):
-        err = fails(capsys, flags(corpus, checkpoint, *more), f"--out {checkpoint} holds the k3 checkpoint",
-                    "(at step 1)", f"--resume {checkpoint}", "another --out", "--overwrite")
+        err = fails(
+            capsys,
+            flags(corpus, checkpoint, *more),
+            f"--out {checkpoint} holds the k3 checkpoint",
+            "(at step 1)",
+            f"--resume {checkpoint}",
+            "another --out",
+            "--overwrite",
+        )
         assert "Traceback" not in err
     assert digests(checkpoint) == before
 
@@ -90,8 +123,12 @@ def test_files_that_k3_did_not_write_are_never_replaced(corpus, tmp_path, capsys
     before = digests(mine)
     monkeypatch.setattr(strategy.SingleProcess, "prepare", no_work)
     for more in ((), ("--overwrite",)):
-        fails(capsys, flags(corpus, mine, *more), f"--out {mine} holds config.json, loss.png, which k3 did not write",
-              "move them or train into another --out")
+        fails(
+            capsys,
+            flags(corpus, mine, *more),
+            f"--out {mine} holds config.json, loss.png, which k3 did not write",
+            "move them or train into another --out",
+        )
     assert digests(mine) == before
     monkeypatch.undo()
     # a folder of other files whose names a run does not write takes the run beside them
@@ -107,8 +144,11 @@ def test_a_resumed_run_into_another_out_is_checked_as_a_new_runs_folder(corpus, 
     other = tmp_path / "other"
     shutil.copytree(checkpoint, other)
     before = digests(other)
-    fails(capsys, ["train", "--resume", str(checkpoint), "--max-steps", "2", "--out", str(other), "--no-progress"],
-          f"--out {other} holds the k3 checkpoint")
+    fails(
+        capsys,
+        ["train", "--resume", str(checkpoint), "--max-steps", "2", "--out", str(other), "--no-progress"],
+        f"--out {other} holds the k3 checkpoint",
+    )
     assert digests(other) == before
     # in its own folder (however the path is written) a resumed run writes on
     own = tmp_path / "own"
@@ -117,19 +157,38 @@ def test_a_resumed_run_into_another_out_is_checked_as_a_new_runs_folder(corpus, 
     assert '"step": 2' in (own / "config.json").read_text()
 
 
-def test_a_checkpoint_saved_with_fsdp_ep_resumes_in_one_process_with_the_plain_command(corpus, tmp_path,
-                                                                                       capsys, monkeypatch):
+def test_a_checkpoint_saved_with_fsdp_ep_resumes_in_one_process_with_the_plain_command(
+    corpus, tmp_path, capsys, monkeypatch
+):
     """The saved layout (`ep` 2 of --parallel fsdp) adapts to the launch: the plain `k3 train --resume DIR`
     in one process trains on with ep 1; only an explicit --ep that the launch contradicts is refused."""
     out = tmp_path / "fsdp-ep2"
     with monkeypatch.context() as patch:  # a checkpoint whose saved TrainConfig says ep 2 (as fsdp x ep 2 saves)
         patch.setattr(loop, "start", lambda *args: None)
-        train(TrainConfig(preset="gpt2-tiny", model_overrides={"hidden_size": 16}, data=str(corpus),
-                          tokenizer="byte", seq_len=16, batch_size=2, max_steps=1, eval_tokens=64,
-                          final_eval_tokens=64, threads=1, device="cpu", ep=2, out=str(out)), progress=False)
+        train(
+            TrainConfig(
+                preset="gpt2-tiny",
+                model_overrides={"hidden_size": 16},
+                data=str(corpus),
+                tokenizer="byte",
+                seq_len=16,
+                batch_size=2,
+                max_steps=1,
+                eval_tokens=64,
+                final_eval_tokens=64,
+                threads=1,
+                device="cpu",
+                ep=2,
+                out=str(out),
+            ),
+            progress=False,
+        )
     assert '"ep": 2' in (out / "config.json").read_text()
-    fails(capsys, ["train", "--resume", str(out), "--max-steps", "2", "--ep", "2", "--no-progress"],
-          "--ep 2 is for --parallel fsdp")
+    fails(
+        capsys,
+        ["train", "--resume", str(out), "--max-steps", "2", "--ep", "2", "--no-progress"],
+        "--ep 2 is for --parallel fsdp",
+    )
     capsys.readouterr()
     assert main(["train", "--resume", str(out), "--max-steps", "2", "--no-progress"]) == 0
     err = capsys.readouterr().err

@@ -38,10 +38,23 @@ def corpus(tmp_path_factory):
 
 
 def config(corpus, out, **kw) -> TrainConfig:
-    base = dict(preset="gpt2-tiny", model_overrides={"hidden_size": 16}, data=str(corpus), tokenizer="byte",
-                seq_len=16, batch_size=2, max_steps=4, warmup_steps=1, eval_every=2, eval_tokens=64,
-                final_eval_tokens=128, out=str(out), val_fraction=0.2, threads=1,
-                device="cpu")
+    base = dict(
+        preset="gpt2-tiny",
+        model_overrides={"hidden_size": 16},
+        data=str(corpus),
+        tokenizer="byte",
+        seq_len=16,
+        batch_size=2,
+        max_steps=4,
+        warmup_steps=1,
+        eval_every=2,
+        eval_tokens=64,
+        final_eval_tokens=128,
+        out=str(out),
+        val_fraction=0.2,
+        threads=1,
+        device="cpu",
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -74,10 +87,14 @@ def test_an_out_that_cannot_be_written_is_refused_before_any_work(corpus, tmp_pa
     if os.geteuid() != 0:
         (tmp_path / "locked").mkdir(mode=0o500)
     else:  # root writes anywhere: a folder it may not create
+
         def refused(self, *args, **kwargs):
             raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
         monkeypatch.setattr(Path, "mkdir", refused)
-    with pytest.raises(OutputFolderError, match=rf"--out {out}: cannot write the checkpoint there \(Permission denied\)"):
+    with pytest.raises(
+        OutputFolderError, match=rf"--out {out}: cannot write the checkpoint there \(Permission denied\)"
+    ):
         train(config(corpus, out), progress=False)
 
 
@@ -135,16 +152,34 @@ def resave(folder: Path, step: int = 2, weights: dict | None = None) -> None:
     state = ckpt_module.load_training_checkpoint(folder)
     model = CausalLM.from_pretrained(folder)
     cfg = state["train_config"]
-    ckpt_module.save_training_checkpoint(folder, model, build_optimizer(model, cfg), state["tokenizer"], cfg, step,
-                                         cfg.max_steps, torch.Generator(), state["history"], weights=weights)
+    ckpt_module.save_training_checkpoint(
+        folder,
+        model,
+        build_optimizer(model, cfg),
+        state["tokenizer"],
+        cfg,
+        step,
+        cfg.max_steps,
+        torch.Generator(),
+        state["history"],
+        weights=weights,
+    )
 
 
 FULL_DISK = {  # how a full disk reaches the save: the writer that meets it, and what it raises
-    "safetensors": (safetensors.torch, "save_file", safetensors.SafetensorError(
-        "Error while serializing: I/O error: No space left on device (os error 28)")),
-    "torch": (torch, "save", RuntimeError(
-        "[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file data/0: "
-        "file write failed")),
+    "safetensors": (
+        safetensors.torch,
+        "save_file",
+        safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+    ),
+    "torch": (
+        torch,
+        "save",
+        RuntimeError(
+            "[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file data/0: "
+            "file write failed"
+        ),
+    ),
     "os": (ckpt_module, "plot_history", OSError(errno.ENOSPC, "No space left on device")),
 }
 
@@ -162,11 +197,17 @@ def test_a_full_disk_is_a_checkpoint_error_whatever_library_saw_it(checkpoint, t
         raise failure
 
     monkeypatch.setattr(owner, name, full)
-    with pytest.raises(CheckpointError, match=rf"could not save the checkpoint to {folder}: "
-                                              rf"(.*No space left on device|.*file write failed).*; the previous checkpoint"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"could not save the checkpoint to {folder}: "
+        rf"(.*No space left on device|.*file write failed).*; the previous checkpoint",
+    ):
         resave(folder)
-    with pytest.raises(CheckpointError, match=rf"could not save the checkpoint to {folder}: .*"
-                                              rf"No space left on device|file write failed.*; the previous checkpoint"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"could not save the checkpoint to {folder}: .*"
+        rf"No space left on device|file write failed.*; the previous checkpoint",
+    ):
         resave(folder)
     monkeypatch.undo()
     assert digests(folder) == before  # nothing changed, no temporaries
@@ -210,8 +251,27 @@ def test_k3_train_says_a_nan_loss_in_one_line(corpus, tmp_path, monkeypatch, cap
     from k3.cli import main
 
     real = step_module.next_token_loss
-    monkeypatch.setattr(step_module, "next_token_loss", lambda model, windows, *rest: real(model, windows, *rest) * math.nan)
-    code = main(["train", "--preset", "gpt2-tiny", "--data", str(corpus), "--tokenizer", "byte", "--seq-len", "16",
-                 "--batch-size", "2", "--max-steps", "3", "--out", str(tmp_path / "run")])
+    monkeypatch.setattr(
+        step_module, "next_token_loss", lambda model, windows, *rest: real(model, windows, *rest) * math.nan
+    )
+    code = main(
+        [
+            "train",
+            "--preset",
+            "gpt2-tiny",
+            "--data",
+            str(corpus),
+            "--tokenizer",
+            "byte",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "2",
+            "--max-steps",
+            "3",
+            "--out",
+            str(tmp_path / "run"),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("k3 train: error: step 1: the training loss is nan"), err

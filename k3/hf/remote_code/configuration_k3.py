@@ -9,7 +9,8 @@ except ModuleNotFoundError as e:
     raise ImportError(
         "this checkpoint was written by `k3 export` (model_type 'k3'): its model code is k3's own, and k3 "
         "is not installed. Install it: pip install 'k3[hf]' (or, from a clone of the k3 repository, "
-        "pip install -e 'PATH/TO/k3[hf]'), then load it again") from e
+        "pip install -e 'PATH/TO/k3[hf]'), then load it again"
+    ) from e
 
 
 class K3Config(_K3Config):

@@ -55,19 +55,40 @@ def run(mode: str, docs: Path, **options) -> Result:
     fit_from = [N for N in sweep.lengths if N >= 4096]
     fit_from = fit_from if len(fit_from) >= 2 else list(sweep.lengths)
     fits = {name: fit_line(fit_from, [latency[name][N] for N in fit_from]) for name in models}
-    analysis = {"latency": latency, "nbytes": nbytes, "exact": exact, "fits": fits, "fit_from": fit_from,
-                "check": check, "longest": longest}
+    analysis = {
+        "latency": latency,
+        "nbytes": nbytes,
+        "exact": exact,
+        "fits": fits,
+        "fit_from": fit_from,
+        "check": check,
+        "longest": longest,
+    }
 
-    setup = {"models": {name: f"{' '.join(model.config.layer_types)}; hidden {model.config.hidden_size}; "
-                              f"{model.num_parameters():,} parameters" for name, model in models.items()},
-             "lengths": list(sweep.lengths), "decode": f"batch 1, float32, inference mode, {sweep.warmup} warm-up "
-             f"and {sweep.steps} timed steps per model and length, round-robin, median",
-             "gpt2 positions": models[BASELINE].config.max_position_embeddings, "seed": 0,
-             "threads": torch.get_num_threads()}
-    return Result(name="decode", title="Decode: latency and cache bytes against context length", mode=mode,
-                  command=command("decode", mode), claims=report.claims(sweep, models, analysis),
-                  tables=report.tables(sweep, models, analysis), figures=[report.figure(docs, sweep, models, analysis)],
-                  notes=report.notes(sweep, models, analysis), setup=setup)
+    setup = {
+        "models": {
+            name: f"{' '.join(model.config.layer_types)}; hidden {model.config.hidden_size}; "
+            f"{model.num_parameters():,} parameters"
+            for name, model in models.items()
+        },
+        "lengths": list(sweep.lengths),
+        "decode": f"batch 1, float32, inference mode, {sweep.warmup} warm-up "
+        f"and {sweep.steps} timed steps per model and length, round-robin, median",
+        "gpt2 positions": models[BASELINE].config.max_position_embeddings,
+        "seed": 0,
+        "threads": torch.get_num_threads(),
+    }
+    return Result(
+        name="decode",
+        title="Decode: latency and cache bytes against context length",
+        mode=mode,
+        command=command("decode", mode),
+        claims=report.claims(sweep, models, analysis),
+        tables=report.tables(sweep, models, analysis),
+        figures=[report.figure(docs, sweep, models, analysis)],
+        notes=report.notes(sweep, models, analysis),
+        setup=setup,
+    )
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:

@@ -108,12 +108,20 @@ def check_fill(models: dict[str, CausalLM], length: int, sweep: Sweep, seed: int
     for name, model in models.items():
         real, filled = prefill_cache(model, length, gen), fill_cache(model, length, gen)
         if real.nbytes() != filled.nbytes() or layout(real) != layout(filled):
-            raise RuntimeError(f"check_fill: {name}: a filled cache of {length} tokens differs from a prefilled "
-                               f"one: {layout(filled)} against {layout(real)}")
+            raise RuntimeError(
+                f"check_fill: {name}: a filled cache of {length} tokens differs from a prefilled "
+                f"one: {layout(filled)} against {layout(real)}"
+            )
         entries[(name, "prefilled")], entries[(name, "filled")] = (model, real), (model, filled)
     times = time_steps(entries, sweep.warmup, sweep.steps)
-    return {name: {"bytes": entries[(name, "filled")][1].nbytes(), "prefilled": times[(name, "prefilled")],
-                   "filled": times[(name, "filled")]} for name in models}
+    return {
+        name: {
+            "bytes": entries[(name, "filled")][1].nbytes(),
+            "prefilled": times[(name, "prefilled")],
+            "filled": times[(name, "filled")],
+        }
+        for name in models
+    }
 
 
 def layout(cache: HybridCache) -> list[list[tuple]]:

@@ -82,25 +82,67 @@ def _inspect(mode: str, docs: Path, checkpoint: Path, trained_now: bool, given: 
     claims, tables, figures, notes = claims + c, tables + t, figures + f, notes + n
 
     history = _history(checkpoint)
-    where = "origin-given" if given else "origin-smoke" if mode == "smoke" else (
-        "origin-now" if trained_now else "origin-reused")
-    held = (paragraph("inspect", "model-history", steps=history["steps"], bpb=history["val_bpb"])
-            if history else "")
-    notes.insert(0, paragraph("inspect", "model", origin=paragraph("inspect", where, checkpoint=checkpoint),
-                              name=config.name, layers=config.num_layers, kinds=_layers(config),
-                              width=config.hidden_size, history=held))
-    notes.append(paragraph("inspect", "statistics", windows=windows.shape[0], tokens=windows.shape[1] - 1,
-                           seed=cfg.seed if cfg is not None else 0))
-    setup = dict(checkpoint=str(checkpoint), given=given, seed=cfg.seed if cfg is not None else None,
-                 train=None if cfg is None else {k: getattr(cfg, k) for k in (
-                     "preset", "model_overrides", "data", "tokenizer", "seq_len", "batch_size", "max_steps", "lr")},
-                 sample_windows=list(windows.shape), prompt=PROMPT_WORDS, thresholds=dict(
-                     attn_res_entropy=ATTN_RES_SELECTIVE, balanced_max_over_mean=BALANCED,
-                     channel_spread=CHANNEL_SPREAD, retrieval=RETRIEVAL), **(history or {}))
-    return Result(name="inspect", title="What a trained K3 learned", mode=mode,
-                  command=command("inspect", mode) + (f" --checkpoint {checkpoint}" if given else ""),
-                  claims=claims, tables=tables, figures=figures,
-                  notes=notes, setup=setup)
+    where = (
+        "origin-given"
+        if given
+        else "origin-smoke"
+        if mode == "smoke"
+        else ("origin-now" if trained_now else "origin-reused")
+    )
+    held = paragraph("inspect", "model-history", steps=history["steps"], bpb=history["val_bpb"]) if history else ""
+    notes.insert(
+        0,
+        paragraph(
+            "inspect",
+            "model",
+            origin=paragraph("inspect", where, checkpoint=checkpoint),
+            name=config.name,
+            layers=config.num_layers,
+            kinds=_layers(config),
+            width=config.hidden_size,
+            history=held,
+        ),
+    )
+    notes.append(
+        paragraph(
+            "inspect",
+            "statistics",
+            windows=windows.shape[0],
+            tokens=windows.shape[1] - 1,
+            seed=cfg.seed if cfg is not None else 0,
+        )
+    )
+    setup = dict(
+        checkpoint=str(checkpoint),
+        given=given,
+        seed=cfg.seed if cfg is not None else None,
+        train=None
+        if cfg is None
+        else {
+            k: getattr(cfg, k)
+            for k in ("preset", "model_overrides", "data", "tokenizer", "seq_len", "batch_size", "max_steps", "lr")
+        },
+        sample_windows=list(windows.shape),
+        prompt=PROMPT_WORDS,
+        thresholds=dict(
+            attn_res_entropy=ATTN_RES_SELECTIVE,
+            balanced_max_over_mean=BALANCED,
+            channel_spread=CHANNEL_SPREAD,
+            retrieval=RETRIEVAL,
+        ),
+        **(history or {}),
+    )
+    return Result(
+        name="inspect",
+        title="What a trained K3 learned",
+        mode=mode,
+        command=command("inspect", mode) + (f" --checkpoint {checkpoint}" if given else ""),
+        claims=claims,
+        tables=tables,
+        figures=figures,
+        notes=notes,
+        setup=setup,
+    )
 
 
 def _history(checkpoint: Path) -> dict | None:

@@ -17,10 +17,26 @@ from ..text import paragraph
 # training runs by mode (kimi-k3-tiny on the default Shakespeare corpus, seed 0); smoke trains on a
 # generated corpus in a temporary folder instead
 TRAINING = {
-    "quick": dict(max_steps=200, batch_size=8, seq_len=256, warmup_steps=20, eval_every=200, eval_tokens=8192,
-                  final_eval_tokens=32768, out="runs/lab-inspect"),
-    "full": dict(max_steps=1000, batch_size=16, seq_len=256, warmup_steps=50, eval_every=250, eval_tokens=16384,
-                 final_eval_tokens=262144, out="runs/lab-inspect-full"),
+    "quick": dict(
+        max_steps=200,
+        batch_size=8,
+        seq_len=256,
+        warmup_steps=20,
+        eval_every=200,
+        eval_tokens=8192,
+        final_eval_tokens=32768,
+        out="runs/lab-inspect",
+    ),
+    "full": dict(
+        max_steps=1000,
+        batch_size=16,
+        seq_len=256,
+        warmup_steps=50,
+        eval_every=250,
+        eval_tokens=16384,
+        final_eval_tokens=262144,
+        out="runs/lab-inspect-full",
+    ),
 }
 # words in an order no text has, said twice: attention from the second copy back to the first is retrieval
 PROMPT_WORDS = " sweet night the crown hath pale fire and my gentle lord upon a rose"
@@ -33,17 +49,31 @@ def training_config(mode: str, root: Path | None = None):
     if mode == "smoke":
         if root is None:
             raise ValueError("training_config: smoke mode needs a `root` folder for its corpus and checkpoint")
-        return TrainConfig(preset="kimi-k3-tiny", model_overrides={"hidden_size": 32}, data=str(write_corpus(root)),
-                           tokenizer="byte", seq_len=32, batch_size=2, max_steps=4, warmup_steps=2, eval_every=4,
-                           eval_tokens=256, final_eval_tokens=512, out=str(root / "checkpoint"), val_fraction=0.2,
-                           seed=0)
+        return TrainConfig(
+            preset="kimi-k3-tiny",
+            model_overrides={"hidden_size": 32},
+            data=str(write_corpus(root)),
+            tokenizer="byte",
+            seq_len=32,
+            batch_size=2,
+            max_steps=4,
+            warmup_steps=2,
+            eval_every=4,
+            eval_tokens=256,
+            final_eval_tokens=512,
+            out=str(root / "checkpoint"),
+            val_fraction=0.2,
+            seed=0,
+        )
     return TrainConfig(preset="kimi-k3-tiny", seed=0, **TRAINING[mode])
 
 
 def write_corpus(root: Path, docs: int = 4, words: int = 600) -> Path:
     """A small corpus of seeded word sequences (no download): `docs` files under root/corpus."""
-    vocab = ("to be or not that is the question whether tis nobler in the mind to suffer the slings and "
-             "arrows of outrageous fortune").split()
+    vocab = (
+        "to be or not that is the question whether tis nobler in the mind to suffer the slings and "
+        "arrows of outrageous fortune"
+    ).split()
     folder = Path(root) / "corpus"
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
@@ -62,7 +92,8 @@ def finished(out: Path, cfg) -> bool:
     asked = json.loads(json.dumps(dataclasses.asdict(cfg)))
     kept = saved.get("train")
     same = isinstance(kept, dict) and {k: v for k, v in kept.items() if k != "overwrite"} == {
-        k: v for k, v in asked.items() if k != "overwrite"}  # (how the run was allowed into its folder aside)
+        k: v for k, v in asked.items() if k != "overwrite"
+    }  # (how the run was allowed into its folder aside)
     return same and saved.get("step") == cfg.max_steps and (Path(out) / "model.safetensors").exists()
 
 
@@ -88,8 +119,10 @@ def load(checkpoint: Path):
     if not (checkpoint / "config.json").exists():
         raise FileNotFoundError(f"--checkpoint {checkpoint}: no config.json there (a folder from `k3 train --out`)")
     if not (checkpoint / "tokenizer.json").exists():
-        raise FileNotFoundError(f"--checkpoint {checkpoint}: no tokenizer.json there; k3 lab inspect needs a "
-                                f"checkpoint written by `k3 train`")
+        raise FileNotFoundError(
+            f"--checkpoint {checkpoint}: no tokenizer.json there; k3 lab inspect needs a "
+            f"checkpoint written by `k3 train`"
+        )
     with reading(checkpoint):  # under the folder's lock, a save that died after its commit point finished
         model = CausalLM.from_pretrained(checkpoint).eval()
         tokenizer = Tokenizer.load(checkpoint)

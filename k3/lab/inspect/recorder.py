@@ -20,8 +20,10 @@ def router_loads(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     router = moe.router
     scores = router.scores(x.reshape(-1, x.shape[-1]))
     E = scores.shape[-1]
-    return (torch.bincount(router.choose(scores).flatten(), minlength=E),
-            torch.bincount(router.choose(scores, balanced=False).flatten(), minlength=E))
+    return (
+        torch.bincount(router.choose(scores).flatten(), minlength=E),
+        torch.bincount(router.choose(scores, balanced=False).flatten(), minlength=E),
+    )
 
 
 class Recorder:
@@ -96,7 +98,7 @@ def record(model: CausalLM, windows: torch.Tensor, batch_size: int = 8) -> Recor
     """Statistics of AttnRes, MoE and KDA over validation windows [n, T + 1] (inputs: the first T)."""
     with Recorder(model) as rec:
         for i in range(0, windows.shape[0], batch_size):
-            model(windows[i:i + batch_size, :-1])
+            model(windows[i : i + batch_size, :-1])
     return rec
 
 

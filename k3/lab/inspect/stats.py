@@ -47,9 +47,12 @@ def retrieval_scores(probs: torch.Tensor, period: int) -> dict[str, torch.Tensor
     rows = torch.arange(period + 1, T)
     if len(rows) == 0:
         raise ValueError(f"retrieval_scores: a prompt of {T} tokens has no second copy for period {period}")
-    return {"copy": probs[:, rows, rows - period].mean(-1), "induction": probs[:, rows, rows - period + 1].mean(-1),
-            "previous": probs[:, rows, rows - 1].mean(-1),
-            "uniform": torch.full((probs.shape[0],), (1.0 / (rows + 1).double()).mean().item())}
+    return {
+        "copy": probs[:, rows, rows - period].mean(-1),
+        "induction": probs[:, rows, rows - period + 1].mean(-1),
+        "previous": probs[:, rows, rows - 1].mean(-1),
+        "uniform": torch.full((probs.shape[0],), (1.0 / (rows + 1).double()).mean().item()),
+    }
 
 
 def forgets(hl: torch.Tensor) -> torch.Tensor:
@@ -63,8 +66,13 @@ def attn_res_verdict(entropies: list[float]) -> str:
     if not entropies:
         return "not measurable here"
     median = sorted(entropies)[len(entropies) // 2]
-    return "holds" if median <= ATTN_RES_SELECTIVE else "partly" if min(entropies) <= ATTN_RES_SELECTIVE \
+    return (
+        "holds"
+        if median <= ATTN_RES_SELECTIVE
+        else "partly"
+        if min(entropies) <= ATTN_RES_SELECTIVE
         else "does not hold"
+    )
 
 
 def balance_verdict(with_bias: list[float], without: list[float]) -> str:

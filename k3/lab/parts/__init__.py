@@ -43,15 +43,36 @@ TIMING_THREADS = 1
 SIZES = {  # per mode: SiTU MLP (tokens, width, hidden), MoE at K3's proportions, rounds; the K3 block's
     # widths for AttnRes (the widest fills about 3.5 GB in quick mode, 8 GB in full mode), its prefill and
     # decode lengths and rounds (the block's widest widths take most of the minutes)
-    "smoke": dict(ffn=(64, 32, 96), moe=dict(tokens=64, dim=64, latent=32, hidden=32, experts=8, top_k=4),
-                  rounds=1, attn_res_widths=(16, 24, 32, 40), prefill=16, decode_prompt=4, decode_steps=2,
-                  attn_res_rounds=1),
-    "quick": dict(ffn=(2048, 256, 768), moe=dict(tokens=512, dim=512, latent=256, hidden=224, experts=64, top_k=16),
-                  rounds=7, attn_res_widths=(256, 512, 1024, 2048), prefill=128, decode_prompt=16, decode_steps=8,
-                  attn_res_rounds=6),
-    "full": dict(ffn=(4096, 512, 1536), moe=dict(tokens=1024, dim=512, latent=256, hidden=224, experts=64, top_k=16),
-                 rounds=15, attn_res_widths=(256, 512, 1024, 1536, 2048, 3072), prefill=256, decode_prompt=64,
-                 decode_steps=16, attn_res_rounds=5),
+    "smoke": dict(
+        ffn=(64, 32, 96),
+        moe=dict(tokens=64, dim=64, latent=32, hidden=32, experts=8, top_k=4),
+        rounds=1,
+        attn_res_widths=(16, 24, 32, 40),
+        prefill=16,
+        decode_prompt=4,
+        decode_steps=2,
+        attn_res_rounds=1,
+    ),
+    "quick": dict(
+        ffn=(2048, 256, 768),
+        moe=dict(tokens=512, dim=512, latent=256, hidden=224, experts=64, top_k=16),
+        rounds=7,
+        attn_res_widths=(256, 512, 1024, 2048),
+        prefill=128,
+        decode_prompt=16,
+        decode_steps=8,
+        attn_res_rounds=6,
+    ),
+    "full": dict(
+        ffn=(4096, 512, 1536),
+        moe=dict(tokens=1024, dim=512, latent=256, hidden=224, experts=64, top_k=16),
+        rounds=15,
+        attn_res_widths=(256, 512, 1024, 1536, 2048, 3072),
+        prefill=256,
+        decode_prompt=64,
+        decode_steps=16,
+        attn_res_rounds=5,
+    ),
 }
 
 
@@ -92,8 +113,7 @@ def _run(mode: str, docs: Path) -> Result:
         _dynamo.reset()  # free the compiled graphs
 
     k3 = get_config("kimi-k3")
-    situ = report.situ_part(docs, situ_times, elementwise, compiled, compile_notes, compile_seconds, s["ffn"],
-                            rounds)
+    situ = report.situ_part(docs, situ_times, elementwise, compiled, compile_notes, compile_seconds, s["ffn"], rounds)
     moe = report.moe_part(docs, k3, moe_times, m, rounds)
     attn_res = report_attn_res.attn_res_part(docs, k3, attn_res_times, s, s["attn_res_rounds"])
     sections = (situ, moe, attn_res)
@@ -101,13 +121,37 @@ def _run(mode: str, docs: Path) -> Result:
     tables = [t for section in sections for t in section[1]]
     figures = situ[2] + attn_res[2] + moe[2]  # the order docs/results.md has shown them in
     notes = [paragraph("parts", "clock")] + [n for section in sections for n in section[3]]
-    setup = dict(seed=0, threads=TIMING_THREADS, clock="time.thread_time", rounds=rounds, dtype="float32",
-                 situ=dict(tokens=tokens, dim=dim, hidden=hidden, beta=4.0, linear_beta=25.0, compiled=compiled),
-                 moe_small=m, attn_res=dict(model="one K3 block (k3.lab.parts.attn_res.k3_block_config)",
-                                            widths=widths, prefill=s["prefill"], decode_prompt=s["decode_prompt"],
-                                            decode_steps=s["decode_steps"], rounds=s["attn_res_rounds"]))
-    return Result(name="parts", title="K3's parts: SiTU, the latent MoE and AttnRes", mode=mode,
-                  command=command("parts", mode), claims=claims, tables=tables, figures=figures, notes=notes,
-                  setup=setup, data=dict(attn_res={
-                      str(cfg.hidden_size): {f"{variant} {phase} seconds": t for (variant, phase), t in times.items()}
-                      for cfg, times in attn_res_times}))
+    setup = dict(
+        seed=0,
+        threads=TIMING_THREADS,
+        clock="time.thread_time",
+        rounds=rounds,
+        dtype="float32",
+        situ=dict(tokens=tokens, dim=dim, hidden=hidden, beta=4.0, linear_beta=25.0, compiled=compiled),
+        moe_small=m,
+        attn_res=dict(
+            model="one K3 block (k3.lab.parts.attn_res.k3_block_config)",
+            widths=widths,
+            prefill=s["prefill"],
+            decode_prompt=s["decode_prompt"],
+            decode_steps=s["decode_steps"],
+            rounds=s["attn_res_rounds"],
+        ),
+    )
+    return Result(
+        name="parts",
+        title="K3's parts: SiTU, the latent MoE and AttnRes",
+        mode=mode,
+        command=command("parts", mode),
+        claims=claims,
+        tables=tables,
+        figures=figures,
+        notes=notes,
+        setup=setup,
+        data=dict(
+            attn_res={
+                str(cfg.hidden_size): {f"{variant} {phase} seconds": t for (variant, phase), t in times.items()}
+                for cfg, times in attn_res_times
+            }
+        ),
+    )

@@ -21,7 +21,7 @@ import torch
 
 from ...bench.timing import interleaved_best, thread_clock
 from ...models import CausalLM, ModelConfig, get_config
-from ...models.model import attn_res_source_counts
+from ...models.decoder import attn_res_source_counts
 from .cases import forward
 
 ATTN_RES_LATENCY = 0.02  # the article (seed 003): "AttnRes adds roughly 2% inference latency"
@@ -66,13 +66,21 @@ def k3_block_config(width: int, num_experts: int = BLOCK_EXPERTS) -> ModelConfig
         return max(8, 8 * round(size * f / 8))
 
     heads = max(1, round(k3.num_heads * f))
-    return get_config("kimi-k3", num_layers=BLOCK_LAYERS, hidden_size=width, vocab_size=BLOCK_VOCAB,
-                      num_heads=heads, linear_num_heads=heads, q_lora_rank=scaled(k3.q_lora_rank),
-                      kv_lora_rank=scaled(k3.kv_lora_rank), intermediate_size=scaled(k3.intermediate_size),
-                      moe_intermediate_size=scaled(k3.moe_intermediate_size),
-                      moe_latent_size=scaled(k3.moe_latent_size), num_experts=num_experts,
-                      attn_res_block_size=BLOCK_ATTN_RES).replace(name=f"kimi-k3-block-{width}",
-                                                                   mlp_types=["moe"] * BLOCK_LAYERS)
+    return get_config(
+        "kimi-k3",
+        num_layers=BLOCK_LAYERS,
+        hidden_size=width,
+        vocab_size=BLOCK_VOCAB,
+        num_heads=heads,
+        linear_num_heads=heads,
+        q_lora_rank=scaled(k3.q_lora_rank),
+        kv_lora_rank=scaled(k3.kv_lora_rank),
+        intermediate_size=scaled(k3.intermediate_size),
+        moe_intermediate_size=scaled(k3.moe_intermediate_size),
+        moe_latent_size=scaled(k3.moe_latent_size),
+        num_experts=num_experts,
+        attn_res_block_size=BLOCK_ATTN_RES,
+    ).replace(name=f"kimi-k3-block-{width}", mlp_types=["moe"] * BLOCK_LAYERS)
 
 
 def attn_res_pair(config: ModelConfig, seed: int = 0) -> dict[str, CausalLM]:
@@ -90,8 +98,9 @@ def attn_res_pair(config: ModelConfig, seed: int = 0) -> dict[str, CausalLM]:
     return {"on": on, "off": off.eval()}
 
 
-def time_attn_res(config: ModelConfig, prefill: int, decode_prompt: int, decode_steps: int, rounds: int,
-                  seed: int = 0) -> dict[tuple[str, str], float]:
+def time_attn_res(
+    config: ModelConfig, prefill: int, decode_prompt: int, decode_steps: int, rounds: int, seed: int = 0
+) -> dict[tuple[str, str], float]:
     """{(variant, phase): seconds} for `config` with AttnRes ("on") and without ("off", `attn_res_pair`):
     "prefill" is one cached forward of `prefill` tokens, "decode" the mean time of one token over
     `decode_steps` steps after a `decode_prompt`-token prompt."""
@@ -108,7 +117,7 @@ def time_attn_res(config: ModelConfig, prefill: int, decode_prompt: int, decode_
         model(ids[:, :decode_prompt], cache=cache, logits_to_keep=1)
         start = thread_clock()
         for t in range(decode_prompt, decode_prompt + decode_steps):
-            model(ids[:, t:t + 1], cache=cache)
+            model(ids[:, t : t + 1], cache=cache)
         return (thread_clock() - start) / decode_steps
 
     prefill_cases = {(name, "prefill"): prefill_case(m) for name, m in models.items()}
@@ -124,12 +133,13 @@ def time_attn_res(config: ModelConfig, prefill: int, decode_prompt: int, decode_
 @dataclass(frozen=True)
 class OverheadFit:
     """Time without AttnRes a + b d + c d^2 (`off`: a, b, c), the time AttnRes adds p + q d (`extra`: p, q)."""
+
     off: tuple[float, float, float]
     extra: tuple[float, float]
 
     def off_seconds(self, width: float) -> float:
         a, b, c = self.off
-        return a + b * width + c * width ** 2
+        return a + b * width + c * width**2
 
     def extra_seconds(self, width: float) -> float:
         p, q = self.extra
@@ -147,13 +157,16 @@ def fit_overhead(widths: list[int], on: list[float], off: list[float]) -> Overhe
     every subset of the three terms whose coefficients come out non-negative: non-negative least
     squares), p and q free. Needs three widths."""
     if not (len(widths) == len(on) == len(off)):
-        raise ValueError(f"fit_overhead: `widths`, `on` and `off` must have one entry each, got lengths "
-                         f"{len(widths)}, {len(on)}, {len(off)}")
+        raise ValueError(
+            f"fit_overhead: `widths`, `on` and `off` must have one entry each, got lengths "
+            f"{len(widths)}, {len(on)}, {len(off)}"
+        )
     if len(set(widths)) < 3 or min(off) <= 0:
-        raise ValueError(f"fit_overhead: needs three distinct widths and positive off times, got widths {widths}, "
-                         f"off {off}")
+        raise ValueError(
+            f"fit_overhead: needs three distinct widths and positive off times, got widths {widths}, off {off}"
+        )
     d, t_on, t_off = (np.asarray(v, dtype=np.float64) for v in (widths, on, off))
-    terms = np.stack([np.ones_like(d), d, d ** 2], axis=1) / t_off[:, None]
+    terms = np.stack([np.ones_like(d), d, d**2], axis=1) / t_off[:, None]
     best, best_residual = None, math.inf
     for n in (1, 2, 3):
         for kept in combinations(range(3), n):
@@ -162,8 +175,9 @@ def fit_overhead(widths: list[int], on: list[float], off: list[float]) -> Overhe
             if (coef >= 0).all() and residual < best_residual - 1e-15:
                 best, best_residual = np.zeros(3), residual
                 best[list(kept)] = coef
-    extra = np.linalg.lstsq(np.stack([np.ones_like(d), d], axis=1) / t_off[:, None], (t_on - t_off) / t_off,
-                            rcond=None)[0]
+    extra = np.linalg.lstsq(
+        np.stack([np.ones_like(d), d], axis=1) / t_off[:, None], (t_on - t_off) / t_off, rcond=None
+    )[0]
     return OverheadFit(tuple(float(v) for v in best), tuple(float(v) for v in extra))
 
 
@@ -172,8 +186,10 @@ def leave_one_out(widths: list[int], on: list[float], off: list[float], width: f
     (needs four widths): how much the extrapolation rests on any single point."""
     if len(widths) < 4:
         raise ValueError(f"leave_one_out: needs four widths, got {len(widths)}")
-    got = [fit_overhead(*(v[:i] + v[i + 1:] for v in (list(widths), list(on), list(off)))).overhead(width)
-           for i in range(len(widths))]
+    got = [
+        fit_overhead(*(v[:i] + v[i + 1 :] for v in (list(widths), list(on), list(off)))).overhead(width)
+        for i in range(len(widths))
+    ]
     return min(got), max(got)
 
 

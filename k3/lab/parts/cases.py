@@ -13,6 +13,7 @@ def forward(fn: Callable, *args) -> Callable[[], object]:
     def run():
         with torch.no_grad():
             return fn(*args)
+
     return run
 
 
@@ -21,4 +22,5 @@ def forward_backward(fn: Callable, *args) -> Callable[[], object]:
         for a in args:
             a.grad = None
         fn(*args).sum().backward()
+
     return run

@@ -23,8 +23,11 @@ from .cases import forward, forward_backward
 SITU_SLOWDOWN = 3.0  # the article (seed 003): "without a fused kernel, the new activation is almost 3x slower"
 SHORT_ROUNDS = 4  # cases of a few milliseconds get this many times the rounds: more chances at a quiet moment
 # the SiTUs compared with SwiGLU: {variant: (activation, mode)}, each against SwiGLU in the same mode
-SITU_VARIANTS = {"unfused formula": ("situ formula", "eager"), "k3 fused": ("situ fused", "eager"),
-                 "torch.compile": ("situ formula", "compiled")}
+SITU_VARIANTS = {
+    "unfused formula": ("situ formula", "eager"),
+    "k3 fused": ("situ fused", "eager"),
+    "torch.compile": ("situ formula", "compiled"),
+}
 FUSED_VARIANTS = ("k3 fused", "torch.compile")
 # the verdicts: the unfused slowdown is "almost 3x" within these bounds (partly within the wider ones); a
 # fused SiTU removes the slowdown when at most FUSED_HOLDS slower and at most half the unfused excess
@@ -55,9 +58,16 @@ class _FormulaMLP(nn.Module):
         return m.down_proj(situ_reference(m.gate_proj(x), m.up_proj(x), m.situ_beta, m.situ_linear_beta))
 
 
-def time_activations(tokens: int, dim: int, hidden: int, rounds: int, compiled: bool, notes: list[str],
-                     compile_seconds: dict[str, float] | None = None, seed: int = 0
-                     ) -> dict[tuple[str, str, str, str], float]:
+def time_activations(
+    tokens: int,
+    dim: int,
+    hidden: int,
+    rounds: int,
+    compiled: bool,
+    notes: list[str],
+    compile_seconds: dict[str, float] | None = None,
+    seed: int = 0,
+) -> dict[tuple[str, str, str, str], float]:
     """Seconds for {(part, activation, pass, mode)}: part "activation" (gate, up [tokens, hidden] -> a * u) or
     "gated MLP" (x [tokens, dim] -> GatedMLP(dim, hidden)), activation "swiglu", "situ formula"
     (`situ_reference`) or "situ fused" (k3's `situ`), pass "fwd"/"fwd+bwd", mode "eager" (all three) or
@@ -86,8 +96,16 @@ def time_activations(tokens: int, dim: int, hidden: int, rounds: int, compiled: 
                     forward_backward(c, *args)()
                     forward(c, *args)()
                 except Exception as e:  # noqa: BLE001 - no C++ compiler, an unsupported platform, ...
-                    notes.append(paragraph("parts", "compile-failed", name=name, part=part, error=type(e).__name__,
-                                           message=(str(e).splitlines() or [""])[0][:200]))
+                    notes.append(
+                        paragraph(
+                            "parts",
+                            "compile-failed",
+                            name=name,
+                            part=part,
+                            error=type(e).__name__,
+                            message=(str(e).splitlines() or [""])[0][:200],
+                        )
+                    )
                     continue
                 if compile_seconds is not None:
                     compile_seconds[f"{name} {part}"] = round(time.perf_counter() - start, 1)
@@ -103,14 +121,18 @@ def time_activations(tokens: int, dim: int, hidden: int, rounds: int, compiled: 
     return times
 
 
-def time_elementwise(tokens: int, hidden: int, rounds: int, compiled: bool, seed: int = 0
-                     ) -> dict[tuple[str, str], float]:
+def time_elementwise(
+    tokens: int, hidden: int, rounds: int, compiled: bool, seed: int = 0
+) -> dict[tuple[str, str], float]:
     """Forward seconds of f(gate) * up for f in tanh, sigmoid (one transcendental each) and SiLU, eager and
     compiled, {(f, mode)}: what SiTU's parts cost on this machine (compile failures leave entries out)."""
     gen = torch.Generator().manual_seed(seed)
     gate, up = torch.randn(tokens, hidden, generator=gen), torch.randn(tokens, hidden, generator=gen)
-    fns = {"tanh": lambda g, u: torch.tanh(g) * u, "sigmoid": lambda g, u: torch.sigmoid(g) * u,
-           "silu": _swiglu_activation}
+    fns = {
+        "tanh": lambda g, u: torch.tanh(g) * u,
+        "sigmoid": lambda g, u: torch.sigmoid(g) * u,
+        "silu": _swiglu_activation,
+    }
     cases = {(name, "eager"): forward(fn, gate, up) for name, fn in fns.items()}
     for name, fn in fns.items() if compiled else []:
         try:

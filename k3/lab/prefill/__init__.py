@@ -54,16 +54,27 @@ def run(mode: str, docs: Path, **options) -> Result:
     breakdown = time_breakdown(sweep)
     analysis, model_best = analyse(sweep, times)
 
-    setup = {"shape": f"B = 1, H = {H}, K = V = d = {d}, float32, inputs as k3 bench ops (seed 0; KDA gate "
-                      "g = -5 sigmoid(x))", "lengths": list(sweep.lengths), "chunk_sizes": list(sweep.chunks),
-             "C = T up to": sweep.full_cap, "timing": f"best of {sweep.rounds} interleaved rounds per T "
-             f"({sweep.full_rounds} for C = T)",
-             "threads": torch.get_num_threads(), "gemm_gflops": round(gemm, 1)}
-    return Result(name="prefill", title="Prefill cost: the chunk size against the FLOP model", mode=mode,
-                  command=command("prefill", mode), claims=report.claims(sweep, analysis, model_best),
-                  tables=report.tables(sweep, times, analysis, breakdown, gemm),
-                  figures=report.figures(docs, sweep, times, analysis),
-                  notes=report.notes(sweep, analysis, breakdown, gemm, model_best), setup=setup)
+    setup = {
+        "shape": f"B = 1, H = {H}, K = V = d = {d}, float32, inputs as k3 bench ops (seed 0; KDA gate "
+        "g = -5 sigmoid(x))",
+        "lengths": list(sweep.lengths),
+        "chunk_sizes": list(sweep.chunks),
+        "C = T up to": sweep.full_cap,
+        "timing": f"best of {sweep.rounds} interleaved rounds per T ({sweep.full_rounds} for C = T)",
+        "threads": torch.get_num_threads(),
+        "gemm_gflops": round(gemm, 1),
+    }
+    return Result(
+        name="prefill",
+        title="Prefill cost: the chunk size against the FLOP model",
+        mode=mode,
+        command=command("prefill", mode),
+        claims=report.claims(sweep, analysis, model_best),
+        tables=report.tables(sweep, times, analysis, breakdown, gemm),
+        figures=report.figures(docs, sweep, times, analysis),
+        notes=report.notes(sweep, analysis, breakdown, gemm, model_best),
+        setup=setup,
+    )
 
 
 def analyse(sweep: Sweep, times: dict) -> tuple[dict, int]:
@@ -82,14 +93,29 @@ def analyse(sweep: Sweep, times: dict) -> tuple[dict, int]:
             scale = fit_scale([cost(op, T, C) for T, C, _ in chunked], [t for *_, t in chunked])
             factors = [error_factor(scale * cost(op, T, C), t) for T, C, t in chunked]
             full_factors = [error_factor(scale * cost(op, T, C), t) for T, C, t in full]
-            per_model[name] = {"scale": scale, "median": statistics.median(factors), "worst": max(factors),
-                               "full_worst": max(full_factors) if full_factors else None}
+            per_model[name] = {
+                "scale": scale,
+                "median": statistics.median(factors),
+                "worst": max(factors),
+                "full_worst": max(full_factors) if full_factors else None,
+            }
         at_max = {C: times[(op, T_max, C)] for C in sweep.chunks if (op, T_max, C) in times}
-        slopes = {C: loglog_slope([T for T in sweep.lengths if (op, T, C) in times],
-                                  [times[(op, T, C)] for T in sweep.lengths if (op, T, C) in times])
-                  for C in sweep.chunks if sum((op, T, C) in times for T in sweep.lengths) >= 2}
+        slopes = {
+            C: loglog_slope(
+                [T for T in sweep.lengths if (op, T, C) in times],
+                [times[(op, T, C)] for T in sweep.lengths if (op, T, C) in times],
+            )
+            for C in sweep.chunks
+            if sum((op, T, C) in times for T in sweep.lengths) >= 2
+        }
         full_slope = loglog_slope([T for T, _, _ in full], [t for *_, t in full]) if len(full) >= 2 else None
-        analysis[op] = {"models": per_model, "at_max": at_max, "best_C": min(at_max, key=at_max.get),
-                        "slopes": slopes, "full_slope": full_slope, "full": full}
+        analysis[op] = {
+            "models": per_model,
+            "at_max": at_max,
+            "best_C": min(at_max, key=at_max.get),
+            "slopes": slopes,
+            "full_slope": full_slope,
+            "full": full,
+        }
     model_best = min(sweep.chunks, key=lambda C: article_cost(T_max, d, C))
     return analysis, model_best

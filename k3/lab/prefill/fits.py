@@ -11,8 +11,7 @@ import statistics
 def fit_scale(costs: list[float], seconds: list[float]) -> float:
     """Seconds per unit of cost, least squares on the relative error: minimises sum((a·x/t - 1)²)."""
     if len(costs) != len(seconds) or not costs:
-        raise ValueError(f"fit_scale: needs as many costs as times, at least one; got {len(costs)} and "
-                         f"{len(seconds)}")
+        raise ValueError(f"fit_scale: needs as many costs as times, at least one; got {len(costs)} and {len(seconds)}")
     ratios = [x / t for x, t in zip(costs, seconds)]
     return sum(ratios) / sum(r * r for r in ratios)
 

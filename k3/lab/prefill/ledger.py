@@ -11,8 +11,19 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-MATMULS = ("bmm", "baddbmm", "baddbmm_", "mm", "addmm", "addmm_", "mv", "addmv", "dot", "matmul",
-           "linalg_solve_triangular")
+MATMULS = (
+    "bmm",
+    "baddbmm",
+    "baddbmm_",
+    "mm",
+    "addmm",
+    "addmm_",
+    "mv",
+    "addmv",
+    "dot",
+    "matmul",
+    "linalg_solve_triangular",
+)
 
 
 class OpLedger(TorchDispatchMode):
@@ -33,8 +44,9 @@ class OpLedger(TorchDispatchMode):
         if name in MATMULS:
             self.macs += _macs(name, args)
         elif name in ("einsum", "linear", "addbmm"):
-            raise RuntimeError(f"OpLedger: {name} reached the ledger undecomposed; its multiply-adds would "
-                               "go uncounted")
+            raise RuntimeError(
+                f"OpLedger: {name} reached the ledger undecomposed; its multiply-adds would go uncounted"
+            )
         return out
 
 

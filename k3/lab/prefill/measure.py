@@ -37,12 +37,36 @@ class Sweep:
 
 
 SWEEPS = {
-    "smoke": Sweep((64, 128), (16, 32), heads=2, dim=16, rounds=1, full_rounds=1,
-                   full_cap={"linear_attn": 128, "kda": 128}, breakdown_tokens=256),
-    "quick": Sweep((1024, 2048, 4096, 8192, 16384), (16, 32, 64, 128), heads=8, dim=64, rounds=5, full_rounds=2,
-                   full_cap={"linear_attn": 4096, "kda": 2048}, breakdown_tokens=4096),
-    "full": Sweep((1024, 2048, 4096, 8192, 16384), (16, 32, 64, 128), heads=8, dim=64, rounds=9, full_rounds=3,
-                  full_cap={"linear_attn": 8192, "kda": 4096}, breakdown_tokens=4096),
+    "smoke": Sweep(
+        (64, 128),
+        (16, 32),
+        heads=2,
+        dim=16,
+        rounds=1,
+        full_rounds=1,
+        full_cap={"linear_attn": 128, "kda": 128},
+        breakdown_tokens=256,
+    ),
+    "quick": Sweep(
+        (1024, 2048, 4096, 8192, 16384),
+        (16, 32, 64, 128),
+        heads=8,
+        dim=64,
+        rounds=5,
+        full_rounds=2,
+        full_cap={"linear_attn": 4096, "kda": 2048},
+        breakdown_tokens=4096,
+    ),
+    "full": Sweep(
+        (1024, 2048, 4096, 8192, 16384),
+        (16, 32, 64, 128),
+        heads=8,
+        dim=64,
+        rounds=9,
+        full_rounds=3,
+        full_cap={"linear_attn": 8192, "kda": 4096},
+        breakdown_tokens=4096,
+    ),
 }
 
 
@@ -95,8 +119,18 @@ def time_breakdown(sweep: Sweep) -> list[dict]:
             matmul = sum(ledger.seconds[name] for name in MATMULS)
             others = {name: t for name, t in ledger.seconds.items() if name not in MATMULS}
             top = max(others, key=others.get)
-            rows.append({"op": op, "C": C, "wall": wall, "matmul": matmul, "macs": ledger.macs,
-                         "other": sum(others.values()), "top": top, "top_s": others[top],
-                         "cumsum": ledger.seconds["cumsum"],
-                         "outside": max(0.0, wall - matmul - sum(others.values()))})
+            rows.append(
+                {
+                    "op": op,
+                    "C": C,
+                    "wall": wall,
+                    "matmul": matmul,
+                    "macs": ledger.macs,
+                    "other": sum(others.values()),
+                    "top": top,
+                    "top_s": others[top],
+                    "cumsum": ledger.seconds["cumsum"],
+                    "outside": max(0.0, wall - matmul - sum(others.values())),
+                }
+            )
     return rows

@@ -30,46 +30,79 @@ def claims(sweep: Sweep, analysis: dict, model_best: int) -> list[Claim]:
     out = []
     for op in OPS:
         fit = analysis[op]["models"]["article"]
-        measured = (f"{LABELS[op]}: one fitted constant predicts {len(sweep.chunks)} chunk sizes x "
-                    f"{len(sweep.lengths)} lengths within a factor {fit['worst']:.2f} "
-                    f"(median {fit['median']:.2f})")
+        measured = (
+            f"{LABELS[op]}: one fitted constant predicts {len(sweep.chunks)} chunk sizes x "
+            f"{len(sweep.lengths)} lengths within a factor {fit['worst']:.2f} "
+            f"(median {fit['median']:.2f})"
+        )
         if fit["full_worst"] is not None:
             measured += f"; at C = T it is off by up to {fit['full_worst']:.1f}x"
-        what = ("the form the model is derived for" if op == "linear_attn"
-                else "the delta rule's chunk form, UT transform included")
-        out.append(Claim(f"The chunked form costs 2·L·d² + 2·L·C·d ({what})", measured,
-                         _verdict(fit["worst"] <= FIT_FACTOR, fit["median"] <= TYPICAL_FACTOR)))
+        what = (
+            "the form the model is derived for"
+            if op == "linear_attn"
+            else "the delta rule's chunk form, UT transform included"
+        )
+        out.append(
+            Claim(
+                f"The chunked form costs 2·L·d² + 2·L·C·d ({what})",
+                measured,
+                _verdict(fit["worst"] <= FIT_FACTOR, fit["median"] <= TYPICAL_FACTOR),
+            )
+        )
 
     slopes = [s for op in OPS for s in analysis[op]["slopes"].values()]
     inside = [LINEAR_SLOPE[0] <= s <= LINEAR_SLOPE[1] for s in slopes]
-    out.append(Claim(
-        "At a fixed chunk size the cost is linear in L (attention grows O(N²), this does not)",
-        "time ∝ T^k with k = " + ", ".join(
-            f"{LABELS[op]} {min(analysis[op]['slopes'].values()):.2f}-{max(analysis[op]['slopes'].values()):.2f}"
-            for op in OPS) + " over the chunk sizes",
-        _verdict(all(inside), statistics.median(slopes) >= LINEAR_SLOPE[0]
-                 and statistics.median(slopes) <= LINEAR_SLOPE[1]) if slopes else "not measurable here"))
+    out.append(
+        Claim(
+            "At a fixed chunk size the cost is linear in L (attention grows O(N²), this does not)",
+            "time ∝ T^k with k = "
+            + ", ".join(
+                f"{LABELS[op]} {min(analysis[op]['slopes'].values()):.2f}-{max(analysis[op]['slopes'].values()):.2f}"
+                for op in OPS
+            )
+            + " over the chunk sizes",
+            _verdict(
+                all(inside),
+                statistics.median(slopes) >= LINEAR_SLOPE[0] and statistics.median(slopes) <= LINEAR_SLOPE[1],
+            )
+            if slopes
+            else "not measurable here",
+        )
+    )
 
     full_slopes = {op: analysis[op]["full_slope"] for op in OPS}
     if any(s is None for s in full_slopes.values()):
-        out.append(Claim("C = L is full attention: the second term becomes 2·L²·d, quadratic",
-                         "C = T measured at fewer than two lengths", "not measurable here"))
+        out.append(
+            Claim(
+                "C = L is full attention: the second term becomes 2·L²·d, quadratic",
+                "C = T measured at fewer than two lengths",
+                "not measurable here",
+            )
+        )
     else:
         quadratic = [QUADRATIC_SLOPE[0] <= s <= QUADRATIC_SLOPE[1] for s in full_slopes.values()]
         caps = ", ".join(f"{LABELS[op]} T ≤ {sweep.full_cap[op]:,}" for op in OPS)
-        out.append(Claim(
-            "C = L is full attention: the second term becomes 2·L²·d, quadratic",
-            "one-chunk time ∝ T^k with k = " + ", ".join(f"{LABELS[op]} {s:.2f}" for op, s in full_slopes.items())
-            + f" ({caps})", _verdict(all(quadratic), any(quadratic))))
+        out.append(
+            Claim(
+                "C = L is full attention: the second term becomes 2·L²·d, quadratic",
+                "one-chunk time ∝ T^k with k = "
+                + ", ".join(f"{LABELS[op]} {s:.2f}" for op, s in full_slopes.items())
+                + f" ({caps})",
+                _verdict(all(quadratic), any(quadratic)),
+            )
+        )
 
     best = {op: analysis[op]["best_C"] for op in OPS}
     penalty = {op: analysis[op]["at_max"][model_best] / analysis[op]["at_max"][best[op]] for op in OPS}
-    out.append(Claim(
-        "By FLOPs the smallest C is cheapest, but not in wall-clock time: C = 64 or 128 runs best "
-        "(on GPU tensor cores)",
-        f"at T = {max(sweep.lengths):,} the FLOP model's best is C = {model_best}; measured best: "
-        + ", ".join(f"{LABELS[op]} C = {best[op]} (C = {model_best} is {penalty[op]:.2f}x slower)" for op in OPS),
-        _verdict(all(best[op] >= 64 for op in OPS), any(best[op] != model_best for op in OPS))))
+    out.append(
+        Claim(
+            "By FLOPs the smallest C is cheapest, but not in wall-clock time: C = 64 or 128 runs best "
+            "(on GPU tensor cores)",
+            f"at T = {max(sweep.lengths):,} the FLOP model's best is C = {model_best}; measured best: "
+            + ", ".join(f"{LABELS[op]} C = {best[op]} (C = {model_best} is {penalty[op]:.2f}x slower)" for op in OPS),
+            _verdict(all(best[op] >= 64 for op in OPS), any(best[op] != model_best for op in OPS)),
+        )
+    )
     return out
 
 
@@ -84,12 +117,18 @@ def _ms(seconds: float | None) -> str:
 def tables(sweep: Sweep, times: dict, analysis: dict, breakdown: list[dict], gemm: float) -> list[Table]:
     T_max, d = max(sweep.lengths), sweep.dim
     header = ["op", "T"] + [f"C = {C}" for C in sweep.chunks] + ["C = T"]
-    rows = [[LABELS[op], f"{T:,}"] + [_ms(times.get((op, T, C))) for C in sweep.chunks]
-            + [_ms(times.get((op, T, FULL)))] for op in OPS for T in sweep.lengths]
-    measured = Table(f"Measured prefill time (ms): B = 1, H = {sweep.heads}, d = {d}, float32, best of "
-                     f"{sweep.rounds} interleaved rounds ({sweep.full_rounds} for C = T; — : not run, C = T only "
-                     "up to the caps in the notes)",
-                     header, rows)
+    rows = [
+        [LABELS[op], f"{T:,}"] + [_ms(times.get((op, T, C))) for C in sweep.chunks] + [_ms(times.get((op, T, FULL)))]
+        for op in OPS
+        for T in sweep.lengths
+    ]
+    measured = Table(
+        f"Measured prefill time (ms): B = 1, H = {sweep.heads}, d = {d}, float32, best of "
+        f"{sweep.rounds} interleaved rounds ({sweep.full_rounds} for C = T; — : not run, C = T only "
+        "up to the caps in the notes)",
+        header,
+        rows,
+    )
 
     rows = []
     for op in OPS:
@@ -98,31 +137,73 @@ def tables(sweep: Sweep, times: dict, analysis: dict, breakdown: list[dict], gem
         cases += [(f"T = {T:,}", T, t) for T, _, t in analysis[op]["full"][-1:]]
         for label, T, t in cases:
             C = T if isinstance(label, str) else label
-            rows.append([LABELS[op], f"{T:,}", label, _ms(t), _ms(fits["article"]["scale"] * article_cost(T, d, C)),
-                         _ms(fits["k3 count"]["scale"] * k3_cost(op, T, d, C)),
-                         f"{k3_cost(op, T, d, C) / article_cost(T, d, C):.2f}"])
-    versus = Table("Measured against the two cost models, each with one constant fitted on all chunked points (ms); "
-                   "the last column: how many multiply-adds k3 runs per multiply-add of the article's model",
-                   ["op", "T", "C", "measured", "article model", "k3 count", "k3 / article work"], rows)
+            rows.append(
+                [
+                    LABELS[op],
+                    f"{T:,}",
+                    label,
+                    _ms(t),
+                    _ms(fits["article"]["scale"] * article_cost(T, d, C)),
+                    _ms(fits["k3 count"]["scale"] * k3_cost(op, T, d, C)),
+                    f"{k3_cost(op, T, d, C) / article_cost(T, d, C):.2f}",
+                ]
+            )
+    versus = Table(
+        "Measured against the two cost models, each with one constant fitted on all chunked points (ms); "
+        "the last column: how many multiply-adds k3 runs per multiply-add of the article's model",
+        ["op", "T", "C", "measured", "article model", "k3 count", "k3 / article work"],
+        rows,
+    )
 
     rows = []
     for op in OPS:
         for name, fit in analysis[op]["models"].items():
-            rows.append([LABELS[op], name, f"{2e-9 / fit['scale']:.3g}", f"{fit['median']:.2f}", f"{fit['worst']:.2f}",
-                         "—" if fit["full_worst"] is None else f"{fit['full_worst']:.2f}"])
-    fits = Table(f"The fits: effective GFLOP/s (2 per multiply-add) and how far predictions fall from the measurement "
-                 f"(a factor ≥ 1), on the chunked points and, out of the fit, at C = T (1024³ GEMM: {gemm:.1f} GFLOP/s)",
-                 ["op", "model", "fitted GFLOP/s", "median factor", "worst factor", "worst at C = T"], rows)
+            rows.append(
+                [
+                    LABELS[op],
+                    name,
+                    f"{2e-9 / fit['scale']:.3g}",
+                    f"{fit['median']:.2f}",
+                    f"{fit['worst']:.2f}",
+                    "—" if fit["full_worst"] is None else f"{fit['full_worst']:.2f}",
+                ]
+            )
+    fits = Table(
+        f"The fits: effective GFLOP/s (2 per multiply-add) and how far predictions fall from the measurement "
+        f"(a factor ≥ 1), on the chunked points and, out of the fit, at C = T (1024³ GEMM: {gemm:.1f} GFLOP/s)",
+        ["op", "model", "fitted GFLOP/s", "median factor", "worst factor", "worst at C = T"],
+        rows,
+    )
 
-    rows = [[LABELS[r["op"]], r["C"], _ms(r["wall"]), f"{_ms(r['matmul'])} ({r['matmul'] / r['wall']:.0%})",
-             f"{2 * r['macs'] / r['matmul'] / 1e9:.1f}", f"{_ms(r['other'])} ({r['other'] / r['wall']:.0%})",
-             f"{r['top']} ({r['top_s'] / r['wall']:.0%})", f"{_ms(r['outside'])} ({r['outside'] / r['wall']:.0%})"]
-            for r in breakdown]
-    where = Table(f"Where one call's time goes at T = {sweep.breakdown_tokens:,} (every aten op timed, so the call "
-                  f"runs a little slower than above): the matmuls and triangular solves the cost models count, "
-                  f"the other ops, and Python between ops (1024³ GEMM: {gemm:.1f} GFLOP/s)",
-                  ["op", "C", "call (ms)", "matmuls (ms)", "matmul GFLOP/s", "other ops (ms)", "largest other op",
-                   "outside ops (ms)"], rows)
+    rows = [
+        [
+            LABELS[r["op"]],
+            r["C"],
+            _ms(r["wall"]),
+            f"{_ms(r['matmul'])} ({r['matmul'] / r['wall']:.0%})",
+            f"{2 * r['macs'] / r['matmul'] / 1e9:.1f}",
+            f"{_ms(r['other'])} ({r['other'] / r['wall']:.0%})",
+            f"{r['top']} ({r['top_s'] / r['wall']:.0%})",
+            f"{_ms(r['outside'])} ({r['outside'] / r['wall']:.0%})",
+        ]
+        for r in breakdown
+    ]
+    where = Table(
+        f"Where one call's time goes at T = {sweep.breakdown_tokens:,} (every aten op timed, so the call "
+        f"runs a little slower than above): the matmuls and triangular solves the cost models count, "
+        f"the other ops, and Python between ops (1024³ GEMM: {gemm:.1f} GFLOP/s)",
+        [
+            "op",
+            "C",
+            "call (ms)",
+            "matmuls (ms)",
+            "matmul GFLOP/s",
+            "other ops (ms)",
+            "largest other op",
+            "outside ops (ms)",
+        ],
+        rows,
+    )
     return [measured, versus, fits, where]
 
 
@@ -138,25 +219,64 @@ def notes(sweep: Sweep, analysis: dict, breakdown: list[dict], gemm: float, mode
     small, large = share[("linear_attn", sweep.chunks[0])], share[("linear_attn", sweep.chunks[-1])]
     ratios = [k3_cost("kda", T_max, d, C) / article_cost(T_max, d, C) for C in sweep.chunks]
     counted = all(r["macs"] == round(H * k3_cost(r["op"], sweep.breakdown_tokens, d, r["C"])) for r in breakdown)
-    states = H * d * (d + 1) * T_max / sweep.chunks[0] * 4 / 2 ** 20
+    states = H * d * (d + 1) * T_max / sweep.chunks[0] * 4 / 2**20
     la_full = la["full"][:1] + la["full"][-1:]
     return [
-        paragraph("prefill", "model-vs-measurement", linear_matmuls=matmul_shares("linear_attn"),
-                  kda_matmuls=matmul_shares("kda"), small_cumsum=small["cumsum"] / small["wall"], small_C=small["C"],
-                  large_cumsum=large["cumsum"] / large["wall"], large_C=large["C"], gemm=gemm, T_max=T_max,
-                  linear_best=la["best_C"], kda_best=kda["best_C"], model_best=model_best),
-        paragraph("prefill", "k3-count", tokens=sweep.breakdown_tokens,
-                  counted=paragraph("prefill", "counted-yes" if counted else "counted-no"), low_ratio=min(ratios),
-                  high_ratio=max(ratios), first_C=sweep.chunks[0], last_C=sweep.chunks[-1]),
-        paragraph("prefill", "slopes", linear_slopes=_range(la["slopes"]), kda_slopes=_range(kda["slopes"]),
-                  states=states, T_max=T_max, first_C=sweep.chunks[0]),
-        paragraph("prefill", "one-chunk", linear_cap=sweep.full_cap["linear_attn"], heads=H,
-                  scores_gib=H * sweep.full_cap["linear_attn"] ** 2 * 4 / 2 ** 30, kda_cap=sweep.full_cap["kda"],
-                  linear_full=_fmt(la["full_slope"]), kda_full=_fmt(kda["full_slope"]),
-                  sizes=" to ".join(f"{H * T ** 2 * 4 / 2 ** 20:,.0f} MiB" for T, _, _ in la_full)),
-        paragraph("prefill", "verdicts", fit_factor=FIT_FACTOR, typical_factor=TYPICAL_FACTOR,
-                  linear_low=LINEAR_SLOPE[0], linear_high=LINEAR_SLOPE[1], quadratic_low=QUADRATIC_SLOPE[0],
-                  quadratic_high=QUADRATIC_SLOPE[1]),
+        paragraph(
+            "prefill",
+            "model-vs-measurement",
+            linear_matmuls=matmul_shares("linear_attn"),
+            kda_matmuls=matmul_shares("kda"),
+            small_cumsum=small["cumsum"] / small["wall"],
+            small_C=small["C"],
+            large_cumsum=large["cumsum"] / large["wall"],
+            large_C=large["C"],
+            gemm=gemm,
+            T_max=T_max,
+            linear_best=la["best_C"],
+            kda_best=kda["best_C"],
+            model_best=model_best,
+        ),
+        paragraph(
+            "prefill",
+            "k3-count",
+            tokens=sweep.breakdown_tokens,
+            counted=paragraph("prefill", "counted-yes" if counted else "counted-no"),
+            low_ratio=min(ratios),
+            high_ratio=max(ratios),
+            first_C=sweep.chunks[0],
+            last_C=sweep.chunks[-1],
+        ),
+        paragraph(
+            "prefill",
+            "slopes",
+            linear_slopes=_range(la["slopes"]),
+            kda_slopes=_range(kda["slopes"]),
+            states=states,
+            T_max=T_max,
+            first_C=sweep.chunks[0],
+        ),
+        paragraph(
+            "prefill",
+            "one-chunk",
+            linear_cap=sweep.full_cap["linear_attn"],
+            heads=H,
+            scores_gib=H * sweep.full_cap["linear_attn"] ** 2 * 4 / 2**30,
+            kda_cap=sweep.full_cap["kda"],
+            linear_full=_fmt(la["full_slope"]),
+            kda_full=_fmt(kda["full_slope"]),
+            sizes=" to ".join(f"{H * T**2 * 4 / 2**20:,.0f} MiB" for T, _, _ in la_full),
+        ),
+        paragraph(
+            "prefill",
+            "verdicts",
+            fit_factor=FIT_FACTOR,
+            typical_factor=TYPICAL_FACTOR,
+            linear_low=LINEAR_SLOPE[0],
+            linear_high=LINEAR_SLOPE[1],
+            quadratic_low=QUADRATIC_SLOPE[0],
+            quadratic_high=QUADRATIC_SLOPE[1],
+        ),
         paragraph("prefill", "timing"),
     ]
 
@@ -198,10 +318,20 @@ def figures(docs: Path, sweep: Sweep, times: dict, analysis: dict) -> list[Figur
             Cs = sorted(at_max)
             fits = analysis[op]["models"]
             ax.plot(Cs, [at_max[C] * 1e3 for C in Cs], "o-", color="C0", label="measured")
-            ax.plot(Cs, [fits["article"]["scale"] * article_cost(T_max, d, C) * 1e3 for C in Cs], "--",
-                    color="C1", label="article: 2Ld² + 2LCd")
-            ax.plot(Cs, [fits["k3 count"]["scale"] * k3_cost(op, T_max, d, C) * 1e3 for C in Cs], ":",
-                    color="C2", label="k3's multiply-adds")
+            ax.plot(
+                Cs,
+                [fits["article"]["scale"] * article_cost(T_max, d, C) * 1e3 for C in Cs],
+                "--",
+                color="C1",
+                label="article: 2Ld² + 2LCd",
+            )
+            ax.plot(
+                Cs,
+                [fits["k3 count"]["scale"] * k3_cost(op, T_max, d, C) * 1e3 for C in Cs],
+                ":",
+                color="C2",
+                label="k3's multiply-adds",
+            )
             ax.set_xscale("log", base=2)
             ax.set_xticks(Cs, [str(C) for C in Cs])
             ax.set_ylim(bottom=0)
@@ -209,7 +339,13 @@ def figures(docs: Path, sweep: Sweep, times: dict, analysis: dict) -> list[Figur
             ax.set_ylabel("prefill time (ms)")
             ax.set_title(f"{LABELS[op]}, T = {T_max:,}")
             ax.legend(fontsize=8)
-    return [Figure("figures/prefill_time_vs_T.png",
-                   "Prefill time against T per chunk size (log-log), with the article's model (one fitted constant)"),
-            Figure("figures/prefill_time_vs_C.png",
-                   f"Prefill time against the chunk size at T = {T_max:,}, with both cost models")]
+    return [
+        Figure(
+            "figures/prefill_time_vs_T.png",
+            "Prefill time against T per chunk size (log-log), with the article's model (one fitted constant)",
+        ),
+        Figure(
+            "figures/prefill_time_vs_C.png",
+            f"Prefill time against the chunk size at T = {T_max:,}, with both cost models",
+        ),
+    ]

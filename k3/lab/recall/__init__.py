@@ -56,10 +56,31 @@ from .report import (
     state_floats,
 )
 
-__all__ = ["FAMILY", "PLANS", "PROBES", "PUBLISHED_PLACE", "SOFTMAX_HOLDS", "Plan", "best_head", "capacity",
-           "cell_settings", "disagreements", "filler_probe", "judge", "judge_ordering", "judge_retrieval",
-           "mla_retrieval", "mixer_config", "ordering_table", "probe_table", "retrieval_table", "run", "score_mixer",
-           "state_floats", "stream_ratio"]
+__all__ = [
+    "FAMILY",
+    "PLANS",
+    "PROBES",
+    "PUBLISHED_PLACE",
+    "SOFTMAX_HOLDS",
+    "Plan",
+    "best_head",
+    "capacity",
+    "cell_settings",
+    "disagreements",
+    "filler_probe",
+    "judge",
+    "judge_ordering",
+    "judge_retrieval",
+    "mla_retrieval",
+    "mixer_config",
+    "ordering_table",
+    "probe_table",
+    "retrieval_table",
+    "run",
+    "score_mixer",
+    "state_floats",
+    "stream_ratio",
+]
 
 
 def run(mode: str, docs: Path, **options) -> Result:
@@ -82,17 +103,20 @@ def run(mode: str, docs: Path, **options) -> Result:
             found[job[1:]] = _cell_from_json(kept)
     todo = [job for job in jobs if job[1:] not in found]
     if len(todo) < len(jobs) and mode != "smoke":
-        print(f"k3 lab recall: {len(jobs) - len(todo)} of {len(jobs)} cells kept in {cells.folder}, "
-              f"{len(todo)} to train")
+        print(
+            f"k3 lab recall: {len(jobs) - len(todo)} of {len(jobs)} cells kept in {cells.folder}, {len(todo)} to train"
+        )
 
     def keep(i: int, out: dict) -> None:
         cells.put(_key(todo[i]), out)
         found[todo[i][1:]] = _cell_from_json(json.loads(json.dumps(out)))
 
-    run_jobs(score_mixer, todo, "k3 lab recall", workers=1 if mode == "smoke" else None, show=mode != "smoke",
-             on_result=keep)
-    probes = {(m, times): found[m, main, probe_rate, max(1, times * main)] for m, times in PROBES} \
-        if plan.probes else {}
+    run_jobs(
+        score_mixer, todo, "k3 lab recall", workers=1 if mode == "smoke" else None, show=mode != "smoke", on_result=keep
+    )
+    probes = (
+        {(m, times): found[m, main, probe_rate, max(1, times * main)] for m, times in PROBES} if plan.probes else {}
+    )
     found = {(d, m, lr): out for (m, d, lr, train_from), out in found.items() if train_from == 1}
     scores, sweep, rate = {}, {}, {}
     for d in dims:
@@ -105,22 +129,32 @@ def run(mode: str, docs: Path, **options) -> Result:
     tables = []
     for d in dims:
         size, pairs = plan.size(d), plan.pairs(d)
-        tables.append(Table(
-            f"MQAR query accuracy, best over learning rates per cell (state {d}×{d} per linear head: "
-            f"{size.heads} heads of width {plan.width}; T = 4 × pairs, no filler; each run trained until its "
-            "held-out accuracy stopped improving, then decayed)",
-            ["mixer", "state floats"] + [f"{p} pairs" for p in pairs] + ["pairs at ≥ 90%", "best rate", "steps"],
-            [[LABELS[m], state_floats(m, size)] + [f"{scores[d, m][p]:.0%}" for p in pairs]
-             + [capacity(scores[d, m]), rate_label(rate[d, m]), _steps(found[d, m, rate[d, m]])]
-             for m in plan.mixers]))
+        tables.append(
+            Table(
+                f"MQAR query accuracy, best over learning rates per cell (state {d}×{d} per linear head: "
+                f"{size.heads} heads of width {plan.width}; T = 4 × pairs, no filler; each run trained until its "
+                "held-out accuracy stopped improving, then decayed)",
+                ["mixer", "state floats"] + [f"{p} pairs" for p in pairs] + ["pairs at ≥ 90%", "best rate", "steps"],
+                [
+                    [LABELS[m], state_floats(m, size)]
+                    + [f"{scores[d, m][p]:.0%}" for p in pairs]
+                    + [capacity(scores[d, m]), rate_label(rate[d, m]), _steps(found[d, m, rate[d, m]])]
+                    for m in plan.mixers
+                ],
+            )
+        )
         if len(plan.lrs) > 1:
-            tables.append(Table(
-                f"The learning-rate sweep (state {d}×{d}): mean accuracy over the pair counts per rate",
-                ["mixer"] + [rate_label(lr) for lr in plan.lrs],
-                [[LABELS[m]] + [f"{sweep[d, m][lr]:.0%}" for lr in plan.lrs] for m in plan.mixers]))
+            tables.append(
+                Table(
+                    f"The learning-rate sweep (state {d}×{d}): mean accuracy over the pair counts per rate",
+                    ["mixer"] + [rate_label(lr) for lr in plan.lrs],
+                    [[LABELS[m]] + [f"{sweep[d, m][lr]:.0%}" for lr in plan.lrs] for m in plan.mixers],
+                )
+            )
     _plot(docs / f"figures/recall{suffix}.png", plan, dims, scores)
-    _plot_curves(docs / f"figures/recall-curves{suffix}.png", plan, main,
-                 {m: found[main, m, rate[main, m]] for m in plan.mixers})
+    _plot_curves(
+        docs / f"figures/recall-curves{suffix}.png", plan, main, {m: found[main, m, rate[main, m]] for m in plan.mixers}
+    )
     main_scores = {m: scores[main, m] for m in plan.mixers}
     claims = judge(main_scores, main)
     hybrid, alone = ("3kda+mla", "4kda") if {"3kda+mla", "4kda"} <= set(plan.mixers) else ("kda+mla", "kda")
@@ -135,38 +169,69 @@ def run(mode: str, docs: Path, **options) -> Result:
         tables.append(probe_table(plan, main, probes, found[main, "3kda+mla", probe_rate], probe_rate))
     filler = {m: found[main, m, rate[main, m]]["filler"] for m in ("linear_attn", "deltanet") if m in plan.mixers}
     if filler:
-        tables.append(Table(
-            paragraph("recall", "filler-caption", d=main, short=4 * main, long=4 * plan.span * main),
-            ["mixer", "no filler", "filler"],
-            [[LABELS[m], f"{f['no filler']:.0%}", f"{f['filler']:.0%}"] for m, f in filler.items()]))
+        tables.append(
+            Table(
+                paragraph("recall", "filler-caption", d=main, short=4 * main, long=4 * plan.span * main),
+                ["mixer", "no filler", "filler"],
+                [[LABELS[m], f"{f['no filler']:.0%}", f"{f['filler']:.0%}"] for m, f in filler.items()],
+            )
+        )
     vocab = plan.vocab
-    notes = [paragraph("recall", "setup", plan=plan, rates=", ".join(rate_label(lr) for lr in plan.lrs)),
-             paragraph("recall", "convergence", plan=plan, plateau=plan.plateau),
-             paragraph("recall", "task", plan=plan, vocab=vocab, chance=1 / vocab.num_values)]
+    notes = [
+        paragraph("recall", "setup", plan=plan, rates=", ".join(rate_label(lr) for lr in plan.lrs)),
+        paragraph("recall", "convergence", plan=plan, plateau=plan.plateau),
+        paragraph("recall", "task", plan=plan, vocab=vocab, chance=1 / vocab.num_values),
+    ]
     notes += [paragraph("recall", name) for name in ("mixers", "gate", "learned")]
     timed = [out["seconds"] for out in list(found.values()) + list(probes.values()) if "seconds" in out]
     if timed:
         notes.append(paragraph("recall", "timed", timed=len(timed), cells=len(jobs), minutes=sum(timed) / 60))
     if len(todo) < len(jobs):
-        notes.append(paragraph("recall", "kept", kept=len(jobs) - len(todo), cells=len(jobs),
-                               folder=cells.folder.as_posix(), trained=len(todo)))
+        notes.append(
+            paragraph(
+                "recall",
+                "kept",
+                kept=len(jobs) - len(todo),
+                cells=len(jobs),
+                folder=cells.folder.as_posix(),
+                trained=len(todo),
+            )
+        )
     if mode == "full":
         notes += LITERATURE
     notes += disagreements(claims, main_scores, main, plan, probes, filler)
     title = "Associative recall against state size" + (", at scale" if mode == "full" else "")
-    return Result(name="recall", title=title, mode=mode, command=command("recall", mode), claims=claims,
-                  tables=tables,
-                  figures=[Figure(f"figures/recall{suffix}.png",
-                                  "MQAR accuracy (best learning rate per point) against the number of key-value "
-                                  "pairs, per mixer and state size; the dashed line marks pairs = D, a linear "
-                                  "head's key dimension"),
-                           Figure(f"figures/recall-curves{suffix}.png",
-                                  f"Held-out accuracy (mean over the pair counts) during training, each mixer's "
-                                  f"best run at state {main}×{main}: the marker shows where the stable phase "
-                                  "ended and the decay began")],
-                  notes=notes, setup={"plan": _plan_dict(plan), "vocab": vocab.__dict__},
-                  data={"accuracy": {f"D={d}": {m: scores[d, m] for m in plan.mixers} for d in dims},
-                        "sweep": {f"D={d}": {m: {rate_label(lr): a for lr, a in sweep[d, m].items()}
-                                             for m in plan.mixers} for d in dims},
-                        "runs": {f"D={d},{m},{rate_label(lr)}": {k: v for k, v in out.items() if k != "accuracy"}
-                                 for (d, m, lr), out in found.items()}})
+    return Result(
+        name="recall",
+        title=title,
+        mode=mode,
+        command=command("recall", mode),
+        claims=claims,
+        tables=tables,
+        figures=[
+            Figure(
+                f"figures/recall{suffix}.png",
+                "MQAR accuracy (best learning rate per point) against the number of key-value "
+                "pairs, per mixer and state size; the dashed line marks pairs = D, a linear "
+                "head's key dimension",
+            ),
+            Figure(
+                f"figures/recall-curves{suffix}.png",
+                f"Held-out accuracy (mean over the pair counts) during training, each mixer's "
+                f"best run at state {main}×{main}: the marker shows where the stable phase "
+                "ended and the decay began",
+            ),
+        ],
+        notes=notes,
+        setup={"plan": _plan_dict(plan), "vocab": vocab.__dict__},
+        data={
+            "accuracy": {f"D={d}": {m: scores[d, m] for m in plan.mixers} for d in dims},
+            "sweep": {
+                f"D={d}": {m: {rate_label(lr): a for lr, a in sweep[d, m].items()} for m in plan.mixers} for d in dims
+            },
+            "runs": {
+                f"D={d},{m},{rate_label(lr)}": {k: v for k, v in out.items() if k != "accuracy"}
+                for (d, m, lr), out in found.items()
+            },
+        },
+    )

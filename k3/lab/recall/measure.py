@@ -35,16 +35,25 @@ def score_mixer(plan: Plan, mixer: str, head_dim: int, lr: float, train_from: in
         return sum(accuracy_by_kind(model, b).get(1, 0.0) for b in held) / len(held)
 
     start = time.perf_counter()
-    model, curve = train_until_plateau(mixer_config(mixer, vocab.size, size), sample, held_out, plan.plateau,
-                                       lr=lr, seed=plan.seed)
+    model, curve = train_until_plateau(
+        mixer_config(mixer, vocab.size, size), sample, held_out, plan.plateau, lr=lr, seed=plan.seed
+    )
     test = torch.Generator().manual_seed(10_000 + plan.seed)
-    out = {"accuracy": {p: accuracy_by_kind(model, mqar(plan.eval_batch, 4 * p, p, vocab, generator=test)).get(1, 0.0)
-                        for p in pairs},
-           "curve": curve.points, "stable": curve.stable_steps, "stopped_by": curve.stopped_by, "steps": curve.steps}
+    out = {
+        "accuracy": {
+            p: accuracy_by_kind(model, mqar(plan.eval_batch, 4 * p, p, vocab, generator=test)).get(1, 0.0)
+            for p in pairs
+        },
+        "curve": curve.points,
+        "stable": curve.stable_steps,
+        "stopped_by": curve.stopped_by,
+        "steps": curve.steps,
+    }
     probe = torch.Generator().manual_seed(20_000 + plan.seed)
     if mixer != "softmax" and {"mla", "mha"} & set(model.config.layer_types):  # MLA, or attention in a hybrid
-        out["retrieval"] = {p: mla_retrieval(model, mqar(plan.probe_batch, 4 * p, p, vocab, generator=probe))
-                            for p in pairs}
+        out["retrieval"] = {
+            p: mla_retrieval(model, mqar(plan.probe_batch, 4 * p, p, vocab, generator=probe)) for p in pairs
+        }
     if mixer in ("linear_attn", "deltanet"):
         out["filler"] = filler_probe(model, plan, head_dim, probe)
     out["seconds"] = time.perf_counter() - start  # on one thread
@@ -58,9 +67,12 @@ def filler_probe(model, plan: Plan, head_dim: int, generator: torch.Generator) -
     unwritten."""
     vocab, p = plan.vocab, head_dim
     long = 4 * plan.span * head_dim
-    return {"pairs": p, "long": long,
-            "no filler": accuracy_by_kind(model, mqar(plan.probe_batch, 4 * p, p, vocab, generator=generator))[1],
-            "filler": accuracy_by_kind(model, mqar(plan.probe_batch, long, p, vocab, generator=generator))[1]}
+    return {
+        "pairs": p,
+        "long": long,
+        "no filler": accuracy_by_kind(model, mqar(plan.probe_batch, 4 * p, p, vocab, generator=generator))[1],
+        "filler": accuracy_by_kind(model, mqar(plan.probe_batch, long, p, vocab, generator=generator))[1],
+    }
 
 
 @torch.no_grad()
@@ -99,8 +111,13 @@ def stream_ratio(mixer: str, plan: Plan, head_dim: int) -> float:
     torch.manual_seed(plan.seed)
     model = build_model(mixer_config(mixer, plan.vocab.size, plan.size(head_dim))).eval()
     index = next(i for i, kind in enumerate(model.config.layer_types) if kind in ("mla", "mha"))
-    batch = mqar(plan.probe_batch, 4 * max(plan.pairs(head_dim)), max(plan.pairs(head_dim)), plan.vocab,
-                 generator=torch.Generator().manual_seed(30_000 + plan.seed))
+    batch = mqar(
+        plan.probe_batch,
+        4 * max(plan.pairs(head_dim)),
+        max(plan.pairs(head_dim)),
+        plan.vocab,
+        generator=torch.Generator().manual_seed(30_000 + plan.seed),
+    )
     (x,) = _inputs_of(model, [model.model.layers[index]], batch.inputs)
     embedding = model.model.embed_tokens(batch.inputs)
     return float((x - embedding).norm() / embedding.norm())

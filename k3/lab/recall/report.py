@@ -62,36 +62,48 @@ def judge(scores: dict[str, dict[int, float]], head_dim: int) -> list[Claim]:
         drop = best - lin[large]
         softmax_holds = soft is not None and min(soft.values()) >= SOFTMAX_HOLDS
         shown = f"softmax attention at least {min(soft.values()):.0%} at every count" if soft else "no softmax run"
-        claims.append(Claim(
-            "Linear attention adds every pair into one D×D state: past its capacity (N ≫ D) associations interfere",
-            f"linear attention: best {best:.0%} → {lin[large]:.0%} at {large} pairs (D = {head_dim}), a drop of "
-            f"{drop * 100:.0f} points; {shown} (holds if the drop is ≥ 20 points while softmax attention stays "
-            f"≥ {SOFTMAX_HOLDS:.0%}; partly at ≥ 10)",
-            _verdict(learned("linear_attn"), drop >= 0.2 and softmax_holds, drop >= 0.1)))
+        claims.append(
+            Claim(
+                "Linear attention adds every pair into one D×D state: past its capacity (N ≫ D) associations interfere",
+                f"linear attention: best {best:.0%} → {lin[large]:.0%} at {large} pairs (D = {head_dim}), a drop of "
+                f"{drop * 100:.0f} points; {shown} (holds if the drop is ≥ 20 points while softmax attention stays "
+                f"≥ {SOFTMAX_HOLDS:.0%}; partly at ≥ 10)",
+                _verdict(learned("linear_attn"), drop >= 0.2 and softmax_holds, drop >= 0.1),
+            )
+        )
     if {"deltanet", "linear_attn"} <= scores.keys():
         gain = mean_over("deltanet") - mean_over("linear_attn")
-        claims.append(Claim(
-            "The delta rule overwrites instead of piling up, so DeltaNet retrieves more past capacity",
-            f"mean accuracy beyond D = {head_dim} pairs: DeltaNet {mean_over('deltanet'):.0%} vs linear attention "
-            f"{mean_over('linear_attn'):.0%} (holds at ≥ +10 points, partly at ≥ +2)",
-            _verdict(learned("deltanet", "linear_attn"), gain >= 0.1, gain >= 0.02)))
+        claims.append(
+            Claim(
+                "The delta rule overwrites instead of piling up, so DeltaNet retrieves more past capacity",
+                f"mean accuracy beyond D = {head_dim} pairs: DeltaNet {mean_over('deltanet'):.0%} vs linear attention "
+                f"{mean_over('linear_attn'):.0%} (holds at ≥ +10 points, partly at ≥ +2)",
+                _verdict(learned("deltanet", "linear_attn"), gain >= 0.1, gain >= 0.02),
+            )
+        )
     hybrid, alone = ("3kda+mla", "4kda") if {"3kda+mla", "4kda"} <= scores.keys() else ("kda+mla", "kda")
     if {hybrid, alone} <= scores.keys():
         failing = [p for p in pairs if scores[alone][p] < 0.5] or [large]
         h = sum(scores[hybrid][p] for p in failing) / len(failing)
         k = sum(scores[alone][p] for p in failing) / len(failing)
-        claims.append(Claim(
-            "Periodic MLA layers restore exact retrieval: attention is the most effective selective read",
-            f"{LABELS[hybrid]} {h:.0%} vs {LABELS[alone]} {k:.0%}, mean over the counts where the latter is below "
-            f"50% ({', '.join(map(str, failing))} pairs; holds at ≥ +10 points or ≥ 90%, partly at ≥ +2)",
-            _verdict(learned(hybrid), h - k >= 0.1 or h >= 0.9, h - k >= 0.02)))
+        claims.append(
+            Claim(
+                "Periodic MLA layers restore exact retrieval: attention is the most effective selective read",
+                f"{LABELS[hybrid]} {h:.0%} vs {LABELS[alone]} {k:.0%}, mean over the counts where the latter is below "
+                f"50% ({', '.join(map(str, failing))} pairs; holds at ≥ +10 points or ≥ 90%, partly at ≥ +2)",
+                _verdict(learned(hybrid), h - k >= 0.1 or h >= 0.9, h - k >= 0.02),
+            )
+        )
     if soft is not None:
-        claims.append(Claim(
-            "Softmax attention keeps every token (its KV cache grows with T), so recall does not saturate",
-            f"softmax attention: {soft[large]:.0%} at {large} pairs, {soft[small]:.0%} at {small} "
-            f"(holds if ≥ {SOFTMAX_HOLDS:.0%} at {large} pairs, partly if within 10 points of its {small}-pair "
-            "accuracy)",
-            _verdict(learned("softmax"), soft[large] >= SOFTMAX_HOLDS, soft[large] >= soft[small] - 0.1)))
+        claims.append(
+            Claim(
+                "Softmax attention keeps every token (its KV cache grows with T), so recall does not saturate",
+                f"softmax attention: {soft[large]:.0%} at {large} pairs, {soft[small]:.0%} at {small} "
+                f"(holds if ≥ {SOFTMAX_HOLDS:.0%} at {large} pairs, partly if within 10 points of its {small}-pair "
+                "accuracy)",
+                _verdict(learned("softmax"), soft[large] >= SOFTMAX_HOLDS, soft[large] >= soft[small] - 0.1),
+            )
+        )
     return claims
 
 
@@ -104,27 +116,42 @@ def judge_ordering(means: dict[int, dict[str, float]]) -> Claim:
     relations, shown = [], []
     for d, m in sorted(means.items()):
         family = [m[f] for f in FAMILY]
-        relations += [m["softmax"] >= m["kda+mla"] - 0.02, m["kda+mla"] >= max(family) - 0.02,
-                      min(family) >= m["linear_attn"] + 0.05]
-        shown.append(f"state {d}×{d}: softmax {m['softmax']:.0%}, hybrid {m['kda+mla']:.0%}, DeltaNet family "
-                     f"{min(family):.0%}–{max(family):.0%}, linear {m['linear_attn']:.0%}")
+        relations += [
+            m["softmax"] >= m["kda+mla"] - 0.02,
+            m["kda+mla"] >= max(family) - 0.02,
+            min(family) >= m["linear_attn"] + 0.05,
+        ]
+        shown.append(
+            f"state {d}×{d}: softmax {m['softmax']:.0%}, hybrid {m['kda+mla']:.0%}, DeltaNet family "
+            f"{min(family):.0%}–{max(family):.0%}, linear {m['linear_attn']:.0%}"
+        )
     met = sum(relations)
     verdict = "holds" if met == len(relations) else "partly" if 3 * met >= 2 * len(relations) else "does not hold"
     return Claim(
         "The published order on recall: attention ≥ KDA+MLA hybrid ≥ DeltaNet family > linear attention",
         "mean accuracy over the pair counts; " + "; ".join(shown) + f". {met} of {len(relations)} relations hold "
-        "(≥ within 2 points, > by at least 5; holds if all do, partly if two thirds)", verdict)
+        "(≥ within 2 points, > by at least 5; holds if all do, partly if two thirds)",
+        verdict,
+    )
 
 
-def judge_retrieval(retrieval: dict[int, dict], hybrid: dict[int, float], alone: dict[int, float],
-                    labels: tuple[str, str] = ("KDA+MLA hybrid", "KDA alone")) -> Claim:
-    """"MLA retrieves from the token context exactly", read off the hybrid's MLA heads where the KDA-only model
+def judge_retrieval(
+    retrieval: dict[int, dict],
+    hybrid: dict[int, float],
+    alone: dict[int, float],
+    labels: tuple[str, str] = ("KDA+MLA hybrid", "KDA alone"),
+) -> Claim:
+    """ "MLA retrieves from the token context exactly", read off the hybrid's MLA heads where the KDA-only model
     at the same depth (`alone`) falls below 50% (the most pairs if it never does): the best head's attention on
     the value bound to the queried key, at the count where it is highest (the inspect section's threshold:
     holds at >= RETRIEVAL, partly at >= 3x uniform). `retrieval` {pairs: `mla_retrieval`}."""
     failing = [p for p in sorted(retrieval) if alone.get(p, 1.0) < 0.5] or [max(retrieval)]
-    best, pairs, where = max((a, p, (layer, head)) for p in failing
-                             for layer, heads in enumerate(retrieval[p]["value"]) for head, a in enumerate(heads))
+    best, pairs, where = max(
+        (a, p, (layer, head))
+        for p in failing
+        for layer, heads in enumerate(retrieval[p]["value"])
+        for head, a in enumerate(heads)
+    )
     uniform = retrieval[pairs]["uniform"]
     return Claim(
         "MLA layers retrieve from the token context exactly (what KDA's fixed-size state must discard)",
@@ -133,31 +160,44 @@ def judge_retrieval(retrieval: dict[int, dict], hybrid: dict[int, float], alone:
         f"its best MLA head (MLA layer {where[0]}, head {where[1]}) puts {best:.2f} of its attention on the value "
         f"bound to the queried key (uniform: {uniform:.3f}); the model answers {hybrid[pairs]:.0%}, {labels[1]} "
         f"{alone[pairs]:.0%} (holds at ≥ {RETRIEVAL} and ≥ 3× uniform, partly at ≥ 3× uniform)",
-        retrieval_verdict(best, uniform) if best >= 3 * uniform else "does not hold")
+        retrieval_verdict(best, uniform) if best >= 3 * uniform else "does not hold",
+    )
 
 
 def _elu_probe(out: dict, under: list[int], over: list[int]) -> str:
     acc = out["accuracy"]
-    return " " + paragraph("recall", "elu-probe", under=sum(acc[p] for p in under) / len(under),
-                           over=sum(acc[p] for p in over) / len(over))
+    return " " + paragraph(
+        "recall", "elu-probe", under=sum(acc[p] for p in under) / len(under), over=sum(acc[p] for p in over) / len(over)
+    )
 
 
 def _filler_gap(filler: dict) -> str:
     d, lin = filler["deltanet"], filler["linear_attn"]
-    return " " + paragraph("recall", "filler-gap", pairs=d["pairs"], long=d["long"], delta_filler=d["filler"],
-                           linear_filler=lin["filler"], delta_plain=d["no filler"], linear_plain=lin["no filler"])
+    return " " + paragraph(
+        "recall",
+        "filler-gap",
+        pairs=d["pairs"],
+        long=d["long"],
+        delta_filler=d["filler"],
+        linear_filler=lin["filler"],
+        delta_plain=d["no filler"],
+        linear_plain=lin["no filler"],
+    )
 
 
 def filler_note(filler: dict) -> str:
     """The filler probe's paragraph: each model's accuracy at D pairs without and with PAD filler."""
     f = next(iter(filler.values()))
-    shown = "; ".join(paragraph("recall", "filler-model", label=LABELS[m], plain=x["no filler"], filler=x["filler"])
-                      for m, x in filler.items())
+    shown = "; ".join(
+        paragraph("recall", "filler-model", label=LABELS[m], plain=x["no filler"], filler=x["filler"])
+        for m, x in filler.items()
+    )
     return paragraph("recall", "filler", pairs=f["pairs"], short=4 * f["pairs"], long=f["long"], shown=shown)
 
 
-def disagreements(claims: list[Claim], scores: dict, head_dim: int, plan: Plan, probes: dict,
-                  filler: dict) -> list[str]:
+def disagreements(
+    claims: list[Claim], scores: dict, head_dim: int, plan: Plan, probes: dict, filler: dict
+) -> list[str]:
     """One paragraph for each claim whose verdict here contradicts a published result: the published setup, what
     differs here, and the measured probe that points at the cause (the numbers are this run's; the words are
     k3/lab/templates/recall.md's)."""
@@ -171,11 +211,17 @@ def disagreements(claims: list[Claim], scores: dict, head_dim: int, plan: Plan, 
 
     if verdicts.get("The delta rule overwrites instead of piling up") not in (None, "holds") and under and over:
         notes.append(
-            paragraph("recall", "delta-disagreement", delta_under=mean("deltanet", under),
-                      linear_under=mean("linear_attn", under), delta_over=mean("deltanet", over),
-                      linear_over=mean("linear_attn", over))
+            paragraph(
+                "recall",
+                "delta-disagreement",
+                delta_under=mean("deltanet", under),
+                linear_under=mean("linear_attn", under),
+                delta_over=mean("deltanet", over),
+                linear_over=mean("linear_attn", over),
+            )
             + (_elu_probe(probes[("elu_linear_attn", 0)], under, over) if ("elu_linear_attn", 0) in probes else "")
-            + (_filler_gap(filler) if {"deltanet", "linear_attn"} <= filler.keys() else ""))
+            + (_filler_gap(filler) if {"deltanet", "linear_attn"} <= filler.keys() else "")
+        )
     if filler:
         notes.append(filler_note(filler))
     retrieval_claim = next((c for c in claims if c.claim.startswith("MLA layers retrieve")), None)
@@ -198,15 +244,25 @@ def _mla_note(plan: Plan, head_dim: int, probes: dict) -> str:
 
     def reads(key):
         """The best head on the bound value at the fewest and the most pairs, and the accuracy over the counts."""
-        return paragraph("recall", "mla-reads", fewest_head=head(key, fewest), fewest=fewest, most_head=head(key),
-                         most=most, answers=answers(key))
+        return paragraph(
+            "recall",
+            "mla-reads",
+            fewest_head=head(key, fewest),
+            fewest=fewest,
+            most_head=head(key),
+            most=most,
+            answers=answers(key),
+        )
 
     uniform = get["2mla"]["retrieval"][most]["uniform"]
     retrieves = {k: head(k) >= max(RETRIEVAL, 3 * uniform) for k, out in get.items() if "retrieval" in out}
     ratio, alone_ratio = stream_ratio("3kda+mla", plan, head_dim), stream_ratio("2mla", plan, head_dim)
     # MLA retrieves on the embeddings, no attention layer behind KDA layers does (probes all at hand)
-    behind_kda_never = (retrieves["2mla"] and "frozen3kda+mla" in get
-                        and not any(retrieves[k] for k in ("3kda+mha", "3kda0+mla", "3kda+mla@2", "frozen3kda+mla")))
+    behind_kda_never = (
+        retrieves["2mla"]
+        and "frozen3kda+mla" in get
+        and not any(retrieves[k] for k in ("3kda+mha", "3kda0+mla", "3kda+mla@2", "frozen3kda+mla"))
+    )
     if retrieves.get("frozen3kda+mla") and not retrieves["3kda0+mla"]:
         cause = paragraph("recall", "cause-frozen-retrieves")
     elif retrieves["3kda0+mla"] and not retrieves["3kda+mha"]:
@@ -220,10 +276,26 @@ def _mla_note(plan: Plan, head_dim: int, probes: dict) -> str:
     else:
         cause = paragraph("recall", "cause-unknown")
     frozen = paragraph("recall", "mla-frozen", reads=reads("frozen3kda+mla")) if "frozen3kda+mla" in get else ""
-    return paragraph("recall", "mla-disagreement", d=head_dim, uniform=uniform, most=most, mla_alone=reads("2mla"),
-                     mha_after=reads("3kda+mha"), mla_first=reads("mla+3kda"), from_pairs=2 * head_dim,
-                     from_twice=reads("3kda+mla@2"), zero_outputs=reads("3kda0+mla"), frozen=frozen, ratio=ratio,
-                     alone_ratio=alone_ratio) + " " + cause
+    return (
+        paragraph(
+            "recall",
+            "mla-disagreement",
+            d=head_dim,
+            uniform=uniform,
+            most=most,
+            mla_alone=reads("2mla"),
+            mha_after=reads("3kda+mha"),
+            mla_first=reads("mla+3kda"),
+            from_pairs=2 * head_dim,
+            from_twice=reads("3kda+mla@2"),
+            zero_outputs=reads("3kda0+mla"),
+            frozen=frozen,
+            ratio=ratio,
+            alone_ratio=alone_ratio,
+        )
+        + " "
+        + cause
+    )
 
 
 def _steps(out: dict) -> str:
@@ -241,11 +313,14 @@ def probe_table(plan: Plan, head_dim: int, probes: dict, reference: dict, lr: fl
         r = out.get("retrieval", {}).get(max(pairs))
         attention = [f"{best_head(r):.3f}", f"{r['uniform']:.3f}"] if r else ["–", "–"]
         rows.append([label] + [f"{out['accuracy'][p]:.0%}" for p in pairs] + attention + [_steps(out)])
-    return Table(f"The probes: why the hybrid's MLA layer does or does not retrieve, and the article's linear "
-                 f"attention (state {head_dim}×{head_dim}, rate "
-                 f"{rate_label(lr)}): accuracy per pair count and, at {max(pairs)} pairs, the best attention head's "
-                 "mean attention on the bound value", ["model"] + [f"{p} pairs" for p in pairs]
-                 + ["best head on the bound value", "uniform", "steps"], rows)
+    return Table(
+        f"The probes: why the hybrid's MLA layer does or does not retrieve, and the article's linear "
+        f"attention (state {head_dim}×{head_dim}, rate "
+        f"{rate_label(lr)}): accuracy per pair count and, at {max(pairs)} pairs, the best attention head's "
+        "mean attention on the bound value",
+        ["model"] + [f"{p} pairs" for p in pairs] + ["best head on the bound value", "uniform", "steps"],
+        rows,
+    )
 
 
 def retrieval_table(plan: Plan, head_dim: int, found: dict, rate: dict, scores: dict) -> Table:
@@ -257,13 +332,22 @@ def retrieval_table(plan: Plan, head_dim: int, found: dict, rate: dict, scores: 
             continue
         retrieval = found[head_dim, hybrid, rate[head_dim, hybrid]]["retrieval"]
         for p, r in sorted(retrieval.items()):
-            rows.append([LABELS[hybrid], p, f"{best_head(r):.3f}", f"{r['uniform']:.3f}",
-                         f"{scores[head_dim, hybrid][p]:.0%}",
-                         f"{scores[head_dim, alone][p]:.0%}" if alone in plan.mixers else "–"])
-    return Table(f"MLA attention in the hybrids (state {head_dim}×{head_dim}, each at its best rate): the best MLA "
-                 "head's mean attention from a query key on the value bound to it, per pair count",
-                 ["model", "pairs", "best head on the bound value", "uniform", "model accuracy",
-                  "KDA alone, same depth"], rows)
+            rows.append(
+                [
+                    LABELS[hybrid],
+                    p,
+                    f"{best_head(r):.3f}",
+                    f"{r['uniform']:.3f}",
+                    f"{scores[head_dim, hybrid][p]:.0%}",
+                    f"{scores[head_dim, alone][p]:.0%}" if alone in plan.mixers else "–",
+                ]
+            )
+    return Table(
+        f"MLA attention in the hybrids (state {head_dim}×{head_dim}, each at its best rate): the best MLA "
+        "head's mean attention from a query key on the value bound to it, per pair count",
+        ["model", "pairs", "best head on the bound value", "uniform", "model accuracy", "KDA alone, same depth"],
+        rows,
+    )
 
 
 LITERATURE = [paragraph("recall", "literature")]  # the published orderings the claims are set beside
@@ -274,12 +358,15 @@ def ordering_table(means: dict[int, dict[str, float]]) -> Table:
     in the published order."""
     dims = sorted(means)
     ranks = {d: {m: 1 + sum(means[d][o] > means[d][m] for o in MIXERS) for m in MIXERS} for d in dims}
-    return Table("The order of the mixers: mean accuracy over the pair counts, the rank it gives at each state size, "
-                 "and the place the literature gives (1 best; the DeltaNet family shares place 3)",
-                 ["mixer"] + [f"state {d}×{d}" for d in dims] + [f"rank at {d}×{d}" for d in dims]
-                 + ["published place"],
-                 [[LABELS[m]] + [f"{means[d][m]:.0%}" for d in dims] + [ranks[d][m] for d in dims]
-                  + [PUBLISHED_PLACE[m]] for m in MIXERS])
+    return Table(
+        "The order of the mixers: mean accuracy over the pair counts, the rank it gives at each state size, "
+        "and the place the literature gives (1 best; the DeltaNet family shares place 3)",
+        ["mixer"] + [f"state {d}×{d}" for d in dims] + [f"rank at {d}×{d}" for d in dims] + ["published place"],
+        [
+            [LABELS[m]] + [f"{means[d][m]:.0%}" for d in dims] + [ranks[d][m] for d in dims] + [PUBLISHED_PLACE[m]]
+            for m in MIXERS
+        ],
+    )
 
 
 def _plot(path: Path, plan: Plan, dims, scores) -> None:
@@ -291,8 +378,7 @@ def _plot(path: Path, plan: Plan, dims, scores) -> None:
             pairs = plan.pairs(head_dim)
             for i, m in enumerate(plan.mixers):
                 s = scores[head_dim, m]
-                ax.plot(pairs, [s[p] for p in pairs], "-o" if m in MIXERS else "--s", color=f"C{i}",
-                        label=LABELS[m])
+                ax.plot(pairs, [s[p] for p in pairs], "-o" if m in MIXERS else "--s", color=f"C{i}", label=LABELS[m])
             ax.axvline(head_dim, color="grey", ls="--", lw=1)
             ax.set_xscale("log", base=2)
             ax.set_title(f"state {head_dim}×{head_dim} per linear head, width {plan.width}")
