@@ -20,11 +20,11 @@ Balancing: after each training step, `update_bias(load)` moves each expert's cor
 The router's checkpoint name is `gate` (`block_sparse_moe.gate.weight`, as in Kimi Linear and DeepSeek);
 in code it is `MoE.router`, a `Router`: "gate" in k3 means the KDA forget gate and the output gates.
 
-Dispatch (`RoutedExperts`) costs what the k chosen experts cost, not all E, one way for training, prefill and
-decoding: the assignments grouped by expert in slots, every slot at once as three batched matmuls against its
-expert's matrices gathered by index, the number of slots set by the shapes alone, so nothing is read back to
-the host and the forward compiles whole (a few tokens: one slot per assignment, gpt-fast's Mixtral). A decode
-step (k3.inference.decode_step) passes the experts stacked once (`fused`, from `MoE.fuse_for_decoding`). It
+Dispatch (`RoutedExperts`) costs what the k chosen experts cost, not all E, with nothing read back to the host
+(the forward compiles whole): the assignments grouped by expert and run as a grouped GEMM, or, where torch's
+does not run (float64) and for a few tokens, as slots of batched matmuls whose number the shapes set (one slot
+per assignment when decoding: each token's experts gathered, gpt-fast's Mixtral). A decode step
+(k3.inference.decode_step) passes the experts stacked once (`fused`, from `MoE.fuse_for_decoding`). It
 is a module of its own so that expert parallelism (k3.training.parallel) plugs in from outside: a process keeps
 a slice of the experts, and hooks on this module gather the tokens before it and sum the slices' outputs after it.
 """
@@ -145,25 +145,25 @@ class Router(nn.Module):
 
 class RoutedExperts(nn.ModuleList):
     """The routed experts (`experts.N`), called as one module: sum_i w_i expert_i(z) over each token's
-    k chosen experts, in one sync-free path for training, prefill and decoding.
+    k chosen experts, for training, prefill and decoding alike, with nothing read back to the host (every
+    index is computed on the device and every shape is set by the inputs' shapes), so the forward compiles
+    whole and a GPU stream never waits:
 
-    The N*k assignments are grouped by expert in slots of `capacity` rows (`slot_capacity`: a number set by
-    the shapes alone): expert e's count_e assignments fill ceil(count_e / capacity) slots, zeros pad its
-    last one, and three batched matmuls run every slot against its expert's matrices, gathered by index
-    from the experts stacked:
+        H_j = act(x_{t_j} W1_{e_j}^T, x_{t_j} W3_{e_j}^T);   Y_j = H_j W2_{e_j}^T;   out_n = sum_{j of n} w_j Y_j
 
-        H_s = act(X_s W1_{e_s}^T, X_s W3_{e_s}^T);   Y_s = H_s W2_{e_s}^T;   out_n = sum_j w_nj Y[row_nj]
+    over the N k assignments j (token t_j, expert e_j), grouped by expert, as a grouped GEMM
+    (`torch.nn.functional.grouped_mm`, one matmul over every expert's rows, their offsets on the device).
+    Where it does not run (float64, the exactness tests' dtype; rows not 16-byte aligned) and for a few
+    tokens (decoding: most experts would get no row), the same groups run as slots of `capacity` rows
+    (`slot_capacity`, set by the shapes) in three batched matmuls, each slot against its expert's matrices
+    gathered by index: expert e fills ceil(count_e / capacity) slots, zeros pad its last, and since
+    sum_e ceil(count_e / c) <= (N k + E (c - 1)) / c that many slots always run. With capacity 1 each
+    assignment is its own slot, in token order: each token's experts gathered (gpt-fast's Mixtral).
 
-    How many slots are used depends on the routing; how many are run does not: sum_e ceil(count_e / c) <=
-    (N k + E (c - 1)) / c, so that many always run (the ones past the used are all padding), every index is
-    computed on the device, and nothing is read back to the host: the forward compiles whole and a GPU
-    stream never waits. With capacity 1 (a few tokens: decoding) every assignment is its own slot, no
-    padding at all: gpt-fast's Mixtral, each token's experts gathered from the stack.
-
-    Rows move by one flat index, `source` [slots * capacity] (the token each row holds; N, a zero row, for
-    padding): a gather in, a scatter-add out, whose backwards are a scatter-add and a gather. An entry may
-    be None: under expert parallelism a process holds only its own slice of the experts; assignments to
-    the others go to no slot (their processes compute them)."""
+    Rows move by one flat index (the token each row holds; N, a zero row, for padding): a gather in, a
+    scatter-add out, whose backwards are a scatter-add and a gather. An entry may be None: under expert
+    parallelism a process holds only its own slice of the experts; its assignments to the others run
+    against zero matrices (their processes compute them)."""
 
     def forward(
         self,
@@ -175,42 +175,23 @@ class RoutedExperts(nn.ModuleList):
         """z [N, d], chosen [N, k] expert indices, weights [N, k] -> [N, d]. `stack`: the held experts'
         (W1, W3, W2) stacked once (`stack_for_decoding`, a decode step's copy), a keyword (expert
         parallelism's hooks see the three tensors before it); without it they are stacked here."""
-        (N, k), d = chosen.shape, z.shape[-1]
-        device = chosen.device
         held = [i for i, e in enumerate(self) if e is not None]
         if stack is None:
             stack = tuple(torch.stack([getattr(self[i], name) for i in held]) for name in ("w1", "w3", "w2"))
-        E = len(held)
         expert = chosen.flatten()
-        if E < len(self):  # experts held elsewhere: index E, which gets no slot
-            local = torch.full((len(self),), E, dtype=torch.long)
-            local[held] = torch.arange(E)
-            expert = local.to(device)[expert]
-        capacity = slot_capacity(N * k, E)
-        slots = (N * k + E * (capacity - 1)) // capacity
-        counts = torch.zeros(E + 1, dtype=torch.long, device=device).index_add_(0, expert, torch.ones_like(expert))
-        per_expert = (counts[:E] + capacity - 1) // capacity  # slots each expert fills
-        first_slot = torch.cumsum(per_expert, 0) - per_expert
-        order = torch.argsort(expert, stable=True)  # assignments, grouped by expert
-        expert_of = expert[order]
-        first = torch.cumsum(counts, 0) - counts  # each expert's first assignment in `order`
-        place = torch.arange(N * k, device=device) - first[expert_of]  # its place among its expert's
-        row = (F.pad(first_slot, (0, 1), value=slots)[expert_of] + place // capacity) * capacity + place % capacity
-        row = row.clamp(max=slots * capacity)  # experts held elsewhere: the one row past the last slot
-        token = order // k
-        source = torch.full((slots * capacity + 1,), N, dtype=torch.long, device=device).index_copy_(0, row, token)
-        source = source[:-1]
-        X = torch.cat([z, z.new_zeros(1, d)]).index_select(0, source).view(slots, capacity, d)
-        # the expert of each slot; slots past the used ones (all padding) run the last expert on zeros
-        slot_expert = torch.searchsorted(torch.cumsum(per_expert, 0), torch.arange(slots, device=device), right=True)
-        W1, W3, W2 = (w.index_select(0, slot_expert.clamp(max=E - 1)) for w in stack)
+        if len(held) < len(self):  # experts held elsewhere: one more, of zero matrices, takes their rows
+            local = torch.full((len(self),), len(held), dtype=torch.long)
+            local[held] = torch.arange(len(held))
+            expert = local.to(expert.device)[expert]
+            stack = tuple(torch.cat([w, w.new_zeros(1, *w.shape[1:])]) for w in stack)
         act = self[held[0]].act
-        H = act(torch.bmm(X, W1.transpose(1, 2)), torch.bmm(X, W3.transpose(1, 2)))  # [slots, capacity, hidden]
-        Y = torch.bmm(H, W2.transpose(1, 2)).view(slots * capacity, d)
-        row_weight = weights.new_zeros(slots * capacity + 1).index_copy_(0, row, weights.flatten()[order])[:-1]
-        y = upcast(Y) * row_weight.unsqueeze(-1)  # padding rows: weight 0
-        out = y.new_zeros(N + 1, d).index_add_(0, source, y)
-        return cast(out[:N], z.dtype)
+        capacity = slot_capacity(expert.numel(), stack[0].shape[0])
+        if capacity > 1 and grouped_mm_runs(z, stack):
+            y, token = _grouped(z, expert, weights.flatten(), stack, act, chosen.shape[1])
+        else:
+            y, token = _slots(z, expert, weights.flatten(), stack, act, chosen.shape[1], capacity)
+        out = y.new_zeros(z.shape[0] + 1, z.shape[-1]).index_add_(0, token, y)
+        return cast(out[:-1], z.dtype)
 
     @torch.no_grad()
     def stack_for_decoding(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -239,6 +220,59 @@ def slot_capacity(assignments: int, experts: int) -> int:
             best, best_cost = capacity, cost
         capacity *= 2
     return best
+
+
+def grouped_mm_runs(z: torch.Tensor, stack) -> bool:
+    """Whether torch's grouped GEMM takes these operands: a float32, bfloat16 or float16 input whose rows,
+    and the matrices' rows, are a multiple of 16 bytes."""
+    if not hasattr(F, "grouped_mm") or z.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    sizes = [z.shape[-1]] + [n for w in stack for n in w.shape[1:]]
+    return all(w.dtype == z.dtype for w in stack) and all(n * z.element_size() % 16 == 0 for n in sizes)
+
+
+def _grouped(z, expert, weights, stack, act, k):
+    """The assignments sorted by expert, one grouped GEMM per matrix: (weighted rows [N k, d], their tokens)."""
+    order = torch.argsort(expert, stable=True)
+    counts = torch.zeros(stack[0].shape[0], dtype=torch.long, device=z.device).index_add_(
+        0, expert, torch.ones_like(expert)
+    )
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    token = order // k
+    x = z.index_select(0, token)
+    W1, W3, W2 = stack
+    h = act(F.grouped_mm(x, W1.transpose(1, 2), offs=offsets), F.grouped_mm(x, W3.transpose(1, 2), offs=offsets))
+    y = F.grouped_mm(h, W2.transpose(1, 2), offs=offsets)
+    return upcast(y) * weights.index_select(0, order).unsqueeze(-1), token
+
+
+def _slots(z, expert, weights, stack, act, k, capacity):
+    """The assignments in slots of `capacity` rows (see `RoutedExperts`): (weighted rows, their tokens; a
+    padding row's token is N, the zero row past the last)."""
+    (N, d), A, E = z.shape, expert.numel(), stack[0].shape[0]
+    device = z.device
+    if capacity == 1:  # every assignment its own slot, in token order
+        slot_expert, source, row_weight = expert, torch.arange(A, device=device) // k, weights
+        slots = A
+    else:
+        slots = (A + E * (capacity - 1)) // capacity
+        counts = torch.zeros(E, dtype=torch.long, device=device).index_add_(0, expert, torch.ones_like(expert))
+        per_expert = (counts + capacity - 1) // capacity  # slots each expert fills
+        first_slot = torch.cumsum(per_expert, 0) - per_expert
+        order = torch.argsort(expert, stable=True)  # assignments, grouped by expert
+        expert_of = expert[order]
+        place = torch.arange(A, device=device) - (torch.cumsum(counts, 0) - counts)[expert_of]  # among its expert's
+        row = (first_slot[expert_of] + place // capacity) * capacity + place % capacity
+        source = torch.full((slots * capacity,), N, dtype=torch.long, device=device).index_copy_(0, row, order // k)
+        row_weight = weights.new_zeros(slots * capacity).index_copy_(0, row, weights.index_select(0, order))
+        # the expert of each slot; the slots past the used ones (all padding) run the last expert on zeros
+        used = torch.arange(slots, device=device)
+        slot_expert = torch.searchsorted(torch.cumsum(per_expert, 0), used, right=True).clamp(max=E - 1)
+    X = torch.cat([z, z.new_zeros(1, d)]).index_select(0, source).view(slots, capacity, d)
+    W1, W3, W2 = (w.index_select(0, slot_expert) for w in stack)
+    H = act(torch.bmm(X, W1.transpose(1, 2)), torch.bmm(X, W3.transpose(1, 2)))  # [slots, capacity, hidden]
+    Y = torch.bmm(H, W2.transpose(1, 2)).view(slots * capacity, d)
+    return upcast(Y) * row_weight.unsqueeze(-1), source
 
 
 class MoE(nn.Module):

@@ -192,3 +192,48 @@ def test_experts_held_elsewhere_are_skipped():
     torch.testing.assert_close(moe.experts(z, chosen, weights, stack=moe.experts.stack_for_decoding()), want)
     none_held = moe.experts(z, chosen.fill_(1), weights)
     assert torch.equal(none_held, torch.zeros_like(z))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_gemm_equals_the_dense_reference(name, dtype):
+    """float32 and bfloat16 with 16-byte rows run the grouped GEMM (many tokens: capacity > 1): values and
+    gradients against the float64 dense reference, to the dtype's tolerance; a few tokens run in slots."""
+    from k3.layers.moe import grouped_mm_runs, slot_capacity
+
+    torch.manual_seed(5)
+    config = {**CONFIGS[name], "expert_hidden": 16} | ({"latent_dim": 8} if CONFIGS[name]["latent_dim"] else {})
+    reference = MoE(16, **config).double()
+    moe = MoE(16, **config).to(dtype)
+    moe.load_state_dict(reference.state_dict())
+    x64 = torch.randn(4, 16, 16, dtype=torch.float64, requires_grad=True)
+    x = x64.detach().to(dtype).requires_grad_()
+    stack = tuple(torch.stack([getattr(e, n) for e in moe.experts]) for n in ("w1", "w3", "w2"))
+    assert grouped_mm_runs(x, stack) and slot_capacity(64 * CONFIGS[name]["top_k"], 8) > 1
+    want = dense_reference(reference, x64.detach().to(dtype).double())
+    got = moe(x)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 5e-2}[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    got.sum().backward()
+    want_grad = torch.autograd.grad(dense_reference(reference, x64).sum(), x64)[0]
+    torch.testing.assert_close(x.grad.double(), want_grad, rtol=tol * 10, atol=tol * 10)
+    w1 = moe.experts[2].w1.grad.double()
+    ref_w1 = torch.autograd.grad(dense_reference(reference, x64).sum(), reference.experts[2].w1)[0]
+    torch.testing.assert_close(w1, ref_w1, rtol=tol * 10, atol=tol * 10)
+    with torch.no_grad():  # one token: slots of one row
+        torch.testing.assert_close(moe(x[:1, :1]).double(), want[:1, :1], rtol=tol, atol=tol)
+
+
+def test_experts_held_elsewhere_in_the_grouped_gemm():
+    """Expert parallelism in float32 (the grouped GEMM): the assignments to experts held elsewhere run against
+    zero matrices and add nothing."""
+    torch.manual_seed(6)
+    moe = MoE(16, **CONFIGS["kimi-linear"])
+    z = torch.randn(40, 16)
+    chosen, weights = moe.router(z)
+    held = list(moe.experts)
+    for e in (1, 4, 5):
+        moe.experts[e] = None
+    dense_w = torch.zeros(40, 8).scatter(1, chosen, weights)
+    want = sum(dense_w[:, e : e + 1] * held[e](z) for e in range(8) if moe.experts[e] is not None)
+    torch.testing.assert_close(moe.experts(z, chosen, weights), want, rtol=1e-5, atol=1e-5)
