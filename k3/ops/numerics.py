@@ -35,10 +35,10 @@ FACTOR_EXP_LIMIT = {torch.float32: 80.0, torch.float64: 600.0}
 
 
 def decay_exp(x: torch.Tensor, floor: float | None = None) -> torch.Tensor:
-    """exp(x), flushed to exactly 0 where x < floor (default: DECAY_FLUSH of x's dtype)."""
+    """exp(x), flushed to exactly 0 where x <= floor (default: DECAY_FLUSH of x's dtype)."""
     floor = DECAY_FLUSH[x.dtype] if floor is None else floor
-    # clamp first: exp of very negative inputs would itself produce subnormals
-    return F.threshold(torch.exp(x.clamp(min=floor - 1.0)), math.exp(floor), 0.0)
+    # the exponent flushed first, to -inf: exp gives exactly 0 there and never a subnormal, in two passes
+    return torch.exp(F.threshold(x, floor, -math.inf))
 
 
 def flush_tiny(x: torch.Tensor) -> torch.Tensor:
