@@ -21,11 +21,10 @@ chunk-to-chunk state update is a loop (`k3.ops.scan`). With a gradient to take, 
 same forward and its own backward (`k3.ops.chunk_backward`).
 
 Numerics. No ratio of cumulative decay products (the article's gamma_r / gamma_i) is ever formed over
-a chunk: exponents are differences G_r - G_i, taken where they are <= 0. The exception is KDA's
-per-channel scores inside one sub-chunk of up to 32 tokens, factored as x_r exp(G_r - G_mid) times
-k_i exp(G_mid - G_i) around the gate at its middle; a check bounds those exponents (FACTOR_EXP_LIMIT),
-and any sub-chunk past the bound is computed pairwise, exactly. Negligible decay factors and UT
-entries are flushed to zero (see `k3.ops.numerics`).
+a chunk: exponents are differences G_r - G_i, taken where they are <= 0, KDA's per-channel scores
+included (factored through gates between r and i, each factor <= 1: `k3.ops.gates`), so nothing
+depends on the gates' range and nothing is read back from the device to choose a path. Negligible
+decay factors and UT entries are flushed to zero (see `k3.ops.numerics`).
 """
 
 from __future__ import annotations

@@ -33,10 +33,12 @@ def k3_cost(op: str, T: int, d: int, C: int) -> float:
     linear_attn: per chunk K_iᵀ V1_i and Q_i S (V1 = [V | 1], d + 1 columns) and the full C x C score
     block Q_i K_iᵀ times V1_i.
     kda: per chunk of C = m·s tokens (sub-chunks of s <= 32, as the op splits them) the state steps
-    W S, K_endᵀ U and Q S (3·C·d²); the lower-triangular blocks of A_qk and A_kk (C·d·(C + s)); the UT
-    transform applied to K and V (C·d·(C + s)) and A_qk U (C·d·(C + s)/2); and the inverse of I + A: a
-    triangular solve per diagonal block (s²(s - 1)/2 each) and its block rows, s³·m(m² - 1)/3 — about
-    C³/3, the term the article's model does not have. The last chunk is padded to C tokens."""
+    W S, K_endᵀ U and Q S (3·C·d²); the blocks of A_qk and A_kk below the diagonal (s²·d·m(m - 1)/2 each)
+    and, inside each sub-chunk (padded to S, a power of two), their quadrants by halves (S(S - 2)/2·d
+    each: the 1 x 1 quadrants are elementwise products); the UT transform applied to K and V
+    (C·d·(C + s)) and A_qk U (C·d·(C + s)/2); and the inverse of I + A: a triangular solve per diagonal
+    block (s²(s - 1)/2 each) and its block rows, s³·m(m² - 1)/3 — about C³/3, the term the article's
+    model does not have. The last chunk is padded to C tokens."""
     _check_shape(T, d, C)
     C = min(C, T)
     padded = math.ceil(T / C) * C
@@ -44,7 +46,10 @@ def k3_cost(op: str, T: int, d: int, C: int) -> float:
         return padded * (2.0 * d * (d + 1) + C * (2.0 * d + 1))
     if op == "kda":
         s = sub_chunk_size(C)
-        m = C // s
-        per_chunk = 3.0 * C * d * d + 2.5 * C * d * (C + s) + m * s * s * (s - 1) / 2 + s**3 * m * (m * m - 1) / 3
+        m, S = C // s, 1 << (s - 1).bit_length()
+        scores = d * m * (s * s * (m - 1) + max(S * (S - 2), 0))
+        per_chunk = (
+            3.0 * C * d * d + 1.5 * C * d * (C + s) + scores + m * s * s * (s - 1) / 2 + s**3 * m * (m * m - 1) / 3
+        )
         return padded // C * per_chunk
     raise ValueError(f"k3_cost: `op` must be one of {OPS}, got {op!r}")

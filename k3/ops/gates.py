@@ -13,19 +13,26 @@ G_i through y_i's, dG = x * dx - y * dy (the identity fla's KDA backward uses).
 
 Three gates share the interface (`gate_of`): none (DeltaNet), one per head (Gated DeltaNet: the
 decays form one C x C matrix) and one per key channel (KDA). The per-channel decays never form a
-[C, C, K] tensor: `ChannelGate` factors them around sub-chunks of up to 32 tokens, as the scores'
-docstring explains, with every factor a normal number (`k3.ops.numerics`).
+[C, C, K] tensor: `ChannelGate` factors each through a gate between i and r,
+
+    exp(G_rc - G_ic) = exp(G_rc - G_pc) * exp(G_pc - G_ic),    i <= p < r,
+
+so that the sums become matmuls of rows x_r exp(G_r - G_p) and columns y_i exp(G_p - G_i), with p
+shared by many pairs: the gate just before r's sub-chunk of up to 32 tokens and the gate at the end of
+i's (a third factor between them) for pairs in different sub-chunks, and inside one the middle of the
+smallest half-block holding both (halving down to single tokens). Both factors are <= 1, whatever the
+gates: no branch on their range, and no value read back from the device (a GPU stream never waits;
+`torch.compile(fullgraph=True)` traces it whole).
 """
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
-from .numerics import DECAY_FLUSH, FACTOR_EXP_LIMIT, decay_exp
+from .numerics import decay_exp
 from .ut import BlockLower
 
 MAX_SUB_CHUNK = 32  # most tokens per sub-chunk: the diagonal blocks of the score matrices and of the UT transform
@@ -165,72 +172,82 @@ class ChannelGate:
     """KDA: one decay per key channel, G [P, C, K], factored around sub-chunks a, b of s <= 32 tokens.
 
     Decay r,i (r in sub-chunk a, i in b, i <= r) for channel c:
-    - diagonal block (a = b): around G_mid(a), the cumulative gate at the middle of a:
-      exp(G_r - G_mid) times exp(G_mid - G_i), each factor within exp(+-limit) while the gates of a
-      stay within the limit on either side of its middle (for i <= r the product is exp(G_r - G_i)
-      <= 1; above the diagonal it may overflow and is masked out). A sub-chunk past the limit
-      ("unsafe") gets its block computed pairwise, exactly.
     - off-diagonal block (a > b): exp(G_r - G_ref(a)) * exp(G_ref(a) - G_end(b)) * exp(G_end(b) - G_i),
-      with G_ref(a) the gate just before a: three factors each <= 1, so nothing can overflow and an
-      underflow only drops a negligible term.
+      with G_ref(a) the gate just before a and G_end(b) the gate at b's end: three factors each <= 1.
+    - diagonal block (a = b), by halves: the block (padded to S, the next power of two, with rows of
+      zeros whose gate repeats the sub-chunk's last) is split in two; its lower-left quadrant (r in the
+      second half, i in the first) is
+
+          exp(G_r - G_p) * exp(G_p - G_i),     p the last position of the first half (i <= p < r),
+
+      one matmul of rows x_r exp(G_r - G_p) and columns y_i exp(G_p - G_i); the two diagonal quadrants
+      are split the same way, down to single positions (r = i: factor 1). Level j (blocks of S / 2^j
+      tokens, all sub-chunks and blocks in one batched matmul) gives each position one factor around
+      its block's p: `cols[j]` exp(G_p - G_i) over the first halves, `rows[j]` exp(G_r - G_p) over the
+      second (log2 S levels). Every pair i < r is in exactly one quadrant, at the level where r and i
+      part.
+
+    Every factor is <= 1 (G never increases), so none can overflow whatever the gates are: there is no
+    range to check and no branch on the data. A factor below exp(floor) is flushed to 0 (`decay_exp`),
+    and then the product it belongs to, the decay it stands for, is below exp(floor) too, negligible
+    (`k3.ops.numerics`); kept factors are at least exp(floor), so their products are normal numbers.
     """
+
+    derived = ("rows", "cols", "to_end", "from_ref")  # rebuilt from G when a kept gate is restored
 
     def __init__(self, G: torch.Tensor):
         P, C, K = G.shape
         self.C, self.s = C, sub_chunk_size(C)
-        s, m = self.s, C // self.s
-        self.m = m
-        limit, flush = FACTOR_EXP_LIMIT[G.dtype], DECAY_FLUSH[G.dtype]
-        G_sub = G.view(P, m, s, K)
-        G_end = G_sub[:, :, -1]  # [P, m, K] cumulative gate at the end of each sub-chunk
-        G_ref = F.pad(G_end[:, :-1], (0, 0, 1, 0))  # ... just before each sub-chunk
-        G_mid = G_sub[:, :, (s - 1) // 2]  # ... and at its middle
-        rel = G_sub - G_mid.unsqueeze(2)  # >= 0 before the middle, <= 0 after it
-        # safe: every factor around the middle, from the gate before the sub-chunk to its end, is a
-        # normal number within exp(+-limit)
-        unsafe = torch.maximum(G_ref - G_mid, G_mid - G_end).amax(-1) > limit  # [P, m]
-        self.unsafe = unsafe.nonzero(as_tuple=True) if bool(unsafe.any()) else None
-        rel = rel.clamp(-limit, limit) if self.unsafe is not None else rel
-        self.row = torch.exp(rel)  # exp(G_r - G_mid), clamped if unsafe
-        # exp(G_mid - G_i), not 1 / row: the reciprocal's backward multiplies by col^2, up to exp(2 limit),
-        # which overflows float32 in training where the forward never does
-        self.col = torch.exp(-rel)
-        if self.unsafe is not None:
-            G_b = G_sub[self.unsafe]  # [nb, s, K]
-            self.pair = decay_exp((G_b.unsqueeze(2) - G_b.unsqueeze(1)).clamp(max=0.0))  # [nb, s(r), s(i), K]
-            self.to_end = decay_exp(G_end.unsqueeze(2) - G_sub)  # exp(G_end(b) - G_i)
-            self.from_ref = decay_exp(G_sub - G_ref.unsqueeze(2))  # exp(G_r - G_ref(a))
-        else:
-            # products of the factors above while they are exact (rebuilt from row, col and these two small
-            # factors where the gate is kept for a backward: `derive`)
-            self.flush_below = math.exp(flush)
-            self.end_mid = torch.exp(G_end - G_mid).unsqueeze(2)  # [P, m, 1, K]
-            self.mid_ref = torch.exp(G_mid - G_ref).unsqueeze(2)
-            self.derive()
+        self.m = C // self.s
+        self.S = 1 << (self.s - 1).bit_length()  # the sub-chunk padded to a power of two
+        self.levels = self.S.bit_length() - 1
+        self.G = G.view(P, self.m, self.s, K)  # the backward keeps the slab's G anyway: the gate adds nothing
         self.decay_end = decay_exp(G[:, -1])  # [P, K]
-        if m > 1:
+        if self.m > 1:
+            G_end, G_ref = self._ends()
             # Gamma = exp(G_r - G_ref(a)) exp(G_ref(a)): each factor is flushed below exp(floor), so a kept
             # product is above exp(2 floor), a normal number
             self.from_start = decay_exp(G_ref).unsqueeze(2)  # [P, m, 1, K]
             self.cross = decay_exp((G_ref.unsqueeze(2) - G_end.unsqueeze(1)).clamp(max=0.0))  # [P, m(a), m(b), K]
             self.end_from_sub = decay_exp(G_end[:, -1:] - G_end).unsqueeze(2)  # exp(G_C - G_end(b)) [P, m, 1, K]
+        self.restore_derived()
 
-    def derive(self) -> None:
-        """to_end = exp(G_end(b) - G_i) and from_ref = exp(G_r - G_ref(a)) of a safe gate, from row and col."""
-        self.to_end = F.threshold(self.col * self.end_mid, self.flush_below, 0.0)
-        self.from_ref = F.threshold(self.row * self.mid_ref, self.flush_below, 0.0)
-
-    @property
-    def derived(self) -> tuple[str, ...]:
-        """The factors of the keys' size rebuilt when a kept gate is restored for the backward
-        (`restore_derived`): col as 1 / row (both within exp(+-limit), so the reciprocal is a normal
-        number; nothing differentiates it there), to_end and from_ref unless a sub-chunk took the exact path."""
-        return ("col",) if self.unsafe is not None else ("col", "to_end", "from_ref")
+    def _ends(self):
+        """The gate at the end of each sub-chunk and just before it (0 before the first) [P, m, K]."""
+        G_end = self.G[:, :, -1]
+        return G_end, F.pad(G_end[:, :-1], (0, 0, 1, 0))
 
     def restore_derived(self) -> None:
-        self.col = torch.reciprocal(self.row)
-        if self.unsafe is None:
-            self.derive()
+        """The factors of the keys' size: exp(G_end(b) - G_i), exp(G_r - G_ref(a)) and the levels'."""
+        G_end, G_ref = self._ends()
+        self.to_end = decay_exp(G_end.unsqueeze(2) - self.G)  # [P, m, s, K]
+        self.from_ref = decay_exp(self.G - G_ref.unsqueeze(2))
+        P, m, s, K = self.G.shape
+        G = self._pad(self.G, G_end.unsqueeze(2).expand(P, m, self.S - s, K))
+        self.cols, self.rows = [], []  # [P, m, n, h, K] each
+        for j in range(self.levels):
+            first, second = self._halves(G, j).unbind(3)
+            G_p = first[:, :, :, -1:]  # the gate at the end of each first half
+            self.cols.append(decay_exp(G_p - first))
+            self.rows.append(decay_exp(second - G_p))
+
+    def _pad(self, x, fill=None):
+        """x [P, m, s, d] padded to S rows per sub-chunk (with zeros, or `fill`)."""
+        if self.S == self.s:
+            return x
+        return F.pad(x, (0, 0, 0, self.S - self.s)) if fill is None else torch.cat([x, fill], dim=2)
+
+    def _pad_block(self, D):
+        """A diagonal block D [P, m, s, s] padded with zeros to S x S."""
+        return D if self.S == self.s else F.pad(D, (0, self.S - self.s, 0, self.S - self.s))
+
+    def _unpad(self, x):
+        return x if self.S == self.s else x[:, :, : self.s]
+
+    def _halves(self, x, j: int):
+        """x [P, m, S, d] as level j's blocks, [P, m, n, 2, h, d] (n = 2^j blocks of two halves of h)."""
+        P, m, S, d = x.shape
+        return x.view(P, m, 1 << j, 2, S >> (j + 1), d)
 
     def _sub(self, x):
         return x.view(x.shape[0], self.m, self.s, x.shape[-1])
@@ -243,21 +260,30 @@ class ChannelGate:
         P, m, s, K = self.to_end.shape
         return (self.to_end if m == 1 else self.to_end * self.end_from_sub).view(P, m * s, K)
 
+    def _diag_scores(self, q_sub, k_sub):
+        """The diagonal blocks of A_qk (incl.) and A_kk (strict) [P, m, s, s], quadrant by quadrant."""
+        P, m, _, K = q_sub.shape
+        q, k = self._pad(q_sub), self._pad(k_sub)
+        qk, kk = q.new_zeros(P, m, self.S, self.S), q.new_zeros(P, m, self.S, self.S)
+        qk.diagonal(dim1=-2, dim2=-1).copy_((q * k).sum(-1))
+        for j in range(self.levels):
+            cols = self._halves(k, j)[:, :, :, 0] * self.cols[j]  # k_i exp(G_p - G_i) [P, m, n, h, K]
+            for x, out in ((q, qk), (k, kk)):
+                rows = self._halves(x, j)[:, :, :, 1] * self.rows[j]  # x_r exp(G_r - G_p)
+                if cols.shape[-2] == 1:  # 1 x 1 quadrants: a product summed, not a batch of tiny matmuls
+                    _quadrants(out, j).copy_((rows * cols).sum(-1, keepdim=True))
+                else:
+                    _quadrants(out, j).copy_(rows @ cols.transpose(-1, -2))
+        if self.S == self.s:
+            return qk, kk
+        return qk[..., : self.s, : self.s].contiguous(), kk[..., : self.s, : self.s].contiguous()
+
     def intra(self, q, k):
         """As `NoGate.intra`; the score matrices come as blocks of the sub-chunks, never assembled."""
         P, C, K = q.shape
         m = self.m
         q_sub, k_sub = self._sub(q), self._sub(k)
-        # Entries above the diagonal may be inf: tril_ replaces them with 0 (a 0/1 mask would make NaN).
-        diag_cols = (k_sub * self.col).transpose(-1, -2)  # [P, m, K, s]
-        diag_qk = ((q_sub * self.row) @ diag_cols).tril_()  # [P, m, s, s]
-        diag_kk = ((k_sub * self.row) @ diag_cols).tril_(-1)
-        if self.unsafe is not None:
-            idx = self.unsafe
-            k_b = k_sub[idx]
-            exact_qk = torch.einsum("brc,bic,bric->bri", q_sub[idx], k_b, self.pair).tril_()
-            exact_kk = torch.einsum("brc,bic,bric->bri", k_b, k_b, self.pair).tril_(-1)
-            diag_qk, diag_kk = diag_qk.index_put(idx, exact_qk), diag_kk.index_put(idx, exact_kk)
+        diag_qk, diag_kk = self._diag_scores(q_sub, k_sub)
         base = k_sub * self.to_end  # k_i exp(G_end(b) - G_i) <= 1
         q_off, k_off = q_sub * self.from_ref, k_sub * self.from_ref  # x_r exp(G_r - G_ref(a))
         if m == 1:  # G_ref = 0: these are already the rows decayed from the chunk start
@@ -295,21 +321,23 @@ class ChannelGate:
         P, C, K = Y.shape
         m = self.m
         Y_sub = self._sub(Y)
-        Y_col = Y_sub * self.col
-        cols = []
+        Y_pad = self._pad(Y_sub)
+        diags = [self._pad_block(M.diag) for M in Ms]
+        outs = [D.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * Y_pad for D in diags]  # r = i: factor 1
+        for j in range(self.levels):
+            cols = self._halves(Y_pad, j)[:, :, :, 0] * self.cols[j]  # Y_i exp(G_p - G_i)
+            for D, out in zip(diags, outs):
+                quad = _quadrants(D, j)
+                reached = quad * cols if cols.shape[-2] == 1 else quad @ cols
+                self._halves(out, j)[:, :, :, 1].addcmul_(self.rows[j], reached)  # times exp(G_r - G_p)
+        outs = [self._unpad(out) for out in outs]
         if m > 1:
             base = Y_sub * self.to_end
             cols = [self._cross_cols(base, a) for a in range(1, m)]
-        outs = []
-        for M in Ms:
-            out = self.row * (M.diag @ Y_col)  # [P, m, s, K]
-            if self.unsafe is not None:
-                idx = self.unsafe
-                out = out.index_put(idx, torch.einsum("bri,bic,bric->brc", M.diag[idx], Y_sub[idx], self.pair))
-            for a, (block, col) in enumerate(zip(M.below, cols), start=1):
-                out[:, a].addcmul_(self.from_ref[:, a], block @ col)
-            outs.append(out.view(P, C, K))
-        return outs
+            for M, out in zip(Ms, outs):
+                for a, (block, col) in enumerate(zip(M.below, cols), start=1):
+                    out[:, a].addcmul_(self.from_ref[:, a], block @ col)
+        return [out.reshape(P, C, K) for out in outs]
 
     def upper_sum(self, *pairs: tuple[BlockLower, torch.Tensor]) -> torch.Tensor:
         """sum over (M, X) of sum_{r>=i} M_ri X_rc exp(G_rc - G_ic), each M a `BlockLower` [P, C, C], X
@@ -317,20 +345,18 @@ class ChannelGate:
         P, C, K = pairs[0][1].shape
         s, m = self.s, self.m
         subs = [self._sub(X) for _, X in pairs]
-        out = None
-        for (M, _), X_sub in zip(pairs, subs):
-            term = M.diag.transpose(-1, -2) @ (X_sub * self.row)
-            out = term if out is None else out.add_(term)
-        out.mul_(self.col)
-        if self.unsafe is not None:
-            idx = self.unsafe
-            out = out.index_put(
-                idx,
-                _sum(
-                    torch.einsum("bri,brc,bric->bic", M.diag[idx], X_sub[idx], self.pair)
-                    for (M, _), X_sub in zip(pairs, subs)
-                ),
-            )
+        pads = [self._pad(X_sub) for X_sub in subs]
+        diags = [self._pad_block(M.diag) for M, _ in pairs]
+        out = _sum(D.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * X for D, X in zip(diags, pads))  # r = i
+        for j in range(self.levels):
+            reached = None
+            for D, X in zip(diags, pads):
+                rows = self._halves(X, j)[:, :, :, 1] * self.rows[j]  # X_r exp(G_r - G_p)
+                quad = _quadrants(D, j).transpose(-1, -2)
+                term = quad * rows if rows.shape[-2] == 1 else quad @ rows
+                reached = term if reached is None else reached.add_(term)
+            self._halves(out, j)[:, :, :, 0].addcmul_(self.cols[j], reached)  # times exp(G_p - G_i)
+        out = self._unpad(out)
         if m > 1:
             X_off = [X_sub[:, 1:] * self.from_ref[:, 1:] for X_sub in subs]  # x_r exp(G_r - G_ref(a)), a >= 1
             below = torch.zeros_like(out[:, :-1])
@@ -342,7 +368,17 @@ class ChannelGate:
                     reached = term if reached is None else reached.add_(term)
                 below[:, :a].addcmul_(reached.view(P, a, s, K), self.cross[:, a, :a].unsqueeze(2))
             out[:, :-1].addcmul_(below, self.to_end[:, :-1])
-        return out.view(P, C, K)
+        return out.reshape(P, C, K)
 
     def channel_sum(self, x):
         return x
+
+
+def _quadrants(D: torch.Tensor, j: int) -> torch.Tensor:
+    """The lower-left quadrants of level j's diagonal blocks of D [P, m, S, S] (rows in the second half of
+    a block of b = S / 2^j, columns in its first): a view [P, m, n, h, h], n = 2^j, h = b / 2."""
+    P, m, S, _ = D.shape
+    n = 1 << j
+    b, h = S // n, S // (2 * n)
+    blocks = D.view(P, m, n, b, n, b).diagonal(dim1=2, dim2=4)  # [P, m, b, b, n]
+    return blocks[:, :, h:, :h].movedim(-1, 2)

@@ -1,6 +1,6 @@
 """The delta family's floating-point safeguards, explained once: clamped gates, flushed tiny values.
 
-Gates g are log decays (alpha = exp(g) <= 1). Three bounds keep the chunk form finite and fast:
+Gates g are log decays (alpha = exp(g) <= 1). Two bounds keep the chunk form finite and fast:
 
 - LOG_DECAY_FLOOR: a per-step g is clamped from below before it is summed over a chunk. Below it
   exp(g) is exactly 0 in the dtype anyway, so g = -inf ("clear the state") stays exact while every
@@ -15,10 +15,8 @@ Gates g are log decays (alpha = exp(g) <= 1). Three bounds keep the chunk form f
   the intra-op worker threads. The thresholds are large enough that a product of a few kept values
   (two decay factors, three UT entries) is still a normal number.
 
-- FACTOR_EXP_LIMIT: KDA's per-channel scores inside a sub-chunk are factored as
-  exp(G_r - G_mid) * exp(G_mid - G_i); each factor is allowed only while its exponent is within the
-  limit, so it stays a normal number (float32 normals reach exp(-87)). Past it, the exact pairwise
-  path is taken (see `k3.ops.chunk`).
+No decay factor exceeds 1: every exponent is a difference G_r - G_i of cumulative log gates with i <= r
+(KDA's per-channel scores included, `k3.ops.gates`), so nothing can overflow whatever the gates are.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ import torch.nn.functional as F
 LOG_DECAY_FLOOR = {torch.float32: -110.0, torch.float64: -800.0}
 DECAY_FLUSH = {torch.float32: -24.0, torch.float64: -300.0}  # log of the smallest decay factor kept
 UT_FLUSH = {torch.float32: 2.0**-40, torch.float64: 2.0**-100}
-FACTOR_EXP_LIMIT = {torch.float32: 80.0, torch.float64: 600.0}
 
 
 def decay_exp(x: torch.Tensor, floor: float | None = None) -> torch.Tensor:

@@ -50,12 +50,13 @@ def test_gradients_equal_the_recurrence(mixer, shape):
     check(mixer, inputs, B, T, H, K, V, chunk_size=C)
 
 
-@pytest.mark.parametrize("gate_kind", ["hard", "extreme", "huge", "minus-inf"])
+@pytest.mark.parametrize("gate_kind", ["hard", "extreme", "huge", "minus-inf", "steps"])
 @pytest.mark.parametrize("mixer", mixer_params([m for m in DELTA_MIXERS if m.gate]))
 def test_gradients_with_strong_gates(mixer, gate_kind):
-    """Gates from near 0 to per-step decays of e^-100 (KDA's sub-chunks past the factoring limit take
-    the exact pairwise path), and g = -inf at some steps (the state cleared): gradients finite and equal
-    to the recurrence's, at C = 64 (two sub-chunks)."""
+    """Gates from near 0 to per-step decays of e^-100 (a sub-chunk's cumulative decay far past any
+    exponent range), g = -inf at some steps (the state cleared), and single steps of e^-1000 and e^-30
+    inside one half or another of a sub-chunk: gradients finite and equal to the recurrence's, at
+    C = 64 (two sub-chunks)."""
     B, T, H, K, V = 1, 150, 2, 4, 3
     inputs = make_inputs(
         mixer,
@@ -66,11 +67,38 @@ def test_gradients_with_strong_gates(mixer, gate_kind):
         V=V,
         seed=5,
         initial_state=True,
-        gate_kind="hard" if gate_kind == "minus-inf" else gate_kind,
+        gate_kind="hard" if gate_kind in ("minus-inf", "steps") else gate_kind,
     )
     if gate_kind == "minus-inf":
         inputs["g"][:, [3, 70, 71, 140]] = -torch.inf
+    if gate_kind == "steps":  # inside the first or second half of a sub-chunk, some channels only
+        inputs["g"][:, [2, 27, 75, 130], :, ...] = -1000.0
+        inputs["g"][:, [9, 20, 100], :, ...] = -30.0
+        if inputs["g"].dim() == 4:
+            inputs["g"][:, [2, 27], :, 0] = -0.01
     check(mixer, inputs, B, T, H, K, V, chunk_size=64)
+
+
+@pytest.mark.parametrize("gate_kind", ["huge", "steps"])
+def test_kda_float32_gradients_with_strong_gates(gate_kind):
+    """float32 KDA through per-step decays of e^-100, or single steps of e^-1000 and e^-30 inside the
+    halves of sub-chunks: gradients within practical tolerance of the float64 recurrence's on the same
+    (rounded) inputs."""
+    mixer = DELTA_MIXERS[0]
+    B, T, H, K, V = 1, 150, 2, 16, 16
+    kind = "huge" if gate_kind == "huge" else "safe"
+    inputs = make_inputs(mixer, B=B, T=T, H=H, K=K, V=V, seed=7, initial_state=True, gate_kind=kind)
+    if gate_kind == "steps":
+        inputs["g"][:, [2, 27, 75, 130], :, : K // 2] = -1000.0
+        inputs["g"][:, [9, 20, 100]] = -30.0
+    low = {n: x.float() for n, x in inputs.items()}
+    exact = {n: x.double() for n, x in low.items()}
+    torch.manual_seed(0)
+    do = torch.randn(B, T, H, V, dtype=torch.float64)
+    want = grads(mixer, "recurrent", exact, do, [torch.zeros(B, H, K, V, dtype=torch.float64)])
+    got = grads(mixer, "chunk", low, do.float(), [torch.zeros(B, H, K, V)], chunk_size=64)
+    for name in want:
+        assert_rel(got[name].double(), want[name], 2e-4, f"d/d{name}")
 
 
 @pytest.mark.parametrize("mixer", mixer_params(DELTA_MIXERS))
@@ -169,9 +197,8 @@ def test_a_retained_graph_backward_twice(mixer):
 @pytest.mark.parametrize("mixer", mixer_params(DELTA_MIXERS))
 def test_gradients_over_several_slabs(mixer, monkeypatch):
     """Slabs of two chunks each (the shapes above fit one slab), the state's gradient carried between
-    them; for the gated mixers, gates past KDA's factoring limit (e^-400 a step, float64) in some chunks
-    only, so that the slabs keep different factors (the exact pairwise path in one, the factored in the
-    others)."""
+    them; for the gated mixers, gates of up to e^-400 a step in some chunks only (float64), so that the
+    slabs keep very different factors."""
     import k3.ops.chunk as chunk
 
     B, T, H, K, V, C = 1, 150, 2, 4, 3, 16

@@ -157,9 +157,10 @@ def test_gradients_finite_with_extreme_gates(mixer):
 
 @pytest.mark.parametrize("chunk_size", [16, 64])
 def test_kda_large_inputs_near_factor_limit(chunk_size):
-    """Unnormalised q, k of size 1000 with g = -5 on every channel (a 16-token sub-chunk spans 75, just
-    under the factorisation limit): above the diagonal the q- and k-side factors no longer cancel and
-    overflow, and the chunk form must mask them out, not multiply them by zero (inf * 0 = NaN)."""
+    """Unnormalised q, k of size 1000 with g = -5 on every channel (a 16-token sub-chunk spans 75): decays
+    factored around a sub-chunk's middle (as k3 once did) no longer cancel above the diagonal and
+    overflow there, where inf * 0 = NaN. The chunk form's outputs must be finite and equal the
+    recurrence's."""
     from k3.ops import chunk_kda, recurrent_kda
 
     B, T, H, K, V = 1, 64, 2, 64, 8
@@ -177,9 +178,9 @@ def test_kda_large_inputs_near_factor_limit(chunk_size):
 
 @pytest.mark.parametrize("chunk_size", [32, 64])
 def test_kda_float32_gradients_with_saturated_safe_gate(chunk_size):
-    """K3's safe gate saturated at g = -5 on every channel puts a 32-token sub-chunk's factors at
-    exp(+-80). The forward never overflows; a backward through 1/row did (its derivative carries
-    exp(160)), which made training diverge to NaN. Float32 gradients must be finite and match the
+    """K3's safe gate saturated at g = -5 on every channel: a 32-token sub-chunk decays by exp(-160), and
+    factors around its middle (as k3 once used) reach exp(+-80); a backward through their reciprocal
+    carried exp(160) and made training diverge to NaN. Float32 gradients must be finite and match the
     recurrence."""
     from k3.ops import chunk_kda, recurrent_kda
 

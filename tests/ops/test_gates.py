@@ -1,0 +1,109 @@
+"""KDA's per-channel gate (`k3.ops.gates.ChannelGate`) against the decays taken pair by pair.
+
+The gate factors exp(G_r - G_i) around sub-chunks and, inside each, by halves down to single positions;
+every factor is <= 1 whatever the gates, so one path serves all of them. These tests compare its scores,
+decayed rows and both applies (the backward's) with a dense [C, C, K] reference, for chunk sizes whose
+sub-chunks are powers of two and not (padded), one sub-chunk and several, and gates whose cumulative
+decay inside one sub-chunk is far past any dtype's exponent range: a huge step inside one half, g = -inf
+(clamped to the floor), steps of e^-100.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from k3.ops.gates import ChannelGate, sub_chunk_size
+from k3.ops.numerics import DECAY_FLUSH, LOG_DECAY_FLOOR
+from k3.ops.ut import BlockLower
+
+TOL = {torch.float64: 1e-13, torch.float32: 1e-6}  # relative to the sum of the terms' magnitudes
+# sub-chunks of 1, 2, 3, 7, 16, 24, 32 tokens (one per chunk), and 37 of 1, two of 20 or 24 (padded to 32),
+# two and three of 32
+CHUNKS = [1, 2, 3, 7, 16, 24, 32, 37, 40, 48, 64, 96]
+
+
+def log_decays(kind: str, P: int, C: int, K: int, dtype) -> torch.Tensor:
+    """Per-step g [P, C, K] (float64, then clamped at the dtype's floor as the chunk form does)."""
+    g = -5.0 * torch.rand(P, C, K, dtype=torch.float64)
+    if kind == "huge":
+        g = -100.0 * torch.rand(P, C, K, dtype=torch.float64)
+    elif kind == "steps":  # a huge step early in a first half, one late in a second, -inf, e^-30 steps
+        for pos, value in ((min(2, C - 1), -1e4), (min(13, C - 1), -float("inf")), (C // 2, -30.0), (C - 1, -60.0)):
+            g[:, pos, : K - 1] = value
+    return g.clamp(min=LOG_DECAY_FLOOR[dtype]).to(dtype)
+
+
+def dense_decay(G: torch.Tensor, strict: bool) -> torch.Tensor:
+    """exp(G_rc - G_ic) for i <= r (i < r if strict), else 0: [P, C(r), C(i), K], float64."""
+    G = G.double()
+    C = G.shape[1]
+    D = torch.exp((G.unsqueeze(2) - G.unsqueeze(1)).clamp(max=0.0))
+    return D * torch.ones(C, C, dtype=torch.float64).tril(-1 if strict else 0)[..., None]
+
+
+def to_dense(M: BlockLower) -> torch.Tensor:
+    P, m, s, _ = M.diag.shape
+    out = M.diag.new_zeros(P, m * s, m * s)
+    for a in range(m):
+        out[:, a * s : (a + 1) * s, a * s : (a + 1) * s] = M.diag[:, a]
+        if a:
+            out[:, a * s : (a + 1) * s, : a * s] = M.below[a - 1]
+    return out
+
+
+def assert_sums(got, spec: str, a, b, D, mask, dtype, what: str) -> None:
+    """got equals the einsum `spec` of a, b and the decays D within rounding and flushing: per entry,
+    TOL times the sum of the terms' magnitudes, plus exp(DECAY_FLUSH) times their magnitudes undecayed
+    (a decay below exp(DECAY_FLUSH) may come out flushed to 0 or kept; above it, it is kept)."""
+    want = torch.einsum(spec, a, b, D)
+    bound = TOL[dtype] * torch.einsum(spec, a.abs(), b.abs(), D)
+    bound += math.exp(DECAY_FLUSH[dtype]) * torch.einsum(spec, a.abs(), b.abs(), mask)
+    assert torch.isfinite(got).all(), f"{what}: not finite"
+    excess = ((got.double() - want).abs() - bound).max().item()
+    assert excess <= 0, f"{what}: off by more than rounding and flushing ({excess:.3e})"
+
+
+@pytest.mark.parametrize("kind", ["safe", "huge", "steps"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("C", CHUNKS)
+def test_channel_gate_equals_the_pairwise_decays(C, dtype, kind):
+    """Scores, decayed rows and both applies equal the dense reference: rounding and flushed terms only."""
+    torch.manual_seed(C)
+    P, K = 3, 5
+    G = log_decays(kind, P, C, K, dtype).cumsum(1)
+    q, k, Y, X1, X2 = (torch.randn(P, C, K, dtype=torch.float64).to(dtype) for _ in range(5))
+    gate = ChannelGate(G)
+    A_qk, A_kk, q_start, k_start, k_end, decay_end = gate.intra(q, k)
+    incl, strict = dense_decay(G, False), dense_decay(G, True)
+    masks = [(D > 0).double() for D in (incl, strict)]
+    q, k, Y, X1, X2 = (x.double() for x in (q, k, Y, X1, X2))
+    rows = "prc,pic,pric->pri"
+    assert_sums(to_dense(A_qk), rows, q, k, incl, masks[0], dtype, "A_qk")
+    assert_sums(to_dense(A_kk), rows, k, k, strict, masks[1], dtype, "A_kk")
+    Gd = G.double()
+    ones = torch.ones_like(Gd)
+    for got, x, D, what in (
+        (q_start, q, Gd, "q exp(G)"),
+        (k_start, k, Gd, "k exp(G)"),
+        (k_end, k, Gd[:, -1:] - Gd, "k exp(G_C - G)"),
+        (decay_end.unsqueeze(1), ones[:, :1], Gd[:, -1:], "exp(G_C)"),
+    ):
+        assert_sums(got, "prc,prc,prc->prc", x, ones[:, : x.shape[1]], torch.exp(D), ones[:, : x.shape[1]], dtype, what)
+
+    # the backward's applies, for lower-triangular M (one with its diagonal, one strictly below it)
+    s = sub_chunk_size(C)
+    M1, M2 = (torch.randn(P, C, C, dtype=torch.float64).to(dtype) for _ in range(2))
+    M1, M2 = M1.tril(), M2.tril(-1)
+    Ms = [BlockLower.split(M, s) for M in (M1, M2)]
+    M1, M2 = M1.double(), M2.double()
+    for out, M in zip(gate.lower(Ms, Y.to(dtype)), (M1, M2)):
+        assert_sums(out, "pri,pic,pric->prc", M, Y, incl, masks[0], dtype, "lower")
+    got = gate.upper_sum((Ms[0], X1.to(dtype)), (Ms[1], X2.to(dtype)))
+    # one sum over both pairs: stack them along i's partner (r) so the bound covers both
+    M, X = torch.cat([M1, M2], dim=1), torch.cat([X1, X2], dim=1)
+    assert_sums(
+        got, "pri,prc,pric->pic", M, X, torch.cat([incl, incl], dim=1), torch.cat([masks[0]] * 2, 1), dtype, "upper_sum"
+    )
