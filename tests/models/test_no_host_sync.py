@@ -5,11 +5,6 @@ Two proofs per tiny preset: a spy on the Tensor methods that read values back to
 a prefill + decode through a growing cache and through a static one; and `torch.compile(fullgraph=True)`
 (the "aot_eager" backend: graphs captured, no code generated, seconds) of the training forward + backward
 and of a decode step over a static cache, each equal to eager.
-
-One read-back is left, in KDA's chunk form: the gate's factorisation checks whether a sub-chunk's decay
-passes the range its factors can hold (`k3.ops.gates`, `unsafe`), and computes only those sub-chunks
-pairwise. Until that choice is made without the host (issue 47), the presets with KDA are allowed that one
-call site in the spy and their training graph is expected to break there (xfail, strict: a fix shows).
 """
 
 from __future__ import annotations
@@ -32,11 +27,6 @@ PRESETS = [
     "kimi-k3-article-tiny",
 ]
 READ_BACKS = ("item", "tolist", "__bool__", "nonzero", "__int__", "__float__", "__index__")
-KDA_GATE = "k3/ops/gates.py"  # the one call site left (see the module docstring)
-
-
-def uses_kda(name: str) -> bool:
-    return "kda" in get_config(name).layer_types
 
 
 def model_of(name: str) -> CausalLM:
@@ -75,17 +65,12 @@ def test_a_forward_reads_nothing_back(name, read_backs):
         for cache in caches:
             model(ids, cache)
             model(ids[:, :1], cache)
-    allowed = {KDA_GATE} if uses_kda(name) else set()
-    assert [site for site in read_backs if site[1] not in allowed] == []
-    if uses_kda(name):
-        assert read_backs, "the KDA gate no longer reads back: remove its exception here and the xfail below"
+    assert list(read_backs) == []
 
 
 @pytest.mark.slow  # about 100 s for the seven presets (make test-slow, CI)
 @pytest.mark.parametrize("name", PRESETS)
-def test_the_training_forward_and_backward_compile_whole(name, request):
-    if uses_kda(name):
-        request.applymarker(pytest.mark.xfail(strict=True, reason="the KDA gate's unsafe sub-chunks (module doc)"))
+def test_the_training_forward_and_backward_compile_whole(name):
     torch._dynamo.reset()
     model = model_of(name)
     ids = torch.randint(0, model.config.vocab_size, (2, 37))
