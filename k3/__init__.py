@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CausalLM": "k3.models",
     "HybridCache": "k3.models",
+    "Cache": "k3.models",
     "ModelConfig": "k3.models",
     "get_config": "k3.models",
     "count_params": "k3.models",

@@ -3,7 +3,7 @@ interactive mode, `k3 generate` without `--prompt` or `--prompt-file` (`interact
 
 Interactive mode reads prompts from stdin, one a line, and streams each one's continuation. Each
 prompt starts afresh (a new cache), or with `--chat` continues the conversation: every prompt (on a
-new line, "\\n" + prompt) and every continuation so far is the context, held in one HybridCache that is
+new line, "\\n" + prompt) and every continuation so far is the context, held in one cache that is
 kept between turns, so a turn feeds only its own tokens (and the last token sampled, not yet fed).
 Ctrl-D (end of input) ends the session, exit 0; Ctrl-C during a generation stops that one and returns
 to the prompt (the text so far is kept, and with --chat stays in the conversation; the cache, which a
@@ -73,7 +73,7 @@ LONG_PROMPT = 4096  # prompt tokens past which k3 generate shows the prefill's p
 def prefill_with_progress(model, prompt, max_new_tokens: int, static: bool):
     """Run all but the last token of `prompt` [1, T] into a new cache a piece at a time (`PREFILL_PIECE`
     tokens), with a progress bar on stderr that gives the rate and the time left; returns (the last token
-    [1, 1], the cache) for `stream` to continue from. `static`: the cache is a StaticCache (--compile)."""
+    [1, 1], the cache) for `stream` to continue from. `static`: the cache has fixed slots (--compile)."""
     import torch
     from tqdm import tqdm
 

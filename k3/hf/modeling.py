@@ -2,7 +2,7 @@
 
 A thin adapter, not a second implementation. K3ForCausalLM holds one k3 `CausalLM` as `.k3` (so its
 parameters are k3's names under the prefix `k3.`), its forward is CausalLM's forward, and its cache is
-k3's HybridCache plus the few things GenerationMixin asks of a cache. What `generate` relies on:
+k3's cache plus the few things GenerationMixin asks of a cache. What `generate` relies on:
 
 - `prepare_inputs_for_generation` feeds the whole prompt once (k3's chunked prefill) and afterwards
   only the tokens the cache has not seen yet (one recurrent decode step each);
@@ -23,7 +23,7 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..models.config import LINEAR_MIXERS, ModelConfig
-from ..models.model import CausalLM, HybridCache
+from ..models.model import Cache, CausalLM
 from .remote_code import AUTO_MAP, REMOTE_CODE_FILES
 
 # transformers 5 renamed the cache argument and output field `past_key_values` to `cache`
@@ -72,8 +72,8 @@ class K3Config(PretrainedConfig):
         return ModelConfig.from_dict(self.k3)
 
 
-class K3Cache(HybridCache):
-    """k3's HybridCache with what transformers' generate reads of a cache, and the row reordering
+class K3Cache(Cache):
+    """k3's cache with what transformers' generate reads of a cache, and the row reordering
     beam search needs. Like the model it belongs to, it cannot be cropped or compiled."""
 
     is_compileable = False
@@ -170,7 +170,7 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
     def new_cache(self, batch_size: int) -> K3Cache:
         """An empty cache for `batch_size` sequences (forward makes one itself when use_cache is set)."""
         self.k3.new_cache(batch_size)  # argument checks
-        return K3Cache(self.k3.config, batch_size)
+        return K3Cache(self.k3, batch_size)
 
     def forward(
         self,

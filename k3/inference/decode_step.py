@@ -1,12 +1,12 @@
-"""DecodeStep: one token for every row of a static cache, as one function of tensors that compiles whole.
+"""DecodeStep: one token for every row of a cache of fixed slots, as one function of tensors that compiles whole.
 
-    tokens [B] -> embed -> layers (over the StaticCache, in place) -> norm -> lm_head -> sample -> next [B]
+    tokens [B] -> embed -> layers (over the cache, in place) -> norm -> lm_head -> sample -> next [B]
 
 Eager decoding is bound by PyTorch's dispatch of each small op (hundreds a token in a hybrid model); a
 fast decoder captures the step once and replays it. What makes the step capturable (no graph break, no
 recompile from one token to the next):
-- static state: the `StaticCache` buffers, written in place at a position tensor, attention over all N
-  slots masked past each row's position (k3.models.static_cache);
+- static state: the cache's buffers (`model.new_cache(B, max_length=N)`, k3.inference.cache), written in
+  place at a position tensor, attention over all N slots masked past each row's position;
 - the MoE gathers its chosen experts' matrices by index from stacks made with the step, and each layer's
   projections of one input run as one matmul by a joined copy (`k3.layers.joined`): no `.tolist()`, no
   bincount. The step makes these copies when it is made (`prepare_for_decoding`), keeps them, and passes
@@ -77,7 +77,7 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 class DecodeStep:
-    """The next token of every row of `cache` (a StaticCache of `model`), sampled with temperature, top_k
+    """The next token of every row of `cache` (`model.new_cache(B, max_length=N)`), sampled with temperature, top_k
     and top_p (temperature 0: greedy) from noise drawn with `generator`; see the module docstring.
 
     `step(tokens)` feeds tokens [B] (each row's last token) and returns the next ones [B]; `last_logits`
@@ -87,14 +87,14 @@ class DecodeStep:
     def __init__(
         self,
         model,
-        cache: StaticCache,
+        cache: Cache,
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float | None = None,
         generator: torch.Generator | None = None,
         compile: bool | str = False,
     ):
-        if not getattr(cache, "static", False):  # a StaticCache (k3.models.static_cache), duck-typed
+        if not cache.max_length:
             raise ValueError(
                 f"DecodeStep: `cache` must be a static cache (model.new_cache(batch_size, "
                 f"max_length=N)), got {type(cache).__name__}"
@@ -171,7 +171,7 @@ class DecodeStep:
         else:
             token, logits = self._run(self._tokens, self._noise)
             self._warm = self._compiled
-        cache.longest += 1
+        cache.advance(1, positions=False)  # the step advanced the positions tensor itself
         # a CUDA graph's outputs are overwritten by its next replay: keep copies
         self.last_logits = logits.clone()
         return token.clone()

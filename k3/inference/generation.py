@@ -5,8 +5,8 @@ the cache the previous one left: memory grows linearly with the prompt, and only
 logits are computed.
 
 Prompts of different lengths (a list) are prefilled without padding, each length's prompts as one
-batch, and their caches joined (`HybridCache.concat`): no padding token enters a recurrent state or a
-KV cache, and every row generates what it would alone.
+batch, and their caches joined (`Cache.concat`: each row left-aligned at its own position): no padding
+token enters a recurrent state or a KV cache, and every row generates what it would alone.
 
 A stream can also continue a cache that has seen earlier tokens (`stream(..., cache=)`, `extend`): a
 conversation's next turn runs only its own tokens.
@@ -189,10 +189,10 @@ def prefill(model, prompts: Prompts, max_new_tokens: int = 1, static: bool = Fal
 
     A [B, T] tensor is one batched prefill. A list of prompts of different lengths is prefilled one
     length at a time (the prompts of equal length as one batch) and the caches joined in the list's
-    order (`HybridCache.concat`), so no row ever sees another's padding. Each prefill runs in pieces
+    order (`Cache.concat`), so no row ever sees another's padding. Each prefill runs in pieces
     (see the module docstring). `max_new_tokens`: how many tokens will follow, for the position check.
-    `static`: the cache is a StaticCache with room for them (`_static_slots`): a [B, T] prompt runs
-    straight into it, a list's joined growing cache is `load`ed into one."""
+    `static`: the cache has fixed slots with room for them (`_static_slots`): a [B, T] prompt runs
+    straight into it, a list's caches are joined into one."""
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() != 2 or prompts.shape[1] == 0:
             raise ValueError(f"generate: the prompt `input_ids` must be [B, T] with T >= 1, got {list(prompts.shape)}")
@@ -213,7 +213,7 @@ def prefill(model, prompts: Prompts, max_new_tokens: int = 1, static: bool = Fal
         logits.append(model(torch.stack([prompts[i] for i in rows]), cache=cache, logits_to_keep=1)[:, -1])
         caches.append(cache)
         order += rows
-    cache = caches[0] if len(caches) == 1 else type(caches[0]).concat(caches)
+    cache = caches[0] if len(caches) == 1 else type(caches[0]).concat(caches)  # rows left-aligned, any lengths
     logits = torch.cat(logits)
     if order != sorted(order):  # back to the list's order
         back = torch.argsort(torch.tensor(order))
@@ -221,7 +221,7 @@ def prefill(model, prompts: Prompts, max_new_tokens: int = 1, static: bool = Fal
         logits = logits[back.to(logits.device)]
     if static:
         longest = max(p.numel() for p in prompts)
-        cache = model.new_cache(cache.batch_size, max_length=_static_slots(model, longest, max_new_tokens)).load(cache)
+        cache = type(cache).concat([cache], max_length=_static_slots(model, longest, max_new_tokens))
     return logits, cache
 
 
@@ -255,11 +255,11 @@ def static_length(tokens: int) -> int:
 
 
 def compiled_prefill(model, prompts: Prompts, max_new_tokens: int, cache=None):
-    """`prefill(static=True)`, or `extend` when given a StaticCache, for `compile=True`: ([B] logits of
-    each prompt's last position, the StaticCache)."""
+    """`prefill(static=True)`, or `extend` when given a cache of fixed slots, for `compile=True`: ([B] logits of
+    each prompt's last position, the cache)."""
     if cache is None:
         return prefill(model, prompts, max_new_tokens, static=True)
-    if not getattr(cache, "static", False):
+    if not cache.max_length:
         raise ValueError(
             f"generate: `compile=True` decodes over a static cache; pass one made with "
             f"model.new_cache(batch_size, max_length=N), or no cache, not a {type(cache).__name__}"
@@ -313,7 +313,7 @@ def stream(
     eos_token_id (a finished sequence keeps yielding eos). `input_ids`: [B, T], or a list of B prompts
     of any lengths.
 
-    With `cache` (a HybridCache of earlier tokens, e.g. the conversation so far), `input_ids` [B, T]
+    With `cache` (`model.new_cache`'s, holding earlier tokens, e.g. the conversation so far), `input_ids` [B, T]
     continue after what it has seen, and it is updated in place: at the end it has seen everything but
     the last token yielded (sampled, not yet fed back; the next turn starts with it).
 

@@ -2,13 +2,13 @@
 
 RMSNorm, the feed-forward family (GPT-2's GELU MLP, SwiGLU, Kimi K3's SiTU-GLU), the short
 causal convolution, the delta-rule attention layers (DeltaNet, Gated DeltaNet, Kimi Delta Attention)
-and Multi-head Latent Attention, each with its decode cache, the (latent) mixture of experts, and Block
+and Multi-head Latent Attention (each reading and writing its decode state through the cache the caller
+passes, `k3.inference.cache`), the (latent) mixture of experts, and Block
 Attention Residuals. `k3.models` assembles them.
 """
 
-from .attention import KVCache, MultiHeadAttention, StaticKVCache
+from .attention import MultiHeadAttention
 from .attnres import BlockAttnRes, DepthSources
-from .cache import LayerCache, StaticSequenceCache
 from .conv import ShortConvolution
 from .ffn import GatedMLP, GeluMLP, situ
 from .linear_attention import (
@@ -17,14 +17,12 @@ from .linear_attention import (
     KimiDeltaAttention,
     LinearAttention,
 )
-from .mla import LatentCache, MultiHeadLatentAttention, StaticLatentCache
+from .mla import MultiHeadLatentAttention
 from .moe import Expert, MoE, RoutedExperts, Router
 from .norm import RMSNorm
-from .recurrent_cache import RecurrentCache, StaticRecurrentCache
 
 __all__ = [
     "MultiHeadAttention",
-    "KVCache",
     "LinearAttention",
     "RMSNorm",
     "GeluMLP",
@@ -34,18 +32,11 @@ __all__ = [
     "DeltaNet",
     "GatedDeltaNet",
     "KimiDeltaAttention",
-    "RecurrentCache",
     "MultiHeadLatentAttention",
-    "LatentCache",
     "MoE",
     "Expert",
     "RoutedExperts",
     "Router",
     "BlockAttnRes",
-    "LayerCache",
-    "StaticSequenceCache",
-    "StaticKVCache",
-    "StaticLatentCache",
-    "StaticRecurrentCache",
     "DepthSources",
 ]

@@ -24,11 +24,11 @@ Three things here are called a gate, each by its own name: the forget gate g (`f
 decay the ops take; `decay(f)` from its projection f), KDA's formula for it (`kda_gate`: "kimi_linear" or
 K3's "safe"), and the output gate (`output_gate`: its form, "low_rank", "full" or None).
 
-Decoding state lives in a `RecurrentCache` the caller owns: the three convolution states and the
-recurrent state [N, H, K, V], updated in place by `forward`. Its size does not grow with the sequence.
-One token from a cache that holds state runs a lean path of `forward`: the convolutions' rolling window
-and the op's `*_step` function, without the public op's validation, casts and token-loop frame, which the
-prefill already paid for.
+Decoding state lives in the layer's part of the cache the caller owns (`k3.inference.cache`): the three
+convolution states as one window and the recurrent state [N, H, K, V], zero for a new sequence and
+overwritten in place by `forward`. Its size does not grow with the sequence. One token through a cache runs
+a lean path of `forward`: the convolutions' rolling window and the op's `*_step` function, without the
+public op's validation, casts and token-loop frame.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ from ..ops import (
     recurrent_delta_rule,
     recurrent_gated_delta_rule,
     recurrent_kda,
-    recurrent_linear_attn,
 )
 from ..ops.common import cast
 from ..ops.delta_rule import delta_rule_step
@@ -61,14 +60,9 @@ from .conv import ShortConvolution, joint_window_step
 from .init import init_linear
 from .joined import join, project
 from .norm import RMSNorm, upcast
-from .recurrent_cache import RecurrentCache, StaticRecurrentCache
 
 OUTPUT_GATES = (None, "low_rank", "full")
 KDA_GATES = ("kimi_linear", "safe")
-
-
-def _as_tuple(state) -> tuple:
-    return tuple(state) if isinstance(state, (tuple, list)) else (state,)
 
 
 def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
@@ -158,19 +152,7 @@ class _DeltaRuleAttention(nn.Module):
         """The input projections' weights joined (`k3.layers.joined`): what a decode step passes as `fused`."""
         return join(self._input_projections())
 
-    def new_static_cache(self, owner, batch_size: int, max_length: int) -> StaticRecurrentCache:
-        """Zeroed conv window [B, 3 H Dh, W-1] (the model's dtype) and recurrent state [B, H, Dh, Dh]
-        (float32; float64 in a float64 model); `owner` and `max_length` are not needed: nothing grows."""
-        w = self.q_proj.weight
-        inner, W = self.num_heads * self.head_dim, self.q_conv1d.kernel_size
-        state = torch.zeros(
-            batch_size, self.num_heads, self.head_dim, self.head_dim, dtype=upcast(w).dtype, device=w.device
-        )
-        return StaticRecurrentCache(w.new_zeros(batch_size, 3 * inner, W - 1), state)
-
-    def forward(
-        self, x: torch.Tensor, cache: RecurrentCache | None = None, fused: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, fused: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, hidden_size] -> y [B, T, hidden_size]; with `cache`, continue from its state and leave
         the new state in it. Three paths, chosen by the shapes: the whole sequence (no cache, or a prefill
         through one) runs the chunk op (the recurrent op for a first single token); one token after a
@@ -206,31 +188,18 @@ class _DeltaRuleAttention(nn.Module):
             k, conv_k = self.k_conv1d(k, conv_in[1], keep)
             v, conv_v = self.v_conv1d(v, conv_in[2], keep)
             q, k, v = (upcast(t).view(B, T, H, Dh) for t in (q, k, v))
-            if keep and T == 1:  # a first token, with no state yet
-                o, state = self.recurrent_op(
-                    q,
-                    k,
-                    v,
-                    *gate_args,
-                    beta,
-                    initial_state=state,
-                    output_final_state=True,
-                    use_qk_l2norm=True,
-                    check_values=False,
-                )
-            else:
-                o, state = self.chunk_op(
-                    q,
-                    k,
-                    v,
-                    *gate_args,
-                    beta,
-                    initial_state=state,
-                    output_final_state=keep,
-                    use_qk_l2norm=True,
-                    chunk_size=self.chunk_size,
-                    check_values=False,
-                )
+            o, state = self.chunk_op(
+                q,
+                k,
+                v,
+                *gate_args,
+                beta,
+                initial_state=state,
+                output_final_state=keep,
+                use_qk_l2norm=True,
+                chunk_size=self.chunk_size,
+                check_values=False,
+            )
             if keep:
                 cache.store(state, conv_states=(conv_q, conv_k, conv_v))
 
@@ -349,19 +318,7 @@ class LinearAttention(nn.Module):
             init_linear(linear, std)
         init_linear(self.o_proj, std if residual_std is None else residual_std)
 
-    def new_static_cache(self, owner, batch_size: int, max_length: int) -> StaticRecurrentCache:
-        """A zeroed state (S [B, H, K, V], z [B, H, K]) in float32 (float64 in a float64 model); no conv."""
-        w = self.q_proj.weight
-        dtype, H, D = upcast(w).dtype, self.num_heads, self.head_dim
-        return StaticRecurrentCache(
-            None,
-            (
-                torch.zeros(batch_size, H, D, D, dtype=dtype, device=w.device),
-                torch.zeros(batch_size, H, D, dtype=dtype, device=w.device),
-            ),
-        )
-
-    def forward(self, x: torch.Tensor, cache: RecurrentCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         """x [B, T, hidden_size] -> y [B, T, hidden_size]; with `cache`, continue from (S, z) and update it."""
         check_mixer_input("LinearAttention", x, self.hidden_size, cache)
         B, T, _ = x.shape
@@ -372,18 +329,15 @@ class LinearAttention(nn.Module):
             cache.store(state)
             return self.o_proj(cast(o.reshape(B, -1), x.dtype)).unsqueeze(1)
         q, k, v = self._features(x)
-        if cache is not None and T == 1:  # a first token, with no state yet
-            o, state = recurrent_linear_attn(q, k, v, initial_state=state, output_final_state=True, check_values=False)
-        else:
-            o, state = chunk_linear_attn(
-                q,
-                k,
-                v,
-                initial_state=state,
-                output_final_state=cache is not None,
-                chunk_size=self.chunk_size,
-                check_values=False,
-            )
+        o, state = chunk_linear_attn(
+            q,
+            k,
+            v,
+            initial_state=state,
+            output_final_state=cache is not None,
+            chunk_size=self.chunk_size,
+            check_values=False,
+        )
         if cache is not None:
             cache.store(state)
         return self.o_proj(cast(o.reshape(B, T, -1), x.dtype))

@@ -14,7 +14,7 @@ The cache holds only the latent c and k_pe: r + dr values per token per layer (5
 size), instead of H * (dn + dr + dv) for a plain KV cache. Decoding can "absorb" kv_b into the query and
 the output: q_nope . (W_uk c) = (W_uk^T q_nope) . c and sum_s p_s W_uv c_s = W_uv (sum_s p_s c_s), so
 attention runs against the latents directly; it equals the plain path. The latents live in buffers
-with spare room (`k3.layers.cache.SequenceCache`): a decode step writes one row, copying nothing else.
+in buffers of slots (`k3.inference.cache`, made by `k3.models.kinds`): a decode step writes one slot per row.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from torch import nn
 
 from ..ops.attention import causal_attention, causal_mask
 from ..ops.common import cast
-from .cache import SequenceCache, SequenceField, StaticSequenceCache
 from .checks import check_mixer_input
 from .init import init_linear
 from .joined import join, project
@@ -32,22 +31,6 @@ from .max_logit import record_max_logits
 from .norm import RMSNorm, upcast
 
 OUTPUT_GATES = (None, "full")
-
-
-class LatentCache(SequenceCache):
-    """MLA decode cache of one layer: the normalised latents c [B, S, r] and the shared keys k_pe [B, S, dr]."""
-
-    c = SequenceField()
-    k_pe = SequenceField()
-
-    tensor_fields = sequence_fields = ("c", "k_pe")
-
-
-class StaticLatentCache(StaticSequenceCache):
-    """MLA's latents c [B, N, r] and k_pe [B, N, dr] in buffers of N slots, written in place at the rows'
-    positions (`k3.layers.cache.StaticSequenceCache`)."""
-
-    tensor_fields = sequence_fields = ("c", "k_pe")
 
 
 def rotate_half_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -145,19 +128,10 @@ class MultiHeadLatentAttention(nn.Module):
         over t has no decoding cache."""
         return c
 
-    def new_static_cache(self, owner, batch_size: int, max_length: int) -> "StaticLatentCache":
-        """Preallocated latents for `batch_size` rows of `max_length` tokens (see StaticLatentCache)."""
-        w = self.kv_a_proj_with_mqa.weight
-        return StaticLatentCache(
-            owner,
-            c=w.new_zeros(batch_size, max_length, self.kv_lora_rank),
-            k_pe=w.new_zeros(batch_size, max_length, self.dr),
-        )
-
     def forward(
         self,
         x: torch.Tensor,
-        cache: LatentCache | StaticLatentCache | None = None,
+        cache=None,
         absorb: bool | None = None,
         fused: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -174,9 +148,8 @@ class MultiHeadLatentAttention(nn.Module):
         c_all, k_pe_all = (c, k_pe) if cache is None else cache.append(c=c, k_pe=k_pe)
         if absorb is None:
             absorb = cache is not None and T == 1
-        pad = None if cache is None else cache.pad
-        mask = cache.visible(T, c_all.shape[1], x.device) if cache is not None and cache.static else None
-        o = self._absorbed(q, c_all, k_pe_all, pad, mask) if absorb else self._plain(q, c_all, k_pe_all, pad, mask)
+        mask = None if cache is None else cache.visible(T, c_all.shape[1], x.device)
+        o = self._absorbed(q, c_all, k_pe_all, mask) if absorb else self._plain(q, c_all, k_pe_all, mask)
         o = o.reshape(B, T, self.num_heads * self.dv)
         if gate:  # gated MLA
             o = o * torch.sigmoid(gate[0])
@@ -193,31 +166,26 @@ class MultiHeadLatentAttention(nn.Module):
         decode step passes to `forward` as `fused`."""
         return join(self._input_projections())
 
-    def _plain(
-        self, q, c_all, k_pe_all, pad: torch.Tensor | None = None, mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def _plain(self, q, c_all, k_pe_all, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Expand every cached latent to per-head keys and values, then causal softmax attention of the
-        T queries (the last T slots) over all S slots (but a row's `pad` leading empty ones; or the slots
-        `mask` [B, 1, T, S] allows, a static cache's)."""
+        T queries (the last T slots) over all S slots (or the slots `mask` [B, 1, T, S] allows: a cache's
+        rows at their own positions)."""
         B, S, _ = c_all.shape
         kv = self.kv_b_proj(c_all).view(B, S, self.num_heads, self.dn + self.dv)
         k_nope, v = torch.split(kv, [self.dn, self.dv], dim=-1)
         k = torch.cat([k_nope, k_pe_all.unsqueeze(2).expand(B, S, self.num_heads, self.dr)], dim=-1)
-        record_max_logits(self, q, k, self.scale, pad)  # (a training step's, for QK-Clip)
-        return causal_attention(q, k, v, self.scale, start=pad, mask=mask)  # [B, T, H, dv]
+        record_max_logits(self, q, k, self.scale)  # (a training step's, for QK-Clip)
+        return causal_attention(q, k, v, self.scale, mask=mask)  # [B, T, H, dv]
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b's two halves per head: W_uk [H, dn, r] (latent -> key) and W_uv [H, dv, r] (latent -> value)."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.kv_lora_rank)
         return w[:, : self.dn], w[:, self.dn :]
 
-    def _latent_probs(
-        self, q, c_all, k_pe_all, w_uk: torch.Tensor, pad: torch.Tensor | None = None, mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def _latent_probs(self, q, c_all, k_pe_all, w_uk: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention probabilities [B, H*T, S] (rows head-major: h * T + i; in q's dtype) against
-        the latents, with scores = (W_uk^T q_nope) . c + q_pe . k_pe; query i sits at slot S - T + i
-        (and sees no slot before pad[b], a row's empty leading ones), or sees the slots `mask`
-        [B, 1, T, S] allows (a static cache's).
+        the latents, with scores = (W_uk^T q_nope) . c + q_pe . k_pe; query i sits at slot S - T + i, or
+        sees the slots `mask` [B, 1, T, S] allows (a cache's rows at their own positions).
 
         Batched matmuls with the heads folded into the rows, so that the latents c_all [B, S, r] and
         k_pe_all [B, S, dr] are read as they are (shared by every head: never expanded or copied)."""
@@ -228,19 +196,17 @@ class MultiHeadLatentAttention(nn.Module):
         q_pe = q[..., self.dn :].transpose(1, 2).reshape(B, H * T, self.dr)
         scores = torch.bmm(q_pe, k_pe_all.transpose(1, 2))  # [B, H*T, S]
         scores = upcast(torch.baddbmm(scores, q_latent, c_all.transpose(1, 2)).mul_(self.scale))
-        allowed = causal_mask(T, S, pad, q.device) if mask is None else mask  # None: one query, a full cache
+        allowed = causal_mask(T, S, None, q.device) if mask is None else mask  # None: one query sees every slot
         if allowed is not None:
             scores = scores.view(B, H, T, S).masked_fill(~allowed, float("-inf")).view(B, H * T, S)
         return cast(torch.softmax(scores, dim=-1), q.dtype)
 
-    def _absorbed(
-        self, q, c_all, k_pe_all, pad: torch.Tensor | None = None, mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def _absorbed(self, q, c_all, k_pe_all, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attention against the latents: o = W_uv (p . c) per head with p from `_latent_probs`
         -> [B, T, H, dv]."""
         B, T, H, _ = q.shape
         w_uk, w_uv = self._absorbed_weights()
-        o_latent = torch.bmm(self._latent_probs(q, c_all, k_pe_all, w_uk, pad, mask), c_all)  # [B, H*T, r]
+        o_latent = torch.bmm(self._latent_probs(q, c_all, k_pe_all, w_uk, mask), c_all)  # [B, H*T, r]
         o_latent = o_latent.view(B, H, T, -1).transpose(0, 1).reshape(H, B * T, -1)  # [H, B*T, r]
         o = torch.bmm(o_latent, w_uv.transpose(1, 2))  # [H, B*T, dv]
         return o.view(H, B, T, self.dv).permute(1, 2, 0, 3)

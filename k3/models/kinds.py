@@ -4,10 +4,10 @@ Decoder layer i has a sequence mixer of kind `ModelConfig.layer_types[i]` and a 
 `ModelConfig.mlp_types[i]`. Everything the rest of k3 needs to know about a kind is here, in one entry of
 `MIXERS` or `FFNS`: what it requires of the config, how to build it, the decode cache it keeps (mixers),
 how many parameters it has (and, for the MoE, how many a token leaves unused), and the bytes its cache
-holds. `ModelConfig.validate`, `CausalLM`, `HybridCache`, `count_params` and the lab all read these
+holds. `ModelConfig.validate`, `CausalLM`, `Cache`, `count_params` and the lab all read these
 tables.
 
-To add a mixer: write its layer in k3/layers (with its cache type), then add one `MixerKind` subclass and
+To add a mixer: write its layer in k3/layers, then add one `MixerKind` subclass (with the buffers of its cache) and
 its entry in `MIXERS` below (plus any config fields it needs in `ModelConfig`). Nothing else switches on
 the kind.
 
@@ -21,24 +21,23 @@ tables to validate itself).
 
 from __future__ import annotations
 
+import types
 from typing import Iterator
 
+import torch
 from torch import nn
 
+from ..inference.cache import Cache, LayerCache
 from ..layers import (
     DeltaNet,
     GatedDeltaNet,
     GatedMLP,
     GeluMLP,
     KimiDeltaAttention,
-    KVCache,
-    LatentCache,
-    LayerCache,
     LinearAttention,
     MoE,
     MultiHeadAttention,
     MultiHeadLatentAttention,
-    RecurrentCache,
 )
 
 STATE_BYTES = 4  # recurrent states are kept in float32
@@ -57,7 +56,9 @@ class MixerKind:
     def build(self, c) -> nn.Module:
         raise NotImplementedError
 
-    def new_cache(self) -> LayerCache:
+    def new_cache(self, layer: nn.Module, owner, batch_size: int, slots: int) -> LayerCache:
+        """`layer`'s decode state in `owner` (a `k3.inference.cache.Cache`) for `batch_size` rows of up to
+        `slots` tokens, zeroed, on the layer's device, the tokens' buffers in its dtype."""
         raise NotImplementedError
 
     def params(self, c) -> int:
@@ -88,8 +89,11 @@ class SoftmaxAttention(MixerKind):
     def build(self, c):
         return MultiHeadAttention(c.hidden_size, c.num_heads)
 
-    def new_cache(self):
-        return KVCache()
+    def new_cache(self, layer, owner, batch_size, slots):
+        """Keys and values head-major, [B, H, N, D] (their slot axis 2), what attention reads as they are."""
+        w, H = layer.c_attn.weight, layer.num_heads
+        shape = (batch_size, H, slots, layer.hidden_size // H)
+        return LayerCache(owner, {"k": (w.new_zeros(shape), 2), "v": (w.new_zeros(shape), 2)})
 
     def params(self, c):
         d = c.hidden_size
@@ -130,8 +134,11 @@ class LatentAttention(MixerKind):
             norm_eps=1e-6,
         )
 
-    def new_cache(self):
-        return LatentCache()
+    def new_cache(self, layer, owner, batch_size, slots):
+        """The normalised latents c [B, N, r] and the shared rotary keys k_pe [B, N, dr]."""
+        w = layer.kv_a_proj_with_mqa.weight
+        latents = w.new_zeros(batch_size, slots, layer.kv_lora_rank)
+        return LayerCache(owner, {"c": (latents, 1), "k_pe": (w.new_zeros(batch_size, slots, layer.dr), 1)})
 
     def params(self, c):
         d, H, dn, dr, dv, r = (
@@ -163,8 +170,16 @@ class _LinearFamily(MixerKind):
         if c.conv_size < 1:
             yield f"`conv_size` must be >= 1, got {c.conv_size}"
 
-    def new_cache(self):
-        return RecurrentCache()
+    def new_cache(self, layer, owner, batch_size, slots):
+        """The recurrent state [B, H, K, V] in float32 (float64 in a float64 model) and the three short
+        convolutions' window [B, 3 H K, W-1] (linear attention: the state (S, z), no convolutions)."""
+        w = layer.q_proj.weight
+        H, K, dtype = layer.num_heads, layer.head_dim, torch.promote_types(w.dtype, torch.float32)
+        S = torch.zeros(batch_size, H, K, K, dtype=dtype, device=w.device)
+        if isinstance(layer, LinearAttention):
+            return LayerCache(owner, state=(S, torch.zeros(batch_size, H, K, dtype=dtype, device=w.device)))
+        window = w.new_zeros(batch_size, 3 * H * K, layer.q_conv1d.kernel_size - 1)
+        return LayerCache(owner, window=window, state=S)
 
 
 class LinearAttentionKind(_LinearFamily):
@@ -339,6 +354,37 @@ class MixtureOfExperts(FFNKind):
 
 
 FFNS: dict[str, FFNKind] = {kind.name: kind for kind in (DenseFFN(), MixtureOfExperts())}
+LAYER_KINDS = {  # the kind of each mixer layer class (a subclass, such as a lab variant, is its parent's)
+    MultiHeadAttention: "mha",
+    MultiHeadLatentAttention: "mla",
+    LinearAttention: "linear_attn",
+    DeltaNet: "deltanet",
+    GatedDeltaNet: "gated_deltanet",
+    KimiDeltaAttention: "kda",
+}
+
+
+def layer_cache(layer: nn.Module, batch_size: int, max_length: int | None = None) -> LayerCache:
+    """`layer`'s decode state in a cache of its own (a one-layer `Cache`, made by the layer's kind): how a
+    mixer layer decodes outside a model. Around each call the caller does what a model does for all its
+    layers: `cache.owner.check_room(T)` before, `cache.owner.advance(T)` after."""
+    kind = MIXERS[next(name for cls, name in LAYER_KINDS.items() if isinstance(layer, cls))]
+    return Cache(_OneLayer(layer, kind), batch_size, max_length).layers[0]
+
+
+class _OneLayer(nn.Module):
+    """What `Cache` asks of a model, for one mixer layer."""
+
+    def __init__(self, layer: nn.Module, kind: MixerKind):
+        super().__init__()
+        self.layer, self.kind = layer, kind
+        self.config = types.SimpleNamespace(name=type(layer).__name__, num_layers=1, layer_types=[kind.name])
+
+    def new_layer_cache(self, index: int, owner: Cache, batch_size: int, slots: int) -> LayerCache:
+        return self.kind.new_cache(self.layer, owner, batch_size, slots)
+
+    def new_depth_sources(self, batch_size: int) -> None:
+        return None
 
 
 def cache_bytes(c, batch_size: int, tokens: int, dtype_bytes: int = 2) -> int:

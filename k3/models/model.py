@@ -1,4 +1,4 @@
-"""CausalLM: one decoder for the whole lineage, with the hybrid decode cache (docs/design.md: models, the caches).
+"""CausalLM: one decoder for the whole lineage, with its decode cache (docs/design.md: models, the caches).
 
     tokens -> embed_tokens (+ embed_positions, GPT-2 only)
            -> layers: x + self_attn(input_layernorm(x)), then x + mlp(post_attention_layernorm(x))
@@ -26,14 +26,14 @@ from torch import nn
 
 from ..checkpoints import checkpoint, loading
 from ..inference import generation
+from ..inference.cache import Cache
 from ..layers import MoE, init
 from ..layers.init import STD
-from .cache import HybridCache
+from ..runtime import refuse_if_over_memory
 from .config import ModelConfig
 from .decoder import Decoder
-from .kinds import cache_bytes
+from .kinds import MIXERS, cache_bytes
 from .loss import IGNORE_INDEX, head_cross_entropy
-from .static_cache import StaticCache
 
 # Tokens per forward when a long input runs into a cache: prefill memory grows linearly with the prompt
 # (the recurrent states are fixed; attention scores are at most a piece of queries by the cached keys).
@@ -97,15 +97,45 @@ class CausalLM(nn.Module):
             init.normal_(self.lm_head.weight, std)
 
     # -- inference ----------------------------------------------------------------------------------
-    def new_cache(self, batch_size: int, max_length: int | None = None) -> HybridCache | StaticCache:
-        """An empty decode cache for `batch_size` sequences: one that grows with them (`HybridCache`), or,
-        with `max_length` N, a static one whose every state is preallocated for N tokens a row and updated
-        in place at a position tensor (`StaticCache`: what a compiled decode step runs over)."""
+    def new_cache(self, batch_size: int, max_length: int | None = None) -> Cache:
+        """An empty decode cache for `batch_size` sequences (`k3.inference.cache.Cache`): its slot buffers
+        allocated once for `max_length` tokens a row (what a compiled decode step runs over), or, without
+        it, grown as the rows grow."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"new_cache: `batch_size` must be a positive int, got {batch_size!r}")
         if max_length is not None:
-            return StaticCache(self, batch_size, max_length)
-        return HybridCache(self.config, batch_size)
+            if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+                raise ValueError(
+                    f"new_cache: `max_length` must be a positive int (the most tokens a row will hold), "
+                    f"got {max_length!r}"
+                )
+            positions = self.config.max_position_embeddings
+            if positions and max_length > positions:
+                raise ValueError(
+                    f"new_cache: `max_length` {max_length} is more than the {positions} positions "
+                    f"{self.config.name!r} has learned (max_position_embeddings)"
+                )
+            refuse_if_over_memory(
+                f"new_cache: a static cache of {batch_size} row(s) x {max_length:,} tokens for {self.config.name!r}",
+                self.cache_bytes(batch_size, max_length),
+                "give fewer rows or a smaller `max_length` (k3 generate: fewer prompts or --max-new-tokens)",
+            )
+        return Cache(self, batch_size, max_length)
+
+    def new_layer_cache(self, index: int, owner: Cache, batch_size: int, slots: int):
+        """Layer `index`'s part of `owner`, made by its mixer's kind (`k3.models.kinds`)."""
+        kind = self.config.layer_types[index]
+        return MIXERS[kind].new_cache(self.model.layers[index].self_attn, owner, batch_size, slots)
+
+    def new_depth_sources(self, batch_size: int) -> torch.Tensor | None:
+        """Block AttnRes's depth sources for one token of `batch_size` rows [n, B, 1, d] (float32), which a
+        decode step reads and writes in place; None without AttnRes."""
+        if self.config.attn_res_block_size is None:
+            return None
+        blocks = -(-self.config.num_layers // self.config.attn_res_block_size)
+        w = self.lm_head.weight
+        dtype = torch.promote_types(w.dtype, torch.float32)
+        return torch.zeros(blocks + 1, batch_size, 1, self.config.hidden_size, device=w.device, dtype=dtype)
 
     def cache_bytes(self, batch_size: int, tokens: int) -> int:
         """Bytes the decode cache of `batch_size` sequences of `tokens` tokens holds at this model's dtype
@@ -125,7 +155,7 @@ class CausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        cache: HybridCache | None = None,
+        cache: Cache | None = None,
         *,
         targets: torch.Tensor | None = None,
         reduction: str = "mean",
@@ -175,7 +205,7 @@ class CausalLM(nn.Module):
     def _through_cache(
         self,
         input_ids: torch.Tensor,
-        cache: HybridCache | StaticCache,
+        cache: Cache,
         keep: int,
         piece: int,
         fused: list[tuple] | None = None,
@@ -220,7 +250,7 @@ class CausalLM(nn.Module):
         low, high = torch.stack(torch.aminmax(ids)).tolist()
         return (low, high) if low < 0 or high >= self.config.vocab_size else None
 
-    def _check_input(self, input_ids: torch.Tensor, cache: HybridCache | None) -> None:
+    def _check_input(self, input_ids: torch.Tensor, cache: Cache | None) -> None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             got = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise ValueError(f"CausalLM: `input_ids` must be a [B, T] tensor of token ids, got {got}")
@@ -232,7 +262,7 @@ class CausalLM(nn.Module):
                 f"sequence of at least one token ([B, T] with B, T >= 1)"
             )
         if cache is not None:
-            if not isinstance(cache, (HybridCache, StaticCache)):
+            if not isinstance(cache, Cache):
                 raise ValueError(f"CausalLM: `cache` must come from model.new_cache(), got {type(cache).__name__}")
             if cache.config != self.config:
                 raise ValueError(
@@ -248,8 +278,6 @@ class CausalLM(nn.Module):
             cache.check_room(input_ids.shape[1])
         positions = self.config.max_position_embeddings
         seen = 0 if cache is None else cache.length
-        if positions and cache is not None and cache.pad is not None:
-            seen -= int(cache.pad.min())  # the longest row's tokens
         if positions and seen + input_ids.shape[1] > positions:
             raise ValueError(
                 f"CausalLM: {self.config.name!r} has learned positions for {positions} tokens; "
@@ -287,7 +315,7 @@ class CausalLM(nn.Module):
         top_p: float | None = None,
         eos_token_id: int | None = None,
         generator: torch.Generator | None = None,
-        cache: HybridCache | StaticCache | None = None,
+        cache: Cache | None = None,
         compile: bool = False,
     ) -> Iterator[torch.Tensor]:
         """As `generate`, yielding each new token [B] as soon as it is sampled. With `cache`, `input_ids`
@@ -298,7 +326,7 @@ class CausalLM(nn.Module):
 
     def decode_step(
         self,
-        cache: StaticCache,
+        cache: Cache,
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float | None = None,
@@ -340,3 +368,6 @@ class CausalLM(nn.Module):
     def num_parameters(self) -> int:
         """Distinct parameters (a tied head counts once)."""
         return sum(p.numel() for p in self.parameters())
+
+
+HybridCache = StaticCache = Cache  # the former names of the one cache (a growing one; one of fixed slots)

@@ -65,8 +65,8 @@ def causal_attention(
     (`k3.ops.common.keep_causal`), at the cost of reading them back from the device; the layers go without.
 
     `mask` [B, 1, T, S] (bool, True where a query may look), when given, replaces the causal mask and
-    `start`: a static cache's slots (`k3.layers.cache.StaticSequenceCache.visible`), where rows write
-    this call's tokens at slots of their own (the guard above is then off)."""
+    `start`: a cache's slots (`k3.inference.cache.Cache.visible`), where rows write this call's tokens
+    at slots of their own (the guard above is then off)."""
     T, S = q.shape[1], k.shape[1]
     dtype = compute_dtype(q.dtype)
     qf, kf, vf = (cast(x, dtype) for x in (q, k, v))

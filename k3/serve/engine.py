@@ -1,4 +1,4 @@
-"""The serving engine: continuous batching over one growing HybridCache, with memory-aware admission.
+"""The serving engine: continuous batching over one growing cache, with memory-aware admission.
 
 One loop, on a thread of its own, owns the model. Each turn of it
 1. admits waiting sequences, oldest first, while what they will hold fits the budget and fewer than
@@ -7,16 +7,16 @@ One loop, on a thread of its own, owns the model. Each turn of it
    admitted sequence alone (its own cache, no padding) and in order: a long prompt takes several turns, so
    the running batch decodes between its pieces instead of waiting for the whole prompt. A sequence whose
    prompt is done has its first token sampled and its cache joined to the running batch's
-   (`HybridCache.concat`);
+   (`Cache.concat`);
 3. decodes every running sequence together, one token each: one forward of [B, 1] through the joined
    cache, then each row sampled with its own settings and its own generator;
 4. drops the sequences that finished (their token limit, their end-of-text token), failed or were
-   cancelled (a client that went away, a stop string): `HybridCache.reorder` keeps the other rows and
-   `trim` frees the slots no row needs any more.
+   cancelled (a client that went away, a stop string): `Cache.reorder` keeps the other rows and frees
+   the slots no row needs any more.
 A sequence joins once its prompt is prefilled and leaves at the turn it ends, so no one waits for a batch
-to drain (Orca, Yu et al. 2022; vLLM). Rows of different lengths share the cache's slot axis behind `pad`,
-which attention masks; a recurrent state never sees a padding token, and every row computes what it would
-alone.
+to drain (Orca, Yu et al. 2022; vLLM). Rows of different lengths sit left-aligned in the cache, each at its
+own position, which attention masks past; a recurrent state never sees a padding token, and every row
+computes what it would alone.
 
 A failure is contained where it happens: a sequence whose prefill or sampling raises ends alone with
 "error: ..." (and a line in the log, logger "k3.serve"); only a failure of the shared decode forward ends
@@ -157,7 +157,7 @@ class Engine:
         self.reserved = 0
         self.peak_running = 0
         self.steps = 0
-        self._cache = None  # the running batch's HybridCache, row i = running[i]
+        self._cache = None  # the running batch's cache, row i = running[i]
         self._fused = model.decoding_weights()  # the weight copies decoding reads (the weights do not change)
         self._last: torch.Tensor | None = None  # [B] the token each running row feeds next
         self._lock = threading.Condition()

@@ -55,18 +55,18 @@ def test_filled_cache_has_the_layout_of_a_prefill(models):
         filled, real = fill_cache(model, 40, gen), prefill_cache(model, 40, gen)
         assert layout(filled) == layout(real), name
         assert filled.length == real.length == 40
-        assert filled.nbytes_by_type() == real.nbytes_by_type() == expected_bytes(model, 40), name
+        assert filled.nbytes_by_type(held=True) == real.nbytes_by_type(held=True) == expected_bytes(model, 40), name
 
 
 def test_decoding_from_a_filled_cache_grows_it_by_one_token(models):
     gen = torch.Generator().manual_seed(0)
     model = models["kimi-linear-tiny"]
     cache = fill_cache(model, 32, gen)
-    before = cache.nbytes_by_type()
+    before = cache.nbytes_by_type(held=True)
     with torch.inference_mode():
         logits = model(torch.ones(1, 1, dtype=torch.long), cache=cache)
     assert torch.isfinite(logits).all() and cache.length == 33
-    after = cache.nbytes_by_type()
+    after = cache.nbytes_by_type(held=True)
     assert after["kda"] == before["kda"]  # the recurrent state does not grow
     assert after["mla"] - before["mla"] == 2 * (32 + 16) * 4  # two MLA layers, (kv_lora + rope) floats each
 

@@ -10,7 +10,15 @@ def prefill_then_decode_error(layer, cache, x: torch.Tensor, prefix: int) -> flo
     by token-by-token decoding through `cache`."""
     with torch.no_grad():
         full = layer(x)
-        parts = [layer(x[:, :prefix], cache=cache)]
-        parts += [layer(x[:, t : t + 1], cache=cache) for t in range(prefix, x.shape[1])]
+        parts = [run(layer, x[:, :prefix], cache)]
+        parts += [run(layer, x[:, t : t + 1], cache) for t in range(prefix, x.shape[1])]
     got = torch.cat(parts, dim=1)
     return ((got - full).norm() / full.norm()).item()
+
+
+def run(layer, x: torch.Tensor, cache, **kwargs) -> torch.Tensor:
+    """layer(x, cache) as a model runs it: room made before, the cache's positions advanced after."""
+    cache.owner.check_room(x.shape[1])
+    y = layer(x, cache=cache, **kwargs)
+    cache.owner.advance(x.shape[1])
+    return y

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from k3.layers import KVCache, LinearAttention, MultiHeadAttention, RecurrentCache
+from k3.layers import LinearAttention, MultiHeadAttention
+from k3.models.kinds import layer_cache
 
 from .helpers import prefill_then_decode_error
 
@@ -16,9 +17,9 @@ from .helpers import prefill_then_decode_error
 def test_mha_prefill_then_decode(prefix):
     torch.manual_seed(0)
     layer = MultiHeadAttention(24, 4)
-    cache = KVCache()
+    cache = layer_cache(layer, 2)
     assert prefill_then_decode_error(layer, cache, torch.randn(2, 30, 24), prefix) < 1e-5
-    assert cache.nbytes() == 2 * 2 * 30 * 24 * 4  # k and v, batch 2, 30 tokens, float32
+    assert cache.nbytes() == 2 * 2 * cache.owner.capacity * 24 * 4  # k and v, batch 2, every slot, float32
 
 
 def test_mha_matches_naive_softmax():
@@ -38,6 +39,6 @@ def test_mha_matches_naive_softmax():
 def test_linear_attention_prefill_then_decode(prefix):
     torch.manual_seed(2)
     layer = LinearAttention(24, 3, 8, chunk_size=8)
-    cache = RecurrentCache()
+    cache = layer_cache(layer, 2)
     assert prefill_then_decode_error(layer, cache, torch.randn(2, 30, 24), prefix) < 1e-5
     assert cache.nbytes() == 4 * (2 * 3 * 8 * 8 + 2 * 3 * 8)  # S and z, independent of T

@@ -1,5 +1,5 @@
-"""The decode-time pieces of the layers: the growing KV / latent cache buffers (amortised growth, the
-rows held, adoption of given tensors, gradients) and the short convolution's rolling window."""
+"""The decode-time pieces of the layers: a layer's cache (writes at each row's position, the slots read) and
+the short convolution's rolling window."""
 
 from __future__ import annotations
 
@@ -7,49 +7,32 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3.layers.attention import KVCache
 from k3.layers.conv import ShortConvolution, joint_step, rolling_step
-from k3.layers.mla import LatentCache
+from k3.layers.mla import MultiHeadLatentAttention
+from k3.models.kinds import layer_cache
 
 
-def test_appends_grow_the_buffer_geometrically_and_keep_every_row():
-    cache = KVCache()
-    assert cache.batch_size is None and cache.length == 0 and cache.capacity == 0 and cache.k is None
-    rows_k, rows_v, buffers = [], [], set()
-    for t in range(40):
-        k, v = torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 5)
-        rows_k.append(k)
-        rows_v.append(v)
-        k_all, v_all = cache.append(k=k, v=v)
-        assert torch.equal(k_all, torch.cat(rows_k, 1)) and torch.equal(v_all, torch.cat(rows_v, 1))
-        buffers.add(cache._rows["k"][0].data_ptr())
-    assert cache.length == 40 and cache.k.shape == (2, 40, 3, 4) and cache.batch_size == 2
-    assert 40 <= cache.capacity <= 64
-    assert len(buffers) <= 7  # 1, 2, 4, ..., 64: a new buffer only when the old one is full
-    assert cache.nbytes() == 2 * 40 * 3 * (4 + 5) * 4 <= cache.allocated_bytes()
-
-
-def test_assigned_tensors_are_adopted_and_growth_starts_from_them():
-    c, k_pe = torch.randn(1, 6, 8), torch.randn(1, 6, 2)
-    cache = LatentCache(c=c, k_pe=k_pe)
-    assert cache.length == 6 and cache.c is c  # a full buffer is read as it is
-    cache.append(c=torch.ones(1, 1, 8), k_pe=torch.ones(1, 1, 2))
-    assert cache.length == 7 and torch.equal(cache.c[:, :6], c) and torch.equal(cache.c[:, 6], torch.ones(1, 8))
-    cache.c, cache.k_pe = cache.c[:, :3], cache.k_pe[:, :3]  # reordered / cut by the caller
-    assert cache.length == 3
-    with pytest.raises(TypeError, match="unknown fields"):
-        LatentCache(kv=c)
-
-
-def test_appends_under_autograd_keep_the_gradient_path():
-    """While gradients are recorded, an append concatenates (no earlier tensor is overwritten in place)."""
-    cache = KVCache()
-    k1 = torch.randn(1, 2, 1, 3, requires_grad=True)
-    cache.append(k=k1, v=k1 * 2)
-    k2 = torch.randn(1, 1, 1, 3, requires_grad=True)
-    k_all, v_all = cache.append(k=k2, v=k2 * 2)
-    (k_all.sum() + v_all.sum()).backward()
-    assert torch.equal(k1.grad, torch.full_like(k1, 3.0)) and torch.equal(k2.grad, torch.full_like(k2, 3.0))
+def test_a_layer_cache_writes_each_row_at_its_position_and_reads_the_slots_held():
+    """One layer's cache (`k3.models.kinds.layer_cache`): T tokens go to slots positions[b] ... + T - 1 of
+    each row, in place; attention reads the slots up to the longest row's end; one token into a cache of
+    fixed slots reads them all (shapes that never change), masked past each row's position."""
+    layer = MultiHeadLatentAttention(
+        32, 2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8
+    )
+    for max_length in (None, 16):
+        cache = layer_cache(layer, 2, max_length)
+        owner, buffer = cache.owner, cache.c
+        c, k_pe = torch.randn(2, 3, 8), torch.randn(2, 3, 4)
+        c_all, _ = cache.append(c=c, k_pe=k_pe)
+        assert c_all.shape == (2, 3, 8) and torch.equal(c_all, c) and cache.c.data_ptr() == buffer.data_ptr()
+        owner.advance(3)
+        one = torch.randn(2, 1, 8)
+        c_all, _ = cache.append(c=one, k_pe=torch.randn(2, 1, 4))
+        assert c_all.shape[1] == (16 if max_length else 4) and torch.equal(c_all[:, 3], one[:, 0])
+        mask = cache.visible(1, c_all.shape[1])
+        assert (mask is None) == (max_length is None)  # every row at one position, the slots held read
+        if mask is not None:
+            assert mask[:, 0, 0].sum(-1).tolist() == [4, 4]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

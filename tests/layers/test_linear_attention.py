@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3.layers.linear_attention import DeltaNet, GatedDeltaNet, KimiDeltaAttention, RecurrentCache
+from k3.layers.linear_attention import DeltaNet, GatedDeltaNet, KimiDeltaAttention
+from k3.models.kinds import layer_cache
 
-from .helpers import prefill_then_decode_error
+from .helpers import prefill_then_decode_error, run
 
 LAYERS = {
     "deltanet": lambda: DeltaNet(24, 3, 8),
@@ -30,7 +31,7 @@ def test_prefill_then_decode_equals_full_forward(name, prefix):
     """Prefill `prefix` tokens through the chunk ops, then decode the rest one token at a time through
     the cache: the outputs equal one full forward (float32, relative 1e-4)."""
     layer = make(name)
-    assert prefill_then_decode_error(layer, RecurrentCache(), torch.randn(2, 40, 24), prefix) < 1e-4
+    assert prefill_then_decode_error(layer, layer_cache(layer, 2), torch.randn(2, 40, 24), prefix) < 1e-4
 
 
 @pytest.mark.parametrize("name", LAYERS)
@@ -39,9 +40,9 @@ def test_cache_size_is_constant(name):
     layer = make(name)
     sizes = []
     with torch.no_grad():
-        cache = RecurrentCache()
+        cache = layer_cache(layer, 2)
         for T in (3, 50):
-            layer(torch.randn(2, T, 24), cache=cache)
+            run(layer, torch.randn(2, T, 24), cache)
             sizes.append(cache.nbytes())
     assert sizes[0] == sizes[1] == 4 * (3 * 2 * 24 * 3 + 2 * 3 * 8 * 8)
 
@@ -80,9 +81,9 @@ def test_bad_input():
     layer = make("kda")
     with pytest.raises(ValueError, match="`x`"):
         layer(torch.randn(2, 5, 23))
-    cache = RecurrentCache()
+    cache = layer_cache(layer, 2)
     with torch.no_grad():
-        layer(torch.randn(2, 5, 24), cache=cache)
+        run(layer, torch.randn(2, 5, 24), cache)
     with pytest.raises(ValueError, match="batch size"):
         layer(torch.randn(3, 1, 24), cache=cache)
     with pytest.raises(ValueError, match="`kda_gate`"):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3.layers.mla import LatentCache, MultiHeadLatentAttention
+from k3.layers.mla import MultiHeadLatentAttention
+from k3.models.kinds import layer_cache
 
-from .helpers import prefill_then_decode_error
+from .helpers import prefill_then_decode_error, run
 
 CONFIGS = {
     "kimi-linear": dict(q_lora_rank=None, output_gate=None, rope_theta=None),
@@ -29,11 +30,11 @@ def test_absorbed_equals_plain(name):
     layer = make(name, torch.float64)
     x = torch.randn(2, 18, 32, dtype=torch.float64)
     with torch.no_grad():
-        cache_a, cache_b = LatentCache(), LatentCache()
-        layer(x[:, :17], cache=cache_a)
-        layer(x[:, :17], cache=cache_b)
-        absorbed = layer(x[:, 17:], cache=cache_a, absorb=True)
-        plain = layer(x[:, 17:], cache=cache_b, absorb=False)
+        cache_a, cache_b = layer_cache(layer, 2), layer_cache(layer, 2)
+        run(layer, x[:, :17], cache_a)
+        run(layer, x[:, :17], cache_b)
+        absorbed = run(layer, x[:, 17:], cache_a, absorb=True)
+        plain = run(layer, x[:, 17:], cache_b, absorb=False)
         full_absorbed = layer(x, absorb=True)  # also for a whole causal sequence
         full_plain = layer(x, absorb=False)
     torch.testing.assert_close(absorbed, plain, rtol=1e-10, atol=1e-12)
@@ -44,18 +45,17 @@ def test_absorbed_equals_plain(name):
 @pytest.mark.parametrize("prefix", [1, 5, 20])
 def test_prefill_then_decode_equals_full_forward(name, prefix):
     layer = make(name)
-    assert prefill_then_decode_error(layer, LatentCache(), torch.randn(2, 24, 32), prefix) < 1e-5
+    assert prefill_then_decode_error(layer, layer_cache(layer, 2), torch.randn(2, 24, 32), prefix) < 1e-5
 
 
-def test_cache_grows_by_latent_size_per_token():
-    """(kv_lora_rank + qk_rope_head_dim) * bytes per token per layer: 20 float32 values here."""
+def test_cache_holds_the_latent_size_per_slot():
+    """(kv_lora_rank + qk_rope_head_dim) * bytes per slot per layer: 20 float32 values here."""
     layer = make("k3")
-    cache = LatentCache()
+    cache = layer_cache(layer, 2)
     with torch.no_grad():
-        layer(torch.randn(2, 5, 32), cache=cache)
-        before = cache.nbytes()
-        layer(torch.randn(2, 1, 32), cache=cache)
-    assert before == 2 * 5 * 20 * 4 and cache.nbytes() - before == 2 * 20 * 4
+        run(layer, torch.randn(2, 5, 32), cache)
+        run(layer, torch.randn(2, 1, 32), cache)
+    assert cache.nbytes() == 2 * cache.owner.capacity * 20 * 4 and cache.owner.lengths == [6, 6]
 
 
 def test_names_and_bad_input():
@@ -71,9 +71,10 @@ def test_names_and_bad_input():
         "o_proj.weight",
     } == names
     assert "q_proj.weight" in {n for n, _ in make("kimi-linear").named_parameters()}
-    layer, cache = make("k3"), LatentCache()
+    layer = make("k3")
+    cache = layer_cache(layer, 2)
     with torch.no_grad():
-        layer(torch.randn(2, 3, 32), cache=cache)
+        run(layer, torch.randn(2, 3, 32), cache)
     with pytest.raises(ValueError, match="batch size"):
         layer(torch.randn(1, 1, 32), cache=cache)
     with pytest.raises(ValueError, match="`x`"):

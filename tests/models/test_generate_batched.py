@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3.models import HybridCache
+from k3.models import Cache
 
 from .conftest import TINY, tiny_model
 
@@ -38,14 +38,14 @@ def test_joined_cache_logits_equal_each_rows_own():
     caches = [model.new_cache(1) for _ in rows]
     for ids, cache in zip(rows, caches):
         model(ids, cache=cache)
-    joined = HybridCache.concat(caches)
-    assert joined.batch_size == 3 and joined.length == 7 and joined.lengths().tolist() == [4, 7, 2]
-    assert joined.pad.tolist() == [3, 0, 5]
+    joined = Cache.concat(caches)
+    assert joined.batch_size == 3 and joined.length == 7 and joined.lengths == [4, 7, 2]
+    assert joined.positions.tolist() == [4, 7, 2]  # each row left-aligned at its own position
     step = torch.tensor([[1], [2], [3]])
     together = model(step, cache=joined)
     for i, cache in enumerate(caches):
         torch.testing.assert_close(together[i], model(step[i : i + 1], cache=cache)[0], rtol=1e-12, atol=1e-12)
-    assert joined.lengths().tolist() == [5, 8, 3]
+    assert joined.lengths == [5, 8, 3]
 
 
 def test_eos_ends_each_row_and_bad_prompts_are_refused():
@@ -63,4 +63,4 @@ def test_eos_ends_each_row_and_bad_prompts_are_refused():
     with pytest.raises(ValueError, match="empty"):
         model.generate([], max_new_tokens=2)
     with pytest.raises(ValueError, match="different models"):
-        HybridCache.concat([model.new_cache(1), tiny_model("kimi-k3-tiny").new_cache(1)])
+        Cache.concat([model.new_cache(1), tiny_model("kimi-k3-tiny").new_cache(1)])

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from k3.layers import BlockAttnRes
-from k3.models import CausalLM, get_config
+from k3.models import Cache, CausalLM, get_config
 from k3.models.decoder import attn_res_source_counts
-from k3.models.model import HybridCache
 
 from .conftest import TINY, tiny_model
 
@@ -51,16 +50,17 @@ def test_cache_memory_constant_for_kda_and_linear_in_length_for_mla():
     sizes = []
     with torch.no_grad():
         model(torch.randint(0, 512, (2, 10)), cache=cache)
-        sizes.append(cache.nbytes_by_type())
+        sizes.append(cache.nbytes_by_type(held=True))
         for _ in range(3):
             model(torch.randint(0, 512, (2, 1)), cache=cache)
-            sizes.append(cache.nbytes_by_type())
+            sizes.append(cache.nbytes_by_type(held=True))
     assert len({s["kda"] for s in sizes}) == 1 and sizes[0]["kda"] > 0
     per_token = 2 * n_mla * (c.kv_lora_rank + c.qk_rope_head_dim) * 4  # batch 2, fp32
     for before, after in zip(sizes, sizes[1:]):
         assert after["mla"] - before["mla"] == per_token
     assert sizes[0]["mla"] == 10 * per_token
-    assert cache.nbytes() == sum(sizes[-1].values())
+    assert cache.nbytes(held=True) == sum(sizes[-1].values())
+    assert cache.nbytes() == sizes[-1]["kda"] + sizes[-1]["mla"] // 13 * cache.capacity  # every slot allocated
 
 
 def direct_attn_res_forward(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
@@ -164,7 +164,7 @@ def test_bad_inputs_say_what_to_do():
         gpt(torch.randint(0, 512, (1, 9)))
     with pytest.raises(ValueError, match="prompt"):
         model.generate(torch.zeros(1, 0, dtype=torch.long), 3)
-    assert isinstance(cache, HybridCache) and "kimi-k3-tiny" in repr(cache)
+    assert isinstance(cache, Cache) and "kimi-k3-tiny" in repr(cache)
 
 
 def test_attn_res_source_counts_match_the_model():

@@ -53,7 +53,7 @@ def test_batched_prompts_of_different_lengths_prefill_in_pieces(name, monkeypatc
         whole, whole_cache = generation.prefill(model, prompts)
         monkeypatch.setattr(model_module, "PREFILL_PIECE", 3)
         pieced, cache = generation.prefill(model, prompts)
-        assert cache.lengths().tolist() == [7, 1, 11, 7, 4]
+        assert cache.lengths == [7, 1, 11, 7, 4]
         torch.testing.assert_close(pieced, whole, rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(model(step, cache=cache), model(step, cache=whole_cache), rtol=1e-9, atol=1e-9)
 

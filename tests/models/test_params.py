@@ -73,9 +73,9 @@ def test_cache_bytes_of_every_kind_equal_a_real_cache(name):
         want[kind] = want.get(kind, 0) + 2 * (
             MIXERS[kind].cache_bytes_per_token(c, 4) * 9 + MIXERS[kind].state_bytes(c, 4)
         )
-    assert cache.nbytes_by_type() == want
+    assert cache.nbytes_by_type(held=True) == want
     pc = count_params(c, cache_dtype_bytes=4)
     assert (
         2 * (pc.mla_cache_bytes_per_token + pc.kv_cache_bytes_per_token) * 9 + 2 * pc.recurrent_state_bytes_per_sequence
-        == cache.nbytes()
+        == cache.nbytes(held=True)
     )

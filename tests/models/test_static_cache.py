@@ -1,15 +1,14 @@
-"""The static cache (`new_cache(batch_size, max_length=N)`): prefill + decode through preallocated state
-equals one full forward for every tiny preset (float64, 1e-10), rows at different positions compute what
-they would alone, a growing cache loads into it, its buffers keep their addresses, and bad sizes fail
-clearly."""
+"""The cache (`new_cache(batch_size, max_length=N)`: slots allocated once; without max_length: grown):
+prefill + decode equals one full forward for every tiny preset (float64, 1e-10), rows at different
+positions compute what they would alone, caches join (`concat`) and rows leave (`reorder`), a fixed
+cache's buffers keep their addresses, a growing one doubles, and bad sizes fail clearly."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from k3.layers import StaticSequenceCache
-from k3.models.static_cache import StaticCache
+from k3.models import Cache
 
 from .conftest import TINY, tiny_model
 
@@ -26,7 +25,7 @@ def test_prefill_then_decode_equals_full_forward(name, overrides):
         full = model(ids)
         for t in (1, 7, 33):  # a one-token prefill, one shorter than a chunk, one longer
             cache = model.new_cache(2, max_length=48)
-            assert isinstance(cache, StaticCache)
+            assert isinstance(cache, Cache) and cache.max_length == 48
             steps = [model(ids[:, :t], cache=cache)]
             steps += [model(ids[:, s : s + 1], cache=cache) for s in range(t, t + 5)]
             torch.testing.assert_close(torch.cat(steps, 1), full[:, : t + 5], rtol=1e-10, atol=1e-10)
@@ -38,7 +37,7 @@ def test_prefill_in_pieces_and_the_decode_step_keep_the_buffers():
     model = tiny_model("kimi-k3-tiny").double()
     ids = _ids(3, 30)
     cache = model.new_cache(3, max_length=32)
-    pointers = [t.data_ptr() for layer in cache.layers for t in layer.tensors()] + [cache.positions.data_ptr()]
+    pointers = [t.data_ptr() for layer in cache.layers for t in layer.buffers()] + [cache.positions.data_ptr()]
     with torch.no_grad():
         got = torch.cat(
             [model(ids[:, :11], cache=cache), model(ids[:, 11:25], cache=cache)]
@@ -46,22 +45,20 @@ def test_prefill_in_pieces_and_the_decode_step_keep_the_buffers():
             1,
         )
         torch.testing.assert_close(got, model(ids), rtol=1e-10, atol=1e-10)
-    assert [t.data_ptr() for layer in cache.layers for t in layer.tensors()] + [cache.positions.data_ptr()] == pointers
+    assert [t.data_ptr() for layer in cache.layers for t in layer.buffers()] + [cache.positions.data_ptr()] == pointers
 
 
 @pytest.mark.parametrize("name", ["kimi-k3-tiny", "gpt2-tiny", "kimi-linear-tiny"])
-def test_load_rows_of_different_lengths_then_decode_equals_each_alone(name):
-    """A joined growing cache (rows right-aligned behind pad) loads left-aligned; each row decodes as alone."""
+def test_rows_of_different_lengths_joined_then_decode_equal_each_alone(name):
+    """Caches prefilled apart join as one of fixed slots (each row at its own position); each row decodes as alone."""
     model = tiny_model(name).double()
     lengths = [4, 9, 1]
     rows = [_ids(1, n, seed=n) for n in lengths]
-    from k3.models import HybridCache
-
     caches = [model.new_cache(1) for _ in rows]
     with torch.no_grad():
         for ids, c in zip(rows, caches):
             model(ids, cache=c)
-        static = model.new_cache(3, max_length=16).load(HybridCache.concat(caches))
+        static = Cache.concat(caches, max_length=16)
         assert static.positions.tolist() == lengths and static.length == 9
         step = torch.tensor([[5], [6], [7]])
         for _ in range(3):
@@ -88,8 +85,8 @@ def test_capacity_and_arguments_fail_clearly():
             model.new_cache(1, max_length=bad)
     with pytest.raises(ValueError, match="more than the 1024 positions"):
         tiny_model("gpt2-tiny").new_cache(1, max_length=2048)
-    with pytest.raises(NotImplementedError, match="static cache keeps its rows in place"):
-        cache.layers[0].reorder(torch.tensor([0]))
+    with pytest.raises(ValueError, match="do not fit max_length 4"):
+        Cache.concat([cache], max_length=4)
 
 
 def test_reset_and_memory():
@@ -101,8 +98,29 @@ def test_reset_and_memory():
     with torch.no_grad():
         first = model(_ids(2, 5), cache=cache)
         cache.reset()
-        assert cache.length == 0 and not any(bool(t.any()) for layer in cache.layers for t in layer.tensors())
+        assert cache.length == 0 and not any(bool(t.any()) for layer in cache.layers for t in layer.buffers())
         torch.testing.assert_close(model(_ids(2, 5), cache=cache), first, rtol=0, atol=0)
-    assert all(
-        isinstance(layer, StaticSequenceCache) == (kind == "mla") for layer, kind in zip(cache.layers, c.layer_types)
-    )
+    assert all(bool(layer.storage) == (kind == "mla") for layer, kind in zip(cache.layers, c.layer_types))
+
+
+@pytest.mark.parametrize("name", ["kimi-k3-tiny", "gpt2-tiny"])
+def test_a_growing_cache_doubles_and_rows_leave(name):
+    """Without max_length the slots double as the rows grow (what they held kept); `reorder` keeps some rows
+    (repeats allowed) and shrinks the slots to the longest of them; each row decodes as it would alone."""
+    model = tiny_model(name).double()
+    ids = _ids(3, 150)
+    cache = model.new_cache(3)
+    start = cache.capacity
+    with torch.no_grad():
+        full = model(ids)
+        got = [model(ids[:, : start - 1], cache=cache)] + [
+            model(ids[:, s : s + 1], cache=cache) for s in range(start - 1, 150)
+        ]
+        torch.testing.assert_close(torch.cat(got, 1), full, rtol=1e-10, atol=1e-10)
+        assert cache.capacity >= 150 > start and cache.lengths == [150] * 3
+        cache.reorder(torch.tensor([2, 0, 0]))
+        more = _ids(3, 2, seed=3)
+        together = model(more, cache=cache)
+        for row, i in enumerate([2, 0, 0]):
+            alone = model(torch.cat([ids[i : i + 1], more[row : row + 1]], 1))[:, -2:]
+            torch.testing.assert_close(together[row], alone[0], rtol=1e-10, atol=1e-10)

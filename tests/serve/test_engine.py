@@ -9,8 +9,7 @@ import time
 import pytest
 import torch
 
-from k3.models import CausalLM, get_config
-from k3.models.cache import HybridCache
+from k3.models import Cache, CausalLM, get_config
 from k3.serve import Engine, QueueFull, Sequence, prefill_bytes, sequence_bytes
 
 PRESETS = ["kimi-k3-tiny", "kimi-linear-tiny", "gpt2-tiny"]
@@ -173,8 +172,8 @@ def test_sequence_checks():
         Sequence([1], 2, temperature=-1)
 
 
-def test_hybrid_cache_trim_after_the_longest_row_leaves():
-    """concat a long and a short row, drop the long one: trim frees the slots only it used, and the
+def test_the_cache_shrinks_after_the_longest_row_leaves():
+    """concat a long and a short row, drop the long one: the slots only it needed are freed, and the
     short row decodes on exactly as it would alone."""
     model = tiny("kimi-k3-tiny")
     long_prompt, short_prompt = list(range(1, 30)), [3, 1, 4]
@@ -183,10 +182,11 @@ def test_hybrid_cache_trim_after_the_longest_row_leaves():
         cache = model.new_cache(1)
         logits.append(model(torch.tensor([p]), cache=cache, logits_to_keep=1)[:, -1])
         caches.append(cache)
-    both = HybridCache.concat(caches)
-    assert both.length == 29 and both.pad.tolist() == [0, 26]
+    model(torch.tensor([list(range(40, 80))]), cache=caches[0])  # the long row passes the first slots
+    both = Cache.concat(caches)
+    assert both.length == 69 and both.lengths == [69, 3] and both.capacity >= 69
     both.reorder(torch.tensor([1]))
-    assert both.trim() == 26 and both.length == 3 and both.pad is None
+    assert both.length == 3 and both.capacity < 69 and both.trim() == 0
     token = torch.tensor([[7]])
     ref = model.new_cache(1)
     model(torch.tensor([short_prompt]), cache=ref)

@@ -46,7 +46,7 @@ def run(mode: str, docs: Path, **options) -> Result:
     # every (model, N) pair in one round-robin: the growth with N is measured side by side too
     gen = torch.Generator().manual_seed(1)
     entries = {(name, N): (model, fill_cache(model, N, gen)) for N in sweep.lengths for name, model in models.items()}
-    nbytes = {name: {N: entries[(name, N)][1].nbytes_by_type() for N in sweep.lengths} for name in models}
+    nbytes = {name: {N: entries[(name, N)][1].nbytes_by_type(held=True) for N in sweep.lengths} for name in models}
     exact = all(nbytes[name][N] == expected_bytes(models[name], N) for name in models for N in sweep.lengths)
     times = time_steps(entries, sweep.warmup, sweep.steps)
     latency = {name: {N: times[(name, N)] for N in sweep.lengths} for name in models}

@@ -12,7 +12,7 @@ import torch
 
 from ...models import CausalLM, get_config
 from ...models.kinds import MIXERS
-from ...models.model import HybridCache
+from ...models.model import Cache
 
 WIDTH = 128  # hidden_size of every model: gpt2-tiny's and kimi-linear-tiny's own; kimi-k3-tiny narrowed from 192
 BASELINE = "gpt2-tiny"
@@ -53,7 +53,7 @@ def build_models(max_length: int, seed: int = 0) -> dict[str, CausalLM]:
     return models
 
 
-def fill_cache(model: CausalLM, length: int, generator: torch.Generator) -> HybridCache:
+def fill_cache(model: CausalLM, length: int, generator: torch.Generator) -> Cache:
     """A cache that holds `length` tokens: a real prefill of PROMPT tokens, then every KV and latent
     cache replaced by random tensors of `length` tokens (the shapes a prefill of `length` leaves)."""
     if length < PROMPT:
@@ -63,17 +63,17 @@ def fill_cache(model: CausalLM, length: int, generator: torch.Generator) -> Hybr
     with torch.inference_mode():
         model(prompt, cache=cache)
 
-    def grown(t: torch.Tensor) -> torch.Tensor:  # [B, PROMPT, ...] -> [B, length, ...]
-        return torch.randn(t.shape[0], length, *t.shape[2:], generator=generator, dtype=t.dtype)
-
+    cache.check_room(length - PROMPT)  # the slots a prefill of `length` tokens leaves
     for layer in cache.layers:
-        for name in layer.sequence_fields:  # the tensors that grow with the sequence; recurrent states do not
-            setattr(layer, name, grown(getattr(layer, name)))
-    cache.length = length
+        for tensor, axis in layer.storage.values():  # the tensors that grow with the sequence; states do not
+            held = tensor.narrow(axis, 0, length)
+            held.copy_(torch.randn(held.shape, generator=generator, dtype=held.dtype))
+    cache.positions.fill_(length)
+    cache.lengths = [length]
     return cache
 
 
-def prefill_cache(model: CausalLM, length: int, generator: torch.Generator) -> HybridCache:
+def prefill_cache(model: CausalLM, length: int, generator: torch.Generator) -> Cache:
     """A cache that holds `length` tokens, by really running them through the model."""
     cache = model.new_cache(1)
     with torch.inference_mode():
@@ -107,7 +107,7 @@ def check_fill(models: dict[str, CausalLM], length: int, sweep: Sweep, seed: int
     entries = {}
     for name, model in models.items():
         real, filled = prefill_cache(model, length, gen), fill_cache(model, length, gen)
-        if real.nbytes() != filled.nbytes() or layout(real) != layout(filled):
+        if real.nbytes(held=True) != filled.nbytes(held=True) or layout(real) != layout(filled):
             raise RuntimeError(
                 f"check_fill: {name}: a filled cache of {length} tokens differs from a prefilled "
                 f"one: {layout(filled)} against {layout(real)}"
@@ -116,7 +116,7 @@ def check_fill(models: dict[str, CausalLM], length: int, sweep: Sweep, seed: int
     times = time_steps(entries, sweep.warmup, sweep.steps)
     return {
         name: {
-            "bytes": entries[(name, "filled")][1].nbytes(),
+            "bytes": entries[(name, "filled")][1].nbytes(held=True),
             "prefilled": times[(name, "prefilled")],
             "filled": times[(name, "filled")],
         }
@@ -124,9 +124,9 @@ def check_fill(models: dict[str, CausalLM], length: int, sweep: Sweep, seed: int
     }
 
 
-def layout(cache: HybridCache) -> list[list[tuple]]:
+def layout(cache: Cache) -> list[list[tuple]]:
     """(shape, dtype) of every tensor of every layer's cache."""
-    return [[(tuple(t.shape), t.dtype) for t in layer.tensors()] for layer in cache.layers]
+    return [[(tuple(t.shape), t.dtype) for t in layer.buffers()] for layer in cache.layers]
 
 
 def expected_bytes(model: CausalLM, length: int) -> dict[str, int]:

@@ -137,7 +137,7 @@ def tables(sweep: Sweep, models: dict, analysis: dict) -> list[Table]:
             ]
         )
     layout = Table(
-        "Cache bytes by layer type (HybridCache.nbytes, float32): what grows per token and what stays",
+        "Cache bytes by layer type (Cache.nbytes_by_type(held=True), float32): what grows per token and what stays",
         ["model", "layers", "bytes per token", "constant bytes (KDA states)", "equals the config's count at every N"],
         rows,
     )

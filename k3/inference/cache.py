@@ -1,0 +1,272 @@
+"""The decode cache: each sequence's state in buffers allocated once and written in place (docs/design.md: the cache).
+
+A `Cache` holds, for `batch_size` rows, every layer's state (`LayerCache`, made by that layer's kind in
+`k3.models.kinds`): what grows with the sequence, keys and values or MLA's latents, in buffers of N slots
+written at each row's position; and the fixed-size states of the linear family (the recurrent state and
+the convolutions' window), overwritten in place. `positions` [B], a tensor, counts the tokens each row has
+seen; every layer reads it and the model advances it. Nothing changes shape or address from one token to
+the next, so a decode step is one graph for every token (gpt-fast's KV cache and `input_pos`; vLLM's state
+slots). Rows sit left-aligned, each at its own position, so prompts of different lengths share a batch
+without padding: a forward of T tokens writes row b's at slots positions[b] ... positions[b] + T - 1, and
+attention reads the slots up to the longest row's end, each row's masked past its own (`visible`).
+
+`model.new_cache(B, max_length=N)` allocates N slots once and refuses to pass them (a compiled step holds
+their addresses; one token reads all N, masked, so its shapes never change). `model.new_cache(B)` grows:
+before a forward that would pass its slots, every buffer is replaced by one of twice as many (amortised
+O(1) copies a token), and a forward reads only the slots held. Continuous batching's rows joining and
+leaving are copies between caches: `Cache.concat` and `reorder`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROWN_FROM = 64  # the slots a growing cache starts with (then doubled as needed)
+
+
+class LayerCache:
+    """One layer's state in a `Cache`: `sequences` name its [B, N, ...] buffers (each a view of a storage
+    tensor whose slot axis may be another, e.g. keys stored head-major [B, H, N, D]); `window` the
+    convolutions' [B, 3D, W-1] (or None); `state` the recurrent state [B, ...] (or a tuple of them)."""
+
+    def __init__(
+        self,
+        owner: "Cache",
+        sequences: dict[str, tuple[torch.Tensor, int]] | None = None,
+        window: torch.Tensor | None = None,
+        state=None,
+    ):
+        self.owner, self.window, self.recurrent_state = owner, window, state
+        self.storage = dict(sequences or {})  # name -> (storage tensor, its slot axis)
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        storage = self.__dict__.get("storage", {})
+        if name not in storage:
+            raise AttributeError(name)
+        tensor, axis = storage[name]
+        return tensor.movedim(axis, 1)  # [B, N, ...]
+
+    @property
+    def batch_size(self) -> int:
+        return self.owner.batch_size
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor allocated for this layer (what a compiled step keeps at fixed addresses)."""
+        states = self.recurrent_state if isinstance(self.recurrent_state, tuple) else (self.recurrent_state,)
+        return [t for t, _ in self.storage.values()] + [t for t in (self.window, *states) if t is not None]
+
+    def append(self, **new: torch.Tensor) -> list[torch.Tensor]:
+        """Write each new [B, T, ...] at its row's next T slots, in place; return the buffers' slots that
+        attention reads (`Cache.slots_read`), in the order given."""
+        positions, out = self.owner.positions, []
+        for name, x in new.items():
+            buffer = getattr(self, name)
+            B, T = x.shape[:2]
+            if T == 1:  # an index_put, which inductor writes in place (a scatter it would copy whole)
+                buffer.index_put_((torch.arange(B, device=buffer.device), positions), x[:, 0].to(buffer.dtype))
+            else:
+                slots = positions[:, None] + torch.arange(T, device=positions.device)
+                index = slots.view(B, T, *([1] * (x.dim() - 2))).expand_as(x)
+                buffer.scatter_(1, index, x.to(buffer.dtype))
+            out.append(buffer[:, : self.owner.slots_read(T)])
+        return out
+
+    def token_positions(self, T: int, device=None) -> torch.Tensor:
+        return self.owner.token_positions(T).to(device)
+
+    def visible(self, T: int, S: int, device=None) -> torch.Tensor | None:
+        mask = self.owner.visible(T, S)
+        return None if mask is None else mask.to(device)
+
+    @property
+    def conv_states(self) -> tuple[torch.Tensor, ...] | None:
+        """The window's three [B, D, W-1] parts (q, k, v), or None."""
+        return None if self.window is None else tuple(self.window.split(self.window.shape[1] // 3, dim=1))
+
+    def conv_window(self) -> torch.Tensor:
+        return self.window
+
+    def store(self, recurrent_state, conv_states=None, conv_window: torch.Tensor | None = None) -> None:
+        """Copy a forward's new state into the buffers: the recurrent state, and the convolutions' as one
+        window [B, 3D, W-1] or as its three parts."""
+        if conv_window is not None:
+            self.window.copy_(conv_window)
+        elif conv_states is not None:
+            D = self.window.shape[1] // 3
+            for i, part in enumerate(conv_states):
+                self.window.narrow(1, i * D, D).copy_(part)
+        pairs = zip(*(s if isinstance(s, tuple) else (s,) for s in (self.recurrent_state, recurrent_state)))
+        for buffer, value in pairs:
+            buffer.copy_(value)
+
+    def nbytes(self, held: bool = False) -> int:
+        """Bytes of the buffers allocated; `held`: of what the rows hold (their tokens' slots, the states)."""
+        total = sum(t.numel() * t.element_size() for t in self.buffers())
+        if held:
+            tokens = sum(self.owner.lengths)
+            for t, axis in self.storage.values():
+                total -= t.numel() * t.element_size() * (1 - tokens / (t.shape[0] * t.shape[axis]))
+        return round(total)
+
+    def _remake(self, fn) -> None:
+        """Every tensor replaced by fn(tensor, its slot axis or None)."""
+        self.storage = {name: (fn(t, axis), axis) for name, (t, axis) in self.storage.items()}
+        self.window = None if self.window is None else fn(self.window, None)
+        state = self.recurrent_state
+        if state is not None:
+            self.recurrent_state = tuple(fn(t, None) for t in state) if isinstance(state, tuple) else fn(state, None)
+
+
+class Cache:
+    """The decode state of `model` for `batch_size` rows (see the module docstring): `layers[i]` layer i's,
+    made by its kind (`k3.models.kinds`); `positions` [B] the tokens each row has seen (on the device),
+    `lengths` the same on the host; `sources` Block AttnRes's depth sources for one token, or None.
+    `max_length`: slots allocated once (None: a cache that grows)."""
+
+    def __init__(self, model, batch_size: int, max_length: int | None = None):
+        self.config, self.batch_size, self.max_length = model.config, batch_size, max_length
+        self.capacity = max_length or GROWN_FROM
+        self.positions = torch.zeros(batch_size, dtype=torch.long, device=next(model.parameters()).device)
+        self.lengths = [0] * batch_size
+        self.layers = [model.new_layer_cache(i, self, batch_size, self.capacity) for i in range(self.config.num_layers)]
+        self.sources = model.new_depth_sources(batch_size)
+
+    @property
+    def length(self) -> int:
+        """Tokens the longest row has seen."""
+        return max(self.lengths)
+
+    def slots_read(self, T: int) -> int:
+        """Slots attention reads after writing T tokens: all of a fixed cache's for one token (shapes that never
+        change), else up to the longest row's end."""
+        return self.capacity if self.max_length and T == 1 else self.length + T
+
+    def token_positions(self, T: int) -> torch.Tensor:
+        """[B, T]: the positions of each row's next T tokens."""
+        return self.positions[:, None] + torch.arange(T, device=self.positions.device)
+
+    def visible(self, T: int, S: int) -> torch.Tensor | None:
+        """[B, 1, T, S]: slot s is visible to query i of row b when s <= positions[b] + i; None when that is
+        the plain causal mask of the last T of S slots (every row at the same position, S slots read)."""
+        decoding = self.max_length and T == 1  # a compiled step: it must read no host count (one graph)
+        if not decoding and S == self.length + T and len(set(self.lengths)) == 1:
+            return None
+        slots = torch.arange(S, device=self.positions.device)
+        return (slots <= self.token_positions(T)[..., None]).unsqueeze(1)
+
+    def check_room(self, T: int) -> None:
+        """Make room for T more tokens in the longest row: a growing cache doubles its slots; a fixed one
+        refuses with a clear error."""
+        needed = self.length + T
+        if needed <= self.capacity:
+            return
+        if self.max_length:
+            raise ValueError(
+                f"Cache: {T} more token(s) after {self.length} would pass `max_length` {self.max_length}; make "
+                f"the cache with a larger max_length (model.new_cache(batch_size, max_length=N))"
+            )
+        self._resize(max(2 * self.capacity, needed))
+
+    def _resize(self, capacity: int) -> None:
+        """Every slot buffer with `capacity` slots, holding what it held (up to the longest row's end)."""
+        for layer in self.layers:
+            layer._remake(lambda t, axis: _with_slots(t, axis, capacity, self.length))
+        self.capacity = capacity
+
+    def advance(self, T: int, positions: bool = True) -> None:
+        """After a forward of T tokens: every row has seen T more (`positions`: False when the forward
+        advanced the tensor itself, as a decode step does)."""
+        if positions:
+            self.positions.add_(T)
+        self.lengths = [n + T for n in self.lengths]
+
+    def reset(self) -> None:
+        """Empty every row (states and positions zeroed in place), for the next prompts."""
+        for layer in self.layers:
+            for t in layer.buffers():
+                t.zero_()
+        self.positions.zero_()
+        self.lengths = [0] * self.batch_size
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep rows `index` [B'] (a selection or permutation, repeats allowed), in place; a growing cache
+        then shrinks to the rows' longest (the slots that rows that left needed are freed)."""
+        rows = index.tolist()
+        device_index = index.to(self.positions.device)
+        for layer in self.layers:
+            layer._remake(lambda t, axis: t.index_select(0, device_index))
+        self.positions = self.positions.index_select(0, device_index)
+        self.lengths, self.batch_size = [self.lengths[i] for i in rows], len(rows)
+        if self.sources is not None:
+            self.sources = self.sources.new_zeros(self.sources.shape[0], len(rows), *self.sources.shape[2:])
+        if not self.max_length:
+            self._resize(max(GROWN_FROM, self.length))
+
+    def trim(self) -> int:
+        """Shrink a growing cache's slots to its longest row (what `reorder` does); the slots freed."""
+        before = self.capacity
+        if not self.max_length:
+            self._resize(max(GROWN_FROM, self.length))
+        return before - self.capacity
+
+    @classmethod
+    def concat(cls, caches: list["Cache"], max_length: int | None = None) -> "Cache":
+        """One cache whose rows are those of `caches` in order (the same model; any lengths): how prompts
+        prefilled apart decode as one batch, and how a server's new sequence joins the running ones.
+        `max_length`: a fixed cache of that many slots (None: a growing one)."""
+        if not caches:
+            raise ValueError("Cache.concat: `caches` is empty")
+        if any(c.config != caches[0].config for c in caches):
+            raise ValueError("Cache.concat: the caches were made for different models")
+        out = object.__new__(cls)
+        out.config, out.max_length = caches[0].config, max_length
+        out.lengths = [n for c in caches for n in c.lengths]
+        out.batch_size, out.capacity = len(out.lengths), max_length or max(GROWN_FROM, max(out.lengths))
+        if max(out.lengths) > out.capacity:
+            raise ValueError(f"Cache.concat: rows of {max(out.lengths)} tokens do not fit max_length {max_length}")
+        out.positions = torch.cat([c.positions for c in caches])
+        out.layers = []
+        for parts in zip(*(c.layers for c in caches)):  # each layer's tensors at one capacity, rows stacked
+            layer = LayerCache(out, parts[0].storage, parts[0].window, parts[0].recurrent_state)
+            joined = iter(
+                torch.cat(ts) for ts in zip(*(_at_capacity(p, out.capacity, c.length) for p, c in zip(parts, caches)))
+            )
+            layer._remake(lambda t, axis: next(joined))
+            out.layers.append(layer)
+        sources = caches[0].sources
+        out.sources = (
+            None if sources is None else sources.new_zeros(sources.shape[0], out.batch_size, *sources.shape[2:])
+        )
+        return out
+
+    def nbytes(self, held: bool = False) -> int:
+        """Bytes of every buffer allocated (`held`: of what the rows hold: their tokens and the states)."""
+        return sum(layer.nbytes(held) for layer in self.layers)
+
+    def nbytes_by_type(self, held: bool = False) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for kind, layer in zip(self.config.layer_types, self.layers):
+            out[kind] = out.get(kind, 0) + layer.nbytes(held)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"Cache({self.config.name!r}, batch_size={self.batch_size}, longest={self.length}, "
+            f"capacity={self.capacity}{', fixed' if self.max_length else ''}, nbytes={self.nbytes():,})"
+        )
+
+
+def _with_slots(t: torch.Tensor, axis: int | None, capacity: int, kept: int) -> torch.Tensor:
+    """t with `capacity` slots along `axis`, its first `kept` copied (t itself for a fixed-size state)."""
+    if axis is None or t.shape[axis] == capacity:
+        return t
+    out = t.new_zeros(*t.shape[:axis], capacity, *t.shape[axis + 1 :])
+    kept = min(kept, capacity, t.shape[axis])
+    out.narrow(axis, 0, kept).copy_(t.narrow(axis, 0, kept))
+    return out
+
+
+def _at_capacity(layer: LayerCache, capacity: int, kept: int) -> list[torch.Tensor]:
+    """A layer's tensors (`LayerCache.buffers` order), the slot buffers at `capacity` slots."""
+    axes = [axis for _, axis in layer.storage.values()]
+    return [_with_slots(t, axes[i] if i < len(axes) else None, capacity, kept) for i, t in enumerate(layer.buffers())]
