@@ -75,7 +75,6 @@ def test_cache_bytes_of_every_kind_equal_a_real_cache(name):
         )
     assert cache.nbytes_by_type(held=True) == want
     pc = count_params(c, cache_dtype_bytes=4)
-    assert (
-        2 * (pc.mla_cache_bytes_per_token + pc.kv_cache_bytes_per_token) * 9 + 2 * pc.recurrent_state_bytes_per_sequence
-        == cache.nbytes(held=True)
-    )
+    assert 2 * (
+        pc.mla_cache_bytes_per_token + pc.kv_cache_bytes_per_token
+    ) * 9 + 2 * pc.recurrent_state_bytes_per_sequence == cache.nbytes(held=True)
