@@ -224,8 +224,11 @@ def slot_capacity(assignments: int, experts: int) -> int:
 
 def grouped_mm_runs(z: torch.Tensor, stack) -> bool:
     """Whether torch's grouped GEMM takes these operands: a float32, bfloat16 or float16 input whose rows,
-    and the matrices' rows, are a multiple of 16 bytes."""
+    and the matrices' rows, are a multiple of 16 bytes; while torch.compile traces, bfloat16 only (the
+    shape function torch 2.13 traces it with takes no other dtype)."""
     if not hasattr(F, "grouped_mm") or z.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if torch.compiler.is_compiling() and z.dtype != torch.bfloat16:
         return False
     sizes = [z.shape[-1]] + [n for w in stack for n in w.shape[1:]]
     return all(w.dtype == z.dtype for w in stack) and all(n * z.element_size() % 16 == 0 for n in sizes)

@@ -237,3 +237,19 @@ def test_experts_held_elsewhere_in_the_grouped_gemm():
     dense_w = torch.zeros(40, 8).scatter(1, chosen, weights)
     want = sum(dense_w[:, e : e + 1] * held[e](z) for e in range(8) if moe.experts[e] is not None)
     torch.testing.assert_close(moe.experts(z, chosen, weights), want, rtol=1e-5, atol=1e-5)
+
+
+def test_float32_experts_compile_whole():
+    """Under torch.compile (fullgraph; aot_eager traces with torch's shape functions, as inductor does) a
+    float32 MoE runs in slots (the grouped GEMM's shape function takes only bfloat16): values and gradients
+    equal eager's."""
+    torch.manual_seed(7)
+    config = {**CONFIGS["kimi-linear"], "expert_hidden": 16}
+    moe = MoE(16, **config)
+    x = torch.randn(4, 16, 16, requires_grad=True)
+    eager = moe(x)
+    (grad,) = torch.autograd.grad(eager.sum(), x)
+    torch._dynamo.reset()
+    compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.autograd.grad(compiled.sum(), x)[0], grad, rtol=1e-5, atol=1e-5)
