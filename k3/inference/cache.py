@@ -102,11 +102,11 @@ class LayerCache:
     def nbytes(self, held: bool = False) -> int:
         """Bytes of the buffers allocated; `held`: of what the rows hold (their tokens' slots, the states)."""
         total = sum(t.numel() * t.element_size() for t in self.buffers())
-        if held:
-            tokens = sum(self.owner.lengths)
+        if held:  # a slot buffer counts its bytes per (row, slot) times the tokens the rows hold
             for t, axis in self.storage.values():
-                total -= t.numel() * t.element_size() * (1 - tokens / (t.shape[0] * t.shape[axis]))
-        return round(total)
+                per_slot = t.numel() * t.element_size() // (t.shape[0] * t.shape[axis])
+                total += per_slot * sum(self.owner.lengths) - t.numel() * t.element_size()
+        return total
 
     def _remake(self, fn) -> None:
         """Every tensor replaced by fn(tensor, its slot axis or None)."""
@@ -197,10 +197,8 @@ class Cache:
             layer._remake(lambda t, axis: t.index_select(0, device_index))
         self.positions = self.positions.index_select(0, device_index)
         self.lengths, self.batch_size = [self.lengths[i] for i in rows], len(rows)
-        if self.sources is not None:
-            self.sources = self.sources.new_zeros(self.sources.shape[0], len(rows), *self.sources.shape[2:])
-        if not self.max_length:
-            self._resize(max(GROWN_FROM, self.length))
+        self.sources = _sources_for(self.sources, len(rows))
+        self.trim()
 
     def trim(self) -> int:
         """Shrink a growing cache's slots to its longest row (what `reorder` does); the slots freed."""
@@ -233,10 +231,7 @@ class Cache:
             )
             layer._remake(lambda t, axis: next(joined))
             out.layers.append(layer)
-        sources = caches[0].sources
-        out.sources = (
-            None if sources is None else sources.new_zeros(sources.shape[0], out.batch_size, *sources.shape[2:])
-        )
+        out.sources = _sources_for(caches[0].sources, out.batch_size)
         return out
 
     def nbytes(self, held: bool = False) -> int:
@@ -270,3 +265,8 @@ def _at_capacity(layer: LayerCache, capacity: int, kept: int) -> list[torch.Tens
     """A layer's tensors (`LayerCache.buffers` order), the slot buffers at `capacity` slots."""
     axes = [axis for _, axis in layer.storage.values()]
     return [_with_slots(t, axes[i] if i < len(axes) else None, capacity, kept) for i, t in enumerate(layer.buffers())]
+
+
+def _sources_for(sources: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """Block AttnRes's depth sources [n, rows, 1, d] like `sources` (scratch a decode step fills), or None."""
+    return None if sources is None else sources.new_zeros(sources.shape[0], rows, *sources.shape[2:])
