@@ -137,6 +137,10 @@ class _DeltaRuleAttention(nn.Module):
         """The forget gate's projection of x (`forget_input`) -> the log decay g in float32 (the variant's formula)."""
         raise NotImplementedError(f"{type(self).__name__} has no forget gate")
 
+    def chunk_options(self) -> dict:
+        """Keyword arguments of the variant's chunk op beyond the shared ones."""
+        return {}
+
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [..., hidden_size] -> log decay g in float32: None (DeltaNet), [..., H] or [..., H, K]."""
         return None if self.forget_input is None else self.decay(getattr(self, self.forget_input)(x))
@@ -199,6 +203,7 @@ class _DeltaRuleAttention(nn.Module):
                 use_qk_l2norm=True,
                 chunk_size=self.chunk_size,
                 check_values=False,
+                **self.chunk_options(),
             )
             if keep:
                 cache.store(state, conv_states=(conv_q, conv_k, conv_v))
@@ -287,6 +292,10 @@ class KimiDeltaAttention(_DeltaRuleAttention):
         init_linear(self.f_a_proj, std)
         init_linear(self.f_b_proj, std)
         init_decay(self.A_log, self.dt_bias)
+
+    def chunk_options(self) -> dict:
+        """The safe gate's bound (g >= gate_lower_bound by construction) lets chunk_kda factor larger blocks."""
+        return {"lower_bound": self.gate_lower_bound} if self.kda_gate == "safe" else {}
 
     def decay(self, f: torch.Tensor) -> torch.Tensor:
         """f_a_proj(x) [..., K] -> log decay g [..., H, K] (float32), by the `kda_gate` formula."""

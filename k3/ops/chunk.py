@@ -61,26 +61,37 @@ def autograd_through_forward():
         _autograd_through_forward.on = before
 
 
-def chunk_delta(q, k, v, beta, *, g=None, initial_state=None, scale: float, chunk_size: int, guard: bool = True):
+def chunk_delta(
+    q,
+    k,
+    v,
+    beta,
+    *,
+    g=None,
+    initial_state=None,
+    scale: float,
+    chunk_size: int,
+    guard: bool = True,
+    lower_bound: float | None = None,
+):
     """The delta rule over chunks of `chunk_size` tokens (any T: the last chunk is padded with no-op
     steps). Inputs already validated and in the accumulation dtype (`k3.ops.delta_family`).
 
     q, k [N,T,H,K]; v [N,T,H,V]; beta [N,T,H]; g None (DeltaNet), [N,T,H] (Gated DeltaNet) or
-    [N,T,H,K] (KDA) log decay; initial_state None or [N,H,K,V].
+    [N,T,H,K] (KDA) log decay; initial_state None or [N,H,K,V]; lower_bound None or a float < 0 that
+    every step's g is at least (a g below it is taken as lower_bound): lets KDA's gate factor its
+    sub-chunks in fewer, larger blocks (`k3.ops.gates.ChannelGate`).
     Returns (o [N,T,H,V], final state [N,H,K,V]), ordinary tensors even when run in inference mode.
 
     With `guard`, a NaN or inf in k, v or beta reaches no earlier output (`k3.ops.common.keep_causal`; q
     only ever reaches its own row, and g is a validated log decay whose -inf is clamped)."""
     onwards = nonfinite_onwards(k, v, beta) if guard else None
-    o, S = _chunk_delta(q, k, v, beta, g, initial_state, scale, chunk_size)
-    return keep_causal(
-        o,
-        onwards,
-        lambda zero: _chunk_delta(q, zero(k), zero(v), zero(beta), zero(g), initial_state, scale, chunk_size)[0],
-    ), S
+    run = lambda k, v, beta, g: _chunk_delta(q, k, v, beta, g, initial_state, scale, chunk_size, lower_bound)  # noqa: E731
+    o, S = run(k, v, beta, g)
+    return keep_causal(o, onwards, lambda zero: run(zero(k), zero(v), zero(beta), zero(g))[0]), S
 
 
-def _chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int):
+def _chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int, lower_bound: float | None = None):
     """`chunk_delta` for inputs whose rows are taken as they are."""
     N, T, H, K = q.shape
     V = v.shape[-1]
@@ -98,20 +109,21 @@ def _chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int):
     chunked = lambda x: x.reshape(N, n, C, H, -1)  # noqa: E731  [N, n, C, H, d], a view
     q, k, v, beta = chunked(q), chunked(k), chunked(v), chunked(beta)
     if g is not None:  # clamped so that g = -inf stays finite; summed within each chunk slab by slab
-        g = _clamped(chunked(g), LOG_DECAY_FLOOR[q.dtype])
+        floor = LOG_DECAY_FLOOR[q.dtype]
+        g = _clamped(chunked(g), floor if lower_bound is None else max(floor, lower_bound))
     S0 = None if S0 is None else S0.reshape(M, K, V)
     # Chunks are processed in slabs of about SLAB_ELEMENTS values per tensor, laid out chunk-major
     # [slab chunks, N*H, C, d] only there: temporaries stay cache-sized and memory flat in T.
     per_slab = max(1, SLAB_ELEMENTS // (M * C * max(K, V)))
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, beta, g, S0)):
         if getattr(_autograd_through_forward, "on", False):
-            o, S = _chunk_forward(q, k, v, beta, g, S0, scale, per_slab)
+            o, S = _chunk_forward(q, k, v, beta, g, S0, scale, per_slab, lower_bound)
         else:
-            o, S = ChunkDelta.apply(q, k, v, beta, g, S0, scale, per_slab)
+            o, S = ChunkDelta.apply(q, k, v, beta, g, S0, scale, per_slab, lower_bound)
     else:
         o = q.new_empty(N, n, C, H, V)  # allocated outside inference mode: an ordinary tensor for the caller
         with torch.inference_mode():
-            o, S = _chunk_forward(q, k, v, beta, g, S0, scale, per_slab, out=o)
+            o, S = _chunk_forward(q, k, v, beta, g, S0, scale, per_slab, lower_bound, out=o)
     # the clone, made outside inference mode, is an ordinary tensor and not a view into a scan buffer
     return o.view(N, n * C, H, V)[:, :T], S.reshape(N, H, K, V).clone()
 
@@ -143,7 +155,9 @@ def _slabs(n: int, per_slab: int, N: int, H: int):
         )
 
 
-def _chunk_forward(q, k, v, beta, g, S0, scale: float, per_slab: int, saved: list | None = None, out=None):
+def _chunk_forward(
+    q, k, v, beta, g, S0, scale: float, per_slab: int, lower_bound=None, saved: list | None = None, out=None
+):
     """The slabs in order. q, k [N, n, C, H, K]; v [N, n, C, H, V]; beta [N, n, C, H, 1]; g None |
     [N, n, C, H, K|1] the log decays (summed within each chunk here: G, slab by slab, in cache);
     S0 None | [N*H, K, V]. Returns (o [N, n, C, H, V], final state [N*H, K, V]).
@@ -159,7 +173,8 @@ def _chunk_forward(q, k, v, beta, g, S0, scale: float, per_slab: int, saved: lis
         inputs = [slab(x) for x in (q, k, v, beta)] + ([] if g is None else [slab(g).cumsum(dim=-2)])
         # the backward keeps the slab's inputs (G for g) in its own layout, so that it need not lay them out again
         keep = None if saved is None else list(inputs)
-        o_part, S = _chunk_slab(*inputs[:4], None if g is None else inputs[4], S, scale, buffer, keep)
+        G = None if g is None else inputs[4]
+        o_part, S = _chunk_slab(*inputs[:4], G, S, scale, buffer, keep, lower_bound)
         o[:, part] = unslab(o_part)
         if saved is not None:
             saved.append(keep)
@@ -175,9 +190,9 @@ class ChunkDelta(torch.autograd.Function):
     every intermediate of every chunk and replay hundreds of small ops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, g, S0, scale: float, per_slab: int):
+    def forward(ctx, q, k, v, beta, g, S0, scale: float, per_slab: int, lower_bound: float | None):
         saved: list = []
-        o, S = _chunk_forward(q, k, v, beta, g, S0, scale, per_slab, saved)
+        o, S = _chunk_forward(q, k, v, beta, g, S0, scale, per_slab, lower_bound, saved)
         # each slab's gate: its factors saved with the rest (so that saved-tensor hooks, as activation
         # recompute's, see them), its other state on ctx
         ctx.gates = []
@@ -225,10 +240,10 @@ class ChunkDelta(torch.autograd.Function):
                     if out is not None:
                         out[:, part] = unslab(grad)
         dS = None if ctx.S0_shape is None else (dS.clone() if eager else dS)  # an ordinary tensor
-        return dq, dk, dv, dbeta, dg, dS, None, None
+        return dq, dk, dv, dbeta, dg, dS, None, None, None
 
 
-def _chunk_slab(q, k, v, beta, G, S, scale: float, states_buffer=None, keep: list | None = None):
+def _chunk_slab(q, k, v, beta, G, S, scale: float, states_buffer=None, keep: list | None = None, lower_bound=None):
     """One slab of consecutive chunks. q, k [n, M, C, K] (q not yet scaled); v [n, M, C, V];
     beta [n, M, C, 1]; G None | [n, M, C, K|1] cumulative log decay within each chunk; S [M, K, V]
     state before the slab. Returns o [n, M, C, V] and the state after the slab; appends the blocks of
@@ -236,7 +251,7 @@ def _chunk_slab(q, k, v, beta, G, S, scale: float, states_buffer=None, keep: lis
     n, M, C, K = q.shape
     V = v.shape[-1]
     flat = lambda x: x.reshape(n * M, *x.shape[2:])  # noqa: E731
-    gate = gate_of(None if G is None else flat(G), C, q.dtype, q.device)
+    gate = gate_of(None if G is None else flat(G), C, q.dtype, q.device, lower_bound)
     A_qk, A_kk, q_start, k_start, k_end, decay_end = gate.intra(flat(q), flat(k))
     if decay_end is not None:
         decay_end = decay_end.view(n, M, -1)

@@ -16,6 +16,7 @@ p from that run (`keep_causal`).
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -124,8 +125,9 @@ def check_state(op: str, name: str, state, shape: tuple, ref: torch.Tensor) -> t
     return cast(state, compute_dtype(ref.dtype))
 
 
-def check_log_decay(op: str, g: torch.Tensor) -> None:
-    """g is a log decay: every entry must be <= 0 (exp(g) in [0, 1]); -inf clears the state."""
+def check_log_decay(op: str, g: torch.Tensor, lower_bound: float | None = None) -> None:
+    """g is a log decay: every entry must be <= 0 (exp(g) in [0, 1]); -inf clears the state. With
+    `lower_bound`, every entry must also be >= it."""
     if g.numel() == 0:
         return
     largest = g.max()  # NaN if any entry is NaN
@@ -137,6 +139,23 @@ def check_log_decay(op: str, g: torch.Tensor) -> None:
             "a log decay with every entry <= 0 (alpha = exp(g) in [0, 1])",
             f"{bad.numel()} entries > 0 or NaN, e.g. {bad.flatten()[0].item()}",
         )
+    if lower_bound is not None and not bool(g.min() >= lower_bound):
+        bad = g[g < lower_bound]
+        raise _fail(
+            op,
+            "g",
+            f"every entry >= lower_bound = {lower_bound}",
+            f"{bad.numel()} entries below it, e.g. {bad.flatten()[0].item()}",
+        )
+
+
+def check_lower_bound(op: str, lower_bound) -> float:
+    """A stated lower bound on every step's log decay: a finite Python float < 0."""
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+        raise _fail(op, "lower_bound", "None or a Python float < 0", type(lower_bound).__name__)
+    if not (math.isfinite(lower_bound) and lower_bound < 0):
+        raise _fail(op, "lower_bound", "None or a finite float < 0", repr(lower_bound))
+    return float(lower_bound)
 
 
 def check_scale(op: str, scale, K: int) -> float:

@@ -23,6 +23,7 @@ from .common import (
     check_chunk_size,
     check_cu_seqlens,
     check_log_decay,
+    check_lower_bound,
     check_qkv,
     check_scale,
     check_state,
@@ -72,13 +73,15 @@ def run_delta_op(
     cu_seqlens,
     use_qk_l2norm: bool,
     chunk_size: int | None = None,
+    lower_bound: float | None = None,
     check_values: bool = True,
 ):
     """Validate the public arguments of `op`, cast to the accumulation dtype, pack/unpack `cu_seqlens`,
     and run `form` (a `token_loop`, or `chunk_delta` when chunk_size is given).
 
     q, k [B,T,H,K]; v [B,T,H,V]; beta [B,T,H]; `gate` None (g None), "head" (g [B,T,H]) or "channel"
-    (g [B,T,H,K]). Returns (o [B,T,H,V] in q's dtype, final state [N,H,K,V] or None).
+    (g [B,T,H,K]); `lower_bound` (KDA's chunk form) None or a float < 0 that every g is at least.
+    Returns (o [B,T,H,V] in q's dtype, final state [N,H,K,V] or None).
 
     `check_values` (every public op's last argument, default True) looks at the values, which reads them
     back from the device: g must be a log decay (<= 0), and a chunk form keeps a NaN or inf from reaching
@@ -99,8 +102,10 @@ def run_delta_op(
     if chunk_size is not None:
         chunking["chunk_size"] = check_chunk_size(op, chunk_size)
         chunking["guard"] = check_values
+    if lower_bound is not None:
+        chunking["lower_bound"] = check_lower_bound(op, lower_bound)
     if g is not None and check_values:
-        check_log_decay(op, g)
+        check_log_decay(op, g, lower_bound)
 
     in_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     q, k, v, beta = (cast(x, dtype) for x in (q, k, v, beta))

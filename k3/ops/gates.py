@@ -27,12 +27,13 @@ gates: no branch on their range, and no value read back from the device (a GPU s
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
-from .numerics import decay_exp
+from .numerics import DECAY_FLUSH, FACTOR_EXP_LIMIT, decay_exp
 from .ut import BlockLower
 
 MAX_SUB_CHUNK = 32  # most tokens per sub-chunk: the diagonal blocks of the score matrices and of the UT transform
@@ -53,11 +54,14 @@ def lower_masks(C: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch
         return incl, incl.tril(-1)
 
 
-def gate_of(G: torch.Tensor | None, C: int, dtype: torch.dtype, device) -> "NoGate | HeadGate | ChannelGate":
-    """The gate for cumulative log decays G: None (no decay), [P, C, 1] (per head) or [P, C, K]."""
+def gate_of(
+    G: torch.Tensor | None, C: int, dtype: torch.dtype, device, lower_bound: float | None = None
+) -> "NoGate | HeadGate | ChannelGate":
+    """The gate for cumulative log decays G: None (no decay), [P, C, 1] (per head) or [P, C, K] (with
+    `lower_bound` every step's g >= it, see `ChannelGate`)."""
     if G is None:
         return NoGate(C, dtype, device)
-    return ChannelGate(G) if G.shape[-1] > 1 else HeadGate(G)
+    return ChannelGate(G, lower_bound) if G.shape[-1] > 1 else HeadGate(G)
 
 
 def gate_tensors(gate) -> tuple[list[str], list[torch.Tensor], dict]:
@@ -181,26 +185,32 @@ class ChannelGate:
           exp(G_r - G_p) * exp(G_p - G_i),     p the last position of the first half (i <= p < r),
 
       one matmul of rows x_r exp(G_r - G_p) and columns y_i exp(G_p - G_i); the two diagonal quadrants
-      are split the same way, down to single positions (r = i: factor 1). Level j (blocks of S / 2^j
-      tokens, all sub-chunks and blocks in one batched matmul) gives each position one factor around
-      its block's p: `cols[j]` exp(G_p - G_i) over the first halves, `rows[j]` exp(G_r - G_p) over the
-      second (log2 S levels). Every pair i < r is in exactly one quadrant, at the level where r and i
-      part.
+      are split the same way. Level j (blocks of S / 2^j tokens, all sub-chunks and blocks in one
+      batched matmul) gives each position one factor around its block's p: `cols[j]` exp(G_p - G_i)
+      over the first halves, `rows[j]` exp(G_r - G_p) over the second. Every pair i < r is in exactly
+      one quadrant, at the level where r and i part. These factors are <= 1 (G never increases), so
+      none can overflow whatever the gates are: no range to check, no branch on the data.
+    - the blocks left after `levels` halvings, of b tokens: every pair at once around the block's p,
+      rows x_r exp(G_r - G_p) and columns y_i exp(G_p - G_i) (`row`, `col`), masked to i <= r. A factor
+      may now exceed 1: with every step's g >= lower_bound (a bound the caller states: Kimi K3's safe
+      gate, -5) each is within exp(+-(b/2)|lower_bound|), and the halving stops at the largest b that
+      keeps this within FACTOR_EXP_LIMIT, where both factors and their products are normal numbers.
+      Without a bound it goes down to single tokens (b = 1: r = i, factor 1).
 
-    Every factor is <= 1 (G never increases), so none can overflow whatever the gates are: there is no
-    range to check and no branch on the data. A factor below exp(floor) is flushed to 0 (`decay_exp`),
-    and then the product it belongs to, the decay it stands for, is below exp(floor) too, negligible
-    (`k3.ops.numerics`); kept factors are at least exp(floor), so their products are normal numbers.
+    A factor <= 1 below exp(floor) is flushed to 0 (`decay_exp`), and then the product it belongs to,
+    the decay it stands for, is below exp(floor) too, negligible (`k3.ops.numerics`); kept factors are
+    at least exp(floor), so their products are normal numbers.
     """
 
-    derived = ("rows", "cols", "to_end", "from_ref")  # rebuilt from G when a kept gate is restored
+    derived = ("rows", "cols", "col", "to_end", "from_ref")  # rebuilt from G and row when a kept gate is restored
 
-    def __init__(self, G: torch.Tensor):
+    def __init__(self, G: torch.Tensor, lower_bound: float | None = None):
         P, C, K = G.shape
         self.C, self.s = C, sub_chunk_size(C)
         self.m = C // self.s
         self.S = 1 << (self.s - 1).bit_length()  # the sub-chunk padded to a power of two
-        self.levels = self.S.bit_length() - 1
+        self.levels = halving_levels(self.S, lower_bound, G.dtype)
+        self.b = self.S >> self.levels  # the blocks factored whole
         self.G = G.view(P, self.m, self.s, K)  # the backward keeps the slab's G anyway: the gate adds nothing
         self.decay_end = decay_exp(G[:, -1])  # [P, K]
         if self.m > 1:
@@ -210,6 +220,7 @@ class ChannelGate:
             self.from_start = decay_exp(G_ref).unsqueeze(2)  # [P, m, 1, K]
             self.cross = decay_exp((G_ref.unsqueeze(2) - G_end.unsqueeze(1)).clamp(max=0.0))  # [P, m(a), m(b), K]
             self.end_from_sub = decay_exp(G_end[:, -1:] - G_end).unsqueeze(2)  # exp(G_C - G_end(b)) [P, m, 1, K]
+        self.row = None
         self.restore_derived()
 
     def _ends(self):
@@ -218,18 +229,52 @@ class ChannelGate:
         return G_end, F.pad(G_end[:, :-1], (0, 0, 1, 0))
 
     def restore_derived(self) -> None:
-        """The factors of the keys' size: exp(G_end(b) - G_i), exp(G_r - G_ref(a)) and the levels'."""
+        """The factors of the keys' size: exp(G_end(b) - G_i), exp(G_r - G_ref(a)), the levels' and the
+        whole blocks'."""
         G_end, G_ref = self._ends()
-        self.to_end = decay_exp(G_end.unsqueeze(2) - self.G)  # [P, m, s, K]
-        self.from_ref = decay_exp(self.G - G_ref.unsqueeze(2))
         P, m, s, K = self.G.shape
         G = self._pad(self.G, G_end.unsqueeze(2).expand(P, m, self.S - s, K))
-        self.cols, self.rows = [], []  # [P, m, n, h, K] each
+        if self.b == 1:  # every factor from its own exponent
+            self.col = None
+            self.to_end = decay_exp(G_end.unsqueeze(2) - self.G)  # [P, m, s, K]
+            self.from_ref = decay_exp(self.G - G_ref.unsqueeze(2))
+            self.cols, self.rows = [], []  # [P, m, n, h, K] each
+            for j in range(self.levels):
+                first, second = self._halves(G, j).unbind(3)
+                G_p = first[:, :, :, -1:]  # the gate at the end of each first half
+                self.cols.append(decay_exp(G_p - first))
+                self.rows.append(decay_exp(second - G_p))
+            return
+        # One exp of the keys' size (kept for the backward): row = exp(G_r - G_t) around each whole
+        # block's middle t (within exp(+-limit), exact: not flushed) and col = 1 / row. Every other
+        # factor is one of them times a factor <= 1 between the middles and the gates it reaches, of one
+        # value per block: exp(G_r - G_x) = row_r exp(G_t - G_x). Where that product is at least
+        # exp(floor), the block's factor is at least exp(floor - limit), a normal number kept exactly;
+        # below, it is flushed.
+        blocks = self._blocks(G)
+        G_t = blocks[:, :, :, self.b // 2 - 1]  # [P, m, n, K]
+        if self.row is None:
+            self.row = torch.exp(blocks - G_t.unsqueeze(3))  # [P, m, n, b, K]
+        self.col = torch.reciprocal(self.row)
+        whole = lambda x: self._unpad(x.view(P, m, self.S, K))  # noqa: E731
+        self.from_ref = whole(self._times_block(self.row, G_t - G_ref.unsqueeze(2)))
+        self.to_end = whole(self._times_block(self.col, G_end.unsqueeze(2) - G_t))
+        self.cols, self.rows = [], []
+        n = 1 << self.levels
         for j in range(self.levels):
-            first, second = self._halves(G, j).unbind(3)
-            G_p = first[:, :, :, -1:]  # the gate at the end of each first half
-            self.cols.append(decay_exp(G_p - first))
-            self.rows.append(decay_exp(second - G_p))
+            split = lambda x: x.view(P, m, 1 << j, 2, n >> (j + 1), *x.shape[3:]).unbind(3)  # noqa: E731
+            G_p = self._halves(G, j)[:, :, :, 0, -1].unsqueeze(3)  # the end of each first half [P, m, 2^j, 1, K]
+            (t_first, t_second), (col, _), (_, row) = split(G_t), split(self.col), split(self.row)
+            h = self.S >> (j + 1)
+            self.cols.append(self._times_block(col, G_p - t_first).view(P, m, 1 << j, h, K))
+            self.rows.append(self._times_block(row, t_second - G_p).view(P, m, 1 << j, h, K))
+
+    def _times_block(self, factor, exponent):
+        """factor [..., b, K] (a whole block's row or col) times exp(exponent) [..., K] (<= 0, one per
+        block), flushed below exp(floor): a decay factor <= 1 (see `restore_derived`)."""
+        floor = DECAY_FLUSH[factor.dtype]
+        block = decay_exp(exponent, floor - FACTOR_EXP_LIMIT[factor.dtype]).unsqueeze(-2)
+        return F.threshold(factor * block, math.exp(floor), 0.0)
 
     def _pad(self, x, fill=None):
         """x [P, m, s, d] padded to S rows per sub-chunk (with zeros, or `fill`)."""
@@ -249,6 +294,11 @@ class ChannelGate:
         P, m, S, d = x.shape
         return x.view(P, m, 1 << j, 2, S >> (j + 1), d)
 
+    def _blocks(self, x):
+        """x [P, m, S, d] as the blocks factored whole, [P, m, n, b, d] (n = 2^levels blocks of b)."""
+        P, m, S, d = x.shape
+        return x.view(P, m, 1 << self.levels, self.b, d)
+
     def _sub(self, x):
         return x.view(x.shape[0], self.m, self.s, x.shape[-1])
 
@@ -261,22 +311,46 @@ class ChannelGate:
         return (self.to_end if m == 1 else self.to_end * self.end_from_sub).view(P, m * s, K)
 
     def _diag_scores(self, q_sub, k_sub):
-        """The diagonal blocks of A_qk (incl.) and A_kk (strict) [P, m, s, s], quadrant by quadrant."""
+        """The diagonal blocks of A_qk (incl.) and A_kk (strict) [P, m, s, s]: the whole blocks, then the
+        quadrants level by level."""
         P, m, _, K = q_sub.shape
         q, k = self._pad(q_sub), self._pad(k_sub)
-        qk, kk = q.new_zeros(P, m, self.S, self.S), q.new_zeros(P, m, self.S, self.S)
-        qk.diagonal(dim1=-2, dim2=-1).copy_((q * k).sum(-1))
-        for j in range(self.levels):
-            cols = self._halves(k, j)[:, :, :, 0] * self.cols[j]  # k_i exp(G_p - G_i) [P, m, n, h, K]
-            for x, out in ((q, qk), (k, kk)):
-                rows = self._halves(x, j)[:, :, :, 1] * self.rows[j]  # x_r exp(G_r - G_p)
-                if cols.shape[-2] == 1:  # 1 x 1 quadrants: a product summed, not a batch of tiny matmuls
-                    _quadrants(out, j).copy_((rows * cols).sum(-1, keepdim=True))
-                else:
-                    _quadrants(out, j).copy_(rows @ cols.transpose(-1, -2))
+        if self.b == self.S > 1:  # no halving: one masked product per sub-chunk
+            cols = (k * self.col.view(k.shape)).transpose(-1, -2)
+            qk, kk = ((q * self.row.view(q.shape)) @ cols).tril_(), ((k * self.row.view(k.shape)) @ cols).tril_(-1)
+        else:
+            qk, kk = q.new_zeros(P, m, self.S, self.S), q.new_zeros(P, m, self.S, self.S)
+            if self.b == 1:
+                qk.diagonal(dim1=-2, dim2=-1).copy_((q * k).sum(-1))
+            else:  # entries above the diagonal may be inf: tril_ replaces them with 0 (a 0/1 mask would make NaN)
+                cols = (self._blocks(k) * self.col).transpose(-1, -2)
+                _diagonal_blocks(qk, self.levels).copy_(((self._blocks(q) * self.row) @ cols).tril_())
+                _diagonal_blocks(kk, self.levels).copy_(((self._blocks(k) * self.row) @ cols).tril_(-1))
+            for j in range(self.levels):
+                cols = self._halves(k, j)[:, :, :, 0] * self.cols[j]  # k_i exp(G_p - G_i) [P, m, n, h, K]
+                for x, out in ((q, qk), (k, kk)):
+                    rows = self._halves(x, j)[:, :, :, 1] * self.rows[j]  # x_r exp(G_r - G_p)
+                    if cols.shape[-2] == 1:  # 1 x 1 quadrants: a product summed, not a batch of tiny matmuls
+                        _quadrants(out, j).copy_((rows * cols).sum(-1, keepdim=True))
+                    else:
+                        _quadrants(out, j).copy_(rows @ cols.transpose(-1, -2))
         if self.S == self.s:
             return qk, kk
         return qk[..., : self.s, : self.s].contiguous(), kk[..., : self.s, : self.s].contiguous()
+
+    def _whole_lower(self, D, Y_pad):
+        """The whole blocks' part of `lower`: sum_{i<=r in r's block} D_ri Y_i exp(G_r - G_i) [P, m, S, d]."""
+        if self.b == 1:
+            return D.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * Y_pad
+        reached = _diagonal_blocks(D, self.levels) @ (self._blocks(Y_pad) * self.col)
+        return (self.row * reached).view(Y_pad.shape)
+
+    def _whole_upper(self, D, X_pad):
+        """One pair's whole-block part of `upper_sum`, without the columns' factor exp(G_p - G_i) (applied
+        once to the pairs' sum): sum_{r>=i in i's block} D_ri X_r exp(G_r - G_p) [P, m, n, b, d]."""
+        if self.b == 1:
+            return (D.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * X_pad).view(self._blocks(X_pad).shape)
+        return _diagonal_blocks(D, self.levels).transpose(-1, -2) @ (self._blocks(X_pad) * self.row)
 
     def intra(self, q, k):
         """As `NoGate.intra`; the score matrices come as blocks of the sub-chunks, never assembled."""
@@ -323,7 +397,7 @@ class ChannelGate:
         Y_sub = self._sub(Y)
         Y_pad = self._pad(Y_sub)
         diags = [self._pad_block(M.diag) for M in Ms]
-        outs = [D.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * Y_pad for D in diags]  # r = i: factor 1
+        outs = [self._whole_lower(D, Y_pad) for D in diags]
         for j in range(self.levels):
             cols = self._halves(Y_pad, j)[:, :, :, 0] * self.cols[j]  # Y_i exp(G_p - G_i)
             for D, out in zip(diags, outs):
@@ -347,7 +421,8 @@ class ChannelGate:
         subs = [self._sub(X) for _, X in pairs]
         pads = [self._pad(X_sub) for X_sub in subs]
         diags = [self._pad_block(M.diag) for M, _ in pairs]
-        out = _sum(D.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * X for D, X in zip(diags, pads))  # r = i
+        out = _sum(self._whole_upper(D, X) for D, X in zip(diags, pads))
+        out = (out if self.b == 1 else out * self.col).view(pads[0].shape)
         for j in range(self.levels):
             reached = None
             for D, X in zip(diags, pads):
@@ -374,11 +449,29 @@ class ChannelGate:
         return x
 
 
+def halving_levels(S: int, lower_bound: float | None, dtype: torch.dtype) -> int:
+    """How many times `ChannelGate` halves a padded sub-chunk of S tokens: until each block's factors
+    around its middle, within exp(+-(b/2)|lower_bound|), are within FACTOR_EXP_LIMIT; down to single
+    tokens (log2 S) without a bound."""
+    b = S
+    if lower_bound is not None:
+        while b > 1 and b // 2 * -lower_bound > FACTOR_EXP_LIMIT[dtype]:
+            b //= 2
+    else:
+        b = 1
+    return (S // b).bit_length() - 1
+
+
+def _diagonal_blocks(D: torch.Tensor, j: int) -> torch.Tensor:
+    """Level j's diagonal blocks of D [P, m, S, S] (n = 2^j blocks of b = S / 2^j): a view [P, m, n, b, b]."""
+    P, m, S, _ = D.shape
+    n = 1 << j
+    b = S // n
+    return D.view(P, m, n, b, n, b).diagonal(dim1=2, dim2=4).movedim(-1, 2)
+
+
 def _quadrants(D: torch.Tensor, j: int) -> torch.Tensor:
     """The lower-left quadrants of level j's diagonal blocks of D [P, m, S, S] (rows in the second half of
     a block of b = S / 2^j, columns in its first): a view [P, m, n, h, h], n = 2^j, h = b / 2."""
-    P, m, S, _ = D.shape
-    n = 1 << j
-    b, h = S // n, S // (2 * n)
-    blocks = D.view(P, m, n, b, n, b).diagonal(dim1=2, dim2=4)  # [P, m, b, b, n]
-    return blocks[:, :, h:, :h].movedim(-1, 2)
+    h = D.shape[-1] >> (j + 1)
+    return _diagonal_blocks(D, j)[:, :, :, h:, :h]

@@ -92,12 +92,16 @@ def chunk_kda(
     cu_seqlens=None,
     use_qk_l2norm=False,
     chunk_size=64,
+    lower_bound=None,
     check_values=True,
 ):
     """KDA chunkwise-parallel (UT transform inside chunks, state across them); equals `recurrent_kda`.
 
     Arguments and result as `recurrent_kda`, plus chunk_size C: any T works (the last chunk is padded
-    with no-op steps). Cost ~ 2*T*K*V + 2*T*C*K per head."""
+    with no-op steps), and lower_bound (fla's name): None, or a float < 0 that every g is at least
+    (Kimi K3's safe gate: -5; check_values verifies it, else a g below it is taken as lower_bound).
+    With it each sub-chunk's decays factor in fewer, larger blocks: the same result, faster
+    (`k3.ops.gates.ChannelGate`). Cost ~ 2*T*K*V + 2*T*C*K per head."""
     return run_delta_op(
         "chunk_kda",
         chunk_delta,
@@ -113,5 +117,6 @@ def chunk_kda(
         cu_seqlens=cu_seqlens,
         use_qk_l2norm=use_qk_l2norm,
         chunk_size=chunk_size,
+        lower_bound=lower_bound,
         check_values=check_values,
     )

@@ -1,6 +1,6 @@
 """The delta family's floating-point safeguards, explained once: clamped gates, flushed tiny values.
 
-Gates g are log decays (alpha = exp(g) <= 1). Two bounds keep the chunk form finite and fast:
+Gates g are log decays (alpha = exp(g) <= 1). These bounds keep the chunk form finite and fast:
 
 - LOG_DECAY_FLOOR: a per-step g is clamped from below before it is summed over a chunk. Below it
   exp(g) is exactly 0 in the dtype anyway, so g = -inf ("clear the state") stays exact while every
@@ -15,8 +15,14 @@ Gates g are log decays (alpha = exp(g) <= 1). Two bounds keep the chunk form fin
   the intra-op worker threads. The thresholds are large enough that a product of a few kept values
   (two decay factors, three UT entries) is still a normal number.
 
-No decay factor exceeds 1: every exponent is a difference G_r - G_i of cumulative log gates with i <= r
-(KDA's per-channel scores included, `k3.ops.gates`), so nothing can overflow whatever the gates are.
+- FACTOR_EXP_LIMIT: no decay factor exceeds 1 while every exponent is a difference G_r - G_i of
+  cumulative log gates with i <= r, so nothing can overflow whatever the gates are. KDA's diagonal
+  blocks are built that way by halving them down to single tokens (`k3.ops.gates.ChannelGate`). When
+  the caller states a lower bound on every step's g (`lower_bound`: Kimi K3's safe gate, -5), a block
+  of b tokens is instead factored whole around its middle p, exp(G_r - G_i) = exp(G_r - G_p) exp(G_p - G_i),
+  with factors within exp(+-(b/2)|lower_bound|); the halving stops at the largest b that keeps this
+  within the limit. exp(40) ~ 2e17 leaves float32 ~1e21 of room for the values and gradients it
+  multiplies, and exp(-40) ~ 4e-18 times those stays far from the subnormals.
 """
 
 from __future__ import annotations
@@ -29,13 +35,14 @@ import torch.nn.functional as F
 LOG_DECAY_FLOOR = {torch.float32: -110.0, torch.float64: -800.0}
 DECAY_FLUSH = {torch.float32: -24.0, torch.float64: -300.0}  # log of the smallest decay factor kept
 UT_FLUSH = {torch.float32: 2.0**-40, torch.float64: 2.0**-100}
+FACTOR_EXP_LIMIT = {torch.float32: 40.0, torch.float64: 300.0}  # the largest |exponent| of a factor above 1
 
 
 def decay_exp(x: torch.Tensor, floor: float | None = None) -> torch.Tensor:
     """exp(x), flushed to exactly 0 where x <= floor (default: DECAY_FLUSH of x's dtype)."""
     floor = DECAY_FLUSH[x.dtype] if floor is None else floor
-    # the exponent flushed first, to -inf: exp gives exactly 0 there and never a subnormal, in two passes
-    return torch.exp(F.threshold(x, floor, -math.inf))
+    # clamped first: torch's CPU exp takes a slow path (5-35x) for -inf and for results that underflow
+    return F.threshold(torch.exp(x.clamp(min=floor - 1.0)), math.exp(floor), 0.0)
 
 
 def flush_tiny(x: torch.Tensor) -> torch.Tensor:

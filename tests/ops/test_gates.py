@@ -5,7 +5,9 @@ every factor is <= 1 whatever the gates, so one path serves all of them. These t
 decayed rows and both applies (the backward's) with a dense [C, C, K] reference, for chunk sizes whose
 sub-chunks are powers of two and not (padded), one sub-chunk and several, and gates whose cumulative
 decay inside one sub-chunk is far past any dtype's exponent range: a huge step inside one half, g = -inf
-(clamped to the floor), steps of e^-100.
+(clamped to the floor), steps of e^-100. With a stated lower bound on the steps (Kimi K3's safe gate)
+the halving stops early and the blocks left are factored whole around their middles: the same
+comparisons, for bounds that leave blocks of every size.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import math
 import pytest
 import torch
 
-from k3.ops.gates import ChannelGate, sub_chunk_size
-from k3.ops.numerics import DECAY_FLUSH, LOG_DECAY_FLOOR
+from k3.ops import chunk_kda, recurrent_kda
+from k3.ops.gates import ChannelGate, halving_levels, sub_chunk_size
+from k3.ops.numerics import DECAY_FLUSH, FACTOR_EXP_LIMIT, LOG_DECAY_FLOOR
 from k3.ops.ut import BlockLower
 
 TOL = {torch.float64: 1e-13, torch.float32: 1e-6}  # relative to the sum of the terms' magnitudes
@@ -30,6 +33,8 @@ def log_decays(kind: str, P: int, C: int, K: int, dtype) -> torch.Tensor:
     g = -5.0 * torch.rand(P, C, K, dtype=torch.float64)
     if kind == "huge":
         g = -100.0 * torch.rand(P, C, K, dtype=torch.float64)
+    elif kind == "g20":
+        g = -20.0 * torch.rand(P, C, K, dtype=torch.float64)
     elif kind == "steps":  # a huge step early in a first half, one late in a second, -inf, e^-30 steps
         for pos, value in ((min(2, C - 1), -1e4), (min(13, C - 1), -float("inf")), (C // 2, -30.0), (C - 1, -60.0)):
             g[:, pos, : K - 1] = value
@@ -54,35 +59,62 @@ def to_dense(M: BlockLower) -> torch.Tensor:
     return out
 
 
-def assert_sums(got, spec: str, a, b, D, mask, dtype, what: str) -> None:
+def assert_sums(got, spec: str, a, b, D, mask, dtype, what: str, tol: float | None = None) -> None:
     """got equals the einsum `spec` of a, b and the decays D within rounding and flushing: per entry,
-    TOL times the sum of the terms' magnitudes, plus exp(DECAY_FLUSH) times their magnitudes undecayed
-    (a decay below exp(DECAY_FLUSH) may come out flushed to 0 or kept; above it, it is kept)."""
+    `tol` (default TOL) times the sum of the terms' magnitudes, plus exp(DECAY_FLUSH) times their
+    magnitudes undecayed (a decay below exp(DECAY_FLUSH) may come out flushed to 0 or kept; above it,
+    it is kept)."""
     want = torch.einsum(spec, a, b, D)
-    bound = TOL[dtype] * torch.einsum(spec, a.abs(), b.abs(), D)
+    bound = (TOL[dtype] if tol is None else tol) * torch.einsum(spec, a.abs(), b.abs(), D)
     bound += math.exp(DECAY_FLUSH[dtype]) * torch.einsum(spec, a.abs(), b.abs(), mask)
     assert torch.isfinite(got).all(), f"{what}: not finite"
     excess = ((got.double() - want).abs() - bound).max().item()
     assert excess <= 0, f"{what}: off by more than rounding and flushing ({excess:.3e})"
 
 
-@pytest.mark.parametrize("kind", ["safe", "huge", "steps"])
+# the steps' distribution, and the lower bound stated to the gate (None: halved down to single tokens)
+KINDS = {
+    "safe": ("safe", None),
+    "huge": ("huge", None),
+    "steps": ("steps", None),
+    "safe-bounded": ("safe", -5.0),  # float32: blocks of 16 after one halving; float64: whole sub-chunks
+    "g20-bounded": ("g20", -20.0),  # float32: blocks of 4; float64: whole sub-chunks
+    "huge-bounded": ("huge", -100.0),  # float32: single tokens; float64: blocks of 4
+}
+
+
+def test_the_halving_stops_where_the_bound_allows():
+    """Blocks of b tokens factored around their middle need (b/2)|bound| within the dtype's limit."""
+    assert halving_levels(32, None, torch.float32) == halving_levels(32, None, torch.float64) == 5
+    assert halving_levels(32, -5.0, torch.float32) == 1  # 16/2 * 5 = 40
+    assert halving_levels(32, -5.0, torch.float64) == 0
+    assert halving_levels(32, -20.0, torch.float32) == 3  # 4/2 * 20 = 40
+    assert halving_levels(32, -100.0, torch.float32) == 5
+    assert halving_levels(32, -100.0, torch.float64) == 3  # 4/2 * 100 = 200 <= 300 < 8/2 * 100
+    assert halving_levels(1, -5.0, torch.float32) == 0
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("C", CHUNKS)
 def test_channel_gate_equals_the_pairwise_decays(C, dtype, kind):
-    """Scores, decayed rows and both applies equal the dense reference: rounding and flushed terms only."""
+    """Scores, decayed rows and both applies equal the dense reference: rounding and flushed terms only.
+    A block factored whole rounds each factor's exponent (up to FACTOR_EXP_LIMIT) to the dtype: up to
+    about limit * eps relative per factor, three factors at most."""
     torch.manual_seed(C)
     P, K = 3, 5
-    G = log_decays(kind, P, C, K, dtype).cumsum(1)
+    steps, lower_bound = KINDS[kind]
+    tol = TOL[dtype] + (0.0 if lower_bound is None else 3 * FACTOR_EXP_LIMIT[dtype] * torch.finfo(dtype).eps)
+    G = log_decays(steps, P, C, K, dtype).cumsum(1)
     q, k, Y, X1, X2 = (torch.randn(P, C, K, dtype=torch.float64).to(dtype) for _ in range(5))
-    gate = ChannelGate(G)
+    gate = ChannelGate(G, lower_bound)
     A_qk, A_kk, q_start, k_start, k_end, decay_end = gate.intra(q, k)
     incl, strict = dense_decay(G, False), dense_decay(G, True)
     masks = [(D > 0).double() for D in (incl, strict)]
     q, k, Y, X1, X2 = (x.double() for x in (q, k, Y, X1, X2))
     rows = "prc,pic,pric->pri"
-    assert_sums(to_dense(A_qk), rows, q, k, incl, masks[0], dtype, "A_qk")
-    assert_sums(to_dense(A_kk), rows, k, k, strict, masks[1], dtype, "A_kk")
+    assert_sums(to_dense(A_qk), rows, q, k, incl, masks[0], dtype, "A_qk", tol)
+    assert_sums(to_dense(A_kk), rows, k, k, strict, masks[1], dtype, "A_kk", tol)
     Gd = G.double()
     ones = torch.ones_like(Gd)
     for got, x, D, what in (
@@ -91,7 +123,9 @@ def test_channel_gate_equals_the_pairwise_decays(C, dtype, kind):
         (k_end, k, Gd[:, -1:] - Gd, "k exp(G_C - G)"),
         (decay_end.unsqueeze(1), ones[:, :1], Gd[:, -1:], "exp(G_C)"),
     ):
-        assert_sums(got, "prc,prc,prc->prc", x, ones[:, : x.shape[1]], torch.exp(D), ones[:, : x.shape[1]], dtype, what)
+        assert_sums(
+            got, "prc,prc,prc->prc", x, ones[:, : x.shape[1]], torch.exp(D), ones[:, : x.shape[1]], dtype, what, tol
+        )
 
     # the backward's applies, for lower-triangular M (one with its diagonal, one strictly below it)
     s = sub_chunk_size(C)
@@ -100,10 +134,59 @@ def test_channel_gate_equals_the_pairwise_decays(C, dtype, kind):
     Ms = [BlockLower.split(M, s) for M in (M1, M2)]
     M1, M2 = M1.double(), M2.double()
     for out, M in zip(gate.lower(Ms, Y.to(dtype)), (M1, M2)):
-        assert_sums(out, "pri,pic,pric->prc", M, Y, incl, masks[0], dtype, "lower")
+        assert_sums(out, "pri,pic,pric->prc", M, Y, incl, masks[0], dtype, "lower", tol)
     got = gate.upper_sum((Ms[0], X1.to(dtype)), (Ms[1], X2.to(dtype)))
     # one sum over both pairs: stack them along i's partner (r) so the bound covers both
     M, X = torch.cat([M1, M2], dim=1), torch.cat([X1, X2], dim=1)
     assert_sums(
-        got, "pri,prc,pric->pic", M, X, torch.cat([incl, incl], dim=1), torch.cat([masks[0]] * 2, 1), dtype, "upper_sum"
+        got,
+        "pri,prc,pric->pic",
+        M,
+        X,
+        torch.cat([incl, incl], dim=1),
+        torch.cat([masks[0]] * 2, 1),
+        dtype,
+        "upper_sum",
+        tol,
     )
+
+
+def kda_inputs(B, T, H, K, V, dtype, bound=-5.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)  # noqa: E731
+    g = (bound * torch.rand(B, T, H, K, generator=gen, dtype=torch.float64)).to(dtype)
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64).to(dtype)
+    return r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), g, beta, r(B, H, K, V)
+
+
+@pytest.mark.parametrize(
+    "B, T, H, K, V, C", [(2, 37, 2, 5, 3, 16), (1, 10, 1, 4, 4, 16), (2, 70, 3, 8, 6, 64), (1, 96, 1, 7, 5, 32)]
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_chunk_kda_with_a_lower_bound_equals_the_recurrence(B, T, H, K, V, C, dtype):
+    """chunk_kda(lower_bound=-5) on gates in [-5, 0]: outputs, final state and every gradient equal the
+    token loop's (float64 1e-10, float32 2e-5 relative)."""
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    inputs = kda_inputs(B, T, H, K, V, dtype)
+    results = []
+    for op, kwargs in ((recurrent_kda, {}), (chunk_kda, {"chunk_size": C, "lower_bound": -5.0})):
+        xs = [x.clone().requires_grad_() for x in inputs]
+        o, S = op(*xs[:5], initial_state=xs[5], output_final_state=True, use_qk_l2norm=True, **kwargs)
+        (o.square().sum() + S.sum()).backward()
+        results.append([o, S, *(x.grad for x in xs)])
+    for want, got in zip(*results):
+        assert (got - want).abs().max() <= tol * (1 + want.abs().max())
+
+
+def test_chunk_kda_lower_bound_is_checked():
+    """A bound that is not a negative float, or gates below it, are refused by name."""
+    q, k, v, g, beta, _ = kda_inputs(1, 8, 1, 4, 4, torch.float32)
+    for bad in (0.0, 1.0, float("nan"), "-5", True):
+        with pytest.raises(ValueError, match="lower_bound"):
+            chunk_kda(q, k, v, g, beta, lower_bound=bad)
+    with pytest.raises(ValueError, match="lower_bound = -1.0"):
+        chunk_kda(q, k, v, g, beta, lower_bound=-1.0)
+    # unchecked, a gate below the bound is taken as the bound
+    o, _ = chunk_kda(q, k, v, g, beta, lower_bound=-1.0, check_values=False)
+    want, _ = chunk_kda(q, k, v, g.clamp(min=-1.0), beta)
+    assert torch.allclose(o, want, atol=1e-6)
