@@ -38,13 +38,17 @@ class LayerCache:
     ):
         self.owner, self.window, self.recurrent_state = owner, window, state
         self.storage = dict(sequences or {})  # name -> (storage tensor, its slot axis)
+        self._views()
+
+    def _views(self) -> None:
+        """The [B, N, ...] view of each storage tensor, made once per allocation (not per token)."""
+        self.sequences = {name: tensor.movedim(axis, 1) for name, (tensor, axis) in self.storage.items()}
 
     def __getattr__(self, name: str) -> torch.Tensor:
-        storage = self.__dict__.get("storage", {})
-        if name not in storage:
+        sequences = self.__dict__.get("sequences", {})
+        if name not in sequences:
             raise AttributeError(name)
-        tensor, axis = storage[name]
-        return tensor.movedim(axis, 1)  # [B, N, ...]
+        return sequences[name]  # [B, N, ...]
 
     @property
     def batch_size(self) -> int:
@@ -57,18 +61,24 @@ class LayerCache:
 
     def append(self, **new: torch.Tensor) -> list[torch.Tensor]:
         """Write each new [B, T, ...] at its row's next T slots, in place; return the buffers' slots that
-        attention reads (`Cache.slots_read`), in the order given."""
-        positions, out = self.owner.positions, []
+        attention reads (`Cache.slots_read`), in the order given. Rows all at one position, counted on
+        the host, take a plain slice; a compiled step's fixed cache always writes at `positions`."""
+        owner, out = self.owner, []
+        T = next(iter(new.values())).shape[1]
+        at = owner.length if owner.uniform and not (owner.max_length and T == 1) else None
+        read = owner.slots_read(T)
         for name, x in new.items():
-            buffer = getattr(self, name)
-            B, T = x.shape[:2]
-            if T == 1:  # an index_put, which inductor writes in place (a scatter it would copy whole)
-                buffer.index_put_((torch.arange(B, device=buffer.device), positions), x[:, 0].to(buffer.dtype))
+            buffer = self.sequences[name]
+            if at is not None:
+                buffer.narrow(1, at, T).copy_(x)
+            elif T == 1:  # an index_put, which inductor writes in place (a scatter it would copy whole)
+                buffer.index_put_((owner.rows, owner.positions), x[:, 0].to(buffer.dtype))
             else:
-                slots = positions[:, None] + torch.arange(T, device=positions.device)
+                B = x.shape[0]
+                slots = owner.positions[:, None] + torch.arange(T, device=owner.positions.device)
                 index = slots.view(B, T, *([1] * (x.dim() - 2))).expand_as(x)
                 buffer.scatter_(1, index, x.to(buffer.dtype))
-            out.append(buffer[:, : self.owner.slots_read(T)])
+            out.append(buffer[:, :read])
         return out
 
     def token_positions(self, T: int, device=None) -> torch.Tensor:
@@ -111,6 +121,7 @@ class LayerCache:
     def _remake(self, fn) -> None:
         """Every tensor replaced by fn(tensor, its slot axis or None)."""
         self.storage = {name: (fn(t, axis), axis) for name, (t, axis) in self.storage.items()}
+        self._views()
         self.window = None if self.window is None else fn(self.window, None)
         state = self.recurrent_state
         if state is not None:
@@ -132,9 +143,17 @@ class Cache:
         self.sources = model.new_depth_sources(batch_size)
 
     @property
-    def length(self) -> int:
-        """Tokens the longest row has seen."""
-        return max(self.lengths)
+    def lengths(self) -> list[int]:
+        """The tokens each row has seen, on the host; setting them sets `length` (the longest row's),
+        `uniform` (every row at one position) and `rows` (0 ... B-1 on the device, the rows' index)."""
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, lengths: list[int]) -> None:
+        self._lengths = list(lengths)
+        self.length, self.uniform = max(self._lengths, default=0), len(set(self._lengths)) <= 1
+        if getattr(self, "rows", None) is None or len(self.rows) != len(self._lengths):
+            self.rows = torch.arange(len(self._lengths), device=self.positions.device)
 
     def slots_read(self, T: int) -> int:
         """Slots attention reads after writing T tokens: all of a fixed cache's for one token (shapes that never
@@ -149,7 +168,7 @@ class Cache:
         """[B, 1, T, S]: slot s is visible to query i of row b when s <= positions[b] + i; None when that is
         the plain causal mask of the last T of S slots (every row at the same position, S slots read)."""
         decoding = self.max_length and T == 1  # a compiled step: it must read no host count (one graph)
-        if not decoding and S == self.length + T and len(set(self.lengths)) == 1:
+        if not decoding and S == self.length + T and self.uniform:
             return None
         slots = torch.arange(S, device=self.positions.device)
         return (slots <= self.token_positions(T)[..., None]).unsqueeze(1)
@@ -218,11 +237,11 @@ class Cache:
             raise ValueError("Cache.concat: the caches were made for different models")
         out = object.__new__(cls)
         out.config, out.max_length = caches[0].config, max_length
-        out.lengths = [n for c in caches for n in c.lengths]
-        out.batch_size, out.capacity = len(out.lengths), max_length or max(GROWN_FROM, max(out.lengths))
-        if max(out.lengths) > out.capacity:
-            raise ValueError(f"Cache.concat: rows of {max(out.lengths)} tokens do not fit max_length {max_length}")
         out.positions = torch.cat([c.positions for c in caches])
+        out.lengths = [n for c in caches for n in c.lengths]
+        out.batch_size, out.capacity = len(out.lengths), max_length or max(GROWN_FROM, out.length)
+        if out.length > out.capacity:
+            raise ValueError(f"Cache.concat: rows of {out.length} tokens do not fit max_length {max_length}")
         out.layers = []
         for parts in zip(*(c.layers for c in caches)):  # each layer's tensors at one capacity, rows stacked
             layer = LayerCache(out, parts[0].storage, parts[0].window, parts[0].recurrent_state)
