@@ -2,8 +2,8 @@
 
 Rows: kimi-k3-tiny, kimi-linear-tiny and the matched GPT-2 of `k3 bench models` (the same builds, vocab
 4,096, float32). Per model, context (256 and 4,096 tokens) and batch (1 and 8):
-- eager: ms per token of `model(token, cache=cache)` over the growing cache (what decoding does without
-  compile);
+- eager: ms per token of `model(token, cache=cache, fused=...)` over the growing cache, the fused weights
+  (`decoding_weights()`) made once: what `generate` does without compiling;
 - compiled: ms per token of the compiled decode step (`k3.inference.decode_step.DecodeStep`, inductor with
   its C++ wrapper) over a static cache of `static_length(context + steps)` slots, the size
   `generate(..., compile=True)` picks; greedy, sampling inside the step included.
@@ -65,16 +65,17 @@ class Case:
                 self.cache = model.new_cache(batch, max_length=static_length(context + steps))
                 model(ids, cache=self.cache)
                 self.step = model.decode_step(self.cache, compile=True)
-            else:
+            else:  # as `generate` decodes eagerly: the joined projections and stacked experts made once
                 self.cache = model.new_cache(batch)
                 model(ids, cache=self.cache)
+                self.fused = model.decoding_weights()
 
     def __call__(self) -> None:
         if self.compiled:
             self.token = self.step(self.token)
         else:
             with torch.no_grad():
-                self.token = self.model(self.token.view(-1, 1), cache=self.cache)[:, -1].argmax(-1)
+                self.token = self.model(self.token.view(-1, 1), cache=self.cache, fused=self.fused)[:, -1].argmax(-1)
 
 
 def median_steps(cases: dict, warmup: int, steps: int) -> dict:

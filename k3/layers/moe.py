@@ -40,6 +40,7 @@ from torch import nn
 from ..ops.common import cast
 from . import init
 from .ffn import GatedMLP, situ
+from .grouped_mm import grouped_mm
 from .init import init_linear
 from .joined import join, project
 from .norm import RMSNorm, upcast
@@ -152,7 +153,8 @@ class RoutedExperts(nn.ModuleList):
         H_j = act(x_{t_j} W1_{e_j}^T, x_{t_j} W3_{e_j}^T);   Y_j = H_j W2_{e_j}^T;   out_n = sum_{j of n} w_j Y_j
 
     over the N k assignments j (token t_j, expert e_j), grouped by expert, as a grouped GEMM
-    (`torch.nn.functional.grouped_mm`, one matmul over every expert's rows, their offsets on the device).
+    (`k3::grouped_mm`: torch's `grouped_mm`, one matmul over every expert's rows, their offsets on the
+    device, as an op torch.compile keeps whole).
     Where it does not run (float64, the exactness tests' dtype; rows not 16-byte aligned) and for a few
     tokens (decoding: most experts would get no row), the same groups run as slots of `capacity` rows
     (`slot_capacity`, set by the shapes) in three batched matmuls, each slot against its expert's matrices
@@ -224,11 +226,8 @@ def slot_capacity(assignments: int, experts: int) -> int:
 
 def grouped_mm_runs(z: torch.Tensor, stack) -> bool:
     """Whether torch's grouped GEMM takes these operands: a float32, bfloat16 or float16 input whose rows,
-    and the matrices' rows, are a multiple of 16 bytes; while torch.compile traces, bfloat16 only (the
-    shape function torch 2.13 traces it with takes no other dtype)."""
+    and the matrices' rows, are a multiple of 16 bytes."""
     if not hasattr(F, "grouped_mm") or z.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    if torch.compiler.is_compiling() and z.dtype != torch.bfloat16:
         return False
     sizes = [z.shape[-1]] + [n for w in stack for n in w.shape[1:]]
     return all(w.dtype == z.dtype for w in stack) and all(n * z.element_size() % 16 == 0 for n in sizes)
@@ -244,8 +243,10 @@ def _grouped(z, expert, weights, stack, act, k):
     token = order // k
     x = z.index_select(0, token)
     W1, W3, W2 = stack
-    h = act(F.grouped_mm(x, W1.transpose(1, 2), offs=offsets), F.grouped_mm(x, W3.transpose(1, 2), offs=offsets))
-    y = F.grouped_mm(h, W2.transpose(1, 2), offs=offsets)
+    # torch's op and its own autograd in eager; under torch.compile k3's, whose shape function takes every dtype
+    gmm = grouped_mm if torch.compiler.is_compiling() else lambda a, b, offs: F.grouped_mm(a, b, offs=offs)
+    h = act(gmm(x, W1.transpose(1, 2), offsets), gmm(x, W3.transpose(1, 2), offsets))
+    y = gmm(h, W2.transpose(1, 2), offsets)
     return upcast(y) * weights.index_select(0, order).unsqueeze(-1), token
 
 

@@ -42,10 +42,13 @@ def summed_loss(
     was_training = model.training
     model.eval()
     nats, nbytes = 0.0, 0
-    for w, keep in zip(windows.split(batch_size), counted.split(batch_size)):
-        targets = w[:, 1:].masked_fill(~keep[:, None], IGNORE_INDEX)  # the windows that do not count: ignored
-        nats += model(w[:, :-1].to(device), targets=targets.to(device), reduction="sum").item()
-        nbytes += int(data.token_bytes[w[keep, 1:]].sum())
+    # no gradient; a decoder compiled for training runs eager here (its evaluation batches, of other shapes,
+    # would each compile anew for minutes)
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        for w, keep in zip(windows.split(batch_size), counted.split(batch_size)):
+            targets = w[:, 1:].masked_fill(~keep[:, None], IGNORE_INDEX)  # the windows that do not count: ignored
+            nats += model(w[:, :-1].to(device), targets=targets.to(device), reduction="sum").item()
+            nbytes += int(data.token_bytes[w[keep, 1:]].sum())
     model.train(was_training)
     return nats, nbytes
 

@@ -88,7 +88,7 @@ class SingleProcess:
         model.to(self.device)
         apply_recompute(model, cfg.recompute)
         if cfg.compile:
-            compile_decoder(model)
+            compile_decoder(model, fullgraph=True)
         self.model = self.net = model
         self.optimizer = build_optimizer(model, cfg)
         self.precision = cfg.precision
@@ -200,9 +200,12 @@ def to_cpu(obj):
     return obj
 
 
-def compile_decoder(model: CausalLM) -> None:
+def compile_decoder(model: CausalLM, fullgraph: bool = False) -> None:
     """`k3 train --compile`: torch.compile the decoder in place (`nn.Module.compile`: parameter names and
     checkpoints unchanged), so that its elementwise work (SiTU, norms, gates) runs as fused kernels.
+    `fullgraph`: as one graph, which the decoder is on one process (the parallel modes' hooks around
+    it run collectives); evaluations run it eager (`k3.training.objective.summed_loss`), so their other
+    batch shapes cost no compile.
 
     The first step compiles for minutes, so it pays on long runs and is off by default (its speed:
     docs/training.md). On a CPU, inductor builds C++ kernels: without a C++ compiler it cannot run, and
@@ -213,4 +216,4 @@ def compile_decoder(model: CausalLM) -> None:
             "(looked for $CXX, g++, c++, clang++); install one (e.g. apt install g++) or train without "
             "--compile"
         )
-    model.model.compile()
+    model.model.compile(fullgraph=fullgraph)

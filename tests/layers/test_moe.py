@@ -240,9 +240,9 @@ def test_experts_held_elsewhere_in_the_grouped_gemm():
 
 
 def test_float32_experts_compile_whole():
-    """Under torch.compile (fullgraph; aot_eager traces with torch's shape functions, as inductor does) a
-    float32 MoE runs in slots (the grouped GEMM's shape function takes only bfloat16): values and gradients
-    equal eager's."""
+    """Under torch.compile (fullgraph; aot_eager traces with the ops' shape functions, as inductor does) a
+    float32 MoE runs its grouped GEMM (`k3::grouped_mm`, whose shape function takes every dtype it runs):
+    values and gradients equal eager's."""
     torch.manual_seed(7)
     config = {**CONFIGS["kimi-linear"], "expert_hidden": 16}
     moe = MoE(16, **config)
@@ -253,3 +253,29 @@ def test_float32_experts_compile_whole():
     compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.autograd.grad(compiled.sum(), x)[0], grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_op_equals_the_groups_matmuls(dtype):
+    """k3::grouped_mm (and its backward, through k3::grouped_mm_weight) equals each group's rows times its
+    matrix, empty groups included; torch.library.opcheck checks its registrations (shape function,
+    autograd) against the real op."""
+    from k3.layers.grouped_mm import grouped_mm
+
+    torch.manual_seed(8)
+    ends = [3, 3, 9, 16]  # the second group empty
+    x = torch.randn(16, 8, dtype=torch.float64)
+    w = torch.randn(4, 8, 16, dtype=torch.float64)
+    offsets = torch.tensor(ends, dtype=torch.int32)
+    want = torch.cat([x[a:b] @ w[g] for g, (a, b) in enumerate(zip([0] + ends[:-1], ends))])
+    xd, wd = x.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+    got = grouped_mm(xd, wd, offsets)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 5e-2}[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * 8)
+    dy = torch.randn(16, 16, dtype=torch.float64)
+    got.backward(dy.to(dtype))
+    x64, w64 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.cat([x64[a:b] @ w64[g] for g, (a, b) in enumerate(zip([0] + ends[:-1], ends))]).backward(dy)
+    torch.testing.assert_close(xd.grad.double(), x64.grad, rtol=tol, atol=tol * 8)
+    torch.testing.assert_close(wd.grad.double(), w64.grad, rtol=tol, atol=tol * 8)
+    torch.library.opcheck(grouped_mm, (x.float().requires_grad_(), w.float().requires_grad_(), offsets))

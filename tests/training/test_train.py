@@ -293,6 +293,28 @@ def test_compile_compiles_the_decoder_and_needs_a_cxx_compiler(corpus, tmp_path,
     assert "install one" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_a_compiled_run_trains_to_its_end_as_eager_does(corpus, tmp_path, monkeypatch):
+    """`compile=True` compiles the decoder as one graph (fullgraph) and runs to the end: evaluations of
+    other batch shapes (every step, and the final one) run it eager instead of recompiling, and the
+    losses and validation equal an eager run's. ("aot_eager" traces what inductor would, without C++.)"""
+    compile_module = torch.nn.Module.compile
+    calls = []
+
+    def traced(self, *args, **kwargs):
+        calls.append(kwargs)
+        compile_module(self, *args, **{**kwargs, "backend": "aot_eager"})
+
+    eager = train(config(corpus, tmp_path / "eager", max_steps=3, eval_every=1), progress=False)
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch.nn.Module, "compile", traced)
+    compiled = train(config(corpus, tmp_path / "compiled", max_steps=3, eval_every=1, compile=True), progress=False)
+    assert calls == [{"fullgraph": True}]
+    for key in ("loss", "val_bpb"):
+        assert len(compiled[key]) == len(eager[key]) > 0
+        torch.testing.assert_close(torch.tensor(compiled[key]), torch.tensor(eager[key]), rtol=1e-4, atol=1e-4)
+
+
 def test_checkpoints_record_the_maths_and_a_load_keeps_the_optimizers_implementation():
     from k3.training.optim import load_keeping_implementation, portable_state
 
