@@ -188,7 +188,9 @@ class RoutedExperts(nn.ModuleList):
             stack = tuple(torch.cat([w, w.new_zeros(1, *w.shape[1:])]) for w in stack)
         act = self[held[0]].act
         capacity = slot_capacity(expert.numel(), stack[0].shape[0])
-        if capacity > 1 and grouped_mm_runs(z, stack):
+        if capacity == 1:
+            return cast(_gathered(z, expert, weights, stack, act), z.dtype)
+        if grouped_mm_runs(z, stack):
             y, token = _grouped(z, expert, weights.flatten(), stack, act, chosen.shape[1])
         else:
             y, token = _slots(z, expert, weights.flatten(), stack, act, chosen.shape[1], capacity)
@@ -250,28 +252,35 @@ def _grouped(z, expert, weights, stack, act, k):
     return upcast(y) * weights.index_select(0, order).unsqueeze(-1), token
 
 
+def _gathered(z, expert, weights, stack, act):
+    """A few tokens (decoding; slots of one row): each assignment against its expert's matrices gathered by
+    index (gpt-fast's Mixtral), the k outputs of each token weighted and summed: [N, d]."""
+    N, k = weights.shape
+    X = z.unsqueeze(1).expand(N, k, z.shape[-1]).reshape(N * k, 1, -1)
+    W1, W3, W2 = (w.index_select(0, expert) for w in stack)
+    H = act(torch.bmm(X, W1.transpose(1, 2)), torch.bmm(X, W3.transpose(1, 2)))  # [N k, 1, hidden]
+    Y = torch.bmm(H, W2.transpose(1, 2)).view(N, k, -1)
+    return (upcast(Y) * weights.unsqueeze(-1)).sum(1)
+
+
 def _slots(z, expert, weights, stack, act, k, capacity):
-    """The assignments in slots of `capacity` rows (see `RoutedExperts`): (weighted rows, their tokens; a
-    padding row's token is N, the zero row past the last)."""
+    """The assignments in slots of `capacity` > 1 rows (see `RoutedExperts`): (weighted rows, their tokens;
+    a padding row's token is N, the zero row past the last)."""
     (N, d), A, E = z.shape, expert.numel(), stack[0].shape[0]
     device = z.device
-    if capacity == 1:  # every assignment its own slot, in token order
-        slot_expert, source, row_weight = expert, torch.arange(A, device=device) // k, weights
-        slots = A
-    else:
-        slots = (A + E * (capacity - 1)) // capacity
-        counts = torch.zeros(E, dtype=torch.long, device=device).index_add_(0, expert, torch.ones_like(expert))
-        per_expert = (counts + capacity - 1) // capacity  # slots each expert fills
-        first_slot = torch.cumsum(per_expert, 0) - per_expert
-        order = torch.argsort(expert, stable=True)  # assignments, grouped by expert
-        expert_of = expert[order]
-        place = torch.arange(A, device=device) - (torch.cumsum(counts, 0) - counts)[expert_of]  # among its expert's
-        row = (first_slot[expert_of] + place // capacity) * capacity + place % capacity
-        source = torch.full((slots * capacity,), N, dtype=torch.long, device=device).index_copy_(0, row, order // k)
-        row_weight = weights.new_zeros(slots * capacity).index_copy_(0, row, weights.index_select(0, order))
-        # the expert of each slot; the slots past the used ones (all padding) run the last expert on zeros
-        used = torch.arange(slots, device=device)
-        slot_expert = torch.searchsorted(torch.cumsum(per_expert, 0), used, right=True).clamp(max=E - 1)
+    slots = (A + E * (capacity - 1)) // capacity
+    counts = torch.zeros(E, dtype=torch.long, device=device).index_add_(0, expert, torch.ones_like(expert))
+    per_expert = (counts + capacity - 1) // capacity  # slots each expert fills
+    first_slot = torch.cumsum(per_expert, 0) - per_expert
+    order = torch.argsort(expert, stable=True)  # assignments, grouped by expert
+    expert_of = expert[order]
+    place = torch.arange(A, device=device) - (torch.cumsum(counts, 0) - counts)[expert_of]  # among its expert's
+    row = (first_slot[expert_of] + place // capacity) * capacity + place % capacity
+    source = torch.full((slots * capacity,), N, dtype=torch.long, device=device).index_copy_(0, row, order // k)
+    row_weight = weights.new_zeros(slots * capacity).index_copy_(0, row, weights.index_select(0, order))
+    # the expert of each slot; the slots past the used ones (all padding) run the last expert on zeros
+    used = torch.arange(slots, device=device)
+    slot_expert = torch.searchsorted(torch.cumsum(per_expert, 0), used, right=True).clamp(max=E - 1)
     X = torch.cat([z, z.new_zeros(1, d)]).index_select(0, source).view(slots, capacity, d)
     W1, W3, W2 = (w.index_select(0, slot_expert) for w in stack)
     H = act(torch.bmm(X, W1.transpose(1, 2)), torch.bmm(X, W3.transpose(1, 2)))  # [slots, capacity, hidden]
