@@ -255,11 +255,11 @@ def _grouped(z, expert, weights, stack, act, k):
 def _gathered(z, expert, weights, stack, act):
     """A few tokens (decoding; slots of one row): each assignment against its expert's matrices gathered by
     index (gpt-fast's Mixtral), the k outputs of each token weighted and summed: [N, d]."""
-    N, k = weights.shape
-    X = z.unsqueeze(1).expand(N, k, z.shape[-1]).reshape(N * k, 1, -1)
+    (N, k), d = weights.shape, z.shape[-1]
+    X = z.unsqueeze(1).expand(N, k, d).reshape(N * k, 1, d)  # sizes spelled out: N may be 0 (expert parallelism)
     W1, W3, W2 = (w.index_select(0, expert) for w in stack)
     H = act(torch.bmm(X, W1.transpose(1, 2)), torch.bmm(X, W3.transpose(1, 2)))  # [N k, 1, hidden]
-    Y = torch.bmm(H, W2.transpose(1, 2)).view(N, k, -1)
+    Y = torch.bmm(H, W2.transpose(1, 2)).view(N, k, d)
     return (upcast(Y) * weights.unsqueeze(-1)).sum(1)
 
 

@@ -279,3 +279,14 @@ def test_grouped_mm_op_equals_the_groups_matmuls(dtype):
     torch.testing.assert_close(xd.grad.double(), x64.grad, rtol=tol, atol=tol * 8)
     torch.testing.assert_close(wd.grad.double(), w64.grad, rtol=tol, atol=tol * 8)
     torch.library.opcheck(grouped_mm, (x.float().requires_grad_(), w.float().requires_grad_(), offsets))
+
+
+def test_no_tokens_give_no_rows():
+    """A process that received no tokens (expert parallelism) runs the experts on none: [0, d] out, in the
+    decoding path (slots of one row) and through the whole MoE."""
+    torch.manual_seed(9)
+    moe = MoE(16, **CONFIGS["kimi-linear"])
+    z = torch.randn(0, 16)
+    chosen, weights = moe.router(z)
+    assert moe.experts(z, chosen, weights).shape == (0, 16)
+    assert moe(torch.randn(1, 0, 16)).shape == (1, 0, 16)
