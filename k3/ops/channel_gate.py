@@ -176,17 +176,19 @@ class ChannelGate:
         quadrants level by level."""
         P, m, _, K = q_sub.shape
         q, k = self._pad(q_sub), self._pad(k_sub)
-        if self.b == self.S > 1:  # no halving: one masked product per sub-chunk
-            cols = (k * self.col.view(k.shape)).transpose(-1, -2)
-            qk, kk = ((q * self.row.view(q.shape)) @ cols).tril_(), ((k * self.row.view(k.shape)) @ cols).tril_(-1)
+        if self.b > 1:  # the whole blocks; entries above the diagonal may be inf: tril_ replaces them with 0
+            cols = (self._blocks(k) * self.col).transpose(-1, -2)  # (a 0/1 mask would make NaN)
+            whole_qk = ((self._blocks(q) * self.row) @ cols).tril_()
+            whole_kk = ((self._blocks(k) * self.row) @ cols).tril_(-1)
+        if self.levels == 0 and self.b > 1:  # no halving: the whole blocks are the sub-chunks
+            qk, kk = whole_qk.view(P, m, self.S, self.S), whole_kk.view(P, m, self.S, self.S)
         else:
             qk, kk = q.new_zeros(P, m, self.S, self.S), q.new_zeros(P, m, self.S, self.S)
             if self.b == 1:
                 qk.diagonal(dim1=-2, dim2=-1).copy_((q * k).sum(-1))
-            else:  # entries above the diagonal may be inf: tril_ replaces them with 0 (a 0/1 mask would make NaN)
-                cols = (self._blocks(k) * self.col).transpose(-1, -2)
-                _diagonal_blocks(qk, self.levels).copy_(((self._blocks(q) * self.row) @ cols).tril_())
-                _diagonal_blocks(kk, self.levels).copy_(((self._blocks(k) * self.row) @ cols).tril_(-1))
+            else:
+                _diagonal_blocks(qk, self.levels).copy_(whole_qk)
+                _diagonal_blocks(kk, self.levels).copy_(whole_kk)
             for j in range(self.levels):
                 cols = self._halves(k, j)[:, :, :, 0] * self.cols[j]  # k_i exp(G_p - G_i) [P, m, n, h, K]
                 for x, out in ((q, qk), (k, kk)):
