@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.k3-installed
 EVAL_STAMP := $(VENV)/.k3-eval-installed
 
-.PHONY: demo test test-slow lint format bench docs install clean
+.PHONY: demo test test-slow test-kernels lint format bench docs install clean
 
 # torch==2.13.0 is the CPU wheel these machines carry; installing it first keeps pip from
 # resolving `torch>=2.6` to a multi-GB CUDA build.
@@ -32,10 +32,20 @@ demo: $(STAMP)
 
 # the default suite; the tests marked slow (processes and fresh interpreters) run with test-slow
 test: $(EVAL_STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not kernels"
 
 test-slow: $(EVAL_STAMP)
 	$(PY) -m pytest -q -m slow
+
+# fla's Triton kernels behind k3's ops, run on CPU tensors by Triton's interpreter (tests/kernels): the
+# k3[cuda] extra (fla-core, triton: a CPU wheel, no GPU driver) into the same venv; about a minute
+KERNELS_STAMP := $(VENV)/.k3-kernels-installed
+$(KERNELS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,cuda]'
+	touch $(KERNELS_STAMP)
+
+test-kernels: $(KERNELS_STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m kernels tests/kernels
 
 # ruff (pyproject.toml's [tool.ruff]: line length 120, rules E, F, W, I): lint checks without changing a
 # file (CI runs it first); format rewrites the files to the formatter's style and applies the safe fixes

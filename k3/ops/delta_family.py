@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from . import fla_kernels  # noqa: F401  (registers the torch.ops.k3.fla_* custom ops)
 from .common import (
     cast,
     check_chunk_size,
@@ -30,10 +31,14 @@ from .common import (
     check_tensor,
     compute_dtype,
     inference_unless_grad,
+    keep_causal,
     l2norm,
+    nonfinite_onwards,
     run_packed,
     without_autocast,
 )
+from .kernels import fla_runs
+from .numerics import LOG_DECAY_FLOOR
 
 
 def token_loop(recurrence: Callable) -> Callable:
@@ -106,6 +111,11 @@ def run_delta_op(
         chunking["lower_bound"] = check_lower_bound(op, lower_bound)
     if g is not None and check_values:
         check_log_decay(op, g, lower_bound)
+    if fla_runs(op, q, _fla_cannot(q, k, v, beta, g, chunk_size, gate)):
+        o, S = _run_fla(
+            q, k, v, beta, g, gate, S0, cu_seqlens, scale, use_qk_l2norm, chunk_size, lower_bound, check_values
+        )
+        return o, (S if output_final_state else None)
 
     in_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     q, k, v, beta = (cast(x, dtype) for x in (q, k, v, beta))
@@ -119,6 +129,56 @@ def run_delta_op(
     with without_autocast(q):  # under bf16 autocast too, the state and its matmuls stay in `dtype`
         o, S = run_packed(run, cu_seqlens, q, k, v, beta, g)
     return cast(o, in_dtype), (S if output_final_state else None)
+
+
+FLA_CHUNK_SIZES = {None: (16, 32, 64), "head": (16, 32, 64), "channel": (32, 64)}  # what fla 0.6 accepts
+FLA_MAX_HEAD_DIM = 256
+FLA_FLOAT32_DELTANET = False  # fla's public chunk_delta_rule refuses float32; the interpreter tests set True
+
+
+def _fla_cannot(q, k, v, beta, g, chunk_size: int | None, gate: str | None) -> str | None:
+    """Why fla's kernel cannot run this case exactly (None when it can); `k3.ops.kernels.fla_runs` logs it."""
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype} (fla's kernels take float32, bfloat16 and float16)"
+    if max(q.shape[-1], v.shape[-1]) > FLA_MAX_HEAD_DIM:
+        return f"head dims K = {q.shape[-1]}, V = {v.shape[-1]} (fla's limit is {FLA_MAX_HEAD_DIM})"
+    if q.shape[1] == 0:
+        return "T = 0"
+    if chunk_size is None:
+        if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, beta, g)):
+            return "a gradient through the recurrent form (k3 runs fla's fused recurrent kernel forward only)"
+        return None
+    if chunk_size not in FLA_CHUNK_SIZES[gate]:
+        return f"chunk_size = {chunk_size} (fla's kernel takes {FLA_CHUNK_SIZES[gate]})"
+    if gate is None and q.dtype == torch.float32 and not FLA_FLOAT32_DELTANET:
+        return "float32 DeltaNet (fla's chunk_delta_rule takes bfloat16 and float16 only)"
+    return None
+
+
+def _run_fla(q, k, v, beta, g, gate, S0, cu_seqlens, scale, use_qk_l2norm, chunk_size, lower_bound, guard):
+    """The op through fla's kernels (`k3.ops.fla_kernels`): q, k, v, beta in their own dtype, g clamped as
+    k3's forms clamp it (`k3.ops.numerics`) in float32, the state in float32. Returns (o, final state)."""
+    if use_qk_l2norm:  # in float32, as k3's own forms do, then back to the inputs' dtype
+        q, k = (cast(l2norm(cast(x, torch.float32)), x.dtype) for x in (q, k))
+    if g is not None:
+        floor = (
+            LOG_DECAY_FLOOR[torch.float32] if lower_bound is None else max(LOG_DECAY_FLOOR[torch.float32], lower_bound)
+        )
+        g = cast(g, torch.float32).clamp(min=floor)
+    S0 = None if S0 is None else cast(S0, torch.float32)
+    kind = gate or "none"
+
+    def run(k, v, beta, g):
+        if chunk_size is None:
+            return torch.ops.k3.fla_recurrent_delta(q, k, v, g, beta, S0, cu_seqlens, kind, scale)
+        o, S, *_ = torch.ops.k3.fla_chunk_delta(q, k, v, g, beta, S0, cu_seqlens, kind, scale, chunk_size, lower_bound)
+        return o, S
+
+    o, S = run(k, v, beta, g)
+    if guard and chunk_size is not None:  # no NaN or inf reaches an earlier output (k3.ops.common.keep_causal)
+        onwards = nonfinite_onwards(k, v, beta)  # packed sequences are independent: [1, T, H] is fine
+        o = keep_causal(o, onwards, lambda zero: run(zero(k), zero(v), zero(beta), zero(g))[0])
+    return o, S
 
 
 def delta_step(q, k, v, beta, S, scale: float, decay=None):

@@ -1,0 +1,67 @@
+"""The kernel switch (`k3.ops.kernels`): K3_KERNELS, set_kernels / use_kernels, and what "auto" picks.
+fla's kernels themselves are checked in tests/kernels (make test-kernels)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import k3.ops as ops
+from k3.ops import kernels
+
+
+def test_auto_runs_k3s_own_forms_on_a_cpu(monkeypatch):
+    monkeypatch.setattr(torch.ops.k3, "fla_chunk_delta", None)  # a call to fla would fail
+    q = torch.randn(1, 5, 1, 4)
+    with ops.use_kernels("auto"):
+        assert not kernels.fla_runs("chunk_kda", q, None)
+        o, _ = ops.chunk_kda(q, q, q, -torch.rand(1, 5, 1, 4), torch.rand(1, 5, 1))
+    assert o.shape == (1, 5, 1, 4)
+
+
+def test_set_kernels_returns_the_previous_choice_and_use_kernels_restores_it():
+    before = ops.get_kernels()
+    with ops.use_kernels("torch"):
+        assert ops.get_kernels() == "torch"
+        assert ops.set_kernels(None) == "torch" and ops.get_kernels() == "auto"
+        ops.set_kernels("torch")
+    assert ops.get_kernels() == before
+
+
+@pytest.mark.parametrize("bad", ["cuda", "Triton", ""])
+def test_a_bad_choice_names_the_argument_and_the_choices(bad):
+    if bad == "":
+        assert kernels._parse(bad, "x") == "auto"  # empty = unset
+        return
+    with pytest.raises(ValueError, match=r"set_kernels: `choice` must be one of auto, torch, fla.*" + bad):
+        ops.set_kernels(bad)
+
+
+def test_fla_without_fla_installed_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(kernels, "_FLA_INSTALLED", False)
+    with pytest.raises(RuntimeError, match=r"pip install 'k3\[cuda\]'"):
+        ops.set_kernels("fla")
+    assert ops.get_kernels() != "fla"
+
+
+def test_fla_on_cpu_tensors_needs_the_interpreter(monkeypatch):
+    monkeypatch.setattr(kernels, "_FLA_INSTALLED", True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(kernels, "_choice", "fla")
+    q = torch.randn(1, 5, 1, 4)
+    with pytest.raises(RuntimeError, match="chunk_kda: .*TRITON_INTERPRET=1"):
+        ops.chunk_kda(q, q, q, -torch.rand(1, 5, 1, 4), torch.rand(1, 5, 1))
+
+
+def test_the_environment_variable_sets_the_choice_at_import():
+    env = {**os.environ, "K3_KERNELS": "torch"}
+    code = "import k3.ops; print(k3.ops.get_kernels())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "torch"
+    env["K3_KERNELS"] = "gpu"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "K3_KERNELS must be one of auto, torch, fla" in bad.stderr
