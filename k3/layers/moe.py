@@ -40,7 +40,7 @@ from torch import nn
 from ..ops.common import cast
 from . import init
 from .ffn import GatedMLP, situ
-from .grouped_mm import grouped_mm
+from .grouped_mm import TORCH_DTYPES, grouped_mm
 from .init import init_linear
 from .joined import join, project
 from .norm import RMSNorm, upcast
@@ -245,8 +245,12 @@ def _grouped(z, expert, weights, stack, act, k):
     token = order // k
     x = z.index_select(0, token)
     W1, W3, W2 = stack
-    # torch's op and its own autograd in eager; under torch.compile k3's, whose shape function takes every dtype
-    gmm = grouped_mm if torch.compiler.is_compiling() else lambda a, b, offs: F.grouped_mm(a, b, offs=offs)
+    # torch's op and its own autograd in eager; under torch.compile (and in float64) k3's, whose shape
+    # function takes every dtype
+    if torch.compiler.is_compiling() or z.dtype not in TORCH_DTYPES:
+        gmm = grouped_mm
+    else:
+        gmm = lambda a, b, offs: F.grouped_mm(a, b, offs=offs)  # noqa: E731
     h = act(gmm(x, W1.transpose(1, 2), offsets), gmm(x, W3.transpose(1, 2), offsets))
     y = gmm(h, W2.transpose(1, 2), offsets)
     return upcast(y) * weights.index_select(0, order).unsqueeze(-1), token
