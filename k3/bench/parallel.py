@@ -100,6 +100,7 @@ def _worker(rank: int, world: int, port: int, settings: dict, out: str) -> None:
         recompute=settings["recompute"],
         ep=settings["ep"],
         optimizer=settings["optimizer"],
+        precision=settings["precision"],
     )
     strategy = Distributed("fsdp", "cpu", settings["ep"])
     config = get_config(settings["preset"], vocab_size=257)
@@ -114,8 +115,8 @@ def _worker(rank: int, world: int, port: int, settings: dict, out: str) -> None:
     strategy.step(batch(), cfg)  # optimizer states made
     counter = SentBytes()
     with counter:
-        strategy.step(batch(), cfg)
-    result = {"sent": dict(counter.sent), "peak rss": _peak_rss(), "rss rise": _peak_rss() - base}
+        loss = strategy.step(batch(), cfg)
+    result = {"sent": dict(counter.sent), "peak rss": _peak_rss(), "rss rise": _peak_rss() - base, "loss": loss}
     results = [None] * world
     dist.all_gather_object(results, result)
     if rank == 0:
@@ -131,11 +132,19 @@ def measure(
     batch_size: int = 8,
     recompute: str = "none",
     optimizer: str = "muon",
+    precision: str = "fp32",
 ) -> list[dict]:
     """One job of `world` gloo processes under fsdp x ep `ep`: per process, the bytes sent in one step by
-    collective, and memory (see the module)."""
+    collective, and memory (see the module). `precision` "bf16": `k3 train --precision bf16` (bf16
+    autocast; FSDP gathers bfloat16 weights and reduces float32 gradients)."""
     settings = dict(
-        ep=ep, preset=preset, seq_len=seq_len, batch_size=batch_size, recompute=recompute, optimizer=optimizer
+        ep=ep,
+        preset=preset,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        recompute=recompute,
+        optimizer=optimizer,
+        precision=precision,
     )
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "results.pt")
@@ -151,13 +160,25 @@ def planned(
     batch_size: int = 8,
     recompute: str = "none",
     optimizer: str = "muon",
+    precision: str = "fp32",
 ) -> dict[str, float]:
-    """`k3.plan.traffic.step_traffic` for the same job (float32 weights and rows, as on the CPU)."""
+    """`k3.plan.traffic.step_traffic` for the same job: float32 gradients and updates; the gathered
+    weights and the exchanged rows in float32, or in bfloat16 under `precision` "bf16"."""
     from ..models import get_config
     from ..plan.traffic import step_traffic
 
     config = get_config(preset, vocab_size=257)
-    return step_traffic(config, world, ep, batch_size // world * seq_len, optimizer=optimizer, recompute=recompute)
+    half = 2 if precision == "bf16" else 4
+    return step_traffic(
+        config,
+        world,
+        ep,
+        batch_size // world * seq_len,
+        optimizer=optimizer,
+        recompute=recompute,
+        gather_bytes=half,
+        row_bytes=half,
+    )
 
 
 def run(
@@ -166,23 +187,27 @@ def run(
     seq_len: int = 256,
     batch_size: int = 8,
     json_path: str | None = None,
+    precisions=("fp32", "bf16"),
 ) -> dict:
-    """Measure each (processes, ep) of `layouts` with recompute none and full; print and return the table."""
+    """Measure each (processes, ep) of `layouts`: in float32 with recompute none and full, and in each other
+    of `precisions` with recompute none; print and return the table."""
     from tqdm import tqdm
 
     from .timing import write_report
 
     report = {"preset": preset, "seq_len": seq_len, "batch_size": batch_size, "layouts": []}
-    jobs = [(w, e, r) for w, e in layouts for r in ("none", "full")]
-    for world, ep, recompute in tqdm(jobs, desc="bench parallel", unit="job"):
-        ranks = measure(world, ep, preset, seq_len, batch_size, recompute)
+    settings = [(p, r) for p in precisions for r in (("none", "full") if p == "fp32" else ("none",))]
+    jobs = [(w, e, p, r) for w, e in layouts for p, r in settings]
+    for world, ep, precision, recompute in tqdm(jobs, desc="bench parallel", unit="job"):
+        ranks = measure(world, ep, preset, seq_len, batch_size, recompute, precision=precision)
         report["layouts"].append(
             {
                 "processes": world,
                 "ep": ep,
                 "recompute": recompute,
+                "precision": precision,
                 "ranks": ranks,
-                "planned": planned(world, ep, preset, seq_len, batch_size, recompute),
+                "planned": planned(world, ep, preset, seq_len, batch_size, recompute, precision=precision),
             }
         )
     print(format_report(report))
@@ -198,7 +223,8 @@ def format_report(report: dict) -> str:
     ]
     for row in report["layouts"]:
         ranks, plan = row["ranks"], row["planned"]
-        head = f"{row['processes']} processes, ep {row['ep']}, recompute {row['recompute']}:"
+        precision = row.get("precision", "fp32")
+        head = f"{row['processes']} processes, ep {row['ep']}, recompute {row['recompute']}, {precision}:"
         cells = []
         for name in ("fsdp all-gather", "fsdp reduce-scatter", "muon all-gather"):
             cells.append(f"{name} {max(r['sent'].get(name, 0) for r in ranks) / 1e6:.3f} (plan {plan[name] / 1e6:.3f})")

@@ -80,6 +80,13 @@ def add_bench_parser(sub) -> None:
     bparallel.add_argument(
         "--batch-size", type=_count(1, "sequences"), default=8, help="sequences a step, over all processes (8)"
     )
+    bparallel.add_argument(
+        "--precision",
+        nargs="+",
+        choices=("fp32", "bf16"),
+        default=["fp32", "bf16"],
+        help="k3 train's --precision of the jobs: fp32 with recompute none and full, bf16 with none (default both)",
+    )
     bparallel.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bparallel.set_defaults(func=_bench_parallel)
     bmodels = bench_sub.add_parser(

@@ -160,7 +160,7 @@ def _bench_parallel(args) -> int:
                 f"--batch-size {args.batch_size}"
             )
         layouts.append((world, ep))
-    parallel.run(tuple(layouts), args.preset, args.seq_len, args.batch_size, args.json)
+    parallel.run(tuple(layouts), args.preset, args.seq_len, args.batch_size, args.json, tuple(args.precision))
     return 0
 
 

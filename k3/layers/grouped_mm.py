@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
 TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what F.grouped_mm takes
 
 

@@ -111,7 +111,7 @@ def run_delta_op(
         chunking["lower_bound"] = check_lower_bound(op, lower_bound)
     if g is not None and check_values:
         check_log_decay(op, g, lower_bound)
-    if fla_runs(op, q, _fla_cannot(q, k, v, beta, g, chunk_size, gate)):
+    if fla_runs(op, q, lambda: _fla_cannot(q, k, v, beta, g, chunk_size, gate)):
         o, S = _run_fla(
             q, k, v, beta, g, gate, S0, cu_seqlens, scale, use_qk_l2norm, chunk_size, lower_bound, check_values
         )

@@ -21,6 +21,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+from typing import Callable
 
 import torch
 
@@ -86,10 +87,10 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def fla_runs(op: str, q: torch.Tensor, why_not: str | None) -> bool:
-    """Whether `op` on q's device runs fla's kernel under the current choice. `why_not` is the reason
-    fla cannot take this case (None when it can); with fla chosen or automatic on CUDA, that reason goes
-    to the debug log and k3's own form runs."""
+def fla_runs(op: str, q: torch.Tensor, why_not: Callable[[], str | None]) -> bool:
+    """Whether `op` on q's device runs fla's kernel under the current choice. `why_not()` gives the reason
+    fla cannot take this case (None when it can; asked only where fla would run): that reason goes to
+    the debug log and k3's own form runs."""
     if _choice == "torch":
         return False
     on_cuda = q.device.type == "cuda"
@@ -102,7 +103,8 @@ def fla_runs(op: str, q: torch.Tensor, why_not: str | None) -> bool:
                 f"{op}: k3 kernels 'fla' on a {q.device.type} tensor run through Triton's interpreter: "
                 "set TRITON_INTERPRET=1 before k3 is imported (or use CUDA tensors)"
             )
-    if why_not is not None:
-        logger.debug("%s: k3's own form runs, not fla's kernel: %s", op, why_not)
+    reason = why_not()
+    if reason is not None:
+        logger.debug("%s: k3's own form runs, not fla's kernel: %s", op, reason)
         return False
     return True

@@ -60,12 +60,14 @@ def step_traffic(
     weight_bytes: int = 4,
     row_bytes: int = 4,
     shapes: ModelShapes | None = None,
+    gather_bytes: int | None = None,
 ) -> dict[str, float]:
     """Bytes one rank sends in one step (see the module) with `fsdp` ranks, experts split over `ep`,
-    `tokens_per_rank` tokens in each of its `micro_batches`. `weight_bytes`: the gathered weights' and
-    reduced gradients' element size (k3 train: float32); `row_bytes`: the exchanged rows' (float32 on
-    the CPU; bf16 under autocast). Returns {"fsdp all-gather", "fsdp reduce-scatter", "muon all-gather",
-    "all-to-all (uniform)", "all-to-all (bound)"}."""
+    `tokens_per_rank` tokens in each of its `micro_batches`. `weight_bytes`: the reduced gradients' and
+    Muon's gathered updates' element size (k3 train: float32); `gather_bytes`: the gathered weights'
+    (default weight_bytes; 2 under `--precision bf16`, FSDP's bfloat16 param_dtype); `row_bytes`: the
+    exchanged rows' (float32 on the CPU; bf16 under autocast). Returns {"fsdp all-gather",
+    "fsdp reduce-scatter", "muon all-gather", "all-to-all (uniform)", "all-to-all (bound)"}."""
     shapes = shapes or model_shapes(config)
     if fsdp % ep:
         raise ValueError(f"ep ({ep}) must divide fsdp ({fsdp})")
@@ -89,7 +91,7 @@ def step_traffic(
             padded_shard([p], efsdp) for p in experts
         )
     out = {
-        "fsdp all-gather": gathers * weight_bytes * micro_batches,
+        "fsdp all-gather": gathers * (weight_bytes if gather_bytes is None else gather_bytes) * micro_batches,
         "fsdp reduce-scatter": scatters * weight_bytes * micro_batches,
         "muon all-gather": muon * weight_bytes,
     }

@@ -196,6 +196,7 @@ def plan_training(config: ModelConfig, s: TrainSettings, shapes: ModelShapes | N
             weight_bytes=4,
             row_bytes=2 if s.precision == "bf16" else 4,
             shapes=shapes,
+            gather_bytes=2 if s.precision == "bf16" else 4,
         )
         for name, value in traffic.items():
             f.add(f"sent per GPU per step: {name}", value, "bytes")

@@ -153,7 +153,7 @@ class Distributed(SingleProcess):
         self.model = model if model.lm_head.weight.is_meta else model.to(self.device)
         self.precision = cfg.precision
         apply_recompute(model, cfg.recompute)  # before the sharding, as torchtitan orders them
-        self.net = parallelize(model, self.dims)
+        self.net = parallelize(model, self.dims, cfg.precision)
         if cfg.compile:
             compile_decoder(model)
         self.optimizer = build_optimizer(model, cfg)

@@ -144,14 +144,15 @@ def fsdp_mesh(device: torch.device, world: int, ep: int):
     return init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
 
 
-def parallelize(model: CausalLM, dims: ParallelDims) -> nn.Module:
+def parallelize(model: CausalLM, dims: ParallelDims, precision: str = "fp32") -> nn.Module:
     """Split `model` (on `dims.device`) over the processes as `dims` says; returns the module to call in
     training: the DDP wrapper, or `model` itself, sharded in place.
 
     A model on the meta device (built there: no process holds it whole) is split first and then
     materialised, each process allocating and initialising only what it holds (`CausalLM.reset_parameters`
     draws each parameter's values from its name, so every shard gets the one-process values); a model
-    with weights (a resumed run's) is made the same on every process from rank 0's."""
+    with weights (a resumed run's) is made the same on every process from rank 0's. `precision` (`k3 train
+    --precision`): under bf16 fsdp gathers bfloat16 weights (`mixed_precision`)."""
     if dims.mode not in ("ddp", "fsdp"):
         raise ValueError(f"parallelize: `dims.mode` must be 'ddp' or 'fsdp', got {dims.mode!r}")
     if dims.shard_dense:
@@ -162,7 +163,7 @@ def parallelize(model: CausalLM, dims: ParallelDims) -> nn.Module:
     if not on_meta and dims.mode != "ddp":  # (ddp does this itself)
         _broadcast_from_main(model)
     if dims.mode == "fsdp":
-        apply_fsdp(model, dims.device, dims.ep, shard_dense=dims.shard_dense, mesh=dims.mesh)
+        apply_fsdp(model, dims.device, dims.ep, shard_dense=dims.shard_dense, mesh=dims.mesh, precision=precision)
     if on_meta:
         materialize(model, dims.device)
     if dims.mode == "ddp":
@@ -270,7 +271,20 @@ def check_ep(config, mode: str, ep: int) -> None:
         )
 
 
-def apply_fsdp(model: CausalLM, device: torch.device, ep: int, shard_dense: bool = True, mesh=None) -> None:
+def mixed_precision(precision: str):
+    """FSDP2's MixedPrecisionPolicy for `--precision`: under bf16, torchtitan's (the weights gathered and
+    computed with in bfloat16 from float32 shards, the gradients reduced in float32, inputs left as they
+    are: half the gather traffic of float32, the same reductions); under fp32 FSDP's default (None)."""
+    if precision != "bf16":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def apply_fsdp(
+    model: CausalLM, device: torch.device, ep: int, shard_dense: bool = True, mesh=None, precision: str = "fp32"
+) -> None:
     """fsdp: every decoder layer and the root over all ranks (`mesh`: the [world] one, built here when
     None). With ep > 1 (`--parallel fsdp --ep N`, torchtitan's composition), first the experts: one
     DeviceMesh [world/N ("efsdp"), N ("ep")]; every MoE layer's routed experts are split over the N ranks
@@ -279,12 +293,14 @@ def apply_fsdp(model: CausalLM, device: torch.device, ep: int, shard_dense: bool
     its ranks sums the tokens of its ep group; the reduce-scatter over efsdp sums the groups, divided by
     the world size: the mean gradient, as the dense parameters' is. The dense parameters are sharded
     over all ranks (the mesh flattened), or with `shard_dense` False held whole by every rank (a
-    [world, 1] mesh: FSDP2's replicated, HSDP, layout; the gradients all-reduced)."""
+    [world, 1] mesh: FSDP2's replicated, HSDP, layout; the gradients all-reduced). `precision` "bf16":
+    every unit gathers bfloat16 weights (`mixed_precision`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
+    policy = mixed_precision(precision)
     if ep == 1 and shard_dense:
-        _fully_shard(model, mesh if mesh is not None else init_device_mesh(device.type, (world,)))
+        _fully_shard(model, mesh if mesh is not None else init_device_mesh(device.type, (world,)), policy)
         return
     from torch.distributed.fsdp import fully_shard
 
@@ -292,15 +308,15 @@ def apply_fsdp(model: CausalLM, device: torch.device, ep: int, shard_dense: bool
     if ep > 1:
         shard_experts(model, mesh["ep"].get_local_rank(), ep, mesh["ep"].get_group())
         for moe in model.moe_layers():
-            fully_shard(moe.experts, mesh=mesh["efsdp"])
+            fully_shard(moe.experts, mesh=mesh["efsdp"], **({} if policy is None else {"mp_policy": policy}))
             moe.experts.set_gradient_divide_factor(world)  # sum over efsdp of ep-group sums, / world
             if world // ep > 1:  # a sum, then the division (gloo has no PreMulSum); over one rank FSDP2
                 # sends nothing and divides once in its copy, and forcing the sum would divide again
                 moe.experts.set_force_sum_reduction_for_comms(True)
     if shard_dense:
-        _fully_shard(model, mesh._flatten("dp"))
+        _fully_shard(model, mesh._flatten("dp"), policy)
     else:
-        _fully_shard(model, init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard")))
+        _fully_shard(model, init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard")), policy)
 
 
 def check_expert_split(config, world_size: int) -> None:
@@ -326,12 +342,13 @@ def _broadcast_from_main(model: nn.Module) -> None:
         dist.broadcast(t.data, src=0)
 
 
-def _fully_shard(model: CausalLM, mesh) -> None:
+def _fully_shard(model: CausalLM, mesh, policy=None) -> None:
     from torch.distributed.fsdp import fully_shard
 
+    options = {} if policy is None else {"mp_policy": policy}
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
     if model.moe_layers():
         if not hasattr(model, "set_reduce_scatter_unused_params"):
             raise RuntimeError(
