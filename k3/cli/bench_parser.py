@@ -5,6 +5,7 @@ from __future__ import annotations
 from .argtypes import _count, _number
 from .commands import (
     _bench_backward,
+    _bench_gpu,
     _bench_models,
     _bench_ops,
     _bench_parallel,
@@ -89,6 +90,18 @@ def add_bench_parser(sub) -> None:
     )
     bparallel.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bparallel.set_defaults(func=_bench_parallel)
+    bgpu = bench_sub.add_parser(
+        "gpu",
+        help="the device check on one CUDA GPU: the CUDA tests, fla's kernels behind k3's ops, a ~1B Kimi K3 "
+        "training step (tokens/s, MFU), the compiled decode step vs transformers: under 8 minutes",
+    )
+    bgpu.add_argument("--dry-run", action="store_true", help="print what would run and time; needs no GPU")
+    bgpu.add_argument(
+        "--tiny", action="store_true", help="every part at toy sizes, eager, on any device (a smoke test: seconds)"
+    )
+    bgpu.add_argument("--device", default="cuda", help="the device (default cuda; --tiny also runs on cpu)")
+    bgpu.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    bgpu.set_defaults(func=_bench_gpu)
     bmodels = bench_sub.add_parser(
         "models", help="whole-model prefill, train step and decode speed, k3 vs GPT-2 and transformers"
     )

@@ -145,6 +145,21 @@ def _bench_train(args) -> int:
     return 0
 
 
+def _bench_gpu(args) -> int:
+    from ..bench import gpu
+
+    settings = gpu.TINY if args.tiny else gpu.Settings()
+    if args.dry_run:
+        print("\n".join(gpu.describe(settings)))
+        return 0
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise ValueError(f"--device must be cuda (or cpu with --tiny), got {args.device!r}")
+    if args.device == "cpu" and not args.tiny:
+        raise ValueError("--device cpu runs only with --tiny: the full sizes are for a GPU")
+    gpu.run(settings, args.device, args.json)
+    return 0
+
+
 def _bench_parallel(args) -> int:
     from ..bench import parallel
 
