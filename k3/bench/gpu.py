@@ -349,8 +349,20 @@ def describe(s: Settings) -> list[str]:
     ]
 
 
-def run(s: Settings = Settings(), device: str | torch.device = "cuda", json_path: str | None = None, say=print) -> dict:
-    """Every part on `device` (CUDA for the report; the CPU runs `TINY` in the tests); returns the report."""
+PARTS = ("tests", "ops", "train", "decode")
+
+
+def run(
+    s: Settings = Settings(),
+    device: str | torch.device = "cuda",
+    json_path: str | None = None,
+    say=print,
+    parts: tuple[str, ...] = PARTS,
+) -> dict:
+    """The `parts` (default all, in order) on `device` (CUDA for the report; the CPU runs `TINY` in the
+    tests, without "tests"); returns the report, with each part's wall seconds under "seconds" (compiles
+    and kernel autotuning included). The JSON is written after every part, so a run cut short keeps
+    what it measured."""
     from .timing import write_report
 
     device = torch.device(device)
@@ -358,44 +370,61 @@ def run(s: Settings = Settings(), device: str | torch.device = "cuda", json_path
         raise RuntimeError(
             "k3 bench gpu: no CUDA device here (torch.cuda.is_available() is False); --dry-run shows the plan"
         )
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type}
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        raise ValueError(f"k3 bench gpu: parts must be among {', '.join(PARTS)}, got {', '.join(parts) or 'none'}")
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type, "seconds": {}}
     say(f"k3 bench gpu on {report['device']}")
-    if device.type == "cuda":
-        say("1. tests")
-        report["tests"] = run_tests()
-        say(f"  {report['tests'].get('summary') or report['tests'].get('skipped')}")
-    say("2. ops")
-    report["ops"] = time_ops(s, device, say)
-    say("3. train")
-    report["train"] = time_train(s, device, say)
-    say("4. decode")
-    report["decode"] = time_decode(s, device, say)
+    steps = {
+        "tests": lambda: run_tests(),
+        "ops": lambda: time_ops(s, device, say),
+        "train": lambda: time_train(s, device, say),
+        "decode": lambda: time_decode(s, device, say),
+    }
+    for number, part in enumerate(PARTS, 1):
+        if part not in parts or (part == "tests" and device.type != "cuda"):
+            continue
+        say(f"{number}. {part}")
+        start = time.perf_counter()
+        report[part] = steps[part]()
+        report["seconds"][part] = time.perf_counter() - start
+        if part == "tests":
+            say(f"  {report['tests'].get('summary') or report['tests'].get('skipped')}")
+        say(f"  ({report['seconds'][part]:.0f} s)")
+        if json_path:
+            write_report(json_path, report, "gpu")
     say("\n".join(table(report)))
-    if json_path:
-        write_report(json_path, report, "gpu")
     return report
 
 
 def table(report: dict) -> list[str]:
-    """The report as Markdown tables (docs/benchmarks.md)."""
+    """The report as Markdown tables (docs/benchmarks.md), of the parts it has."""
     lines = [
-        f"On {report['device']}:",
-        "",
-        "| op | pass | " + " | ".join(report["ops"][0]["ms"]) + " | dispatch / fla | PyTorch form / dispatch |",
+        f"On {report['device']}"
+        + (f" ({report['tests']['summary']})" if "summary" in report.get("tests", {}) else "")
+        + ":"
     ]
-    lines.append("|" + " --- |" * (4 + len(report["ops"][0]["ms"])))
-    for row in report["ops"]:
-        ratio = row.get("dispatch / fla")
-        times = " | ".join(f"{t:.2f} ms" for t in row["ms"].values())
-        ratio = "-" if ratio is None else f"{ratio:.2f}x"
-        lines.append(f"| {row['op']} | {row['pass']} | {times} | {ratio} | {row['PyTorch form / dispatch']:.1f}x |")
-    t = report["train"]
-    lines += ["", f"Train step: {t['parameters'] / 1e9:.2f} B parameters ({t['active'] / 1e9:.2f} B active), "
-              f"{t['tokens']:,} tokens: {t['step s'] * 1e3:.0f} ms, {t['tokens/s']:,.0f} tokens/s"
-              + (f", MFU {t['MFU']:.1%} of the {t['gpu']}'s bf16 peak" if "MFU" in t else "")]  # fmt: skip
-    columns = list(dict.fromkeys(k for row in report["decode"] for k in row if "ms" in k))
-    lines += ["", "| decode | context | " + " | ".join(columns) + " |", "|" + " --- |" * (2 + len(columns))]
-    for row in report["decode"]:
-        cells = ["-" if row.get(k) is None else f"{row[k]:.2f}" for k in columns]
-        lines.append(f"| {row['model']} | {row['context']:,} | " + " | ".join(cells) + " |")
+    if report.get("ops"):
+        names = list(report["ops"][0]["ms"])
+        lines += ["", "| op | pass | " + " | ".join(names) + " | dispatch / fla | PyTorch form / dispatch |"]
+        lines.append("|" + " --- |" * (4 + len(names)))
+        for row in report["ops"]:
+            ratio = row.get("dispatch / fla")
+            times = " | ".join(f"{t:.2f} ms" for t in row["ms"].values())
+            ratio = "-" if ratio is None else f"{ratio:.2f}x"
+            lines.append(f"| {row['op']} | {row['pass']} | {times} | {ratio} | {row['PyTorch form / dispatch']:.1f}x |")
+    if "train" in report:
+        t = report["train"]
+        mfu = f", MFU {t['MFU']:.1%} of the {t['gpu']}'s bf16 peak" if "MFU" in t else ""
+        size = f"{t['parameters'] / 1e9:.2f} B parameters ({t['active'] / 1e9:.2f} B active)"
+        speed = f"{t['step s'] * 1e3:.0f} ms, {t['tokens/s']:,.0f} tokens/s{mfu}"
+        lines += ["", f"Train step: {size}, {t['tokens']:,} tokens: {speed}"]
+    if report.get("decode"):
+        columns = list(dict.fromkeys(k for row in report["decode"] for k in row if "ms" in k))
+        lines += ["", "| decode | context | " + " | ".join(columns) + " |", "|" + " --- |" * (2 + len(columns))]
+        for row in report["decode"]:
+            cells = ["-" if row.get(k) is None else f"{row[k]:.2f}" for k in columns]
+            lines.append(f"| {row['model']} | {row['context']:,} | " + " | ".join(cells) + " |")
+    if report.get("seconds"):
+        lines += ["", "Wall seconds by part: " + ", ".join(f"{p} {t:.0f}" for p, t in report["seconds"].items())]
     return lines

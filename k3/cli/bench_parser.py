@@ -100,6 +100,13 @@ def add_bench_parser(sub) -> None:
         "--tiny", action="store_true", help="every part at toy sizes, eager, on any device (a smoke test: seconds)"
     )
     bgpu.add_argument("--device", default="cuda", help="the device (default cuda; --tiny also runs on cpu)")
+    bgpu.add_argument(
+        "--parts",
+        nargs="+",
+        choices=("tests", "ops", "train", "decode"),
+        default=["tests", "ops", "train", "decode"],
+        help="which parts to run, in the report's order (default all)",
+    )
     bgpu.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bgpu.set_defaults(func=_bench_gpu)
     bmodels = bench_sub.add_parser(

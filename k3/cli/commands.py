@@ -156,7 +156,7 @@ def _bench_gpu(args) -> int:
         raise ValueError(f"--device must be cuda (or cpu with --tiny), got {args.device!r}")
     if args.device == "cpu" and not args.tiny:
         raise ValueError("--device cpu runs only with --tiny: the full sizes are for a GPU")
-    gpu.run(settings, args.device, args.json)
+    gpu.run(settings, args.device, args.json, parts=tuple(args.parts))
     return 0
 
 

@@ -29,8 +29,16 @@ def test_every_part_runs_at_toy_sizes_on_the_cpu(tmp_path):
     assert [(r["model"], r["context"]) for r in report["decode"]] == [
         (m, c) for m in ("kimi-k3", "kimi-linear") for c in gpu.TINY.contexts
     ]
-    assert (tmp_path / "gpu.json").exists()
+    assert (tmp_path / "gpu.json").exists() and set(report["seconds"]) == {"ops", "train", "decode"}
     assert any("| kda | forward |" in line for line in gpu.table(report))
+
+
+def test_a_subset_of_the_parts_runs_alone(tmp_path, capsys):
+    assert (
+        main(["bench", "gpu", "--tiny", "--device", "cpu", "--parts", "ops", "--json", str(tmp_path / "g.json")]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "2. ops" in out and "3. train" not in out and "| gdn | forward+backward |" in out
 
 
 def test_the_full_sizes_need_a_gpu(capsys):
