@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 
-from .gates import sub_chunk_size
+import torch
+
+from .gates import halving_levels, sub_chunk_size
 
 OPS = ("linear_attn", "kda")  # the ops k3_cost counts, `chunk_<op>` in k3.ops
 
@@ -19,6 +21,15 @@ def _check_shape(T: int, d: int, C: int) -> None:
             raise ValueError(f"cost model: `{name}` must be a positive int, got {value!r}")
 
 
+def _sub_chunk_scores(S: int, levels: int) -> int:
+    """Multiply-adds / d of one gated score matrix inside a sub-chunk of S tokens halved `levels` times:
+    the lower-left quadrants of each level's blocks (h x h, h = S / 2^(j+1); 1 x 1 ones are elementwise),
+    then the remaining diagonal blocks of b = S / 2^levels tokens whole (b x b; none when b = 1)."""
+    quadrants = sum((1 << j) * h * h for j in range(levels) if (h := S >> (j + 1)) > 1)
+    b = S >> levels
+    return quadrants + (S * b if b > 1 else 0)
+
+
 def article_cost(T: int, d: int, C: int) -> float:
     """The article's cost of the chunked form per head, 2·L·d² + 2·L·C·d (in multiply-adds: it counts a
     (C x d)(d x d) product as C·d·d). C larger than T means one chunk, C = T."""
@@ -27,7 +38,7 @@ def article_cost(T: int, d: int, C: int) -> float:
     return 2.0 * T * d * d + 2.0 * T * C * d
 
 
-def k3_cost(op: str, T: int, d: int, C: int) -> float:
+def k3_cost(op: str, T: int, d: int, C: int, lower_bound: float | None = None) -> float:
     """Multiply-adds per head of k3's `chunk_<op>` (K = V = d), every matmul and triangular solve counted.
 
     linear_attn: per chunk K_iᵀ V1_i and Q_i S (V1 = [V | 1], d + 1 columns) and the full C x C score
@@ -35,7 +46,9 @@ def k3_cost(op: str, T: int, d: int, C: int) -> float:
     kda: per chunk of C = m·s tokens (sub-chunks of s <= 32, as the op splits them) the state steps
     W S, K_endᵀ U and Q S (3·C·d²); the blocks of A_qk and A_kk below the diagonal (s²·d·m(m - 1)/2 each)
     and, inside each sub-chunk (padded to S, a power of two), their quadrants by halves (S(S - 2)/2·d
-    each: the 1 x 1 quadrants are elementwise products); the UT transform applied to K and V
+    each: the 1 x 1 quadrants are elementwise products) — with `lower_bound` (float32 `chunk_kda(...,
+    lower_bound=)`, Kimi K3's safe gate) the halving stops at blocks of b tokens (`halving_levels`),
+    each computed whole (b²·d); the UT transform applied to K and V
     (C·d·(C + s)) and A_qk U (C·d·(C + s)/2); and the inverse of I + A: a triangular solve per diagonal
     block (s²(s - 1)/2 each) and its block rows, s³·m(m² - 1)/3 — about C³/3, the term the article's
     model does not have. The last chunk is padded to C tokens."""
@@ -47,7 +60,7 @@ def k3_cost(op: str, T: int, d: int, C: int) -> float:
     if op == "kda":
         s = sub_chunk_size(C)
         m, S = C // s, 1 << (s - 1).bit_length()
-        scores = d * m * (s * s * (m - 1) + max(S * (S - 2), 0))
+        scores = d * m * (s * s * (m - 1) + 2 * _sub_chunk_scores(S, halving_levels(S, lower_bound, torch.float32)))
         per_chunk = (
             3.0 * C * d * d + 1.5 * C * d * (C + s) + scores + m * s * s * (s - 1) / 2 + s**3 * m * (m * m - 1) / 3
         )

@@ -43,7 +43,8 @@ def mixer_macs_per_token(config: ModelConfig, kind: str, seq_len: int) -> float:
     if kind == "mla":
         return c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * (seq_len + 1) / 2
     op = LINEAR_OP[kind]
-    return c.linear_num_heads * k3_cost(op, seq_len, c.linear_head_dim, c.chunk_size) / seq_len
+    bound = c.kda_gate_lower_bound if kind == "kda" and c.kda_gate == "safe" else None  # K3's safe gate
+    return c.linear_num_heads * k3_cost(op, seq_len, c.linear_head_dim, c.chunk_size, lower_bound=bound) / seq_len
 
 
 def train_flops_per_token(config: ModelConfig, seq_len: int) -> dict[str, float]:

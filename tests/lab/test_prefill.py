@@ -52,6 +52,21 @@ def test_k3_cost_counts_every_matmul_the_op_runs(op, T, C):
     assert sum(ledger.seconds[name] for name in ("bmm", "matmul")) > 0
 
 
+@pytest.mark.parametrize("T, C", [(64, 16), (100, 32), (200, 48), (130, 64), (40, 64)])
+@pytest.mark.parametrize("lower_bound", [-5.0, -20.0, -1.0])
+def test_k3_cost_counts_the_bounded_kda_gate(T, C, lower_bound):
+    """With a stated lower bound (Kimi K3's safe gate, -5) chunk_kda halves its sub-chunks less and runs
+    its blocks whole (more multiply-adds in fewer, larger products): k3_cost with the same lower_bound
+    equals what it dispatches, and differs from the unbounded count where the halving stops early."""
+    H, d = 2, 8
+    q, k, v, g, beta = kda_inputs(T, H, d)
+    with torch.no_grad(), OpLedger() as ledger:
+        chunk_kda(q, k, v, g.clamp(min=lower_bound), beta, chunk_size=C, lower_bound=lower_bound)
+    assert ledger.macs == H * k3_cost("kda", T, d, C, lower_bound=lower_bound)
+    if lower_bound == -5.0:  # blocks of 16 or more in float32: fewer halvings than the unbounded gate
+        assert k3_cost("kda", T, d, C, lower_bound=lower_bound) != k3_cost("kda", T, d, C)
+
+
 def test_kda_cost_is_cubic_in_one_chunk():
     """The UT inverse: at C = T the count grows ~T^3, the article's model only ~T^2."""
     d = 64
