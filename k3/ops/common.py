@@ -50,15 +50,16 @@ def without_autocast(x: torch.Tensor):
     return torch.autocast(x.device.type, enabled=False)
 
 
-def check_tensor(op: str, name: str, x, shape: tuple, ref: torch.Tensor) -> None:
-    """Check that `x` is a tensor of `shape` (None = any size) with `ref`'s dtype and device."""
+def check_tensor(op: str, name: str, x, shape: tuple, ref: torch.Tensor, also: torch.dtype | None = None) -> None:
+    """Check that `x` is a tensor of `shape` (None = any size) with `ref`'s dtype (or `also`) and device."""
     if not isinstance(x, torch.Tensor):
         raise _fail(op, name, "a torch.Tensor", type(x).__name__)
     if x.dim() != len(shape) or any(s is not None and s != a for s, a in zip(shape, x.shape)):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise _fail(op, name, f"of shape {want}", list(x.shape))
-    if x.dtype != ref.dtype:
-        raise _fail(op, name, f"of dtype {ref.dtype} (the dtype of q)", x.dtype)
+    if x.dtype != ref.dtype and x.dtype != also:
+        alternative = "" if also is None or also == ref.dtype else f" or {also}"
+        raise _fail(op, name, f"of dtype {ref.dtype} (the dtype of q){alternative}", x.dtype)
     if x.device != ref.device:
         raise _fail(op, name, f"on device {ref.device} (the device of q)", x.device)
 

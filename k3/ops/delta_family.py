@@ -20,6 +20,7 @@ import torch
 
 from . import fla_kernels  # noqa: F401  (registers the torch.ops.k3.fla_* custom ops)
 from .common import (
+    autocast_dtype,
     cast,
     check_chunk_size,
     check_cu_seqlens,
@@ -85,7 +86,8 @@ def run_delta_op(
     and run `form` (a `token_loop`, or `chunk_delta` when chunk_size is given).
 
     q, k [B,T,H,K]; v [B,T,H,V]; beta [B,T,H]; `gate` None (g None), "head" (g [B,T,H]) or "channel"
-    (g [B,T,H,K]); `lower_bound` (KDA's chunk form) None or a float < 0 that every g is at least.
+    (g [B,T,H,K]); g and beta in q's dtype or float32; `lower_bound` (KDA's chunk form) None or a float < 0
+    that every g is at least.
     Returns (o [B,T,H,V] in q's dtype, final state [N,H,K,V] or None).
 
     `check_values` (every public op's last argument, default True) looks at the values, which reads them
@@ -94,11 +96,12 @@ def run_delta_op(
     their own projections (g <= 0 by construction) and whose forward must not wait on the device; a
     non-finite value there reaches the loss, which the training step checks once per step."""
     B, T, H, K, V = check_qkv(op, q, k, v)
+    # the gates may stay float32 beside bfloat16 q, k, v (a layer computes them in it)
     if gate == "head":
-        check_tensor(op, "g", g, (B, T, H), q)
+        check_tensor(op, "g", g, (B, T, H), q, also=torch.float32)
     elif gate == "channel":
-        check_tensor(op, "g", g, (B, T, H, K), q)
-    check_tensor(op, "beta", beta, (B, T, H), q)
+        check_tensor(op, "g", g, (B, T, H, K), q, also=torch.float32)
+    check_tensor(op, "beta", beta, (B, T, H), q, also=torch.float32)
     cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     S0 = check_state(op, "initial_state", initial_state, (N, H, K, V), q)
@@ -156,10 +159,15 @@ def _fla_cannot(q, k, v, beta, g, chunk_size: int | None, gate: str | None) -> s
 
 
 def _run_fla(q, k, v, beta, g, gate, S0, cu_seqlens, scale, use_qk_l2norm, chunk_size, lower_bound, guard):
-    """The op through fla's kernels (`k3.ops.fla_kernels`): q, k, v, beta in their own dtype, g clamped as
-    k3's forms clamp it (`k3.ops.numerics`) in float32, the state in float32. Returns (o, final state)."""
+    """The op through fla's kernels (`k3.ops.fla_kernels`): q, k, v in their own dtype, or in autocast's
+    (bfloat16 under `k3 train --precision bf16`, where a layer hands them over in float32) as autocast runs
+    a matmul; beta as given; g clamped as k3's forms clamp it (`k3.ops.numerics`) in float32; the state
+    in float32. Returns (o in q's dtype, final state)."""
+    in_dtype, low = q.dtype, autocast_dtype(q)
     if use_qk_l2norm:  # in float32, as k3's own forms do, then back to the inputs' dtype
         q, k = (cast(l2norm(cast(x, torch.float32)), x.dtype) for x in (q, k))
+    if low is not None and in_dtype == torch.float32:
+        q, k, v = (cast(x, low) for x in (q, k, v))
     if g is not None:
         floor = (
             LOG_DECAY_FLOOR[torch.float32] if lower_bound is None else max(LOG_DECAY_FLOOR[torch.float32], lower_bound)
@@ -178,7 +186,7 @@ def _run_fla(q, k, v, beta, g, gate, S0, cu_seqlens, scale, use_qk_l2norm, chunk
     if guard and chunk_size is not None:  # no NaN or inf reaches an earlier output (k3.ops.common.keep_causal)
         onwards = nonfinite_onwards(k, v, beta)  # packed sequences are independent: [1, T, H] is fine
         o = keep_causal(o, onwards, lambda zero: run(zero(k), zero(v), zero(beta), zero(g))[0])
-    return o, S
+    return cast(o, in_dtype), S
 
 
 def delta_step(q, k, v, beta, S, scale: float, decay=None):

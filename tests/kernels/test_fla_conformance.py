@@ -262,3 +262,22 @@ def test_a_kimi_k3_training_step_compiles_whole_with_fla_inside():
     torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-5)
     for (n, p), want in zip(model.named_parameters(), expected):
         assert rel(p.grad, want) < 1e-4, (n, rel(p.grad, want))
+
+
+def test_under_bf16_autocast_fla_gets_bfloat16_inputs(monkeypatch):
+    """`k3 train --precision bf16`: a layer hands q, k, v over in float32 (k3's forms accumulate in it);
+    fla's kernels get them in autocast's bfloat16, as a matmul would, beta and g as given, and the output
+    comes back in q's dtype. (Only the dtypes: the interpreter cannot compute fla's bfloat16 kernels.)"""
+    seen = []
+    chunk = torch.ops.k3.fla_chunk_delta
+
+    def spy(*args):
+        seen.append([a.dtype if isinstance(a, torch.Tensor) else a for a in args[:5]])
+        return chunk(*args)
+
+    monkeypatch.setattr(torch.ops.k3, "fla_chunk_delta", spy)
+    x = {n: t.detach() for n, t in make("kda", B=1, T=8, H=1, K=8, V=8).items()}
+    with use_kernels("fla"), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        o, _ = ops.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=32, use_qk_l2norm=True)
+    assert seen == [[torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]]
+    assert o.dtype == torch.float32

@@ -256,3 +256,16 @@ def test_gate_of_zero_and_minus_inf_are_accepted(op_name):
     x["g"][:, 3] = -float("inf")
     o, _ = fn(**x)
     assert torch.isfinite(o).all()
+
+
+def test_gates_may_stay_float32_beside_bfloat16_inputs():
+    """g and beta in float32 beside bfloat16 q, k, v (how a layer computes its gates, and how fla's callers
+    pass them): accepted, with the result of the same gates in bfloat16's dtype path; another dtype names both."""
+    from k3.ops import chunk_kda
+
+    q, k, v = (torch.randn(1, 6, 1, 4, dtype=torch.bfloat16) for _ in range(3))
+    g, beta = -torch.rand(1, 6, 1, 4), torch.rand(1, 6, 1)
+    o, _ = chunk_kda(q, k, v, g, beta)
+    assert o.dtype == torch.bfloat16 and torch.isfinite(o).all()
+    with pytest.raises(ValueError, match=r"`g` must be of dtype torch.bfloat16 \(the dtype of q\) or torch.float32"):
+        chunk_kda(q, k, v, g.half(), beta)
