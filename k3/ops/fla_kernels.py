@@ -24,8 +24,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-GATES = ("none", "head", "channel")
-
 
 def _chunk_indices(cu_seqlens: Tensor | None, chunk_size: int) -> Tensor | None:
     if cu_seqlens is None:

@@ -83,6 +83,17 @@ def require_fla() -> None:
         )
 
 
+def kernels_words(device: torch.device | str) -> str:
+    """What runs the delta family's ops on `device` under the current choice, in words for a header
+    (`k3 train` prints it for a GPU)."""
+    on_cuda = torch.device(device).type == "cuda"
+    if _choice == "fla" or (_choice == "auto" and on_cuda and _FLA_INSTALLED):
+        return "delta-family kernels: fla's (Triton)"
+    if _choice == "auto" and on_cuda:
+        return "delta-family kernels: k3's PyTorch forms (pip install 'k3[cuda]' for fla's)"
+    return "delta-family kernels: k3's PyTorch forms"
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

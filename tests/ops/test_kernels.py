@@ -57,6 +57,17 @@ def test_fla_on_cpu_tensors_needs_the_interpreter(monkeypatch):
         ops.chunk_kda(q, q, q, -torch.rand(1, 5, 1, 4), torch.rand(1, 5, 1))
 
 
+def test_the_header_words_say_which_kernels_run(monkeypatch):
+    monkeypatch.setattr(kernels, "_FLA_INSTALLED", True)
+    with ops.use_kernels("auto"):
+        assert kernels.kernels_words("cuda") == "delta-family kernels: fla's (Triton)"
+        assert kernels.kernels_words("cpu") == "delta-family kernels: k3's PyTorch forms"
+        monkeypatch.setattr(kernels, "_FLA_INSTALLED", False)
+        assert "pip install 'k3[cuda]'" in kernels.kernels_words("cuda")
+    with ops.use_kernels("torch"):
+        assert kernels.kernels_words("cuda") == "delta-family kernels: k3's PyTorch forms"
+
+
 def test_the_environment_variable_sets_the_choice_at_import():
     env = {**os.environ, "K3_KERNELS": "torch"}
     code = "import k3.ops; print(k3.ops.get_kernels())"
