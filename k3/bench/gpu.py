@@ -175,8 +175,9 @@ def op_cases(op: str, x: dict, s: Settings, device: torch.device) -> dict:
 
         return call
 
-    cases = {"k3 (dispatch)": k3_call("auto"), "k3 PyTorch form": k3_call("torch")}
-    if device.type == "cuda":
+    # the dispatch as the caller has it set (automatic: fla's kernels on CUDA)
+    cases = {"k3 (dispatch)": k3_call(ops.get_kernels()), "k3 PyTorch form": k3_call("torch")}
+    if device.type == "cuda" or fla_interpreted():
         if op == "kda":
             from fla.ops.kda import chunk_kda as fla_op
 
@@ -194,6 +195,14 @@ def op_cases(op: str, x: dict, s: Settings, device: torch.device) -> dict:
 
         cases["fla direct"] = fla_call
     return cases
+
+
+def fla_interpreted() -> bool:
+    """fla's kernels on CPU tensors through Triton's interpreter (make test-kernels checks this module's
+    fla calls that way; only a GPU times them)."""
+    from ..ops import kernels
+
+    return kernels.fla_installed() and kernels._interpreting()
 
 
 def _leaves(x: dict, grad: bool) -> dict:

@@ -281,3 +281,23 @@ def test_under_bf16_autocast_fla_gets_bfloat16_inputs(monkeypatch):
         o, _ = ops.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=32, use_qk_l2norm=True)
     assert seen == [[torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]]
     assert o.dtype == torch.float32
+
+
+def test_the_device_checks_op_cases_run_through_the_interpreter():
+    """`k3 bench gpu`'s op cases (its calls of k3's dispatch and of fla directly, safe gate included) run
+    at toy sizes through the interpreter, so a GPU session does not find a wrong argument first."""
+    import fla.ops.gated_delta_rule.chunk as gdn_chunk
+    import fla.ops.kda.chunk_fwd as kda_chunk
+
+    from k3.bench import gpu
+
+    calls = []
+    with use_kernels("fla"), pytest.MonkeyPatch.context() as patch:
+        for module, name in ((kda_chunk, "chunk_kda_fwd"), (gdn_chunk, "chunk_gated_delta_rule_fwd")):
+            original = getattr(module, name)
+            patch.setattr(module, name, lambda *a, f=original, n=name, **kw: calls.append(n) or f(*a, **kw))
+        rows = gpu.time_ops(gpu.TINY, torch.device("cpu"), say=lambda *_: None)
+    assert {"chunk_kda_fwd", "chunk_gated_delta_rule_fwd"} <= set(calls)  # k3's dispatch ran fla's kernels
+    assert [r["op"] for r in rows] == ["kda", "kda", "gdn", "gdn"]
+    assert all(set(r["ms"]) == {"k3 (dispatch)", "k3 PyTorch form", "fla direct"} for r in rows)
+    assert all(r["dispatch / fla"] > 0 for r in rows)
