@@ -153,7 +153,8 @@ def _fla_cannot(q, k, v, beta, g, chunk_size: int | None, gate: str | None) -> s
         return None
     if chunk_size not in FLA_CHUNK_SIZES[gate]:
         return f"chunk_size = {chunk_size} (fla's kernel takes {FLA_CHUNK_SIZES[gate]})"
-    if gate is None and q.dtype == torch.float32 and not FLA_FLOAT32_DELTANET:
+    kernel_dtype = (autocast_dtype(q) or q.dtype) if q.dtype == torch.float32 else q.dtype  # as `_run_fla` casts
+    if gate is None and kernel_dtype == torch.float32 and not FLA_FLOAT32_DELTANET:
         return "float32 DeltaNet (fla's chunk_delta_rule takes bfloat16 and float16 only)"
     return None
 

@@ -22,9 +22,12 @@ READY = (
 
 @pytest.fixture(scope="session", autouse=True)
 def bridged_interpreter():
-    """The four bridges of tests/kernels/interpreter.py, applied once before any fla kernel runs."""
+    """The four bridges of tests/kernels/interpreter.py, applied once before any fla kernel runs; then fla
+    imported, which compiles a few functions as it loads and so imports torch's inductor: before any test
+    swaps an op of `torch.ops.k3` for a spy (inductor's import walks the registered ops)."""
     if READY:
         from .interpreter import install
 
         install()
+        import fla.ops  # noqa: F401
     yield

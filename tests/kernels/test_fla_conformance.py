@@ -281,6 +281,15 @@ def test_under_bf16_autocast_fla_gets_bfloat16_inputs(monkeypatch):
         o, _ = ops.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=32, use_qk_l2norm=True)
     assert seen == [[torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]]
     assert o.dtype == torch.float32
+    # DeltaNet, which fla takes in bfloat16 only: float32 runs k3's form, under autocast fla's kernel
+    monkeypatch.setattr(delta_family, "FLA_FLOAT32_DELTANET", False)
+    seen.clear()
+    with use_kernels("fla"), torch.no_grad():
+        ops.chunk_delta_rule(x["q"], x["k"], x["v"], x["beta"], chunk_size=32)
+        assert seen == []
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ops.chunk_delta_rule(x["q"], x["k"], x["v"], x["beta"], chunk_size=32)
+    assert seen == [[torch.bfloat16, torch.bfloat16, torch.bfloat16, None, torch.float32]]
 
 
 def test_the_device_checks_op_cases_run_through_the_interpreter():
