@@ -370,8 +370,8 @@ def run(
 ) -> dict:
     """The `parts` (default all, in order) on `device` (CUDA for the report; the CPU runs `TINY` in the
     tests, without "tests"); returns the report, with each part's wall seconds under "seconds" (compiles
-    and kernel autotuning included). The JSON is written after every part, so a run cut short keeps
-    what it measured."""
+    and kernel autotuning included) and a part that raised under "errors" (the others still run). The
+    JSON is written after every part, so a run cut short keeps what it measured."""
     from .timing import write_report
 
     device = torch.device(device)
@@ -395,7 +395,13 @@ def run(
             continue
         say(f"{number}. {part}")
         start = time.perf_counter()
-        report[part] = steps[part]()
+        try:
+            report[part] = steps[part]()
+        except Exception as e:  # a device session is scarce: one part's failure does not cost the others
+            report.setdefault("errors", {})[part] = f"{type(e).__name__}: {e}"
+            say(f"  {part} failed: {type(e).__name__}: {e}")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         report["seconds"][part] = time.perf_counter() - start
         if part == "tests":
             say(f"  {report['tests'].get('summary') or report['tests'].get('skipped')}")
@@ -434,6 +440,8 @@ def table(report: dict) -> list[str]:
         for row in report["decode"]:
             cells = ["-" if row.get(k) is None else f"{row[k]:.2f}" for k in columns]
             lines.append(f"| {row['model']} | {row['context']:,} | " + " | ".join(cells) + " |")
+    for part, error in report.get("errors", {}).items():
+        lines += ["", f"{part} failed: {error}"]
     if report.get("seconds"):
         lines += ["", "Wall seconds by part: " + ", ".join(f"{p} {t:.0f}" for p, t in report["seconds"].items())]
     return lines

@@ -41,5 +41,16 @@ def test_a_subset_of_the_parts_runs_alone(tmp_path, capsys):
     assert "2. ops" in out and "3. train" not in out and "| gdn | forward+backward |" in out
 
 
+def test_a_failing_part_is_reported_and_the_others_run(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(gpu, "time_train", broken)
+    report = gpu.run(gpu.TINY, "cpu", say=lambda *_: None, parts=("train", "decode"))
+    assert report["errors"] == {"train": "RuntimeError: CUDA out of memory (simulated)"}
+    assert "train" not in report and len(report["decode"]) == 4
+    assert "train failed: RuntimeError: CUDA out of memory (simulated)" in gpu.table(report)
+
+
 def test_the_full_sizes_need_a_gpu(capsys):
     fails(capsys, ["bench", "gpu", "--device", "cpu"], "--device cpu runs only with --tiny")
