@@ -75,8 +75,7 @@ def matmul_gflops(n: int = 1024, batch: int | None = None, size: int = 64, repea
 def machine_speed_words(device: torch.device) -> str:
     """What `k3 train`'s header says of the machine it trains on: the CPU's float32 matmul (1024^3) GFLOP/s
     on torch's threads, or for a GPU its name, memory and own float32 and bfloat16 matmul speeds (4096^3:
-    a 1024^3 GEMM is too small to fill one) and which kernels run the delta family there, so that runs on
-    different machines compare."""
+    a 1024^3 GEMM is too small to fill one), so that runs on different machines compare."""
     device = torch.device(device)
     if device.type != "cuda":
         return f"this machine's float32 matmul (1024^3): {matmul_gflops():.0f} GFLOP/s"
@@ -91,11 +90,9 @@ def machine_speed_words(device: torch.device) -> str:
             torch.cuda.synchronize(device)
 
         speeds.append(2 * 4096**3 / best_time(run, repeats=5) / 1e12)
-    from .ops.kernels import kernels_words
-
     return (
         f"GPU {props.name}, {props.total_memory / 2**30:.0f} GiB; its matmul (4096^3): float32 "
-        f"{speeds[0]:.1f} TFLOP/s, bfloat16 {speeds[1]:.1f} TFLOP/s; {kernels_words(device)}"
+        f"{speeds[0]:.1f} TFLOP/s, bfloat16 {speeds[1]:.1f} TFLOP/s"
     )
 
 

@@ -85,7 +85,7 @@ def require_fla() -> None:
 
 def kernels_words(device: torch.device | str) -> str:
     """What runs the delta family's ops on `device` under the current choice, in words for a header
-    (`k3 train` prints it for a GPU)."""
+    (`k3 train`'s header gives it on a GPU)."""
     on_cuda = torch.device(device).type == "cuda"
     if _choice == "fla" or (_choice == "auto" and on_cuda and _FLA_INSTALLED):
         return "delta-family kernels: fla's (Triton)"

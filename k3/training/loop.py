@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoints.checkpoint import load_into
+from ..ops.kernels import kernels_words
 from ..runtime import machine_speed_words
 from .budget import _replan, _steps_in_budget
 from .checkpoint import check_new_run_folder, claim_output, load_training_checkpoint
@@ -186,6 +187,7 @@ def _run(
             f"{optimizer}, "
             f"on {_device_words(cfg, strategy.device)}, {precision}, {_threads_words()}{strategy.describe()}; "
             f"{machine_speed_words(strategy.device)}"
+            + (f"; {kernels_words(strategy.device)}" if torch.device(strategy.device).type == "cuda" else "")
         )
     metrics = (
         MetricsLog(out, step, Path(resume) if resume else None, cfg.log, dataclasses.asdict(cfg))
