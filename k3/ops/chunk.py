@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from .chunk_backward import slab_backward
 from .common import keep_causal, nonfinite_onwards
 from .gates import gate_from_tensors, gate_of, gate_tensors, lower_masks, sub_chunk_size
-from .numerics import LOG_DECAY_FLOOR
+from .numerics import log_decay_floor
 from .scan import state_scan
 from .ut import BlockLower
 
@@ -109,8 +109,7 @@ def _chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int, lower_boun
     chunked = lambda x: x.reshape(N, n, C, H, -1)  # noqa: E731  [N, n, C, H, d], a view
     q, k, v, beta = chunked(q), chunked(k), chunked(v), chunked(beta)
     if g is not None:  # clamped so that g = -inf stays finite; summed within each chunk slab by slab
-        floor = LOG_DECAY_FLOOR[q.dtype]
-        g = _clamped(chunked(g), floor if lower_bound is None else max(floor, lower_bound))
+        g = _clamped(chunked(g), log_decay_floor(q.dtype, lower_bound))
     S0 = None if S0 is None else S0.reshape(M, K, V)
     # Chunks are processed in slabs of about SLAB_ELEMENTS values per tensor, laid out chunk-major
     # [slab chunks, N*H, C, d] only there: temporaries stay cache-sized and memory flat in T.

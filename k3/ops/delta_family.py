@@ -39,7 +39,7 @@ from .common import (
     without_autocast,
 )
 from .kernels import fla_runs
-from .numerics import LOG_DECAY_FLOOR
+from .numerics import log_decay_floor
 
 
 def token_loop(recurrence: Callable) -> Callable:
@@ -153,27 +153,27 @@ def _fla_cannot(q, k, v, beta, g, chunk_size: int | None, gate: str | None) -> s
         return None
     if chunk_size not in FLA_CHUNK_SIZES[gate]:
         return f"chunk_size = {chunk_size} (fla's kernel takes {FLA_CHUNK_SIZES[gate]})"
-    kernel_dtype = (autocast_dtype(q) or q.dtype) if q.dtype == torch.float32 else q.dtype  # as `_run_fla` casts
-    if gate is None and kernel_dtype == torch.float32 and not FLA_FLOAT32_DELTANET:
+    if gate is None and _fla_dtype(q) == torch.float32 and not FLA_FLOAT32_DELTANET:
         return "float32 DeltaNet (fla's chunk_delta_rule takes bfloat16 and float16 only)"
     return None
 
 
+def _fla_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype fla's kernel gets q, k, v in: theirs, or autocast's for float32 ones (bfloat16 under
+    `k3 train --precision bf16`, where a layer hands them over in float32), as autocast runs a matmul."""
+    return (autocast_dtype(q) or q.dtype) if q.dtype == torch.float32 else q.dtype
+
+
 def _run_fla(q, k, v, beta, g, gate, S0, cu_seqlens, scale, use_qk_l2norm, chunk_size, lower_bound, guard):
-    """The op through fla's kernels (`k3.ops.fla_kernels`): q, k, v in their own dtype, or in autocast's
-    (bfloat16 under `k3 train --precision bf16`, where a layer hands them over in float32) as autocast runs
-    a matmul; beta as given; g clamped as k3's forms clamp it (`k3.ops.numerics`) in float32; the state
-    in float32. Returns (o in q's dtype, final state)."""
-    in_dtype, low = q.dtype, autocast_dtype(q)
+    """The op through fla's kernels (`k3.ops.fla_kernels`): q, k, v in `_fla_dtype`; beta as given; g
+    clamped as k3's forms clamp it (`k3.ops.numerics.log_decay_floor`) in float32; the state in float32.
+    Returns (o in q's dtype, final state)."""
+    in_dtype, kernel_dtype = q.dtype, _fla_dtype(q)
     if use_qk_l2norm:  # in float32, as k3's own forms do, then back to the inputs' dtype
         q, k = (cast(l2norm(cast(x, torch.float32)), x.dtype) for x in (q, k))
-    if low is not None and in_dtype == torch.float32:
-        q, k, v = (cast(x, low) for x in (q, k, v))
+    q, k, v = (cast(x, kernel_dtype) for x in (q, k, v))
     if g is not None:
-        floor = (
-            LOG_DECAY_FLOOR[torch.float32] if lower_bound is None else max(LOG_DECAY_FLOOR[torch.float32], lower_bound)
-        )
-        g = cast(g, torch.float32).clamp(min=floor)
+        g = cast(g, torch.float32).clamp(min=log_decay_floor(torch.float32, lower_bound))
     S0 = None if S0 is None else cast(S0, torch.float32)
     kind = gate or "none"
 

@@ -38,6 +38,13 @@ UT_FLUSH = {torch.float32: 2.0**-40, torch.float64: 2.0**-100}
 FACTOR_EXP_LIMIT = {torch.float32: 40.0, torch.float64: 300.0}  # the largest |exponent| of a factor above 1
 
 
+def log_decay_floor(dtype: torch.dtype, lower_bound: float | None = None) -> float:
+    """Where a per-step g is clamped from below: LOG_DECAY_FLOOR of `dtype`, or the caller's stated
+    `lower_bound` when that is higher (a g below it is taken as it)."""
+    floor = LOG_DECAY_FLOOR[dtype]
+    return floor if lower_bound is None else max(floor, lower_bound)
+
+
 def decay_exp(x: torch.Tensor, floor: float | None = None) -> torch.Tensor:
     """exp(x), flushed to exactly 0 where x <= floor (default: DECAY_FLUSH of x's dtype)."""
     floor = DECAY_FLUSH[x.dtype] if floor is None else floor
