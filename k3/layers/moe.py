@@ -229,7 +229,7 @@ def slot_capacity(assignments: int, experts: int) -> int:
 def grouped_mm_runs(z: torch.Tensor, stack) -> bool:
     """Whether torch's grouped GEMM takes these operands: a float32, bfloat16 or float16 input whose rows,
     and the matrices' rows, are a multiple of 16 bytes."""
-    if not hasattr(F, "grouped_mm") or z.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if not hasattr(F, "grouped_mm") or z.dtype not in TORCH_DTYPES:
         return False
     sizes = [z.shape[-1]] + [n for w in stack for n in w.shape[1:]]
     return all(w.dtype == z.dtype for w in stack) and all(n * z.element_size() % 16 == 0 for n in sizes)

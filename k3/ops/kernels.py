@@ -87,7 +87,7 @@ def kernels_words(device: torch.device | str) -> str:
     """What runs the delta family's ops on `device` under the current choice, in words for a header
     (`k3 train`'s header gives it on a GPU)."""
     on_cuda = torch.device(device).type == "cuda"
-    if _choice == "fla" or (_choice == "auto" and on_cuda and _FLA_INSTALLED):
+    if _choice == "fla" or (_choice == "auto" and on_cuda and fla_installed()):
         return "delta-family kernels: fla's (Triton)"
     if _choice == "auto" and on_cuda:
         return "delta-family kernels: k3's PyTorch forms (pip install 'k3[cuda]' for fla's)"

@@ -185,6 +185,7 @@ def plan_training(config: ModelConfig, s: TrainSettings, shapes: ModelShapes | N
     f.add("tokens per day", batch / step * 86400, "tokens")
     f.add("GPU-hours per trillion tokens", layout.gpus * step / batch * 1e12 / 3600, "GPU-hours")
     if layout.pp == 1:  # bytes each GPU sends in a step (k3.plan.traffic), as k3 train runs it
+        compute_bytes = 2 if s.precision == "bf16" else 4  # the gathered weights and exchanged rows
         traffic = step_traffic(
             config,
             layout.fsdp,
@@ -194,9 +195,9 @@ def plan_training(config: ModelConfig, s: TrainSettings, shapes: ModelShapes | N
             s.optimizer,
             recompute,
             weight_bytes=4,
-            row_bytes=2 if s.precision == "bf16" else 4,
+            row_bytes=compute_bytes,
             shapes=shapes,
-            gather_bytes=2 if s.precision == "bf16" else 4,
+            gather_bytes=compute_bytes,
         )
         for name, value in traffic.items():
             f.add(f"sent per GPU per step: {name}", value, "bytes")

@@ -274,11 +274,11 @@ def check_ep(config, mode: str, ep: int) -> None:
 def mixed_precision(precision: str):
     """FSDP2's MixedPrecisionPolicy for `--precision`: under bf16, torchtitan's (the weights gathered and
     computed with in bfloat16 from float32 shards, the gradients reduced in float32, inputs left as they
-    are: half the gather traffic of float32, the same reductions); under fp32 FSDP's default (None)."""
-    if precision != "bf16":
-        return None
+    are: half the gather traffic of float32, the same reductions); under fp32 FSDP's default."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    if precision != "bf16":
+        return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
@@ -308,7 +308,7 @@ def apply_fsdp(
     if ep > 1:
         shard_experts(model, mesh["ep"].get_local_rank(), ep, mesh["ep"].get_group())
         for moe in model.moe_layers():
-            fully_shard(moe.experts, mesh=mesh["efsdp"], **({} if policy is None else {"mp_policy": policy}))
+            fully_shard(moe.experts, mesh=mesh["efsdp"], mp_policy=policy)
             moe.experts.set_gradient_divide_factor(world)  # sum over efsdp of ep-group sums, / world
             if world // ep > 1:  # a sum, then the division (gloo has no PreMulSum); over one rank FSDP2
                 # sends nothing and divides once in its copy, and forcing the sum would divide again
@@ -342,13 +342,12 @@ def _broadcast_from_main(model: nn.Module) -> None:
         dist.broadcast(t.data, src=0)
 
 
-def _fully_shard(model: CausalLM, mesh, policy=None) -> None:
+def _fully_shard(model: CausalLM, mesh, policy) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    options = {} if policy is None else {"mp_policy": policy}
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, **options)
-    fully_shard(model, mesh=mesh, **options)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     if model.moe_layers():
         if not hasattr(model, "set_reduce_scatter_unused_params"):
             raise RuntimeError(
