@@ -22,16 +22,13 @@ import k3.ops as ops
 from k3.ops import delta_family
 from k3.ops.kernels import use_kernels
 
+from ..ops.helpers import DELTA, GDN_HARD, KDA_HARD, make_inputs, rel_err
 from .conftest import READY, REASON
 
 pytestmark = [pytest.mark.kernels, pytest.mark.skipif(not READY, reason=REASON)]
 
 TOL = 1e-5
-OPS = {  # name: (gate kind, chunk form, recurrent form)
-    "kda": ("channel", ops.chunk_kda, ops.recurrent_kda),
-    "gated_delta_rule": ("head", ops.chunk_gated_delta_rule, ops.recurrent_gated_delta_rule),
-    "delta_rule": (None, ops.chunk_delta_rule, ops.recurrent_delta_rule),
-}
+OPS = {"kda": KDA_HARD, "gated_delta_rule": GDN_HARD, "delta_rule": DELTA}  # unbounded gates, -5 sigmoid aside
 GATED = ["kda", "gated_delta_rule"]
 
 
@@ -42,26 +39,16 @@ def float32_deltanet(monkeypatch):
     monkeypatch.setattr(delta_family, "FLA_FLOAT32_DELTANET", True)
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def make(name, B, T, H, K, V, *, seed=0, states=None, lower_bound=None, neg_inf_at=None):
-    """Float32 inputs of op `name` as keyword arguments (leaves, with gradients), from a float64 draw."""
-    gate = OPS[name][0]
-    gen = torch.Generator().manual_seed(seed)
-    draw = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
-    x = {"q": draw(B, T, H, K), "k": draw(B, T, H, K), "v": draw(B, T, H, V)}
-    x["beta"] = torch.sigmoid(draw(B, T, H))
-    if gate is not None:
-        raw = draw(B, T, H, K) if gate == "channel" else draw(B, T, H)
-        x["g"] = lower_bound * torch.sigmoid(raw) if lower_bound is not None else -torch.nn.functional.softplus(raw)
-        if neg_inf_at is not None:
-            x["g"][(0, neg_inf_at, 0)] = -float("inf")
-    if states is not None:
-        x["initial_state"] = draw(states, H, K, V)
-    return {n: t.float().requires_grad_() for n, t in x.items()}
+def make(name, B, T, H, K, V, *, seed=0, states=None, gate_kind=None, neg_inf_at=None):
+    """Float32 inputs of op `name` (`tests/ops/helpers.make_inputs`, drawn in float64) as leaves: `states` initial
+    states, `gate_kind` "safe" for Kimi K3's -5 sigmoid gate, a g of -inf at step `neg_inf_at`."""
+    x = make_inputs(
+        OPS[name], B, T, H, K, V, torch.float32, seed=seed, initial_state=states is not None, N=states,
+        gate_kind=gate_kind,
+    )  # fmt: skip
+    if neg_inf_at is not None:
+        x["g"][(0, neg_inf_at, 0)] = -float("inf")
+    return {n: t.requires_grad_() for n, t in x.items()}  # leaves, with gradients
 
 
 def run(form, x, **options):
@@ -80,7 +67,7 @@ def assert_same(name, x, form, **options):
         fla_out, fla_grads = run(form, x, **options)
     with use_kernels("torch"):
         x64 = {n: t.detach().double().requires_grad_() for n, t in x.items()}
-        ref_out, ref_grads = run(OPS[name][1], x64, **options)
+        ref_out, ref_grads = run(OPS[name].chunk, x64, **options)
     for what, ref in {**ref_out, **ref_grads}.items():
         got = {**fla_out, **fla_grads}[what]
         if ref is None:
@@ -88,14 +75,14 @@ def assert_same(name, x, form, **options):
             continue
         assert got is not None and got.shape == ref.shape and got.dtype == torch.float32, what
         assert torch.isfinite(got).all(), what
-        assert rel(got, ref) < TOL, f"{name} {what}: rel {rel(got, ref):.2e}"
+        assert rel_err(got, ref) < TOL, f"{name} {what}: rel {rel_err(got, ref):.2e}"
 
 
 @pytest.mark.parametrize("name", OPS)
 def test_chunk_forward_state_and_gradients(name):
     """T = 37 (not a multiple of the chunk), B = 2, an initial state, L2-normalised q and k, a scale."""
     x = make(name, B=2, T=37, H=2, K=16, V=8, states=2)
-    assert_same(name, x, OPS[name][1], output_final_state=True, use_qk_l2norm=True, scale=0.3, chunk_size=32)
+    assert_same(name, x, OPS[name].chunk, output_final_state=True, use_qk_l2norm=True, scale=0.3, chunk_size=32)
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -103,19 +90,19 @@ def test_chunk_packed_sequences(name):
     """Three sequences packed along T by cu_seqlens (B = 1), one initial state each."""
     x = make(name, B=1, T=45, H=2, K=16, V=8, states=3, seed=1)
     cu = torch.tensor([0, 5, 29, 45])
-    assert_same(name, x, OPS[name][1], output_final_state=True, use_qk_l2norm=True, cu_seqlens=cu, chunk_size=32)
+    assert_same(name, x, OPS[name].chunk, output_final_state=True, use_qk_l2norm=True, cu_seqlens=cu, chunk_size=32)
 
 
 @pytest.mark.parametrize("name", OPS)
 def test_chunk_shorter_than_a_chunk_without_states(name):
     """T < chunk, H = 1, odd head dims, no initial state and no final state asked for."""
     x = make(name, B=1, T=11, H=1, K=7, V=5, seed=2)
-    assert_same(name, x, OPS[name][1], use_qk_l2norm=True, chunk_size=64)
+    assert_same(name, x, OPS[name].chunk, use_qk_l2norm=True, chunk_size=64)
 
 
 def test_kda_at_the_safe_gates_bound():
     """Kimi K3's safe gate: g = -5 sigmoid(.), stated as lower_bound = -5 (fla's safe_gate path)."""
-    x = make("kda", B=1, T=40, H=2, K=16, V=8, states=1, lower_bound=-5.0, seed=3)
+    x = make("kda", B=1, T=40, H=2, K=16, V=8, states=1, gate_kind="safe", seed=3)
     assert_same("kda", x, ops.chunk_kda, output_final_state=True, use_qk_l2norm=True, lower_bound=-5.0, chunk_size=32)
 
 
@@ -123,14 +110,14 @@ def test_kda_at_the_safe_gates_bound():
 def test_a_gate_step_of_minus_infinity_clears_the_state(name):
     """g = -inf at one step forgets everything before it: k3 clamps it as its own forms do."""
     x = make(name, B=1, T=40, H=2, K=16, V=8, states=1, neg_inf_at=17, seed=4)
-    assert_same(name, x, OPS[name][1], output_final_state=True, use_qk_l2norm=True, chunk_size=32)
+    assert_same(name, x, OPS[name].chunk, output_final_state=True, use_qk_l2norm=True, chunk_size=32)
 
 
 @pytest.mark.parametrize("name", OPS)
 @pytest.mark.parametrize("T", [1, 9])
 def test_recurrent_form_packed_and_batched(name, T):
     """fla's fused recurrent kernel (the decode kernel) equals k3's, batched and packed, forward only."""
-    _, _, recurrent = OPS[name]
+    recurrent = OPS[name].recurrent
     x = make(name, B=2, T=T, H=2, K=16, V=8, states=2, seed=5)
     order = [n for n in ("q", "k", "v", "g", "beta") if n in x]
     with torch.no_grad():
@@ -151,7 +138,7 @@ def test_recurrent_form_packed_and_batched(name, T):
                     use_qk_l2norm=True,
                     **options,
                 )
-            assert rel(o, o_ref) < TOL and rel(S, S_ref) < TOL, (packed, rel(o, o_ref), rel(S, S_ref))
+            assert rel_err(o, o_ref) < TOL and rel_err(S, S_ref) < TOL, (packed, rel_err(o, o_ref), rel_err(S, S_ref))
 
 
 def test_the_fla_path_runs_fla(monkeypatch):
@@ -213,7 +200,7 @@ def test_the_custom_ops_pass_opcheck(gate):
 def test_the_ops_compile_whole_with_fla_inside(name):
     """A function around the public op compiles with fullgraph=True (no graph break at fla's call) and gives
     eager's outputs and gradients, through AOT autograd's forward and backward graphs."""
-    gate, chunk, _ = OPS[name]
+    chunk = OPS[name].chunk
     x = make(name, B=1, T=20, H=2, K=8, V=8, states=1, seed=7)
     order = [n for n in ("q", "k", "v", "g", "beta") if n in x]
 
@@ -230,7 +217,7 @@ def test_the_ops_compile_whole_with_fla_inside(name):
         compiled_step = torch.compile(step, fullgraph=True, backend="aot_eager")
         compiled = torch.autograd.grad(compiled_step(*inputs), inputs)
     for n, a, b in zip(order + ["initial_state"], compiled, eager):
-        assert rel(a, b) < 1e-6, (name, n, rel(a, b))
+        assert rel_err(a, b) < 1e-6, (name, n, rel_err(a, b))
 
 
 def test_a_kimi_k3_training_step_compiles_whole_with_fla_inside():
@@ -261,7 +248,7 @@ def test_a_kimi_k3_training_step_compiles_whole_with_fla_inside():
     assert traced.count(torch.ops.k3.fla_chunk_delta) == 3, [t for t in traced if "k3" in str(t)]  # one per KDA layer
     torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-5)
     for (n, p), want in zip(model.named_parameters(), expected):
-        assert rel(p.grad, want) < 1e-4, (n, rel(p.grad, want))
+        assert rel_err(p.grad, want) < 1e-4, (n, rel_err(p.grad, want))
 
 
 def test_under_bf16_autocast_fla_gets_bfloat16_inputs(monkeypatch):
