@@ -11,7 +11,7 @@ import torch
 
 from k3.ops import kernels
 
-from .helpers import MIXERS, assert_rel, make_inputs, mixer_params, tol_for
+from .helpers import DELTA, GDN, KDA, MIXERS, assert_rel, make_inputs, mixer_params, tol_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -57,50 +57,30 @@ def test_the_training_header_names_the_gpu_and_measures_it():
     assert "1024^3" not in words
 
 
-FLA = [
-    ("kda", "chunk_kda", "channel"),
-    ("gated_delta_rule", "chunk_gated_delta_rule", "head"),
-    ("delta_rule", "chunk_delta_rule", None),
-]
-
-
 @pytest.mark.skipif(not kernels.fla_installed(), reason="needs fla-core and triton: pip install 'k3[cuda]'")
-@pytest.mark.parametrize("name, op, gate", FLA)
+@pytest.mark.parametrize("mixer", mixer_params([KDA, GDN, DELTA]))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fla_behind_k3s_ops_equals_k3s_own_form_on_cuda(name, op, gate, dtype):
+def test_fla_behind_k3s_ops_equals_k3s_own_form_on_cuda(mixer, dtype):
     """On the GPU "auto" runs fla's kernels: outputs, final state and gradients equal k3's own form (float64
     on the same numbers) to the dtype's tolerance (fla's float32 dots may run in TF32). float32 DeltaNet
-    runs k3's own form (fla refuses it)."""
+    runs k3's own form (fla refuses it). KDA's and Gated DeltaNet's gates are -5 sigmoid (make_inputs)."""
     import k3.ops as ops
 
-    gen = torch.Generator().manual_seed(11)
-    B, T, H, K, V = 2, 150, 3, 64, 32
-    draw = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
-    x = {"q": draw(B, T, H, K), "k": draw(B, T, H, K), "v": draw(B, T, H, V)}
-    if gate is not None:
-        raw = draw(B, T, H, K) if gate == "channel" else draw(B, T, H)
-        x["g"] = -5 * torch.sigmoid(raw) if gate == "channel" else torch.nn.functional.logsigmoid(raw)
-    x["beta"] = torch.sigmoid(draw(B, T, H))
-    x["initial_state"] = draw(B, H, K, V)
+    x = make_inputs(mixer, B=2, T=150, H=3, K=64, V=32, seed=11, initial_state=True)
     options = dict(output_final_state=True, use_qk_l2norm=True, chunk_size=64)
-    if gate == "channel":
+    if mixer.gate == "channel":
         options["lower_bound"] = -5.0
-    fn = getattr(ops, op)
 
     def run(inputs, choice):
         leaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}
-        order = [n for n in ("q", "k", "v", "g", "beta") if n in leaves]
         with ops.use_kernels(choice):
-            o, S = fn(*(leaves[n] for n in order), initial_state=leaves["initial_state"], **options)
+            o, S = mixer("chunk", leaves, **options)
         (o.float().square().sum() + S.sum()).backward()
-        return [o, S] + [leaves[n].grad for n in order + ["initial_state"]]
+        return [o, S] + [t.grad for t in leaves.values()]
 
-    cuda = {n: (t.to(dtype) if n not in ("g", "initial_state") else t.float()).cuda() for n, t in x.items()}
-    if gate == "head" or gate == "channel":
-        cuda["g"] = cuda["g"].to(dtype)
-    got = run(cuda, "auto")
+    got = run({n: (t.float() if n == "initial_state" else t.to(dtype)).cuda() for n, t in x.items()}, "auto")
     want = run({n: t.cuda() for n, t in x.items()}, "torch")
     tol = {torch.float32: 5e-3, torch.bfloat16: 3e-2}[dtype]
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.device.type == "cuda" and torch.isfinite(a).all(), i
-        assert_rel(a.double(), b, tol, f"{name} {dtype} output {i}")
+        assert_rel(a.double(), b, tol, f"{mixer.name} {dtype} output {i}")
