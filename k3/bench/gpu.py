@@ -35,6 +35,7 @@ import torch
 
 from ..models import CausalLM, get_config
 from ..models.params import count_params
+from .ops import kda_inputs
 
 MODEL = dict(  # a Kimi K3 of about a billion parameters (counted by --dry-run)
     num_layers=8,
@@ -140,18 +141,14 @@ def run_tests(root: Path | None = None) -> dict:
 
 
 def op_inputs(op: str, s: Settings, device: torch.device, seed: int = 0) -> dict:
-    """bf16 inputs of chunk KDA ("kda", Kimi K3's safe gate) or Gated DeltaNet ("gdn") at s.ops."""
+    """Inputs of chunk KDA ("kda") or Gated DeltaNet ("gdn") at s.ops, as `k3 bench ops` draws them
+    (`kda_inputs`: Kimi K3's safe gate; Gated DeltaNet its first channel), q, k, v, beta in s.dtype."""
     B, T, H, D = s.ops
-    gen = torch.Generator(device).manual_seed(seed)
-    draw = lambda *shape: torch.randn(*shape, generator=gen, device=device)  # noqa: E731
-    x = {
-        "q": draw(B, T, H, D),
-        "k": draw(B, T, H, D),
-        "v": draw(B, T, H, D),
-        "beta": torch.rand(B, T, H, device=device),
-    }
-    x["g"] = -5 * torch.sigmoid(draw(B, T, H, D)) if op == "kda" else torch.nn.functional.logsigmoid(draw(B, T, H))
-    return {n: t.to(s.dtype) if n != "g" else t for n, t in x.items()}
+    q, k, v, g, beta = kda_inputs(T, H, D, seed, B=B, device=device)
+    x = {"q": q, "k": k, "v": v, "beta": beta}
+    x = {n: t.to(s.dtype) for n, t in x.items()}
+    x["g"] = g if op == "kda" else g[..., 0].contiguous()
+    return x
 
 
 def op_cases(op: str, x: dict, s: Settings, device: torch.device) -> dict:

@@ -23,15 +23,16 @@ from ..ops import chunk_gated_delta_rule, chunk_kda, recurrent_gated_delta_rule,
 from .timing import interleaved_best, matmul_gflops, write_report
 
 
-def kda_inputs(T: int, H: int, d: int, seed: int = 0):
-    """(q, k, v, g, beta) of one sequence as `k3 bench ops` times them, float32, seeded: q, k, v
-    [1, T, H, d] with k L2-normalised, the safe gate g = -5 * sigmoid(x) [1, T, H, d] (per-step log decay
-    >= -5; Gated DeltaNet takes its first channel) and the write strength beta = sigmoid(x) [1, T, H]."""
-    gen = torch.Generator().manual_seed(seed)
-    randn = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    q, k, v = randn(1, T, H, d), F.normalize(randn(1, T, H, d), dim=-1), randn(1, T, H, d)
-    g = -5.0 * torch.sigmoid(randn(1, T, H, d))
-    beta = torch.sigmoid(randn(1, T, H))
+def kda_inputs(T: int, H: int, d: int, seed: int = 0, B: int = 1, device="cpu"):
+    """(q, k, v, g, beta) of B sequences as `k3 bench ops` (and `k3 bench gpu`) times them, float32, seeded,
+    on `device`: q, k, v [B, T, H, d] with k L2-normalised, the safe gate g = -5 * sigmoid(x) [B, T, H, d]
+    (per-step log decay >= -5; Gated DeltaNet takes its first channel) and the write strength
+    beta = sigmoid(x) [B, T, H]."""
+    gen = torch.Generator(device).manual_seed(seed)
+    randn = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
+    q, k, v = randn(B, T, H, d), F.normalize(randn(B, T, H, d), dim=-1), randn(B, T, H, d)
+    g = -5.0 * torch.sigmoid(randn(B, T, H, d))
+    beta = torch.sigmoid(randn(B, T, H))
     return q, k, v, g, beta
 
 
