@@ -94,6 +94,7 @@ def _worker(rank: int, world: int, port: int, settings: dict, out: str) -> None:
         LOCAL_WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
+    torch.manual_seed(0)  # the same initial weights in every job (fp32 and bf16 runs compare one model)
     cfg = TrainConfig(
         batch_size=settings["batch_size"],
         seq_len=settings["seq_len"],
