@@ -366,6 +366,7 @@ def _serve(args) -> int:
     from ..models import CausalLM
     from ..runtime import resolve_device
     from ..serve import Engine, build_app, require_serve_extra, serve
+    from ..serve.engine import DEFAULT_MAX_LENGTH
     from ..serve.text import load_chat_template
     from ..tokenizer import Tokenizer
     from .preflight import check_checkpoint
@@ -389,14 +390,26 @@ def _serve(args) -> int:
         tokens = json.loads(config_file.read_text()) if config_file.is_file() else {}
         chat_template = load_chat_template(args.checkpoint)
     positions = model.config.max_position_embeddings
-    max_model_len = args.max_model_len or positions
+    max_model_len = args.max_model_len or positions or DEFAULT_MAX_LENGTH
     if positions and max_model_len > positions:
         raise ValueError(
             f"--max-model-len {max_model_len}: {model.config.name!r} has learned positions for {positions} tokens only"
         )
     special = {k: v for k, v in tokens.items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
     name = args.served_model_name or Path(args.checkpoint).resolve().name
-    engine = Engine(model, budget, max_queue=args.max_queue, max_running=args.max_running)
+    try:
+        engine = Engine(
+            model,
+            budget,
+            max_queue=args.max_queue,
+            max_running=args.max_running,
+            max_length=max_model_len,
+            prefill_chunk=args.prefill_chunk,
+            compile=args.compile,
+            prefix_cache=args.prefix_cache,
+        )
+    except ValueError as e:
+        raise ValueError(f"--cache-memory {args.cache_memory}: {e}") from None
     app = build_app(
         engine,
         tokenizer,
@@ -412,7 +425,15 @@ def _serve(args) -> int:
     def ready(port: int) -> None:
         print(
             f"k3 serve: {name!r} ({model.config.name}, {model.num_parameters():,} parameters, on {device}); "
-            f"cache budget {budget:,} bytes; http://{args.host}:{port}/v1",
+            f"cache budget {budget:,} bytes: {engine.slots} slots of {engine.max_length:,} tokens "
+            f"({engine.pool_bytes:,} bytes); prefill chunk {args.prefill_chunk or 'off'}; prefix cache "
+            f"{'on' if engine.prefix else 'off'}; "
+            + (
+                f"compiled steps (the first compiled in {engine.compile_seconds:.1f} s); "
+                if engine.compile
+                else "eager steps; "
+            )
+            + f"http://{args.host}:{port}/v1",
             file=sys.stderr,
             flush=True,
         )

@@ -6,6 +6,7 @@ import argparse
 
 from .. import __version__
 from ..runtime import DEVICES
+from ..serve.engine import PREFILL_CHUNK, PREFIX_CACHE
 from .argtypes import _SEED, _count, _number, _Parser, _text
 from .bench_parser import add_bench_parser
 from .commands import (
@@ -294,9 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-memory",
         default="1GiB",
         metavar="SIZE",
-        help="bytes of decode cache (and prefill activations) all admitted sequences may hold "
-        "together, e.g. 512MiB, at most the memory available; a request is admitted when what it "
-        "will hold at its longest fits, else it waits",
+        help="bytes of cache, e.g. 512MiB, at most the memory available: the slot pool (--max-running rows "
+        "of --max-model-len tokens), the prompts being prefilled and their activations, and the prefix "
+        "cache in what is left; a request is admitted when a slot is free and its prefill fits, else it waits",
     )
     srv.add_argument(
         "--max-queue",
@@ -308,7 +309,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-running",
         type=_count(1, "sequences"),
         default=256,
-        help="sequences prefilled or decoded together at most; more wait in the queue",
+        help="slots: sequences prefilled or decoded together at most (fewer when --cache-memory does not "
+        "hold that many rows of --max-model-len tokens); more wait in the queue",
+    )
+    srv.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode with compiled steps over the slot pool, one graph per batch-size and length bucket "
+        "(torch.compile: C++ kernels on the CPU, which need a C++ compiler; CUDA graphs on CUDA), the "
+        "first compiled at start-up and the others on first use, kept in $TORCHINDUCTOR_CACHE_DIR "
+        "(default ~/.cache/k3/inductor) for the next start (default: --no-compile, eager steps)",
+    )
+    srv.add_argument(
+        "--prefill-chunk",
+        type=_count(0, "tokens"),
+        default=PREFILL_CHUNK,
+        help="prompt tokens prefilled per engine turn, between two decode steps of the running "
+        f"sequences, so a long prompt does not stall them (0: each prompt whole; default {PREFILL_CHUNK})",
+    )
+    srv.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=PREFIX_CACHE,
+        help="keep prompts' states in blocks (--prefill-chunk tokens each; recurrent layers' states "
+        "snapshotted at the block ends) and resume a prompt from its longest cached prefix: the same "
+        "logits as computing it, in the cache budget's spare room "
+        f"(default: {'--prefix-cache' if PREFIX_CACHE else '--no-prefix-cache'})",
     )
     srv.add_argument(
         "--max-request-bytes",
@@ -324,8 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--max-model-len",
         type=_count(1, "tokens"),
-        help="the most tokens a sequence may hold, prompt and completion (default: the model's learned "
-        "positions, else only the cache budget limits)",
+        help="the most tokens a sequence may hold, prompt and completion: each slot's room (default: the "
+        "model's learned positions, else 4096)",
     )
     srv.add_argument(
         "--served-model-name",

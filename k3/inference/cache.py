@@ -118,6 +118,34 @@ class LayerCache:
                 total += per_slot * sum(self.owner.lengths) - t.numel() * t.element_size()
         return total
 
+    def states(self) -> list[torch.Tensor]:
+        """The fixed-size state buffers [B, ...]: the convolutions' window, then the recurrent state(s)."""
+        states = self.recurrent_state if isinstance(self.recurrent_state, tuple) else (self.recurrent_state,)
+        return [t for t in (self.window, *states) if t is not None]
+
+    def view(self, owner: "Cache", rows: int, slots: int) -> "LayerCache":
+        """This layer's first `rows` rows and `slots` slots, sharing its buffers (`Cache.view`)."""
+        storage = {name: (t[:rows].narrow(axis, 0, slots), axis) for name, (t, axis) in self.storage.items()}
+        state = self.recurrent_state
+        state = tuple(s[:rows] for s in state) if isinstance(state, tuple) else None if state is None else state[:rows]
+        return LayerCache(owner, storage, None if self.window is None else self.window[:rows], state)
+
+    def read_tokens(self, row: int, start: int, stop: int) -> list[torch.Tensor]:
+        """Copies of row `row`'s slots start ... stop-1 of every slot buffer (a prefix cache's block)."""
+        return [t[row].narrow(axis - 1, start, stop - start).clone() for t, axis in self.storage.values()]
+
+    def write_tokens(self, row: int, start: int, parts: list[torch.Tensor]) -> None:
+        """Write `read_tokens`' copies back at row `row`'s slots from `start`."""
+        for (t, axis), part in zip(self.storage.values(), parts):
+            t[row].narrow(axis - 1, start, part.shape[axis - 1]).copy_(part)
+
+    def copy_row(self, row: int, source: "LayerCache", source_row: int, tokens: int) -> None:
+        """Row `row` := `source`'s row `source_row` (its first `tokens` slots and its states; rows of one
+        cache do not overlap, so `source` may be this layer)."""
+        self.write_tokens(row, 0, [t[source_row].narrow(axis - 1, 0, tokens) for t, axis in source.storage.values()])
+        for mine, theirs in zip(self.states(), source.states()):
+            mine[row].copy_(theirs[source_row])
+
     def _remake(self, fn) -> None:
         """Every tensor replaced by fn(tensor, its slot axis or None)."""
         self.storage = {name: (fn(t, axis), axis) for name, (t, axis) in self.storage.items()}
@@ -252,6 +280,36 @@ class Cache:
             out.layers.append(layer)
         out.sources = _sources_for(caches[0].sources, out.batch_size)
         return out
+
+    def view(self, rows: int, slots: int) -> "Cache":
+        """A fixed cache of this one's first `rows` rows and first `slots` slots, sharing its buffers and
+        its positions (a view: what a step through it writes lands here); its host `lengths` are the
+        caller's to keep. How a slot pool (k3.serve) runs a step over the rows it uses, reading only the
+        slots they fill."""
+        if not self.max_length or rows > self.batch_size or slots > self.capacity:
+            raise ValueError(
+                f"Cache.view: {rows} rows x {slots} slots of a fixed cache of {self.batch_size} x "
+                f"{self.capacity} (a fixed cache only)"
+            )
+        out = object.__new__(type(self))
+        out.config, out.max_length, out.capacity, out.batch_size = self.config, slots, slots, rows
+        out.positions = self.positions[:rows]
+        out.lengths = self.lengths[:rows]
+        out.layers = [layer.view(out, rows, slots) for layer in self.layers]
+        out.sources = _sources_for(self.sources, rows)
+        return out
+
+    def copy_row(self, row: int, source: "Cache", source_row: int = 0) -> None:
+        """Row `row` of this cache := row `source_row` of `source` (the same model; this one or another):
+        its tokens' slots, its states, its position. One row's copy, what moving a sequence between the
+        rows of a slot pool costs."""
+        tokens = source.lengths[source_row]
+        if tokens > self.capacity:
+            raise ValueError(f"Cache.copy_row: a row of {tokens} tokens does not fit {self.capacity} slots")
+        for mine, theirs in zip(self.layers, source.layers):
+            mine.copy_row(row, theirs, source_row, tokens)
+        self.positions[row] = tokens
+        self.lengths = [tokens if i == row else n for i, n in enumerate(self.lengths)]
 
     def nbytes(self, held: bool = False) -> int:
         """Bytes of every buffer allocated (`held`: of what the rows hold: their tokens and the states)."""

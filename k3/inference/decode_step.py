@@ -82,7 +82,8 @@ class DecodeStep:
 
     `step(tokens)` feeds tokens [B] (each row's last token) and returns the next ones [B]; `last_logits`
     [B, vocab] keeps the logits they were sampled from. `compile`: False (eager), True (inductor), or a
-    torch.compile backend name (tests use "aot_eager", which needs no C++ compiler)."""
+    torch.compile backend name (tests use "aot_eager", which needs no C++ compiler). `fused`:
+    `prepare_for_decoding(model)`'s copies to read (default: made here)."""
 
     def __init__(
         self,
@@ -93,6 +94,7 @@ class DecodeStep:
         top_p: float | None = None,
         generator: torch.Generator | None = None,
         compile: bool | str = False,
+        fused: list[tuple] | None = None,
     ):
         if not cache.max_length:
             raise ValueError(
@@ -115,8 +117,10 @@ class DecodeStep:
             if not is_greedy(self.temperature)
             else None
         )
-        self.fused = prepare_for_decoding(model)  # the copies the step reads, the weights as they are now
-        if any(isinstance(ffn, DecodeWeights) and ffn.experts is None for _, ffn in self.fused):
+        # the copies the step reads: the weights as they are now, or copies the caller made (steps over one
+        # model's caches can share one set)
+        self.fused = prepare_for_decoding(model) if fused is None else fused
+        if compile and any(isinstance(ffn, DecodeWeights) and ffn.experts is None for _, ffn in self.fused):
             raise RuntimeError(
                 "DecodeStep: a captured decode step needs the routed experts stacked, which only "
                 f"plain experts held in this process, within {STACKED_BYTES_LIMIT:,} bytes, allow"

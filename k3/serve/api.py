@@ -58,8 +58,10 @@ def build_app(
 ):
     """The FastAPI app serving `engine`'s model as `model_name`. The app starts the engine when it starts
     and stops it when it shuts down. `max_model_len`: the most tokens a sequence may hold (prompt and
-    completion), None for no limit but the cache budget; `max_request_bytes`: the largest request body;
-    `max_prompt_tokens`: the most tokens one prompt may have (413 past it; None: max_model_len's bound)."""
+    completion; at most, and by default, the engine's slots' room `engine.max_length`); `max_request_bytes`:
+    the largest request body; `max_prompt_tokens`: the most tokens one prompt may have (413 past it; None:
+    max_model_len's bound)."""
+    max_model_len = engine.max_length if max_model_len is None else min(max_model_len, engine.max_length)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -1,35 +1,39 @@
-"""The serving engine: continuous batching over one growing cache, with memory-aware admission.
+"""The serving engine: continuous batching over a slot pool, one compiled step per batch size, chunked
+prefill, prefix caching, and admission that never overruns the cache budget.
 
+The engine holds one static cache (`model.new_cache(slots, max_length=N)`): a fixed number of rows, the
+slots, each with room for N tokens (gpt-fast's static cache; vLLM's state slots for the recurrent layers).
 One loop, on a thread of its own, owns the model. Each turn of it
-1. admits waiting sequences, oldest first, while what they will hold fits the budget and fewer than
-   `max_running` are prefilling or decoding;
-2. prefills up to `prefill_tokens` prompt tokens, in pieces of at most `PREFILL_PIECE` tokens, each
-   admitted sequence alone (its own cache, no padding) and in order: a long prompt takes several turns, so
-   the running batch decodes between its pieces instead of waiting for the whole prompt. A sequence whose
-   prompt is done has its first token sampled and its cache joined to the running batch's
-   (`Cache.concat`);
-3. decodes every running sequence together, one token each: one forward of [B, 1] through the joined
-   cache, then each row sampled with its own settings and its own generator;
+1. admits waiting sequences, oldest first, while a slot is free and what their prefill holds fits the
+   budget;
+2. prefills up to `prefill_chunk` prompt tokens (chunked prefill; 0: every admitted prompt whole), oldest
+   sequence first, each sequence in a cache of its own sized to its prompt: a long prompt takes several
+   turns, and the running rows decode between its pieces instead of waiting for the whole prompt
+   (Sarathi; vLLM). With the prefix cache (`k3.serve.prefix`) a prompt first resumes from its longest
+   cached prefix, and the states at each block boundary it reaches are kept. A sequence whose prompt is
+   done has its first token sampled and its row copied into the next slot of the pool;
+3. decodes every running sequence, one token each, with the decode step (`k3.inference.decode_step`) over
+   the pool's first b rows and first L slots: b the smallest batch bucket (1, 2, 4, ... the slots) that
+   holds the running rows, L the smallest length bucket that holds their longest. Each (b, L) is one
+   step made once and kept: compiled whole (`compile`), one graph each, it runs at the speed of a
+   captured step; the rows past the running ones are free slots whose state nobody reads;
 4. drops the sequences that finished (their token limit, their end-of-text token), failed or were
-   cancelled (a client that went away, a stop string): `Cache.reorder` keeps the other rows and frees
-   the slots no row needs any more.
+   cancelled (a client that went away, a stop string): the last running row moves into the freed slot
+   (one row's copy), so the running rows stay the pool's first ones and nothing else moves.
 A sequence joins once its prompt is prefilled and leaves at the turn it ends, so no one waits for a batch
-to drain (Orca, Yu et al. 2022; vLLM). Rows of different lengths sit left-aligned in the cache, each at its
-own position, which attention masks past; a recurrent state never sees a padding token, and every row
-computes what it would alone.
+to drain (Orca, Yu et al. 2022). Every row is at its own position; attention masks each past its own, a
+recurrent state never sees another row's token, and every row computes what it would alone.
 
 A failure is contained where it happens: a sequence whose prefill or sampling raises ends alone with
 "error: ..." (and a line in the log, logger "k3.serve"); only a failure of the shared decode forward ends
 every running sequence.
 
-Admission reserves what a sequence will hold at its longest, by k3's own accounting (`sequence_bytes`:
-per token, the KV or latent cache of each attention layer; per sequence, the fixed states of the linear
-family), and beside the caches the transient memory of one prefill piece, the largest of the prefilling
-sequences' (`prefill_bytes`: attention masks, expanded keys, hidden states; one piece runs at a time),
-against `cache_memory`; a long prompt is given smaller pieces when full ones would not fit (the budget, or
-the room the running sequences leave). What does not fit waits in a bounded queue; past that bound `submit`
-refuses (the server answers 503 with Retry-After). The budget is never overrun by k3's accounting, so load
-does not end in an out-of-memory crash.
+Memory, counted by k3's own accounting against `cache_memory`: the pool (its slots, fixed at start:
+`max_running`, or fewer when N-token rows for all would not fit beside one prefill), the caches of the
+sequences prefilling and the transient memory of one prefill piece (`prefill_bytes`: attention masks,
+expanded keys, hidden states; pieces run one at a time, a long prompt's shrunk until it fits), and the
+prefix cache's blocks, which give way (least recently used first) when a prefill needs room. What does not
+fit waits in a bounded queue; past that bound `submit` refuses (the server answers 503 with Retry-After).
 """
 
 from __future__ import annotations
@@ -44,11 +48,19 @@ from typing import Callable
 
 import torch
 
+from ..inference.decode_step import DecodeStep
 from ..inference.generation import check_sampling, check_seed, is_greedy, sample
 from ..models.kinds import MIXERS, cache_bytes
 from ..models.model import PREFILL_PIECE
+from .prefix import PrefixCache
 
 log = logging.getLogger("k3.serve")
+
+DEFAULT_MAX_LENGTH = 4096  # tokens a slot holds for a model without learned positions, unless told
+PREFILL_CHUNK = 256  # prompt tokens prefilled per engine turn by default (docs/benchmarks.md: k3 bench serve)
+PREFIX_BLOCK = 256  # tokens per prefix-cache block when prefill is not chunked
+PREFIX_CACHE = True  # k3 serve's default (docs/benchmarks.md: k3 bench serve)
+SHORTEST_LENGTH_BUCKET = 256  # the fewest slots a compiled step reads
 
 
 class QueueFull(RuntimeError):
@@ -107,11 +119,13 @@ class Sequence:
     id: int = field(default_factory=itertools.count().__next__)
     tokens: list[int] = field(default_factory=list)  # generated so far
     finish_reason: str | None = None
-    reserved: int = 0  # cache bytes admission set aside for it
+    reserved: int = 0  # cache bytes it holds at its longest
+    prompt_bytes: int = 0  # its prefill cache's bytes (held while it prefills)
     piece: int = PREFILL_PIECE  # prompt tokens per prefill forward
     fitting_piece: int = PREFILL_PIECE  # the largest piece that fits the whole budget beside its cache
     prefill_reserved: int = 0  # the transient bytes of one of its prefill pieces (counted while it prefills)
     prefilled: int = 0  # prompt tokens in its cache so far
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
     cancelled: bool = False
     arrived: float = field(default_factory=time.perf_counter)
 
@@ -124,6 +138,7 @@ class Sequence:
         check_seed(self.seed)
         self.generator: torch.Generator | None = None
         self.cache = None  # its own cache while it prefills
+        self.first_token_at: float | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -132,72 +147,133 @@ class Sequence:
 
 
 class Engine:
-    """Continuous batching for one model (see the module docstring). `cache_memory`: the bytes every
-    admitted sequence's cache (and a prefilling one's piece) may take together; `max_queue`: how many may
-    wait; `max_running`: how many prefill or decode at once at most; `prefill_tokens`: prompt tokens
-    prefilled per turn before the running batch decodes again, so a long prompt or a burst of them does not
-    stall the others for long."""
+    """Continuous batching for one model over a slot pool (see the module docstring).
+
+    `cache_memory`: the bytes the pool, the prefilling sequences (and one piece's activations) and the
+    prefix cache may take together; `max_queue`: how many may wait; `max_running`: the slots, sequences
+    prefilled or decoded at once at most (fewer when `cache_memory` does not hold that many rows of
+    `max_length` tokens); `max_length`: the most tokens a sequence may hold, prompt and completion
+    (default: the model's learned positions, else DEFAULT_MAX_LENGTH); `prefill_chunk`: prompt tokens
+    prefilled per turn (0: each prompt whole in the turn it is admitted); `compile`: decode with compiled
+    steps (True: inductor; a torch.compile backend name; False: eager); `prefix_cache`: keep and reuse
+    prompts' states in blocks of `prefix_block` tokens (default: `prefill_chunk`, else PREFIX_BLOCK)."""
 
     def __init__(
-        self, model, cache_memory: int, max_queue: int = 256, max_running: int = 256, prefill_tokens: int = 4096
+        self,
+        model,
+        cache_memory: int,
+        max_queue: int = 256,
+        max_running: int = 256,
+        prefill_chunk: int = PREFILL_CHUNK,
+        max_length: int | None = None,
+        compile: bool | str = False,
+        prefix_cache: bool = False,
+        prefix_block: int | None = None,
     ):
         if cache_memory <= 0:
             raise ValueError(f"Engine: `cache_memory` must be > 0 bytes, got {cache_memory}")
-        for name, value in (("max_queue", max_queue), ("max_running", max_running), ("prefill_tokens", prefill_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Engine: `{name}` must be an int >= 1, got {value!r}")
+        for name, value, low in (
+            ("max_queue", max_queue, 1),
+            ("max_running", max_running, 1),
+            ("prefill_chunk", prefill_chunk, 0),
+            ("max_length", 1 if max_length is None else max_length, 1),
+            ("prefix_block", 1 if prefix_block is None else prefix_block, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"Engine: `{name}` must be an int >= {low}, got {value!r}")
+        config = model.config
         self.model = model
         self.device = model.lm_head.weight.device
         self.dtype_bytes = model.lm_head.weight.element_size()
-        self.cache_memory, self.max_queue = cache_memory, max_queue
-        self.max_running, self.prefill_tokens = max_running, prefill_tokens
+        self.max_length = max_length or config.max_position_embeddings or DEFAULT_MAX_LENGTH
+        self.cache_memory, self.max_queue, self.prefill_chunk = cache_memory, max_queue, prefill_chunk
+        row = sequence_bytes(config, self.max_length, self.dtype_bytes)
+        piece = min(prefill_chunk or PREFILL_PIECE, self.max_length)
+        # slots for the rows, beside room to prefill a longest prompt in full pieces, else in pieces of 64
+        one_prefill = row + prefill_bytes(config, piece, self.max_length, self.dtype_bytes)
+        slots = (cache_memory - one_prefill) // row
+        if slots < 1:
+            one_prefill = row + prefill_bytes(config, min(64, piece), self.max_length, self.dtype_bytes)
+            slots = (cache_memory - one_prefill) // row
+        self.slots = min(max_running, slots)
+        if self.slots < 1:
+            raise ValueError(
+                f"Engine: `cache_memory` {cache_memory:,} bytes does not hold one row of {self.max_length:,} "
+                f"tokens ({row:,} bytes) beside one prefill ({one_prefill:,}): give more memory or a smaller "
+                f"`max_length` (k3 serve: --cache-memory, --max-model-len)"
+            )
+        self.max_running = self.slots
+        self.pool = model.new_cache(self.slots, max_length=self.max_length)
+        self.pool_bytes = self.pool.nbytes()
+        block = prefix_block or prefill_chunk or PREFIX_BLOCK
+        self.prefix = PrefixCache(block) if prefix_cache else None
+        self.compile = compile
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # admitted, prompt not yet all in their own caches
-        self.running: list[Sequence] = []
-        self.reserved = 0
+        self.running: list[Sequence] = []  # running[i] decodes in the pool's row i
+        self.reserved = 0  # the admitted sequences' cache bytes at their longest (what `stats` reports)
+        self.prefill_held = 0  # the prefilling sequences' own caches
         self.peak_running = 0
         self.steps = 0
-        self._cache = None  # the running batch's cache, row i = running[i]
+        self.compile_seconds = 0.0
         self._fused = model.decoding_weights()  # the weight copies decoding reads (the weights do not change)
-        self._last: torch.Tensor | None = None  # [B] the token each running row feeds next
+        self._steps: dict[tuple[int, int], DecodeStep] = {}  # (rows, slots) -> its step over the pool
+        self._last: torch.Tensor | None = None  # [running] the token each running row feeds next
         self._lock = threading.Condition()
         self._draining = self._stopped = False
         self._thread: threading.Thread | None = None
+        if compile:
+            self._warm_up()
 
     # -- the public side, any thread ---------------------------------------------------------------
     def bytes_for(self, sequence: Sequence) -> int:
         """Cache bytes `sequence` holds at its longest."""
         return sequence_bytes(self.model.config, sequence.total_tokens, self.dtype_bytes)
 
+    @property
+    def room(self) -> int:
+        """Bytes of the budget not taken by the pool, the prefilling sequences' caches and the prefix cache."""
+        held = self.prefix.nbytes if self.prefix is not None else 0
+        return self.cache_memory - self.pool_bytes - self.prefill_held - held
+
     def plan(self, sequence: Sequence, room: int | None = None, smallest: int = 1) -> tuple[int, int]:
-        """(prompt tokens per prefill piece, bytes one piece takes): the largest piece, up to PREFILL_PIECE
-        and `prefill_tokens`, halved until its bytes fit `room` (default: the budget beside the sequence's
-        cache) or it is down to `smallest` tokens."""
-        piece = min(PREFILL_PIECE, self.prefill_tokens, len(sequence.prompt))
-        room = self.cache_memory - self.bytes_for(sequence) if room is None else room
+        """(prompt tokens per prefill piece, bytes one piece takes): the largest piece, up to the prefill
+        chunk (PREFILL_PIECE when prefill is not chunked), halved until its bytes fit `room` (default: the
+        budget beside the pool and the sequence's prefill cache) or it is down to `smallest` tokens."""
+        piece = min(self.prefill_chunk or PREFILL_PIECE, len(sequence.prompt))
+        if room is None:
+            room = self.cache_memory - self.pool_bytes - self._prompt_bytes(sequence)
         while True:
             need = prefill_bytes(self.model.config, piece, len(sequence.prompt), self.dtype_bytes)
             if piece <= smallest or need <= room:
                 return piece, need
             piece //= 2
 
+    def _prompt_bytes(self, sequence: Sequence) -> int:
+        return sequence_bytes(self.model.config, len(sequence.prompt), self.dtype_bytes)
+
     def submit(self, sequence: Sequence) -> None:
-        """Queue a sequence. ValueError: it could never fit the budget; QueueFull, Draining: not now."""
-        cache = self.bytes_for(sequence)
-        piece, transient = self.plan(sequence)
-        if cache + transient > self.cache_memory:
+        """Queue a sequence. ValueError: it could never fit (its tokens, the budget); QueueFull, Draining: not now."""
+        if sequence.total_tokens > self.max_length:
             raise ValueError(
-                f"the sequence needs {cache + transient:,} bytes ({sequence.total_tokens} tokens of "
-                f"cache: prompt and max_tokens; and its prefill), more than the server's whole cache "
-                f"budget, {self.cache_memory:,} bytes (--cache-memory): ask for fewer tokens"
+                f"the sequence would hold {sequence.total_tokens} tokens (prompt and max_tokens), more than "
+                f"the {self.max_length} a slot holds (--max-model-len): ask for fewer tokens"
+            )
+        prompt = self._prompt_bytes(sequence)
+        piece, transient = self.plan(sequence)
+        if prompt + transient > self.cache_memory - self.pool_bytes:
+            raise ValueError(
+                f"the prefill of the sequence's {len(sequence.prompt)} prompt tokens needs {prompt + transient:,} "
+                f"bytes, more than the {self.cache_memory - self.pool_bytes:,} the server's cache budget "
+                f"(--cache-memory) leaves beside its {self.slots} slots: ask for fewer tokens"
             )
         with self._lock:
             if self._draining:
                 raise Draining("the server is shutting down")
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting already (the queue's bound, --max-queue)")
-            sequence.reserved, sequence.fitting_piece, sequence.prefill_reserved = cache, piece, transient
-            sequence.piece = piece
+            sequence.reserved, sequence.prompt_bytes = self.bytes_for(sequence), prompt
+            sequence.fitting_piece, sequence.prefill_reserved, sequence.piece = piece, transient, piece
             self.waiting.append(sequence)
             self._lock.notify_all()
 
@@ -231,15 +307,25 @@ class Engine:
             self._thread.join(timeout)
 
     def stats(self) -> dict:
-        """running: sequences prefilling or decoding; waiting: queued for admission."""
+        """running: sequences prefilling or decoding; waiting: queued for admission; slots_free: slots no
+        sequence holds; cache_bytes_reserved: what the admitted sequences hold at their longest and one
+        prefill piece's activations."""
         with self._lock:
+            busy = len(self.running) + len(self.prefilling)
             return {
-                "running": len(self.running) + len(self.prefilling),
+                "running": busy,
                 "waiting": len(self.waiting),
+                "slots": self.slots,
+                "slots_free": self.slots - busy,
+                "max_length": self.max_length,
                 "cache_bytes_reserved": self.reserved + self._prefill_reserve(),
                 "cache_memory": self.cache_memory,
+                "pool_bytes": self.pool_bytes,
                 "peak_running": self.peak_running,
                 "steps": self.steps,
+                "compiled": bool(self.compile),
+                "compile_seconds": round(self.compile_seconds, 3),
+                "prefix_cache": None if self.prefix is None else self.prefix.summary(),
                 "draining": self._draining,
             }
 
@@ -270,14 +356,17 @@ class Engine:
                 self._fail_running(e)
 
     def _admissible(self) -> bool:
-        """Whether the oldest waiting sequence may start now (lock held): a row is free, and its cache and
-        one of its prefill pieces fit beside what is reserved. Its piece shrinks to the room there is, down
-        to 64 tokens (or the piece `submit` found fits the whole budget, if smaller): a long prompt
-        prefills in smaller pieces rather than wait for a full one's room."""
-        if not self.waiting or len(self.running) + len(self.prefilling) >= self.max_running:
+        """Whether the oldest waiting sequence may start now (lock held): a slot is free, and its prefill
+        cache and one of its prefill pieces fit beside what is held (the prefix cache gives way). Its piece
+        shrinks to the room there is, down to 64 tokens (or the piece `submit` found fits the whole budget,
+        if smaller): a long prompt prefills in smaller pieces rather than wait for a full one's room."""
+        if not self.waiting or len(self.running) + len(self.prefilling) >= self.slots:
             return False
         head = self.waiting[0]
-        room = self.cache_memory - self.reserved - head.reserved
+        need = head.prompt_bytes + max(self._prefill_reserve(), head.prefill_reserved)
+        if self.prefix is not None and self.room < need:
+            self.prefix.evict(need - self.room)
+        room = self.room - head.prompt_bytes
         if room < self._prefill_reserve():
             return False
         piece, transient = self.plan(head, room, smallest=min(64, head.fitting_piece))
@@ -295,13 +384,15 @@ class Engine:
         while self._admissible():
             sequence = self.waiting.popleft()
             self.reserved += sequence.reserved
+            self.prefill_held += sequence.prompt_bytes
             self.prefilling.append(sequence)
         self.peak_running = max(self.peak_running, len(self.running) + len(self.prefilling))
 
     def _prefill_turn(self) -> None:
-        """Prefill up to `prefill_tokens` prompt tokens, oldest sequence first, a piece at a time; a sequence
-        whose prompt is all in gets its first token and joins the running batch. One that fails ends alone."""
-        budget = self.prefill_tokens
+        """Prefill up to `prefill_chunk` prompt tokens (all of every admitted prompt when 0), oldest
+        sequence first, a piece at a time; a sequence whose prompt is all in gets its first token and
+        joins the running rows. One that fails ends alone."""
+        budget = self.prefill_chunk or float("inf")
         while budget > 0 and self.prefilling:
             sequence = self.prefilling[0]
             if sequence.cancelled:
@@ -313,20 +404,35 @@ class Engine:
                 log.error("k3 serve: sequence %d failed in its prefill: %s: %s", sequence.id, type(e).__name__, e)
                 self._leave_prefill(sequence, f"error: {type(e).__name__}: {e}")
 
-    def _prefill_piece(self, sequence: Sequence, budget: int) -> int:
-        """Run the sequence's next piece (at most `budget` tokens) into its own cache; the tokens it ran."""
+    def _start_prefill(self, sequence: Sequence) -> None:
+        """Its generator, its prefill cache (sized to its prompt), and what the prefix cache has of it."""
+        sequence.generator = torch.Generator(self.device)
+        if sequence.seed is not None:
+            sequence.generator.manual_seed(sequence.seed)
+        else:
+            sequence.generator.seed()
+        sequence.cache = self.model.new_cache(1, max_length=len(sequence.prompt))
+        if self.prefix is not None:
+            run = self.prefix.lookup(sequence.prompt)
+            if run:
+                self.prefix.restore(run, sequence.cache)
+                sequence.prefilled = sequence.cached_tokens = len(run) * self.prefix.block
+
+    def _prefill_piece(self, sequence: Sequence, budget: float) -> int:
+        """Run the sequence's next piece (at most `budget` tokens; never across a prefix-cache block's end)
+        into its own cache; the tokens it ran."""
         if sequence.cache is None:
-            sequence.generator = torch.Generator(self.device)
-            if sequence.seed is not None:
-                sequence.generator.manual_seed(sequence.seed)
-            else:
-                sequence.generator.seed()
-            sequence.cache = self.model.new_cache(1)
+            self._start_prefill(sequence)
         start = sequence.prefilled
         n = min(sequence.piece, budget, len(sequence.prompt) - start)
+        if self.prefix is not None:
+            n = min(n, self.prefix.block - start % self.prefix.block)
+        n = int(n)
         ids = torch.tensor([sequence.prompt[start : start + n]], device=self.device)
         logits = self.model(ids, cache=sequence.cache, logits_to_keep=1, prefill_piece=n)[:, -1]
         sequence.prefilled += n
+        if self.prefix is not None and sequence.prefilled % self.prefix.block == 0:
+            self._keep_block(sequence)
         if sequence.prefilled == len(sequence.prompt):
             token = self._sample(logits, [sequence])
             if sequence.finish_reason is None:
@@ -335,26 +441,87 @@ class Engine:
                 self._leave_prefill(sequence, sequence.finish_reason)
         return n
 
+    def _keep_block(self, sequence: Sequence) -> None:
+        """Keep the block its prefill has just completed, making room by evicting older blocks; skipped
+        when even an empty prefix cache would not have the room."""
+        with self._lock:
+            need = self.prefix.block_bytes(sequence.cache) - self.room
+            if need > 0 and self.prefix.evict(need) < need:
+                return
+            self.prefix.insert(sequence.prompt, sequence.prefilled, sequence.cache)
+
     def _join(self, sequence: Sequence, token: torch.Tensor) -> None:
-        """A prefilled sequence's cache and first token join the running batch."""
-        cache = sequence.cache
-        joined = cache if self._cache is None else type(cache).concat([self._cache, cache])
+        """A prefilled sequence's row moves into the next slot of the pool and it joins the running rows."""
+        slot = len(self.running)
+        self.pool.copy_row(slot, sequence.cache, 0)
         last = token if self._last is None else torch.cat([self._last, token])
         with self._lock:
             self.prefilling.remove(sequence)
             self.running.append(sequence)
-            self._cache, self._last, sequence.cache = joined, last, None
+            self.prefill_held -= sequence.prompt_bytes
+            self._last, sequence.cache = last, None
         self._emit([sequence], token)
 
     def _leave_prefill(self, sequence: Sequence, reason: str) -> None:
         with self._lock:
             self.prefilling.remove(sequence)
             self.reserved -= sequence.reserved
+            self.prefill_held -= sequence.prompt_bytes
             sequence.cache = None
             self._finish(sequence, reason)
 
+    # -- decoding over the pool ------------------------------------------------------------------------
+    def buckets(self, rows: int, longest: int) -> tuple[int, int]:
+        """(b, L): the pool rows and slots a step for `rows` running rows, the longest holding `longest`
+        tokens, runs over: b the smallest power of two >= rows (at most the slots); L, for a compiled
+        step, the smallest of max_length / 4^k (k >= 0, at least SHORTEST_LENGTH_BUCKET) above `longest`
+        (few graphs), for an eager one the next multiple of 64 (no graph to keep)."""
+        b = min(1 << (rows - 1).bit_length(), self.slots)
+        need = longest + 1
+        if self.compile:
+            L = self.max_length
+            while L // 4 >= max(need, SHORTEST_LENGTH_BUCKET):
+                L //= 4
+        else:
+            L = min(self.max_length, -(-need // 64) * 64)
+        return b, L
+
+    def _step_for(self, rows: int, slots: int) -> DecodeStep:
+        """The decode step over the pool's first `rows` rows and `slots` slots, made on first use."""
+        step = self._steps.get((rows, slots))
+        if step is None:
+            view = self.pool.view(rows, slots)
+            step = DecodeStep(self.model, view, compile=self.compile, fused=self._fused)
+            self._steps[(rows, slots)] = step
+        return step
+
+    def _warm_up(self) -> None:
+        """Compile the one-row step over the fewest slots (in a free slot, which a joining row overwrites):
+        the compiler's first graph, whose time `k3 serve` says at start-up; the others compile on first use."""
+        self._run_step(torch.zeros(1, dtype=torch.long, device=self.device), rows=0)
+        self.pool.positions.zero_()
+        self.pool.lengths = [0] * self.slots
+
+    def _run_step(self, last: torch.Tensor, rows: int) -> torch.Tensor:
+        """One token for the pool's first `rows` rows (feeding `last` [max(rows, 1)]); their logits [rows, vocab]."""
+        lengths = self.pool.lengths
+        b, L = self.buckets(max(rows, 1), max(lengths[:rows], default=0))
+        step = self._step_for(b, L)
+        self.pool.positions[rows:b].zero_()  # free slots in the bucket: position 0, their outputs unread
+        step.cache.lengths = lengths[:rows] + [0] * (b - rows)
+        tokens = last if b == len(last) else torch.cat([last, last.new_zeros(b - len(last))])
+        began = time.perf_counter()
+        first = self.compile and not step._warm
+        step(tokens)
+        if first:
+            took = time.perf_counter() - began
+            self.compile_seconds += took
+            log.info("k3 serve: compiled the decode step for %d rows x %d slots in %.1f s", b, L, took)
+        self.pool.lengths = [n + 1 for n in lengths[:rows]] + lengths[rows:]
+        return step.last_logits[:rows]
+
     def _decode(self) -> None:
-        logits = self.model(self._last.unsqueeze(1), cache=self._cache, fused=self._fused)[:, -1]
+        logits = self._run_step(self._last, len(self.running))
         self._last = self._sample(logits, self.running)
         self.steps += 1
         self._emit(self.running, self._last)
@@ -386,6 +553,8 @@ class Engine:
         for sequence, token in zip(rows, tokens.tolist()):
             if sequence.finish_reason is not None or sequence.cancelled:
                 continue
+            if sequence.first_token_at is None:
+                sequence.first_token_at = time.perf_counter()
             if token == sequence.eos_token_id:
                 self._finish(sequence, "stop")
                 continue
@@ -395,26 +564,29 @@ class Engine:
                 self._finish(sequence, "length")
 
     def _drop_ended(self) -> None:
-        """Remove the rows that finished, failed or were cancelled from the batch and its cache."""
+        """Free the slots of the rows that finished, failed or were cancelled: the last running row moves
+        into each (highest first, so the row moved has not ended)."""
         with self._lock:
-            keep = []
+            ended = []
             for i, sequence in enumerate(self.running):
                 if sequence.cancelled and sequence.finish_reason is None:
                     self._finish(sequence, "cancelled")
-                if sequence.finish_reason is None:
-                    keep.append(i)
-                else:
-                    self.reserved -= sequence.reserved
-            if len(keep) == len(self.running):
-                return
-            self.running = [self.running[i] for i in keep]
-            if not keep:
-                self._cache = self._last = None
-                return
-            index = torch.tensor(keep, device=self.device)
-            self._cache.reorder(index)
-            self._cache.trim()
-            self._last = self._last.index_select(0, index)
+                if sequence.finish_reason is not None:
+                    ended.append(i)
+            lengths = self.pool.lengths
+            for i in reversed(ended):
+                last = len(self.running) - 1
+                self.reserved -= self.running[i].reserved
+                if i != last:
+                    self.pool.copy_row(i, self.pool, last)
+                    lengths[i] = lengths[last]
+                    self.running[i] = self.running[last]
+                    self._last[i] = self._last[last]
+                self.running.pop()
+                lengths[last] = 0
+            if ended:
+                self.pool.lengths = lengths
+                self._last = self._last[: len(self.running)] if self.running else None
 
     def _finish(self, sequence: Sequence, reason: str) -> None:
         if sequence.finish_reason is None:
@@ -431,4 +603,5 @@ class Engine:
             for sequence in self.running:
                 self._finish(sequence, f"error: {type(error).__name__}: {error}")
                 self.reserved -= sequence.reserved
-            self.running, self._cache, self._last = [], None, None
+            self.running, self._last = [], None
+            self.pool.lengths = [0] * self.slots

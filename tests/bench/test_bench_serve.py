@@ -16,7 +16,7 @@ from k3.tokenizer import byte_tokenizer
 def test_load_counts_tokens_and_leaves_nothing_held():
     torch.manual_seed(0)
     model = CausalLM(get_config("kimi-k3-tiny", vocab_size=257, hidden_size=32)).eval()
-    engine = Engine(model, cache_memory=10**8)
+    engine = Engine(model, cache_memory=10**8, max_running=16, max_length=256)
     with ServerThread(build_app(engine, byte_tokenizer(), "tiny"), engine) as server:
         load = run_load(server.port, [1, 2, 3, 4], 8, clients=3, duration=1.5, disconnect=0.5, warmup=0.2)
         assert load.failed == 0 and load.tokens > 0 and load.completed > 0 and load.disconnected > 0

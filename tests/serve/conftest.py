@@ -28,7 +28,15 @@ def checkpoint(tmp_path_factory):
 
 
 def start(model, **kw) -> ServerThread:
-    engine = Engine(model, cache_memory=kw.pop("cache_memory", 10**9), max_queue=kw.pop("max_queue", 256))
+    engine = Engine(
+        model,
+        cache_memory=kw.pop("cache_memory", 10**9),
+        max_queue=kw.pop("max_queue", 256),
+        max_running=kw.pop("max_running", 32),
+        max_length=kw.get("max_model_len") or 512,
+        compile=kw.pop("compile", False),
+        prefix_cache=kw.pop("prefix_cache", True),
+    )
     return ServerThread(build_app(engine, byte_tokenizer(), NAME, **kw), engine)
 
 

@@ -33,7 +33,7 @@ EXAMPLES = int(os.environ.get("K3_FUZZ_EXAMPLES", 200))  # more for a longer hun
 def server():
     torch.manual_seed(0)
     model = CausalLM(get_config("kimi-k3-tiny", vocab_size=257, hidden_size=32)).eval()
-    engine = Engine(model, cache_memory=10**8, max_queue=64)
+    engine = Engine(model, cache_memory=10**8, max_queue=64, max_running=32, max_length=CONTEXT)
     app = build_app(
         engine, byte_tokenizer(), NAME, max_model_len=CONTEXT, max_request_bytes=16 * 1024, max_prompt_tokens=CONTEXT
     )

@@ -157,10 +157,10 @@ def test_api_key(checkpoint):
 
 
 def test_full_queue_is_503_with_retry_after(checkpoint):
-    with start(CausalLM.from_pretrained(checkpoint).eval(), max_queue=1, cache_memory=2 * 10**6) as s:
+    with start(CausalLM.from_pretrained(checkpoint).eval(), max_queue=1, max_running=1, max_model_len=4096) as s:
         long = json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 4000, "ignore_eos": True, "stream": True})
         conns = []
-        # one running (the budget holds one), then one waiting: each sent once the engine has taken the one
+        # one running (one slot), then one waiting: each sent once the engine has taken the one
         # before, or the second would find the first still queued and be the one turned away
         for want in ((1, 0), (1, 1)):
             conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
@@ -193,7 +193,7 @@ class SlowTokenizer:
 
 
 def test_tokenizing_does_not_block_health(checkpoint):
-    engine = Engine(CausalLM.from_pretrained(checkpoint).eval(), cache_memory=10**9)
+    engine = Engine(CausalLM.from_pretrained(checkpoint).eval(), cache_memory=10**9, max_running=8, max_length=512)
     with ServerThread(build_app(engine, SlowTokenizer(), NAME), engine) as s:
         thread = threading.Thread(
             target=post, args=(s, "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}))
@@ -210,7 +210,7 @@ def test_tokenizing_does_not_block_health(checkpoint):
 def test_draining_answers_503_with_retry_after(checkpoint):
     """After SIGTERM (uvicorn's handle_exit) the server still listens: new requests get 503 with
     Retry-After while the running one finishes; then it exits."""
-    engine = Engine(CausalLM.from_pretrained(checkpoint).eval(), cache_memory=10**9)
+    engine = Engine(CausalLM.from_pretrained(checkpoint).eval(), cache_memory=10**9, max_running=8, max_length=512)
     with ServerThread(build_app(engine, byte_tokenizer(), NAME), engine, shutdown_timeout=60) as s:
         conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
         conn.request(
