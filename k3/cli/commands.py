@@ -429,7 +429,8 @@ def _serve(args) -> int:
             f"({engine.pool_bytes:,} bytes); prefill chunk {args.prefill_chunk or 'off'}; prefix cache "
             f"{'on' if engine.prefix else 'off'}; "
             + (
-                f"compiled steps (the first compiled in {engine.compile_seconds:.1f} s); "
+                f"compiled steps ({len(engine.batch_buckets())} batch sizes compiled in {engine.compile_seconds:.1f} s, "
+                f"shorter lengths on first use); "
                 if engine.compile
                 else "eager steps; "
             )

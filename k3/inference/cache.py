@@ -65,7 +65,8 @@ class LayerCache:
         the host, take a plain slice; a compiled step's fixed cache always writes at `positions`."""
         owner, out = self.owner, []
         T = next(iter(new.values())).shape[1]
-        at = owner.length if owner.uniform and not (owner.max_length and T == 1) else None
+        # a fixed cache's one-token step reads no host count (one graph whatever the rows' lengths)
+        at = owner.length if not (owner.max_length and T == 1) and owner.uniform else None
         read = owner.slots_read(T)
         for name, x in new.items():
             buffer = self.sequences[name]

@@ -495,21 +495,32 @@ class Engine:
             self._steps[(rows, slots)] = step
         return step
 
+    def batch_buckets(self) -> list[int]:
+        """The batch sizes a step runs at: 1, 2, 4, ... and the slots."""
+        sizes = [1 << i for i in range(self.slots.bit_length()) if 1 << i < self.slots]
+        return sizes + [self.slots]
+
     def _warm_up(self) -> None:
-        """Compile the one-row step over the fewest slots (in a free slot, which a joining row overwrites):
-        the compiler's first graph, whose time `k3 serve` says at start-up; the others compile on first use."""
-        self._run_step(torch.zeros(1, dtype=torch.long, device=self.device), rows=0)
+        """Compile the step for every batch bucket over all `max_length` slots, in free slots (a joining
+        row overwrites what they leave): what `k3 serve` says at start-up; steps over fewer slots compile
+        on first use (each logged)."""
+        with torch.inference_mode():  # as the loop runs them: the steps' tensors alike (one graph each)
+            for b in self.batch_buckets():
+                self.pool.lengths = [self.max_length - 1] + [0] * (self.slots - 1)  # the longest bucket
+                self.pool.positions.zero_()
+                self._run_step(torch.zeros(b, dtype=torch.long, device=self.device), rows=b, lengths=[0] * b)
         self.pool.positions.zero_()
         self.pool.lengths = [0] * self.slots
 
-    def _run_step(self, last: torch.Tensor, rows: int) -> torch.Tensor:
-        """One token for the pool's first `rows` rows (feeding `last` [max(rows, 1)]); their logits [rows, vocab]."""
-        lengths = self.pool.lengths
-        b, L = self.buckets(max(rows, 1), max(lengths[:rows], default=0))
+    def _run_step(self, last: torch.Tensor, rows: int, lengths: list[int] | None = None) -> torch.Tensor:
+        """One token for the pool's first `rows` rows, feeding `last` [rows]: their logits [rows, vocab]
+        (`lengths`: the rows' host lengths to give the step, for the warm-up; default the pool's)."""
+        pool = self.pool.lengths
+        b, L = self.buckets(rows, max(pool[:rows]))
         step = self._step_for(b, L)
         self.pool.positions[rows:b].zero_()  # free slots in the bucket: position 0, their outputs unread
-        step.cache.lengths = lengths[:rows] + [0] * (b - rows)
-        tokens = last if b == len(last) else torch.cat([last, last.new_zeros(b - len(last))])
+        step.cache.lengths = (pool[:rows] if lengths is None else lengths) + [0] * (b - rows)
+        tokens = last if b == rows else torch.cat([last, last.new_zeros(b - rows)])
         began = time.perf_counter()
         first = self.compile and not step._warm
         step(tokens)
@@ -517,7 +528,8 @@ class Engine:
             took = time.perf_counter() - began
             self.compile_seconds += took
             log.info("k3 serve: compiled the decode step for %d rows x %d slots in %.1f s", b, L, took)
-        self.pool.lengths = [n + 1 for n in lengths[:rows]] + lengths[rows:]
+        if lengths is None:
+            self.pool.lengths = [n + 1 for n in pool[:rows]] + pool[rows:]
         return step.last_logits[:rows]
 
     def _decode(self) -> None:

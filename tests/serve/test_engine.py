@@ -113,8 +113,7 @@ def test_the_pool_and_a_prefill_keep_within_the_budget():
         assert engine.peak_running == 2
         with pytest.raises(ValueError, match="more than the 29 a slot holds"):
             engine.submit(Collector().sequence([1] * 10, 21))
-        stats = engine.stats()
-        assert stats["slots_free"] == 2 and stats["cache_bytes_reserved"] == 0
+        wait_until(lambda: engine.stats()["slots_free"] == 2 and engine.stats()["cache_bytes_reserved"] == 0)
     finally:
         engine.stop()
     with pytest.raises(ValueError, match="does not hold one row of 29 tokens"):
@@ -347,3 +346,65 @@ def test_a_failed_batch_forward_fails_the_batch_logs_it_and_serving_goes_on(monk
         assert engine.stats()["running"] == 0 and engine.reserved == 0
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("preset", ["kimi-k3-tiny", "gpt2-tiny"])
+def test_the_compiled_engine_gets_what_each_would_alone(preset):
+    """The engine with compiled steps (aot_eager: no C++ compiler needed), rows joining and leaving across
+    batch buckets: each sequence's greedy tokens are those it gets alone; one step per bucket, compiled at
+    start-up."""
+    model = tiny(preset)
+    engine = make_engine(model, compile="aot_eager", max_length=128, max_running=4).start()
+    try:
+        assert engine.compile_seconds > 0 and sorted(engine._steps) == [(1, 128), (2, 128), (4, 128)]
+        work = [(p, 2 + 3 * (i % 3)) for i, p in enumerate(prompts(7, seed=13))]
+        collectors = []
+        for prompt, n in work:
+            c = Collector()
+            engine.submit(c.sequence(prompt, n))
+            collectors.append(c)
+        for (prompt, n), c in zip(work, collectors):
+            assert c.done.wait(300) and c.reason == "length" and c.tokens == alone(model, prompt, n)
+        assert sorted(engine._steps) == [(1, 128), (2, 128), (4, 128)]  # made at start-up, no others
+        wait_until(lambda: engine.stats()["slots_free"] == 4 and engine.stats()["cache_bytes_reserved"] == 0)
+        assert engine.stats()["compiled"]
+    finally:
+        engine.stop()
+
+
+def test_buckets():
+    model = tiny("kimi-k3-tiny")
+    eager = make_engine(model, max_length=4096, max_running=64)
+    assert eager.buckets(1, 0) == (1, 64) and eager.buckets(3, 64) == (4, 128) and eager.buckets(64, 4095) == (64, 4096)
+    compiled = make_engine(model, max_length=4096, max_running=48)
+    compiled.compile = True  # the buckets only (nothing compiles here)
+    assert (
+        compiled.buckets(1, 10) == (1, 256)
+        and compiled.buckets(5, 255) == (8, 256)
+        and compiled.buckets(5, 256) == (8, 1024)
+    )
+    assert (
+        compiled.buckets(33, 1023) == (48, 1024)
+        and compiled.buckets(33, 1024) == (48, 4096)
+        and compiled.buckets(2, 300) == (2, 1024)
+    )
+
+
+def test_a_cache_view_and_row_copies_share_and_move_state():
+    model = tiny("kimi-k3-tiny")
+    pool = model.new_cache(3, max_length=16)
+    one = model.new_cache(1, max_length=5)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4, 5]]), cache=one)
+    pool.copy_row(2, one)
+    assert pool.lengths == [0, 0, 5] and pool.positions.tolist() == [0, 0, 5]
+    pool.copy_row(0, pool, 2)
+    view = pool.view(2, 8)
+    assert view.batch_size == 2 and view.capacity == 8 and view.positions.data_ptr() == pool.positions.data_ptr()
+    for mine, theirs, layer in zip(view.layers, one.layers, pool.layers):
+        for a, b, base in zip(mine.states(), theirs.states(), layer.states()):
+            assert torch.equal(a[0], b[0]) and a.data_ptr() == base.data_ptr()
+        for name in mine.sequences:
+            assert torch.equal(mine.sequences[name][0, :5], theirs.sequences[name][0])
+    with pytest.raises(ValueError, match="fixed cache"):
+        pool.view(4, 8)
