@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..bench.serve import PARTS as SERVE_PARTS
 from .argtypes import _count, _number
 from .commands import (
     _bench_backward,
@@ -181,6 +182,15 @@ def add_bench_parser(sub) -> None:
         type=_number(0, "a fraction", high=1),
         default=0.3,
         help="--soak: the fraction of requests that disconnect mid-stream",
+    )
+    bserve.add_argument(
+        "--parts",
+        nargs="+",
+        choices=SERVE_PARTS,
+        default=list(SERVE_PARTS),
+        help="which loads: models (the three models, eager), batching (1 and 16 clients), engine (eager vs "
+        "compiled steps), poisson (arrivals near saturation, prefill chunked and not), prefix (a shared "
+        "system prompt, prefix cache on and off)",
     )
     bserve.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bserve.set_defaults(func=_bench_serve)

@@ -102,6 +102,7 @@ def _bench_serve(args) -> int:
         soak=args.soak,
         disconnect=args.disconnect,
         json_path=args.json,
+        parts=tuple(args.parts),
     )
     return 0
 
@@ -429,8 +430,8 @@ def _serve(args) -> int:
             f"({engine.pool_bytes:,} bytes); prefill chunk {args.prefill_chunk or 'off'}; prefix cache "
             f"{'on' if engine.prefix else 'off'}; "
             + (
-                f"compiled steps ({len(engine.batch_buckets())} batch sizes compiled in {engine.compile_seconds:.1f} s, "
-                f"shorter lengths on first use); "
+                f"compiled steps ({len(engine.batch_buckets())} batch sizes compiled in "
+                f"{engine.compile_seconds:.1f} s, shorter lengths on first use); "
                 if engine.compile
                 else "eager steps; "
             )
