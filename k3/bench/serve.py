@@ -343,14 +343,11 @@ def serve_case(
 
 
 def engine_flags(context: int, clients: int, compile: bool, *more: str) -> tuple[str, ...]:
-    """`k3 serve` flags for a case: slots for the clients, each of `context` tokens; eager or compiled."""
-    return (
-        "--max-model-len",
-        str(context),
-        "--max-running",
-        str(clients),
-        "--compile" if compile else "--no-compile",
-    ) + more
+    """`k3 serve` flags for a case: slots for the clients, each of `context` tokens; eager or compiled;
+    no prefix cache unless `more` says (the loads that send one prompt to every client measure decoding)."""
+    prefix = () if any("prefix-cache" in flag for flag in more) else ("--no-prefix-cache",)
+    flags = ("--max-model-len", str(context), "--max-running", str(clients))
+    return flags + ("--compile" if compile else "--no-compile",) + prefix + more
 
 
 PARTS = ("models", "batching", "engine", "poisson", "prefix")
@@ -482,18 +479,19 @@ def run(
                 case(f"batching-{n}", K3_TINY, prompt, min(contexts) - half, n, flags)
         if "poisson" in parts:
             prompt_tokens, output = long // 2, 128
-            probe = report["cases"].get(f"compiled@{long}") or report["cases"].get(f"eager@{long}")
-            # near saturation: the arrival rate at which decoding alone would take 80% of the engine's measured
-            # output tokens/s (each request brings a long prompt too, so the engine is busy beyond that)
-            rate = 0.8 * (probe["tokens_per_s"] if probe else 500.0) / output / 2
-            say(
-                f"poisson: kimi-k3-tiny, {prompt_tokens}-token prompts, {output} tokens out, arrivals at "
-                f"{rate:.2f}/s, compiled steps, prefill chunked ({PREFILL_CHUNK}) and not (0) ..."
-            )
-            report["poisson_rate"] = rate
             shared = prompt_of(prompt_tokens)
+            chunked = engine_flags(long, clients, True, "--prefill-chunk", str(PREFILL_CHUNK))
+            say(
+                f"poisson: kimi-k3-tiny, {prompt_tokens}-token prompts, {output} out; first its saturation, "
+                "16 clients ..."
+            )
+            probe = case("poisson-saturation", K3_TINY, shared, output, 16, chunked)
+            # near saturation: 80% of the requests it completes a second (in the warm-up and the window)
+            rate = 0.8 * probe["completed"] / (warmup + duration)
+            report["poisson_rate"] = rate
+            say(f"poisson: arrivals at {rate:.2f}/s, prefill chunked ({PREFILL_CHUNK} tokens a turn) and whole ...")
             for chunk in (PREFILL_CHUNK, 0):
-                flags = engine_flags(long, clients, True, "--prefill-chunk", str(chunk), "--no-prefix-cache")
+                flags = engine_flags(long, clients, True, "--prefill-chunk", str(chunk))
                 case(f"poisson-chunk-{chunk}", K3_TINY, shared, output, clients, flags, rate=rate)
         if "prefix" in parts:
             system = prompt_of(1024)

@@ -36,6 +36,7 @@ def start(model, **kw) -> ServerThread:
         max_length=kw.get("max_model_len") or 512,
         compile=kw.pop("compile", False),
         prefix_cache=kw.pop("prefix_cache", True),
+        prefill_chunk=kw.pop("prefill_chunk", 256),
     )
     return ServerThread(build_app(engine, byte_tokenizer(), NAME, **kw), engine)
 

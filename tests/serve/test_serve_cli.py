@@ -36,6 +36,17 @@ def test_errors(capsys, tmp_path):
     )
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--max-request-bytes", "0"], "--max-request-bytes", "512MiB")
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--max-prompt-tokens", "0"], "--max-prompt-tokens")
+    fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--prefill-chunk", "-1"], "--prefill-chunk")
+    torch.manual_seed(0)
+    CausalLM(get_config("kimi-k3-tiny", vocab_size=257, hidden_size=32)).save_pretrained(tmp_path)
+    byte_tokenizer().save(tmp_path / "tokenizer.json")
+    fails(
+        capsys,
+        ["serve", "--checkpoint", str(tmp_path), "--cache-memory", "1MiB", "--max-model-len", "8192"],
+        "--cache-memory 1MiB",
+        "does not hold one row of 8,192 tokens",
+        "--max-model-len",
+    )
 
 
 def test_parse_bytes():
@@ -66,6 +77,7 @@ def test_sigterm_finishes_the_running_request_and_exits_0(tmp_path):
             found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
             port = int(found.group(1)) if found else None
             assert time.time() < deadline
+        assert "256 slots of 4,096 tokens" in line and "prefix cache on" in line and "eager steps" in line
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         conn.request(
             "POST",

@@ -231,3 +231,27 @@ def test_draining_answers_503_with_retry_after(checkpoint):
         assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 100
         s._thread.join(30)
         assert not s._thread.is_alive()
+
+
+def test_the_prefix_cache_gives_the_same_text_over_http(checkpoint):
+    """Chat-like requests sharing a 300-token system prompt (blocks of 64 tokens), served with the prefix
+    cache on and off: the same greedy text and the same seeded samples, and /health counts the hits."""
+    model = CausalLM.from_pretrained(checkpoint).eval()
+    system = "You are a terse assistant who answers in verse. " * 6  # 300 bytes: 300 tokens
+    prompts = [system + question for question in ("Why?", "What is a state?", "Why?", "Name a delta rule.")]
+    answers = {}
+    for on in (True, False):
+        with start(model, prefix_cache=on, prefill_chunk=64) as s:
+            client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+            answers[on] = [
+                client.completions.create(model=NAME, prompt=p, max_tokens=8, temperature=t, seed=3).choices[0].text
+                for p in prompts
+                for t in (0, 0.8)
+            ]
+            health = wait_idle(s)
+            if on:
+                assert health["prefix_cache"]["hits"] == len(prompts) - 1 + len(prompts)  # every request but the first
+                assert health["prefix_cache"]["hit_tokens"] >= 4 * 64 * (2 * len(prompts) - 1)
+            else:
+                assert health["prefix_cache"] is None
+    assert answers[True] == answers[False]
