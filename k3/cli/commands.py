@@ -428,7 +428,7 @@ def _serve(args) -> int:
             f"k3 serve: {name!r} ({model.config.name}, {model.num_parameters():,} parameters, on {device}); "
             f"cache budget {budget:,} bytes: {engine.slots} slots of {engine.max_length:,} tokens "
             f"({engine.pool_bytes:,} bytes); prefill chunk {args.prefill_chunk or 'off'}; prefix cache "
-            f"{'on' if engine.prefix else 'off'}; "
+            f"{'on' if engine.prefix is not None else 'off'}; "
             + (
                 f"compiled steps ({len(engine.batch_buckets())} batch sizes compiled in "
                 f"{engine.compile_seconds:.1f} s, shorter lengths on first use); "

@@ -473,18 +473,16 @@ class Engine:
     # -- decoding over the pool ------------------------------------------------------------------------
     def buckets(self, rows: int, longest: int) -> tuple[int, int]:
         """(b, L): the pool rows and slots a step for `rows` running rows, the longest holding `longest`
-        tokens, runs over: b the smallest power of two >= rows (at most the slots); L, for a compiled
-        step, the smallest of max_length / 4^k (k >= 0, at least SHORTEST_LENGTH_BUCKET) above `longest`
-        (few graphs), for an eager one the next multiple of 64 (no graph to keep)."""
-        b = min(1 << (rows - 1).bit_length(), self.slots)
+        tokens, runs over. Compiled (a graph each, so few): b the smallest power of two >= rows (at most
+        the slots), L the smallest of max_length / 4^k (k >= 0, at least SHORTEST_LENGTH_BUCKET) above
+        `longest`. Eager (nothing to keep): b = rows, L the next multiple of 64."""
         need = longest + 1
-        if self.compile:
-            L = self.max_length
-            while L // 4 >= max(need, SHORTEST_LENGTH_BUCKET):
-                L //= 4
-        else:
-            L = min(self.max_length, -(-need // 64) * 64)
-        return b, L
+        if not self.compile:
+            return rows, min(self.max_length, -(-need // 64) * 64)
+        L = self.max_length
+        while L // 4 >= max(need, SHORTEST_LENGTH_BUCKET):
+            L //= 4
+        return min(1 << (rows - 1).bit_length(), self.slots), L
 
     def _step_for(self, rows: int, slots: int) -> DecodeStep:
         """The decode step over the pool's first `rows` rows and `slots` slots, made on first use."""
