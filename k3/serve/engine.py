@@ -57,7 +57,7 @@ from .prefix import PrefixCache
 log = logging.getLogger("k3.serve")
 
 DEFAULT_MAX_LENGTH = 4096  # tokens a slot holds for a model without learned positions, unless told
-PREFILL_CHUNK = 256  # prompt tokens prefilled per engine turn by default (docs/benchmarks.md: k3 bench serve)
+PREFILL_CHUNK = 512  # prompt tokens prefilled per engine turn by default (docs/benchmarks.md: k3 bench serve)
 PREFIX_BLOCK = 256  # tokens per prefix-cache block when prefill is not chunked
 PREFIX_CACHE = True  # k3 serve's default (docs/benchmarks.md: k3 bench serve)
 SHORTEST_LENGTH_BUCKET = 256  # the fewest slots a compiled step reads
