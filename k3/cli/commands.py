@@ -423,19 +423,15 @@ def _serve(args) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
     )
 
+    compiled = f"{len(engine.pool.batch_buckets())} batch sizes compiled in {engine.pool.compile_seconds:.1f} s"
+    steps = compiled if engine.pool.compile else "eager steps"
+
     def ready(port: int) -> None:
         print(
             f"k3 serve: {name!r} ({model.config.name}, {model.num_parameters():,} parameters, on {device}); "
             f"cache budget {budget:,} bytes: {engine.slots} slots of {engine.max_length:,} tokens "
             f"({engine.pool_bytes:,} bytes); prefill chunk {args.prefill_chunk or 'off'}; prefix cache "
-            f"{'on' if engine.prefix is not None else 'off'}; "
-            + (
-                f"compiled steps ({len(engine.batch_buckets())} batch sizes compiled in "
-                f"{engine.compile_seconds:.1f} s, shorter lengths on first use); "
-                if engine.compile
-                else "eager steps; "
-            )
-            + f"http://{args.host}:{port}/v1",
+            f"{'on' if engine.prefix is not None else 'off'}; {steps}; http://{args.host}:{port}/v1",
             file=sys.stderr,
             flush=True,
         )

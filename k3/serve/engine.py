@@ -38,21 +38,17 @@ fit waits in a bounded queue; past that bound `submit` refuses (the server answe
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-from ..inference.decode_step import DecodeStep
-from ..inference.generation import check_sampling, check_seed, is_greedy, sample
-from ..models.kinds import MIXERS, cache_bytes
 from ..models.model import PREFILL_PIECE
 from .prefix import PrefixCache
+from .sequence import Draining, QueueFull, Sequence, prefill_bytes, sample_rows, sequence_bytes
+from .slots import SlotPool
 
 log = logging.getLogger("k3.serve")
 
@@ -60,90 +56,6 @@ DEFAULT_MAX_LENGTH = 4096  # tokens a slot holds for a model without learned pos
 PREFILL_CHUNK = 512  # prompt tokens prefilled per engine turn by default (docs/benchmarks.md: k3 bench serve)
 PREFIX_BLOCK = 256  # tokens per prefix-cache block when prefill is not chunked
 PREFIX_CACHE = True  # k3 serve's default (docs/benchmarks.md: k3 bench serve)
-SHORTEST_LENGTH_BUCKET = 256  # the fewest slots a compiled step reads
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at its bound: try again later (HTTP 503)."""
-
-
-class Draining(RuntimeError):
-    """The engine is shutting down and admits nothing new (HTTP 503)."""
-
-
-def sequence_bytes(config, tokens: int, dtype_bytes: int) -> int:
-    """Cache bytes one sequence holds at `tokens` tokens: sum over layers of the KV / latent bytes per token
-    times tokens, plus the fixed recurrent and convolution states (`k3.models.kinds.cache_bytes`)."""
-    return cache_bytes(config, 1, tokens, dtype_bytes)
-
-
-def prefill_bytes(config, piece: int, context: int, dtype_bytes: int) -> int:
-    """Transient bytes of one prefill forward of `piece` tokens whose last one sits at `context` (an estimate
-    that errs high; the layers run one at a time, so the largest counts): an attention layer's causal mask,
-    piece x context (a bool and a float32 copy, with room to spare: torch's fused attention kernel never holds
-    a head's scores), and MLA's per-head keys and values expanded from the context's latents; the piece's
-    hidden states and widest FFN activations; the last position's logits."""
-    H, attention = config.num_heads, 0
-    for kind in set(config.layer_types):
-        if MIXERS[kind].cache_bytes_per_token(config, dtype_bytes) == 0:
-            continue  # the linear family: fixed states, chunked over the piece (counted with the hidden states)
-        scores = 12 * piece * context
-        if kind == "mla":
-            head = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
-            scores += 2 * context * H * head * dtype_bytes
-        attention = max(attention, scores)
-    experts = config.moe_intermediate_size * (config.num_experts_per_tok + config.num_shared_experts)
-    widest = max(config.intermediate_size, experts, 3 * config.linear_num_heads * config.linear_head_dim)
-    per_token = (8 * config.hidden_size + 3 * widest) * dtype_bytes
-    return attention + piece * per_token + 4 * config.vocab_size
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One sequence to generate: its prompt (token ids), how many tokens at most, how to sample them.
-
-    The engine calls `on_token(token_id)` for each new token and then `on_finish(reason)` once, on its own
-    thread: reason "length" (max_tokens reached), "stop" (the end-of-text token, not passed to on_token),
-    "cancelled" (`Engine.cancel`), or "error: ..." (its prefill or its sampling raised, or the batch's forward).
-    Its settings are checked as it is made (`check_sampling`, `check_seed`): a ValueError naming the field."""
-
-    prompt: list[int]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    eos_token_id: int | None = None
-    on_token: Callable[[int], None] = lambda token: None
-    on_finish: Callable[[str], None] = lambda reason: None
-    id: int = field(default_factory=itertools.count().__next__)
-    tokens: list[int] = field(default_factory=list)  # generated so far
-    finish_reason: str | None = None
-    reserved: int = 0  # cache bytes it holds at its longest
-    prompt_bytes: int = 0  # its prefill cache's bytes (held while it prefills)
-    piece: int = PREFILL_PIECE  # prompt tokens per prefill forward
-    fitting_piece: int = PREFILL_PIECE  # the largest piece that fits the whole budget beside its cache
-    prefill_reserved: int = 0  # the transient bytes of one of its prefill pieces (counted while it prefills)
-    prefilled: int = 0  # prompt tokens in its cache so far
-    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
-    cancelled: bool = False
-    arrived: float = field(default_factory=time.perf_counter)
-
-    def __post_init__(self):
-        if not self.prompt:
-            raise ValueError("Sequence: `prompt` is empty (at least one token)")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"Sequence: `max_tokens` must be an int >= 1, got {self.max_tokens!r}")
-        check_sampling(self.temperature, self.top_k, self.top_p)
-        check_seed(self.seed)
-        self.generator: torch.Generator | None = None
-        self.cache = None  # its own cache while it prefills
-        self.first_token_at: float | None = None
-
-    @property
-    def total_tokens(self) -> int:
-        """The most tokens its cache will hold: the prompt and every token fed back (the last is only sampled)."""
-        return len(self.prompt) + self.max_tokens - 1
 
 
 class Engine:
@@ -203,11 +115,10 @@ class Engine:
                 f"`max_length` (k3 serve: --cache-memory, --max-model-len)"
             )
         self.max_running = self.slots
-        self.pool = model.new_cache(self.slots, max_length=self.max_length)
-        self.pool_bytes = self.pool.nbytes()
+        self.pool = SlotPool(model, self.slots, self.max_length, compile, model.decoding_weights())
+        self.pool_bytes = self.pool.nbytes
         block = prefix_block or prefill_chunk or PREFIX_BLOCK
         self.prefix = PrefixCache(block) if prefix_cache else None
-        self.compile = compile
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # admitted, prompt not yet all in their own caches
         self.running: list[Sequence] = []  # running[i] decodes in the pool's row i
@@ -215,15 +126,12 @@ class Engine:
         self.prefill_held = 0  # the prefilling sequences' own caches
         self.peak_running = 0
         self.steps = 0
-        self.compile_seconds = 0.0
-        self._fused = model.decoding_weights()  # the weight copies decoding reads (the weights do not change)
-        self._steps: dict[tuple[int, int], DecodeStep] = {}  # (rows, slots) -> its step over the pool
         self._last: torch.Tensor | None = None  # [running] the token each running row feeds next
         self._lock = threading.Condition()
         self._draining = self._stopped = False
         self._thread: threading.Thread | None = None
         if compile:
-            self._warm_up()
+            self.pool.warm_up()
 
     # -- the public side, any thread ---------------------------------------------------------------
     def bytes_for(self, sequence: Sequence) -> int:
@@ -323,8 +231,8 @@ class Engine:
                 "pool_bytes": self.pool_bytes,
                 "peak_running": self.peak_running,
                 "steps": self.steps,
-                "compiled": bool(self.compile),
-                "compile_seconds": round(self.compile_seconds, 3),
+                "compiled": bool(self.pool.compile),
+                "compile_seconds": round(self.pool.compile_seconds, 3),
                 "prefix_cache": None if self.prefix is None else self.prefix.summary(),
                 "draining": self._draining,
             }
@@ -453,7 +361,7 @@ class Engine:
     def _join(self, sequence: Sequence, token: torch.Tensor) -> None:
         """A prefilled sequence's row moves into the next slot of the pool and it joins the running rows."""
         slot = len(self.running)
-        self.pool.copy_row(slot, sequence.cache, 0)
+        self.pool.cache.copy_row(slot, sequence.cache, 0)
         last = token if self._last is None else torch.cat([self._last, token])
         with self._lock:
             self.prefilling.remove(sequence)
@@ -470,94 +378,14 @@ class Engine:
             sequence.cache = None
             self._finish(sequence, reason)
 
-    # -- decoding over the pool ------------------------------------------------------------------------
-    def buckets(self, rows: int, longest: int) -> tuple[int, int]:
-        """(b, L): the pool rows and slots a step for `rows` running rows, the longest holding `longest`
-        tokens, runs over. Compiled (a graph each, so few): b the smallest power of two >= rows (at most
-        the slots), L the smallest of max_length / 4^k (k >= 0, at least SHORTEST_LENGTH_BUCKET) above
-        `longest`. Eager (nothing to keep): b = rows, L the next multiple of 64."""
-        need = longest + 1
-        if not self.compile:
-            return rows, min(self.max_length, -(-need // 64) * 64)
-        L = self.max_length
-        while L // 4 >= max(need, SHORTEST_LENGTH_BUCKET):
-            L //= 4
-        return min(1 << (rows - 1).bit_length(), self.slots), L
-
-    def _step_for(self, rows: int, slots: int) -> DecodeStep:
-        """The decode step over the pool's first `rows` rows and `slots` slots, made on first use."""
-        step = self._steps.get((rows, slots))
-        if step is None:
-            view = self.pool.view(rows, slots)
-            step = DecodeStep(self.model, view, compile=self.compile, fused=self._fused)
-            self._steps[(rows, slots)] = step
-        return step
-
-    def batch_buckets(self) -> list[int]:
-        """The batch sizes a step runs at: 1, 2, 4, ... and the slots."""
-        sizes = [1 << i for i in range(self.slots.bit_length()) if 1 << i < self.slots]
-        return sizes + [self.slots]
-
-    def _warm_up(self) -> None:
-        """Compile the step for every batch bucket over all `max_length` slots, in free slots (a joining
-        row overwrites what they leave): what `k3 serve` says at start-up; steps over fewer slots compile
-        on first use (each logged)."""
-        with torch.inference_mode():  # as the loop runs them: the steps' tensors alike (one graph each)
-            for b in self.batch_buckets():
-                self.pool.lengths = [self.max_length - 1] + [0] * (self.slots - 1)  # the longest bucket
-                self.pool.positions.zero_()
-                self._run_step(torch.zeros(b, dtype=torch.long, device=self.device), rows=b, lengths=[0] * b)
-        self.pool.positions.zero_()
-        self.pool.lengths = [0] * self.slots
-
-    def _run_step(self, last: torch.Tensor, rows: int, lengths: list[int] | None = None) -> torch.Tensor:
-        """One token for the pool's first `rows` rows, feeding `last` [rows]: their logits [rows, vocab]
-        (`lengths`: the rows' host lengths to give the step, for the warm-up; default the pool's)."""
-        pool = self.pool.lengths
-        b, L = self.buckets(rows, max(pool[:rows]))
-        step = self._step_for(b, L)
-        self.pool.positions[rows:b].zero_()  # free slots in the bucket: position 0, their outputs unread
-        step.cache.lengths = (pool[:rows] if lengths is None else lengths) + [0] * (b - rows)
-        tokens = last if b == rows else torch.cat([last, last.new_zeros(b - rows)])
-        began = time.perf_counter()
-        first = self.compile and not step._warm
-        step(tokens)
-        if first:
-            took = time.perf_counter() - began
-            self.compile_seconds += took
-            log.info("k3 serve: compiled the decode step for %d rows x %d slots in %.1f s", b, L, took)
-        if lengths is None:
-            self.pool.lengths = [n + 1 for n in pool[:rows]] + pool[rows:]
-        return step.last_logits[:rows]
-
     def _decode(self) -> None:
-        logits = self._run_step(self._last, len(self.running))
+        logits = self.pool.run(self._last, len(self.running))
         self._last = self._sample(logits, self.running)
         self.steps += 1
         self._emit(self.running, self._last)
 
     def _sample(self, logits: torch.Tensor, rows: list[Sequence]) -> torch.Tensor:
-        """[B] the next token of each row: greedy rows together, sampled rows each with its own generator.
-        A row whose sampling raises ends with the error (and a line in the log); its token is a placeholder
-        that `_emit` skips and `_drop_ended` removes."""
-        tokens = logits.float().argmax(-1)
-        for i, s in enumerate(rows):
-            if is_greedy(s.temperature) or s.finish_reason is not None:
-                continue
-            try:
-                tokens[i] = sample(logits[i : i + 1], s.temperature, s.top_k, s.top_p, s.generator)[0]
-            except Exception as e:
-                log.error(
-                    "k3 serve: sequence %d failed to sample (temperature %r, top_k %r, top_p %r): %s: %s",
-                    s.id,
-                    s.temperature,
-                    s.top_k,
-                    s.top_p,
-                    type(e).__name__,
-                    e,
-                )
-                self._finish(s, f"error: {type(e).__name__}: {e}")
-        return tokens
+        return sample_rows(logits, rows, self._finish)
 
     def _emit(self, rows: list[Sequence], tokens: torch.Tensor) -> None:
         for sequence, token in zip(rows, tokens.tolist()):
@@ -583,19 +411,20 @@ class Engine:
                     self._finish(sequence, "cancelled")
                 if sequence.finish_reason is not None:
                     ended.append(i)
-            lengths = self.pool.lengths
+            pool = self.pool.cache
+            lengths = pool.lengths
             for i in reversed(ended):
                 last = len(self.running) - 1
                 self.reserved -= self.running[i].reserved
                 if i != last:
-                    self.pool.copy_row(i, self.pool, last)
+                    pool.copy_row(i, pool, last)
                     lengths[i] = lengths[last]
                     self.running[i] = self.running[last]
                     self._last[i] = self._last[last]
                 self.running.pop()
                 lengths[last] = 0
             if ended:
-                self.pool.lengths = lengths
+                pool.lengths = lengths
                 self._last = self._last[: len(self.running)] if self.running else None
 
     def _finish(self, sequence: Sequence, reason: str) -> None:
@@ -614,4 +443,4 @@ class Engine:
                 self._finish(sequence, f"error: {type(error).__name__}: {error}")
                 self.reserved -= sequence.reserved
             self.running, self._last = [], None
-            self.pool.lengths = [0] * self.slots
+            self.pool.cache.lengths = [0] * self.slots

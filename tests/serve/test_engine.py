@@ -210,7 +210,7 @@ def test_the_cache_shrinks_after_the_longest_row_leaves():
 def test_a_row_that_fails_to_sample_ends_alone(monkeypatch, caplog):
     """One sequence whose sampling raises (here a patched `sample`) ends with an error of its own and a line
     in the log; the sequences decoding beside it go on to what they get alone."""
-    import k3.serve.engine as engine_module
+    import k3.serve.sequence as engine_module
 
     real = engine_module.sample
 
@@ -356,7 +356,7 @@ def test_the_compiled_engine_gets_what_each_would_alone(preset):
     model = tiny(preset)
     engine = make_engine(model, compile="aot_eager", max_length=128, max_running=4).start()
     try:
-        assert engine.compile_seconds > 0 and sorted(engine._steps) == [(1, 128), (2, 128), (4, 128)]
+        assert engine.pool.compile_seconds > 0 and sorted(engine.pool.steps) == [(1, 128), (2, 128), (4, 128)]
         work = [(p, 2 + 3 * (i % 3)) for i, p in enumerate(prompts(7, seed=13))]
         collectors = []
         for prompt, n in work:
@@ -365,7 +365,7 @@ def test_the_compiled_engine_gets_what_each_would_alone(preset):
             collectors.append(c)
         for (prompt, n), c in zip(work, collectors):
             assert c.done.wait(300) and c.reason == "length" and c.tokens == alone(model, prompt, n)
-        assert sorted(engine._steps) == [(1, 128), (2, 128), (4, 128)]  # made at start-up, no others
+        assert sorted(engine.pool.steps) == [(1, 128), (2, 128), (4, 128)]  # made at start-up, no others
         wait_until(lambda: engine.stats()["slots_free"] == 4 and engine.stats()["cache_bytes_reserved"] == 0)
         assert engine.stats()["compiled"]
     finally:
@@ -374,9 +374,9 @@ def test_the_compiled_engine_gets_what_each_would_alone(preset):
 
 def test_buckets():
     model = tiny("kimi-k3-tiny")
-    eager = make_engine(model, max_length=4096, max_running=64)
+    eager = make_engine(model, max_length=4096, max_running=64).pool
     assert eager.buckets(1, 0) == (1, 64) and eager.buckets(3, 64) == (3, 128) and eager.buckets(64, 4095) == (64, 4096)
-    compiled = make_engine(model, max_length=4096, max_running=48)
+    compiled = make_engine(model, max_length=4096, max_running=48).pool
     compiled.compile = True  # the buckets only (nothing compiles here)
     assert (
         compiled.buckets(1, 10) == (1, 256)

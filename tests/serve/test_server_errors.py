@@ -130,7 +130,7 @@ def test_a_poisoned_request_does_not_fail_the_others(server, poison):
 def test_a_request_whose_sampling_raises_fails_alone(server, monkeypatch, caplog):
     """A failure while sampling one request's row (bypassing validation: a patched `sample`) ends that
     request with a 500 in OpenAI's shape and a line in the log; the requests beside it are unharmed."""
-    import k3.serve.engine as engine_module
+    import k3.serve.sequence as engine_module
 
     real = engine_module.sample
 
