@@ -317,8 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="decode with compiled steps over the slot pool, one graph per batch-size and length bucket "
-        "(torch.compile: C++ kernels on the CPU, which need a C++ compiler; CUDA graphs on CUDA), the "
-        "first compiled at start-up and the others on first use, kept in $TORCHINDUCTOR_CACHE_DIR "
+        "(torch.compile: C++ kernels on the CPU, which need a C++ compiler; CUDA graphs on CUDA), every "
+        "batch size's at start-up and shorter lengths' on first use, kept in $TORCHINDUCTOR_CACHE_DIR "
         "(default ~/.cache/k3/inductor) for the next start (default: --no-compile, eager steps)",
     )
     srv.add_argument(
