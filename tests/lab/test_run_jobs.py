@@ -16,7 +16,9 @@ import k3
 # the module-level patch also runs in each worker (spawn imports this script there as __mp_main__), leaving
 # only the parent-watching thread to end them.
 PARENT = """
+import faulthandler
 import os
+import signal
 import sys
 import time
 
@@ -33,6 +35,7 @@ def job(folder):
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks where a parent that hangs is
     jobs.run_jobs(job, [(sys.argv[1],)] * 4, "test", workers=2, show=False)
 """
 
@@ -83,7 +86,12 @@ def test_workers_end_with_their_parent(tmp_path, how):
             os.killpg(parent.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground group
         else:
             parent.send_signal(signal.SIGTERM if how == "SIGTERM" else signal.SIGKILL)
-        parent.wait(timeout=30)  # SIGTERM and Ctrl-C: the parent kills its workers and exits by itself
+        try:
+            parent.wait(timeout=30)  # SIGTERM and Ctrl-C: the parent kills its workers and exits by itself
+        except subprocess.TimeoutExpired:  # where it hangs: every thread's stack, dumped to its log
+            parent.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            raise AssertionError(f"the parent did not exit within 30 s of {how}:\n{log.read_text()}") from None
         assert parent.returncode != 0
         assert _wait_for(lambda: not any(_alive(pid) for pid in workers), 10), (
             f"workers still running: {[pid for pid in workers if _alive(pid)]}\n{log.read_text()}"
