@@ -56,8 +56,7 @@ class LayerCache:
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor allocated for this layer (what a compiled step keeps at fixed addresses)."""
-        states = self.recurrent_state if isinstance(self.recurrent_state, tuple) else (self.recurrent_state,)
-        return [t for t, _ in self.storage.values()] + [t for t in (self.window, *states) if t is not None]
+        return [t for t, _ in self.storage.values()] + self.states()
 
     def append(self, **new: torch.Tensor) -> list[torch.Tensor]:
         """Write each new [B, T, ...] at its row's next T slots, in place; return the buffers' slots that

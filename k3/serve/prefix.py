@@ -64,6 +64,7 @@ class PrefixCache:
         self.nbytes = 0
         self.stats = PrefixStats()
         self._next_id = 0
+        self._block_bytes: int | None = None
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -72,16 +73,21 @@ class PrefixCache:
     def key(parent: int, tokens) -> tuple:
         return (parent, tuple(tokens))
 
-    def lookup(self, prompt: list[int]) -> list[Block]:
-        """The longest run of cached blocks that `prompt` starts with, leaving at least one of its tokens
-        to prefill; marks them used (the deepest least recently, so that a child goes before its parent)."""
+    def _run(self, prompt: list[int], end: int) -> list[Block]:
+        """The cached blocks of `prompt` that end before token `end`, from its first, up to the first miss."""
         run, parent = [], ROOT
-        for end in range(self.block, len(prompt), self.block):  # a block ending at len(prompt) is not used
-            found = self.blocks.get(self.key(parent, prompt[end - self.block : end]))
+        for stop in range(self.block, end, self.block):
+            found = self.blocks.get(self.key(parent, prompt[stop - self.block : stop]))
             if found is None:
                 break
             run.append(found)
             parent = found.id
+        return run
+
+    def lookup(self, prompt: list[int]) -> list[Block]:
+        """The longest run of cached blocks that `prompt` starts with, leaving at least one of its tokens
+        to prefill; marks them used (the deepest least recently, so that a child goes before its parent)."""
+        run = self._run(prompt, len(prompt))  # a block ending at len(prompt) is not used
         for found in reversed(run):
             self.blocks.move_to_end(found.key)
         self.stats.queries += 1
@@ -106,22 +112,22 @@ class PrefixCache:
     def parent_of(self, prompt: list[int], end: int) -> int | None:
         """The id of the cached block that ends `block` tokens before `end` in `prompt` (ROOT at the
         start), or None when it is not cached (then no block ending at `end` can be)."""
-        parent = ROOT
-        for stop in range(self.block, end, self.block):
-            found = self.blocks.get(self.key(parent, prompt[stop - self.block : stop]))
-            if found is None:
-                return None
-            parent = found.id
-        return parent
+        run = self._run(prompt, end)
+        if len(run) < (end - 1) // self.block:
+            return None
+        return run[-1].id if run else ROOT
 
     def block_bytes(self, cache) -> int:
-        """The bytes one block of `cache`'s model takes: its tokens' slots and the states at its end."""
-        total = 0
-        for layer in cache.layers:
-            for t, axis in layer.storage.values():
-                total += t[0].narrow(axis - 1, 0, 1).numel() * t.element_size() * self.block
-            total += sum(s[0].numel() * s.element_size() for s in layer.states())
-        return total
+        """The bytes one block of `cache`'s model takes: its tokens' slots and the states at its end (the
+        same for every cache of the model this prefix cache serves: counted once)."""
+        if self._block_bytes is None:
+            total = 0
+            for layer in cache.layers:
+                for t, axis in layer.storage.values():
+                    total += t[0].narrow(axis - 1, 0, 1).numel() * t.element_size() * self.block
+                total += sum(s[0].numel() * s.element_size() for s in layer.states())
+            self._block_bytes = total
+        return self._block_bytes
 
     def insert(self, prompt: list[int], end: int, cache) -> Block | None:
         """Keep the block of `prompt` that ends at token `end` (a multiple of `block`) from row 0 of
