@@ -367,7 +367,6 @@ def _serve(args) -> int:
     from ..models import CausalLM
     from ..runtime import resolve_device
     from ..serve import Engine, build_app, require_serve_extra, serve
-    from ..serve.engine import DEFAULT_MAX_LENGTH
     from ..serve.text import load_chat_template
     from ..tokenizer import Tokenizer
     from .preflight import check_checkpoint
@@ -391,10 +390,10 @@ def _serve(args) -> int:
         tokens = json.loads(config_file.read_text()) if config_file.is_file() else {}
         chat_template = load_chat_template(args.checkpoint)
     positions = model.config.max_position_embeddings
-    max_model_len = args.max_model_len or positions or DEFAULT_MAX_LENGTH
-    if positions and max_model_len > positions:
+    if positions and args.max_model_len and args.max_model_len > positions:
         raise ValueError(
-            f"--max-model-len {max_model_len}: {model.config.name!r} has learned positions for {positions} tokens only"
+            f"--max-model-len {args.max_model_len}: {model.config.name!r} has learned positions for {positions} "
+            f"tokens only"
         )
     special = {k: v for k, v in tokens.items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
     name = args.served_model_name or Path(args.checkpoint).resolve().name
@@ -404,7 +403,7 @@ def _serve(args) -> int:
             budget,
             max_queue=args.max_queue,
             max_running=args.max_running,
-            max_length=max_model_len,
+            max_length=args.max_model_len,  # default: the model's positions, else DEFAULT_MAX_LENGTH
             prefill_chunk=args.prefill_chunk,
             compile=args.compile,
             prefix_cache=args.prefix_cache,
@@ -417,7 +416,7 @@ def _serve(args) -> int:
         name,
         chat_template=chat_template,
         special=special,
-        max_model_len=max_model_len,
+        max_model_len=engine.max_length,
         api_key=args.api_key,
         max_request_bytes=max_request_bytes,
         max_prompt_tokens=args.max_prompt_tokens,
