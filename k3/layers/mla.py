@@ -13,13 +13,16 @@ In a training step with QK-Clip on, each head's largest logit scale * q . key is
 The cache holds only the latent c and k_pe: r + dr values per token per layer (512 + 64 = 576 at K3
 size), instead of H * (dn + dr + dv) for a plain KV cache. Decoding can "absorb" kv_b into the query and
 the output: q_nope . (W_uk c) = (W_uk^T q_nope) . c and sum_s p_s W_uv c_s = W_uv (sum_s p_s c_s), so
-attention runs against the latents directly; it equals the plain path. The latents live in buffers
-in buffers of slots (`k3.inference.cache`, made by `k3.models.kinds`): a decode step writes one slot per row.
+attention runs against the latents directly; it equals the plain path. The latents live side by side,
+[c | k_pe] [B, N, r + dr] per token (vLLM's `kv_c_and_k_pe_cache`), in a buffer of slots
+(`k3.inference.cache`, made by `k3.models.kinds`): a decode step writes one slot per row, and its scores
+[W_uk^T q_nope | q_pe] . [c | k_pe] are one matmul that reads each slot once.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..ops.attention import causal_attention, causal_mask
@@ -145,11 +148,18 @@ class MultiHeadLatentAttention(nn.Module):
         rotated = cache is not None and self.rope_theta is not None
         positions = cache.token_positions(T, x.device) if rotated else 0
         q, c, k_pe = self._queries_and_latents(x, positions, (first, latents))
-        c_all, k_pe_all = (c, k_pe) if cache is None else cache.append(c=c, k_pe=k_pe)
+        if cache is None:
+            c_all, k_pe_all, mask = c, k_pe, None
+        else:  # the cache's slots [c | k_pe] [B, S, r + dr]
+            latents = cache.append(latents=torch.cat([c, k_pe], -1))[0]
+            c_all, k_pe_all = latents.split([self.kv_lora_rank, self.dr], -1)
+            mask = cache.visible(T, latents.shape[1], x.device)
         if absorb is None:
             absorb = cache is not None and T == 1
-        mask = None if cache is None else cache.visible(T, c_all.shape[1], x.device)
-        o = self._absorbed(q, c_all, k_pe_all, mask) if absorb else self._plain(q, c_all, k_pe_all, mask)
+        if absorb:
+            o = self._absorbed(q, torch.cat([c, k_pe], -1) if cache is None else latents, mask)
+        else:
+            o = self._plain(q, c_all, k_pe_all, mask)
         o = o.reshape(B, T, self.num_heads * self.dv)
         if gate:  # gated MLA
             o = o * torch.sigmoid(gate[0])
@@ -182,33 +192,52 @@ class MultiHeadLatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.kv_lora_rank)
         return w[:, : self.dn], w[:, self.dn :]
 
-    def _latent_probs(self, q, c_all, k_pe_all, w_uk: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal attention probabilities [B, H*T, S] (rows head-major: h * T + i; in q's dtype) against
-        the latents, with scores = (W_uk^T q_nope) . c + q_pe . k_pe; query i sits at slot S - T + i, or
-        sees the slots `mask` [B, 1, T, S] allows (a cache's rows at their own positions).
-
-        Batched matmuls with the heads folded into the rows, so that the latents c_all [B, S, r] and
-        k_pe_all [B, S, dr] are read as they are (shared by every head: never expanded or copied)."""
+    def _latent_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q [B, T, H, dn + dr] -> [W_uk^T q_nope | q_pe] [B, H*T, r + dr] (rows head-major: h * T + i), the
+        queries that score against the latents [c | k_pe]."""
         B, T, H, _ = q.shape
-        S = c_all.shape[1]
+        w_uk = self._absorbed_weights()[0]
         q_nope = q[..., : self.dn].permute(2, 0, 1, 3).reshape(H, B * T, self.dn)
         q_latent = torch.bmm(q_nope, w_uk).view(H, B, T, -1).transpose(0, 1).reshape(B, H * T, -1)  # [B, H*T, r]
-        q_pe = q[..., self.dn :].transpose(1, 2).reshape(B, H * T, self.dr)
-        scores = torch.bmm(q_pe, k_pe_all.transpose(1, 2))  # [B, H*T, S]
-        scores = upcast(torch.baddbmm(scores, q_latent, c_all.transpose(1, 2)).mul_(self.scale))
-        allowed = causal_mask(T, S, None, q.device) if mask is None else mask  # None: one query sees every slot
+        return torch.cat([q_latent, q[..., self.dn :].transpose(1, 2).reshape(B, H * T, self.dr)], -1)
+
+    def _latent_mask(self, B: int, T: int, S: int, mask: torch.Tensor | None, device) -> torch.Tensor | None:
+        """Which slots the head-major query rows h * T + i see: [B or 1, 1, H*T, S], or None (all)."""
+        allowed = causal_mask(T, S, None, device) if mask is None else mask  # None: one query sees every slot
+        if allowed is None or T == 1:
+            return allowed if allowed is None or allowed.dim() == 4 else allowed.view(1, 1, 1, S)
+        allowed = allowed.view(-1, 1, T, S)
+        return allowed.expand(allowed.shape[0], self.num_heads, T, S).reshape(-1, 1, self.num_heads * T, S)
+
+    def _latent_probs(self, q, latents, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention probabilities [B, H*T, S] (rows head-major: h * T + i; in q's dtype) against
+        the latents [c | k_pe] [B, S, r + dr], with scores = [W_uk^T q_nope | q_pe] . [c | k_pe]; query i
+        sits at slot S - T + i, or sees the slots `mask` [B, 1, T, S] allows (a cache's rows at their own
+        positions). The heads are folded into the rows, so the latents (shared by every head) are read as
+        they are, never expanded or copied."""
+        B, T, _, _ = q.shape
+        S = latents.shape[1]
+        scores = upcast(torch.bmm(self._latent_queries(q), latents.transpose(1, 2))).mul_(self.scale)
+        allowed = self._latent_mask(B, T, S, mask, q.device)
         if allowed is not None:
-            scores = scores.view(B, H, T, S).masked_fill(~allowed, float("-inf")).view(B, H * T, S)
+            scores = scores.masked_fill(~allowed[:, 0], float("-inf"))
         return cast(torch.softmax(scores, dim=-1), q.dtype)
 
-    def _absorbed(self, q, c_all, k_pe_all, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention against the latents: o = W_uv (p . c) per head with p from `_latent_probs`
-        -> [B, T, H, dv]."""
+    def _absorbed(self, q, latents, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention against the latents [c | k_pe] [B, S, r + dr] -> [B, T, H, dv]: o = W_uv (p . c) per
+        head, p = softmax([W_uk^T q_nope | q_pe] . [c | k_pe] * scale) as `_latent_probs` gives it.
+
+        One fused attention (`scaled_dot_product_attention`: a flash kernel, each slot read once with an
+        online softmax) of the H*T query rows over one shared key-and-value head, the latents themselves:
+        its output's first r columns are p . c (the last dr, p . k_pe, are dropped)."""
         B, T, H, _ = q.shape
-        w_uk, w_uv = self._absorbed_weights()
-        o_latent = torch.bmm(self._latent_probs(q, c_all, k_pe_all, w_uk, mask), c_all)  # [B, H*T, r]
-        o_latent = o_latent.view(B, H, T, -1).transpose(0, 1).reshape(H, B * T, -1)  # [H, B*T, r]
-        o = torch.bmm(o_latent, w_uv.transpose(1, 2))  # [H, B*T, dv]
+        S, r = latents.shape[1], self.kv_lora_rank
+        queries = self._latent_queries(q).unsqueeze(1)  # [B, 1, H*T, r + dr]
+        kv = latents.unsqueeze(1)  # [B, 1, S, r + dr]
+        allowed = self._latent_mask(B, T, S, mask, q.device)
+        o_latent = F.scaled_dot_product_attention(queries, kv, kv, attn_mask=allowed, scale=self.scale)
+        o_latent = o_latent[:, 0, :, :r].reshape(B, H, T, r).transpose(0, 1).reshape(H, B * T, r)  # [H, B*T, r]
+        o = torch.bmm(o_latent, self._absorbed_weights()[1].transpose(1, 2))  # [H, B*T, dv]
         return o.view(H, B, T, self.dv).permute(1, 2, 0, 3)
 
     def attention_probs(self, x: torch.Tensor) -> torch.Tensor:
@@ -217,4 +246,4 @@ class MultiHeadLatentAttention(nn.Module):
         check_mixer_input("MultiHeadLatentAttention", x, self.hidden_size, None)
         q, c, k_pe = self._queries_and_latents(x, 0)
         B, T, H, _ = q.shape
-        return self._latent_probs(q, c, k_pe, self._absorbed_weights()[0]).view(B, H, T, T)
+        return self._latent_probs(q, torch.cat([c, k_pe], -1)).view(B, H, T, T)

@@ -104,7 +104,7 @@ class SoftmaxAttention(MixerKind):
 
 
 class LatentAttention(MixerKind):
-    """Multi-head Latent Attention: the cache holds the latent c and the shared k_pe per token."""
+    """Multi-head Latent Attention: the cache holds the latent c and the shared k_pe per token, [c | k_pe]."""
 
     name, fixed_state = "mla", False
 
@@ -135,10 +135,10 @@ class LatentAttention(MixerKind):
         )
 
     def new_cache(self, layer, owner, batch_size, slots):
-        """The normalised latents c [B, N, r] and the shared rotary keys k_pe [B, N, dr]."""
+        """`latents` [B, N, r + dr]: the normalised latent c and the shared rotary key k_pe of each token,
+        side by side (vLLM's `kv_c_and_k_pe_cache`), so that decoding reads each slot once."""
         w = layer.kv_a_proj_with_mqa.weight
-        latents = w.new_zeros(batch_size, slots, layer.kv_lora_rank)
-        return LayerCache(owner, {"c": (latents, 1), "k_pe": (w.new_zeros(batch_size, slots, layer.dr), 1)})
+        return LayerCache(owner, {"latents": (w.new_zeros(batch_size, slots, layer.kv_lora_rank + layer.dr), 1)})
 
     def params(self, c):
         d, H, dn, dr, dv, r = (

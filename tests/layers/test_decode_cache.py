@@ -21,15 +21,16 @@ def test_a_layer_cache_writes_each_row_at_its_position_and_reads_the_slots_held(
     )
     for max_length in (None, 16):
         cache = layer_cache(layer, 2, max_length)
-        owner, buffer = cache.owner, cache.c
-        c, k_pe = torch.randn(2, 3, 8), torch.randn(2, 3, 4)
-        c_all, _ = cache.append(c=c, k_pe=k_pe)
-        assert c_all.shape == (2, 3, 8) and torch.equal(c_all, c) and cache.c.data_ptr() == buffer.data_ptr()
+        owner, buffer = cache.owner, cache.latents  # [c | k_pe] per slot
+        latents = torch.randn(2, 3, 8 + 4)
+        (read,) = cache.append(latents=latents)
+        assert read.shape == (2, 3, 12) and torch.equal(read, latents)
+        assert cache.latents.data_ptr() == buffer.data_ptr()
         owner.advance(3)
-        one = torch.randn(2, 1, 8)
-        c_all, _ = cache.append(c=one, k_pe=torch.randn(2, 1, 4))
-        assert c_all.shape[1] == (16 if max_length else 4) and torch.equal(c_all[:, 3], one[:, 0])
-        mask = cache.visible(1, c_all.shape[1])
+        one = torch.randn(2, 1, 12)
+        (read,) = cache.append(latents=one)
+        assert read.shape[1] == (16 if max_length else 4) and torch.equal(read[:, 3], one[:, 0])
+        mask = cache.visible(1, read.shape[1])
         assert (mask is None) == (max_length is None)  # every row at one position, the slots held read
         if mask is not None:
             assert mask[:, 0, 0].sum(-1).tolist() == [4, 4]

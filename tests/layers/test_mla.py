@@ -41,6 +41,61 @@ def test_absorbed_equals_plain(name):
     torch.testing.assert_close(full_absorbed, full_plain, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("heads, dims", [(4, (16, 8, 4, 6)), (1, (7, 5, 2, 9))])
+def test_absorbed_reads_each_row_at_its_own_position(T, heads, dims):
+    """A fixed cache whose rows hold 10 and 6 tokens: the absorbed attention (one fused attention over the
+    latents, masked past each row's position) equals the plain path and, for the shorter row, a cache of
+    its 6 tokens alone (float64; H = 1 and odd sizes too)."""
+    r, dn, dr, dv = dims
+    torch.manual_seed(0)
+    layer = MultiHeadLatentAttention(
+        24,
+        heads,
+        q_lora_rank=12,
+        kv_lora_rank=r,
+        qk_nope_head_dim=dn,
+        qk_rope_head_dim=dr,
+        v_head_dim=dv,
+        output_gate="full",
+        rope_theta=10000.0,
+    ).double()
+    x = torch.randn(2, 10 + T, 24, dtype=torch.float64)
+    outs = {}
+    with torch.no_grad():
+        for absorb in (True, False):
+            cache = layer_cache(layer, 2, max_length=16)
+            run(layer, x[:, :10], cache)
+            cache.owner.lengths = [10, 6]
+            cache.owner.positions.copy_(torch.tensor([10, 6]))
+            outs[absorb] = run(layer, x[:, 10:], cache, absorb=absorb)
+        alone = layer_cache(layer, 1)
+        run(layer, x[1:, :6], alone)
+        short = run(layer, x[1:, 10:], alone, absorb=False)
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(outs[True][1:], short, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_absorbed_decoding_in_low_precision_and_its_gradients(dtype, tol):
+    """The absorbed path in float32 / bfloat16 against float64's plain one, and its gradients (float64)
+    equal the plain path's."""
+    layer = make("rope", torch.float64)
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    with torch.no_grad():
+        want = layer(x, absorb=False)
+        got = make("rope", dtype)(x.to(dtype), absorb=True)
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    grads = []
+    for absorb in (True, False):
+        layer.zero_grad()
+        xg = x.clone().requires_grad_()
+        layer(xg, absorb=absorb).square().sum().backward()
+        grads.append([xg.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("prefix", [1, 5, 20])
 def test_prefill_then_decode_equals_full_forward(name, prefix):

@@ -84,7 +84,7 @@ def test_static_addresses_for_cuda_graphs_keep_the_step_exact():
         torch._dynamo.mark_static_address = original
     cache = compiled.cache
     kinds = model.config.layer_types
-    expected = 2 * kinds.count("mla") + 2 * kinds.count("kda") + 4  # + positions, tokens, sources, noise
+    expected = kinds.count("mla") + 2 * kinds.count("kda") + 4  # + positions, tokens, sources, noise
     joined = [m for m in model.modules() if hasattr(m, "fuse_for_decoding") and len(m._input_projections()) > 1]
     expected += 3 * len(model.moe_layers()) + len(joined)
     assert len(marked) == expected and {id(t) for t in (cache.positions, compiled._tokens)} <= {id(t) for t in marked}
