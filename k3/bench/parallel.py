@@ -20,12 +20,14 @@ import tempfile
 
 import torch
 
+from ..training.dist_muon import EXCHANGING
+
 __all__ = ["run", "measure"]
 
 CATEGORY = {
     "_allgather_base_": "fsdp all-gather",
     "_reduce_scatter_base_": "fsdp reduce-scatter",
-    "all_gather_into_tensor": "muon all-gather",
+    "all_gather_into_tensor": "muon all-gather (whole)",
     "alltoall_base_": "all-to-all",
     "allreduce_": "all-reduce",
     "all_reduce": "all-reduce",
@@ -41,7 +43,10 @@ class SentBytes(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace in ("c10d", "_c10d_functional") and func._opname in CATEGORY:
-            self.sent[CATEGORY[func._opname]] += self._bytes(func.namespace, func._opname, args)
+            category = CATEGORY[func._opname]
+            if category == "all-to-all" and EXCHANGING.get():  # distributed Muon's, not the experts'
+                category = "muon exchange"
+            self.sent[category] += self._bytes(func.namespace, func._opname, args)
         return func(*args, **(kwargs or {}))
 
     @staticmethod
@@ -117,7 +122,13 @@ def _worker(rank: int, world: int, port: int, settings: dict, out: str) -> None:
     counter = SentBytes()
     with counter:
         loss = strategy.step(batch(), cfg)
-    result = {"sent": dict(counter.sent), "peak rss": _peak_rss(), "rss rise": _peak_rss() - base, "loss": loss}
+    result = {
+        "sent": dict(counter.sent),
+        "peak rss": _peak_rss(),
+        "rss rise": _peak_rss() - base,
+        "loss": loss,
+        "ns_flops": getattr(strategy.optimizer, "ns_flops", 0),
+    }
     results = [None] * world
     dist.all_gather_object(results, result)
     if rank == 0:
@@ -182,6 +193,19 @@ def planned(
     )
 
 
+def whole_ns_flops(preset: str, ep: int) -> int:
+    """The Newton-Schulz FLOPs each rank ran in a step when every rank orthogonalised every matrix it
+    holds whole (the dense ones and its ep group's experts): what one owner per matrix divides."""
+    from ..models import get_config
+    from ..plan.shapes import model_shapes
+    from ..training.dist_muon import ns_flops
+
+    shapes = model_shapes(get_config(preset, vocab_size=257))
+    dense = [p for ps in shapes.layers + [shapes.first + shapes.last] for p in ps if p.kind == "matrix"]
+    experts = [p for n in shapes.experts if n for p in shapes.expert * (n // ep) if p.kind == "matrix"]
+    return sum(ns_flops(p.shape) for p in dense + experts)
+
+
 def run(
     layouts=((2, 1), (2, 2), (4, 2)),
     preset: str = "kimi-k3-tiny",
@@ -209,6 +233,7 @@ def run(
                 "precision": precision,
                 "ranks": ranks,
                 "planned": planned(world, ep, preset, seq_len, batch_size, recompute, precision=precision),
+                "ns_flops_whole": whole_ns_flops(preset, ep),
             }
         )
     print(format_report(report))
@@ -227,8 +252,15 @@ def format_report(report: dict) -> str:
         precision = row.get("precision", "fp32")
         head = f"{row['processes']} processes, ep {row['ep']}, recompute {row['recompute']}, {precision}:"
         cells = []
-        for name in ("fsdp all-gather", "fsdp reduce-scatter", "muon all-gather"):
+        for name in ("fsdp all-gather", "fsdp reduce-scatter", "muon exchange"):
             cells.append(f"{name} {max(r['sent'].get(name, 0) for r in ranks) / 1e6:.3f} (plan {plan[name] / 1e6:.3f})")
+        whole = plan["muon all-gather (whole)"]
+        flops = [r.get("ns_flops", 0) for r in ranks]
+        cells.append(
+            f"muon: {max(r['sent'].get('muon exchange', 0) for r in ranks) / max(whole, 1):.3f}x the bytes of "
+            f"gathering every matrix whole ({whole / 1e6:.3f} MB); Newton-Schulz {max(flops) / 1e9:.3f} GFLOP "
+            f"on the busiest rank, {row.get('ns_flops_whole', 0) / 1e9:.3f} when each ran them all"
+        )
         a2a = [r["sent"].get("all-to-all", 0) / 1e6 for r in ranks]
         cells.append(
             f"all-to-all {min(a2a):.3f}-{max(a2a):.3f} (plan {plan['all-to-all (uniform)'] / 1e6:.3f} "

@@ -19,8 +19,11 @@ Per micro-batch:
   reaches at most min(k, ep - 1) other ranks (`bound`); routed uniformly at random, on average
   (ep - 1)(1 - C(E - E/ep, k) / C(E, k)) (`uniform`).
 
-Per step: **Muon** gathers every sharded matrix whole for its Newton-Schulz step (dense ones over M
-ranks, experts over M / ep), once; AdamW gathers nothing. The step's small all-reduces (the loss and
+Per step: **Muon** (`k3.training.dist_muon`) sends each sharded matrix's rows to the one rank that owns
+it and the update's rows back (two all-to-alls; dense matrices over M ranks, experts over M / ep): "muon
+exchange", the busiest rank's bytes (`muon_exchange_per_rank` gives each rank's); "muon all-gather
+(whole)" is what gathering every matrix whole on every rank would send, for comparison. AdamW sends
+nothing. The step's small all-reduces (the loss and
 expert loads, the clipping norm) are left out: a few kB.
 
 `k3 bench parallel` measures these on real processes (gloo) beside this model.
@@ -67,7 +70,8 @@ def step_traffic(
     Muon's gathered updates' element size (k3 train: float32); `gather_bytes`: the gathered weights'
     (default weight_bytes; 2 under `--precision bf16`, FSDP's bfloat16 param_dtype); `row_bytes`: the
     exchanged rows' (float32 on the CPU; bf16 under autocast). Returns {"fsdp all-gather",
-    "fsdp reduce-scatter", "muon all-gather", "all-to-all (uniform)", "all-to-all (bound)"}."""
+    "fsdp reduce-scatter", "muon exchange", "muon all-gather (whole)", "all-to-all (uniform)",
+    "all-to-all (bound)"}."""
     shapes = shapes or model_shapes(config)
     if fsdp % ep:
         raise ValueError(f"ep ({ep}) must divide fsdp ({fsdp})")
@@ -83,17 +87,18 @@ def step_traffic(
     expert_shards = [padded_shard(ps, efsdp) for ps in held]
     gathers = (fsdp - 1) * (2 * sum(layer_shards) + padded_shard(root, fsdp)) + (efsdp - 1) * 2 * sum(expert_shards)
     scatters = (fsdp - 1) * (sum(layer_shards) + padded_shard(root, fsdp)) + (efsdp - 1) * sum(expert_shards)
-    muon = 0
+    whole, exchange = 0, 0
     if optimizer == "muon":
-        dense = [p for ps in dense_layers + [root] for p in ps if p.kind == "matrix"]
-        experts = [p for ps in held for p in ps if p.kind == "matrix"]
-        muon = (fsdp - 1) * sum(padded_shard([p], fsdp) for p in dense) + (efsdp - 1) * sum(
+        dense, experts = _muon_matrices(dense_layers + [root], held)
+        whole = (fsdp - 1) * sum(padded_shard([p], fsdp) for p in dense) + (efsdp - 1) * sum(
             padded_shard([p], efsdp) for p in experts
         )
+        exchange = max(_muon_exchange(dense, experts, fsdp, ep, weight_bytes))
     out = {
         "fsdp all-gather": gathers * (weight_bytes if gather_bytes is None else gather_bytes) * micro_batches,
         "fsdp reduce-scatter": scatters * weight_bytes * micro_batches,
-        "muon all-gather": muon * weight_bytes,
+        "muon exchange": exchange,
+        "muon all-gather (whole)": whole * weight_bytes,
     }
     width = config.moe_latent_size or config.hidden_size
     k = config.num_experts_per_tok
@@ -110,3 +115,33 @@ def step_traffic(
         total = sum((ep - 1) * 8 * f + tokens_per_rank * rows * (f * forward_row + backward_row) for f in forwards)
         out[f"all-to-all ({name})"] = total * micro_batches if ep > 1 else 0.0
     return out
+
+
+def _muon_matrices(dense_units: list[list[Param]], held: list[list[Param]]) -> tuple[list[Param], list[Param]]:
+    """Muon's matrices sharded over all ranks (the dense units') and over an expert group (held experts')."""
+    dense = [p for ps in dense_units for p in ps if p.kind == "matrix"]
+    return dense, [p for ps in held for p in ps if p.kind == "matrix"]
+
+
+def _muon_exchange(dense: list[Param], experts: list[Param], fsdp: int, ep: int, element_bytes: int) -> list[int]:
+    """Each rank's bytes of distributed Muon's exchanges: rank g (mesh [fsdp / ep, ep], g = i * ep + j) is
+    rank g of the dense matrices' group and rank i of its expert group's."""
+    from ..training.dist_muon import exchange_bytes_per_rank
+
+    on_dense = exchange_bytes_per_rank([p.shape for p in dense], fsdp, element_bytes)
+    on_experts = exchange_bytes_per_rank([p.shape for p in experts], fsdp // ep, element_bytes) if experts else [0]
+    return [on_dense[g] + on_experts[(g // ep) % len(on_experts)] for g in range(fsdp)]
+
+
+def muon_exchange_per_rank(
+    config: ModelConfig, fsdp: int, ep: int, element_bytes: int = 4, shapes: ModelShapes | None = None
+) -> list[int]:
+    """The bytes each of `fsdp` ranks sends in one step's distributed Muon exchanges (see the module)."""
+    shapes = shapes or model_shapes(config)
+    dense_layers = [list(ps) for ps in shapes.layers]
+    held = [shapes.expert * (n // ep) for n in shapes.experts if n]
+    if ep == 1:
+        dense_layers = [ps + shapes.expert * n for ps, n in zip(dense_layers, shapes.experts)]
+        held = []
+    dense, experts = _muon_matrices(dense_layers + [shapes.first + shapes.last], held)
+    return _muon_exchange(dense, experts, fsdp, ep, element_bytes)

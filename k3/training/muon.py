@@ -16,8 +16,10 @@ parameters, the AttnRes queries and the short-convolution kernels take AdamW (to
 
 Newton-Schulz runs batched: the matrices of one shape (the MoE layers' experts, say) in stacks of bmm
 calls of at most STACK_VALUES values each (so its workspace is bounded, whatever the model), in bfloat16
-on GPUs (as Keller Jordan's reference does), in float32 on CPUs. Sharded matrices
-(FSDP's DTensors) are gathered whole for it, and each rank keeps its shard of the update. QK-Clip
+on GPUs (as Keller Jordan's reference does), in float32 on CPUs. Sharded matrices (FSDP's DTensors, rows
+split over a group of ranks) are orthogonalised once each, by one owner rank that all-to-alls gather them
+to and return the update from (`k3.training.dist_muon`; `owners=False`: every rank gathers every matrix
+whole and runs them all, as before). QK-Clip
 (MuonClip's guard on attention logits at scale) runs after the step, outside the optimizer:
 k3.training.qk_clip. How it compares with AdamW on k3's runs: docs/training.md.
 """
@@ -29,6 +31,8 @@ from collections import defaultdict
 
 import torch
 from torch.optim.adamw import adamw
+
+from .dist_muon import group_key, ns_flops, orthogonalised_shards, sharded_group
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz (Keller Jordan's, also torch.optim.Muon's)
 
@@ -118,6 +122,7 @@ class Muon(torch.optim.Optimizer):
         momentum: float = 0.95,
         ns_steps: int = 5,
         fused: bool | None = None,
+        owners: bool = True,
     ):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"Muon: `momentum` must be in [0, 1), got {momentum!r}")
@@ -134,6 +139,8 @@ class Muon(torch.optim.Optimizer):
             fused=fused,
         )
         super().__init__(params, defaults)
+        self.owners = owners
+        self.ns_flops = 0  # Newton-Schulz FLOPs this rank ran in the last step
         for group in self.param_groups:
             if group["use_muon"]:
                 bad = [tuple(p.shape) for p in group["params"] if p.dim() != 2]
@@ -146,6 +153,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.ns_flops = 0
         for group in self.param_groups:
             (self._muon_step if group["use_muon"] else self._adamw_step)(group)
         return loss
@@ -163,9 +171,13 @@ class Muon(torch.optim.Optimizer):
         torch._foreach_lerp_(buffers, grads, 1.0 - mu)
         if group["weight_decay"]:
             torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
-        by_shape = defaultdict(list)
+        by_shape, by_group = defaultdict(list), defaultdict(list)
         for p, g, m in zip(params, grads, buffers):
-            by_shape[p.shape].append((p, g, m))
+            shards = sharded_group(p) if self.owners else None
+            if shards is None:
+                by_shape[p.shape].append((p, g, m))
+            else:
+                by_group[group_key(shards)].append((shards, p, g, m))
         for shape, triples in by_shape.items():
             for part in _stacks(triples, shape):
                 ps, gs, ms = zip(*part)
@@ -173,6 +185,14 @@ class Muon(torch.optim.Optimizer):
                 updates = newton_schulz(torch.stack([_whole(n) for n in nesterov]), group["ns_steps"]).unbind(0)
                 updates = [_like(u, p) for u, p in zip(updates, ps)]
                 torch._foreach_add_(list(ps), updates, alpha=-lr * muon_scale(shape))
+                self.ns_flops += len(part) * ns_flops(shape, group["ns_steps"])
+        for items in by_group.values():  # sharded: one owner per matrix (k3.training.dist_muon)
+            shards, ps, gs, ms = items[0][0], *map(list, list(zip(*items))[1:])
+            nesterov = torch._foreach_lerp(gs, ms, mu)
+            updates, flops = orthogonalised_shards(ps, nesterov, shards, group["ns_steps"], newton_schulz, _stacks)
+            self.ns_flops += flops
+            for p, u in zip(ps, updates):
+                p.to_local().add_(u, alpha=-lr * muon_scale(p.shape))
 
     def _adamw_step(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]

@@ -313,10 +313,27 @@ def apply_fsdp(
             if world // ep > 1:  # a sum, then the division (gloo has no PreMulSum); over one rank FSDP2
                 # sends nothing and divides once in its copy, and forcing the sum would divide again
                 moe.experts.set_force_sum_reduction_for_comms(True)
+            else:
+                _undo_double_division(moe.experts, world, policy)
     if shard_dense:
         _fully_shard(model, mesh._flatten("dp"), policy)
     else:
         _fully_shard(model, init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard")), policy)
+
+
+def _undo_double_division(experts: nn.Module, factor: int, policy) -> None:
+    """Over a one-rank mesh FSDP2 (torch 2.13) divides a gradient reduced in float64 or float16 twice:
+    by its pre-divide factor (it splits the division around the reduction to avoid overflow in those
+    dtypes), then by the whole factor in the copy that stands for the reduction. Its all-reduce hook,
+    which sees the reduced shard in between, multiplies the first division back."""
+    reduce_dtype = policy.reduce_dtype or policy.param_dtype or next(experts.parameters()).dtype
+    if reduce_dtype in (torch.float32, torch.bfloat16):
+        return
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:  # FSDP2's own split of the factor
+        pre *= 2
+    if pre > 1:
+        experts.set_all_reduce_hook(lambda reduced: reduced.mul_(pre))
 
 
 def check_expert_split(config, world_size: int) -> None:

@@ -168,12 +168,12 @@ def clip_gradients(model: nn.Module, max_norm: float, dims: ParallelDims) -> flo
     params = [p for p in model.parameters() if p.grad is not None]
     experts = [p for p in params if id(p) in held]
     dense = [p for p in params if id(p) not in held]
-    squares = []
+    squares = []  # each part's squared norm, added in float64 (the gradients' float32 or float64 rounds it after)
     for part in (dense, experts):
         norm = _whole(torch.nn.utils.get_total_norm([p.grad for p in part])) if part else torch.zeros(())
-        squares.append((norm.to(dims.device, torch.float32) ** 2).reshape(1).clone())
+        squares.append((norm.to(dims.device, torch.float64) ** 2).reshape(1).clone())
     dist.all_reduce(squares[1], group=dims.expert_group)
-    norm = (squares[0] + squares[1])[0].sqrt()
+    norm = (squares[0] + squares[1])[0].sqrt().to(params[0].grad.dtype)
     for part in (dense, experts):
         if part:
             torch.nn.utils.clip_grads_with_norm_(part, max_norm, norm)

@@ -22,13 +22,13 @@ def test_traffic_follows_the_layout_and_the_settings():
     one = step_traffic(CONFIG, 1, 1, 256)
     assert all(v == 0 for v in one.values())  # one rank sends nothing
     plain = step_traffic(CONFIG, 4, 1, 256)
-    assert plain["all-to-all (bound)"] == 0 and plain["muon all-gather"] > 0
-    assert step_traffic(CONFIG, 4, 1, 256, optimizer="adamw")["muon all-gather"] == 0
+    assert plain["all-to-all (bound)"] == 0 and plain["muon exchange"] > 0
+    assert step_traffic(CONFIG, 4, 1, 256, optimizer="adamw")["muon exchange"] == 0
     twice = step_traffic(CONFIG, 4, 2, 256, micro_batches=2)
     once = step_traffic(CONFIG, 4, 2, 256)
     for name in ("fsdp all-gather", "fsdp reduce-scatter", "all-to-all (uniform)"):
         assert twice[name] == pytest.approx(2 * once[name])
-    assert twice["muon all-gather"] == once["muon all-gather"]  # once a step
+    assert twice["muon exchange"] == once["muon exchange"]  # once a step
     assert once["fsdp all-gather"] < plain["fsdp all-gather"]  # ep: a rank gathers only its own experts
     recomputed = step_traffic(CONFIG, 4, 2, 256, recompute="full")
     assert recomputed["all-to-all (uniform)"] > once["all-to-all (uniform)"]  # the forward's exchange again
@@ -42,5 +42,8 @@ def test_traffic_follows_the_layout_and_the_settings():
 def test_the_plan_reports_what_each_gpu_sends():
     plan = plan_training(get_config("kimi-k3"), TrainSettings(gpus=1024))
     sent = {name: plan[name] for name in plan.values if name.startswith("sent per GPU per step")}
-    assert len(sent) == 5 and all(v > 1e9 for v in sent.values())
+    assert len(sent) == 6 and all(v > 1e9 for v in sent.values())
+    # distributed Muon: each matrix's rows to its owner and back, not every matrix to every rank
+    whole = sent["sent per GPU per step: muon all-gather (whole)"]
+    assert sent["sent per GPU per step: muon exchange"] < 0.1 * whole
     assert sent["sent per GPU per step: all-to-all (uniform)"] <= sent["sent per GPU per step: all-to-all (bound)"]
