@@ -322,18 +322,15 @@ def apply_fsdp(
 
 
 def _undo_double_division(experts: nn.Module, factor: int, policy) -> None:
-    """Over a one-rank mesh FSDP2 (torch 2.13) divides a gradient reduced in float64 or float16 twice:
-    by its pre-divide factor (it splits the division around the reduction to avoid overflow in those
-    dtypes), then by the whole factor in the copy that stands for the reduction. Its all-reduce hook,
-    which sees the reduced shard in between, multiplies the first division back."""
-    reduce_dtype = policy.reduce_dtype or policy.param_dtype or next(experts.parameters()).dtype
-    if reduce_dtype in (torch.float32, torch.bfloat16):
+    """Over one rank FSDP2 (torch 2.13) divides a float64 / float16 gradient by its pre-divide factor and
+    then by the whole factor: its all-reduce hook, run in between, multiplies the first division back."""
+    reduced = policy.reduce_dtype or policy.param_dtype or next(experts.parameters()).dtype
+    if reduced in (torch.float32, torch.bfloat16):
         return
     pre = 1
     while factor % pre == 0 and factor / pre > pre:  # FSDP2's own split of the factor
         pre *= 2
-    if pre > 1:
-        experts.set_all_reduce_hook(lambda reduced: reduced.mul_(pre))
+    experts.set_all_reduce_hook(lambda reduced: reduced.mul_(pre))
 
 
 def check_expert_split(config, world_size: int) -> None:
