@@ -16,8 +16,8 @@ updates: about 2 (M - 1) / M^2 of the matrices' bytes per rank over M ranks, 2 /
 all-gather's (M - 1) / M; the Newton-Schulz FLOPs per rank fall to about 1 / M (microsoft/dion's FSDP2
 Muon; torchtitan's DistMuon `Owned` layout; Moonshot's "Muon is Scalable" gathers whole matrices
 instead). The update each rank applies is the one-process update of its rows: same maths, same order.
-`exchange_plan` gives the split sizes; `muon_exchange_bytes` counts them for `k3 plan` and `k3 bench
-parallel`.
+`exchange_plan` gives the split sizes; `exchange_bytes_per_rank` counts them for `k3 plan`
+(`k3.plan.traffic`) and `k3 bench parallel` measures them.
 """
 
 from __future__ import annotations
@@ -206,10 +206,6 @@ def group_key(group) -> str:
     return dist.get_process_group_ranks(group).__repr__()
 
 
-def total_flops(shapes: list, steps: int = 5) -> int:
-    return sum(ns_flops(s, steps) for s in shapes)
-
-
 __all__ = [
     "EXCHANGING",
     "exchange_bytes_per_rank",
@@ -220,5 +216,4 @@ __all__ = [
     "owners",
     "row_split",
     "sharded_group",
-    "total_flops",
 ]
