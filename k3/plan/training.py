@@ -16,16 +16,21 @@ Memory per GPU (the worst rank, the first of its pipeline stage, whose FSDP shar
   weights) once to every rank of the ep group that owns one of its experts, by all-to-all, and gets one
   row back from each: at most min(k, ep) rows per token received and returned, two [min(k, ep) x
   tokens, width] bf16 tensors for one layer at a time (an upper bound: a token whose experts share a
-  rank travels less).
+  rank travels less);
+- Muon's step (`muon_step_bytes`): the exchange's buffers, the owned matrices whole and Newton-Schulz's
+  workspace, counted beyond the activations, which are freed by then.
 
 Communication (one pipeline stage): the bytes each GPU sends in a step by collective — FSDP2's all-gathers
-and reduce-scatters of k3 train's float32 weights and gradients, Muon's gathers of whole matrices, the
-MoE all-to-alls — as `k3.plan.traffic` counts them (`k3 bench parallel` measures the same on gloo
+and reduce-scatters of k3 train's float32 weights and gradients, distributed Muon's exchange, the MoE
+all-to-alls — as `k3.plan.traffic` counts them (`k3 bench parallel` measures the same on gloo
 processes and finds the FSDP and Muon bytes exact, the all-to-all within 1% of its uniform-routing value).
 
-Time: step = global batch tokens x FLOPs per token / (GPUs x dense peak x MFU), stretched by the
-pipeline bubble (pp - 1) / (micro-batches + pp - 1). MFU counts the model's FLOPs only: recomputation
-is one of the costs an assumed MFU absorbs.
+Time: step = compute + exposed communication. Compute = global batch tokens x FLOPs per token / (GPUs x
+dense peak x MFU), stretched by the pipeline bubble (pp - 1) / (micro-batches + pp - 1); MFU counts the
+model's FLOPs only (recomputation is one of the costs an assumed MFU absorbs). Exposed communication
+(one pipeline stage; `k3.plan.communication`): each collective's bytes over NVLink or the network, less
+what compute hides (FSDP's prefetched gathers, the all-to-alls behind the shared experts). The step's
+MFU, tokens per day and GPU-hours follow from the sum.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import math
 from dataclasses import dataclass, replace
 
 from ..models import ModelConfig, count_params
+from .communication import exposed_communication
 from .costs import RECOMPUTE, activation_bytes_per_token, train_flops_per_token
 from .figures import Figures
 from .hardware import GPUS, Gpu, get_gpu
@@ -98,9 +104,27 @@ def memory(config: ModelConfig, shapes: ModelShapes, layout: Layout, s: TrainSet
             width = config.moe_latent_size or config.hidden_size
             visits = min(config.num_experts_per_tok, layout.ep)  # ranks a token is sent to, at most
             parts["MoE dispatch buffers"] = tokens * visits * (4.0 * width + 12 * config.num_experts_per_tok)
+        if s.optimizer == "muon":
+            transient = muon_step_bytes(n - adam_only)  # while the step's activations are freed
+            parts[MUON_STEP] = max(0.0, transient - parts["activations"] - parts.get("MoE dispatch buffers", 0.0))
         if sum(parts.values()) > sum(worst.values()):
             worst = parts
     return worst
+
+
+MUON_STEP = "Muon step beyond the freed activations"
+
+
+def muon_step_bytes(matrix_values: float) -> float:
+    """Bytes distributed Muon's step holds besides the weights, gradients and momenta (`k3.training.dist_muon`):
+    on a rank whose shards hold `matrix_values` matrix values (its owned matrices about as many, balanced
+    by size) two float32 buffers of them at once (sent and received, received and the updates, ...), and
+    Newton-Schulz's workspace on one stack of at most STACK_VALUES values (the float32 stack and three
+    bfloat16 iterates). It runs after the backward, when the activations are freed: the plan counts what
+    exceeds them."""
+    from ..training.muon import STACK_VALUES
+
+    return 8.0 * matrix_values + 10.0 * min(STACK_VALUES, matrix_values)
 
 
 def _fits(config, shapes, layout, s, recompute, gpu: Gpu) -> tuple[bool, float]:
@@ -180,11 +204,9 @@ def plan_training(config: ModelConfig, s: TrainSettings, shapes: ModelShapes | N
     bubble = (layout.pp - 1) / (micro_batches + layout.pp - 1)
     f.add("micro-batches per step per rank", micro_batches, "micro-batches")
     f.add("pipeline bubble", bubble, "fraction")
-    step = batch * per_token / (layout.gpus * peak * s.mfu) / (1 - bubble)
-    f.add("step time", step, "s")
-    f.add("tokens per day", batch / step * 86400, "tokens")
-    f.add("GPU-hours per trillion tokens", layout.gpus * step / batch * 1e12 / 3600, "GPU-hours")
-    if layout.pp == 1:  # bytes each GPU sends in a step (k3.plan.traffic), as k3 train runs it
+    compute = f.add("step time: compute", batch * per_token / (layout.gpus * peak * s.mfu) / (1 - bubble), "s")
+    exposed = 0.0
+    if layout.pp == 1:  # bytes each GPU sends in a step (k3.plan.traffic), as k3 train runs it, and their time
         compute_bytes = 2 if s.precision == "bf16" else 4  # the gathered weights and exchanged rows
         traffic = step_traffic(
             config,
@@ -201,6 +223,13 @@ def plan_training(config: ModelConfig, s: TrainSettings, shapes: ModelShapes | N
         )
         for name, value in traffic.items():
             f.add(f"sent per GPU per step: {name}", value, "bytes")
+        for name, value in exposed_communication(config, traffic, layout, gpu, compute, per_token).items():
+            f.add(f"communication {name}", value, "s")
+        exposed = f["communication exposed communication"]
+    step = f.add("step time", compute + exposed, "s")
+    f.add("MFU with communication", s.mfu * compute / step, "fraction")
+    f.add("tokens per day", batch / step * 86400, "tokens")
+    f.add("GPU-hours per trillion tokens", layout.gpus * step / batch * 1e12 / 3600, "GPU-hours")
     if not fits:
         f.notes.append(
             f"DOES NOT FIT: {total / 1e9:,.1f} GB per GPU, {gpu.usable_bytes / 1e9:,.1f} GB usable "

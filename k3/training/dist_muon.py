@@ -122,54 +122,56 @@ def muon_exchange_bytes(shapes: list, ranks: int, element_bytes: int = 4, steps:
 
 def orthogonalised_shards(params: list, nesterov: list[torch.Tensor], group, steps: int, newton_schulz, stacks):
     """The local rows of NS5(N) for each sharded matrix of `params` (DTensors sharded on dim 0 over
-    `group`), given their Nesterov momenta's local shards `nesterov`: the two all-to-alls of the module,
-    Newton-Schulz on the owner (by shape, in `stacks` of bounded size). Returns (updates, NS FLOPs run
-    here)."""
+    `group`), given their Nesterov momenta's local shards `nesterov` (a list this call may free): the two
+    all-to-alls of the module, Newton-Schulz on the owner (by shape, in `stacks` of bounded size).
+    Returns (updates, NS FLOPs run here). At most two buffers of the rank's matrix values live at once
+    (send and received, received and updates, updates and back, back and returned)."""
     import torch.distributed as dist
 
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     shapes = [tuple(p.shape) for p in params]
     plan = exchange_plan(shapes, ranks, rank, steps)
     local = [n.to_local() if hasattr(n, "to_local") else n for n in nesterov]
-    dtype, device = local[0].dtype, local[0].device
+    local_shapes, dtype, device = [t.shape for t in local], local[0].dtype, local[0].device
     send_sizes, receive_sizes = plan.to_owners()
     by_owner = [[i for i in range(len(params)) if plan.owner[i] == r] for r in range(ranks)]
     send = torch.cat([local[i].reshape(-1) for r in range(ranks) for i in by_owner[r]] or [local[0].new_empty(0)])
+    nesterov.clear()
+    del local
     received = _all_to_all(send, receive_sizes, send_sizes, group)
-    # rank r's piece holds its rows of each matrix I own, in order: put each matrix together
+    del send
+    # rank r's piece holds its rows of each matrix I own, in order: each matrix is put together in its stack
     pieces = list(received.split(receive_sizes))
-    rows_of = {i: plan.rows(i) for i in plan.owned()}
-    parts = {i: [] for i in plan.owned()}
+    owned = plan.owned()
+    rows_of = {i: plan.rows(i) for i in owned}
+    parts = {i: [] for i in owned}
     for r in range(ranks):
         offset = 0
-        for i in plan.owned():
+        for i in owned:
             n = rows_of[i][r] * shapes[i][1]
             parts[i].append(pieces[r][offset : offset + n].view(rows_of[i][r], shapes[i][1]))
             offset += n
-    whole = {i: torch.cat(parts[i]) for i in plan.owned()}
-    updates, flops = {}, 0
-    by_shape: dict = {}
-    for i in plan.owned():
+    updates, flops, by_shape = {}, 0, {}
+    for i in owned:
         by_shape.setdefault(shapes[i], []).append(i)
     for shape, items in by_shape.items():
         for part in stacks(items, torch.Size(shape)):
-            out = newton_schulz(torch.stack([whole[i] for i in part]), steps).unbind(0)
+            out = newton_schulz(torch.stack([torch.cat(parts[i]) for i in part]), steps).unbind(0)
             updates.update(zip(part, out))
             flops += len(part) * ns_flops(shape, steps)
+    del received, pieces, parts
     # back: rank r's rows of each update I own, to r
-    back = []
-    for r in range(ranks):
-        for i in plan.owned():
-            start = sum(rows_of[i][:r])
-            back.append(updates[i][start : start + rows_of[i][r]].reshape(-1))
-    back = torch.cat(back) if back else torch.empty(0, dtype=dtype, device=device)
-    returned = _all_to_all(back.to(dtype), send_sizes, receive_sizes, group)
+    back = [updates[i][sum(rows_of[i][:r]) : sum(rows_of[i][: r + 1])].reshape(-1) for r in range(ranks) for i in owned]
+    back = torch.cat(back).to(dtype) if back else torch.empty(0, dtype=dtype, device=device)
+    del updates
+    returned = _all_to_all(back, send_sizes, receive_sizes, group)
+    del back
     mine, pieces = [None] * len(params), list(returned.split(send_sizes))
     for r in range(ranks):
         offset = 0
         for i in by_owner[r]:
-            n = local[i].numel()
-            mine[i] = pieces[r][offset : offset + n].view_as(local[i])
+            n = local_shapes[i].numel()
+            mine[i] = pieces[r][offset : offset + n].view(local_shapes[i])
             offset += n
     return mine, flops
 

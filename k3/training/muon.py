@@ -188,7 +188,7 @@ class Muon(torch.optim.Optimizer):
                 self.ns_flops += len(part) * ns_flops(shape, group["ns_steps"])
         for items in by_group.values():  # sharded: one owner per matrix (k3.training.dist_muon)
             shards, ps, gs, ms = items[0][0], *map(list, list(zip(*items))[1:])
-            nesterov = torch._foreach_lerp(gs, ms, mu)
+            nesterov = list(torch._foreach_lerp(gs, ms, mu))  # (emptied by the exchange once sent)
             updates, flops = orthogonalised_shards(ps, nesterov, shards, group["ns_steps"], newton_schulz, _stacks)
             self.ns_flops += flops
             for p, u in zip(ps, updates):
