@@ -41,7 +41,7 @@ def run_jobs(
     while the pool runs (from the main thread, where it had the default action), and on any exception, a
     job's own included, the queued jobs are cancelled and the workers killed, instead of the pool's usual
     shutdown, which would run every queued job to its end first."""
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import ProcessPoolExecutor
 
     from tqdm.auto import tqdm
 
@@ -64,7 +64,7 @@ def run_jobs(
             )
             try:
                 futures = {pool.submit(_call_one_thread, fn, job): i for i, job in enumerate(jobs)}
-                for future in as_completed(futures):
+                for future in _as_completed_waking(futures):
                     i = futures[future]
                     results[i] = future.result()
                     if on_result is not None:
@@ -75,6 +75,24 @@ def run_jobs(
                 raise
             pool.shutdown(wait=True)
         return results
+
+
+WAKE_SECONDS = 0.5  # how often the parent's main thread wakes while it waits for its jobs
+
+
+def _as_completed_waking(futures):
+    """The futures as they complete, like `concurrent.futures.as_completed`, but waking every WAKE_SECONDS.
+    The kernel delivers a process's SIGINT or SIGTERM to any of its threads that does not block it (the
+    pool's management and feeder threads, tqdm's monitor); Python runs the handler only once the main
+    thread returns to the interpreter, and a main thread blocked on a lock with no timeout (as_completed
+    waiting for a 10-minute job) would not, until a job ended. Waking it turns a Ctrl-C into the
+    KeyboardInterrupt that ends the run within WAKE_SECONDS."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, timeout=WAKE_SECONDS, return_when=FIRST_COMPLETED)
+        yield from done
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

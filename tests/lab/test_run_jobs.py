@@ -1,5 +1,6 @@
 """`k3.lab.jobs.run_jobs`'s worker processes end with their parent: killed (SIGKILL, with and without
-PR_SET_PDEATHSIG), terminated (SIGTERM) or interrupted (Ctrl-C, SIGINT to the process group)."""
+PR_SET_PDEATHSIG), terminated (SIGTERM) or interrupted (Ctrl-C, SIGINT to the process group; and SIGINT
+delivered to a thread other than the main one, as the kernel may deliver a Ctrl-C)."""
 
 import os
 import signal
@@ -60,7 +61,7 @@ def _wait_for(condition, seconds: float) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGKILL, no pdeathsig", "SIGTERM", "Ctrl-C"])
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGKILL, no pdeathsig", "SIGTERM", "Ctrl-C", "SIGINT to another thread"])
 def test_workers_end_with_their_parent(tmp_path, how):
     script, pids, log = tmp_path / "parent.py", tmp_path / "pids", tmp_path / "parent.log"
     script.write_text(PARENT)
@@ -84,6 +85,8 @@ def test_workers_end_with_their_parent(tmp_path, how):
         assert all(_alive(pid) for pid in workers)
         if how == "Ctrl-C":
             os.killpg(parent.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground group
+        elif how == "SIGINT to another thread":  # where the kernel may deliver a Ctrl-C: the main thread must wake
+            _signal_a_thread(parent.pid, signal.SIGINT)
         else:
             parent.send_signal(signal.SIGTERM if how == "SIGTERM" else signal.SIGKILL)
         try:
@@ -104,6 +107,21 @@ def test_workers_end_with_their_parent(tmp_path, how):
         for pid in workers:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+TGKILL = {"x86_64": 234, "aarch64": 131}  # the tgkill syscall's number (Linux)
+
+
+def _signal_a_thread(pid: int, signum: int) -> None:
+    """Send `signum` to one of process `pid`'s threads other than its main one (tgkill(2))."""
+    import ctypes
+    import platform
+
+    if platform.machine() not in TGKILL:
+        pytest.skip(f"tgkill's syscall number on {platform.machine()}")
+    others = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+    assert others, "the parent has no other thread"
+    assert ctypes.CDLL(None, use_errno=True).syscall(TGKILL[platform.machine()], pid, others[-1], signum) == 0
 
 
 @pytest.mark.slow
