@@ -19,6 +19,7 @@ of every process's files with the optimizer's states named by parameter, is the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from pathlib import Path
@@ -156,14 +157,46 @@ def save_sharded_state(state: dict, directory: str | os.PathLike, no_dist: bool)
     on every process (DCP's rule): a RuntimeError naming the first process's own error."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as save_dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
+    with _quiet(), dcp_errors():
+        save_dcp(state, storage_writer=FileSystemWriter(directory), no_dist=no_dist)
+
+
+def async_save_sharded_state(state: dict, directory: str | os.PathLike, no_dist: bool, group=None):
+    """`save_sharded_state` in the background (torch.distributed.checkpoint.async_save): `state` is copied
+    to CPU memory before this returns (the training may change the model then), and the files are written
+    by a thread whose collectives run on `group` (a gloo group of the checkpoint's own, so they never
+    interleave with the training's). Returns the write's Future: `wait_sharded_state` it."""
+    from torch.distributed.checkpoint import FileSystemWriter, async_save
+
+    with _quiet(), dcp_errors():
+        return async_save(state, storage_writer=FileSystemWriter(directory), no_dist=no_dist, process_group=group)
+
+
+def wait_sharded_state(future) -> None:
+    """Wait for an `async_save_sharded_state` write; its failure raises as `save_sharded_state`'s does."""
+    with dcp_errors():
+        future.result()
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Without DCP's warning that a one-process (`no_dist`) save runs without torch.distributed."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        try:
-            save_dcp(state, storage_writer=FileSystemWriter(directory), no_dist=no_dist)
-        except CheckpointException as e:  # (a BaseException) -> the first process's own error
-            rank, (failure, _) = next(iter(e.failures.items()))
-            if not isinstance(failure, Exception):  # a Ctrl-C there stays one
-                raise failure from None
-            raise RuntimeError(f"process {rank}: {type(failure).__name__}: {failure}") from failure
+        yield
+
+
+@contextlib.contextmanager
+def dcp_errors():
+    """DCP's CheckpointException (a BaseException, one entry per failed process) as the first process's own
+    error: a RuntimeError naming it (a Ctrl-C there stays one)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        rank, (failure, _) = next(iter(e.failures.items()))
+        if not isinstance(failure, Exception):
+            raise failure from None
+        raise RuntimeError(f"process {rank}: {type(failure).__name__}: {failure}") from failure

@@ -89,6 +89,12 @@ def add_bench_parser(sub) -> None:
         default=["fp32", "bf16"],
         help="k3 train's --precision of the jobs: fp32 with recompute none and full, bf16 with none (default both)",
     )
+    bparallel.add_argument(
+        "--saves",
+        action="store_true",
+        help="instead: the step time around a checkpoint, synchronous against --async-checkpoint "
+        "(2 processes, --preset, --seq-len, --batch-size)",
+    )
     bparallel.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bparallel.set_defaults(func=_bench_parallel)
     bgpu = bench_sub.add_parser(

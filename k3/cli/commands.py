@@ -162,8 +162,11 @@ def _bench_gpu(args) -> int:
 
 
 def _bench_parallel(args) -> int:
-    from ..bench import parallel
+    from ..bench import parallel, saves
 
+    if args.saves:  # the step time around a save, sync against async
+        saves.run(2, args.preset, seq_len=args.seq_len, batch_size=args.batch_size, json_path=args.json)
+        return 0
     layouts = []
     for text in args.layouts:
         try:
@@ -171,10 +174,7 @@ def _bench_parallel(args) -> int:
         except ValueError:
             raise ValueError(f"--layouts takes N:EP pairs (processes : ep), e.g. 4:2, got {text!r}") from None
         if world < 1 or ep < 1 or world % ep or args.batch_size % world:
-            raise ValueError(
-                f"--layouts {text}: ep must divide the {world} processes and the processes the "
-                f"--batch-size {args.batch_size}"
-            )
+            raise ValueError(f"--layouts {text}: ep must divide the {world} processes, they the --batch-size")
         layouts.append((world, ep))
     parallel.run(tuple(layouts), args.preset, args.seq_len, args.batch_size, args.json, tuple(args.precision))
     return 0
@@ -238,6 +238,7 @@ def _train_config(args):
         eval_every=args.eval_every,
         eval_tokens=args.eval_tokens,
         checkpoint_every=args.checkpoint_every,
+        async_checkpoint=args.async_checkpoint,
         out=args.out,
         overwrite=args.overwrite,
         seed=args.seed,

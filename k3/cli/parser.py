@@ -149,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_count(1, "steps between checkpoints"),
         help="also save every N steps (default: at the end only)",
     )
+    train.add_argument(
+        "--async-checkpoint",
+        action="store_true",
+        help="--parallel fsdp | ep: a save copies the state to CPU memory and the next step starts while a "
+        "thread writes the files (torch.distributed.checkpoint.async_save); still committed all-or-nothing, "
+        "and finished before the next save and the end of training",
+    )
     train.add_argument("--out", default="runs/k3", help="checkpoint directory (and the run's metrics.jsonl)")
     train.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR")
     train.add_argument(

@@ -26,6 +26,7 @@ folder is created and written to, and `.k3-train.lock` (flock, holding the pid) 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -154,7 +155,9 @@ def _run_files(
     history: dict,
     optimizer_state: dict,
 ) -> dict:
-    """The writers of a checkpoint's files other than the weights."""
+    """The writers of a checkpoint's files other than the weights, holding the run's state as it is now (the
+    random states, a copy of the history): an asynchronous save writes them after the training went on."""
+    data_rng, torch_rng, history = generator.get_state(), torch.get_rng_state(), copy.deepcopy(history)
     return {
         "config.json": lambda p: Path(p).write_text(
             json.dumps({"k3": model.config.to_dict(), "train": dataclasses.asdict(cfg), "step": step}, indent=2)
@@ -165,8 +168,8 @@ def _run_files(
                 "optimizer": optimizer_state,
                 "step": step,
                 "max_steps": max_steps,
-                "data_rng": generator.get_state(),
-                "torch_rng": torch.get_rng_state(),
+                "data_rng": data_rng,
+                "torch_rng": torch_rng,
                 "history": history,
             },
             p,

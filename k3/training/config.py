@@ -60,6 +60,7 @@ class TrainConfig:
     eval_tokens: int = 32768  # validation tokens per periodic evaluation
     final_eval_tokens: int | None = 262144  # ... and for the final one (None: all of them)
     checkpoint_every: int | None = None
+    async_checkpoint: bool = False  # --parallel fsdp | ep: write the DCP files in the background (k3.training.sharded)
     out: str = "runs/k3"
     overwrite: bool = False  # a new run may replace the k3 checkpoint in `out` (never files k3 did not write)
     seed: int = 0
@@ -215,6 +216,7 @@ _RULES = {  # field: (check, what it expects)
     "threads": (_count(1, none=True), "an integer >= 1, or None (all cores)"),
     "model_overrides": (lambda v: isinstance(v, dict), "a dict of ModelConfig fields"),
     "overwrite": (lambda v: isinstance(v, bool), "True or False"),
+    "async_checkpoint": (lambda v: isinstance(v, bool), "True or False"),
 }
 
 

@@ -98,13 +98,27 @@ class Distributed(SingleProcess):
         super().__init__("cpu")
         self.dims, self._owns_group = init_parallel(mode, device, ep)
         self.mode, self.ep = self.dims.mode, self.dims.ep
+        self._pending = None  # an asynchronous save being written (k3.training.sharded.PendingSave)
+        self._save_group = None  # its writers' gloo group (--async-checkpoint)
 
     def describe(self) -> str:
         return f" in each of {self.world_size} processes ({self.dims.describe()})"
 
     def close(self) -> None:
+        self.finish_save()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+    def poll_save(self) -> None:
+        """Commit the asynchronous save once every process has written its files (one flag all-reduced
+        a step while one is pending)."""
+        if self._pending is not None and not self.any(not self._pending.done()):
+            self.finish_save()
+
+    def finish_save(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.finish()
 
     # -- data and model -------------------------------------------------------------------------------
     def prepare(self, cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> tuple[Tokenizer, TokenData]:
@@ -150,6 +164,14 @@ class Distributed(SingleProcess):
         """Split `model` (a CausalLM, the same on every rank) for this mode (k3.training.parallel) and
         build the optimizer over this rank's parameters."""
         self._full_groups = group_names(model, build_optimizer(model, cfg))  # the single-process numbering
+        if cfg.async_checkpoint:
+            if self.mode == "ddp":
+                raise ValueError(
+                    "k3 train: --async-checkpoint writes a sharded (DCP) checkpoint in the background: it "
+                    "needs --parallel fsdp or ep (ddp saves one whole checkpoint from rank 0)"
+                )
+            # torchtitan's way: the background writes' collectives on a gloo group of their own
+            self._save_group = dist.new_group(backend="gloo")
         self.model = model if model.lm_head.weight.is_meta else model.to(self.device)
         self.precision = cfg.precision
         apply_recompute(model, cfg.recompute)  # before the sharding, as torchtitan orders them
@@ -177,8 +199,11 @@ class Distributed(SingleProcess):
             return super().save(out, tokenizer, cfg, step, max_steps, generator, history)
         from .sharded import save_sharded
 
+        self.finish_save()  # one save at a time, in order
         self._reshard()
-        save_sharded(self, Path(out), tokenizer, cfg, step, max_steps, generator, history)
+        self._pending = save_sharded(
+            self, Path(out), tokenizer, cfg, step, max_steps, generator, history, cfg.async_checkpoint, self._save_group
+        )
 
     def saved_groups(self) -> list[list[str]]:
         return self._full_groups

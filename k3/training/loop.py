@@ -24,6 +24,7 @@ does not touch torch.distributed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import signal
@@ -75,6 +76,7 @@ def train(
         changes = _resume_overrides(cfg, state["train_config"], asked)
         changes.setdefault("out", str(resume))
         changes["overwrite"] = cfg.overwrite  # this command's choice, never the saved run's
+        changes["async_checkpoint"] = cfg.async_checkpoint  # (as is how this launch saves)
         if "ep" not in changes:  # not asked: the saved layout adapts to this launch
             changes["ep"] = _launch_ep(state["train_config"].ep, parallel)
         cfg = dataclasses.replace(state["train_config"], **changes)
@@ -196,6 +198,10 @@ def _run(
     )
     try:
         return _loop(cfg, strategy, data, tokenizer, generator, history, step, max_steps, out, progress, metrics)
+    except Exception:
+        with contextlib.suppress(Exception):  # the last asynchronous save is whole: commit it before the error
+            strategy.finish_save()
+        raise
     finally:
         if metrics is not None:
             metrics.close()
@@ -323,6 +329,7 @@ def _loop(
                     loss=f"{loss:.3f}", tok_s=f"{history['tokens'] / max(elapsed, 1e-9):.0f}", lr=f"{lr:.1e}"
                 )
                 bar.update(1)
+                strategy.poll_save()  # an asynchronous save written everywhere: commit it
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != max_steps:
                     save()
                 # Ctrl-C: finish the step, so the checkpoint resumes exactly (all processes at the same step)

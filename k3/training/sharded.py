@@ -25,17 +25,32 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoints.dcp import SHARDED, save_sharded_state, state_to_save
+from ..checkpoints.dcp import SHARDED, async_save_sharded_state, save_sharded_state, state_to_save, wait_sharded_state
 
 
 def save_sharded(
-    strategy, out: Path, tokenizer, cfg, step: int, max_steps: int | None, generator: torch.Generator, history: dict
-) -> None:
+    strategy,
+    out: Path,
+    tokenizer,
+    cfg,
+    step: int,
+    max_steps: int | None,
+    generator: torch.Generator,
+    history: dict,
+    asynchronous: bool = False,
+    group=None,
+) -> "PendingSave | None":
     """Write the sharded checkpoint of `strategy`'s model and optimizer to the folder `out`, every process
     its own shards (see the module), or raise CheckpointError on every process and leave `out` as it
     was. Called by every process of the run alike; `strategy` gives the collectives (share, gather,
-    on_main) and, for the optimizer's groups, the single-process names (`saved_groups`)."""
-    from ..io import commit_files, describe, shared_staging
+    on_main) and, for the optimizer's groups, the single-process names (`saved_groups`).
+
+    `asynchronous` (`k3 train --async-checkpoint`): return once the state is copied to CPU memory, the DCP
+    files written by a thread (collectives on `group`, a gloo group of the checkpoint's own): a
+    `PendingSave` whose `finish()` (every process alike, when `done()` everywhere or at the latest before
+    the next save and at the end of training) waits for them and commits. Until then `out` holds the
+    previous checkpoint; a kill at any point leaves the one or the other."""
+    from ..io import shared_staging
     from .checkpoint import first_non_finite, refuse_non_finite, saving, sharded_run_files
     from .optim import flat_names, group_names, named_state, portable_state
 
@@ -45,6 +60,10 @@ def save_sharded(
     state = state_to_save(model, named_state(local_state, names)["state"], step)
     bad = strategy.gather(first_non_finite(state["model"]))
     refuse_non_finite(strategy.share(next((b for b in bad if b), None) if strategy.is_main else None), out, step)
+    groups = [
+        {**g, "params": full} for g, full in zip(portable_state(local_state)["param_groups"], strategy.saved_groups())
+    ]  # the small files' writers, made now: they hold the run's state as it is at this step
+    small = sharded_run_files(model, tokenizer, cfg, step, max_steps, generator, history, groups)
     held = {}
 
     def begin() -> str:
@@ -53,30 +72,72 @@ def save_sharded(
 
     with saving(out):
         staging = Path(strategy.share(strategy.on_main(begin)))
+    pending = PendingSave(strategy, out, staging, held, small, step)
     try:
         with saving(out):  # DCP raises on every process when one fails
+            if asynchronous:
+                pending.future = async_save_sharded_state(state, staging, strategy.world_size == 1, group)
+                return pending
             save_sharded_state(state, staging, no_dist=strategy.world_size == 1)
-        files = sorted(p.name for p in staging.iterdir())  # every process's, and the .metadata
-        mine = {
-            name: describe(staging / name) for i, name in enumerate(files) if i % strategy.world_size == strategy.rank
-        }
-        parts = strategy.gather(mine)
+    except BaseException:
+        pending.close()
+        raise
+    pending.finish()
+    return None
 
-        def commit() -> None:
-            described = {f"{SHARDED}/{name}": d for part in parts for name, d in part.items()}
-            groups = [
-                {**g, "params": full}
-                for g, full in zip(portable_state(local_state)["param_groups"], strategy.saved_groups())
-            ]
-            writers = {f"{SHARDED}/{name}": _mover(staging / name) for name in files}
-            writers.update(sharded_run_files(model, tokenizer, cfg, step, max_steps, generator, history, groups))
-            with saving(out):
-                commit_files(out, writers, step=step, manifest=True, described=described)
 
-        strategy.on_main(commit)
-    finally:
-        if "staging" in held:
-            held["staging"].__exit__(None, None, None)
+class PendingSave:
+    """A sharded save whose DCP files are written (or being written) into its staging folder: `finish()`
+    waits for them, hashes them (each process its share), and the main process commits them with the
+    small files (k3.io's journal), then the staging folder goes."""
+
+    def __init__(self, strategy, out: Path, staging: Path, held: dict, small: dict, step: int):
+        self.strategy, self.out, self.staging, self.held, self.small, self.step = (
+            strategy,
+            out,
+            staging,
+            held,
+            small,
+            step,
+        )
+        self.future = None
+
+    def done(self) -> bool:
+        """Whether this process's files are written (an asynchronous save), without waiting."""
+        return self.future is None or self.future.done()
+
+    def finish(self) -> None:
+        from ..io import commit_files, describe
+        from .checkpoint import saving
+
+        strategy, out, staging = self.strategy, self.out, self.staging
+        try:
+            if self.future is not None:
+                with saving(out):
+                    wait_sharded_state(self.future)
+            files = sorted(p.name for p in staging.iterdir())  # every process's, and the .metadata
+            mine = {
+                name: describe(staging / name)
+                for i, name in enumerate(files)
+                if i % strategy.world_size == strategy.rank
+            }
+            parts = strategy.gather(mine)
+
+            def commit() -> None:
+                described = {f"{SHARDED}/{name}": d for part in parts for name, d in part.items()}
+                writers = {f"{SHARDED}/{name}": _mover(staging / name) for name in files}
+                writers.update(self.small)
+                with saving(out):
+                    commit_files(out, writers, step=self.step, manifest=True, described=described)
+
+            strategy.on_main(commit)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Remove the staging folder (what was not committed)."""
+        if "staging" in self.held:
+            self.held.pop("staging").__exit__(None, None, None)
 
 
 def _mover(source: Path):

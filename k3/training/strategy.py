@@ -69,6 +69,12 @@ class SingleProcess:
     def close(self) -> None:
         """Release what the strategy holds (a process group)."""
 
+    def poll_save(self) -> None:
+        """After a step: commit an asynchronous save whose files every process has written (none here)."""
+
+    def finish_save(self) -> None:
+        """Wait for an asynchronous save still being written and commit it (none here)."""
+
     # -- data and model -------------------------------------------------------------------------------
     def prepare(self, cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> tuple[Tokenizer, TokenData]:
         """The run's tokenizer and token streams (k3.training.data.prepare)."""
@@ -85,6 +91,11 @@ class SingleProcess:
     def setup(self, model: CausalLM, cfg: TrainConfig) -> None:
         """Take `model` (the same on every process) for training on this process's device and build
         its optimizer."""
+        if cfg.async_checkpoint:
+            raise ValueError(
+                "k3 train: --async-checkpoint writes a sharded (DCP) checkpoint in the background: it needs "
+                "torchrun with --parallel fsdp or ep; a one-process run saves in one piece (drop the flag)"
+            )
         model.to(self.device)
         apply_recompute(model, cfg.recompute)
         if cfg.compile:

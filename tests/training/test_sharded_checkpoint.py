@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -83,11 +84,13 @@ def run(tmp_path_factory):
     return {"full": full, "sharded": sharded_run, "saves": saves, "root": root}
 
 
-def replay(save: dict, out: Path) -> None:
+def replay(save: dict, out: Path, asynchronous: bool = False) -> None:
+    """Make the save again; `asynchronous`: as `--async-checkpoint` does (the files written by a thread,
+    then committed)."""
     torch.set_rng_state(save["torch_rng"])
     generator = torch.Generator()
     generator.set_state(save["data_rng"])
-    save_sharded(
+    pending = save_sharded(
         save["strategy"],
         out,
         save["tokenizer"],
@@ -96,7 +99,11 @@ def replay(save: dict, out: Path) -> None:
         save["max_steps"],
         generator,
         save["history"],
+        asynchronous=asynchronous,
     )
+    assert (pending is not None) == asynchronous
+    if pending is not None:
+        pending.finish()
 
 
 def files(folder: Path) -> list[str]:
@@ -121,6 +128,47 @@ def test_a_sharded_checkpoint_holds_dcp_files_and_resumes_on_the_same_losses(run
     resumed = train(TrainConfig(), resume=str(root / "S2"), progress=False)
     assert resumed["loss"] == run["full"]["loss"] and resumed["val_bpb"] == run["full"]["val_bpb"]
     assert (root / "S2" / "model.safetensors").exists() and not (root / "S2" / "dcp").exists()  # one process: whole
+
+
+def test_an_asynchronous_save_holds_the_state_of_its_step_and_commits_only_when_finished(run, tmp_path, monkeypatch):
+    """`--async-checkpoint`: once `save_sharded` returns, the state is copied: the model and optimizer may
+    change (the next steps) and the files still hold the saved step's; the folder holds nothing new until
+    `finish()`, which commits the same checkpoint a synchronous save writes."""
+    save = run["saves"][4]
+    strategy = copy.deepcopy(save["strategy"])
+    generator = torch.Generator()
+    generator.set_state(save["data_rng"])
+    torch.set_rng_state(save["torch_rng"])
+    args = (save["tokenizer"], save["cfg"], save["step"], save["max_steps"], generator, save["history"])
+    release, real_save = threading.Event(), torch.save
+
+    def held_save(*a, **kw):  # the writer thread waits until the training has changed everything
+        assert release.wait(60)
+        return real_save(*a, **kw)
+
+    monkeypatch.setattr(torch, "save", held_save)
+    pending = save_sharded(strategy, tmp_path / "async", *args, asynchronous=True)
+    assert not pending.done()
+    with torch.no_grad():  # the training goes on: every weight and momentum changes
+        for p in strategy.model.parameters():
+            p.add_(1.0)
+        for state in strategy.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    value.add_(1.0)
+    save["history"]["loss"].append(123.0)  # (and the history grows)
+    release.set()
+    monkeypatch.setattr(torch, "save", real_save)
+    assert not (tmp_path / "async" / "trainer_state.pt").exists()
+    pending.finish()
+    saved = CausalLM.from_pretrained(tmp_path / "async")
+    want = CausalLM.from_pretrained(run["root"] / "S4")
+    for (name, a), (_, b) in zip(saved.state_dict().items(), want.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert files(tmp_path / "async") == [f for f in files(run["root"] / "S4") if f != "metrics.jsonl"]
+    history = ckpt_module.load_training_checkpoint(tmp_path / "async")["history"]
+    assert 123.0 not in history["loss"]
+    save["history"]["loss"].pop()
 
 
 def test_from_pretrained_export_and_generate_read_it_one_tensor_at_a_time(run, tmp_path, monkeypatch):
@@ -162,10 +210,14 @@ def test_from_pretrained_export_and_generate_read_it_one_tensor_at_a_time(run, t
     )
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("mode", ["error", "death"])
-def test_a_sharded_save_stopped_at_any_file_operation_leaves_one_whole_checkpoint(run, tmp_path, monkeypatch, mode):
+def test_a_sharded_save_stopped_at_any_file_operation_leaves_one_whole_checkpoint(
+    run, tmp_path, monkeypatch, mode, asynchronous
+):
     """The step-4 sharded save replayed over the step-2 whole checkpoint, stopped at each of its file
-    operations (the DCP write counted as one): the folder reads as the one or the other, with no
+    operations (the DCP write counted as one), written at once or asynchronously (`--async-checkpoint`:
+    the DCP files by a thread, then the commit): the folder reads as the one or the other, with no
     temporaries, no staging folder and no file of the other set."""
     import torch.distributed.checkpoint as dcp
 
@@ -176,7 +228,8 @@ def test_a_sharded_save_stopped_at_any_file_operation_leaves_one_whole_checkpoin
     with monkeypatch.context() as patch:
         counted.install(patch)
         patch.setattr(dcp, "save", counted.wrap("dcp.save", dcp.save))
-        replay(run["saves"][4], tmp_path / "count")
+        patch.setattr(dcp, "async_save", counted.wrap("dcp.save", dcp.async_save))
+        replay(run["saves"][4], tmp_path / "count", asynchronous)
     positions = len(counted.ops)
     assert positions >= 25, counted.ops
     # DCP writes each tensor with a torch.save into the staging folder: of that run (all before the
@@ -199,8 +252,9 @@ def test_a_sharded_save_stopped_at_any_file_operation_leaves_one_whole_checkpoin
         with monkeypatch.context() as patch:
             faults.install(patch)
             patch.setattr(dcp, "save", faults.wrap("dcp.save", dcp.save))
+            patch.setattr(dcp, "async_save", faults.wrap("dcp.save", dcp.async_save))
             try:
-                replay(run["saves"][4], folder)
+                replay(run["saves"][4], folder, asynchronous)
             except (Died, CheckpointError) as e:
                 error = e
         where = f"{mode} at operation {at} ({counted.ops[at - 1]})"
@@ -218,7 +272,7 @@ def test_a_sharded_save_stopped_at_any_file_operation_leaves_one_whole_checkpoin
         f"{mode}: {positions} positions ({len(chosen)} stopped at), {outcomes.count('new')} ended with the new "
         f"checkpoint"
     )
-    if mode == "death":  # the first position that kept the new checkpoint resumes on the run's losses
+    if mode == "death" and not asynchronous:  # the first position that kept the new one resumes on the run's losses
         first_new = tmp_path / f"at{chosen[outcomes.index('new')]}"
         resumed = train(TrainConfig(), resume=str(first_new), progress=False)
         assert resumed["loss"] == run["full"]["loss"]

@@ -1,0 +1,89 @@
+"""`torchrun --nproc_per_node=2 -m k3 train --parallel fsdp --async-checkpoint`: the saves are written by a
+thread while the next steps run, committed once every process has written its files (at the latest before
+the next save and at the end), and the run and its checkpoints are the synchronous run's; a one-process or
+ddp run refuses the flag at its start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3.models import CausalLM
+from k3.training import TrainConfig, train
+from k3.training import checkpoint as ckpt_module
+
+from ..corpus import write_corpus
+from ..processes import free_port, join
+
+pytestmark = pytest.mark.slow  # 2 spawned processes (gloo), twice
+
+SMALL = {"hidden_size": 32, "num_layers": 3, "num_experts": 8, "num_experts_per_tok": 2}
+
+
+def run_cfg(corpus, out, **kw) -> TrainConfig:
+    base = dict(
+        preset="kimi-k3-tiny",
+        model_overrides=SMALL,
+        data=str(corpus),
+        tokenizer="byte",
+        seq_len=16,
+        batch_size=4,
+        max_steps=6,
+        warmup_steps=2,
+        eval_every=3,
+        eval_tokens=64,
+        final_eval_tokens=128,
+        checkpoint_every=2,
+        out=str(out),
+        val_fraction=0.2,
+        device="cpu",
+    )
+    return TrainConfig(**{**base, **kw})
+
+
+def _worker(rank: int, port: int, corpus: str, root: str) -> None:
+    from k3.training import distributed
+
+    join(rank, 2, port)
+    commits = []
+    finish = distributed.Distributed.finish_save
+
+    def counted(self):  # which steps' saves were committed, and when
+        if self._pending is not None:
+            commits.append(self._pending.step)
+        return finish(self)
+
+    distributed.Distributed.finish_save = counted
+    results = {
+        "sync": train(run_cfg(corpus, f"{root}/sync"), progress=False, parallel="fsdp"),
+        "async": train(run_cfg(corpus, f"{root}/async", async_checkpoint=True), progress=False, parallel="fsdp"),
+        "commits": commits,
+    }
+    if rank == 0:
+        torch.save(results, f"{root}/results.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_asynchronous_saves_give_the_synchronous_run_and_checkpoints(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    corpus = write_corpus(tmp_path / "corpus", docs=4, words=300)
+    torch.multiprocessing.spawn(_worker, args=(free_port(), str(corpus), str(tmp_path)), nprocs=2)
+    results = torch.load(tmp_path / "results.pt", weights_only=False)
+    assert results["async"]["loss"] == results["sync"]["loss"]
+    assert results["commits"] == [2, 4, 6]  # every save committed, in order, the last before the end
+    for name in ("sync", "async"):
+        state = ckpt_module.load_training_checkpoint(tmp_path / name)
+        assert state["step"] == 6 and state["sharded"] is not None
+    a = CausalLM.from_pretrained(tmp_path / "async").state_dict()
+    b = CausalLM.from_pretrained(tmp_path / "sync").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    # and it resumes as the synchronous checkpoint does
+    resumed = train(TrainConfig(max_steps=8), resume=str(tmp_path / "async"), asked=("max_steps",), progress=False)
+    assert resumed["step"][-1] == 8
+
+
+def test_one_process_refuses_async_checkpoint(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    corpus = write_corpus(tmp_path / "corpus", docs=2, words=100)
+    with pytest.raises(ValueError, match="--async-checkpoint .* needs torchrun with --parallel fsdp or ep"):
+        train(run_cfg(corpus, tmp_path / "one", async_checkpoint=True, max_steps=1), progress=False)
