@@ -83,13 +83,8 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (Linux reports KiB)
 
 
-def _worker(rank: int, world: int, port: int, settings: dict, out: str) -> None:
-    import torch.distributed as dist
-
-    from ..models import get_config
-    from ..training import TrainConfig
-    from ..training.distributed import Distributed
-
+def _torchrun_environment(rank: int, world: int, port: int) -> None:
+    """This spawned process as rank `rank` of `world` on this machine (torchrun's variables), on one thread."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -99,6 +94,15 @@ def _worker(rank: int, world: int, port: int, settings: dict, out: str) -> None:
         LOCAL_WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
+
+
+def _worker(rank: int, world: int, port: int, settings: dict, out: str) -> None:
+
+    from ..models import get_config
+    from ..training import TrainConfig
+    from ..training.distributed import Distributed
+
+    _torchrun_environment(rank, world, port)
     torch.manual_seed(0)  # the same initial weights in every job (fp32 and bf16 runs compare one model)
     cfg = TrainConfig(
         batch_size=settings["batch_size"],
@@ -129,9 +133,16 @@ def _worker(rank: int, world: int, port: int, settings: dict, out: str) -> None:
         "loss": loss,
         "ns_flops": getattr(strategy.optimizer, "ns_flops", 0),
     }
+    _gather_to_file(result, world, out)
+
+
+def _gather_to_file(result: dict, world: int, out: str) -> None:
+    """Every process's `result`, in rank order, saved by rank 0 at `out`; then the process group ends."""
+    import torch.distributed as dist
+
     results = [None] * world
     dist.all_gather_object(results, result)
-    if rank == 0:
+    if dist.get_rank() == 0:
         torch.save(results, out)
     dist.destroy_process_group()
 

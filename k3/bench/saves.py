@@ -18,11 +18,10 @@ import time
 
 import torch
 
-from .parallel import _free_port
+from .parallel import _free_port, _gather_to_file, _torchrun_environment
 
 
 def _worker(rank: int, world: int, port: int, settings: dict, out: str) -> None:
-    import torch.distributed as dist
 
     from ..models import get_config
     from ..tokenizer import byte_tokenizer
@@ -30,10 +29,7 @@ def _worker(rank: int, world: int, port: int, settings: dict, out: str) -> None:
     from ..training.checkpoint import load_training_checkpoint
     from ..training.distributed import Distributed
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
-    torch.set_num_threads(1)
+    _torchrun_environment(rank, world, port)
     torch.manual_seed(0)
     cfg = TrainConfig(
         batch_size=settings["batch_size"], seq_len=settings["seq_len"], async_checkpoint=settings["async"]
@@ -55,12 +51,7 @@ def _worker(rank: int, world: int, port: int, settings: dict, out: str) -> None:
             saves.append(time.perf_counter() - began)
     strategy.finish_save()
     saved = load_training_checkpoint(settings["folder"])["step"] if rank == 0 else None
-    result = {"steps": steps, "saves": saves, "saved step": saved}
-    results = [None] * world
-    dist.all_gather_object(results, result)
-    if rank == 0:
-        torch.save(results, out)
-    dist.destroy_process_group()
+    _gather_to_file({"steps": steps, "saves": saves, "saved step": saved}, world, out)
 
 
 def measure(

@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..models import ModelConfig, count_params, get_config
 from .figures import Figures
 from .hardware import GPUS
@@ -69,9 +71,10 @@ def deepseek_v3() -> ModelConfig:
 
 
 def deepseek_v3_16b() -> ModelConfig:
-    """torchtitan's DeepSeek-V3 16B flavor (DeepSeek-V2-Lite's shape): 27 MLA layers without query LoRA,
-    the first with a dense FFN, then 64 routed experts (top 6) and 2 shared."""
-    return ModelConfig(
+    """torchtitan's DeepSeek-V3 16B flavor (DeepSeek-V2-Lite's shape): DeepSeek-V3's design at 27 MLA layers
+    without query LoRA, the first with a dense FFN, then 64 routed experts (top 6) and 2 shared."""
+    return dataclasses.replace(
+        deepseek_v3(),
         name="deepseek-v3-16b",
         vocab_size=102400,
         hidden_size=2048,
@@ -80,17 +83,12 @@ def deepseek_v3_16b() -> ModelConfig:
         mlp_types=["dense"] + ["moe"] * 26,
         num_heads=16,
         q_lora_rank=None,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        ffn_activation="swiglu",
         intermediate_size=10944,
         num_experts=64,
         num_experts_per_tok=6,
         moe_intermediate_size=1408,
         num_shared_experts=2,
-        norm_eps=1e-6,
+        routed_scaling_factor=1.0,
     )
 
 

@@ -14,31 +14,14 @@ from k3.training import checkpoint as ckpt_module
 
 from ..corpus import write_corpus
 from ..processes import free_port, join
+from .test_sharded_checkpoint import run_cfg as sharded_run_cfg
 
 pytestmark = pytest.mark.slow  # 2 spawned processes (gloo), twice
 
-SMALL = {"hidden_size": 32, "num_layers": 3, "num_experts": 8, "num_experts_per_tok": 2}
-
 
 def run_cfg(corpus, out, **kw) -> TrainConfig:
-    base = dict(
-        preset="kimi-k3-tiny",
-        model_overrides=SMALL,
-        data=str(corpus),
-        tokenizer="byte",
-        seq_len=16,
-        batch_size=4,
-        max_steps=6,
-        warmup_steps=2,
-        eval_every=3,
-        eval_tokens=64,
-        final_eval_tokens=128,
-        checkpoint_every=2,
-        out=str(out),
-        val_fraction=0.2,
-        device="cpu",
-    )
-    return TrainConfig(**{**base, **kw})
+    """test_sharded_checkpoint's run, 6 steps long, a save every 2."""
+    return sharded_run_cfg(corpus, out, **{"max_steps": 6, "eval_every": 3, **kw})
 
 
 def _worker(rank: int, port: int, corpus: str, root: str) -> None:
