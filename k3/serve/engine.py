@@ -10,8 +10,9 @@ One loop, on a thread of its own, owns the model. Each turn of it
    sequence first, each sequence in a cache of its own sized to its prompt: a long prompt takes several
    turns, and the running rows decode between its pieces instead of waiting for the whole prompt
    (Sarathi; vLLM). With the prefix cache (`k3.serve.prefix`) a prompt first resumes from its longest
-   cached prefix, and the states at each block boundary it reaches are kept. A sequence whose prompt is
-   done has its first token sampled and its row copied into the next slot of the pool;
+   cached prefix, and the states at each block boundary it reaches are kept. Pieces of one length from
+   several sequences run as one forward (`k3.serve.prefill`). A sequence whose prompt is done has its
+   first token sampled and its row copied into the next slot of the pool;
 3. decodes every running sequence, one token each, with the decode step (`k3.inference.decode_step`) over
    the pool's first b rows and first L slots: b the smallest batch bucket (1, 2, 4, ... the slots) that
    holds the running rows, L the smallest length bucket that holds their longest. Each (b, L) is one
@@ -46,6 +47,7 @@ from collections import deque
 import torch
 
 from ..models.model import PREFILL_PIECE
+from .prefill import Prefill
 from .prefix import PrefixCache
 from .sequence import Draining, QueueFull, Sequence, prefill_bytes, sample_rows, sequence_bytes
 from .slots import SlotPool
@@ -58,7 +60,7 @@ PREFIX_BLOCK = 256  # tokens per prefix-cache block when prefill is not chunked
 PREFIX_CACHE = True  # k3 serve's default (docs/benchmarks.md: k3 bench serve)
 
 
-class Engine:
+class Engine(Prefill):
     """Continuous batching for one model over a slot pool (see the module docstring).
 
     `cache_memory`: the bytes the pool, the prefilling sequences (and one piece's activations) and the
@@ -295,68 +297,6 @@ class Engine:
             self.prefill_held += sequence.prompt_bytes
             self.prefilling.append(sequence)
         self.peak_running = max(self.peak_running, len(self.running) + len(self.prefilling))
-
-    def _prefill_turn(self) -> None:
-        """Prefill up to `prefill_chunk` prompt tokens (all of every admitted prompt when 0), oldest
-        sequence first, a piece at a time; a sequence whose prompt is all in gets its first token and
-        joins the running rows. One that fails ends alone."""
-        budget = self.prefill_chunk or float("inf")
-        while budget > 0 and self.prefilling:
-            sequence = self.prefilling[0]
-            if sequence.cancelled:
-                self._leave_prefill(sequence, "cancelled")
-                continue
-            try:
-                budget -= self._prefill_piece(sequence, budget)
-            except Exception as e:
-                log.error("k3 serve: sequence %d failed in its prefill: %s: %s", sequence.id, type(e).__name__, e)
-                self._leave_prefill(sequence, f"error: {type(e).__name__}: {e}")
-
-    def _start_prefill(self, sequence: Sequence) -> None:
-        """Its generator, its prefill cache (sized to its prompt), and what the prefix cache has of it."""
-        sequence.generator = torch.Generator(self.device)
-        if sequence.seed is not None:
-            sequence.generator.manual_seed(sequence.seed)
-        else:
-            sequence.generator.seed()
-        sequence.cache = self.model.new_cache(1, max_length=len(sequence.prompt))
-        if self.prefix is not None:
-            run = self.prefix.lookup(sequence.prompt)
-            if run:
-                self.prefix.restore(run, sequence.cache)
-                sequence.prefilled = sequence.cached_tokens = len(run) * self.prefix.block
-
-    def _prefill_piece(self, sequence: Sequence, budget: float) -> int:
-        """Run the sequence's next piece (at most `budget` tokens; never across a prefix-cache block's end)
-        into its own cache; the tokens it ran."""
-        if sequence.cache is None:
-            self._start_prefill(sequence)
-        start = sequence.prefilled
-        n = min(sequence.piece, budget, len(sequence.prompt) - start)
-        if self.prefix is not None:
-            n = min(n, self.prefix.block - start % self.prefix.block)
-        n = int(n)
-        ids = torch.tensor([sequence.prompt[start : start + n]], device=self.device)
-        logits = self.model(ids, cache=sequence.cache, logits_to_keep=1, prefill_piece=n)[:, -1]
-        sequence.prefilled += n
-        if self.prefix is not None and sequence.prefilled % self.prefix.block == 0:
-            self._keep_block(sequence)
-        if sequence.prefilled == len(sequence.prompt):
-            token = self._sample(logits, [sequence])
-            if sequence.finish_reason is None:
-                self._join(sequence, token)
-            else:  # its sampling failed
-                self._leave_prefill(sequence, sequence.finish_reason)
-        return n
-
-    def _keep_block(self, sequence: Sequence) -> None:
-        """Keep the block its prefill has just completed, making room by evicting older blocks; skipped
-        when even an empty prefix cache would not have the room."""
-        with self._lock:
-            need = self.prefix.block_bytes(sequence.cache) - self.room
-            if need > 0 and self.prefix.evict(need) < need:
-                return
-            self.prefix.insert(sequence.prompt, sequence.prefilled, sequence.cache)
 
     def _join(self, sequence: Sequence, token: torch.Tensor) -> None:
         """A prefilled sequence's row moves into the next slot of the pool and it joins the running rows."""

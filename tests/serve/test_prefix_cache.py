@@ -147,3 +147,45 @@ def test_the_engine_gives_the_same_tokens_with_the_prefix_cache_on_and_off(prese
     off, none = run_engine(model, work, prefill_chunk=BLOCK, prefix_cache=False)
     assert on == off and none is None
     assert stats["hits"] == len(work) - 1 and stats["hit_tokens"] >= 2 * BLOCK * (len(work) - 1)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_pieces_run_together_give_what_each_gives_alone(preset, monkeypatch):
+    """Prompts sharing a cached system prompt, admitted in one turn: their equal remainders (and then the
+    shorter ones') run as one forward over their caches joined, each row at its own position, and every
+    sequence gets the tokens it gets alone (greedy and seeded), for every kind of cache."""
+    from k3.serve.prefill import Prefill
+
+    model = tiny(preset)
+    g = torch.Generator().manual_seed(4)
+    system = torch.randint(0, 97, (2 * BLOCK,), generator=g).tolist()
+    turns = [torch.randint(0, 97, (int(n),), generator=g).tolist() for n in (5, 5, 5, 3, 5)]
+    work = [(system + t, 5, None if i % 2 else 11 + i) for i, t in enumerate(turns)]
+    alone, _ = run_engine(model, [(system, 1, None)] + work, prefill_chunk=BLOCK, prefix_cache=True)
+    batches, together = [], Prefill._prefill_together
+    monkeypatch.setattr(Prefill, "_prefill_together", lambda self, g, n: batches.append(len(g)) or together(self, g, n))
+    engine = Engine(
+        model,
+        cache_memory=10**9,
+        max_running=8,
+        max_length=128,
+        prefill_chunk=64,
+        prefix_cache=True,
+        prefix_block=BLOCK,
+    )
+    try:
+        warm = Sequence(system, 1, temperature=0.0)
+        engine.submit(warm)
+        engine.start()
+        while warm.finish_reason is None:
+            time.sleep(0.005)
+        with engine._lock:  # all admitted at once: one turn finds them prefilling together
+            sequences = [Sequence(p, n, temperature=0.0 if seed is None else 0.9, seed=seed) for p, n, seed in work]
+            for s in sequences:
+                engine.submit(s)
+        while any(s.finish_reason is None for s in sequences):
+            time.sleep(0.005)
+    finally:
+        engine.stop()
+    assert [s.tokens for s in sequences] == alone[1:]
+    assert max(batches) == 4  # the four 5-token remainders in one forward
