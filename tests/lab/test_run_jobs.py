@@ -41,6 +41,12 @@ if __name__ == "__main__":
 """
 
 
+def _as_from_a_terminal() -> None:
+    """The parent starts with SIGINT's default action, as from a terminal: a test run in the background (a
+    CI script's `cmd &`) inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _alive(pid: int) -> bool:
     """Running or sleeping: an orphaned worker may stay a zombie where the reaper (pid 1) does not reap."""
     try:
@@ -76,6 +82,7 @@ def test_workers_end_with_their_parent(tmp_path, how):
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_as_from_a_terminal,
         )
     workers: list[int] = []
     try:
