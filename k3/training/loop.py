@@ -198,7 +198,7 @@ def _run(
     )
     try:
         return _loop(cfg, strategy, data, tokenizer, generator, history, step, max_steps, out, progress, metrics)
-    except Exception:
+    except BaseException:
         with contextlib.suppress(Exception):  # the last asynchronous save is whole: commit it before the error
             strategy.finish_save()
         raise
@@ -338,6 +338,7 @@ def _loop(
         except KeyboardInterrupt:
             bar.close()
             save()
+            strategy.finish_save()  # (an asynchronous one: written and committed before the message)
             if strategy.is_main:
                 _say(f"\ninterrupted at step {step}; checkpoint saved. Resume with:\n  k3 train --resume {out}")
             raise
