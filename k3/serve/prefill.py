@@ -39,8 +39,7 @@ class Prefill:
                 continue
             group = [head]
             try:
-                group = self._batch(budget)
-                n = self._piece(head, budget)
+                group, n = self._batch(budget)
                 if len(group) == 1:
                     self._prefill_piece(head, n)
                 else:
@@ -77,9 +76,10 @@ class Prefill:
             n = min(n, self.prefix.block - start % self.prefix.block)
         return int(n)
 
-    def _batch(self, budget: float) -> list[Sequence]:
+    def _batch(self, budget: float) -> tuple[list[Sequence], int]:
         """The oldest prefilling sequence and the next ones (in order, not cancelled) whose piece has its
-        length, while their pieces fit `budget` and the batch's transient bytes the free room."""
+        length, while their pieces fit `budget` and the batch's transient bytes the free room; and that
+        length."""
         head, config, dtype_bytes = self.prefilling[0], self.model.config, self.dtype_bytes
         n = self._piece(head, budget)
         group, longest = [head], len(head.prompt)
@@ -93,7 +93,7 @@ class Prefill:
                 break
             group.append(sequence)
             longest, need = wider, more
-        return group
+        return group, n
 
     def _prefill_piece(self, sequence: Sequence, n: int) -> None:
         """Run the sequence's next `n` prompt tokens into its own cache, then `_after_piece`."""
