@@ -11,12 +11,13 @@ In a training step with QK-Clip on, each head's largest logit scale * q . key is
 (`max_logits` [H], k3.layers.max_logit; nothing at inference): k3.training.qk_clip bounds it.
 
 The cache holds only the latent c and k_pe: r + dr values per token per layer (512 + 64 = 576 at K3
-size), instead of H * (dn + dr + dv) for a plain KV cache. Decoding can "absorb" kv_b into the query and
-the output: q_nope . (W_uk c) = (W_uk^T q_nope) . c and sum_s p_s W_uv c_s = W_uv (sum_s p_s c_s), so
-attention runs against the latents directly; it equals the plain path. The latents live side by side,
-[c | k_pe] [B, N, r + dr] per token (vLLM's `kv_c_and_k_pe_cache`), in a buffer of slots
-(`k3.inference.cache`, made by `k3.models.kinds`): a decode step writes one slot per row, and its scores
-[W_uk^T q_nope | q_pe] . [c | k_pe] are one matmul that reads each slot once.
+size), instead of H * (dn + dr + dv) for a plain KV cache. Decoding (and a short prefill piece over a
+cache: `absorb_pays`) can "absorb" kv_b into the query and the output: q_nope . (W_uk c) =
+(W_uk^T q_nope) . c and sum_s p_s W_uv c_s = W_uv (sum_s p_s c_s), so attention runs against the latents
+directly; it equals the plain path. The latents live side by side, [c | k_pe] [B, N, r + dr] per token
+(vLLM's `kv_c_and_k_pe_cache`), in a buffer of slots (`k3.inference.cache`, made by `k3.models.kinds`): a
+decode step writes one slot per row, and its scores [W_uk^T q_nope | q_pe] . [c | k_pe] are one matmul
+that reads each slot once.
 """
 
 from __future__ import annotations
@@ -139,8 +140,8 @@ class MultiHeadLatentAttention(nn.Module):
         fused: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [B, T, hidden_size] -> y [B, T, hidden_size]. With `cache`, attend over its latents too
-        and append this call's. `absorb` (default: when decoding one token from a cache) runs attention
-        against the latents with kv_b folded into the query and the output. `fused`: the decode step's
+        and append this call's. `absorb` (default: with a cache, when it pays for T tokens, `absorb_pays`)
+        runs attention against the latents with kv_b folded into the query and the output. `fused`: the decode step's
         joined copy of the input projections (`fuse_for_decoding`), one matmul instead of two or three."""
         check_mixer_input("MultiHeadLatentAttention", x, self.hidden_size, cache)
         B, T, _ = x.shape
@@ -155,7 +156,7 @@ class MultiHeadLatentAttention(nn.Module):
             c_all, k_pe_all = latents.split([self.kv_lora_rank, self.dr], -1)
             mask = cache.visible(T, latents.shape[1], x.device)
         if absorb is None:
-            absorb = cache is not None and T == 1
+            absorb = cache is not None and self.absorb_pays(T)
         if absorb:
             o = self._absorbed(q, torch.cat([c, k_pe], -1) if cache is None else latents, mask)
         else:
@@ -164,6 +165,16 @@ class MultiHeadLatentAttention(nn.Module):
         if gate:  # gated MLA
             o = o * torch.sigmoid(gate[0])
         return self.o_proj(o)
+
+    def absorb_pays(self, T: int) -> bool:
+        """Whether T queries attend over cached latents with fewer multiply-adds absorbed. Per cached slot,
+        the plain path expands the latent into every head's key and value (H (dn + dv) r) and scores and
+        sums T queries against them (T H (dn + dr + dv)); the absorbed path scores and sums T H rows
+        against [c | k_pe] itself (T H 2 (r + dr)). So absorb when T (2 (r + dr) - (dn + dr + dv)) <
+        (dn + dv) r: always for one token, below 128 tokens at the tiny presets' sizes and 158 at Kimi K3's
+        (DeepSeek-V3's) -- a prefill piece after a prefix-cache hit, not a long prompt's."""
+        per_query = 2 * (self.kv_lora_rank + self.dr) - (self.dn + self.dr + self.dv)
+        return per_query <= 0 or T * per_query < (self.dn + self.dv) * self.kv_lora_rank
 
     def _input_projections(self) -> list[nn.Linear]:
         """The projections of x, in the order `fuse_for_decoding` joins them: the query's first (q_proj or

@@ -150,3 +150,34 @@ def test_attention_probs_give_the_layers_output():
     o = torch.einsum("bhts,bsr,hvr->bthv", probs, c, w_uv).reshape(1, 7, -1) * torch.sigmoid(mla.g_proj(x))
     assert torch.allclose(mla.o_proj(o), mla(x), atol=1e-5)
     assert torch.allclose(probs.sum(-1), torch.ones(1, 2, 7)) and probs[0, :, 0, 1:].abs().max() == 0  # causal
+
+
+def test_a_short_piece_over_a_cache_runs_absorbed_and_equals_the_plain_path(monkeypatch):
+    """`absorb_pays`: T (2 (r + dr) - (dn + dr + dv)) < (dn + dv) r. Here r 16, dr 4, dn 8, dv 6: T <= 10
+    absorbs; at Kimi K3's sizes (r 512, dr 64, dn = dv = 128) T <= 157. By default a cached call of 4
+    tokens runs absorbed and one of 11 plain, and each equals the other path (float64)."""
+    layer = make("k3", torch.float64)
+    assert [layer.absorb_pays(T) for T in (1, 10, 11)] == [True, True, False]
+    k3 = MultiHeadLatentAttention(
+        64, 2, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+    )
+    assert k3.absorb_pays(157) and not k3.absorb_pays(158)
+    ran = []
+    for path in ("_absorbed", "_plain"):
+        method = getattr(MultiHeadLatentAttention, path)
+        monkeypatch.setattr(
+            MultiHeadLatentAttention, path, lambda self, *a, m=method, p=path: ran.append(p) or m(self, *a)
+        )
+    x = torch.randn(2, 30, 32, dtype=torch.float64)
+    with torch.no_grad():
+        for T, default in ((4, "_absorbed"), (11, "_plain")):
+            outs = {}
+            for absorb in (None, True, False):
+                cache = layer_cache(layer, 2)
+                run(layer, x[:, :17], cache, absorb=False)
+                ran.clear()
+                outs[absorb] = run(layer, x[:, 17 : 17 + T], cache, absorb=absorb)
+                if absorb is None:
+                    assert ran == [default]
+            torch.testing.assert_close(outs[True], outs[False], rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(outs[None], outs[default == "_absorbed"], rtol=0, atol=0)
