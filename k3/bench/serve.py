@@ -6,7 +6,8 @@ context, with one cache budget (`--cache-memory`) for all. A bounded load genera
 (threads, the standard library's HTTP client) keeps N clients busy for a stated duration: each sends a
 streamed completion of a fixed prompt length and output length (`ignore_eos`, greedy), reads it to the
 end and sends the next. Tokens are counted from vLLM's `continuous_usage_stats` (usage in every chunk),
-so a token whose text is held back (half a character) still counts.
+so a token whose text is held back (half a character) still counts. `stream_interval` > 1 runs every server
+with `--stream-interval` (an event every N tokens: less of each token's HTTP cost on the shared cores).
 
 Reported per model and context (prompt + output = context, half each):
 - output tokens/s over the window (tokens received while it lasted, over its length);
@@ -187,6 +188,7 @@ def run(
     json_path: str | None = None,
     parts=PARTS,
     say=print,
+    stream_interval: int = 1,
 ) -> dict:
     duration = duration or (20.0 if quick else 60.0)
     warmup = (15.0 if quick else 30.0) if warmup is None else warmup
@@ -203,10 +205,12 @@ def run(
         "clients": clients,
         "duration_s": duration,
         "warmup_s": warmup,
+        "stream_interval": stream_interval,
         "matched_gpt2": gpt,
         "cases": {},
     }
     long = max(contexts)
+    streaming = ("--stream-interval", str(stream_interval)) if stream_interval > 1 else ()
     with tempfile.TemporaryDirectory(prefix="k3-bench-serve-") as tmp:
         folders = {}
         for name, model in models.items():
@@ -228,7 +232,7 @@ def run(
                 duration,
                 cache_memory,
                 threads,
-                flags=flags,
+                flags=flags + streaming,
                 warmup=kw.pop("warmup", warmup),
                 **kw,
             )
@@ -241,7 +245,7 @@ def run(
                 f"soak: kimi-k3-tiny, {clients} clients for {soak:.0f} s, context 256, {disconnect:.0%} of requests "
                 f"disconnect at a random token; compiled steps, prefix cache on"
             )
-            flags = engine_flags(256, clients, True, "--prefix-cache")
+            flags = engine_flags(256, clients, True, "--prefix-cache") + streaming
             out = serve_case(
                 folders[K3_TINY],
                 models[K3_TINY].config,

@@ -198,5 +198,11 @@ def add_bench_parser(sub) -> None:
         "compiled steps), poisson (arrivals near saturation, prefill chunked and not), prefix (a shared "
         "system prompt, prefix cache on and off)",
     )
+    bserve.add_argument(
+        "--stream-interval",
+        type=_count(1, "tokens"),
+        default=1,
+        help="the servers' --stream-interval: a streamed event every N tokens after the first (default 1)",
+    )
     bserve.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bserve.set_defaults(func=_bench_serve)

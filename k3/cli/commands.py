@@ -103,6 +103,7 @@ def _bench_serve(args) -> int:
         disconnect=args.disconnect,
         json_path=args.json,
         parts=tuple(args.parts),
+        stream_interval=args.stream_interval,
     )
     return 0
 
@@ -421,6 +422,7 @@ def _serve(args) -> int:
         api_key=args.api_key,
         max_request_bytes=max_request_bytes,
         max_prompt_tokens=args.max_prompt_tokens,
+        stream_interval=args.stream_interval,
     )
 
     compiled = f"{len(engine.pool.batch_buckets())} batch sizes compiled in {engine.pool.compile_seconds:.1f} s"

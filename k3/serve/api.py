@@ -11,6 +11,10 @@ log) only for a failure of k3's own, such as the model raising while it decodes 
 
 Prompts are tokenized on a worker thread, so a long one does not hold up the event loop (/health, streams).
 
+A stream sends a choice's first token at once and then its text every `stream_interval` tokens (vLLM's
+`--stream-interval`; 1 by default: every token), and what is left when it finishes: fewer, larger events
+when many streams run, each event costing the server and its client a write and a parse.
+
 Each choice of a request is one engine `Sequence`; its tokens reach the request's coroutine through an
 asyncio queue (the engine runs on its own thread). A client that goes away, mid-stream or while waiting
 for a whole answer, has its sequences cancelled at once, which frees their batch rows and their cache.
@@ -55,12 +59,16 @@ def build_app(
     api_key: str | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
     max_prompt_tokens: int | None = None,
+    stream_interval: int = 1,
 ):
     """The FastAPI app serving `engine`'s model as `model_name`. The app starts the engine when it starts
     and stops it when it shuts down. `max_model_len`: the most tokens a sequence may hold (prompt and
     completion; at most, and by default, the engine's slots' room `engine.max_length`); `max_request_bytes`:
     the largest request body; `max_prompt_tokens`: the most tokens one prompt may have (413 past it; None:
-    max_model_len's bound)."""
+    max_model_len's bound); `stream_interval`: the tokens a streamed event carries after the first (the
+    last may carry fewer)."""
+    if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+        raise ValueError(f"build_app: `stream_interval` must be an int >= 1 (tokens), got {stream_interval!r}")
     max_model_len = engine.max_length if max_model_len is None else min(max_model_len, engine.max_length)
 
     @asynccontextmanager
@@ -287,9 +295,13 @@ def build_app(
             if chat:
                 for i in range(len(job.sequences)):
                     yield event(i, None, None, first=True)
+            pending, sent = [""] * len(job.sequences), [0] * len(job.sequences)  # text held, tokens sent
             async for index, text, reason in job.events(engine):
-                if text:
-                    yield event(index, text, None)
+                pending[index] += text
+                due = sent[index] == 0 or job.counts[index] - sent[index] >= stream_interval
+                if pending[index] and (due or reason is not None):
+                    yield event(index, pending[index], None)
+                    pending[index], sent[index] = "", job.counts[index]
                 if reason is not None:
                     if reason.startswith("error"):
                         yield sse(error_body(f"the model failed: {reason}", "server_error", None, 500))

@@ -255,3 +255,42 @@ def test_the_prefix_cache_gives_the_same_text_over_http(checkpoint):
             else:
                 assert health["prefix_cache"] is None
     assert answers[True] == answers[False]
+
+
+def streamed_chunks(server, body: dict) -> list[dict]:
+    """The JSON chunks of one streamed /v1/completions answer, [DONE] left out."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    lines = conn.getresponse().read().decode().splitlines()
+    conn.close()
+    assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+def test_stream_interval_sends_the_first_token_then_every_n(checkpoint):
+    """`stream_interval` 4: the first token's text at once, then an event every 4 tokens, the rest with the
+    finish: the same text as every token's own event, in fewer events; usage counts every token."""
+    model = CausalLM.from_pretrained(checkpoint).eval()
+    body = {
+        "prompt": "Hello",
+        "max_tokens": 14,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"continuous_usage_stats": True},
+    }
+    texts, counts = {}, {}
+    for interval in (1, 4):
+        with start(model, stream_interval=interval) as s:
+            chunks = streamed_chunks(s, body)
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 14
+        chunks = chunks[:-1]
+        texts[interval] = "".join(c["choices"][0]["text"] for c in chunks)
+        counts[interval] = [c["usage"]["completion_tokens"] for c in chunks if c["choices"][0]["text"]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert texts[4] == texts[1] and len(texts[1]) > 0
+    assert len(counts[1]) >= 8, counts  # the byte tokenizer holds back only a character's unfinished bytes
+    gaps = [b - a for a, b in zip(counts[4], counts[4][1:])]
+    assert all(gap >= 4 for gap in gaps[:-1]) and len(counts[4]) <= 1 + -(-13 // 4), counts[4]
+    with pytest.raises(ValueError, match="stream_interval"):
+        build_app(Engine(model, cache_memory=10**8, max_length=64), byte_tokenizer(), NAME, stream_interval=0)
