@@ -345,11 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default: {'--prefix-cache' if PREFIX_CACHE else '--no-prefix-cache'})",
     )
     srv.add_argument(
-        "--stream-interval",
-        type=_count(1, "tokens"),
-        default=1,
-        help="a streamed choice's first token is sent at once, then its text every N tokens and the rest at "
-        "its end (vLLM's flag): fewer, larger server-sent events when many streams run (default 1)",
+        "--stream-interval", type=_count(1, "tokens"), default=1, help="a streamed event every N tokens after the first"
     )
     srv.add_argument(
         "--max-request-bytes",

@@ -141,8 +141,9 @@ class MultiHeadLatentAttention(nn.Module):
     ) -> torch.Tensor:
         """x [B, T, hidden_size] -> y [B, T, hidden_size]. With `cache`, attend over its latents too
         and append this call's. `absorb` (default: with a cache, when it pays for T tokens, `absorb_pays`)
-        runs attention against the latents with kv_b folded into the query and the output. `fused`: the decode step's
-        joined copy of the input projections (`fuse_for_decoding`), one matmul instead of two or three."""
+        runs attention against the latents with kv_b folded into the query and the output. `fused`: the
+        decode step's joined copy of the input projections (`fuse_for_decoding`), one matmul instead of two
+        or three."""
         check_mixer_input("MultiHeadLatentAttention", x, self.hidden_size, cache)
         B, T, _ = x.shape
         first, latents, *gate = project(x, self._input_projections(), fused)
