@@ -97,7 +97,6 @@ def _torchrun_environment(rank: int, world: int, port: int) -> None:
 
 
 def _worker(rank: int, world: int, port: int, settings: dict, out: str) -> None:
-
     from ..models import get_config
     from ..training import TrainConfig
     from ..training.distributed import Distributed

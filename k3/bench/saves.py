@@ -22,7 +22,6 @@ from .parallel import _free_port, _gather_to_file, _torchrun_environment
 
 
 def _worker(rank: int, world: int, port: int, settings: dict, out: str) -> None:
-
     from ..models import get_config
     from ..tokenizer import byte_tokenizer
     from ..training import TrainConfig

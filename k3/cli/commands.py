@@ -175,7 +175,7 @@ def _bench_parallel(args) -> int:
         except ValueError:
             raise ValueError(f"--layouts takes N:EP pairs (processes : ep), e.g. 4:2, got {text!r}") from None
         if world < 1 or ep < 1 or world % ep or args.batch_size % world:
-            raise ValueError(f"--layouts {text}: ep must divide the {world} processes, they the --batch-size")
+            raise ValueError(f"--layouts {text}: ep must divide {world}, {world} divide --batch-size {args.batch_size}")
         layouts.append((world, ep))
     parallel.run(tuple(layouts), args.preset, args.seq_len, args.batch_size, args.json, tuple(args.precision))
     return 0

@@ -21,6 +21,7 @@ checkpoint or the new one. A load is `k3.checkpoints.dcp.load_sharded`.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -86,21 +87,20 @@ def save_sharded(
     return None
 
 
+@dataclass
 class PendingSave:
     """A sharded save whose DCP files are written (or being written) into its staging folder: `finish()`
     waits for them, hashes them (each process its share), and the main process commits them with the
-    small files (k3.io's journal), then the staging folder goes."""
+    small files (k3.io's journal), then the staging folder goes. `future`: the background write's, when
+    the save is asynchronous."""
 
-    def __init__(self, strategy, out: Path, staging: Path, held: dict, small: dict, step: int):
-        self.strategy, self.out, self.staging, self.held, self.small, self.step = (
-            strategy,
-            out,
-            staging,
-            held,
-            small,
-            step,
-        )
-        self.future = None
+    strategy: object
+    out: Path
+    staging: Path
+    held: dict
+    small: dict
+    step: int
+    future: object = None
 
     def done(self) -> bool:
         """Whether this process's files are written (an asynchronous save), without waiting."""
