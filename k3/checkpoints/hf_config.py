@@ -61,6 +61,9 @@ def _mlp_types(cfg: dict, n: int) -> list[str]:
     return ["moe" if i >= first_dense and i % freq == 0 else "dense" for i in range(n)]
 
 
+# the context both published configs declare (`max_position_embeddings` in Kimi K3's, `model_max_length` in
+# Kimi Linear's): KDA and NoPE MLA have no position limit of their own, so an export declares the same
+CONTEXT_LENGTH = 1_048_576
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 # the weights' quantization args of compressed-tensors' MXFP4 scheme, as Kimi K3's config.json gives them
 MXFP4_WEIGHTS = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32}
@@ -231,6 +234,11 @@ def config_to_hf(config) -> dict:
         "num_expert_group": 1,
         "topk_group": 1,
         "num_nextn_predict_layers": 0,
+        # the published files' remaining fields: what transformers' and vLLM's loaders read
+        "head_dim": c.hidden_size // c.num_heads,
+        "use_grouped_topk": True,
+        "initializer_range": 0.02,
+        "use_cache": True,
         "linear_attn_config": {
             "full_attn_layers": [i + 1 for i, t in enumerate(c.layer_types) if t == "mla"],
             "kda_layers": [i + 1 for i, t in enumerate(c.layer_types) if t == "kda"],
@@ -287,4 +295,4 @@ def kimi_linear_config(config) -> dict:
             + "; ".join(problems)
             + ". Export it in k3's own format instead (k3 export without --format)"
         )
-    return config_to_hf(c)
+    return {**config_to_hf(c), "model_max_length": CONTEXT_LENGTH, "rope_theta": 10000.0}

@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..ops import mxfp4
-from .hf_config import MXFP4_FORMAT, MXFP4_WEIGHTS, config_to_hf
+from .hf_config import CONTEXT_LENGTH, MXFP4_FORMAT, MXFP4_WEIGHTS, config_to_hf
 
 PREFIX = "language_model."
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
@@ -187,10 +187,16 @@ def published_config(config: ModelConfig, quantized: bool) -> dict:
     ]
     if problems:
         raise ValueError(f"{config.name!r} cannot be written in Kimi K3's published layout: " + "; ".join(problems))
-    text = config_to_hf(config)
+    text = {**config_to_hf(config), "max_position_embeddings": CONTEXT_LENGTH}
     if quantized and config.num_experts:
         text["quantization_config"] = QUANTIZATION_CONFIG
-    return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"], "text_config": text}
+    return {
+        "model_type": "kimi_k3",
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "ignore_index": -100,
+        "text_config": text,
+    }
 
 
 class Entry(NamedTuple):

@@ -287,14 +287,14 @@ def _train(args) -> int:
 def _export(args) -> int:
     try:
         from ..hf.export import export
-    except ModuleNotFoundError as e:  # transformers missing: say so without a traceback
-        if e.name != "transformers":
+        from .preflight import check_pretrained
+
+        check_pretrained(args.checkpoint, f"checkpoint {args.checkpoint}")
+        names = export(args.checkpoint, args.out, format=args.format, quantize=args.quantize, outtype=args.outtype)
+    except ModuleNotFoundError as e:  # transformers or gguf missing: say so without a traceback
+        if e.name not in ("transformers", "gguf"):
             raise
         raise ValueError(str(e)) from e
-    from .preflight import check_pretrained
-
-    check_pretrained(args.checkpoint, f"checkpoint {args.checkpoint}")
-    names = export(args.checkpoint, args.out, format=args.format, quantize=args.quantize)
     print(f"wrote {', '.join(names)} to {args.out} ({args.format} format)")
     return 0
 

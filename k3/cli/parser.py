@@ -387,17 +387,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="uvicorn's log level",
     )
     srv.set_defaults(func=_serve)
-    export = sub.add_parser("export", help="write a checkpoint in Hugging Face transformers' format (needs k3[hf])")
+    export = sub.add_parser("export", help="write a checkpoint in transformers', Kimi's or llama.cpp's (GGUF) format")
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="a k3 checkpoint directory (k3 train --out)")
     export.add_argument("out", metavar="DIR", help="output directory: new or empty (an export never writes over files)")
     export.add_argument(
         "--format",
-        choices=("k3", "kimi-linear", "kimi-k3"),
+        choices=("k3", "kimi-linear", "kimi-k3", "gguf"),
         default="k3",
-        help="k3: model_type k3, loads with transformers' Auto classes and pipeline with "
-        "trust_remote_code=True (k3 installed) or after `import k3.hf` (default); kimi-linear: "
-        "Kimi Linear's own format, for kimi-linear* models; kimi-k3: Kimi K3's published layout",
+        help="k3 (default): transformers' Auto classes, with trust_remote_code=True or after `import k3.hf`; "
+        "kimi-linear: Kimi Linear's own format; kimi-k3: Kimi K3's published layout; gguf: DIR/model.gguf "
+        "for llama.cpp (Kimi K3, Kimi Linear and GPT-2 models; needs k3[gguf])",
     )
+    export.add_argument("--outtype", choices=("f32", "bf16", "q8_0"), help="gguf: the matrices' type (default f32)")
     export.add_argument(
         "--quantize",
         choices=("mxfp4", "bf16"),

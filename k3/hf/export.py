@@ -23,6 +23,11 @@ Three formats:
   checkpoint read by k3 exports to the same tensors, byte for byte; `quantize="mxfp4"` stores them in
   compressed-tensors MXFP4 (encoding full-precision ones), `quantize="bf16"` in bfloat16 (decoding MXFP4
   ones, exactly).
+- "gguf" (Kimi K3 and Kimi Linear models, GPT-2): one file, model.gguf, for llama.cpp (and what runs
+  it: llama-cpp-python, ollama, LM Studio) in its own architectures `kimi-k3`, `kimi-linear` and `gpt2`
+  (`k3.checkpoints.gguf_format`, which refuses what llama.cpp cannot compute), the matrices in
+  `outtype`, MXFP4 routed experts kept MXFP4, the tokenizer inside (llama.cpp's "gpt2" BPE with GPT-2's
+  pre-tokenizer) and the checkpoint's chat template when it has one.
 
 The output must be a new or an empty directory: an export never writes over files (a training
 checkpoint's config.json and model.safetensors have the names an export writes), so an existing
@@ -52,9 +57,11 @@ from typing import Iterator
 
 from ..io import CheckpointError, folder_lock, move_files_into, reading, staging_folder
 
-FORMATS = ("k3", "kimi-linear", "kimi-k3")
+FORMATS = ("k3", "kimi-linear", "kimi-k3", "gguf")
 QUANTIZE = (None, "mxfp4", "bf16")  # kimi-k3's routed experts: as stored, MXFP4, bfloat16
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default shard size, "5GB"
+OUTTYPES = ("f32", "bf16", "q8_0")  # gguf's matrices, as llama.cpp's converter's --outtype names them
+GGUF_FILE = "model.gguf"
 
 
 def export(
@@ -63,6 +70,7 @@ def export(
     format: str = "k3",
     quantize: str | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    outtype: str | None = None,
 ) -> list[str]:
     """Write `checkpoint` (a k3 training or model checkpoint directory, or any checkpoint
     `CausalLM.from_pretrained` reads) to `out`, a new or empty directory, in `format`. `quantize`
@@ -71,7 +79,9 @@ def export(
     experts (MXFP4 ones are decoded). Returns the names of the files written."""
     from ..checkpoints.hf_config import kimi_linear_config
     from ..checkpoints.kimi_k3_format import published_config
+    from ..checkpoints.gguf_format import gguf_architecture, write_gguf
     from ..models import CausalLM
+    from ..serve.text import load_chat_template
     from ..tokenizer import Tokenizer
 
     if format not in FORMATS:
@@ -81,26 +91,38 @@ def export(
             f"export: `quantize` must be one of {QUANTIZE} (mxfp4 and bf16 with format 'kimi-k3' "
             f"only), got {quantize!r} with format {format!r}"
         )
+    if outtype is not None and (format != "gguf" or outtype not in OUTTYPES):
+        raise ValueError(
+            f"export: `outtype` must be one of {OUTTYPES} with format 'gguf', got {outtype!r} with format {format!r}"
+        )
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"export: `max_shard_bytes` must be a positive int, got {max_shard_bytes!r}")
     checkpoint, out = Path(checkpoint), Path(out).resolve()  # resolved: the staging folder goes beside it
     check_output(checkpoint, out)
     stored_mxfp4, a_log_pad = False, {}
     with reading(checkpoint) if checkpoint.is_dir() else contextlib.nullcontext():  # one whole save, locked
-        if format == "kimi-k3" and checkpoint.is_dir():  # (from_pretrained says what a missing folder needs)
+        if format in ("kimi-k3", "gguf") and checkpoint.is_dir():  # (from_pretrained says what a missing folder needs)
             stored_mxfp4, a_log_pad = _stored_layout(checkpoint)
         mxfp4_out = quantize == "mxfp4" or (quantize is None and stored_mxfp4)
         # MXFP4 experts stay MXFP4 in memory (decoded to bfloat16 only as they are written, for "bf16")
-        experts = "mxfp4" if format == "kimi-k3" and (mxfp4_out or stored_mxfp4) else None
+        experts = "mxfp4" if format in ("kimi-k3", "gguf") and (mxfp4_out or stored_mxfp4) else None
         model = CausalLM.from_pretrained(checkpoint, experts=experts).eval()
         tokenizer = Tokenizer.load(checkpoint) if (checkpoint / "tokenizer.json").exists() else None
+        chat_template = load_chat_template(checkpoint) if checkpoint.is_dir() else None
+    if format == "gguf":
+        gguf_architecture(model.config)  # refused before anything is written
+        _require_gguf()
     # Kimi Linear's config.json, made (or refused) before anything is written
     kimi_config = kimi_linear_config(model.config) if format == "kimi-linear" else None
     k3_config = published_config(model.config, mxfp4_out) if format == "kimi-k3" else None
     special = {} if tokenizer is None else dict(bos_token_id=tokenizer.eot_id, eos_token_id=tokenizer.eot_id)
     with staging_folder(out) as staging:
         with writing(out):
-            if k3_config is not None:
+            if format == "gguf":
+                path = staging / GGUF_FILE
+                write_gguf(model, path, outtype or "f32", tokenizer, chat_template, name=checkpoint.name)
+                tokenizer = None  # inside the GGUF file
+            elif k3_config is not None:
                 _write_kimi_k3(model, k3_config, staging, special, mxfp4_out, max_shard_bytes, a_log_pad)
             elif kimi_config is None:
                 _write_k3(model, staging, special)
@@ -112,6 +134,15 @@ def export(
         with folder_lock(out):  # nothing may have appeared there while the files were written
             check_output(checkpoint, out)
             return move_files_into(staging, out)
+
+
+def _require_gguf() -> None:
+    try:
+        import gguf  # noqa: F401
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(
+            "export: --format gguf needs the gguf package (llama.cpp's writer): pip install 'k3[gguf]'", name="gguf"
+        ) from e
 
 
 @contextlib.contextmanager
@@ -200,7 +231,10 @@ def _write_kimi_linear(model, config: dict, directory: Path, special: dict) -> N
 
     dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
     # pad_token_id explicitly: KimiLinearConfig's default (163839) would be outside a small vocabulary
-    config.update({"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "torch_dtype": dtype, **special})
+    import transformers
+
+    ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **special}
+    config.update({**ids, "dtype": dtype, "transformers_version": transformers.__version__})
     save_file(kimi_state_dict(model), directory / "model.safetensors", metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2))
 
@@ -230,7 +264,9 @@ def _write_kimi_k3(
     total = sum(e.nbytes for shard in shards for e in shard)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config.update({"torch_dtype": "bfloat16", **special})
+    ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **special}
+    config.update({"dtype": "bfloat16", **ids})
+    config["text_config"].update({"dtype": "bfloat16", **ids})
     (directory / "config.json").write_text(json.dumps(config, indent=2))
 
 
