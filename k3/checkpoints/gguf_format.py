@@ -5,8 +5,8 @@ Written with the `gguf` package, llama.cpp's own writer.
 Which architecture (`gguf_architecture`): a model with SiTU feed-forwards is `kimi-k3` (its KDA layers need
 the full-rank output gate), one with SwiGLU, the low-rank KDA output gate and Kimi Linear's decay gate is
 `kimi-linear`, a GPT-2 is `gpt2`; what llama.cpp cannot compute is refused in one line naming it (layer
-kinds other than KDA and MLA, RoPE in MLA, dense layers after the first MoE layer, KDA and MLA with
-different head counts: llama.cpp reads one `head_count` for both).
+kinds other than KDA and MLA, a stack without both, RoPE in MLA, dense layers after the first MoE layer,
+KDA and MLA with different head counts: llama.cpp reads one `head_count` for both).
 
 The tensors, from k3's (module names as `k3.models` has them; the numpy shape is written, ggml reverses it):
 
@@ -69,6 +69,10 @@ def gguf_architecture(config) -> str:
         what
         for bad, what in (
             (kinds, f"layer types {kinds} (llama.cpp's Kimi architectures have KDA and MLA layers only)"),
+            (
+                not kinds and set(c.layer_types) != {"kda", "mla"},
+                "a stack of one layer kind: llama.cpp's hybrid cache needs at least one KDA and one MLA layer",
+            ),
             (c.norm != "rmsnorm", f"norm {c.norm!r} (RMSNorm only)"),
             (c.ffn_activation not in ("situ", "swiglu"), f"ffn_activation {c.ffn_activation!r}"),
             (c.rope_theta is not None, "RoPE in MLA (rope_theta): llama.cpp's Kimi MLA is NoPE"),
@@ -80,7 +84,7 @@ def gguf_architecture(config) -> str:
             ),
             (
                 k3 and "kda" in c.layer_types and c.linear_output_gate != "full",
-                f"a SiTU model (kimi-k3) whose KDA output gate is {c.linear_output_gate!r} (kimi-k3 has the full-rank gate)",
+                f"a SiTU model (kimi-k3) whose KDA output gate is {c.linear_output_gate!r} (kimi-k3's is full rank)",
             ),
             (
                 not k3
@@ -377,9 +381,7 @@ def add_tokenizer(writer, tokenizer, vocab_size: int) -> None:
     for i in range(vocab_size):
         token = by_id.get(i)
         tokens.append(token if token is not None else f"[PAD{i}]")
-        types.append(
-            TokenType.UNUSED if token is None else TokenType.CONTROL if token == EOT else TokenType.NORMAL
-        )
+        types.append(TokenType.UNUSED if token is None else TokenType.CONTROL if token == EOT else TokenType.NORMAL)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     if not merges:  # gguf writes no empty array, and llama.cpp's "gpt2" vocabulary needs its merges
         raise ValueError(

@@ -77,9 +77,9 @@ def export(
     (kimi-k3 only) says how the routed experts are stored: None, as the checkpoint stores them (MXFP4
     stays MXFP4, byte for byte); "mxfp4", MXFP4; "bf16", bfloat16. The other formats hold full-precision
     experts (MXFP4 ones are decoded). Returns the names of the files written."""
+    from ..checkpoints.gguf_format import gguf_architecture, write_gguf
     from ..checkpoints.hf_config import kimi_linear_config
     from ..checkpoints.kimi_k3_format import published_config
-    from ..checkpoints.gguf_format import gguf_architecture, write_gguf
     from ..models import CausalLM
     from ..serve.text import load_chat_template
     from ..tokenizer import Tokenizer
