@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.k3-installed
 EVAL_STAMP := $(VENV)/.k3-eval-installed
 
-.PHONY: demo test test-slow test-kernels lint format bench docs install clean
+.PHONY: demo test test-slow test-kernels test-gguf lint format bench docs install clean
 
 # torch==2.13.0 is the CPU wheel these machines carry; installing it first keeps pip from
 # resolving `torch>=2.6` to a multi-GB CUDA build.
@@ -32,7 +32,7 @@ demo: $(STAMP)
 
 # the default suite; the tests marked slow (processes and fresh interpreters) run with test-slow
 test: $(EVAL_STAMP)
-	$(PY) -m pytest -q -m "not slow and not kernels"
+	$(PY) -m pytest -q -m "not slow and not kernels and not gguf"
 
 test-slow: $(EVAL_STAMP)
 	$(PY) -m pytest -q -m slow
@@ -46,6 +46,29 @@ $(KERNELS_STAMP): $(STAMP)
 
 test-kernels: $(KERNELS_STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m kernels tests/kernels
+
+# llama.cpp beside k3 (tests/gguf): llama-cpp-python, which vendors llama.cpp, built from its sdist for this
+# CPU (about 5-25 minutes on 2 cores the first time; pip caches the wheel, so later installs take seconds),
+# and the same sdist unpacked for llama.cpp's own converter, convert_hf_to_gguf.py
+LLAMA_VERSION    ?= 0.3.36
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+                    -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+LLAMA_STAMP  := $(VENV)/.k3-llama-$(LLAMA_VERSION)-installed
+LLAMA_SOURCE := build/llama-cpp-python-$(LLAMA_VERSION)/vendor/llama.cpp
+$(LLAMA_STAMP): $(STAMP)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 $(PY) -m pip install -q \
+	  --no-binary llama-cpp-python 'llama-cpp-python==$(LLAMA_VERSION)' -e '.[dev,llama]'
+	touch $(LLAMA_STAMP)
+
+$(LLAMA_SOURCE)/convert_hf_to_gguf.py:
+	@mkdir -p build/sdist
+	$(PY) -m pip download -q --no-deps --no-binary :all: 'llama-cpp-python==$(LLAMA_VERSION)' -d build/sdist
+	tar -xzf build/sdist/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C build
+	mv build/llama_cpp_python-$(LLAMA_VERSION) build/llama-cpp-python-$(LLAMA_VERSION)
+	touch $@
+
+test-gguf: $(LLAMA_STAMP) $(LLAMA_SOURCE)/convert_hf_to_gguf.py
+	K3_LLAMA_CPP_SOURCE=$(abspath $(LLAMA_SOURCE)) $(PY) -m pytest -q -m gguf tests/gguf
 
 # ruff (pyproject.toml's [tool.ruff]: line length 120, rules E, F, W, I): lint checks without changing a
 # file (CI runs it first); format rewrites the files to the formatter's style and applies the safe fixes
