@@ -13,6 +13,7 @@ from .commands import (
     _bench_profile,
     _bench_serve,
     _bench_train,
+    _use_threads,
 )
 
 
@@ -206,3 +207,28 @@ def add_bench_parser(sub) -> None:
     )
     bserve.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bserve.set_defaults(func=_bench_serve)
+    bllama = bench_sub.add_parser(
+        "llama", help="k3 (eager, compiled) beside llama.cpp (f32, q8_0) on the same weights: prefill and decode"
+    )
+    bllama.add_argument("--quick", action="store_true", help="fewer steps and rounds")
+    bllama.add_argument(
+        "--models", nargs="+", metavar="NAME", help="a subset of: kimi-k3-tiny kimi-linear-tiny gpt2-tiny kimi-k3-100m"
+    )
+    bllama.add_argument("--contexts", type=_count(1, "tokens"), nargs="+", help="decode contexts (default 256 4096)")
+    bllama.add_argument("--steps", type=_count(1, "decode steps"), help="timed decode steps (default 24; quick 12)")
+    bllama.add_argument("--threads", type=_count(1, "threads"), help="torch's and llama.cpp's (default: all cores)")
+    bllama.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    bllama.set_defaults(func=_bench_llama)
+
+
+def _bench_llama(args) -> int:
+    from ..bench import llama
+
+    _use_threads(args)
+    try:
+        llama.run(args.quick, args.models, args.contexts, args.steps, args.threads, args.json)
+    except ModuleNotFoundError as e:
+        if e.name != "llama_cpp":
+            raise
+        raise ValueError(str(e)) from e
+    return 0
