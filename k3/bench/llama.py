@@ -96,8 +96,11 @@ class LlamaCase:
         self.token = ids[-1]
 
     def __call__(self) -> None:
-        self.llm.eval([self.token])
-        self.token = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        import llama_cpp
+
+        self.llm.eval([self.token])  # the last token's logits, read where llama.cpp leaves them
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self.llm.ctx), shape=(self.llm.n_vocab(),))
+        self.token = int(np.argmax(logits))
 
 
 def load(path: Path, n_ctx: int, n_threads: int):

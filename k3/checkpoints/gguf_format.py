@@ -40,7 +40,6 @@ blocks, the same codes (a lossless repack), whatever `outtype` says.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from typing import Iterator
@@ -396,9 +395,3 @@ def add_tokenizer(writer, tokenizer, vocab_size: int) -> None:
     writer.add_bos_token_id(tokenizer.eot_id)
     writer.add_eos_token_id(tokenizer.eot_id)
     writer.add_add_bos_token(False)
-
-
-def gguf_bytes(model, outtype: str) -> int:
-    """About how many bytes the tensors take in a GGUF of `outtype` (for a disk-space check)."""
-    per = {"f32": 4.0, "bf16": 2.0, "q8_0": 34 / 32}[outtype]
-    return int(sum(math.prod(p.shape) for p in model.state_dict().values()) * per)

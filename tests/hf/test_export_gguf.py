@@ -86,6 +86,15 @@ def test_the_tokenizer_goes_inside(tmp_path):
     assert not (tmp_path / "out" / "tokenizer.json").exists()  # inside the GGUF file
 
 
+def test_the_chat_template_goes_inside(tmp_path):
+    CausalLM(get_config("kimi-k3-tiny")).save_pretrained(tmp_path / "run")
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    (tmp_path / "run" / "chat_template.jinja").write_text(template)
+    export(tmp_path / "run", tmp_path / "out", format="gguf")
+    reader = gguf.GGUFReader(tmp_path / "out" / "model.gguf")
+    assert reader.fields["tokenizer.chat_template"].contents() == template
+
+
 def test_mxfp4_blocks_hold_the_same_values():
     w = torch.randn(3, 8, 64)
     packed, scale = mxfp4.encode(w)
