@@ -16,13 +16,15 @@ recompile from one token to the next):
   temperature, top-k, top-p): no generator in the graph, no host sync.
 
 `compile=True` runs it through torch.compile (`fullgraph=True`): inductor's C++ kernels on the CPU, CUDA
-graphs (`mode="reduce-overhead"`) on CUDA. Inductor keeps what it compiled on disk (its FX graph and
+graphs (`mode="reduce-overhead"`) on CUDA. On the CPU the products of a few rows by a weight matrix are
+reductions that stream the weights (`k3.inference.row_products`) rather than GEMM calls. Inductor keeps what it compiled on disk (its FX graph and
 AOTAutograd caches, in `compile_cache_dir()`), so the same model's next run starts without compiling
 again. Greedy tokens equal eager decoding's (same maths; float rounding may differ in the last place).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -31,6 +33,7 @@ import torch
 from ..layers.moe import STACKED_BYTES_LIMIT, DecodeWeights
 from ..runtime import check_compiler
 from .generation import check_sampling, is_greedy, sample_with_noise
+from .row_products import RowProducts
 
 COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 RECOMPILE_LIMIT = 64  # graphs one process may keep for the step (models x batch sizes x samplers)
@@ -126,6 +129,8 @@ class DecodeStep:
                 f"plain experts held in this process, within {STACKED_BYTES_LIMIT:,} bytes, allow"
             )
         self._compiled, self._warm = bool(compile), False
+        # compiled for the CPU: few-row products as reductions inductor streams the weights with (row_products)
+        self._row_products = bool(compile) and device.type == "cpu"
         if compile and device.type == "cuda":
             self._mark_static_addresses()
         if compile:
@@ -149,8 +154,9 @@ class DecodeStep:
         """tokens [B, 1] -> (next tokens [B], logits [B, vocab]); advances the cache's positions."""
         model, cache = self.model, self.cache
         positions = cache.positions.unsqueeze(1) if model.config.max_position_embeddings else None
-        hidden = model.model(tokens, cache.layers, positions, cache.sources, self.fused)
-        logits = model.lm_head(hidden[:, -1])
+        with RowProducts() if self._row_products else contextlib.nullcontext():
+            hidden = model.model(tokens, cache.layers, positions, cache.sources, self.fused)
+            logits = model.lm_head(hidden[:, -1])
         token = sample_with_noise(logits, noise, self.temperature, self.top_k, self.top_p)
         cache.positions.add_(1)
         return token, logits
