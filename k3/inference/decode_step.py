@@ -17,9 +17,10 @@ recompile from one token to the next):
 
 `compile=True` runs it through torch.compile (`fullgraph=True`): inductor's C++ kernels on the CPU, CUDA
 graphs (`mode="reduce-overhead"`) on CUDA. On the CPU the products of a few rows by a weight matrix are
-reductions that stream the weights (`k3.inference.row_products`) rather than GEMM calls. Inductor keeps what it compiled on disk (its FX graph and
-AOTAutograd caches, in `compile_cache_dir()`), so the same model's next run starts without compiling
-again. Greedy tokens equal eager decoding's (same maths; float rounding may differ in the last place).
+reductions that stream the weights (`k3.inference.row_products`) rather than GEMM calls. Inductor keeps
+what it compiled on disk (its FX graph and AOTAutograd caches, in `compile_cache_dir()`), so the same
+model's next run starts without compiling again. Greedy tokens equal eager decoding's (same maths; float
+rounding may differ in the last place).
 """
 
 from __future__ import annotations
