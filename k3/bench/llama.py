@@ -11,8 +11,9 @@ the matrices dominate. Each is written once as GGUF float32 and q8_0 (`k3.checkp
   the best of `rounds` interleaved rounds;
 - decode: tokens/s of one greedy token a step at each context (256 and 4,096 tokens before it): k3 eager
   (the growing cache and fused weights `generate` uses), k3 compiled (`k3.inference.decode_step`, a static
-  cache), llama.cpp f32 and q8_0 (`eval` of one token, the next chosen from its logits); the median of
-  single steps taken round-robin over the four (`k3.bench.compiled.median_steps`).
+  cache), llama.cpp f32 and q8_0 (`eval` of one token, the next chosen from its logits). As a decode loop
+  runs, each engine takes its steps back to back (its weights warm in the caches), the engines in turn,
+  `rounds` times in alternating order (`block_steps`); the median of every timed step.
 
 Ratios: k3 / llama.cpp f32 (above 1: k3 is faster). Needs k3[llama] (llama-cpp-python, built for the
 machine: `make test-gguf` installs it) and, for the compiled decode, a C++ compiler.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -34,7 +36,7 @@ import torch
 from ..checkpoints.gguf_format import write_gguf
 from ..inference.generation import static_length
 from ..models import CausalLM, get_config
-from .compiled import Case, median_steps
+from .compiled import Case
 from .runners import GPT2, K3_TINY, KIMI_LINEAR, LABELS, VOCAB, build_k3
 from .timing import interleaved_best, matmul_gflops, threads, write_report
 
@@ -101,6 +103,20 @@ class LlamaCase:
         self.llm.eval([self.token])  # the last token's logits, read where llama.cpp leaves them
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self.llm.ctx), shape=(self.llm.n_vocab(),))
         self.token = int(np.argmax(logits))
+
+
+def block_steps(cases: dict, warmup: int, steps: int, rounds: int) -> dict:
+    """Median seconds of one step of each case: per round, each case's `warmup` untimed and `steps` timed
+    steps back to back, the cases in turn (reversed every other round)."""
+    order, times = list(cases), {key: [] for key in cases}
+    for r in range(rounds):
+        for key in order if r % 2 == 0 else reversed(order):
+            for i in range(warmup + steps):
+                start = time.perf_counter()
+                cases[key]()
+                if i >= warmup:
+                    times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def load(path: Path, n_ctx: int, n_threads: int):
@@ -196,13 +212,14 @@ def _measure(name: str, model, tmp: Path, s: Settings, n_threads: int) -> dict:
     row = {"prefill": {engine: s.prefill / t for engine, t in best.items()}, "decode": {}}
     for context in s.contexts:
         g = torch.Generator().manual_seed(context)
+        tokens = s.rounds * (s.steps + s.warmup)  # each engine's tokens after the context
         cases = {
-            "k3 eager": Case(model, context, 1, False, s.steps + s.warmup, g),
-            "k3 compiled": Case(model, context, 1, True, s.steps + s.warmup, g),
-            **{engine: LlamaCase(path, context, n_threads, g) for engine, path in files.items()},
+            "k3 eager": Case(model, context, 1, False, tokens, g),
+            "k3 compiled": Case(model, context, 1, True, tokens, g),
+            **{engine: LlamaCase(path, context, n_threads, g, tokens + 8) for engine, path in files.items()},
         }
         start = time.perf_counter()
-        times = median_steps(cases, s.warmup, s.steps)
+        times = block_steps(cases, s.warmup, s.steps, s.rounds)
         row["decode"][context] = {engine: 1 / t for engine, t in times.items()}
         row.setdefault("seconds", 0.0)
         row["seconds"] += time.perf_counter() - start
