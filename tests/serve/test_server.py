@@ -210,7 +210,11 @@ def test_tokenizing_does_not_block_health(checkpoint):
 def test_draining_answers_503_with_retry_after(checkpoint):
     """After SIGTERM (uvicorn's handle_exit) the server still listens: new requests get 503 with
     Retry-After while the running one finishes; then it exits."""
-    engine = Engine(CausalLM.from_pretrained(checkpoint).eval(), cache_memory=10**9, max_running=8, max_length=512)
+    model = CausalLM.from_pretrained(checkpoint).eval()
+    forward = model.model.forward  # the decoder, which prefill and the decode step both run
+    # each turn at least 10 ms: the running request (100 turns) must outlast the 0.5 s below on a fast machine
+    model.model.forward = lambda *args, **kwargs: (time.sleep(0.01), forward(*args, **kwargs))[1]
+    engine = Engine(model, cache_memory=10**9, max_running=8, max_length=512)
     with ServerThread(build_app(engine, byte_tokenizer(), NAME), engine, shutdown_timeout=60) as s:
         conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
         conn.request(
