@@ -98,6 +98,11 @@ def gguf_architecture(config) -> str:
                 "gated MLA, a latent MoE or Block AttnRes): llama.cpp's kimi-linear has none of them",
             ),
             (moe and c.num_shared_experts < 1 and not k3, "MoE layers without a shared expert (kimi-linear)"),
+            (
+                moe and not k3 and not (c.moe_renormalize and c.num_experts_per_tok > 1),
+                "expert weights left as bare scores (moe_renormalize off, or one expert a token): llama.cpp's "
+                "kimi-linear always renormalizes them",
+            ),
         )
         if bad
     ]
@@ -134,7 +139,8 @@ def gguf_metadata(config, arch: str) -> dict[str, object]:
             "expert_used_count": c.num_experts_per_tok,
             "expert_group_used_count": 1,
             "expert_gating_func": _SIGMOID,
-            "expert_weights_norm": bool(c.moe_renormalize),
+            # k3 renormalizes the top-k weights only when there are several (one expert keeps its bare score)
+            "expert_weights_norm": bool(c.moe_renormalize and c.num_experts_per_tok > 1),
             "expert_weights_scale": float(c.routed_scaling_factor),
             "expert_feed_forward_length": c.moe_intermediate_size,
             "expert_shared_count": c.num_shared_experts,

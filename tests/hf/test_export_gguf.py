@@ -62,6 +62,11 @@ def test_ssm_a_and_res_scores_hold_what_llama_cpp_multiplies(tmp_path):
     np.testing.assert_allclose(tensors["blk.0.attn_res_score.weight"], score, rtol=1e-6)
 
 
+def test_one_expert_a_token_keeps_its_bare_score(tmp_path):
+    f = fields(exported(tmp_path, "kimi-k3-tiny", num_experts_per_tok=1))
+    assert f["kimi-k3.expert_weights_norm"] is False and f["kimi-k3.expert_used_count"] == 1
+
+
 @pytest.mark.parametrize("preset, arch", [("kimi-linear-tiny", "kimi-linear"), ("gpt2-tiny", "gpt2")])
 def test_kimi_linear_and_gpt2_architectures(tmp_path, preset, arch):
     f = fields(exported(tmp_path, preset))
@@ -111,6 +116,7 @@ def test_mxfp4_blocks_hold_the_same_values():
         ("kimi-k3-tiny", dict(mlp_types=["moe", "dense", "moe", "moe", "moe"]), "dense FFN layers after"),
         ("kimi-k3-tiny", dict(linear_output_gate="low_rank"), "full rank"),
         ("kimi-linear-tiny", dict(kda_gate="safe"), "kimi-linear"),
+        ("kimi-linear-tiny", dict(moe_renormalize=False), "always renormalizes"),
         ("kimi-linear-tiny", dict(layer_types=["kda", "gated_deltanet"] * 4), "layer types ['gated_deltanet']"),
         ("deltanet-tiny", {}, "layer types"),
     ],
