@@ -197,7 +197,7 @@ def run(quick: bool = False, models=None, contexts=None, steps=None, n_threads=N
         for name, model in build(names, positions).items():
             results["models"][name] = row = _measure(name, model, Path(tmp), s, n_threads)
             say(_line(name, model, row, s))
-    say(_ratios(results, s))
+    say(_ratios(results))
     if json_path:
         write_report(json_path, results, "k3 bench llama")
     return results
@@ -241,7 +241,7 @@ def _cell(value) -> str:
     return f"{value:16,.0f}" if value is not None else f"{'-':>16s}"
 
 
-def _ratios(results: dict, s: Settings) -> str:
+def _ratios(results: dict) -> str:
     lines = ["\nk3 / llama.cpp f32 (above 1: k3 is faster)"]
     for name, row in results["models"].items():
         parts = [f"prefill {row['prefill']['k3 eager'] / row['prefill']['llama.cpp f32']:.2f}x"]

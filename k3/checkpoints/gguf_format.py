@@ -49,8 +49,7 @@ import torch
 
 from .hf_config import CONTEXT_LENGTH
 
-ARCHITECTURES = ("kimi-k3", "kimi-linear", "gpt2")
-OUTTYPES = ("f32", "bf16", "q8_0")
+OUTTYPES = ("f32", "bf16", "q8_0")  # the matrices' types, as llama.cpp's converter's --outtype names them
 _SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 _FLOAT32_TENSORS = re.compile(r"(ffn_gate_inp|position_embd|ssm_conv1d_[qkv])\.weight$")
 
@@ -307,9 +306,7 @@ def _encode(name: str, t: torch.Tensor, outtype: str):
 
     data = t.detach().to(torch.float32).contiguous().numpy()
     qtype = {"f32": Q.F32, "bf16": Q.BF16, "q8_0": Q.Q8_0}[outtype]
-    if data.ndim <= 1 or name.endswith("_norm.weight") or _FLOAT32_TENSORS.search(name):
-        qtype = Q.F32
-    elif not name.endswith(".weight"):
+    if data.ndim <= 1 or not name.endswith(".weight") or name.endswith("_norm.weight") or _FLOAT32_TENSORS.search(name):
         qtype = Q.F32
     try:
         encoded = quants.quantize(data, qtype)

@@ -60,7 +60,6 @@ from ..io import CheckpointError, folder_lock, move_files_into, reading, staging
 FORMATS = ("k3", "kimi-linear", "kimi-k3", "gguf")
 QUANTIZE = (None, "mxfp4", "bf16")  # kimi-k3's routed experts: as stored, MXFP4, bfloat16
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default shard size, "5GB"
-OUTTYPES = ("f32", "bf16", "q8_0")  # gguf's matrices, as llama.cpp's converter's --outtype names them
 GGUF_FILE = "model.gguf"
 
 
@@ -77,7 +76,7 @@ def export(
     (kimi-k3 only) says how the routed experts are stored: None, as the checkpoint stores them (MXFP4
     stays MXFP4, byte for byte); "mxfp4", MXFP4; "bf16", bfloat16. The other formats hold full-precision
     experts (MXFP4 ones are decoded). Returns the names of the files written."""
-    from ..checkpoints.gguf_format import gguf_architecture, write_gguf
+    from ..checkpoints.gguf_format import OUTTYPES, gguf_architecture, write_gguf
     from ..checkpoints.hf_config import kimi_linear_config
     from ..checkpoints.kimi_k3_format import published_config
     from ..models import CausalLM
@@ -108,7 +107,7 @@ def export(
         experts = "mxfp4" if format in ("kimi-k3", "gguf") and (mxfp4_out or stored_mxfp4) else None
         model = CausalLM.from_pretrained(checkpoint, experts=experts).eval()
         tokenizer = Tokenizer.load(checkpoint) if (checkpoint / "tokenizer.json").exists() else None
-        chat_template = load_chat_template(checkpoint) if checkpoint.is_dir() else None
+        chat_template = load_chat_template(checkpoint) if format == "gguf" and checkpoint.is_dir() else None
     if format == "gguf":
         gguf_architecture(model.config)  # refused before anything is written
         _require_gguf()
