@@ -62,5 +62,7 @@ def test_the_compiled_cpu_step_uses_the_mode_and_the_eager_one_does_not():
     for _ in range(4):
         a, b = eager(tokens), compiled(tokens)
         torch.testing.assert_close(compiled.last_logits, eager.last_logits, rtol=1e-4, atol=1e-5)
-        assert torch.equal(a, b)
+        top2 = eager.last_logits.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-3  # the same token wherever rounding cannot decide it
+        assert torch.equal(a[clear], b[clear])
         tokens = a
