@@ -151,8 +151,9 @@ def test_a_model_that_cannot_fit_is_refused_before_training_allocates(corpus, tm
     fails(
         capsys,
         ["train", "--data", str(corpus), *TINY_RUN, "--max-steps", "1", "--out", str(tmp_path / "out")],
-        "training 'kimi-k3-tiny' (1,067,916 parameters x 16 bytes, and the activations of 2 x 32 tokens) needs "
-        "about 0.0 GiB (17,914,560 bytes), more than the 0.0 GiB of memory available",
+        "training 'kimi-k3-tiny' (1,067,916 parameters x 16 bytes, the activations of 2 x 32 tokens and the step's "
+        "2 token windows: --batch-size 2 x --grad-accum 1) needs about 0.0 GiB",
+        "more than the 0.0 GiB of memory available",
         "--batch-size",
     )
 
@@ -304,7 +305,7 @@ def test_a_batch_whose_activations_cannot_fit_is_refused_before_the_tokenizer_or
         err = fails(
             capsys,
             ["train", "--data", str(corpus), *flags, "--max-steps", "1", "--out", str(tmp_path / "o")],
-            "and the activations of 10000000 x 256 tokens",
+            "the activations of 10000000 x 256 tokens",
             "more than the 22.0 GiB of memory available",
             "--batch-size",
             "--seq-len",
@@ -331,6 +332,25 @@ def test_a_batch_whose_activations_cannot_fit_is_refused_before_the_tokenizer_or
         "--hidden-size",
     )
     assert not (tmp_path / "o").exists()
+    # micro-batches count: a billion of them would be drawn as one step's windows
+    err = fails(
+        capsys,
+        [
+            "train",
+            "--data",
+            str(corpus),
+            "--grad-accum",
+            "1000000000",
+            "--max-steps",
+            "1",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        "the step's 8,000,000,000 token windows: --batch-size 8 x --grad-accum 1000000000",
+        "more than the 22.2 GiB of memory available",
+        "--grad-accum",
+    )
+    assert "Traceback" not in err and not (tmp_path / "o").exists()
 
 
 def test_a_seed_out_of_range_is_refused_naming_the_flag(corpus, tmp_path, capsys):

@@ -26,6 +26,7 @@ TRAINING_BYTES_PER_PARAMETER = 16  # float32 weights, gradients and AdamW's two 
 # projections' inputs, attention's and the feed-forward's intermediates; Megatron's 34 bytes in 16-bit halved)
 ACTIVATION_VALUES_PER_WIDTH = 17
 LOGIT_COPIES = 2  # the logits and the softmax's gradient, float32, for every token of the micro-batch
+WINDOW_BYTES = 256  # a drawn window's offset, its view of the stream and its place in the list torch.stack reads
 
 
 @dataclass
@@ -138,10 +139,12 @@ def model_config(cfg: TrainConfig, vocab_size: int, share: float = 1.0) -> Model
     held = f", {share:.3g} of them on this machine" if share != 1 else ""
     refuse_if_over_memory(
         f"training {config.name!r} ({total:,} parameters x {TRAINING_BYTES_PER_PARAMETER} bytes"
-        f"{held}, and the activations of {cfg.batch_size} x {cfg.seq_len} tokens)",
+        f"{held}, the activations of {cfg.batch_size} x {cfg.seq_len} tokens and the step's "
+        f"{cfg.batch_size * cfg.grad_accum:,} token windows: --batch-size {cfg.batch_size} x "
+        f"--grad-accum {cfg.grad_accum})",
         training_bytes(cfg, config, share),
-        "choose a smaller preset, --hidden-size or --num-layers, or a smaller --batch-size or "
-        "--seq-len (--grad-accum N takes a batch in N micro-batches; --recompute full keeps "
+        "choose a smaller preset, --hidden-size or --num-layers, or a smaller --batch-size, "
+        "--grad-accum or --seq-len (--grad-accum N takes a batch in N micro-batches; --recompute full keeps "
         "fewer activations)",
     )
     return config
@@ -152,7 +155,9 @@ def training_bytes(cfg: TrainConfig, config: ModelConfig, share: float = 1.0) ->
     TRAINING_BYTES_PER_PARAMETER each) and the activations its backward keeps for one micro-batch (each
     layer's, ACTIVATION_VALUES_PER_WIDTH float32 values per token and unit of width; with --recompute full
     a layer's input alone, and one layer's whole while it is recomputed) and its logits (LOGIT_COPIES); a
-    torchrun job's processes here take their part of the micro-batch."""
+    torchrun job's processes here take their part of the micro-batch; and the step's batch_size x
+    grad_accum token windows, drawn at once (int64 tokens, and about WINDOW_BYTES for each window's
+    offset and view while they are stacked)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tokens = cfg.batch_size * cfg.seq_len * int(os.environ.get("LOCAL_WORLD_SIZE", world)) / world
     layer = tokens * config.hidden_size * ACTIVATION_VALUES_PER_WIDTH * 4
@@ -162,7 +167,8 @@ def training_bytes(cfg: TrainConfig, config: ModelConfig, share: float = 1.0) ->
         else (config.num_layers * layer)
     )
     logits = tokens * config.vocab_size * 4 * LOGIT_COPIES
-    return int(count_params(config).total * TRAINING_BYTES_PER_PARAMETER * share + kept + logits)
+    windows = cfg.batch_size * cfg.grad_accum * ((cfg.seq_len + 1) * 8 + WINDOW_BYTES)
+    return int(count_params(config).total * TRAINING_BYTES_PER_PARAMETER * share + kept + logits + windows)
 
 
 def _number(value) -> bool:
