@@ -50,12 +50,16 @@ def _resume_overrides(requested: TrainConfig, saved: TrainConfig, asked: tuple[s
     return changes
 
 
+# What each launch chooses (everything else — the model, data, tokenizer, optimizer and its schedule, the
+# batch, the seed — the checkpoint keeps): the run's length, evaluation cadence, saving, the machine and the
+# process layout, logging.
 RESUME_ADJUSTABLE = (
     "max_steps",
     "eval_every",
     "eval_tokens",
     "final_eval_tokens",
     "checkpoint_every",
+    "async_checkpoint",
     "threads",
     "out",
     "overwrite",

@@ -209,6 +209,9 @@ def test_cli_flags_reach_the_config_and_a_resume(corpus, tmp_path, monkeypatch):
     assert _resume_overrides(TrainConfig(), saved) == {}
     with pytest.raises(ValueError, match="`grad_accum` 1 \\(the checkpoint's: 2\\)"):
         _resume_overrides(TrainConfig(), saved, asked=("grad_accum",))
+    # how a launch saves is its own: a run resumed once without --async-checkpoint may save asynchronously again
+    again = _resume_overrides(TrainConfig(async_checkpoint=True), TrainConfig(async_checkpoint=False))
+    assert again == {"async_checkpoint": True}
 
 
 @pytest.mark.parametrize(
