@@ -75,7 +75,11 @@ class TrainConfig:
     log: str | None = None  # besides metrics.jsonl: "tensorboard" | "wandb" | None
 
     def __post_init__(self):
-        self.betas = tuple(self.betas)
+        if isinstance(self.betas, (list, tuple)):
+            self.betas = tuple(self.betas)
+        for name in ("data", "out"):  # a pathlib.Path is a path too
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
         if self.schedule not in ("cosine", "wsd"):
             raise ValueError(f"TrainConfig: `schedule` must be 'cosine' or 'wsd', got {self.schedule!r}")
         for name, choices in _CHOICES.items():
@@ -96,7 +100,11 @@ class TrainConfig:
             value = getattr(self, name)
             if not ok(value):
                 raise ValueError(f"TrainConfig: `{name}` must be {expected}, got {value!r}")
-        if not (len(self.betas) == 2 and all(_number(b) and 0 <= b < 1 for b in self.betas)):
+        if not (
+            isinstance(self.betas, tuple)
+            and len(self.betas) == 2
+            and all(_number(b) and 0 <= b < 1 for b in self.betas)
+        ):
             raise ValueError(f"TrainConfig: `betas` must be two numbers in [0, 1), got {self.betas!r}")
         if self.tokenizer == "bpe" and self.vocab_size < 257:
             raise ValueError(
@@ -104,7 +112,7 @@ class TrainConfig:
                 f"a BPE tokenizer, got {self.vocab_size}"
             )
         check_seed(self.seed, "TrainConfig.seed")
-        if self.preset not in PRESETS:
+        if not isinstance(self.preset, str) or self.preset not in PRESETS:
             raise ValueError(f"TrainConfig: unknown preset {self.preset!r}; choose from: {', '.join(PRESETS)}")
         _check_model_overrides(self)
 
@@ -194,7 +202,14 @@ _CHOICES = {  # field: the values it takes
     "recompute": ("none", "full", "selective"),
 }
 
+
+def _path(none: bool = False):
+    return lambda v: (none and v is None) or (isinstance(v, str) and v.strip() != "")
+
+
 _RULES = {  # field: (check, what it expects)
+    "data": (_path(none=True), "a path (a UTF-8 text file or a folder of them), or None (the Shakespeare corpus)"),
+    "out": (_path(), "a path (the run's folder)"),
     "vocab_size": (_count(1), "an integer >= 1"),
     "val_fraction": (_in(0, 1, low_open=True, high_open=True), "a number in (0, 1)"),
     "seq_len": (_count(1), "an integer >= 1"),
@@ -223,6 +238,7 @@ _RULES = {  # field: (check, what it expects)
     "model_overrides": (lambda v: isinstance(v, dict), "a dict of ModelConfig fields"),
     "overwrite": (lambda v: isinstance(v, bool), "True or False"),
     "async_checkpoint": (lambda v: isinstance(v, bool), "True or False"),
+    "compile": (lambda v: isinstance(v, bool), "True or False"),
 }
 
 
