@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 
 import torch
 
@@ -36,3 +37,15 @@ def merged_over_ranks(tensors: dict) -> dict:
         for name, t in part.items():
             merged.setdefault(name, t)
     return merged
+
+
+def leave() -> None:
+    """End this worker: wait for every rank, tear the group down, and exit at once. Exiting skips the
+    interpreter's finalization, where gloo's threads (still referenced by meshes and sharded tensors) can
+    abort the process after its work is done ("terminate called without an active exception")."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

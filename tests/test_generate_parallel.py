@@ -12,7 +12,7 @@ from k3.cli import main
 from k3.models import CausalLM, get_config
 from k3.tokenizer import byte_tokenizer
 
-from .processes import free_port, join
+from .processes import free_port, join, leave
 
 pytestmark = pytest.mark.slow  # 2 spawned processes
 
@@ -70,6 +70,7 @@ def _worker(rank: int, port: int, folder: str, out: str) -> None:
         },
         f"{out}/rank{rank}.pt",
     )
+    leave()
 
 
 def test_two_processes_generate_what_one_does(tmp_path):

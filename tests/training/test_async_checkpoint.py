@@ -13,7 +13,7 @@ from k3.training import TrainConfig, train
 from k3.training import checkpoint as ckpt_module
 
 from ..corpus import write_corpus
-from ..processes import free_port, join
+from ..processes import free_port, join, leave
 from .test_sharded_checkpoint import run_cfg as sharded_run_cfg
 
 pytestmark = pytest.mark.slow  # 2 spawned processes (gloo), twice
@@ -44,7 +44,7 @@ def _worker(rank: int, port: int, corpus: str, root: str) -> None:
     }
     if rank == 0:
         torch.save(results, f"{root}/results.pt")
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 def test_asynchronous_saves_give_the_synchronous_run_and_checkpoints(tmp_path):

@@ -12,7 +12,7 @@ import torch
 
 from k3.training.dist_muon import exchange_plan, muon_exchange_bytes, owners, row_split
 
-from ..processes import free_port, join
+from ..processes import free_port, join, leave
 
 SMALL = {"hidden_size": 32, "num_layers": 3, "num_experts": 8, "num_experts_per_tok": 2}  # KDA, MoE, MLA + AttnRes
 STEPS = 3
@@ -70,7 +70,7 @@ def _worker(rank: int, world: int, port: int, ep: int, out: str) -> None:
     torch.distributed.all_gather_object(parts, flops[-1])
     if rank == 0:
         torch.save({"weights": weights, "ns_flops": parts}, out)
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 def _single() -> tuple[dict, int]:

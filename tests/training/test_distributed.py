@@ -24,7 +24,7 @@ from k3.training import TrainConfig, build_optimizer, distributed, train, traini
 from k3.training.optim import portable_state
 
 from ..corpus import write_corpus
-from ..processes import free_port, merged_over_ranks
+from ..processes import free_port, leave, merged_over_ranks
 
 pytestmark = pytest.mark.slow  # 2 spawned processes (gloo) for every mode
 
@@ -178,7 +178,7 @@ def _worker(rank: int, port: int, corpus: str, root: str) -> None:
         )
     if rank == 0:
         torch.save(results, f"{root}/results.pt")
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 UNCHOSEN = "model.layers.1.block_sparse_moe.experts.3.w1"

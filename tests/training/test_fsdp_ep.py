@@ -15,7 +15,7 @@ from k3.models import CausalLM
 from k3.training import TrainConfig, distributed, train
 
 from ..corpus import write_corpus
-from ..processes import free_port, join
+from ..processes import free_port, join, leave
 
 pytestmark = pytest.mark.slow  # 4 spawned processes (gloo), then 2
 
@@ -98,7 +98,7 @@ def _four(rank: int, port: int, corpus: str, root: str) -> None:
         train(run_cfg(corpus, f"{root}/bad", ep=3), progress=False, parallel="fsdp")
     if rank == 0:
         torch.save(results, f"{root}/four.pt")
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 def _two(rank: int, port: int, root: str) -> None:
@@ -128,7 +128,7 @@ def _two(rank: int, port: int, root: str) -> None:
     rows = model.double().generate(PROMPTS, 8, temperature=0)
     if rank == 0:
         torch.save({"history": history, "rows": rows, "built on meta": built}, f"{root}/two.pt")
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 def shards(folder) -> dict[str, int]:

@@ -22,7 +22,7 @@ from k3.training import SingleProcess, TrainConfig, build_optimizer, qk_clip, tr
 from k3.training.config import qk_clip_threshold, saved_train_config
 from k3.training.metrics import METRICS_FILE, read_metrics
 
-from ..processes import free_port, join
+from ..processes import free_port, join, leave
 from . import test_train
 
 train_config = test_train.config
@@ -280,7 +280,7 @@ def _fsdp_worker(rank: int, port: int, root: str) -> None:
     torch.distributed.all_gather_object(parts, out)
     if rank == 0:
         torch.save(parts, f"{root}/fsdp.pt")
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 def tiny_model(preset: str) -> CausalLM:
