@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         args.lm_eval_args = rest
     keep_freed_memory()
     try:
+        from ..ops.kernels import check_environment
+
+        check_environment()  # K3_KERNELS, before any command's work
         if args.command == "bench" and getattr(args, "json", None):  # a user's file is never replaced by figures
             from ..bench.timing import check_report_target
 

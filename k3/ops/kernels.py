@@ -38,22 +38,45 @@ def _parse(value: str | None, source: str) -> str:
     return choice
 
 
-_choice = _parse(os.environ.get(ENV), f"the environment variable {ENV}")
+def _from_environment() -> tuple[str, str | None]:
+    """K3_KERNELS's choice, or ("auto", why) when it names none: importing k3 never fails on it; the
+    command line refuses it in one line (`check_environment`), and an op refuses to run under it."""
+    try:
+        return _parse(os.environ.get(ENV), f"the environment variable {ENV}"), None
+    except ValueError as e:
+        return "auto", str(e)
+
+
+_choice, _environment_error = _from_environment()
+
+
+def check_environment() -> None:
+    """ValueError when K3_KERNELS names no choice, or names fla where fla is not installed (the command
+    line's first check, so that every command answers it in one line)."""
+    if _environment_error is not None:
+        raise ValueError(_environment_error)
+    if _choice == "fla" and not fla_installed():
+        raise ValueError(
+            f"the environment variable {ENV}=fla needs flash-linear-attention and Triton: pip install "
+            f"'k3[cuda]' (or set {ENV}=torch, or unset it)"
+        )
 
 
 def get_kernels() -> str:
     """The current choice: "auto", "torch" or "fla"."""
+    if _environment_error is not None:
+        raise ValueError(_environment_error)
     return _choice
 
 
 def set_kernels(choice: str | None) -> str:
     """Make `choice` ("auto" or None, "torch", "fla") the kernels k3's ops run; returns the previous one.
     "fla" fails here, not at the first op, when fla is not installed."""
-    global _choice
+    global _choice, _environment_error
     new = _parse(choice, "set_kernels: `choice`")
     if new == "fla":
         require_fla()
-    previous, _choice = _choice, new
+    previous, _choice, _environment_error = _choice, new, None
     return previous
 
 
@@ -102,6 +125,8 @@ def fla_runs(op: str, q: torch.Tensor, why_not: Callable[[], str | None]) -> boo
     """Whether `op` on q's device runs fla's kernel under the current choice. `why_not()` gives the reason
     fla cannot take this case (None when it can; asked only where fla would run): that reason goes to
     the debug log and k3's own form runs."""
+    if _environment_error is not None:
+        raise ValueError(_environment_error)
     if _choice == "torch":
         return False
     on_cuda = q.device.type == "cuda"

@@ -76,3 +76,18 @@ def test_the_environment_variable_sets_the_choice_at_import():
     env["K3_KERNELS"] = "gpu"
     bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "K3_KERNELS must be one of auto, torch, fla" in bad.stderr
+
+
+@pytest.mark.parametrize("value", ["gpu", "fla"])
+def test_every_command_answers_a_bad_k3_kernels_in_one_line(value):
+    """An unknown K3_KERNELS, or fla where fla is not installed, is one line from any command (even
+    `k3 params`, which runs no op); importing k3 does not fail on it."""
+    if value == "fla" and kernels.fla_installed():
+        pytest.skip("fla is installed here")
+    env = {**os.environ, "K3_KERNELS": value}
+    assert subprocess.run([sys.executable, "-c", "import k3"], env=env, capture_output=True).returncode == 0
+    out = subprocess.run([sys.executable, "-m", "k3", "params"], env=env, capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert (
+        out.stderr.startswith("k3 params: error: the environment variable K3_KERNELS") and out.stderr.count("\n") == 1
+    )
