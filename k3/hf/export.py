@@ -96,7 +96,7 @@ def export(
         )
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"export: `max_shard_bytes` must be a positive int, got {max_shard_bytes!r}")
-    checkpoint, out = Path(checkpoint), Path(out).resolve()  # resolved: the staging folder goes beside it
+    checkpoint, out = Path(checkpoint), _resolved(out, "out")  # resolved: the staging folder goes beside it
     check_output(checkpoint, out)
     stored_mxfp4, a_log_pad = False, {}
     with reading(checkpoint) if checkpoint.is_dir() else contextlib.nullcontext():  # one whole save, locked
@@ -160,12 +160,21 @@ def writing(out: Path) -> Iterator[None]:
         ) from e
 
 
+def _resolved(path: str | os.PathLike, name: str) -> Path:
+    """`path` with its links followed; a symlink loop is a ValueError naming `name` (pathlib's own error
+    is a RuntimeError, or an OSError on newer Pythons, that names neither)."""
+    try:
+        return Path(path).resolve()
+    except (RuntimeError, OSError) as e:
+        raise ValueError(f"export: `{name}` {path} cannot be resolved: a symbolic link loop ({e})") from e
+
+
 def check_output(checkpoint: str | os.PathLike, out: str | os.PathLike) -> None:
     """Refuse an export's output directory that could overwrite files: `out` must not exist or be an
     empty directory, and be neither the checkpoint, nor inside it (the export would become part of the
     training run's folder), nor hold it (ValueError for those three, FileExistsError for a file or a
     directory with entries, each naming `out` and what is there)."""
-    source, target = Path(checkpoint).resolve(), Path(out).resolve()
+    source, target = _resolved(checkpoint, "checkpoint"), _resolved(out, "out")
     for bad, what in (
         (target == source, "is the checkpoint being exported"),
         (target.is_relative_to(source), f"is inside the checkpoint being exported ({checkpoint})"),

@@ -151,8 +151,11 @@ def describe(path: str | os.PathLike) -> dict:
 def staging_folder(beside: str | os.PathLike) -> Iterator[Path]:
     """A new empty folder beside `beside` (its files can be renamed into place), removed when the block ends."""
     beside = Path(beside)
-    beside.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=beside.parent, prefix=f".{beside.name}.", suffix=".tmp"))
+    try:
+        beside.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=beside.parent, prefix=f".{beside.name}.", suffix=".tmp"))
+    except OSError as e:  # named by what was asked for, not by the temporary name
+        raise OSError(e.errno, f"cannot write {beside} (in {beside.parent}): {e.strerror}") from e
     try:
         yield staging
     finally:

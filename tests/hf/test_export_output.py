@@ -7,6 +7,7 @@ now OUT must be new or an empty directory outside the checkpoint, or the export 
 from __future__ import annotations
 
 import json
+import tempfile
 
 import pytest
 
@@ -113,3 +114,27 @@ def test_cli_refuses_to_export_a_checkpoint_onto_itself(run, tmp_path, capsys):
     assert main(["export", str(run), str(empty), "--format", "kimi-linear"]) == 0
     assert json.loads((empty / "config.json").read_text())["model_type"] == "kimi_linear"
     assert snapshot(run) == before
+
+
+def test_an_output_that_cannot_be_made_is_one_line_naming_it(run, tmp_path, capsys, monkeypatch):
+    """A symbolic link loop, or a folder that cannot take new entries (/proc, or one without write
+    permission), is answered in one line naming OUT, not the export's temporary name or a traceback."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(tmp_path / "back")
+    (tmp_path / "back").symlink_to(loop)
+    for out in (loop, loop / "inside"):
+        assert main(["export", str(run), str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"k3 export: error: export: `out` {out} cannot be resolved: a symbolic link loop")
+        assert err.count("\n") == 1, err
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    out = tmp_path / "locked" / "out"
+    (tmp_path / "locked").mkdir()
+    assert main(["export", str(run), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"k3 export: error: [Errno 13] cannot write {out} (in {out.parent}): Permission denied\n"
+    assert not list((tmp_path / "locked").iterdir())
