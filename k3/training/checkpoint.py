@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import errno
 import json
 import os
 from pathlib import Path
@@ -206,9 +207,27 @@ def saving(out: Path):
         raise
     except Exception as e:
         detail = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+        if _short_write(e) and "No space left on device" not in detail:
+            detail = f"No space left on device (a write came out short: {detail})"
         raise CheckpointError(
             f"could not save the checkpoint to {out}: {detail}; the previous checkpoint there (if any) is intact"
         ) from e
+
+
+# what torch's file writer says when a write comes out short, as on a full disk (it keeps no errno)
+_SHORT_WRITE = ("unexpected pos", "file write failed", "No space left on device")
+
+
+def _short_write(e: BaseException) -> bool:
+    """Whether `e`, or an exception it was raised from (DCP wraps each process's failure), is a full
+    disk: ENOSPC, or torch's writer reporting a short write."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or any(w in str(e) for w in _SHORT_WRITE):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def first_non_finite(state: dict) -> str | None:
