@@ -372,8 +372,9 @@ def run(
 
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            "k3 bench gpu: no CUDA device here (torch.cuda.is_available() is False); --dry-run shows the plan"
+        raise ValueError(  # bad input, one line from the CLI: this machine has no GPU
+            f"k3 bench gpu needs a CUDA GPU and this PyTorch sees none (torch.cuda.is_available() is False: no "
+            f"GPU, no driver, or a CPU-only build of torch {torch.__version__}); --dry-run shows the plan"
         )
     unknown = [p for p in parts if p not in PARTS]
     if unknown or not parts:

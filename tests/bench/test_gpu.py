@@ -54,3 +54,11 @@ def test_a_failing_part_is_reported_and_the_others_run(monkeypatch):
 
 def test_the_full_sizes_need_a_gpu(capsys):
     fails(capsys, ["bench", "gpu", "--device", "cpu"], "--device cpu runs only with --tiny")
+
+
+def test_without_a_gpu_it_says_so_in_one_line(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    fails(capsys, ["bench", "gpu"], "k3 bench gpu needs a CUDA GPU and this PyTorch sees none", "--dry-run")
