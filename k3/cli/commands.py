@@ -301,15 +301,15 @@ def _export(args) -> int:
 
 def _lab(args) -> int:
     from .. import lab
+    from .preflight import check_checkpoint, check_docs_folder
 
     mode = "full" if args.full else "smoke" if args.smoke else "quick"
     options = {"checkpoint": args.checkpoint} if args.checkpoint else {}
     if options and args.name != "inspect":
         raise ValueError(f"--checkpoint is for `k3 lab inspect`, not `k3 lab {args.name}`")
     if options:
-        from .preflight import check_checkpoint
-
         check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
+    check_docs_folder(args.docs)
     names = list(lab.EXPERIMENTS) if args.name == "all" else [args.name]
     for name in names:
         if name in lab.EXPERIMENTS:

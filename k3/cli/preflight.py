@@ -77,3 +77,17 @@ def check_checkpoint(path: str | os.PathLike, what: str | None = None) -> ModelC
                 ) from None
         check_manifest(path)  # last: a file that reads but is not the one the save wrote (the checks above name worse)
     return config
+
+
+def check_docs_folder(docs: str, flag: str = "--docs") -> None:
+    """`k3 lab`'s output folder, before any experiment runs: it and the folders it gets (lab/, figures/)
+    must be folders or not exist yet, and it must be possible to make them (ValueError naming `flag`)."""
+    for path in (Path(docs), Path(docs) / "lab", Path(docs) / "figures"):
+        if os.path.lexists(path) and not path.is_dir():
+            raise ValueError(f"{flag} {docs}: {path} exists and is not a folder; choose another {flag}")
+    try:
+        Path(docs).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {docs}: cannot make the folder ({e.strerror})") from e
+    if not os.access(docs, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {docs}: the folder cannot be written; choose another {flag}")
