@@ -90,6 +90,7 @@ def damaged(run, tmp_path):
         (["--set", "hiden_size=64"], "did you mean 'hidden_size'"),
         (["--set", "hidden_size=abc"], "`hidden_size` must be an integer, got 'abc'"),
         (["--set", "layer_types=[]"], "`layer_types` is empty; give one entry per layer"),
+        (["--set", 'layer_types=["kda","mla"'], "`layer_types` must be a list with one entry per layer"),
         (["--set", 'layer_types=["kda", "mla"]', "--num-layers", "3"], "`layer_types` has 2, `num_layers` is 3"),
         (
             ["--set", "vocab_size=10", "--tokenizer", "byte"],

@@ -220,7 +220,7 @@ def test_your_own_hybrid_is_one_get_config_call():
         get_config("kimi-linear-tiny", layer_types=["kda", "mla"], mlp_types=["dense"] * 3)
     with pytest.raises(ValueError, match=r"`layer_types` has 2, `num_layers` is 4"):
         get_config("kimi-linear-tiny", layer_types=["kda", "mla"], num_layers=4)
-    with pytest.raises(TypeError, match=r"`layer_types` must be a list with one entry per layer"):
+    with pytest.raises(ValueError, match=r"`layer_types` must be a list with one entry per layer"):
         get_config("kimi-linear-tiny", layer_types="kda")
     with pytest.raises(ValueError, match=r"unknown layer type 'gru'"):
         get_config("kimi-linear-tiny", layer_types=["kda", "gru"])

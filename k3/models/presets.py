@@ -233,9 +233,10 @@ def get_config(name: str, **overrides) -> ModelConfig:
         if key in overrides:
             value = overrides.pop(key)
             if isinstance(value, str) or not isinstance(value, (list, tuple)):
-                raise TypeError(
+                raise ValueError(
                     f"get_config({name!r}): `{key}` must be a list with one entry per layer, e.g. "
-                    f"['kda', 'kda', 'kda', 'mla'], got {value!r}"
+                    f"['kda', 'kda', 'kda', 'mla'] (from the command line, JSON: --set "
+                    f"'{key}=[\"kda\", \"mla\"]'), got {value!r}"
                 )
             pattern[key] = list(value)
     if pattern:
