@@ -1,0 +1,116 @@
+"""`k3 serve`'s checked arguments (`k3.cli.parser` adds the subcommand to `k3`'s parser)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..runtime import DEVICES
+from ..serve.engine import PREFILL_CHUNK, PREFIX_CACHE
+from .argtypes import _count, _number, _text
+from .commands import _serve
+
+
+def add_serve_parser(sub) -> None:
+    """`k3 serve`, added to the subparsers `sub` of `k3`'s parser."""
+    srv = sub.add_parser(
+        "serve",
+        help="serve a checkpoint over OpenAI's HTTP API, continuous batching (k3[serve])",
+        description="Serve a checkpoint over OpenAI's HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /health) with continuous batching. SIGTERM or Ctrl-C "
+        "stops admitting (new requests get 503 with Retry-After), lets running requests finish "
+        "(--shutdown-timeout) and exits; a second signal exits at once.",
+    )
+    srv.add_argument(
+        "--checkpoint", required=True, metavar="DIR", help="a checkpoint folder (k3 train --out), as k3 generate reads"
+    )
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    srv.add_argument("--port", type=_count(0, "a TCP port", high=65535), default=8000, help="port (0: any free one)")
+    srv.add_argument(
+        "--cache-memory",
+        default="1GiB",
+        metavar="SIZE",
+        help="bytes of cache, e.g. 512MiB, at most the memory available: the slot pool (--max-running rows "
+        "of --max-model-len tokens), the prompts being prefilled and their activations, and the prefix "
+        "cache in what is left; a request is admitted when a slot is free and its prefill fits, else it waits",
+    )
+    srv.add_argument(
+        "--max-queue",
+        type=_count(1, "waiting requests"),
+        default=256,
+        help="sequences that may wait for room; past this, 503 with Retry-After",
+    )
+    srv.add_argument(
+        "--max-running",
+        type=_count(1, "sequences"),
+        default=256,
+        help="slots: sequences prefilled or decoded together at most (fewer when --cache-memory does not "
+        "hold that many rows of --max-model-len tokens); more wait in the queue",
+    )
+    srv.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode with compiled steps over the slot pool, one graph per batch-size and length bucket "
+        "(torch.compile: C++ kernels on the CPU, which need a C++ compiler; CUDA graphs on CUDA), every "
+        "batch size's at start-up and shorter lengths' on first use, kept in $TORCHINDUCTOR_CACHE_DIR "
+        "(default ~/.cache/k3/inductor) for the next start (default: --no-compile, eager steps)",
+    )
+    srv.add_argument(
+        "--prefill-chunk",
+        type=_count(0, "tokens"),
+        default=PREFILL_CHUNK,
+        help="prompt tokens prefilled per engine turn, between two decode steps of the running "
+        f"sequences, so a long prompt does not stall them (0: each prompt whole; default {PREFILL_CHUNK})",
+    )
+    srv.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=PREFIX_CACHE,
+        help="keep prompts' states in blocks (--prefill-chunk tokens each; recurrent layers' states "
+        "snapshotted at the block ends) and resume a prompt from its longest cached prefix: the same "
+        "logits as computing it, in the cache budget's spare room "
+        f"(default: {'--prefix-cache' if PREFIX_CACHE else '--no-prefix-cache'})",
+    )
+    srv.add_argument(
+        "--stream-interval", type=_count(1, "tokens"), default=1, help="a streamed event every N tokens after the first"
+    )
+    srv.add_argument(
+        "--max-request-bytes",
+        default="1MiB",
+        metavar="SIZE",
+        help="the largest request body, e.g. 64KiB; a larger one is answered 413 before it is parsed",
+    )
+    srv.add_argument(
+        "--max-prompt-tokens",
+        type=_count(1, "tokens"),
+        help="the most tokens one prompt may have, 413 past it (default: --max-model-len's bound)",
+    )
+    srv.add_argument(
+        "--max-model-len",
+        type=_count(1, "tokens"),
+        help="the most tokens a sequence may hold, prompt and completion: each slot's room (default: the "
+        "model's learned positions, else 4096)",
+    )
+    srv.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model's name in the API (default: the checkpoint folder's name)",
+    )
+    srv.add_argument(
+        "--api-key", type=_text("an API key"), help="require 'Authorization: Bearer KEY' on /v1/ (401 without it)"
+    )
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=_number(0, "seconds"),
+        default=30.0,
+        help="seconds SIGTERM waits for running requests before cancelling them",
+    )
+    srv.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
+    srv.add_argument("--device", choices=DEVICES, default="auto", help="where the model runs")
+    srv.add_argument(
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="info",
+        help="uvicorn's log level",
+    )
+    srv.set_defaults(func=_serve)
