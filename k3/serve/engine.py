@@ -25,9 +25,11 @@ A sequence joins once its prompt is prefilled and leaves at the turn it ends, so
 to drain (Orca, Yu et al. 2022). Every row is at its own position; attention masks each past its own, a
 recurrent state never sees another row's token, and every row computes what it would alone.
 
-A failure is contained where it happens: a sequence whose prefill or sampling raises ends alone with
-"error: ..." (and a line in the log, logger "k3.serve"); only a failure of the shared decode forward ends
-every running sequence.
+A failure is contained where it happens: a sequence whose prefill, sampling or `on_token` callback raises
+ends alone with "error: ..." (and a line in the log, logger "k3.serve"), and a prefill batch whose forward
+fails runs its pieces again one by one; only a failure of the shared decode forward ends every running
+sequence. What could never run is refused before it is queued: `submit` checks a sequence's settings and
+token ids against the model (ValueError naming the field), the constructor each of its arguments.
 
 Memory, counted by k3's own accounting against `cache_memory`: the pool (its slots, fixed at start:
 `max_running`, or fewer when N-token rows for all would not fit beside one prefill), the caches of the
@@ -49,7 +51,7 @@ import torch
 from ..models.model import PREFILL_PIECE
 from .prefill import Prefill
 from .prefix import PrefixCache
-from .sequence import Draining, QueueFull, Sequence, prefill_bytes, sample_rows, sequence_bytes
+from .sequence import Draining, QueueFull, Sequence, budget_bytes, prefill_bytes, sample_rows, sequence_bytes
 from .slots import SlotPool
 
 log = logging.getLogger("k3.serve")
@@ -60,17 +62,39 @@ PREFIX_BLOCK = 256  # tokens per prefix-cache block when prefill is not chunked
 PREFIX_CACHE = True  # k3 serve's default (docs/benchmarks.md: k3 bench serve)
 
 
+def _check_arguments(model, cache_memory, compile, prefix_cache, counts: dict) -> int:
+    """The constructor's arguments checked, each refused in one line naming it (a count must be an int in
+    range: a float NaN or a string would otherwise fail later, in a comparison or a forward); the budget in
+    bytes (`budget_bytes`)."""
+    for name, value in counts.items():
+        low = 0 if name == "prefill_chunk" else 1
+        if value is None and name in ("max_length", "prefix_block"):
+            continue  # their defaults
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"Engine: `{name}` must be an int >= {low}, got {value!r}")
+    positions, longest = model.config.max_position_embeddings, counts["max_length"]
+    if positions and longest is not None and longest > positions:
+        raise ValueError(f"Engine: `max_length` must be <= {positions} (the model's learned positions), got {longest}")
+    if not isinstance(prefix_cache, bool):
+        raise ValueError(f"Engine: `prefix_cache` must be True or False, got {prefix_cache!r}")
+    backends = torch._dynamo.list_backends(exclude_tags=()) if isinstance(compile, str) else ()
+    if not isinstance(compile, bool) and compile not in backends:
+        raise ValueError(f"Engine: `compile` must be True, False or a torch.compile backend name, got {compile!r}")
+    return budget_bytes(cache_memory, model.lm_head.weight.device)
+
+
 class Engine(Prefill):
     """Continuous batching for one model over a slot pool (see the module docstring).
 
-    `cache_memory`: the bytes the pool, the prefilling sequences (and one piece's activations) and the
-    prefix cache may take together; `max_queue`: how many may wait; `max_running`: the slots, sequences
-    prefilled or decoded at once at most (fewer when `cache_memory` does not hold that many rows of
-    `max_length` tokens); `max_length`: the most tokens a sequence may hold, prompt and completion
-    (default: the model's learned positions, else DEFAULT_MAX_LENGTH); `prefill_chunk`: prompt tokens
-    prefilled per turn (0: each prompt whole in the turn it is admitted); `compile`: decode with compiled
-    steps (True: inductor; a torch.compile backend name; False: eager); `prefix_cache`: keep and reuse
-    prompts' states in blocks of `prefix_block` tokens (default: `prefill_chunk`, else PREFIX_BLOCK)."""
+    `cache_memory`: the bytes (an int; `k3.serve.parse_bytes('1GiB')` for a size) the pool, the prefilling
+    sequences (and one piece's activations) and the prefix cache may take together, at most the device's free
+    memory; `max_queue`: how many may wait; `max_running`: the slots, sequences prefilled or decoded at once at
+    most (fewer when `cache_memory` does not hold that many rows of `max_length` tokens); `max_length`: the most
+    tokens a sequence may hold, prompt and completion (default: the model's learned positions, else
+    DEFAULT_MAX_LENGTH); `prefill_chunk`: prompt tokens prefilled per turn (0: each prompt whole in the turn it
+    is admitted); `compile`: decode with compiled steps (True: inductor; a torch.compile backend name; False:
+    eager); `prefix_cache`: keep and reuse prompts' states in blocks of `prefix_block` tokens (default:
+    `prefill_chunk`, else PREFIX_BLOCK). Each argument is checked here, a ValueError naming it."""
 
     def __init__(
         self,
@@ -84,17 +108,9 @@ class Engine(Prefill):
         prefix_cache: bool = False,
         prefix_block: int | None = None,
     ):
-        if cache_memory <= 0:
-            raise ValueError(f"Engine: `cache_memory` must be > 0 bytes, got {cache_memory}")
-        for name, value, low in (
-            ("max_queue", max_queue, 1),
-            ("max_running", max_running, 1),
-            ("prefill_chunk", prefill_chunk, 0),
-            ("max_length", 1 if max_length is None else max_length, 1),
-            ("prefix_block", 1 if prefix_block is None else prefix_block, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"Engine: `{name}` must be an int >= {low}, got {value!r}")
+        counts = dict(max_queue=max_queue, max_running=max_running, prefill_chunk=prefill_chunk)
+        counts.update(max_length=max_length, prefix_block=prefix_block)
+        cache_memory = _check_arguments(model, cache_memory, compile, prefix_cache, counts)
         config = model.config
         self.model = model
         self.device = model.lm_head.weight.device
@@ -163,7 +179,15 @@ class Engine(Prefill):
         return sequence_bytes(self.model.config, len(sequence.prompt), self.dtype_bytes)
 
     def submit(self, sequence: Sequence) -> None:
-        """Queue a sequence. ValueError: it could never fit (its tokens, the budget); QueueFull, Draining: not now."""
+        """Queue a sequence. ValueError: it could never run (a setting or token id out of range, its
+        tokens or its prefill past the budget, submitted before); RuntimeError: the engine is not started;
+        QueueFull, Draining: not now."""
+        if self._thread is None:
+            raise RuntimeError("Engine.submit: the engine is not started (call engine.start() first)")
+        if not isinstance(sequence, Sequence):
+            raise ValueError(f"Engine.submit: expected a Sequence, got {type(sequence).__name__}")
+        self._check_new(sequence)
+        sequence.check(self.model.config.vocab_size)  # again: its fields may have changed since it was made
         if sequence.total_tokens > self.max_length:
             raise ValueError(
                 f"the sequence would hold {sequence.total_tokens} tokens (prompt and max_tokens), more than "
@@ -182,10 +206,19 @@ class Engine(Prefill):
                 raise Draining("the server is shutting down")
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting already (the queue's bound, --max-queue)")
+            self._check_new(sequence)  # again, under the lock: two threads may submit it at once
+            sequence.submitted = True
             sequence.reserved, sequence.prompt_bytes = self.bytes_for(sequence), prompt
             sequence.fitting_piece, sequence.prefill_reserved, sequence.piece = piece, transient, piece
             self.waiting.append(sequence)
             self._lock.notify_all()
+
+    @staticmethod
+    def _check_new(sequence: Sequence) -> None:
+        """A sequence runs once: one submitted before (to this engine or another) or already ended is refused."""
+        if sequence.submitted or sequence.finish_reason is not None or sequence.tokens:
+            state = sequence.finish_reason or "queued or running"
+            raise ValueError(f"Engine.submit: sequence {sequence.id} was submitted before ({state}): make a new one")
 
     def cancel(self, sequence: Sequence) -> None:
         """Stop a sequence: a waiting one leaves the queue now, a prefilling or running one at the next turn."""
@@ -197,6 +230,9 @@ class Engine(Prefill):
             self._lock.notify_all()
 
     def start(self) -> "Engine":
+        """Start the loop on its own thread (once: a stopped engine does not start again)."""
+        if self._thread is not None or self._stopped:
+            raise RuntimeError("Engine.start: an engine starts once (this one was started or stopped): make a new one")
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
         return self
@@ -337,7 +373,12 @@ class Engine(Prefill):
                 self._finish(sequence, "stop")
                 continue
             sequence.tokens.append(token)
-            sequence.on_token(token)
+            try:
+                sequence.on_token(token)
+            except Exception as e:  # the callback's failure is its sequence's: the others go on
+                log.exception("k3 serve: sequence %d's on_token callback raised; it ends", sequence.id)
+                self._finish(sequence, f"error: {type(e).__name__}: {e}")
+                continue
             if len(sequence.tokens) >= sequence.max_tokens:
                 self._finish(sequence, "length")
 

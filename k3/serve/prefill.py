@@ -1,5 +1,6 @@
 """The serving engine's prefill turn (`Engine` takes it from `Prefill`): prompt tokens into the prefilling
-sequences' own caches, up to `prefill_chunk` a turn, oldest sequence first.
+sequences' own caches, up to `prefill_chunk` a turn, oldest sequence first. A sequence that fails (its
+cache, its forward, its first token) ends alone; the others run on as they would without it.
 
 Each sequence's next piece is at most its planned piece, the tokens left of the turn's budget and of its
 prompt, and never crosses a prefix-cache block's end. Pieces of the same length from several sequences
@@ -29,27 +30,36 @@ class Prefill:
     def _prefill_turn(self) -> None:
         """Prefill up to `prefill_chunk` prompt tokens (all of every admitted prompt when 0), oldest
         sequence first, pieces of one length from several sequences together; a sequence whose prompt is
-        all in gets its first token and joins the running rows. One that fails ends alone (a batch that
-        fails ends its sequences)."""
+        all in gets its first token and joins the running rows. A sequence that fails ends alone
+        (`_fail_prefill`): a batch whose forward fails runs its pieces again one by one."""
         budget = self.prefill_chunk or float("inf")
         while budget > 0 and self.prefilling:
             head = self.prefilling[0]
             if head.cancelled:
                 self._leave_prefill(head, "cancelled")
                 continue
-            group = [head]
-            try:
-                group, n = self._batch(budget)
-                if len(group) == 1:
-                    self._prefill_piece(head, n)
-                else:
-                    self._prefill_together(group, n)
-                budget -= n * len(group)
-            except Exception as e:
-                for sequence in group:
-                    log.error("k3 serve: sequence %d failed in its prefill: %s: %s", sequence.id, type(e).__name__, e)
-                    if sequence in self.prefilling:
-                        self._leave_prefill(sequence, f"error: {type(e).__name__}: {e}")
+            group, n = self._batch(budget)
+            if len(group) == 1:
+                self._prefill_alone(head, n)
+            elif group:
+                self._prefill_together(group, n)
+            budget -= n * len(group)
+
+    def _fail_prefill(self, sequence: Sequence, error: Exception) -> None:
+        """End `sequence` alone with `error` (and a line in the log): it leaves the prefilling sequences,
+        or, had it joined the running rows already, the loop drops it at the turn's end."""
+        log.error("k3 serve: sequence %d failed in its prefill: %s: %s", sequence.id, type(error).__name__, error)
+        reason = f"error: {type(error).__name__}: {error}"
+        if sequence in self.prefilling:
+            self._leave_prefill(sequence, reason)
+        else:
+            self._finish(sequence, reason)
+
+    def _prefill_alone(self, sequence: Sequence, n: int) -> None:
+        try:
+            self._prefill_piece(sequence, n)
+        except Exception as e:
+            self._fail_prefill(sequence, e)
 
     def _start_prefill(self, sequence: Sequence) -> None:
         """Its generator, its prefill cache (sized to its prompt), and what the prefix cache has of it."""
@@ -79,13 +89,23 @@ class Prefill:
     def _batch(self, budget: float) -> tuple[list[Sequence], int]:
         """The oldest prefilling sequence and the next ones (in order, not cancelled) whose piece has its
         length, while their pieces fit `budget` and the batch's transient bytes the free room; and that
-        length."""
+        length. One whose cache fails to start ends alone (`_fail_prefill`): none when it is the oldest."""
         head, config, dtype_bytes = self.prefilling[0], self.model.config, self.dtype_bytes
-        n = self._piece(head, budget)
+        try:
+            n = self._piece(head, budget)
+        except Exception as e:
+            self._fail_prefill(head, e)
+            return [], 0
         group, longest = [head], len(head.prompt)
         need = prefill_bytes(config, n, len(head.prompt), dtype_bytes)
         for sequence in self.prefilling[1:]:
-            if sequence.cancelled or n * (len(group) + 1) > budget or self._piece(sequence, budget) != n:
+            if sequence.cancelled or n * (len(group) + 1) > budget:
+                continue
+            try:
+                if self._piece(sequence, budget) != n:
+                    continue
+            except Exception as e:
+                self._fail_prefill(sequence, e)
                 continue
             wider = max(longest, len(sequence.prompt))
             more = need + prefill_bytes(config, n, len(sequence.prompt), dtype_bytes)
@@ -104,14 +124,26 @@ class Prefill:
 
     def _prefill_together(self, group: list[Sequence], n: int) -> None:
         """The next `n` prompt tokens of every sequence of `group` as one forward over their caches joined
-        (each row at its own position); each row then back into its sequence's cache."""
-        joined = Cache.concat([s.cache for s in group], max_length=max(len(s.prompt) for s in group))
-        ids = torch.tensor([s.prompt[s.prefilled : s.prefilled + n] for s in group], device=self.device)
-        logits = self.model(ids, cache=joined, logits_to_keep=1, prefill_piece=n)[:, -1]
+        (each row at its own position); each row then back into its sequence's cache. Should that forward
+        fail (nothing of the sequences' own caches has changed yet), each piece runs again alone, so that
+        only the sequence at fault fails."""
+        try:
+            joined = Cache.concat([s.cache for s in group], max_length=max(len(s.prompt) for s in group))
+            ids = torch.tensor([s.prompt[s.prefilled : s.prefilled + n] for s in group], device=self.device)
+            logits = self.model(ids, cache=joined, logits_to_keep=1, prefill_piece=n)[:, -1]
+        except Exception as e:
+            log.warning(
+                "k3 serve: a prefill of %d sequences failed (%s: %s); each runs alone", len(group), type(e).__name__, e
+            )
+            for sequence in group:
+                self._prefill_alone(sequence, n)
+            return
         for row, sequence in enumerate(group):
-            sequence.cache.copy_row(0, joined, row)
-        for row, sequence in enumerate(group):
-            self._after_piece(sequence, n, logits[row : row + 1])
+            try:
+                sequence.cache.copy_row(0, joined, row)
+                self._after_piece(sequence, n, logits[row : row + 1])
+            except Exception as e:
+                self._fail_prefill(sequence, e)
 
     def _after_piece(self, sequence: Sequence, n: int, logits: torch.Tensor) -> None:
         """A piece of `n` tokens ran: keep the prefix-cache block it completed; at the prompt's end sample

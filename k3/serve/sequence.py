@@ -1,10 +1,13 @@
-"""What the serving engine serves: a `Sequence` (a prompt, how to sample it, its callbacks), the byte
-accounting it is admitted by (`sequence_bytes`, `prefill_bytes`), and the two refusals of `submit`."""
+"""What the serving engine serves: a `Sequence` (a prompt, how to sample it, its callbacks, `check`ed as it
+is made and at submit), the byte accounting it is admitted by (`sequence_bytes`, `prefill_bytes`, the
+budget's `budget_bytes`), and the two refusals of `submit` that mean "not now"."""
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -14,6 +17,7 @@ import torch
 from ..inference.generation import check_sampling, check_seed, is_greedy, sample
 from ..models.kinds import MIXERS, cache_bytes
 from ..models.model import PREFILL_PIECE
+from ..runtime import available_memory
 
 log = logging.getLogger("k3.serve")
 
@@ -53,14 +57,37 @@ def prefill_bytes(config, piece: int, context: int, dtype_bytes: int) -> int:
     return attention + piece * per_token + 4 * config.vocab_size
 
 
+def budget_bytes(cache_memory, device: torch.device) -> int:
+    """`Engine`'s `cache_memory` in bytes: an int or a whole float (1e9), at least 1 and at most what
+    `device` has free now (the GPU's free memory, else the machine's available memory); a ValueError naming
+    it otherwise. A size string ('1GiB') is refused with the way to its bytes: `k3.serve.parse_bytes`, the
+    CLI's parser, lives in the package above this module."""
+    budget = cache_memory
+    if isinstance(budget, float) and math.isfinite(budget) and budget.is_integer():
+        budget = int(budget)
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        hint = f" (for a size: k3.serve.parse_bytes({cache_memory!r}))" if isinstance(cache_memory, str) else ""
+        raise ValueError(f"Engine: `cache_memory` must be a number of bytes >= 1, got {cache_memory!r}{hint}")
+    gpu = device.type == "cuda"
+    free = torch.cuda.mem_get_info(device)[0] if gpu else available_memory()
+    if free is not None and budget > free:
+        raise ValueError(
+            f"Engine: `cache_memory` {cache_memory!r} is {budget:,} bytes, more than the {free:,} bytes free "
+            f"on {device if gpu else 'this machine'} now: give a smaller budget"
+        )
+    return budget
+
+
 @dataclass(eq=False)
 class Sequence:
     """One sequence to generate: its prompt (token ids), how many tokens at most, how to sample them.
 
     The engine calls `on_token(token_id)` for each new token and then `on_finish(reason)` once, on its own
     thread: reason "length" (max_tokens reached), "stop" (the end-of-text token, not passed to on_token),
-    "cancelled" (`Engine.cancel`), or "error: ..." (its prefill or its sampling raised, or the batch's forward).
-    Its settings are checked as it is made (`check_sampling`, `check_seed`): a ValueError naming the field."""
+    "cancelled" (`Engine.cancel`), or "error: ..." (its prefill, its sampling or its on_token callback raised,
+    or the decode batch's forward): a failure of its own ends it alone.
+    Its settings are checked as it is made and again at `Engine.submit` (`check`): a ValueError naming the
+    field. `prompt` becomes a list of its own (ints), so the caller's list changing later changes nothing."""
 
     prompt: list[int]
     max_tokens: int
@@ -85,20 +112,61 @@ class Sequence:
     arrived: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self):
-        if not self.prompt:
-            raise ValueError("Sequence: `prompt` is empty (at least one token)")
+        self.check()
+        self.generator: torch.Generator | None = None
+        self.cache = None  # its own cache while it prefills
+        self.first_token_at: float | None = None
+        self.submitted = False  # an engine has queued it (a sequence runs once)
+
+    def check(self, vocab_size: int | None = None) -> None:
+        """ValueError naming the field unless every setting is in range: the prompt a non-empty list of
+        token ids (ints; in [0, vocab_size) when given, as `eos_token_id`), `max_tokens` an int >= 1, the
+        sampling settings (`check_sampling`, `check_seed`), the callbacks callable. A token id out of range
+        would otherwise fail much later, as an IndexError inside the embedding's forward."""
+        self.prompt = token_ids(self.prompt, vocab_size)
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"Sequence: `max_tokens` must be an int >= 1, got {self.max_tokens!r}")
         check_sampling(self.temperature, self.top_k, self.top_p)
         check_seed(self.seed)
-        self.generator: torch.Generator | None = None
-        self.cache = None  # its own cache while it prefills
-        self.first_token_at: float | None = None
+        eos, high = self.eos_token_id, "" if vocab_size is None else f" and < {vocab_size} (the vocabulary)"
+        if eos is not None and (not _is_int(eos) or eos < 0 or (vocab_size is not None and eos >= vocab_size)):
+            raise ValueError(f"Sequence: `eos_token_id` must be None or an int >= 0{high}, got {eos!r}")
+        for name in ("on_token", "on_finish"):
+            if not callable(getattr(self, name)):
+                raise ValueError(f"Sequence: `{name}` must be callable, got {getattr(self, name)!r}")
 
     @property
     def total_tokens(self) -> int:
         """The most tokens its cache will hold: the prompt and every token fed back (the last is only sampled)."""
         return len(self.prompt) + self.max_tokens - 1
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def token_ids(prompt, vocab_size: int | None = None) -> list[int]:
+    """`prompt` as a new list of ints (any integers: Python's, NumPy's, a 1-D integer tensor's), each in
+    [0, vocab_size) when given; ValueError naming the first one that is not."""
+    try:
+        items = None if isinstance(prompt, (str, bytes)) else list(prompt)  # a string is text, not ids
+    except TypeError:
+        items = None
+    if items is None:
+        raise ValueError(f"Sequence: `prompt` must be a list of token ids (ints), got {prompt!r}")
+    if not items:
+        raise ValueError("Sequence: `prompt` is empty (at least one token)")
+    ids = []
+    for i, item in enumerate(items):
+        try:
+            token = None if isinstance(item, bool) else operator.index(item)
+        except TypeError:
+            token = None
+        if token is None or token < 0 or (vocab_size is not None and token >= vocab_size):
+            bounds = "an int >= 0" if vocab_size is None else f"an int in [0, {vocab_size}) (the vocabulary)"
+            raise ValueError(f"Sequence: `prompt[{i}]` must be a token id, {bounds}, got {item!r}")
+        ids.append(token)
+    return ids
 
 
 def sample_rows(logits: torch.Tensor, rows: list[Sequence], fail) -> torch.Tensor:

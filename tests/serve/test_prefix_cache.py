@@ -174,9 +174,9 @@ def test_pieces_run_together_give_what_each_gives_alone(preset, monkeypatch):
         prefix_block=BLOCK,
     )
     try:
+        engine.start()
         warm = Sequence(system, 1, temperature=0.0)
         engine.submit(warm)
-        engine.start()
         while warm.finish_reason is None:
             time.sleep(0.005)
         with engine._lock:  # all admitted at once: one turn finds them prefilling together
