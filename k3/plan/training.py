@@ -75,6 +75,12 @@ def default_ep(config: ModelConfig, fsdp: int) -> int:
 
 
 def layout_of(config: ModelConfig, s: TrainSettings) -> Layout:
+    """The layout `s` asks for; the one of --pp and --fsdp not given is --gpus over the other, which must
+    divide it (a ValueError naming the flag that was given)."""
+    for flag, given, other in (("--pp", s.pp, s.fsdp), ("--fsdp", s.fsdp, s.pp)):
+        if given and not other and s.gpus % given:
+            missing = "--fsdp" if flag == "--pp" else "--pp"
+            raise ValueError(f"{flag} ({given}) must divide --gpus ({s.gpus}): {missing} is --gpus / {flag}")
     pp = s.pp or (s.gpus // s.fsdp if s.fsdp else 1)
     fsdp = s.fsdp or s.gpus // pp
     layout = Layout(s.gpus, pp, fsdp, s.ep or default_ep(config, fsdp))

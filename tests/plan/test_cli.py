@@ -2,7 +2,10 @@
 
 import json
 
+import pytest
+
 from k3.cli import main
+from tests.commands import fails
 
 
 def _json(capsys, *argv):
@@ -32,3 +35,16 @@ def test_config_dir(capsys, tmp_path):
     from_dir = _json(capsys, str(tmp_path), "--serve")
     from_preset = _json(capsys, "kimi-k3-tiny", "--serve")
     assert from_dir["figures"] == from_preset["figures"]
+
+
+@pytest.mark.parametrize(
+    "flags, blame",
+    [
+        (["--pp", "1000"], "--pp (1000) must divide --gpus (8): --fsdp is --gpus / --pp"),
+        (["--pp", "3"], "--pp (3) must divide --gpus (8)"),
+        (["--fsdp", "3"], "--fsdp (3) must divide --gpus (8): --pp is --gpus / --fsdp"),
+        (["--pp", "16", "--fsdp", "1"], "--gpus (8) must equal --pp x --fsdp (16 x 1)"),
+    ],
+)
+def test_a_layout_that_does_not_divide_blames_the_flag_given(capsys, flags, blame):
+    fails(capsys, ["plan", "kimi-k3", "--gpus", "8", *flags], blame)
