@@ -122,3 +122,10 @@ def test_generate_refuses_an_eos_that_is_no_token(eos):
     model = CausalLM(get_config("kimi-k3-tiny", vocab_size=257, hidden_size=32))
     with pytest.raises(ValueError, match=r"`eos_token_id` must be None or a token id in \[0, 257\)"):
         model.generate(torch.tensor([[1, 2]]), 3, eos_token_id=eos)
+
+
+def test_generate_on_a_meta_model_says_what_to_do():
+    with torch.device("meta"):
+        model = CausalLM(get_config("kimi-k3-tiny", vocab_size=257, hidden_size=32))
+    with pytest.raises(ValueError, match=r"weights are on the meta device .*CausalLM.from_pretrained"):
+        model.generate(torch.tensor([[1, 2]]), 3)

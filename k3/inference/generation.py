@@ -325,6 +325,13 @@ def stream(
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"generate: `max_new_tokens` must be an int >= 0, got {max_new_tokens!r}")
     check_sampling(temperature, top_k, top_p)
+    meta = next((name for name, p in model.named_parameters() if p.is_meta), None)
+    if meta is not None:
+        raise ValueError(
+            f"generate: the model's weights are on the meta device ({meta} first; a model built under "
+            f"torch.device('meta') has shapes, no values): load them (CausalLM.from_pretrained), or "
+            f"model.to_empty(device='cpu') and initialize them"
+        )
     vocab = model.config.vocab_size
     if eos_token_id is not None and (
         not isinstance(eos_token_id, int) or isinstance(eos_token_id, bool) or not 0 <= eos_token_id < vocab
