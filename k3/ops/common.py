@@ -160,11 +160,14 @@ def check_lower_bound(op: str, lower_bound) -> float:
 
 
 def check_scale(op: str, scale, K: int) -> float:
-    """scale multiplies q; None means K^-1/2."""
+    """scale multiplies q; None means K^-1/2. A finite Python number (NaN or an infinity would fill every
+    output with NaN)."""
     if scale is None:
         return K**-0.5
-    if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):
+    if isinstance(scale, (torch.Tensor, bool)) or not isinstance(scale, (int, float)):
         raise _fail(op, "scale", "a Python float or None", type(scale).__name__)
+    if not math.isfinite(scale):
+        raise _fail(op, "scale", "a finite float or None", repr(scale))
     return float(scale)
 
 

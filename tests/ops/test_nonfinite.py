@@ -91,3 +91,16 @@ def test_attention_keeps_causality_for_non_finite_inputs(name, value, V):
     o_ref = reference_attention(x["q"], x["k"], x["v"], 0.3)
     assert_rel(o[:, :P], o_ref[:, :P], 1e-12, f"{name}={value}: outputs before {P}")
     assert_same_where_finite(o, o_ref, 1e-12)
+
+
+@pytest.mark.parametrize(
+    "scale, expected", [(math.nan, "a finite float"), (math.inf, "a finite float"), (True, "a Python float")]
+)
+def test_a_scale_that_is_no_finite_number_is_refused(scale, expected):
+    from k3.ops import chunk_kda, recurrent_kda
+
+    q, k, v = (torch.randn(1, 5, 1, 4, dtype=torch.float64) for _ in range(3))
+    g, beta = -torch.rand(1, 5, 1, 4, dtype=torch.float64), torch.rand(1, 5, 1, dtype=torch.float64)
+    for op in (chunk_kda, recurrent_kda):
+        with pytest.raises(ValueError, match=f"`scale` must be {expected} or None"):
+            op(q, k, v, g, beta, scale=scale)
