@@ -20,6 +20,7 @@ import ctypes
 import ctypes.util
 import os
 import shutil
+import signal
 import sys
 import time
 
@@ -138,6 +139,32 @@ def available_memory() -> int | None:
     except OSError:
         pass
     return total
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def parent_death_signal(sig: int) -> bool:
+    """prctl(PR_SET_PDEATHSIG, sig) on Linux: the kernel sends `sig` to this process when the thread that
+    started it exits (whatever this process is doing, even inside a long C call). Whether it was set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def exit_with_launcher() -> bool:
+    """Under torchrun (TORCHELASTIC_RUN_ID set), end this worker with SIGTERM when its launcher dies,
+    `kill -9` included, instead of training on as an orphan: torchrun's agent starts its workers from its
+    main thread, which lives as long as the agent. A launcher already gone (this process re-parented to
+    init) ends it at once. Whether the signal is set (Linux only)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not parent_death_signal(signal.SIGTERM):
+        return False
+    if os.getppid() == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 def refuse_if_over_memory(what: str, nbytes: int, fix: str) -> None:

@@ -19,7 +19,7 @@ __all__ = ["build_parser", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..runtime import keep_freed_memory
+    from ..runtime import exit_with_launcher, keep_freed_memory
 
     parser = build_parser()
     try:
@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "eval":
         args.lm_eval_args = rest
     keep_freed_memory()
+    exit_with_launcher()  # a torchrun worker ends with its launcher
     try:
         from ..ops.kernels import check_environment
 

@@ -3,16 +3,15 @@ core (tiny models run fastest on one thread each), and makes sure the workers en
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
 import signal
-import sys
 import threading
 from contextlib import contextmanager
 from typing import Callable
 
 from ..bench.timing import threads
+from ..runtime import parent_death_signal
 
 
 def _call_one_thread(fn, args):
@@ -95,9 +94,6 @@ def _as_completed_waking(futures):
         yield from done
 
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
 def _worker_start() -> None:
     """A `run_jobs` worker's initializer: it ignores SIGINT (the parent handles Ctrl-C and kills the workers)
     and ends as soon as its parent process does, by two means.
@@ -122,13 +118,7 @@ def _worker_start() -> None:
 
 
 def _parent_death_signal() -> bool:
-    """prctl(PR_SET_PDEATHSIG, SIGKILL) on Linux; whether it was set."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+    return parent_death_signal(signal.SIGKILL)
 
 
 def _exit_with(parent) -> None:
