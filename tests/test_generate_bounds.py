@@ -79,3 +79,20 @@ def test_a_long_prompt_prefills_with_progress_and_continues_exactly(model, capsy
         interactive.stream_text(model, tokenizer, ids, args, None, new)
         assert new == want, compile
         assert "prefill" in capsys.readouterr().err  # the bar, on stderr
+
+
+def test_a_long_prompt_file_prefills_with_progress_and_the_same_tokens(checkpoint, tmp_path, capsys, monkeypatch):
+    """`--prompt-file` (prompts generated together) shows the prefill's progress past LONG_PROMPT tokens in
+    all, and writes what it writes without the bar."""
+    monkeypatch.setattr("k3.models.model.PREFILL_PIECE", 16)
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("to be or not to be, " * 3 + "\nthat is the question\n")
+    argv = ["generate", "--checkpoint", str(checkpoint), "--prompt-file", str(lines), "--temperature", "0"]
+    argv += ["--max-new-tokens", "5", "--ignore-eot"]
+    assert main(argv) == 0
+    quiet_out, quiet_err = capsys.readouterr()
+    assert "prefill:" not in quiet_err
+    monkeypatch.setattr(interactive, "LONG_PROMPT", 40)
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out == quiet_out and "prefill:" in err and "/80 " in err  # the 60 + 20 prompt tokens

@@ -157,25 +157,31 @@ def _prompts(args, tokenizer) -> tuple[list[str], list[list[int]]]:
 
 
 def _generate_batch(args, model, tokenizer, texts: list[str], prompts: list[list[int]]) -> int:
-    """`k3 generate --prompt-file`: every line's continuation, generated together."""
+    """`k3 generate --prompt-file`: every line's continuation, generated together (the prefill's progress
+    shown past LONG_PROMPT tokens in all)."""
+    import contextlib
     import time
 
     import torch
+
+    from .interactive import LONG_PROMPT, prefill_progress
 
     device = model.lm_head.weight.device
     generator = torch.Generator(device).manual_seed(args.seed)
     start = time.perf_counter()
     eot = None if args.ignore_eot else tokenizer.eot_id
-    rows = model.generate(
-        prompts,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        eos_token_id=eot,
-        generator=generator,
-        compile=getattr(args, "compile", False),
-    )
+    total = sum(map(len, prompts))
+    with prefill_progress(model, total) if total > LONG_PROMPT else contextlib.nullcontext():
+        rows = model.generate(
+            prompts,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            eos_token_id=eot,
+            generator=generator,
+            compile=getattr(args, "compile", False),
+        )
     seconds = time.perf_counter() - start
     new = 0
     for i, (text, ids, row) in enumerate(zip(texts, prompts, rows)):

@@ -16,6 +16,7 @@ and skipped.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -90,6 +91,30 @@ def prefill_with_progress(model, prompt, max_new_tokens: int, static: bool):
             model(piece, cache=cache, logits_to_keep=1)
             bar.update(piece.shape[1])
     return prompt[:, -1:], cache
+
+
+@contextlib.contextmanager
+def prefill_progress(model, total: int):
+    """A progress bar on stderr over the prefill of `total` prompt tokens (a batch of prompts, run by
+    `generate` in pieces): a hook on the decoder counts the tokens of each forward of more than one token,
+    and goes when they are all in (before any compiled decode step is traced)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="tok", desc="prefill", file=sys.stderr, leave=False)
+
+    def count(module, args):
+        ids = args[0]
+        if ids.dim() == 2 and ids.shape[1] > 1:
+            bar.update(ids.numel())
+            if bar.n >= total:
+                handle.remove()
+
+    handle = model.model.register_forward_pre_hook(count)
+    try:
+        yield
+    finally:
+        handle.remove()
+        bar.close()
 
 
 def report(new: int, seconds: float, prefill: int, device=None, first_step: tuple[float, float] | None = None) -> None:
