@@ -16,9 +16,10 @@ def add_serve_parser(sub) -> None:
         "serve",
         help="serve a checkpoint over OpenAI's HTTP API, continuous batching (k3[serve])",
         description="Serve a checkpoint over OpenAI's HTTP API (/v1/completions, "
-        "/v1/chat/completions, /v1/models, /health) with continuous batching. SIGTERM or Ctrl-C "
+        "/v1/chat/completions, /v1/models, /health) with continuous batching. SIGTERM, SIGHUP or Ctrl-C "
         "stops admitting (new requests get 503 with Retry-After), lets running requests finish "
-        "(--shutdown-timeout) and exits; a second signal exits at once.",
+        "(--shutdown-timeout) and exits; then, or at a second signal, what still runs ends at once: a "
+        'stream with finish_reason "abort" and data: [DONE], a whole answer with 503.',
     )
     srv.add_argument(
         "--checkpoint", required=True, metavar="DIR", help="a checkpoint folder (k3 train --out), as k3 generate reads"
@@ -103,7 +104,8 @@ def add_serve_parser(sub) -> None:
         "--shutdown-timeout",
         type=_number(0, "seconds"),
         default=30.0,
-        help="seconds SIGTERM waits for running requests before cancelling them",
+        help="seconds SIGTERM (or SIGHUP, Ctrl-C) waits for running requests before ending them (a stream's "
+        'last chunk with finish_reason "abort", a whole answer a 503)',
     )
     srv.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
     srv.add_argument("--device", choices=DEVICES, default="auto", help="where the model runs")

@@ -12,13 +12,18 @@
   `k3.serve.protocol`: the request bodies, checked;
 - `k3.serve.text`: streaming detokenization, stop strings, chat prompts.
 
-`serve` runs the app under uvicorn. SIGTERM (or Ctrl-C) stops admitting: the server still listens and
-answers a new request 503 with Retry-After while the running requests finish, for up to `shutdown_timeout`
-seconds; then it stops listening, cancels what is left and returns (exit 0). A second signal exits at once.
+`serve` runs the app under uvicorn. SIGTERM, SIGHUP (a closed terminal) or Ctrl-C stops admitting: the
+server still listens and answers a new request 503 with Retry-After while the running requests finish, for
+up to `shutdown_timeout` seconds; then, or at a second signal, it stops listening and ends what is left
+cleanly: a stream gets a last chunk with finish_reason "abort" (vLLM's, for a request it stopped) and
+`data: [DONE]`, a request waiting for its whole answer a 503 in OpenAI's error shape; then it returns
+(exit 0). A third signal exits as uvicorn would.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import signal
 import threading
@@ -84,23 +89,52 @@ def require_serve_extra(what: str = "k3 serve") -> None:
         ) from None
 
 
+GRACE = 5.0  # seconds a stopping server gives its last requests to send their ends before it closes them
+
+# the signals that stop a server: SIGTERM, Ctrl-C and SIGHUP (its terminal closed), each drained alike
+SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
+
+
 def _server(app, engine: Engine, host: str, port: int, shutdown_timeout: float, log_level: str, on_ready=None):
-    """A uvicorn server for `app` that stops `engine` admitting when told to exit."""
+    """A uvicorn server for `app` that drains `engine` when told to exit (see the module docstring)."""
     import uvicorn
+
+    # the app's own way to end every request now (`build_app`'s); another ASGI app relies on the engine
+    abort_requests = getattr(getattr(app, "state", None), "abort_requests", None)
 
     class Server(uvicorn.Server):
         draining_since: float | None = None
+        abort_now = False
 
         def handle_exit(self, sig, frame):
             """The first signal drains: the engine admits nothing new (a new request gets 503 with
-            Retry-After, /health says "draining") while the socket still listens; `on_tick` ends the server
-            once nothing runs or `shutdown_timeout` has passed. A second signal exits now."""
+            Retry-After, /health says "draining") while the socket still listens, until nothing runs or
+            `shutdown_timeout` has passed. The second ends the running requests now. A third exits as
+            uvicorn would (a fourth Ctrl-C without waiting for anything)."""
             if self.draining_since is None and not self.should_exit:
                 self._captured_signals.append(sig)
                 engine.drain()
                 self.draining_since = time.monotonic()
+            elif not self.abort_now:
+                self.abort_now = True
             else:
                 super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """uvicorn's SIGTERM and SIGINT handlers, and SIGHUP's alike (else a closed terminal kills the
+            server mid-answer)."""
+            hup = getattr(signal, "SIGHUP", None)
+            if hup is None or threading.current_thread() is not threading.main_thread():
+                with super().capture_signals():
+                    yield
+                return
+            with super().capture_signals():  # which re-raises the signals it stopped on, once all is restored
+                previous = signal.signal(hup, self.handle_exit)
+                try:
+                    yield
+                finally:
+                    signal.signal(hup, previous)
 
         async def on_tick(self, counter: int) -> bool:
             if await super().on_tick(counter):
@@ -110,10 +144,28 @@ def _server(app, engine: Engine, host: str, port: int, shutdown_timeout: float, 
             stats = engine.stats()
             if stats["running"] == 0 and stats["waiting"] == 0:
                 return True
-            if time.monotonic() - self.draining_since > shutdown_timeout:
-                engine.stop(timeout=0)  # cancel what is left: its clients get what they have so far
-                return True
-            return False
+            return self.abort_now or time.monotonic() - self.draining_since > shutdown_timeout
+
+        def abort(self) -> None:
+            """End what still runs: each request's last words (on this event loop), the engine's sequences."""
+            if abort_requests is not None:
+                abort_requests()
+            engine.stop(timeout=0)
+
+        async def shutdown(self, sockets=None):
+            """Stop listening, end the requests still running (a stream's last chunk with finish_reason
+            "abort" and `data: [DONE]`, a whole answer's 503), give them GRACE seconds to be sent, then
+            close the connections still open, so that no request is cancelled mid-answer (uvicorn's
+            traceback, a client's "response ended prematurely"); then uvicorn's own shutdown."""
+            for server in self.servers:
+                server.close()
+            self.abort()
+            deadline = time.monotonic() + GRACE
+            while self.server_state.tasks and time.monotonic() < deadline and not self.force_exit:
+                await asyncio.sleep(0.02)
+            for connection in list(self.server_state.connections):
+                connection.transport.close()  # a request still reading its body sees its client go
+            await super().shutdown(sockets)
 
         async def startup(self, sockets=None):
             await super().startup(sockets)
@@ -121,7 +173,7 @@ def _server(app, engine: Engine, host: str, port: int, shutdown_timeout: float, 
                 on_ready(self.servers[0].sockets[0].getsockname()[1])
 
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout, access_log=False
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACE, access_log=False
     )
     return Server(config)
 
@@ -135,18 +187,19 @@ def serve(
     log_level: str = "info",
     on_ready=None,
 ) -> None:
-    """Run `app` under uvicorn until SIGTERM or Ctrl-C (see the module docstring). `on_ready(port)` is
-    called once the socket listens (the port uvicorn bound: useful with port=0)."""
+    """Run `app` under uvicorn until SIGTERM, SIGHUP or Ctrl-C (see the module docstring). `on_ready(port)`
+    is called once the socket listens (the port uvicorn bound: useful with port=0)."""
     server = _server(app, engine, host, port, shutdown_timeout, log_level, on_ready)
     # uvicorn re-raises the signal it stopped on once it is done, to the handler that was there before: a
-    # handler that does nothing lets SIGTERM end the process with exit code 0
+    # handler that does nothing lets SIGTERM (or SIGHUP) end the process with exit code 0
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, lambda *_: None) if main else None
+    quiet = [s for s in SIGNALS if s != signal.SIGINT] if main else []
+    previous = {s: signal.signal(s, lambda *_: None) for s in quiet}
     try:
         server.run()
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         engine.stop(timeout=10)
 
 
@@ -170,7 +223,7 @@ class ServerThread:
             self.port = bound
             ready.set()
 
-        self.engine = engine
+        self.engine, self.shutdown_timeout = engine, shutdown_timeout
         self._server = _server(app, engine, host, port, shutdown_timeout, log_level, on_ready)
         self._thread = threading.Thread(target=self._server.run, name="k3-serve", daemon=True)
         self._thread.start()
@@ -180,9 +233,9 @@ class ServerThread:
         self.url = f"http://{host}:{self.port}"
 
     def stop(self) -> None:
-        self.engine.drain()
-        self._server.should_exit = True
-        self._thread.join(30)
+        """Stop as SIGTERM stops `k3 serve`: drain for up to `shutdown_timeout`, then end what runs."""
+        self._server.handle_exit(signal.SIGTERM, None)
+        self._thread.join(self.shutdown_timeout + 2 * GRACE + 30)
         self.engine.stop(timeout=10)
 
     def __enter__(self) -> "ServerThread":

@@ -6,8 +6,10 @@ Endpoints: POST /v1/completions and /v1/chat/completions (JSON, or server-sent e
 message names the field; a body JSON cannot parse; more sequences, prompts times n, than the queue holds),
 401 without the right key (`api_key`), 404 for another model's name, 413 for a
 body over `max_request_bytes` (refused before it is parsed) or a prompt over `max_prompt_tokens`, 503 with
-Retry-After while the queue is full or the server shuts down; 500 (`server_error`, and the traceback in the
-log) only for a failure of k3's own, such as the model raising while it decodes that request.
+Retry-After while the queue is full or the server shuts down (and for a whole answer a stopping server cut
+short: `abort_requests`; a stream cut short ends with finish_reason "abort" and `data: [DONE]`); 500
+(`server_error`, and the traceback in the log) only for a failure of k3's own, such as the model raising
+while it decodes that request.
 
 Prompts are tokenized on a worker thread, so a long one does not hold up the event loop (/health, streams).
 
@@ -26,6 +28,7 @@ import asyncio
 import re
 import time
 import uuid
+import weakref
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -81,6 +84,20 @@ def build_app(
     app = FastAPI(title="k3 serve", lifespan=lifespan)
     app.add_middleware(Gate, api_key=api_key, max_request_bytes=max_request_bytes)
     created = int(time.time())
+    jobs: weakref.WeakSet[Job] = weakref.WeakSet()  # the requests being answered (a stream never started: dropped)
+
+    def abort_requests() -> None:
+        """End every request being answered, now, on the event loop (a server that stops calls it): each
+        unfinished choice finishes as "abort" (vLLM's reason for a request it stopped), so a stream sends
+        its last chunk and `data: [DONE]` and a whole answer becomes a 503, whatever the engine's thread
+        is doing; its sequences are cancelled."""
+        for job in list(jobs):
+            for index, reason in enumerate(job.reasons):
+                if reason is None:
+                    job.queue.put_nowait((index, "finish", "cancelled"))
+            job.cancel(engine)
+
+    app.state.abort_requests = abort_requests
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -247,6 +264,7 @@ def build_app(
         except (QueueFull, Draining) as e:
             job.cancel(engine)
             raise APIError(503, f"{e}; retry later", None, "server_busy", headers={"Retry-After": "1"}) from None
+        jobs.add(job)
         prompt_tokens = sum(len(ids) for ids in prompts) * body.n
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         head = {
@@ -268,6 +286,16 @@ def build_app(
             texts = await job.collect(engine, request)
         except ClientGone:
             return JSONResponse({}, 499)
+        finally:
+            jobs.discard(job)
+        if "abort" in job.reasons:
+            raise APIError(
+                503,
+                "the server is shutting down and stopped this request before it finished; retry later",
+                None,
+                "server_busy",
+                headers={"Retry-After": "1"},
+            )
         choices = []
         for i, (sequence, text) in enumerate(zip(job.sequences, texts)):
             if job.reasons[i].startswith("error"):
@@ -311,6 +339,7 @@ def build_app(
                 yield sse({**head, "choices": [], "usage": usage_of(prompt_tokens, sum(job.counts))})
             yield "data: [DONE]\n\n"
         finally:
+            jobs.discard(job)
             job.cancel(engine)  # the client went away (or we are done): free what still runs
 
     return app

@@ -1,5 +1,5 @@
-"""`k3 serve` on the command line: its one-line errors, and (slow) a real process that SIGTERM stops
-while a request runs: the request finishes, the process exits 0."""
+"""`k3 serve` on the command line: its one-line errors, and (slow) a real process that SIGTERM or SIGHUP
+(a closed terminal) stops while a request runs: the request finishes, the process exits 0."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ def test_parse_bytes():
 
 
 @pytest.mark.slow
-def test_sigterm_finishes_the_running_request_and_exits_0(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_finishes_the_running_request_and_exits_0(tmp_path, stop):
     torch.manual_seed(0)
     CausalLM(get_config("kimi-k3-tiny", vocab_size=257, hidden_size=32)).save_pretrained(tmp_path)
     byte_tokenizer().save(tmp_path / "tokenizer.json")
@@ -86,7 +87,7 @@ def test_sigterm_finishes_the_running_request_and_exits_0(tmp_path):
             {"Content-Type": "application/json"},
         )
         time.sleep(0.5)  # it is decoding
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(stop)
         r = conn.getresponse()
         body = json.loads(r.read())
         assert r.status == 200 and body["usage"]["completion_tokens"] == 300

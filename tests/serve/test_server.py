@@ -1,14 +1,19 @@
 """`k3 serve` over HTTP, with the official `openai` client against a server on a free local port: the same
 greedy text as `k3 generate`, streaming or not; concurrent requests each as alone; a disconnect frees its
-slot; an API key, a full queue and draining (bad input: test_server_errors.py)."""
+slot; an API key, a full queue, draining, and a stopping server's clean ends (bad input:
+test_server_errors.py)."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import logging
+import os
+import queue
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -16,7 +21,7 @@ import torch
 
 from k3.cli import main
 from k3.models import CausalLM
-from k3.serve import Engine, ServerThread, build_app
+from k3.serve import Engine, ServerThread, build_app, serve
 from k3.serve.text import chat_prompt
 from k3.tokenizer import byte_tokenizer
 
@@ -298,3 +303,127 @@ def test_stream_interval_sends_the_first_token_then_every_n(checkpoint):
     assert all(gap >= 4 for gap in gaps[:-1]) and len(counts[4]) <= 1 + -(-13 // 4), counts[4]
     with pytest.raises(ValueError, match="stream_interval"):
         build_app(Engine(model, cache_memory=10**8, max_length=64), byte_tokenizer(), NAME, stream_interval=0)
+
+
+class Records(logging.Handler):
+    """The records a logger (and its children) gets, kept: uvicorn's loggers do not reach pytest's caplog."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.logger, self.records = logging.getLogger(name), []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def __enter__(self) -> "Records":
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
+
+
+def slowed(checkpoint, wedge: threading.Event | None = None, release: threading.Event | None = None):
+    """The checkpoint's model, each forward at least 10 ms (a request of 400 tokens runs for seconds); once
+    `wedge` is set, every forward waits for `release` (an engine stuck in a step)."""
+    model = CausalLM.from_pretrained(checkpoint).eval()
+    forward = model.model.forward
+
+    def slow(*args, **kwargs):
+        if wedge is not None and wedge.is_set():
+            release.wait(60)
+        time.sleep(0.01)
+        return forward(*args, **kwargs)
+
+    model.model.forward = slow
+    return model
+
+
+@pytest.mark.parametrize("how", ["timeout", "second signal, engine stuck"])
+def test_a_stopping_server_ends_every_request_cleanly(checkpoint, how):
+    """SIGTERM, then --shutdown-timeout running out or a second SIGTERM: a running stream gets a last
+    chunk with finish_reason "abort" and `data: [DONE]`, a request waiting for its whole answer a 503 in
+    OpenAI's shape, and nothing is logged with a traceback; the server exits. With the engine stuck in a
+    forward the app ends the requests itself."""
+    wedge, release = threading.Event(), threading.Event()
+    engine = Engine(slowed(checkpoint, wedge, release), cache_memory=10**9, max_running=8, max_length=512)
+    timeout = 0.5 if how == "timeout" else 60
+    s = ServerThread(build_app(engine, byte_tokenizer(), NAME), engine, shutdown_timeout=timeout, log_level="info")
+    try:
+        with Records("uvicorn") as log:
+            stream = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+            body = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True}
+            stream.request(
+                "POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
+            )
+            r = stream.getresponse()
+            assert r.status == 200 and r.readline().startswith(b"data: {")
+            whole = {}
+            waiting = threading.Thread(target=lambda: whole.update(answer=post(s, "/v1/completions", json.dumps(body))))
+            waiting.start()
+            deadline = time.time() + 30
+            while s.engine.stats()["running"] < 2:
+                assert time.time() < deadline
+                time.sleep(0.01)
+            if how != "timeout":
+                wedge.set()
+            s._server.handle_exit(signal.SIGTERM, None)
+            if how != "timeout":
+                time.sleep(0.3)
+                s._server.handle_exit(signal.SIGTERM, None)
+            lines = [line for line in r.read().decode().splitlines() if line]
+            waiting.join(30)
+            release.set()
+            s._thread.join(30)
+            assert not s._thread.is_alive()
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        last = json.loads(lines[-2][len("data: ") :])
+        assert last["choices"][0]["finish_reason"] == "abort", last
+        code, out, headers = whole["answer"]
+        assert code == 503 and out["error"]["type"] == "server_busy" and out["error"]["code"] == 503, out
+        assert headers.get("retry-after") == "1"
+        logged = [record.getMessage() for record in log.records if record.levelno >= logging.ERROR or record.exc_info]
+        assert not logged, logged
+    finally:
+        release.set()
+        s.stop()
+
+
+def test_sighup_drains_like_sigterm(checkpoint):
+    """A closed terminal's SIGHUP, to `serve` on the main thread: the server drains (a new request gets
+    503) while the running request finishes whole, and `serve` returns (SIGHUP no longer ends the process
+    mid-answer). A watchdog's SIGTERM stops a server that ignored it."""
+    engine = Engine(slowed(checkpoint), cache_memory=10**9, max_running=8, max_length=512)
+    app = build_app(engine, byte_tokenizer(), NAME)
+    ports, results = queue.Queue(), {}
+
+    def client():
+        port = ports.get(timeout=60)
+        here = SimpleNamespace(port=port)
+        body = json.dumps({"prompt": "Hi", "max_tokens": 100, "ignore_eos": True})
+        running = threading.Thread(target=lambda: results.update(running=post(here, "/v1/completions", body)))
+        running.start()
+        deadline = time.time() + 30
+        while engine.stats()["running"] == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(0.3)
+        results["new"] = post(here, "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}))
+        running.join(60)
+
+    thread = threading.Thread(target=client)
+    watchdog = threading.Timer(30, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    # a SIGHUP that `serve` does not handle comes here (not to the default, which ends pytest)
+    previous = signal.signal(signal.SIGHUP, lambda *_: results.update(unhandled=True))
+    thread.start()
+    watchdog.start()
+    try:
+        serve(app, engine, port=0, shutdown_timeout=60, log_level="warning", on_ready=ports.put)
+    finally:
+        watchdog.cancel()
+        signal.signal(signal.SIGHUP, previous)
+    thread.join(30)
+    assert "unhandled" not in results, "serve did not handle SIGHUP"
+    assert results["new"][0] == 503 and results["new"][1]["error"]["type"] == "server_busy", results["new"]
+    code, out, _ = results["running"]
+    assert code == 200 and out["usage"]["completion_tokens"] == 100, out
