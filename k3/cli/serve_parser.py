@@ -7,7 +7,7 @@ import argparse
 from ..runtime import DEVICES
 from ..serve.engine import PREFILL_CHUNK, PREFIX_CACHE
 from .argtypes import _count, _number, _text
-from .commands import _serve
+from .serve_command import _serve
 
 
 def add_serve_parser(sub) -> None:

@@ -1,0 +1,126 @@
+"""`k3 serve`'s command: the checkpoint loaded and checked as `k3 generate` checks it, the flags that need
+more than argparse (sizes, the cache budget against the memory there is, the API key's source, the
+open-file limit for --max-connections), then `k3.serve.serve`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .commands import _use_threads
+
+
+def _size(text: str, flag: str) -> int:
+    """A size flag's bytes (`k3.serve.parse_bytes`), its error naming the flag."""
+    from ..serve import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
+def _check_cache_memory(budget: int, text: str, device) -> None:
+    """--cache-memory must fit the memory the device has now (the GPU's free memory, or the machine's)."""
+    import torch
+
+    from ..runtime import refuse_if_over_memory
+
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        if budget > free:
+            raise ValueError(
+                f"--cache-memory {text}: {budget:,} bytes asked, more than the {free:,} bytes free on "
+                f"{device}; give a smaller --cache-memory"
+            )
+        return
+    refuse_if_over_memory(f"--cache-memory {text}", budget, "give a smaller --cache-memory")
+
+
+def _serve(args) -> int:
+    """`k3 serve`: the checkpoint behind OpenAI's API (`k3.serve`); checked as `k3 generate` checks it."""
+    import json
+
+    from ..io import reading
+    from ..models import CausalLM
+    from ..runtime import resolve_device
+    from ..serve import Engine, build_app, require_serve_extra, serve
+    from ..serve.text import load_chat_template
+    from ..tokenizer import Tokenizer
+    from .preflight import check_checkpoint
+
+    require_serve_extra()
+    budget = _size(args.cache_memory, "--cache-memory")
+    max_request_bytes = _size(args.max_request_bytes, "--max-request-bytes")
+    if not Path(args.checkpoint).is_dir():
+        raise FileNotFoundError(
+            f"--checkpoint {args.checkpoint}: no such folder (expected a checkpoint folder, "
+            f"e.g. what k3 train --out wrote)"
+        )
+    _use_threads(args)
+    device = resolve_device(args.device)
+    _check_cache_memory(budget, args.cache_memory, device)
+    with reading(args.checkpoint):  # one whole save, read under the folder's lock (k3.io.reading)
+        check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
+        tokenizer = Tokenizer.load(args.checkpoint)
+        model = CausalLM.from_pretrained(args.checkpoint).to(device).eval()
+        config_file = Path(args.checkpoint) / "tokenizer_config.json"
+        tokens = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        chat_template = load_chat_template(args.checkpoint)
+    positions = model.config.max_position_embeddings
+    if positions and args.max_model_len and args.max_model_len > positions:
+        raise ValueError(
+            f"--max-model-len {args.max_model_len}: {model.config.name!r} has learned positions for {positions} "
+            f"tokens only"
+        )
+    special = {k: v for k, v in tokens.items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
+    name = args.served_model_name or Path(args.checkpoint).resolve().name
+    try:
+        engine = Engine(
+            model,
+            budget,
+            max_queue=args.max_queue,
+            max_running=args.max_running,
+            max_length=args.max_model_len,  # default: the model's positions, else DEFAULT_MAX_LENGTH
+            prefill_chunk=args.prefill_chunk,
+            compile=args.compile,
+            prefix_cache=args.prefix_cache,
+        )
+    except ValueError as e:
+        raise ValueError(f"--cache-memory {args.cache_memory}: {e}") from None
+    app = build_app(
+        engine,
+        tokenizer,
+        name,
+        chat_template=chat_template,
+        special=special,
+        max_model_len=engine.max_length,
+        api_key=args.api_key,
+        max_request_bytes=max_request_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
+        stream_interval=args.stream_interval,
+    )
+
+    compiled = f"{len(engine.pool.batch_buckets())} batch sizes compiled in {engine.pool.compile_seconds:.1f} s"
+    steps = compiled if engine.pool.compile else "eager steps"
+
+    def ready(port: int) -> None:
+        print(
+            f"k3 serve: {name!r} ({model.config.name}, {model.num_parameters():,} parameters, on {device}); "
+            f"cache budget {budget:,} bytes: {engine.slots} slots of {engine.max_length:,} tokens "
+            f"({engine.pool_bytes:,} bytes); prefill chunk {args.prefill_chunk or 'off'}; prefix cache "
+            f"{'on' if engine.prefix is not None else 'off'}; {steps}; http://{args.host}:{port}/v1",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    serve(
+        app,
+        engine,
+        host=args.host,
+        port=args.port,
+        shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level,
+        on_ready=ready,
+    )
+    return 0
