@@ -43,6 +43,10 @@ from ..tokenizer import Tokenizer
 def check_pretrained(path: str | os.PathLike, what: str | None = None) -> ModelConfig:
     """The folder's ModelConfig, once its files are known to load (see the module); `what` names the
     folder in errors (e.g. "--checkpoint runs/k3")."""
+    if not str(path).strip():  # Path("") is the current folder
+        raise ValueError(
+            f"{(what or 'checkpoint').strip()} '': an empty path; give a checkpoint folder (e.g. k3 train --out)"
+        )
     directory = Path(path)
     what = what or str(directory)
     if not directory.is_dir():
