@@ -37,6 +37,30 @@ def _check_cache_memory(budget: int, text: str, device) -> None:
     refuse_if_over_memory(f"--cache-memory {text}", budget, "give a smaller --cache-memory")
 
 
+FILE_MARGIN = 128  # open files kept beside --max-connections' sockets: the model's, the logs', torch's
+
+
+def _fit_connections(n: int) -> None:
+    """--max-connections sockets and FILE_MARGIN files more within the process's open-file limit: the soft
+    limit raised to fit where the hard one allows (vLLM raises it alike), else a one-line refusal (past it
+    a connection would be refused by the operating system, unanswered)."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system: no such limit to fit
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = n + FILE_MARGIN
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise ValueError(
+            f"--max-connections {n}: this process may open {hard:,} files at most (ulimit -Hn), and k3 serve "
+            f"keeps {FILE_MARGIN} for its own: give at most --max-connections {max(1, hard - FILE_MARGIN)}, or "
+            f"raise the hard limit"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
 def _serve(args) -> int:
     """`k3 serve`: the checkpoint behind OpenAI's API (`k3.serve`); checked as `k3 generate` checks it."""
     import json
@@ -52,6 +76,7 @@ def _serve(args) -> int:
     require_serve_extra()
     budget = _size(args.cache_memory, "--cache-memory")
     max_request_bytes = _size(args.max_request_bytes, "--max-request-bytes")
+    _fit_connections(args.max_connections)
     if not Path(args.checkpoint).is_dir():
         raise FileNotFoundError(
             f"--checkpoint {args.checkpoint}: no such folder (expected a checkpoint folder, "
@@ -122,5 +147,7 @@ def _serve(args) -> int:
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
         on_ready=ready,
+        request_timeout=args.request_timeout,
+        max_connections=args.max_connections,
     )
     return 0

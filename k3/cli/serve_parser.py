@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..runtime import DEVICES
+from ..serve import MAX_CONNECTIONS, REQUEST_TIMEOUT
 from ..serve.engine import PREFILL_CHUNK, PREFIX_CACHE
 from .argtypes import _count, _number, _text
 from .serve_command import _serve
@@ -106,6 +107,21 @@ def add_serve_parser(sub) -> None:
         default=30.0,
         help="seconds SIGTERM (or SIGHUP, Ctrl-C) waits for running requests before ending them (a stream's "
         'last chunk with finish_reason "abort", a whole answer a 503)',
+    )
+    srv.add_argument(
+        "--request-timeout",
+        type=_number(0, "seconds", above=True),
+        default=REQUEST_TIMEOUT,
+        help="seconds a request's head and body have to arrive, from its first byte (or the connection's "
+        "opening): past it the answer is 408 and the connection closes, so a client that trickles bytes "
+        "holds no connection for long",
+    )
+    srv.add_argument(
+        "--max-connections",
+        type=_count(1, "connections"),
+        default=MAX_CONNECTIONS,
+        help="connections open at once; a new one past it is answered 503 with Retry-After and closed (the "
+        "process's open-file limit is raised to fit, where its hard limit allows)",
     )
     srv.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
     srv.add_argument("--device", choices=DEVICES, default="auto", help="where the model runs")

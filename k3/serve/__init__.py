@@ -7,8 +7,9 @@
 - `k3.serve.engine`: one loop that decodes every running sequence together, admits new ones as the cache
   budget allows and drops finished ones (`Engine`, `Sequence`);
 - `k3.serve.api`: the FastAPI app, /v1/completions, /v1/chat/completions (streaming as server-sent
-  events), /v1/models, /health (`build_app`); `k3.serve.gate`: OpenAI's error answers and the ASGI gate
-  before the app (API key, body size); `k3.serve.jobs`: a request's sequences as the app awaits them;
+  events), /v1/models, /health (`build_app`); `k3.serve.gate`: OpenAI's error answers, the ASGI gate
+  before the app (API key, body size) and the connections' guard (a deadline to arrive, a bound on how
+  many); `k3.serve.jobs`: a request's sequences as the app awaits them;
   `k3.serve.protocol`: the request bodies, checked;
 - `k3.serve.text`: streaming detokenization, stop strings, chat prompts.
 
@@ -17,7 +18,9 @@ server still listens and answers a new request 503 with Retry-After while the ru
 up to `shutdown_timeout` seconds; then, or at a second signal, it stops listening and ends what is left
 cleanly: a stream gets a last chunk with finish_reason "abort" (vLLM's, for a request it stopped) and
 `data: [DONE]`, a request waiting for its whole answer a 503 in OpenAI's error shape; then it returns
-(exit 0). A third signal exits as uvicorn would.
+(exit 0). A third signal exits as uvicorn would. A request's head and body must arrive within
+`request_timeout` seconds of its first byte (408 and the connection closed past it), and at most
+`max_connections` connections are open (a new one past it is answered 503): `k3.serve.gate.guarded`.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from .engine import Draining, Engine, QueueFull, Sequence, prefill_bytes, sequen
 __all__ = [
     "Draining",
     "Engine",
+    "MAX_CONNECTIONS",
     "QueueFull",
+    "REQUEST_TIMEOUT",
     "Sequence",
     "build_app",
     "parse_bytes",
@@ -89,15 +94,32 @@ def require_serve_extra(what: str = "k3 serve") -> None:
         ) from None
 
 
+REQUEST_TIMEOUT = 30.0  # seconds a request's head and body have to arrive (k3 serve --request-timeout)
+MAX_CONNECTIONS = 1024  # connections open at once (k3 serve --max-connections)
 GRACE = 5.0  # seconds a stopping server gives its last requests to send their ends before it closes them
 
 # the signals that stop a server: SIGTERM, Ctrl-C and SIGHUP (its terminal closed), each drained alike
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
 
 
-def _server(app, engine: Engine, host: str, port: int, shutdown_timeout: float, log_level: str, on_ready=None):
-    """A uvicorn server for `app` that drains `engine` when told to exit (see the module docstring)."""
+def _server(
+    app,
+    engine: Engine,
+    host: str,
+    port: int,
+    shutdown_timeout: float,
+    log_level: str,
+    on_ready=None,
+    request_timeout: float = REQUEST_TIMEOUT,
+    max_connections: int = MAX_CONNECTIONS,
+):
+    """A uvicorn server for `app` that drains `engine` when told to exit (see the module docstring), over
+    `k3.serve.gate.guarded`'s protocol: a request's deadline to arrive, a bound on connections."""
     import uvicorn
+
+    from .gate import guarded
+
+    protocol = guarded(request_timeout, max_connections)
 
     # the app's own way to end every request now (`build_app`'s); another ASGI app relies on the engine
     abort_requests = getattr(getattr(app, "state", None), "abort_requests", None)
@@ -173,7 +195,13 @@ def _server(app, engine: Engine, host: str, port: int, shutdown_timeout: float, 
                 on_ready(self.servers[0].sockets[0].getsockname()[1])
 
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACE, access_log=False
+        app,
+        host=host,
+        port=port,
+        http=protocol,
+        log_level=log_level,
+        timeout_graceful_shutdown=GRACE,
+        access_log=False,
     )
     return Server(config)
 
@@ -186,10 +214,14 @@ def serve(
     shutdown_timeout: float = 30.0,
     log_level: str = "info",
     on_ready=None,
+    request_timeout: float = REQUEST_TIMEOUT,
+    max_connections: int = MAX_CONNECTIONS,
 ) -> None:
     """Run `app` under uvicorn until SIGTERM, SIGHUP or Ctrl-C (see the module docstring). `on_ready(port)`
-    is called once the socket listens (the port uvicorn bound: useful with port=0)."""
-    server = _server(app, engine, host, port, shutdown_timeout, log_level, on_ready)
+    is called once the socket listens (the port uvicorn bound: useful with port=0); `request_timeout`:
+    seconds a request's head and body have to arrive (408 past it); `max_connections`: connections open
+    at once (a new one past it is answered 503)."""
+    server = _server(app, engine, host, port, shutdown_timeout, log_level, on_ready, request_timeout, max_connections)
     # uvicorn re-raises the signal it stopped on once it is done, to the handler that was there before: a
     # handler that does nothing lets SIGTERM (or SIGHUP) end the process with exit code 0
     main = threading.current_thread() is threading.main_thread()
@@ -215,6 +247,8 @@ class ServerThread:
         port: int = 0,
         shutdown_timeout: float = 5.0,
         log_level: str = "warning",
+        request_timeout: float = REQUEST_TIMEOUT,
+        max_connections: int = MAX_CONNECTIONS,
     ):
         ready = threading.Event()
         self.port: int | None = None
@@ -224,7 +258,9 @@ class ServerThread:
             ready.set()
 
         self.engine, self.shutdown_timeout = engine, shutdown_timeout
-        self._server = _server(app, engine, host, port, shutdown_timeout, log_level, on_ready)
+        self._server = _server(
+            app, engine, host, port, shutdown_timeout, log_level, on_ready, request_timeout, max_connections
+        )
         self._thread = threading.Thread(target=self._server.run, name="k3-serve", daemon=True)
         self._thread.start()
         while not ready.wait(0.05):

@@ -1,12 +1,19 @@
 """OpenAI's error answers (`APIError`, raised by the endpoints; `error_response`: the body
-`{"error": {"message", "type", "param", "code"}}`) and `Gate`, the ASGI middleware before the app that
-refuses a request without the API key, with a body too big or not UTF-8, before any of it is parsed."""
+`{"error": {"message", "type", "param", "code"}}`); `Gate`, the ASGI middleware before the app that
+refuses a request without the API key, with a body too big or not UTF-8, before any of it is parsed; and
+`guarded`, uvicorn's HTTP/1.1 protocol (h11) with a deadline for each request to arrive and a bound on the
+connections open, which uvicorn has neither of (its keep-alive timeout runs only between requests)."""
 
 from __future__ import annotations
 
+import json
+
+import h11
 from fastapi.responses import JSONResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 MAX_REQUEST_BYTES = 2**20  # a request body's default bound (k3 serve --max-request-bytes)
+LINGER = 1.0  # seconds a refused connection is read (and dropped) after its answer, so it is not reset unread
 
 
 class APIError(Exception):
@@ -104,3 +111,83 @@ class Gate:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def guarded(request_timeout: float, max_connections: int) -> type:
+    """uvicorn's h11 protocol (its `http=` class), guarded: a request's head and body must all arrive
+    within `request_timeout` seconds of its first byte (of the connection's opening, for the first), else
+    the answer is 408 and the connection closes (a client that opens connections and trickles bytes holds
+    none for long); past `max_connections` open, a new connection is answered 503 with Retry-After and
+    closed. Both answers are OpenAI's error body."""
+    if not request_timeout > 0:
+        raise ValueError(f"guarded: `request_timeout` must be > 0 seconds, got {request_timeout!r}")
+    if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
+        raise ValueError(f"guarded: `max_connections` must be an int >= 1, got {max_connections!r}")
+
+    class Guarded(H11Protocol):
+        deadline = None  # the timer of the request arriving now
+        refused = False
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                self.refused = True
+                self._answer(
+                    503,
+                    f"this server has {max_connections} connections open, its bound (--max-connections); retry later",
+                    None,
+                    "server_busy",
+                    {"Retry-After": "1"},
+                )
+                transport.write_eof()  # the answer, then read what the client sent until it closes
+                self.loop.call_later(LINGER, transport.close)
+                return
+            self.deadline = self.loop.call_later(request_timeout, self._timed_out)
+
+        def data_received(self, data: bytes) -> None:
+            if self.refused:
+                return
+            if self.deadline is None and self.conn.their_state is h11.IDLE:  # a kept-alive connection's next request
+                self.deadline = self.loop.call_later(request_timeout, self._timed_out)
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE and self.conn.their_state is not h11.SEND_BODY:
+                self._disarm()  # all of it is here (or the connection is done with)
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _disarm(self) -> None:
+            if self.deadline is not None:
+                self.deadline.cancel()
+                self.deadline = None
+
+        def _timed_out(self) -> None:
+            self.deadline = None
+            state = self.conn.their_state
+            if self.transport.is_closing() or state not in (h11.IDLE, h11.SEND_BODY):
+                return
+            cycle = self.cycle if state is h11.SEND_BODY else None
+            if cycle is None or not cycle.response_started:
+                what = "body" if cycle is not None else "request head"
+                self._answer(
+                    408,
+                    f"{what}: did not arrive within {request_timeout:g} s (--request-timeout); send the "
+                    "whole request at once",
+                    "body" if cycle is not None else None,
+                )
+            if cycle is not None:  # the app, waiting for the body, sees its client go
+                cycle.disconnected = True
+                cycle.message_event.set()
+            self.transport.close()
+
+        def _answer(self, status: int, message: str, param, kind="invalid_request_error", headers=None) -> None:
+            """OpenAI's error body as a whole HTTP/1.1 answer, written straight to the socket (the app has
+            not answered: no request arrived whole), the connection to be closed."""
+            body = json.dumps(error_body(message, kind, param, status)).encode()
+            phrase = {408: "Request Timeout", 503: "Service Unavailable"}[status]
+            head = [f"HTTP/1.1 {status} {phrase}", "content-type: application/json", f"content-length: {len(body)}"]
+            head += ["connection: close", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+            self.transport.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+
+    return Guarded

@@ -49,6 +49,30 @@ def test_errors(capsys, tmp_path):
     )
 
 
+def test_connection_flags(capsys, tmp_path, monkeypatch):
+    """--request-timeout and --max-connections checked as parsed; --max-connections and a margin must fit
+    the open-file limit: the soft limit is raised to fit when the hard one allows, else one line says what
+    fits."""
+    import resource
+
+    missing = str(tmp_path / "missing")  # the command stops at the checkpoint, after the limit is fitted
+    fails(capsys, ["serve", "--checkpoint", missing, "--request-timeout", "0"], "--request-timeout", "> 0")
+    fails(capsys, ["serve", "--checkpoint", missing, "--max-connections", "0"], "--max-connections")
+    raised = []
+    monkeypatch.setattr(resource, "setrlimit", lambda kind, limits: raised.append(limits))
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (256, 4096))
+    fails(capsys, ["serve", "--checkpoint", missing, "--max-connections", "1000"], "no such folder")
+    assert raised == [(1128, 4096)]
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (256, 512))
+    fails(
+        capsys,
+        ["serve", "--checkpoint", missing],
+        "--max-connections 1024",
+        "512 files at most (ulimit -Hn)",
+        "at most --max-connections 384",
+    )
+
+
 def test_parse_bytes():
     assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("2GB") == 2 * 10**9 and parse_bytes("1000") == 1000
     assert parse_bytes("1.5 GiB") == int(1.5 * 2**30)

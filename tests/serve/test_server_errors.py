@@ -1,17 +1,23 @@
 """`k3 serve`'s answers to bad input over HTTP: every bad body answered 400 (404 for another model, 413 past
 a size limit) with OpenAI's error body naming the field; a request with extreme or failing sampling fails
-alone, the requests beside it unharmed."""
+alone, the requests beside it unharmed; a request that does not arrive in time is 408, connections past the
+bound 503."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import re
+import socket
 import threading
 import time
+import unittest
 
 import pytest
 
 from k3.models import CausalLM
+from k3.serve import Engine, ServerThread, build_app
+from k3.tokenizer import byte_tokenizer
 
 from .conftest import NAME, post, start
 
@@ -208,3 +214,73 @@ def test_request_size_limits_are_413(checkpoint):
         assert code == 413 and out["error"]["param"] == "messages", out
         code, out, _ = post(s, "/v1/completions", json.dumps({"model": NAME, "prompt": "x" * 10, "max_tokens": 2}))
         assert code == 200, out
+
+
+def answer_of(sock: socket.socket) -> tuple[int, dict, bytes]:
+    """(status, JSON body, what follows) of the one answer a raw socket gets, read until the server closes."""
+    sock.settimeout(30)  # a server that never answers fails here
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+    return int(head.split()[1]), json.loads(body[:length]), body[length:]
+
+
+def test_requests_that_do_not_arrive_are_408_and_connections_are_bounded(checkpoint):
+    """Real sockets against a server with a 1 s deadline for a request to arrive and 4 connections at
+    most: a body that stops short, a head that stops short, a connection that sends nothing, and a head
+    trickled a byte at a time (the deadline runs from the first byte; more bytes do not extend it) are each
+    answered 408 in OpenAI's shape and closed; a kept-alive connection's second request has its own
+    deadline; a fifth connection beside four open ones is answered 503 with Retry-After; a request that
+    arrived whole may take longer than the deadline to answer; nothing is logged as an error."""
+    engine = Engine(CausalLM.from_pretrained(checkpoint).eval(), cache_memory=10**9, max_running=8, max_length=512)
+    app = build_app(engine, byte_tokenizer(), NAME)
+    # uvicorn sets its loggers up as the server is made: what they log is watched from then on
+    with ServerThread(app, engine, request_timeout=1.0, max_connections=4) as s:
+        with unittest.TestCase().assertNoLogs("uvicorn", "ERROR"):
+
+            def connect(data: bytes = b"") -> socket.socket:
+                sock = socket.create_connection(("127.0.0.1", s.port))
+                sock.sendall(data)
+                return sock
+
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: k3\r\nContent-Type: application/json\r\n"
+            status, out, _ = answer_of(connect(head + b'Content-Length: 100\r\n\r\n{"prompt"'))
+            assert status == 408 and out["error"]["param"] == "body" and "--request-timeout" in out["error"]["message"]
+            status, out, _ = answer_of(connect(head))
+            assert status == 408 and out["error"]["param"] is None and "request head" in out["error"]["message"], out
+            assert answer_of(connect())[0] == 408
+            trickle = connect()
+            for byte in head:
+                try:
+                    trickle.sendall(bytes([byte]))
+                except OSError:  # closed after its 408
+                    break
+                time.sleep(0.05)
+            status, out, _ = answer_of(trickle)
+            assert status == 408 and out["error"]["code"] == 408
+            kept = connect(b"GET /health HTTP/1.1\r\nHost: k3\r\n\r\n")
+            kept.settimeout(30)
+            assert kept.recv(65536).startswith(b"HTTP/1.1 200")
+            kept.sendall(head)
+            status, _, _ = answer_of(kept)
+            assert status == 408
+
+            held = [connect(head) for _ in range(4)]
+            status, out, _ = answer_of(connect())
+            assert (
+                status == 503
+                and out["error"]["type"] == "server_busy"
+                and "--max-connections" in out["error"]["message"]
+            )
+            for sock in held:
+                assert answer_of(sock)[0] == 408
+
+            # a whole request, longer to answer than the deadline
+            forward = engine.model.model.forward
+            engine.model.model.forward = lambda *a, **k: (time.sleep(0.02), forward(*a, **k))[1]
+            code, out, _ = post(
+                s, "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 80, "ignore_eos": True})
+            )
+            assert code == 200 and out["usage"]["completion_tokens"] == 80
