@@ -4,6 +4,7 @@ open-file limit for --max-connections), then `k3.serve.serve`."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -61,6 +62,35 @@ def _fit_connections(n: int) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
+API_KEY_VARIABLE = "K3_API_KEY"  # the API key from the environment (vLLM reads VLLM_API_KEY alike)
+
+
+def _api_key(args) -> str | None:
+    """The API key k3 serve requires: from --api-key-file (its text, less the whitespace around it),
+    --api-key (visible to every user in `ps`) or $K3_API_KEY, in that order; None without any. Checked
+    (`k3.serve.gate.check_api_key`), each error naming where the key came from. OPENAI_API_KEY is not read:
+    it is the key a client sends to OpenAI, often set in the same shell."""
+    from ..serve.gate import check_api_key
+
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("--api-key and --api-key-file: give one of them (or neither, and $K3_API_KEY)")
+    if args.api_key_file is not None:
+        source = f"--api-key-file {args.api_key_file}"
+        try:
+            key = Path(args.api_key_file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise ValueError(f"{source}: cannot read it ({e.strerror or type(e).__name__})") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{source}: not UTF-8 text (byte {e.start}); the file holds the key alone") from None
+    elif args.api_key is not None:
+        key, source = args.api_key, "--api-key"
+    elif API_KEY_VARIABLE in os.environ:
+        key, source = os.environ[API_KEY_VARIABLE], f"${API_KEY_VARIABLE}"
+    else:
+        return None
+    return check_api_key(key, source)
+
+
 def _serve(args) -> int:
     """`k3 serve`: the checkpoint behind OpenAI's API (`k3.serve`); checked as `k3 generate` checks it."""
     import json
@@ -74,6 +104,7 @@ def _serve(args) -> int:
     from .preflight import check_checkpoint
 
     require_serve_extra()
+    api_key = _api_key(args)
     budget = _size(args.cache_memory, "--cache-memory")
     max_request_bytes = _size(args.max_request_bytes, "--max-request-bytes")
     _fit_connections(args.max_connections)
@@ -120,7 +151,7 @@ def _serve(args) -> int:
         chat_template=chat_template,
         special=special,
         max_model_len=engine.max_length,
-        api_key=args.api_key,
+        api_key=api_key,
         max_request_bytes=max_request_bytes,
         max_prompt_tokens=args.max_prompt_tokens,
         stream_interval=args.stream_interval,

@@ -7,7 +7,7 @@ import argparse
 from ..runtime import DEVICES
 from ..serve import MAX_CONNECTIONS, REQUEST_TIMEOUT
 from ..serve.engine import PREFILL_CHUNK, PREFIX_CACHE
-from .argtypes import _count, _number, _text
+from .argtypes import _count, _number
 from .serve_command import _serve
 
 
@@ -99,7 +99,15 @@ def add_serve_parser(sub) -> None:
         help="the model's name in the API (default: the checkpoint folder's name)",
     )
     srv.add_argument(
-        "--api-key", type=_text("an API key"), help="require 'Authorization: Bearer KEY' on /v1/ (401 without it)"
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/ (401 without it); visible to every user in `ps`: "
+        "prefer $K3_API_KEY or --api-key-file (default: $K3_API_KEY, if set; else no key)",
+    )
+    srv.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="as --api-key, the key read from a file (the whitespace around it dropped)",
     )
     srv.add_argument(
         "--shutdown-timeout",

@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from .engine import Draining, Engine, QueueFull, Sequence
-from .gate import MAX_REQUEST_BYTES, APIError, Gate, error_body, error_response
+from .gate import MAX_REQUEST_BYTES, APIError, Gate, check_api_key, error_body, error_response
 from .jobs import ClientGone, Job
 from .protocol import ChatRequest, CompletionRequest, Sampling
 from .text import PLAIN_STOPS, TextStream, chat_prompt
@@ -72,6 +72,8 @@ def build_app(
     last may carry fewer)."""
     if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
         raise ValueError(f"build_app: `stream_interval` must be an int >= 1 (tokens), got {stream_interval!r}")
+    if api_key is not None:
+        check_api_key(api_key, "build_app: `api_key`")
     max_model_len = engine.max_length if max_model_len is None else min(max_model_len, engine.max_length)
 
     @asynccontextmanager

@@ -43,6 +43,28 @@ def error_response(
     return JSONResponse(error_body(message, kind, param, status), status, headers=headers)
 
 
+def check_api_key(key: str, source: str) -> str:
+    """`key` if a client can send it as 'Authorization: Bearer KEY'; else a ValueError naming `source` (the
+    flag, file or variable it came from) and why: blank, whitespace at either end (HTTP strips it from a
+    header's value), or a character outside printable ASCII. The key itself is never repeated."""
+    if not key.strip():
+        raise ValueError(
+            f"{source}: the API key is blank ({'empty' if not key else 'whitespace only'}), which no client can "
+            f"send; give a key, or none to serve without one"
+        )
+    if key != key.strip():
+        raise ValueError(
+            f"{source}: the API key begins or ends with whitespace, which an HTTP header drops; no client could send it"
+        )
+    bad = next((i for i, c in enumerate(key) if not " " <= c <= "~"), None)
+    if bad is not None:
+        raise ValueError(
+            f"{source}: the API key has {key[bad]!r} (character {bad}), not printable ASCII, which an "
+            f"Authorization header does not carry alike from every client"
+        )
+    return key
+
+
 def _printable(text: str | None) -> str | None:
     """`text` with a lone surrogate (from a request: JSON can spell one) written as its escape, so the
     answer that names it can be encoded as UTF-8."""
@@ -75,7 +97,8 @@ class Gate:
             if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
                 response = error_response(
                     401,
-                    "a valid API key is needed: header 'Authorization: Bearer KEY' (k3 serve --api-key)",
+                    "a valid API key is needed: header 'Authorization: Bearer KEY', the key this server "
+                    "was given (k3 serve: $K3_API_KEY, --api-key-file or --api-key)",
                     None,
                     "authentication_error",
                 )

@@ -26,7 +26,6 @@ def test_errors(capsys, tmp_path):
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--cache-memory", "lots"], "512MiB")
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--port", "-1"], "--port")
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--port", "70000"], "--port", "in [0, 65535]", "70000")
-    fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--api-key", ""], "--api-key", "not empty")
     fails(
         capsys,
         ["serve", "--checkpoint", str(tmp_path), "--cache-memory", "1000TiB", "--device", "cpu"],
@@ -47,6 +46,41 @@ def test_errors(capsys, tmp_path):
         "does not hold one row of 8,192 tokens",
         "--max-model-len",
     )
+
+
+def test_api_key_sources(capsys, tmp_path, monkeypatch):
+    """The key from --api-key-file (the whitespace around it dropped), --api-key or $K3_API_KEY, in that
+    order; one that no client could send (blank, whitespace at an end, not printable ASCII) and a file that
+    cannot be read refused in one line naming where the key came from, without repeating it."""
+    from k3.cli.parser import build_parser
+    from k3.cli.serve_command import _api_key
+
+    def key(*flags):
+        return _api_key(build_parser().parse_args(["serve", "--checkpoint", str(tmp_path), *flags]))
+
+    monkeypatch.delenv("K3_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    (tmp_path / "key").write_text("sk-file\n")
+    assert key() is None
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-openai")  # a client's key to OpenAI: not this server's
+    assert key() is None
+    monkeypatch.setenv("K3_API_KEY", "sk-env")
+    assert key() == "sk-env" and key("--api-key", "sk-flag") == "sk-flag"
+    assert key("--api-key-file", str(tmp_path / "key")) == "sk-file"
+    serve = ["serve", "--checkpoint", str(tmp_path)]
+    unsendable = (("", "empty"), ("   ", "whitespace only"), (" sk-x", "begins or ends"), ("sk-\u00e9", "ASCII"))
+    for value, words in unsendable:
+        monkeypatch.setenv("K3_API_KEY", value)
+        err = fails(capsys, serve, "$K3_API_KEY", words)
+        assert "sk-" not in err, err
+        fails(capsys, [*serve, "--api-key", value], "--api-key:", words)
+    (tmp_path / "blank").write_text("\n")
+    fails(capsys, [*serve, "--api-key-file", str(tmp_path / "blank")], "--api-key-file", "blank")
+    fails(capsys, [*serve, "--api-key-file", str(tmp_path / "none")], "--api-key-file", "cannot read", "No such file")
+    fails(capsys, [*serve, "--api-key-file", str(tmp_path)], "--api-key-file", "cannot read", "directory")
+    (tmp_path / "binary").write_bytes(b"\xff\xfe")
+    fails(capsys, [*serve, "--api-key-file", str(tmp_path / "binary")], "--api-key-file", "not UTF-8")
+    fails(capsys, [*serve, "--api-key", "a", "--api-key-file", str(tmp_path / "key")], "give one of them")
 
 
 def test_connection_flags(capsys, tmp_path, monkeypatch):

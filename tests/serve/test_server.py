@@ -159,6 +159,9 @@ def test_api_key(checkpoint):
         conn = http.client.HTTPConnection("127.0.0.1", s.port)
         conn.request("GET", "/health")
         assert conn.getresponse().status == 200  # health needs no key
+    for blank in ("", "  ", "sk-k3\n"):  # keys no client can send
+        with pytest.raises(ValueError, match="api_key"):
+            build_app(s.engine, byte_tokenizer(), NAME, api_key=blank)
 
 
 def test_full_queue_is_503_with_retry_after(checkpoint):
