@@ -194,6 +194,23 @@ def fields_from_hf(hf: dict) -> dict:
     )
 
 
+# ModelConfig fields that a Kimi config.json spells otherwise (the others keep their names)
+HF_FIELD_NAMES = {
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "norm_eps": "rms_norm_eps",
+    "linear_num_heads": "linear_attn_config.num_heads",
+    "linear_head_dim": "linear_attn_config.head_dim",
+    "conv_size": "linear_attn_config.short_conv_kernel_size",
+    "moe_latent_size": "routed_expert_hidden_size",
+}
+
+
+def hf_field_name(field: str) -> str:
+    """The name a Kimi config.json gives ModelConfig's `field` (its text config's, in Kimi K3's wrapper)."""
+    return HF_FIELD_NAMES.get(field, field)
+
+
 def config_to_hf(config) -> dict:
     """The Kimi Linear `config.json` fields (Hub spelling) for a KDA/MLA config; K3 fields by their
     published names (module docstring)."""

@@ -3,8 +3,10 @@
 Reads k3's own checkpoints, Kimi Linear's (the Hub's or transformers' layout, `checkpoint`) and Kimi K3's
 published one (`kimi_k3_format`): the model is built on the meta device, given memory (no random
 initialisation), and each tensor of each shard is read, renamed and copied into place, so the peak is
-about the model plus one tensor. Every parameter must be filled exactly once; what is missing,
-unexpected or mis-shaped is reported together (`checkpoint.load_into`'s message).
+about the model plus one tensor. Every parameter must be filled exactly once, with floating-point values
+that are all finite; what is missing, unexpected, mis-shaped (config.json's field behind it named), of an
+integer dtype or not finite is reported together, naming tensors and files (`fill.Filler`). A file that
+is no safetensors file is named (`open_shard`).
 
 Options:
 - `dtype`: the model's dtype (MXFP4 experts decode straight to it);
@@ -13,7 +15,9 @@ Options:
 - `layers`: decoder-layer indices to keep (in order), for studying a model too large to hold; the
   result is a model of those layers, whose Block AttnRes blocks are counted in the new numbering
   (a prefix `range(n)` keeps the original blocks);
-- `device`: where the weights go; "meta" builds the model with no weights at all (nothing is read).
+- `device`: where the weights go; "meta" builds the model with no weights at all (nothing is read);
+- `strict=False`: integer or bool tensors (cast), NaN and infinity loaded with a warning, and the model
+  built with the tensors' sizes where config.json's contradict them (`checkpoint.ConfigMismatch`).
 
 The model's class comes in as `cls` (`CausalLM.from_pretrained` passes itself), and the config's as
 `cls.config_class`: this package sits below `k3.models` and imports nothing of it.
@@ -21,6 +25,7 @@ The model's class comes in as `cls` (`CausalLM.from_pretrained` passes itself), 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import warnings
@@ -31,13 +36,12 @@ import torch
 from ..io import CheckpointError, checked_folder, read_json
 from ..layers import MoE
 from ..layers.mxfp4_expert import MXFP4Expert
-from ..ops import mxfp4
 from ..runtime import refuse_if_over_memory
 from . import checkpoint, dcp, kimi_k3_format
+from .fill import Filler
 
 EXPERTS = (None, "mxfp4")
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
-EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.")
 WEIGHT_FILES = (
     "config.json",
     "*.safetensors",
@@ -63,11 +67,25 @@ def shard_files(directory: Path) -> list[Path]:
     raise FileNotFoundError(f"{directory}: no model.safetensors or model.safetensors.index.json")
 
 
+@contextlib.contextmanager
+def open_shard(file: Path):
+    """safetensors' `safe_open(file)`, its errors (a truncated file, a header that is no safetensors header,
+    offsets beyond the file) a ValueError naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(
+            f"{file.parent}: {file.name} is damaged or not a safetensors file (truncated, or another format: "
+            f"{e}); restore it from the run that wrote it"
+        ) from None
+
+
 def check_same_step(directory: Path) -> None:
     """A k3 training checkpoint's config.json and weights (model.safetensors or dcp/) must come from the
     same save."""
-    from safetensors import safe_open
-
     weights = directory / "model.safetensors"
     if not (directory / "config.json").exists():
         return  # read_config says what is missing
@@ -78,7 +96,7 @@ def check_same_step(directory: Path) -> None:
     if dcp.is_sharded(directory):
         weights_step, source = dcp.sharded_step(directory), f"{dcp.SHARDED}/"
     elif weights.exists():
-        with safe_open(weights, "pt") as f:
+        with open_shard(weights) as f:
             weights_step, source = (f.metadata() or {}).get("step"), "model.safetensors"
     else:
         return
@@ -128,65 +146,16 @@ def build(cls, config: ModelConfig, dtype: torch.dtype | None, experts: str | No
     return model if dtype is None else model.to(dtype)
 
 
-class _Filler:
-    """Copies named tensors into a model's state, checking names and shapes, pairing MXFP4 halves."""
+def _probe(model: torch.nn.Module):
+    """`checkpoint.fields_behind`'s probe: (config, layers) -> {tensor: shape} of the model that `config`
+    gives with only decoder layers `layers`, built as `model` was (MXFP4 experts or not), on meta."""
 
-    def __init__(self, model: torch.nn.Module, source: str):
-        self.model, self.source = model, source
-        self.own = model.state_dict()
-        self.filled: set[str] = set()
-        self.unexpected: list[str] = []
-        self.shapes: list[str] = []
-        self.misshaped: set[str] = set()  # in the checkpoint, with another shape: not also "missing"
-        self.halves: dict[str, dict[str, torch.Tensor]] = {}  # expert matrix -> the MXFP4 parts seen so far
+    def shapes(config, layers):  # only on a mismatch's path
+        experts = "mxfp4" if any(isinstance(m, MXFP4Expert) for m in model.modules()) else None
+        built = build(type(model), subset_config(config, layers)[0], None, experts)
+        return {k: tuple(t.shape) for k, t in built.state_dict().items()}
 
-    def held_elsewhere(self, key: str) -> bool:
-        """True for a routed expert's tensor that this process does not hold (expert parallelism leaves
-        such experts None): it is neither read nor expected."""
-        m = EXPERT_KEY.match(key)
-        if m is None or key in self.own:
-            return False
-        layers = self.model.model.layers
-        layer, expert = int(m.group(1)), int(m.group(2))
-        if layer >= len(layers) or not hasattr(layers[layer].ffn, "experts"):
-            return False
-        experts = layers[layer].ffn.experts
-        return expert < len(experts) and experts[expert] is None
-
-    def put(self, key: str, t: torch.Tensor) -> None:
-        part = next((p for p in kimi_k3_format.QUANTIZED_PARTS if key.endswith(p)), None)
-        if part is not None and key not in self.own:  # MXFP4 in the file, full precision in the model
-            base = key[: -len(part)]
-            halves = self.halves.setdefault(base, {})
-            halves[part] = t
-            if len(halves) == 2:
-                del self.halves[base]
-                self._copy(base, mxfp4.decode(halves[".weight_packed"], halves[".weight_scale"]))
-            return
-        if key not in self.own and key + ".weight_packed" in self.own:  # full precision in, MXFP4 kept
-            packed, scale = mxfp4.encode(t)
-            self._copy(key + ".weight_packed", packed)
-            self._copy(key + ".weight_scale", scale)
-            return
-        self._copy(key, t)
-
-    def _copy(self, key: str, t: torch.Tensor) -> None:
-        if key not in self.own:
-            self.unexpected.append(key)
-        elif self.own[key].shape != t.shape:
-            self.shapes.append(f"{key}: checkpoint {list(t.shape)}, model {list(self.own[key].shape)}")
-            self.misshaped.add(key)
-        else:
-            with torch.no_grad():
-                self.own[key].copy_(t)
-            self.filled.add(key)
-
-    def finish(self, tied: bool) -> None:
-        if tied and "model.embed_tokens.weight" in self.filled | self.misshaped:
-            self.filled.add("lm_head.weight")
-        self.unexpected += [base + part for base, halves in self.halves.items() for part in halves]
-        missing = sorted(set(self.own) - self.filled - self.misshaped)
-        checkpoint.raise_mismatch(self.source, missing, sorted(self.unexpected), sorted(self.shapes))
+    return shapes
 
 
 def _renumbered(name: str, renumber: dict[int, int] | None) -> str | None:
@@ -226,7 +195,14 @@ def as_dtype(dtype) -> torch.dtype | None:
 
 
 def load_pretrained(
-    cls, path, dtype: torch.dtype | None = None, *, device=None, experts: str | None = None, layers=None
+    cls,
+    path,
+    dtype: torch.dtype | None = None,
+    *,
+    device=None,
+    experts: str | None = None,
+    layers=None,
+    strict: bool = True,
 ) -> torch.nn.Module:
     """See the module docstring; `cls`: the model class (CausalLM), whose `config_class` (ModelConfig)
     reads config.json."""
@@ -248,7 +224,16 @@ def load_pretrained(
         model = build(cls, config, dtype, experts)
         if device is not None and torch.device(device).type == "meta":
             return model
-        check_weights(model, directory, native, renumber)
+        try:
+            check_weights(model, directory, native, renumber, strict=strict)
+        except checkpoint.ConfigMismatch as e:
+            if strict:
+                hint = "from_pretrained(..., strict=False) loads it with the tensors' sizes"
+                raise checkpoint.ConfigMismatch(f"{e}; {hint}", e.fields, e.explained) from None
+            warnings.warn(f"{directory}: {e.explained}: loaded with the tensors' sizes (strict=False)", stacklevel=3)
+            config = config.replace(**e.fields)
+            model = build(cls, config, dtype, experts)
+            check_weights(model, directory, native, renumber, strict=strict)
         nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         refuse_if_over_memory(
             f"{directory}: loading {config.name!r}",
@@ -256,14 +241,14 @@ def load_pretrained(
             "load it on a machine with more memory, or a subset (layers=...) or experts='mxfp4'",
         )
         allocate(model, device or "cpu")
-        filler = _Filler(model, str(directory))
+        filler = Filler(model, str(directory), native, strict, _probe(model))
         skipped = _read_shards(directory, config, native, renumber, filler)
+    filler.finish(config.tie_word_embeddings)
     if skipped:
         warnings.warn(
             f"{directory}: skipped {skipped} vision tensors (vision_tower.*, mm_projector.*): k3 loads the text model",
             stacklevel=3,
         )
-    filler.finish(config.tie_word_embeddings)
     return model
 
 
@@ -275,11 +260,11 @@ def allocate(model: torch.nn.Module, device) -> None:
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
-def load_held(model: torch.nn.Module, path) -> None:
+def load_held(model: torch.nn.Module, path, *, strict: bool = True) -> None:
     """Fill `model`, whose routed experts may be split over processes (the ones held elsewhere None,
     `k3.training.parallel.shard_experts`) and whose tensors may be on the meta device, from the checkpoint
     folder `path`: allocated (on the CPU) and read tensor by tensor, the other processes' experts never
-    read. Names and shapes are checked as in `load_pretrained`."""
+    read. Names, shapes, dtypes and values are checked as in `load_pretrained` (`strict` too)."""
     directory = Path(path)
     with checked_folder(directory, WEIGHT_FILES):
         check_same_step(directory)
@@ -288,7 +273,7 @@ def load_held(model: torch.nn.Module, path) -> None:
             raise ValueError(f"{directory}: its config.json describes another model than the one to fill")
         if model.lm_head.weight.is_meta:
             allocate(model, "cpu")
-        filler = _Filler(model, str(directory))
+        filler = Filler(model, str(directory), native, strict, _probe(model))
         _read_shards(directory, config, native, None, filler)
     filler.finish(config.tie_word_embeddings)
 
@@ -299,13 +284,17 @@ def check_weights(
     native: bool,
     renumber: dict[int, int] | None = None,
     source: str | None = None,
+    *,
+    strict: bool = True,
 ) -> None:
     """The checkpoint's tensors, from the safetensors headers alone (no data read), against `model` on
-    the meta device: the same names and shapes as the load would find, or the load's ValueError (naming
-    `source`, default the folder), before anything is allocated. A damaged file is a ValueError naming it."""
-    filler = _Filler(model, source or str(directory))
+    the meta device: the same names, shapes and dtypes as the load would find, or the load's ValueError
+    (naming `source`, default the folder; a ConfigMismatch when config.json's sizes are what differs),
+    before anything is allocated. A damaged file is a ValueError naming it. `strict=False`: dtypes pass
+    (the load warns of them)."""
+    filler = Filler(model, source or str(directory), native, strict, _probe(model))
     _read_shards(directory, model.config, native, renumber, filler, header_only=True)
-    filler.finish(model.config.tie_word_embeddings)
+    filler.finish(model.config.tie_word_embeddings, values=strict)
 
 
 SAFETENSORS_DTYPES = {
@@ -329,57 +318,51 @@ def _read_shards(
     config: ModelConfig,
     native: bool,
     renumber: dict[int, int] | None,
-    filler: _Filler,
+    filler: Filler,
     header_only: bool = False,
 ) -> int:
     """Every tensor of the checkpoint's shards, one at a time, into `filler` under k3's names (as meta
     tensors of the header's shapes when `header_only`); returns the number of vision tensors skipped."""
-    from safetensors import SafetensorError, safe_open
-
     if dcp.is_sharded(directory):
         _read_sharded(directory, renumber, filler, header_only)
         return 0
     skipped = 0
     for file in shard_files(directory):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    if not native and kimi_k3_format.is_vision(key):
-                        skipped += 1
-                        continue
-                    # k3's names (k3.hf's under `k3.`), or a Kimi layout: K3's published names first
-                    name = _renumbered(
-                        key.removeprefix("k3.") if native else kimi_k3_format.to_kimi_name(key), renumber
-                    )
-                    if name is None:
-                        continue
-                    if filler.held_elsewhere(name):
-                        continue
-                    if header_only:
-                        part = f.get_slice(key)
-                        t = torch.empty(part.get_shape(), dtype=SAFETENSORS_DTYPES[part.get_dtype()], device="meta")
-                    else:
-                        t = f.get_tensor(key)
-                    if native:
-                        filler.put(name, t)
-                        continue
-                    if name.endswith("self_attn.A_log"):
-                        t = kimi_k3_format.unpad_a_log(t, config.linear_num_heads, key)
-                    for k3_name, part in checkpoint.convert_kimi_tensor(name, t, config).items():
-                        filler.put(k3_name, part)
-        except SafetensorError as e:
-            raise ValueError(
-                f"{directory}: {file.name} is damaged or not a safetensors file ({e}); restore it "
-                f"from the run that wrote it"
-            ) from None
+        filler.file = file.name
+        with open_shard(file) as f:
+            for key in f.keys():
+                if not native and kimi_k3_format.is_vision(key):
+                    skipped += 1
+                    continue
+                # k3's names (k3.hf's under `k3.`), or a Kimi layout: K3's published names first
+                name = _renumbered(key.removeprefix("k3.") if native else kimi_k3_format.to_kimi_name(key), renumber)
+                if name is None:
+                    continue
+                if filler.held_elsewhere(name):
+                    continue
+                if header_only:
+                    part = f.get_slice(key)
+                    if part.get_dtype() not in SAFETENSORS_DTYPES:
+                        raise ValueError(f"{file}: {key} is {part.get_dtype()}, a dtype no k3 model holds")
+                    t = torch.empty(part.get_shape(), dtype=SAFETENSORS_DTYPES[part.get_dtype()], device="meta")
+                else:
+                    t = f.get_tensor(key)
+                if native:
+                    filler.put(name, t)
+                    continue
+                if name.endswith("self_attn.A_log"):
+                    t = kimi_k3_format.unpad_a_log(t, config.linear_num_heads, key)
+                for k3_name, part in checkpoint.convert_kimi_tensor(name, t, config).items():
+                    filler.put(k3_name, part)
     return skipped
 
 
-def _read_sharded(directory: Path, renumber: dict[int, int] | None, filler: _Filler, header_only: bool) -> None:
+def _read_sharded(directory: Path, renumber: dict[int, int] | None, filler: Filler, header_only: bool) -> None:
     """`_read_shards` for a sharded checkpoint (`dcp/`, torch.distributed.checkpoint's files, k3's names):
     each model tensor read whole from the shards of every process that saved a part of it, one tensor at
     a time (the peak is the model plus one tensor, as from safetensors)."""
     reader = dcp.sharded_reader(directory)
+    filler.file = f"{dcp.SHARDED}/"
     try:
         tensors = reader.read_metadata().state_dict_metadata
     except Exception as e:  # a damaged .metadata: pickle's, torch's or the OS's error

@@ -107,25 +107,6 @@ def _bench_serve(args) -> int:
     return 0
 
 
-def _params(args) -> int:
-    from ..models import PRESETS, get_config
-    from ..models.params import config_for, count_params, format_report
-
-    if args.preset is None:
-        print("presets: " + ", ".join(PRESETS))
-        return 0
-    config = config_for(args.preset)
-    vs = get_config(args.vs) if args.vs else None
-    if args.json:
-        import dataclasses
-        import json
-
-        print(json.dumps({"preset": args.preset, **dataclasses.asdict(count_params(config))}, indent=2))
-    else:
-        print(format_report(config, vs))
-    return 0
-
-
 def _plan(args) -> int:
     import json
 

@@ -12,11 +12,11 @@ from .commands import (
     _eval,
     _export,
     _lab,
-    _params,
     _plan,
     _train,
 )
 from .generate import _generate
+from .params import add_params_parser
 from .serve_parser import add_serve_parser
 
 
@@ -305,16 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint stores them",
     )
     export.set_defaults(func=_export)
-    params = sub.add_parser("params", help="parameter count, active parameters and decode memory of a preset")
-    params.add_argument(
-        "preset",
-        nargs="?",
-        metavar="PRESET|DIR",
-        help="a preset name, a checkpoint directory or a config.json (omit to list the presets)",
-    )
-    params.add_argument("--vs", metavar="PRESET", help="also print the ratio of total parameters to this preset")
-    params.add_argument("--json", action="store_true", help="print the figures as JSON")
-    params.set_defaults(func=_params)
+    add_params_parser(sub)
     plan = sub.add_parser("plan", help="what training or serving a model takes at cluster scale, on paper")
     from ..plan.commands import add_plan_arguments
 

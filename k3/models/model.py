@@ -342,14 +342,26 @@ class CausalLM(nn.Module):
     # -- weights in and out ---------------------------------------------------------------------------
     @classmethod
     def from_pretrained(
-        cls, path, dtype: torch.dtype | None = None, *, device=None, experts: str | None = None, layers=None
+        cls,
+        path,
+        dtype: torch.dtype | None = None,
+        *,
+        device=None,
+        experts: str | None = None,
+        layers=None,
+        strict: bool = True,
     ) -> "CausalLM":
         """Load a k3 checkpoint, a Kimi Linear checkpoint (Hub or transformers layout) or Kimi K3's published
         one (sharded, MXFP4 experts) from a directory with config.json and safetensors weights, one tensor
         at a time. `dtype`: the model's dtype; `experts="mxfp4"`: keep the routed experts MXFP4 (decoded
         when they run); `layers`: only these decoder layers (indices); `device="meta"`: no weights at all.
-        See `k3.checkpoints.loading`."""
-        return loading.load_pretrained(cls, path, dtype, device=device, experts=experts, layers=layers)
+        Every tensor is checked: names and shapes against the model (a size that contradicts config.json
+        names the field), integer or bool tensors and NaN or infinity refused, each error one line naming
+        the tensor and its file. `strict=False` loads what the values and dtypes checks refuse (cast to the
+        model's dtype, NaN and infinity kept) and builds the model with the tensors' sizes where config.json
+        says otherwise, with a warning; names and shapes nothing explains are refused either way. See
+        `k3.checkpoints.loading`."""
+        return loading.load_pretrained(cls, path, dtype, device=device, experts=experts, layers=layers, strict=strict)
 
     def save_pretrained(self, path) -> None:
         """Write config.json and model.safetensors (k3 layout), never leaving a half-written file."""
