@@ -72,6 +72,8 @@ def build_app(
     last may carry fewer)."""
     if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
         raise ValueError(f"build_app: `stream_interval` must be an int >= 1 (tokens), got {stream_interval!r}")
+    if not isinstance(model_name, str) or not model_name.strip():
+        raise ValueError(f'build_app: `model_name` must be a name clients can send as "model", got {model_name!r}')
     if api_key is not None:
         check_api_key(api_key, "build_app: `api_key`")
     max_model_len = engine.max_length if max_model_len is None else min(max_model_len, engine.max_length)

@@ -36,6 +36,11 @@ def test_errors(capsys, tmp_path):
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--max-request-bytes", "0"], "--max-request-bytes", "512MiB")
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--max-prompt-tokens", "0"], "--max-prompt-tokens")
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--prefill-chunk", "-1"], "--prefill-chunk")
+    serve = ["serve", "--checkpoint", str(tmp_path)]
+    for small in ("1", "63"):
+        fails(capsys, [*serve, "--prefill-chunk", small], "--prefill-chunk", "at least 64")
+    for blank in ("", "  "):
+        fails(capsys, [*serve, "--served-model-name", blank], "--served-model-name", "blank")
     torch.manual_seed(0)
     CausalLM(get_config("kimi-k3-tiny", vocab_size=257, hidden_size=32)).save_pretrained(tmp_path)
     byte_tokenizer().save(tmp_path / "tokenizer.json")
