@@ -95,6 +95,9 @@ class Distributed(SingleProcess):
     model is split (`mode` "ddp" or "fsdp"; "ep" is fsdp with the experts split over all ranks)."""
 
     def __init__(self, mode: str, device: str = "auto", ep: int = 1):
+        from ..runtime import exit_with_launcher
+
+        exit_with_launcher()  # a torchrun worker ends with its launcher, not training on as an orphan
         super().__init__("cpu")
         self.dims, self._owns_group = init_parallel(mode, device, ep)
         self.mode, self.ep = self.dims.mode, self.dims.ep

@@ -111,13 +111,12 @@ def init_parallel(mode: str, device: str = "auto", ep: int = 1) -> tuple[Paralle
     split over all ranks and the dense parameters whole), read from torchrun's environment, its process
     group started (gloo on CPUs, NCCL with one GPU a process) unless the caller has one. Returns the dims
     and whether this call started the group (then the caller ends it)."""
-    from ..runtime import exit_with_launcher, resolve_device
+    from ..runtime import resolve_device
 
-    exit_with_launcher()  # an orphaned worker would train on alone
     if device == "mps":
         raise ValueError(
-            f"--device mps: --parallel {mode} runs its processes on CUDA GPUs (NCCL) or CPUs "
-            f"(gloo); MPS has no multi-process backend. Use --device cpu, or one process"
+            f"--device mps: --parallel {mode} runs its processes on CUDA GPUs (NCCL) or CPUs (gloo); "
+            "MPS has no multi-process backend. Use --device cpu, or one process"
         )
     resolve_device("cpu" if device == "auto" else device)  # (checks that a named device exists)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
