@@ -1,7 +1,7 @@
 """A torchrun worker ends with its launcher (`k3.runtime.exit_with_launcher`, which `k3`'s command line
-and `init_parallel` call): after `kill -9` of the launcher, no worker trains on as an orphan. The launcher
-here is a stand-in that starts its worker as torchrun's agent does (Popen from its main thread, a new
-session, TORCHELASTIC_RUN_ID in the environment)."""
+and the training loop's `Distributed` call): after `kill -9` of the launcher, no worker trains on as an
+orphan. The launcher here is a stand-in that starts its worker as torchrun's agent does (Popen from its
+main thread, a new session, TORCHELASTIC_RUN_ID in the environment)."""
 
 from __future__ import annotations
 
