@@ -3,7 +3,8 @@
 Endpoints: POST /v1/completions and /v1/chat/completions (JSON, or server-sent events with
 `"stream": true`, ending in `data: [DONE]`), GET /v1/models and /health. Errors come as OpenAI's
 `{"error": {"message", "type", "param", "code"}}`: 400 for a body that is not what the endpoint takes (the
-message names the field; a body JSON cannot parse; more sequences, prompts times n, than the queue holds),
+message names the field; a body JSON cannot parse or JSON not an object; more sequences, prompts times n,
+than the queue holds), 415 for a body not sent as JSON (Content-Type: application/json),
 401 without the right key (`api_key`), 404 for another model's name, 413 for a
 body over `max_request_bytes` (refused before it is parsed) or a prompt over `max_prompt_tokens`, 503 with
 Retry-After while the queue is full or the server shuts down (and for a whole answer a stopping server cut
@@ -122,6 +123,9 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, e: RequestValidationError):
+        whole = [err for err in e.errors() if tuple(err.get("loc", ())) == ("body",)]
+        if whole and whole[0].get("type") in ("model_attributes_type", "dict_type"):  # not a JSON object
+            return not_an_object(request.headers.get("content-type"), whole[0].get("input"))
         problems, param = [], None
         for err in e.errors():
             loc = [str(part) for part in err.get("loc", ())[1:] if not _UNION_TAG.match(str(part))]
@@ -131,6 +135,19 @@ def build_app(
             param = param or where or "body"
             problems.append(f"{where or 'body'}: {err.get('msg')}")
         return error_response(400, "; ".join(dict.fromkeys(problems)), param)
+
+    def not_an_object(content_type: str | None, value) -> JSONResponse:
+        """415 for a body sent as another type than JSON (FastAPI parses only JSON, so a form or text body
+        reaches the model unparsed), 400 for JSON that is not an object; each naming what was sent."""
+        media = (content_type or "").split(";")[0].strip().lower()
+        if not (media == "application/json" or (media.startswith("application/") and media.endswith("+json"))):
+            sent = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+            return error_response(
+                415, f"body: sent with {sent}; send a JSON object with Content-Type: application/json", "body"
+            )
+        kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+        sent = kind.get(type(value), type(value).__name__)
+        return error_response(400, f"body: a JSON {sent} was sent; the body must be a JSON object ({{...}})", "body")
 
     @app.get("/health")
     async def health():

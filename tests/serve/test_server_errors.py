@@ -186,6 +186,34 @@ def test_wrong_types_and_lone_surrogates_are_400(server, body, param):
     assert out["error"]["param"].split(".")[0] == param and out["error"]["code"] == 400, out
 
 
+NOT_JSON = [
+    ("text/plain", '{"prompt": "hi"}', "'text/plain'"),
+    ("application/x-www-form-urlencoded", "prompt=hi&max_tokens=2", "'application/x-www-form-urlencoded'"),
+    ("multipart/form-data; boundary=x", "--x--", "multipart/form-data"),
+    (None, '{"prompt": "hi"}', "no Content-Type"),
+]
+
+
+@pytest.mark.parametrize("content_type,body,named", NOT_JSON, ids=[str(c[0]) for c in NOT_JSON])
+def test_a_body_not_sent_as_json_is_415(server, content_type, body, named):
+    """A text, form or multipart body (FastAPI parses only JSON, and answered "Input should be a valid
+    dictionary"): 415 naming the Content-Type sent and the one taken."""
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request("POST", path, body.encode(), {} if content_type is None else {"Content-Type": content_type})
+        r = conn.getresponse()
+        out = json.loads(r.read())
+        message = out["error"]["message"]
+        assert r.status == 415 and out["error"]["param"] == "body" and out["error"]["code"] == 415, out
+        assert named in message and "application/json" in message, message
+
+
+@pytest.mark.parametrize("body,kind", [("[1, 2]", "array"), ('"hi"', "string"), ("7", "number"), ("null", "null")])
+def test_json_that_is_not_an_object_is_400(server, body, kind):
+    code, out, _ = post(server, "/v1/completions", body, {"Content-Type": "application/json; charset=utf-8"})
+    assert code == 400 and out["error"]["param"] == "body" and f"a JSON {kind} was sent" in out["error"]["message"]
+
+
 def test_unknown_path_and_method_in_openai_shape(server):
     code, out, _ = post(server, "/v1/engines", "{}")
     assert code == 404 and out["error"]["type"] == "invalid_request_error" and "/v1/engines" in out["error"]["message"]
