@@ -1,7 +1,9 @@
 """A fuzzer of `k3 serve`'s HTTP API (hypothesis): request bodies drawn over every field of
 /v1/completions and /v1/chat/completions, with values of the right type and of every wrong one (huge
 ints, NaN, infinities, the tiniest floats, lone surrogates, empty and long strings, lists, objects), and raw
-bytes. Whatever comes, the server answers: never a 5xx, never a hang (each request has a client timeout),
+bytes; sent mostly as JSON, now and then with another Content-Type or none (415), and one in sixteen cut
+short of its Content-Length (408 once the server's request deadline passes). Whatever comes, the server
+answers: never a 5xx, never a hang (each request has a client timeout),
 every error OpenAI's `{"error": {"message", "type", "param", "code"}}`, and /health answers afterwards
 with nothing left running. Meanwhile a client on a thread asks the same greedy question over and over: it
 gets the same answer every time, whatever the fuzzer sends beside it. Bounded to run in seconds: a tiny
@@ -12,6 +14,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import threading
 import time
 
@@ -27,6 +30,7 @@ from k3.tokenizer import byte_tokenizer
 NAME = "tiny"
 CONTEXT = 64  # max_model_len: every request's work is a few dozen tokens at most
 EXAMPLES = int(os.environ.get("K3_FUZZ_EXAMPLES", 200))  # more for a longer hunt
+MAX_BYTES = 16 * 1024  # the server's max_request_bytes
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +39,9 @@ def server():
     model = CausalLM(get_config("kimi-k3-tiny", vocab_size=257, hidden_size=32)).eval()
     engine = Engine(model, cache_memory=10**8, max_queue=64, max_running=32, max_length=CONTEXT)
     app = build_app(
-        engine, byte_tokenizer(), NAME, max_model_len=CONTEXT, max_request_bytes=16 * 1024, max_prompt_tokens=CONTEXT
+        engine, byte_tokenizer(), NAME, max_model_len=CONTEXT, max_request_bytes=MAX_BYTES, max_prompt_tokens=CONTEXT
     )
-    with ServerThread(app, engine) as s:
+    with ServerThread(app, engine, request_timeout=1.0) as s:  # a body cut short waits 1 s for its 408
         s.bystander = Bystander(s)
         yield s
         s.bystander.stop()
@@ -185,7 +189,7 @@ HOSTILE = [
     b'{"prompt": ' + json.dumps([[1]] * 300).encode() + b"}",
 ]
 
-requests = st.one_of(
+paths_and_bodies = st.one_of(
     valid,
     st.tuples(st.just("/v1/completions"), bodies(chat=False)),
     st.tuples(st.just("/v1/chat/completions"), bodies(chat=True)),
@@ -194,16 +198,43 @@ requests = st.one_of(
         st.one_of(st.binary(max_size=40), junk.map(encode), st.sampled_from(HOSTILE)),
     ),
 )
+JSON_TYPES = ["application/json", "application/json; charset=utf-8", "application/vnd.k3+json"]
+OTHER_TYPES = ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=k3", "", None]
 
 
-def send(server, path: str, body: bytes) -> tuple[int, bytes]:
+@st.composite
+def requests(draw) -> tuple[str, bytes, str | None, int | None]:
+    """(path, body, Content-Type, cut): mostly JSON's type, now and then another or none; one request in
+    sixteen stops after `cut` bytes of its body, its Content-Length promising all of them."""
+    path, body = draw(paths_and_bodies)
+    content_type = draw(st.one_of(*[st.just("application/json")] * 6, st.sampled_from(JSON_TYPES + OTHER_TYPES)))
+    cut = None
+    if body and draw(st.sampled_from([False] * 15 + [True])):
+        cut = draw(st.integers(0, len(body) - 1))
+    return path, body, content_type, cut
+
+
+def send(server, path: str, body: bytes, content_type: str | None = "application/json") -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)  # a hang fails with a timeout
     try:
-        conn.request("POST", path, body, {"Content-Type": "application/json"})
+        conn.request("POST", path, body, {} if content_type is None else {"Content-Type": content_type})
         r = conn.getresponse()
         return r.status, r.read()
     finally:
         conn.close()
+
+
+def send_part(server, path: str, body: bytes, content_type: str | None, cut: int) -> tuple[int, bytes]:
+    """The request with its body cut after `cut` bytes: (status, body) of the answer, read until closed."""
+    head = f"POST {path} HTTP/1.1\r\nHost: k3\r\nContent-Length: {len(body)}\r\n"
+    head += "" if content_type is None else f"Content-Type: {content_type}\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head.encode() + b"\r\n" + body[:cut])
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    top, _, rest = data.partition(b"\r\n\r\n")
+    return int(top.split()[1]), rest
 
 
 @settings(
@@ -211,12 +242,19 @@ def send(server, path: str, body: bytes) -> tuple[int, bytes]:
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-@given(request=requests)
+@given(request=requests())
 def test_any_request_is_answered_without_a_server_error(server, request):
-    path, body = request
-    status, raw = send(server, path, body)
+    path, body, content_type, cut = request
+    if cut is None:
+        status, raw = send(server, path, body, content_type)
+    else:
+        status, raw = send_part(server, path, body, content_type, cut)
     event(f"HTTP {status}")
-    assert status < 500, (status, raw[:500], body[:300])
+    assert status < 500, (status, raw[:500], body[:300], content_type)
+    if cut is not None:  # 413 at once when its Content-Length is over the bound, else 408 at the deadline
+        assert status == (413 if len(body) > MAX_BYTES else 408), (status, raw[:300])
+    elif content_type not in JSON_TYPES:  # 415; or the gate's 400 (not UTF-8), 413 (too big) before it
+        assert status in (400, 413, 415), (status, raw[:300], content_type)
     if status >= 400:
         error = json.loads(raw)["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == status, raw
