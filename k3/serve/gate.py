@@ -14,6 +14,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 MAX_REQUEST_BYTES = 2**20  # a request body's default bound (k3 serve --max-request-bytes)
 LINGER = 1.0  # seconds a refused connection is read (and dropped) after its answer, so it is not reset unread
+LINGERING = 64  # refused connections lingering at most; one more is closed at once (a flood holds no more)
 
 
 class APIError(Exception):
@@ -150,6 +151,7 @@ def guarded(request_timeout: float, max_connections: int) -> type:
     class Guarded(H11Protocol):
         deadline = None  # the timer of the request arriving now
         refused = False
+        lingering = 0  # refused connections this server reads until they close (all of its connections')
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -162,10 +164,18 @@ def guarded(request_timeout: float, max_connections: int) -> type:
                     "server_busy",
                     {"Retry-After": "1"},
                 )
-                transport.write_eof()  # the answer, then read what the client sent until it closes
-                self.loop.call_later(LINGER, transport.close)
+                if Guarded.lingering < LINGERING and transport.can_write_eof():
+                    transport.write_eof()  # the answer, then read what the client sent until it closes
+                    Guarded.lingering += 1
+                    self.loop.call_later(LINGER, self._end_linger)
+                else:
+                    transport.close()
                 return
             self.deadline = self.loop.call_later(request_timeout, self._timed_out)
+
+        def _end_linger(self) -> None:
+            Guarded.lingering -= 1
+            self.transport.close()
 
         def data_received(self, data: bytes) -> None:
             if self.refused:
