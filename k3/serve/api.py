@@ -279,9 +279,10 @@ def build_app(
         try:
             for sequence in job.sequences:
                 engine.submit(sequence)
-        except ValueError as e:
+        except ValueError as e:  # the engine's own bounds: a slot's tokens, the prefill's memory
             job.cancel(engine)
-            raise APIError(400, f"max_tokens: {e}", "max_tokens") from None
+            field = "max_tokens" if "max_tokens" in str(e) else "prompt" if "prefill" in str(e) else None
+            raise APIError(400, f"{field}: {e}" if field else str(e), field) from None
         except (QueueFull, Draining) as e:
             job.cancel(engine)
             raise APIError(503, f"{e}; retry later", None, "server_busy", headers={"Retry-After": "1"}) from None

@@ -312,3 +312,21 @@ def test_requests_that_do_not_arrive_are_408_and_connections_are_bounded(checkpo
                 s, "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 80, "ignore_eos": True})
             )
             assert code == 200 and out["usage"]["completion_tokens"] == 80
+
+
+@pytest.mark.parametrize(
+    "refusal, field",
+    [
+        ("the sequence would hold 900 tokens (prompt and max_tokens), more than the 512 a slot holds", "max_tokens"),
+        ("the prefill of the sequence's 400 prompt tokens needs 9,999 bytes, more than the 10 ...", "prompt"),
+        ("Engine.submit: sequence 3 was submitted before (length): make a new one", None),
+    ],
+)
+def test_the_engines_refusal_names_the_field_behind_it(server, monkeypatch, refusal, field):
+    def refuse(sequence):
+        raise ValueError(refusal)
+
+    monkeypatch.setattr(server.engine, "submit", refuse)
+    status, out, _ = post(server, "/v1/completions", json.dumps({"model": NAME, "prompt": "to be", "max_tokens": 4}))
+    assert status == 400 and out["error"]["param"] == field
+    assert out["error"]["message"] == (f"{field}: {refusal}" if field else refusal)
