@@ -156,9 +156,18 @@ def build_app(
             {"status": "draining" if stats["draining"] else "ok", **stats}, 503 if stats["draining"] else 200
         )
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "k3"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "k3"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):  # the openai client's models.retrieve
+        if model != model_name:
+            raise APIError(404, f"model: {model!r} is not served here; this server serves {model_name!r}", "model")
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -170,7 +179,7 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         check_model(body)
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
         try:
             text = chat_prompt(messages, chat_template, special)
         except Exception as e:  # a template's own error (raise_exception) or a Jinja one

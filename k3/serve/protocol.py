@@ -3,9 +3,11 @@ k3 implements, each checked by pydantic as the request arrives, strictly (a numb
 boolean is not a number) and against the rules the engine samples by (`k3.inference.generation.check_sampling`,
 `check_seed`), so a request the engine would fail on is refused with 400 before it runs. Text fields
 refuse a lone surrogate ("\\ud800": JSON can spell it, UTF-8 cannot encode it); `stop` takes at most 16
-strings (each is looked for after every token). A field OpenAI defines but k3 does not implement
-(logprobs, penalties, tools, ...) is refused by name rather than ignored; `ignore_eos` is vLLM's extension
-(generate past the end-of-text token: fixed output lengths for load tests)."""
+strings (each is looked for after every token). A chat message's content is a text or a list of text
+parts (as the openai client and guidellm send it); `developer` is a system message. A field OpenAI
+defines but k3 does not implement (logprobs, penalties, tools, ...) is refused by name rather than
+ignored; `ignore_eos` is vLLM's extension (generate past the end-of-text token: fixed output lengths for
+load tests)."""
 
 from __future__ import annotations
 
@@ -73,11 +75,40 @@ class CompletionRequest(Sampling):
     prompt: Union[Text, list[Text], list[int], list[list[int]]]
 
 
-class Message(BaseModel):
+class TextPart(BaseModel):
+    """One part of a message's content given as a list (OpenAI's content parts): k3 takes text parts."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "user", "assistant"]
-    content: Text
+    type: Literal["text"]
+    text: Text
+
+
+class Message(BaseModel):
+    """A chat message. `content`: a text, or a list of text parts, joined with newlines as vLLM joins them;
+    the `developer` role (OpenAI's newer name for instructions) is a system message."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[Text, list[TextPart]]
     name: Text | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, value):
+        if isinstance(value, list):
+            for i, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text" and isinstance(kind, str):
+                    raise ValueError(
+                        f"part {i} is of type {kind!r}: this model reads text only; send parts of type 'text'"
+                    )
+        return value
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+    def template_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
 
 
 class ChatRequest(Sampling):

@@ -82,6 +82,26 @@ def test_chat_completion_equals_k3_generate(client, checkpoint, capsys):
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
+def test_chat_content_parts_and_the_developer_role_as_clients_send_them(client):
+    """Content as a list of text parts (guidellm, the openai client's typed messages) is the parts joined
+    with newlines; `developer` is a system message; an image part is refused naming it; models.retrieve works."""
+    plain = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi\nthere"}]
+    parts = [
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief"}]},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
+    ]
+    want = client.chat.completions.create(model=NAME, messages=plain, max_tokens=8, temperature=0)
+    got = client.chat.completions.create(model=NAME, messages=parts, max_tokens=8, temperature=0)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError, match="part 0 is of type 'image_url': this model reads text only"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": [image]}], max_tokens=2)
+    assert client.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
 def test_stop_n_seed_and_models(client):
     r = client.completions.create(model=NAME, prompt="Hello", max_tokens=12, temperature=0)
     text = r.choices[0].text
