@@ -7,6 +7,7 @@ connections open, which uvicorn has neither of (its keep-alive timeout runs only
 from __future__ import annotations
 
 import json
+import logging
 
 import h11
 from fastapi.responses import JSONResponse
@@ -15,6 +16,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 MAX_REQUEST_BYTES = 2**20  # a request body's default bound (k3 serve --max-request-bytes)
 LINGER = 1.0  # seconds a refused connection is read (and dropped) after its answer, so it is not reset unread
 LINGERING = 64  # refused connections lingering at most; one more is closed at once (a flood holds no more)
+log = logging.getLogger("k3.serve")
 
 
 class APIError(Exception):
@@ -41,6 +43,10 @@ def error_response(
     kind: str = "invalid_request_error",
     headers: dict | None = None,
 ) -> JSONResponse:
+    """The error answer; its reason also goes to the server's log (uvicorn's access line gives only the
+    status), but for 503 "busy" answers, which a loaded server gives by the thousand and clients retry."""
+    if status != 503:
+        log.warning("refused (%d): %s", status, _printable(message))
     return JSONResponse(error_body(message, kind, param, status), status, headers=headers)
 
 

@@ -330,3 +330,10 @@ def test_the_engines_refusal_names_the_field_behind_it(server, monkeypatch, refu
     status, out, _ = post(server, "/v1/completions", json.dumps({"model": NAME, "prompt": "to be", "max_tokens": 4}))
     assert status == 400 and out["error"]["param"] == field
     assert out["error"]["message"] == (f"{field}: {refusal}" if field else refusal)
+
+
+def test_a_refused_request_leaves_its_reason_in_the_log(server, caplog):
+    with caplog.at_level("WARNING", logger="k3.serve"):
+        status, _, _ = post(server, "/v1/completions", json.dumps({"prompt": "x", "temperature": -1}))
+    assert status == 400
+    assert "refused (400): temperature: Input should be greater than or equal to 0" in caplog.text
