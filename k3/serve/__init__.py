@@ -68,11 +68,20 @@ _UNITS = {
 
 
 def parse_bytes(text: str) -> int:
-    """'512MiB', '2GB', '1.5 GiB' or a plain number of bytes -> bytes."""
+    """'512MiB', '2GB', '1.5 GiB' or a plain number of bytes -> bytes: a whole number of them, at least 1
+    ('0.5' or '0.1KiB' is refused, not rounded down to a smaller size, or to none at all)."""
+    from fractions import Fraction
+
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
+    if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"expected a size such as 512MiB, 2GB or 1000000 (bytes), got {text!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    size = Fraction(match.group(1)) * _UNITS[match.group(2).lower()]  # exact: 1.5GiB is 1,610,612,736 bytes
+    if size < 1 or size.denominator != 1:
+        raise ValueError(
+            f"expected a whole number of bytes, at least 1, such as 512MiB, 2GB or 1000000, got {text!r} "
+            f"({float(size):g} bytes)"
+        )
+    return int(size)
 
 
 def build_app(*args, **kwargs):

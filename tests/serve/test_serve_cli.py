@@ -115,9 +115,19 @@ def test_connection_flags(capsys, tmp_path, monkeypatch):
 def test_parse_bytes():
     assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("2GB") == 2 * 10**9 and parse_bytes("1000") == 1000
     assert parse_bytes("1.5 GiB") == int(1.5 * 2**30)
+    assert parse_bytes("0.1KB") == 100 and parse_bytes("1.5GB") == 1_500_000_000
     for bad in ("0", "-1GB", "ten", "5 parsecs"):
         with pytest.raises(ValueError):
             parse_bytes(bad)
+    for part in ("0.5", "5.5", "0.1B", "0.1KiB"):  # not a whole number of bytes: refused, not rounded down
+        with pytest.raises(ValueError, match="whole number of bytes"):
+            parse_bytes(part)
+
+
+def test_a_size_that_is_not_whole_bytes_is_refused_naming_the_flag(capsys, tmp_path):
+    serve = ["serve", "--checkpoint", str(tmp_path / "missing")]  # refused before the checkpoint is read
+    fails(capsys, [*serve, "--max-request-bytes", "0.5"], "--max-request-bytes: ", "whole number of bytes", "'0.5'")
+    fails(capsys, [*serve, "--cache-memory", "5.5"], "--cache-memory: ", "whole number of bytes", "'5.5'")
 
 
 @pytest.mark.slow
