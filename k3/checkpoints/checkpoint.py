@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..io import CheckpointError, atomic_write_files, read_json
+from .hf_config import json_kind
 
 
 def _layer_ffn(config: ModelConfig, key: str) -> str | None:
@@ -104,10 +105,22 @@ def read_config(directory: Path, config_class) -> tuple[ModelConfig, bool]:
             f"{directory}: no config.json (expected a checkpoint folder: config.json and "
             f"model.safetensors, or shards listed in model.safetensors.index.json)"
         )
+    return config_from_json(path, config_class)
+
+
+def config_from_json(path: Path, config_class) -> tuple[ModelConfig, bool]:
+    """(config, is_k3_checkpoint) from the config.json file `path` (see `read_config`): k3's own under
+    "k3" (an object of ModelConfig fields), else a Kimi config.json; a value of the wrong JSON type is a
+    ValueError naming the file and the key."""
     raw = read_json(path)
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a JSON object (a model configuration), got {type(raw).__name__}")
+        raise ValueError(f"{path}: expected a JSON object (a model configuration), got {json_kind(raw)}")
     if "k3" in raw:
+        if not isinstance(raw["k3"], dict):
+            raise ValueError(
+                f"{path}: `k3` must be an object (k3's model configuration: ModelConfig's fields, as k3 train "
+                f"and save_pretrained write it), got {json_kind(raw['k3'])}"
+            )
         return config_class.from_dict(raw["k3"]), True
     return config_class.from_hf(raw), False
 

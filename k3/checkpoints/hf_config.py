@@ -24,6 +24,16 @@ than compressed-tensors MXFP4 for the routed experts (`check_quantization`).
 from __future__ import annotations
 
 
+def json_kind(value) -> str:
+    """What a parsed JSON value is, in JSON's words (for errors): null, true or false, a number, ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (a boolean)"
+    kind = {dict: "an object", list: "a list", str: "a string"}.get(type(value), "a number")
+    return f"{kind} ({value!r:.40})" if kind != "an object" else kind
+
+
 def _first(d: dict, *names, default=None):
     for name in names:
         if name in d and d[name] is not None:
@@ -136,6 +146,52 @@ def _refusals(cfg: dict, lin: dict) -> list[str]:
     return [what for bad, what in checks if bad]
 
 
+# the JSON types of the fields read here before ModelConfig checks its own (null is taken as absent)
+_INT, _NUMBER, _BOOL = "an integer", "a number", "true or false"
+_TEXT, _LIST, _OBJECT = "a string", "a list", "an object"
+HF_TYPES = {
+    **dict.fromkeys(("num_hidden_layers", "hidden_size", "vocab_size", "num_expert_group", "n_group"), _INT),
+    **dict.fromkeys(("topk_group", "first_k_dense_replace", "moe_layer_freq", "num_nextn_predict_layers"), _INT),
+    **dict.fromkeys(("hidden_act", "moe_router_activation_func", "topk_method", "model_type"), _TEXT),
+    **dict.fromkeys(("layer_types", "mlp_layer_types"), _LIST),
+    **dict.fromkeys(("linear_attn_config", "quantization_config"), _OBJECT),
+    "linear_lower_bound": _NUMBER,
+    **dict.fromkeys(("tie_word_embeddings", "mla_use_output_gate", "use_full_rank_gate", "mla_use_nope"), _BOOL),
+    **dict.fromkeys(("latent_moe_use_norm", "moe_renormalize", "norm_topk_prob"), _BOOL),
+}
+HF_LINEAR_TYPES = {"kda_layers": _LIST, "full_attn_layers": _LIST, "gate_lower_bound": _NUMBER}
+HF_LINEAR_TYPES["use_full_rank_gate"] = _BOOL
+_IS = {
+    _INT: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    _NUMBER: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    _BOOL: lambda v: isinstance(v, bool),
+    _TEXT: lambda v: isinstance(v, str),
+    _LIST: lambda v: isinstance(v, list),
+    _OBJECT: lambda v: isinstance(v, dict),
+}
+
+
+def _check_types(cfg: dict, hf: dict) -> None:
+    """ValueError naming the first field of a Kimi config.json whose value has the wrong JSON type (a
+    number written as text, a list as one name); the three sizes it needs may not be null."""
+    for name in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        if cfg[name] is None:
+            raise ValueError(f"ModelConfig.from_hf: `{name}` must be {_INT}, got null")
+    lin = cfg.get("linear_attn_config") if isinstance(cfg.get("linear_attn_config"), dict) else {}
+    checks = [(name, kind, cfg.get(name)) for name, kind in HF_TYPES.items()]
+    checks += [(name, _TEXT, hf.get(name)) for name in ("model_type", "_name_or_path")]
+    checks += [(f"linear_attn_config.{name}", kind, lin.get(name)) for name, kind in HF_LINEAR_TYPES.items()]
+    for name, kind, value in checks:
+        if value is not None and not _IS[kind](value):
+            raise ValueError(f"ModelConfig.from_hf: `{name}` must be {kind}, got {json_kind(value)}")
+    lists = [(f"linear_attn_config.{k}", _INT, lin.get(k)) for k in ("kda_layers", "full_attn_layers")]
+    lists += [(k, _TEXT, cfg.get(k)) for k in ("layer_types", "mlp_layer_types")]
+    for name, kind, values in lists:
+        for value in values or []:
+            if not _IS[kind](value):
+                raise ValueError(f"ModelConfig.from_hf: each entry of `{name}` must be {kind}, got {json_kind(value)}")
+
+
 def fields_from_hf(hf: dict) -> dict:
     """The ModelConfig fields (a dict for `ModelConfig(**fields)`) that a Kimi config.json describes."""
     cfg = hf.get("text_config") or hf
@@ -146,6 +202,7 @@ def fields_from_hf(hf: dict) -> dict:
         raise ValueError(
             f"ModelConfig.from_hf: the config has no {missing}; is this a Kimi Linear / Kimi K3 config.json?"
         )
+    _check_types(cfg, hf)
     n = cfg["num_hidden_layers"]
     lin = cfg.get("linear_attn_config") or {}
     problems = _refusals(cfg, lin)
@@ -156,7 +213,7 @@ def fields_from_hf(hf: dict) -> dict:
     act = cfg.get("hidden_act", "silu")
     situ = dict(zip(("situ_beta", "situ_linear_beta"), _situ(cfg))) if act == "situ" else {}
     return dict(
-        name=hf.get("_name_or_path") or hf.get("model_type", cfg.get("model_type", "hf")).replace("_", "-"),
+        name=hf.get("_name_or_path") or (hf.get("model_type") or cfg.get("model_type") or "hf").replace("_", "-"),
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         num_layers=n,

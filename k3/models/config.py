@@ -21,7 +21,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from ..checkpoints.hf_config import fields_from_hf
+from ..checkpoints.hf_config import fields_from_hf, json_kind
 from . import kinds
 
 MIXERS = tuple(kinds.MIXERS)
@@ -81,7 +81,9 @@ class ModelConfig:
     attn_res_block_size: int | None = None
 
     def __post_init__(self):
-        self.layer_types, self.mlp_types = list(self.layer_types), list(self.mlp_types)
+        for name in ("layer_types", "mlp_types"):  # a tuple is a list; a string is no list of names
+            if isinstance(getattr(self, name), tuple):
+                setattr(self, name, list(getattr(self, name)))
         self.validate()
 
     # -- validation ---------------------------------------------------------------------------------
@@ -154,6 +156,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"ModelConfig.from_dict: expected a dict of ModelConfig fields, got {json_kind(d)}")
         check_field_names(d, "ModelConfig.from_dict")
         return cls(**d)
 
@@ -177,7 +181,13 @@ def check_field_names(names, where: str) -> None:
         raise ValueError(f"{where}: no ModelConfig field {', '.join(map(repr, unknown))}; {hint}")
 
 
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list"}
+_TYPE_NAMES = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    bool: "true or false",
+    list: "a list (one entry per layer)",
+}
 
 
 def _type_problems(config: ModelConfig) -> list[str]:

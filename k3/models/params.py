@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..io import read_json
+from ..checkpoints.checkpoint import config_from_json
 from ..runtime import refuse_if_over_memory
 from .config import ModelConfig
 from .kinds import FFNS, MIXERS
@@ -95,8 +95,7 @@ def config_for(source: str) -> ModelConfig:
             f"{source!r} is neither a preset (choose from: {', '.join(PRESETS)}) nor a "
             f"checkpoint directory or config.json"
         )
-    raw = read_json(path)
-    return ModelConfig.from_dict(raw["k3"]) if "k3" in raw else ModelConfig.from_hf(raw)
+    return config_from_json(path, ModelConfig)[0]
 
 
 def weight_bytes(config: ModelConfig, mxfp4_experts: bool = False) -> int:
