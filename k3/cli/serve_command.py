@@ -93,13 +93,11 @@ def _api_key(args) -> str | None:
 
 def _serve(args) -> int:
     """`k3 serve`: the checkpoint behind OpenAI's API (`k3.serve`); checked as `k3 generate` checks it."""
-    import json
-
     from ..io import reading
     from ..models import CausalLM
     from ..runtime import resolve_device
     from ..serve import Engine, build_app, require_serve_extra, serve
-    from ..serve.text import load_chat_template
+    from ..serve.text import load_chat_template, special_tokens
     from ..tokenizer import Tokenizer
     from .preflight import check_checkpoint
 
@@ -118,18 +116,16 @@ def _serve(args) -> int:
     _check_cache_memory(budget, args.cache_memory, device)
     with reading(args.checkpoint):  # one whole save, read under the folder's lock (k3.io.reading)
         check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
+        chat_template = load_chat_template(args.checkpoint)  # checked (a damaged file named) before the model
+        special = special_tokens(args.checkpoint)
         tokenizer = Tokenizer.load(args.checkpoint)
         model = CausalLM.from_pretrained(args.checkpoint).to(device).eval()
-        config_file = Path(args.checkpoint) / "tokenizer_config.json"
-        tokens = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        chat_template = load_chat_template(args.checkpoint)
     positions = model.config.max_position_embeddings
     if positions and args.max_model_len and args.max_model_len > positions:
         raise ValueError(
             f"--max-model-len {args.max_model_len}: {model.config.name!r} has learned positions for {positions} "
             f"tokens only"
         )
-    special = {k: v for k, v in tokens.items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
     name = args.served_model_name or Path(args.checkpoint).resolve().name
     try:
         engine = Engine(

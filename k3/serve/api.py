@@ -10,7 +10,8 @@ body over `max_request_bytes` (refused before it is parsed) or a prompt over `ma
 Retry-After while the queue is full or the server shuts down (and for a whole answer a stopping server cut
 short: `abort_requests`; a stream cut short ends with finish_reason "abort" and `data: [DONE]`); 500
 (`server_error`, and the traceback in the log) only for a failure of k3's own, such as the model raising
-while it decodes that request.
+while it decodes that request, or the checkpoint's chat template failing on a conversation (its own
+raise_exception(...) aside: that is the template refusing the conversation, 400 naming `messages`).
 
 Prompts are tokenized on a worker thread, so a long one does not hold up the event loop (/health, streams).
 
@@ -26,6 +27,7 @@ for a whole answer, has its sequences cancelled at once, which frees their batch
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 import uuid
@@ -41,7 +43,9 @@ from .engine import Draining, Engine, QueueFull, Sequence
 from .gate import MAX_REQUEST_BYTES, APIError, Gate, check_api_key, error_body, error_response
 from .jobs import ClientGone, Job
 from .protocol import ChatRequest, CompletionRequest, Sampling
-from .text import PLAIN_STOPS, TextStream, chat_prompt
+from .text import PLAIN_STOPS, TemplateRefusal, TextStream, chat_prompt, compile_chat_template
+
+log = logging.getLogger("k3.serve")
 
 COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 CHAT_TOKENS = 256  # k3's default for a chat reply (OpenAI: up to the context; a k3 model may have no limit)
@@ -78,6 +82,7 @@ def build_app(
     if api_key is not None:
         check_api_key(api_key, "build_app: `api_key`")
     max_model_len = engine.max_length if max_model_len is None else min(max_model_len, engine.max_length)
+    template = None if chat_template is None else compile_chat_template(chat_template, "build_app: `chat_template`")
 
     @asynccontextmanager
     async def lifespan(app):
@@ -181,9 +186,13 @@ def build_app(
         check_model(body)
         messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
         try:
-            text = chat_prompt(messages, chat_template, special)
-        except Exception as e:  # a template's own error (raise_exception) or a Jinja one
+            text = chat_prompt(messages, template, special)
+        except TemplateRefusal as e:  # the template's raise_exception(...): it refuses this conversation
             raise APIError(400, f"messages: {e}", "messages") from None
+        except Exception as e:  # any other failure is the template's, the server's: not the client's to fix
+            log.exception("k3 serve: the chat template failed on a conversation")
+            message = f"the server's chat template failed on this conversation: {type(e).__name__}: {e}"
+            raise APIError(500, message, None, "server_error") from None
         ids = await asyncio.to_thread(tokenizer.encode, text)
         check_prompt_tokens(ids, "messages")
         stops = body.stops() + ([] if chat_template is not None else PLAIN_STOPS)

@@ -53,6 +53,24 @@ def test_errors(capsys, tmp_path):
     )
 
 
+def test_a_damaged_tokenizer_config_is_one_line_before_the_model_loads(capsys, tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    CausalLM(get_config("kimi-k3-tiny", vocab_size=257, hidden_size=32)).save_pretrained(tmp_path)
+    byte_tokenizer().save(tmp_path / "tokenizer.json")
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the checkpoint's chat template was checked")
+
+    monkeypatch.setattr(CausalLM, "from_pretrained", no_model)
+    serve = ["serve", "--checkpoint", str(tmp_path), "--device", "cpu"]
+    (tmp_path / "tokenizer_config.json").write_text("[1,2]")
+    fails(capsys, serve, str(tmp_path / "tokenizer_config.json"), "a JSON array, expected an object")
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": 5}')
+    fails(capsys, serve, str(tmp_path / "tokenizer_config.json"), "bos_token is a JSON number")
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content ")
+    fails(capsys, serve, str(tmp_path / "chat_template.jinja"), "not valid Jinja", "(line 1)")
+
+
 def test_api_key_sources(capsys, tmp_path, monkeypatch):
     """The key from --api-key-file (the whitespace around it dropped), --api-key or $K3_API_KEY, in that
     order; one that no client could send (blank, whitespace at an end, not printable ASCII) and a file that

@@ -337,3 +337,34 @@ def test_a_refused_request_leaves_its_reason_in_the_log(server, caplog):
         status, _, _ = post(server, "/v1/completions", json.dumps({"prompt": "x", "temperature": -1}))
     assert status == 400
     assert "refused (400): temperature: Input should be greater than or equal to 0" in caplog.text
+
+
+def test_a_chat_templates_failure_is_the_servers_and_its_refusal_the_clients(checkpoint, caplog):
+    """The checkpoint's template refusing a conversation (its raise_exception) is 400 naming messages; the
+    template failing on one (here: a message it expects that is not there) is 500 naming the template."""
+    template = (
+        "{% if messages[0].role == 'system' %}{{ raise_exception('no system messages') }}{% endif %}"
+        "{{ messages[1].content.upper() }}"
+    )
+
+    def chat(*roles):
+        messages = [{"role": role, "content": "hi"} for role in roles]
+        return post(s, "/v1/chat/completions", json.dumps({"messages": messages, "max_tokens": 2}))
+
+    with start(CausalLM.from_pretrained(checkpoint).eval(), chat_template=template) as s:
+        status, out, _ = chat("system", "user")
+        assert status == 400 and out["error"]["param"] == "messages", out
+        assert "refused the conversation: no system messages" in out["error"]["message"]
+        with caplog.at_level("ERROR", logger="k3.serve"):
+            status, out, _ = chat("user")
+        assert status == 500 and out["error"]["type"] == "server_error" and out["error"]["param"] is None, out
+        assert "the server's chat template failed on this conversation: UndefinedError" in out["error"]["message"]
+        assert "UndefinedError" in caplog.text  # and its traceback, for the one who serves it
+        status, out, _ = chat("user", "assistant")
+        assert status == 200, out
+
+
+def test_a_chat_template_that_is_not_jinja_is_refused_by_build_app(checkpoint):
+    engine = Engine(CausalLM.from_pretrained(checkpoint).eval(), cache_memory=10**8, max_running=2, max_length=64)
+    with pytest.raises(ValueError, match=r"build_app: `chat_template`: the chat template is not valid Jinja"):
+        build_app(engine, byte_tokenizer(), NAME, chat_template="{% for m in messages %}{{ m.content ")

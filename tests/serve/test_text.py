@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from k3.serve.text import PLAIN_STOPS, TextStream, chat_prompt, load_chat_template
+from k3.serve.text import PLAIN_STOPS, TemplateRefusal, TextStream, chat_prompt, load_chat_template, special_tokens
 from k3.tokenizer import byte_tokenizer
 
 
@@ -65,8 +65,46 @@ def test_checkpoint_chat_template(tmp_path):
 
 
 def test_template_refusal_is_a_value_error():
-    with pytest.raises(ValueError, match="refused"):
+    with pytest.raises(TemplateRefusal, match="refused"):
         chat_prompt([{"role": "user", "content": "x"}], "{{ raise_exception('no system role') }}")
+
+
+DAMAGED = [  # (file, content, words of the one-line error after the file's path)
+    ("tokenizer_config.json", b"[1,2]", "a JSON array, expected an object"),
+    ("tokenizer_config.json", b'{"chat_template": [5, {"name": "default", "template": "x"}]}', "chat_template[0]"),
+    ("tokenizer_config.json", b'{"chat_template": [{"name": "tool_use", "template": "x"}]}', "none named 'default'"),
+    ("tokenizer_config.json", b'{"chat_template": 5}', "chat_template is a JSON number"),
+    ("tokenizer_config.json", b'{"chat_template": \n', "not valid JSON (Expecting value at line 2 column 1)"),
+    ("tokenizer_config.json", b'{"chat_template": "\xff"}', "not UTF-8 text (byte 0xff at position 19)"),
+    ("tokenizer_config.json", b'{"chat_template": "{% for m in messages %}"}', "not valid Jinja"),
+    ("chat_template.jinja", b"\xff\xfe{{ x }}", "not UTF-8 text (byte 0xff at position 0)"),
+    ("chat_template.jinja", b"{% for m in messages %}{{ m.content ", "not valid Jinja: unexpected end of template"),
+    ("chat_template.jinja", None, "a folder, expected a file"),
+]
+
+
+@pytest.mark.parametrize("name,content,words", DAMAGED)
+def test_a_damaged_chat_template_or_tokenizer_config_is_named_in_one_line(tmp_path, name, content, words):
+    """What the checkpoint holds is read and compiled at start-up: anything wrong with it is one line naming
+    the file, not a traceback, a decoder's message without the file, or a failure at each request."""
+    if content is None:
+        (tmp_path / name).mkdir()
+    else:
+        (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError) as e:
+        load_chat_template(tmp_path)
+    message = str(e.value)
+    assert message.startswith(str(tmp_path / name)) and words in message and "\n" not in message, message
+
+
+def test_special_tokens_for_the_template(tmp_path):
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}}))
+    assert special_tokens(tmp_path) == {"bos_token": "<s>", "eos_token": "</s>"}
+    config.write_text(json.dumps({"bos_token": 5}))
+    with pytest.raises(ValueError, match="bos_token is a JSON number"):
+        special_tokens(tmp_path)
+    assert special_tokens(tmp_path / "nothing") == {}
 
 
 def test_long_stop_strings_cost_what_is_pending_not_the_whole_text():
