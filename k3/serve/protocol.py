@@ -6,8 +6,9 @@ refuse a lone surrogate ("\\ud800": JSON can spell it, UTF-8 cannot encode it); 
 strings (each is looked for after every token). A chat message's content is a text or a list of text
 parts (as the openai client and guidellm send it); `developer` is a system message. A field OpenAI
 defines but k3 does not implement (logprobs, penalties, tools, ...) is refused by name rather than
-ignored; `ignore_eos` is vLLM's extension (generate past the end-of-text token: fixed output lengths for
-load tests)."""
+ignored, and so is a setting that would do nothing or be overruled: an empty stop string, stream_options
+without "stream": true, max_tokens and max_completion_tokens that differ. `ignore_eos` is vLLM's extension
+(generate past the end-of-text token: fixed output lengths for load tests)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,21 @@ class Sampling(BaseModel):
         check_seed(value)
         return value
 
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value):
+        stops = [value] if isinstance(value, str) else value or []
+        if "" in stops:  # it would match everywhere, or (as it did) be dropped: either way not what was meant
+            raise ValueError("an empty stop string; give stop strings of at least one character, or no stop")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, value, info):
+        if value is not None and not info.data.get("stream"):  # OpenAI refuses it alike
+            raise ValueError('stream_options is only allowed with "stream": true')
+        return value
+
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
@@ -114,3 +130,14 @@ class Message(BaseModel):
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, gt=0)  # OpenAI's newer name for max_tokens
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_limit(cls, value, info):
+        other = info.data.get("max_tokens")
+        if value is not None and other is not None and value != other:  # the same limit, two values
+            raise ValueError(
+                f"max_completion_tokens is {value} and max_tokens is {other}: they are one limit (max_tokens "
+                f"its older name); give one of them"
+            )
+        return value

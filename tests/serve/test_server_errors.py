@@ -33,6 +33,10 @@ BAD = [
     ('{"model": "tiny", "prompt": "hi", "max_tokens": 600}', 400, "max_tokens", "at most 511"),
     ('{"model": "other", "prompt": "hi"}', 404, "model", "not served"),
     ('{"model": "tiny"}', 400, "prompt", "Field required"),
+    ('{"model": "tiny", "prompt": "hi", "stop": ["ab", ""]}', 400, "stop", "an empty stop string"),
+    ('{"model": "tiny", "prompt": "hi", "stop": ""}', 400, "stop", "an empty stop string"),
+    ('{"prompt": "hi", "stream_options": {"include_usage": true}}', 400, "stream_options", 'with "stream": true'),
+    ('{"prompt": "hi", "stream": false, "stream_options": {}}', 400, "stream_options", 'with "stream": true'),
 ]
 
 
@@ -49,6 +53,13 @@ def test_bad_chat_and_body(server):
     assert code == 400 and out["error"]["param"] == "messages.0.role"
     code, out, _ = post(server, "/v1/chat/completions", '{"model": "tiny", "messages": []}')
     assert code == 400 and out["error"]["param"] == "messages"
+    hi = [{"role": "user", "content": "hi"}]
+    both = {"messages": hi, "max_tokens": 5, "max_completion_tokens": 3}
+    code, out, _ = post(server, "/v1/chat/completions", json.dumps(both))
+    assert code == 400 and out["error"]["param"] == "max_completion_tokens", out
+    assert "max_completion_tokens is 3 and max_tokens is 5" in out["error"]["message"]
+    code, out, _ = post(server, "/v1/chat/completions", json.dumps({**both, "max_tokens": 3}))  # the same: taken
+    assert code == 200 and out["usage"]["completion_tokens"] <= 3, out
     code, out, _ = post(server, "/v1/completions", b'{"model": "tiny", "prompt": "h\xff\xfe"}')
     assert code == 400 and out["error"]["param"] == "body" and "UTF-8" in out["error"]["message"]
 
