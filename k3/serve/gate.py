@@ -6,6 +6,7 @@ connections open, which uvicorn has neither of (its keep-alive timeout runs only
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 
@@ -72,6 +73,14 @@ def check_api_key(key: str, source: str) -> str:
     return key
 
 
+def _bearer(header: str, key: str) -> bool:
+    """Whether an Authorization header's value carries `key` as a bearer token: the scheme in any case
+    ("bearer", "BEARER": RFC 7235 makes it case-insensitive), then one or more spaces and the key, compared
+    in constant time."""
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.lstrip(" ").encode(), key.encode())
+
+
 def _printable(text: str | None) -> str | None:
     """`text` with a lone surrogate (from a request: JSON can spell one) written as its escape, so the
     answer that names it can be encoded as UTF-8."""
@@ -101,7 +110,7 @@ class Gate:
             return await self.app(scope, receive, send)
         if self.api_key is not None and scope["path"].startswith("/v1/"):
             headers = dict(scope.get("headers") or [])
-            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+            if not _bearer(headers.get(b"authorization", b"").decode("latin-1"), self.api_key):
                 response = error_response(
                     401,
                     "a valid API key is needed: header 'Authorization: Bearer KEY', the key this server "

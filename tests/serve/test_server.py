@@ -178,7 +178,14 @@ def test_api_key(checkpoint):
         assert good.completions.create(model=NAME, prompt="a", max_tokens=2).usage.completion_tokens == 2
         conn = http.client.HTTPConnection("127.0.0.1", s.port)
         conn.request("GET", "/health")
-        assert conn.getresponse().status == 200  # health needs no key
+        health = conn.getresponse()
+        assert health.status == 200 and health.read()  # health needs no key
+        # the scheme in any case (RFC 7235), one or more spaces before the key; another scheme or key: 401
+        tried = {"bearer sk-k3": 200, "BEARER  sk-k3": 200, "Basic sk-k3": 401, "Bearer sk-k": 401}
+        for header, status in tried.items():
+            conn.request("GET", "/v1/models", headers={"Authorization": header})
+            answer = conn.getresponse()
+            assert (answer.status, answer.read() and header) == (status, header)
     for blank in ("", "  ", "sk-k3\n"):  # keys no client can send
         with pytest.raises(ValueError, match="api_key"):
             build_app(s.engine, byte_tokenizer(), NAME, api_key=blank)
