@@ -95,9 +95,9 @@ def _chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int, lower_boun
     """`chunk_delta` for inputs whose rows are taken as they are."""
     N, T, H, K = q.shape
     V = v.shape[-1]
-    if T == 0:
+    if T == 0 or N == 0:  # nothing to mix (no chunk to reshape into): an empty output, the state as given
         S = q.new_zeros(N, H, K, V) if S0 is None else S0
-        return v.new_zeros(N, 0, H, V), S
+        return v.new_zeros(N, T, H, V), S
     C = min(chunk_size, T)
     pad = (-T) % C
     if pad:  # neutral padding: q = k = v = 0, beta = 0, g = 0 leave the state untouched

@@ -171,6 +171,16 @@ def check_scale(op: str, scale, K: int) -> float:
     return float(scale)
 
 
+def check_eps(op: str, eps) -> float:
+    """eps, added to a denominator: a finite Python number >= 0 (NaN fills every output with NaN; a
+    negative one can make the denominator zero)."""
+    if isinstance(eps, (torch.Tensor, bool)) or not isinstance(eps, (int, float)):
+        raise _fail(op, "eps", "a Python float >= 0", type(eps).__name__)
+    if not (math.isfinite(eps) and eps >= 0):
+        raise _fail(op, "eps", "a finite float >= 0", repr(eps))
+    return float(eps)
+
+
 def inference_unless_grad(*tensors: torch.Tensor | None):
     """`torch.inference_mode()` when no gradient can flow through `tensors`, else a no-op context.
 
@@ -222,6 +232,8 @@ def keep_causal(o: torch.Tensor, onwards: torch.Tensor | None, rerun) -> torch.T
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (the delta family's key/query normalization); with a
     gradient to take, `_L2Norm`'s."""
+    if eps != 1e-6:  # the default needs no check (the layers' hot path)
+        eps = check_eps("l2norm", eps)
     if torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
         return _L2Norm.apply(x, eps)
     return x * _inverse_norm(x, eps)

@@ -145,8 +145,8 @@ def _fla_cannot(q, k, v, beta, g, chunk_size: int | None, gate: str | None) -> s
         return f"dtype {q.dtype} (fla's kernels take float32, bfloat16 and float16)"
     if max(q.shape[-1], v.shape[-1]) > FLA_MAX_HEAD_DIM:
         return f"head dims K = {q.shape[-1]}, V = {v.shape[-1]} (fla's limit is {FLA_MAX_HEAD_DIM})"
-    if q.shape[1] == 0:
-        return "T = 0"
+    if q.shape[1] == 0 or q.shape[0] == 0:
+        return f"an empty batch (B = {q.shape[0]}, T = {q.shape[1]})"
     if chunk_size is None:
         if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, beta, g)):
             return "a gradient through the recurrent form (k3 runs fla's fused recurrent kernel forward only)"

@@ -32,6 +32,8 @@ CHOICES = ("auto", "torch", "fla")
 
 
 def _parse(value: str | None, source: str) -> str:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{source} must be one of {', '.join(CHOICES)} (a string) or None, got {value!r}")
     choice = (value or "auto").strip().lower()
     if choice not in CHOICES:
         raise ValueError(f"{source} must be one of {', '.join(CHOICES)} (or unset), got {value!r}")
@@ -83,7 +85,7 @@ def set_kernels(choice: str | None) -> str:
 @contextlib.contextmanager
 def use_kernels(choice: str | None):
     """`set_kernels(choice)` for the block, then the previous choice again."""
-    previous = set_kernels(choice)
+    previous = set_kernels(_parse(choice, "use_kernels: `choice`"))
     try:
         yield
     finally:

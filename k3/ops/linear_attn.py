@@ -25,6 +25,7 @@ from .common import (
     cast,
     check_chunk_size,
     check_cu_seqlens,
+    check_eps,
     check_qkv,
     check_scale,
     check_state,
@@ -107,7 +108,7 @@ def _linear_attn(
         S = check_state(op, "initial_state[0] (S)", initial_state[0], (N, H, K, V), q)
         z = check_state(op, "initial_state[1] (z)", initial_state[1], (N, H, K), q)
         S0 = torch.cat([S, z.unsqueeze(-1)], dim=-1)
-    scale = check_scale(op, scale, K)
+    scale, eps = check_scale(op, scale, K), check_eps(op, eps)
     if chunk_size is not None:
         chunk_size = check_chunk_size(op, chunk_size)
     dtype = compute_dtype(q.dtype)

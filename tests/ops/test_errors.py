@@ -269,3 +269,50 @@ def test_gates_may_stay_float32_beside_bfloat16_inputs():
     assert o.dtype == torch.bfloat16 and torch.isfinite(o).all()
     with pytest.raises(ValueError, match=r"`g` must be of dtype torch.bfloat16 \(the dtype of q\) or torch.float32"):
         chunk_kda(q, k, v, g.half(), beta)
+
+
+@pytest.mark.parametrize("eps", [float("nan"), float("inf"), -1.0, "1e-6"])
+@pytest.mark.parametrize("op_name", ["recurrent_linear_attn", "chunk_linear_attn"])
+def test_eps_that_is_no_finite_number_at_least_zero_is_refused(op_name, eps):
+    """Before: eps = NaN returned NaN everywhere and eps = -1 was accepted."""
+    fn, family, _ = OPS[op_name]
+    with pytest.raises(ValueError, match=rf"{op_name}: `eps` must be a (finite|Python) float"):
+        fn(**valid_inputs(family), eps=eps)
+    o, _ = fn(**valid_inputs(family), eps=0.0)
+    assert torch.isfinite(o).all()
+
+
+def test_l2norm_refuses_a_negative_or_non_finite_eps():
+    from k3.ops import l2norm
+
+    for eps in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="l2norm: `eps` must be a finite float >= 0"):
+            l2norm(torch.randn(2, 4), eps=eps)
+    assert torch.allclose(l2norm(torch.ones(1, 4), eps=0.0), torch.full((1, 4), 0.5))
+
+
+@pytest.mark.parametrize("T_", [0, T])
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_an_empty_batch_gives_an_empty_output(op_name, T_):
+    """B = 0 (before: the chunk forms of the delta family failed in a reshape), with T = 0 and T > 0."""
+    fn, family, _ = OPS[op_name]
+    x = {name: t[:0, :T_] for name, t in valid_inputs(family).items()}
+    o, _ = fn(**x)
+    assert o.shape == (0, T_, H, V)
+    if family in DELTA_FAMILY:
+        _, S = fn(**x, initial_state=torch.zeros(0, H, K, V), output_final_state=True)
+        assert S.shape == (0, H, K, V)
+
+
+@pytest.mark.parametrize("choice", [5, ["torch"], b"torch"])
+def test_kernel_choice_that_is_no_string_is_refused_naming_it(choice):
+    """Before: use_kernels(5) was an AttributeError from str.strip."""
+    from k3.ops import get_kernels, set_kernels, use_kernels
+
+    before = get_kernels()
+    with pytest.raises(ValueError, match=r"use_kernels: `choice` must be one of auto, torch, fla"):
+        with use_kernels(choice):
+            pass
+    with pytest.raises(ValueError, match=r"set_kernels: `choice` must be one of auto, torch, fla"):
+        set_kernels(choice)
+    assert get_kernels() == before
