@@ -110,8 +110,13 @@ def check_same_step(directory: Path) -> None:
 
 def subset_config(config: ModelConfig, layers) -> tuple[ModelConfig, dict[int, int]]:
     """The config of decoder layers `layers` (indices into config's) and {old index: new index}."""
+    if isinstance(layers, (str, bytes, dict)) or not hasattr(layers, "__iter__"):  # 3: no list of indices
+        raise ValueError(
+            f"from_pretrained: `layers` must be a list or range of layer indices in [0, {config.num_layers}) "
+            f"(e.g. [0, 1] or range(3)), got {layers!r:.60}"
+        )
     layers = list(layers)
-    bad = [i for i in layers if not isinstance(i, int) or not 0 <= i < config.num_layers]
+    bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < config.num_layers]
     if not layers or bad or len(set(layers)) != len(layers):
         raise ValueError(
             f"from_pretrained: `layers` must be distinct layer indices in [0, {config.num_layers}), got {layers}"
@@ -207,7 +212,20 @@ def load_pretrained(
     """See the module docstring; `cls`: the model class (CausalLM), whose `config_class` (ModelConfig)
     reads config.json."""
     dtype = as_dtype(dtype)
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(
+                f"from_pretrained: `device` must be a torch.device or a name such as 'cpu', 'cuda', "
+                f"'cuda:1' or 'meta', got {device!r}"
+            ) from None
     directory = Path(path)
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(
+            f"from_pretrained: {directory} is a file, not a checkpoint folder; give the folder that holds "
+            f"config.json and model.safetensors (or shards listed in model.safetensors.index.json)"
+        )
     if not directory.is_dir():
         raise FileNotFoundError(
             f"from_pretrained: {directory}: no such folder; a checkpoint folder holds config.json "

@@ -148,13 +148,16 @@ def as_prompt_list(prompts, device=None) -> list[torch.Tensor]:
     out = []
     for i, p in enumerate(prompts):
         try:
-            ids = torch.as_tensor(p, dtype=torch.long, device=device)
+            ids = torch.as_tensor(p)
         except (TypeError, ValueError, RuntimeError):
             raise TypeError(f"generate: prompt {i} must be a sequence of token ids (ints), got {p!r:.60}") from None
         if ids.dim() != 1 or ids.numel() == 0:
             raise ValueError(
                 f"generate: prompt {i} must be a non-empty sequence of token ids, got shape {list(ids.shape)}"
             )
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:  # 1.5 is no token id
+            raise ValueError(f"generate: prompt {i} must hold integer token ids, got {ids.dtype}: {p!r:.60}")
+        ids = ids.to(dtype=torch.long, device=device)
         out.append(ids)
     if not out:
         raise ValueError("generate: the list of prompts is empty")

@@ -140,6 +140,9 @@ class CausalLM(nn.Module):
     def cache_bytes(self, batch_size: int, tokens: int) -> int:
         """Bytes the decode cache of `batch_size` sequences of `tokens` tokens holds at this model's dtype
         (`k3.models.kinds.cache_bytes`): what a static cache of that size allocates."""
+        for name, value in (("batch_size", batch_size), ("tokens", tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"cache_bytes: `{name}` must be an int >= 0, got {value!r}")
         return cache_bytes(self.config, batch_size, tokens, self.lm_head.weight.element_size())
 
     def decoding_weights(self) -> list[tuple]:
