@@ -10,8 +10,9 @@ of such temporaries per slab; on a small CPU the faults can cost more than the a
 (docs/benchmarks.md). Raising glibc's mmap and trim thresholds makes malloc keep and reuse freed memory
 instead — what PyTorch's CPU tuning guide gets by preloading jemalloc or tcmalloc.
 
-The `k3` command calls it at start (set K3_KEEP_FREED_MEMORY=0 to opt out); library users may call it
-themselves. It changes the whole process's malloc policy, so the library never calls it on import.
+The `k3` command calls it at start (set K3_KEEP_FREED_MEMORY=0 to opt out: 0/1, true/false, on/off and
+yes/no are read, anything else refused naming the variable); library users may call it themselves. It
+changes the whole process's malloc policy, so the library never calls it on import.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ def keep_freed_memory() -> bool:
     """Tell glibc malloc to keep freed memory for reuse instead of returning it to the OS.
 
     Returns True when the setting was applied, False where it does not apply (not Linux/glibc) or was
-    refused by the environment variable K3_KEEP_FREED_MEMORY=0. Safe to call more than once."""
-    if os.environ.get("K3_KEEP_FREED_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
+    refused by the environment variable K3_KEEP_FREED_MEMORY=0 (or false, off, no); a value that is no
+    such switch is a ValueError naming it. Safe to call more than once."""
+    if not env_switch("K3_KEEP_FREED_MEMORY", default=True) or not sys.platform.startswith("linux"):
         return False
     name = ctypes.util.find_library("c")
     try:
@@ -45,6 +47,31 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, _THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, _THRESHOLD))
+
+
+SWITCH_VALUES = {
+    "1": True,
+    "true": True,
+    "on": True,
+    "yes": True,
+    "0": False,
+    "false": False,
+    "off": False,
+    "no": False,
+}
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """The on/off environment variable `name` (1/0, true/false, on/off, yes/no, any case; unset or empty:
+    `default`); any other value is a ValueError naming the variable, not a silent "on"."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value not in SWITCH_VALUES:
+        raise ValueError(
+            f"the environment variable {name} must be 1 or 0 (or true/false, on/off, yes/no), got {os.environ[name]!r}"
+        )
+    return SWITCH_VALUES[value]
 
 
 def best_time(fn, repeats: int = 3, warmup: int = 1) -> float:

@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     if args.command == "eval":
         args.lm_eval_args = rest
-    keep_freed_memory()
     exit_with_launcher()  # a torchrun worker ends with its launcher
     try:
+        keep_freed_memory()  # K3_KEEP_FREED_MEMORY that is no switch: a one-line error below
         from ..ops.kernels import check_environment
 
         check_environment()  # K3_KERNELS, before any command's work

@@ -61,7 +61,9 @@ def _params(args: argparse.Namespace) -> int:
     from ..models.params import format_report
 
     if args.preset is None:
-        print("presets: " + ", ".join(PRESETS))
+        if args.vs:
+            raise ValueError(f"--vs {args.vs}: compares with a model given first (k3 params PRESET|DIR --vs ...)")
+        print(json.dumps({"presets": list(PRESETS)}, indent=2) if args.json else "presets: " + ", ".join(PRESETS))
         return 0
     config = named_config(args.preset)
     vs = named_config(args.vs) if args.vs else None
