@@ -91,6 +91,17 @@ def _api_key(args) -> str | None:
     return check_api_key(key, source)
 
 
+def _check_prompt_tokens(max_prompt_tokens: int | None, max_model_len: int, default: bool) -> None:
+    """--max-prompt-tokens below --max-model-len: a prompt and at least one completion token must fit (the
+    model's length known before the model loads when --max-model-len is given, else once it is loaded)."""
+    if max_prompt_tokens is not None and max_prompt_tokens >= max_model_len:
+        given = f"--max-model-len {max_model_len}" + (" (its default for this model)" if default else "")
+        raise ValueError(
+            f"--max-prompt-tokens {max_prompt_tokens}: {given} leaves a prompt {max_model_len - 1} tokens at most "
+            f"(a prompt and at least one completion token); give at most --max-prompt-tokens {max_model_len - 1}"
+        )
+
+
 def _serve(args) -> int:
     """`k3 serve`: the checkpoint behind OpenAI's API (`k3.serve`); checked as `k3 generate` checks it."""
     from ..io import reading
@@ -106,6 +117,8 @@ def _serve(args) -> int:
     budget = _size(args.cache_memory, "--cache-memory")
     max_request_bytes = _size(args.max_request_bytes, "--max-request-bytes")
     _fit_connections(args.max_connections)
+    if args.max_model_len is not None:
+        _check_prompt_tokens(args.max_prompt_tokens, args.max_model_len, default=False)
     if not Path(args.checkpoint).is_dir():
         raise FileNotFoundError(
             f"--checkpoint {args.checkpoint}: no such folder (expected a checkpoint folder, "
@@ -140,6 +153,7 @@ def _serve(args) -> int:
         )
     except ValueError as e:
         raise ValueError(f"--cache-memory {args.cache_memory}: {e}") from None
+    _check_prompt_tokens(args.max_prompt_tokens, engine.max_length, default=args.max_model_len is None)
     app = build_app(
         engine,
         tokenizer,

@@ -113,13 +113,14 @@ def add_serve_parser(sub) -> None:
     srv.add_argument(
         "--max-prompt-tokens",
         type=_count(1, "tokens"),
-        help="the most tokens one prompt may have, 413 past it (default: --max-model-len's bound)",
+        help="the most tokens one prompt may have, 413 past it; below --max-model-len, which must leave room "
+        "for a completion token (default: --max-model-len - 1)",
     )
     srv.add_argument(
         "--max-model-len",
-        type=_count(1, "tokens"),
-        help="the most tokens a sequence may hold, prompt and completion: each slot's room (default: the "
-        "model's learned positions, else 4096)",
+        type=_count(2, "tokens (a prompt token and a completion token at least)"),
+        help="the most tokens a request may have, its prompt and max_tokens together (prompt + max_tokens "
+        "<= this, as vLLM counts): each slot's room (default: the model's learned positions, else 4096)",
     )
     srv.add_argument(
         "--served-model-name",

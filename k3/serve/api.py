@@ -70,11 +70,12 @@ def build_app(
     stream_interval: int = 1,
 ):
     """The FastAPI app serving `engine`'s model as `model_name`. The app starts the engine when it starts
-    and stops it when it shuts down. `max_model_len`: the most tokens a sequence may hold (prompt and
-    completion; at most, and by default, the engine's slots' room `engine.max_length`); `max_request_bytes`:
-    the largest request body; `max_prompt_tokens`: the most tokens one prompt may have (413 past it; None:
-    max_model_len's bound); `stream_interval`: the tokens a streamed event carries after the first (the
-    last may carry fewer)."""
+    and stops it when it shuts down. `max_model_len`: the most tokens a sequence may have, its prompt and
+    max_tokens together (prompt + max_tokens <= max_model_len, as vLLM counts; at most, and by default, the
+    engine's `max_length`); `max_request_bytes`: the largest request body; `max_prompt_tokens`: the most
+    tokens one prompt may have (413 past it; None: max_model_len - 1, which leaves one completion token;
+    more is refused); `stream_interval`: the tokens a streamed event carries after the first (the last may
+    carry fewer)."""
     if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
         raise ValueError(f"build_app: `stream_interval` must be an int >= 1 (tokens), got {stream_interval!r}")
     if not isinstance(model_name, str) or not model_name.strip():
@@ -82,6 +83,11 @@ def build_app(
     if api_key is not None:
         check_api_key(api_key, "build_app: `api_key`")
     max_model_len = engine.max_length if max_model_len is None else min(max_model_len, engine.max_length)
+    if max_prompt_tokens is not None and not 1 <= max_prompt_tokens < max_model_len:
+        raise ValueError(
+            f"build_app: `max_prompt_tokens` must be None or an int in [1, {max_model_len - 1}] (a prompt leaves "
+            f"max_model_len {max_model_len} room for one completion token), got {max_prompt_tokens!r}"
+        )
     template = None if chat_template is None else compile_chat_template(chat_template, "build_app: `chat_template`")
 
     @asynccontextmanager
@@ -198,8 +204,7 @@ def build_app(
         stops = body.stops() + ([] if chat_template is not None else PLAIN_STOPS)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
-            room = CHAT_TOKENS if max_model_len is None else max_model_len - len(ids) + 1
-            max_tokens = max(1, min(CHAT_TOKENS, room))
+            max_tokens = max(1, min(CHAT_TOKENS, max_model_len - len(ids)))
         return await respond(request, body, [ids], max_tokens, stops, chat=True, param="messages")
 
     def check_model(body: Sampling) -> None:
@@ -217,6 +222,16 @@ def build_app(
                 413,
                 f"{param}: the prompt has {len(ids)} tokens, more than this server takes, "
                 f"{max_prompt_tokens} (--max-prompt-tokens)",
+                param,
+            )
+
+    def check_model_len(tokens: int, param: str) -> None:
+        """A prompt must leave room for one completion token within max_model_len."""
+        if tokens >= max_model_len:
+            raise APIError(
+                400,
+                f"{param}: the prompt has {tokens} tokens; this model takes {max_model_len} tokens at most, "
+                f"prompt and max_tokens together: a prompt of {max_model_len - 1} at most",
                 param,
             )
 
@@ -261,19 +276,13 @@ def build_app(
         for ids in prompts:
             if not ids:
                 raise APIError(400, f"{param}: the prompt is empty after tokenization", param)
-            if max_model_len is not None and len(ids) > max_model_len:
-                raise APIError(
-                    400,
-                    f"{param}: the prompt has {len(ids)} tokens; this model takes at most "
-                    f"{max_model_len} (prompt and completion)",
-                    param,
-                )
-            if max_model_len is not None and len(ids) + max_tokens - 1 > max_model_len:
+            check_model_len(len(ids), param)
+            if len(ids) + max_tokens > max_model_len:
                 raise APIError(
                     400,
                     f"max_tokens: the prompt has {len(ids)} tokens and max_tokens is {max_tokens}, "
-                    f"more than the {max_model_len} tokens this model takes; ask for at most "
-                    f"{max_model_len - len(ids) + 1}",
+                    f"{len(ids) + max_tokens} in all, more than the {max_model_len} this model takes "
+                    f"(prompt and max_tokens); ask for at most {max_model_len - len(ids)}",
                     "max_tokens",
                 )
         job = Job(asyncio.get_running_loop())

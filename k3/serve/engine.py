@@ -67,7 +67,7 @@ def _check_arguments(model, cache_memory, compile, prefix_cache, counts: dict) -
     range: a float NaN or a string would otherwise fail later, in a comparison or a forward); the budget in
     bytes (`budget_bytes`)."""
     for name, value in counts.items():
-        low = 0 if name == "prefill_chunk" else 1
+        low = {"prefill_chunk": 0, "max_length": 2}.get(name, 1)  # max_length: a prompt token and one more
         if value is None and name in ("max_length", "prefix_block"):
             continue  # their defaults
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -90,11 +90,12 @@ class Engine(Prefill):
     sequences (and one piece's activations) and the prefix cache may take together, at most the device's free
     memory; `max_queue`: how many may wait; `max_running`: the slots, sequences prefilled or decoded at once at
     most (fewer when `cache_memory` does not hold that many rows of `max_length` tokens); `max_length`: the most
-    tokens a sequence may hold, prompt and completion (default: the model's learned positions, else
-    DEFAULT_MAX_LENGTH); `prefill_chunk`: prompt tokens prefilled per turn (0: each prompt whole in the turn it
-    is admitted); `compile`: decode with compiled steps (True: inductor; a torch.compile backend name; False:
-    eager); `prefix_cache`: keep and reuse prompts' states in blocks of `prefix_block` tokens (default:
-    `prefill_chunk`, else PREFIX_BLOCK). Each argument is checked here, a ValueError naming it."""
+    tokens a sequence may have, its prompt and max_tokens together (as vLLM's max_model_len; its cache holds
+    one fewer, the last token being sampled, never fed back), at least 2 (default: the model's learned
+    positions, else DEFAULT_MAX_LENGTH); `prefill_chunk`: prompt tokens prefilled per turn (0: each prompt
+    whole in the turn it is admitted); `compile`: decode with compiled steps (True: inductor; a torch.compile
+    backend name; False: eager); `prefix_cache`: keep and reuse prompts' states in blocks of `prefix_block`
+    tokens (default: `prefill_chunk`, else PREFIX_BLOCK). Each argument is checked here, a ValueError naming it."""
 
     def __init__(
         self,
@@ -188,10 +189,12 @@ class Engine(Prefill):
             raise ValueError(f"Engine.submit: expected a Sequence, got {type(sequence).__name__}")
         self._check_new(sequence)
         sequence.check(self.model.config.vocab_size)  # again: its fields may have changed since it was made
-        if sequence.total_tokens > self.max_length:
+        tokens = len(sequence.prompt) + sequence.max_tokens
+        if tokens > self.max_length:
             raise ValueError(
-                f"the sequence would hold {sequence.total_tokens} tokens (prompt and max_tokens), more than "
-                f"the {self.max_length} a slot holds (--max-model-len): ask for fewer tokens"
+                f"the sequence's {len(sequence.prompt)} prompt tokens and max_tokens {sequence.max_tokens} are "
+                f"{tokens} tokens, more than the {self.max_length} a sequence may have (--max-model-len): ask "
+                f"for fewer tokens"
             )
         prompt = self._prompt_bytes(sequence)
         piece, transient = self.plan(sequence)

@@ -98,7 +98,8 @@ def test_concurrent_sequences_get_what_they_would_alone(preset):
 
 def test_the_pool_and_a_prefill_keep_within_the_budget():
     """The budget holds two rows of max_length tokens beside one prefill: two slots, so two run at once at
-    most, and a sequence longer than a slot is refused at submit, naming the bound."""
+    most; a sequence of max_length tokens, prompt and max_tokens, runs, one more is refused at submit,
+    naming the bound."""
     model = tiny("gpt2-tiny")
     row = sequence_bytes(model.config, 29, 8)
     one_prefill = row + prefill_bytes(model.config, 29, 29, 8)
@@ -107,12 +108,12 @@ def test_the_pool_and_a_prefill_keep_within_the_budget():
         assert engine.slots == 2 and engine.pool_bytes == model.cache_bytes(2, 29) == 2 * row
         collectors = [Collector() for _ in range(6)]
         for c, prompt in zip(collectors, prompts(6, seed=3)):
-            engine.submit(c.sequence((prompt * 10)[:10], 20))
+            engine.submit(c.sequence((prompt * 10)[:9], 20))  # 29 tokens, prompt and max_tokens
         for c in collectors:
             assert c.done.wait(120) and c.reason == "length" and len(c.tokens) == 20
         assert engine.peak_running == 2
-        with pytest.raises(ValueError, match="more than the 29 a slot holds"):
-            engine.submit(Collector().sequence([1] * 10, 21))
+        with pytest.raises(ValueError, match="prompt tokens and max_tokens 20 are 30 tokens, more than the 29 a"):
+            engine.submit(Collector().sequence([1] * 10, 20))
         wait_until(lambda: engine.stats()["slots_free"] == 2 and engine.stats()["cache_bytes_reserved"] == 0)
     finally:
         engine.stop()

@@ -178,7 +178,7 @@ def test_submit_refuses_what_could_never_run():
             (changed_prompt, r"prompt\[2\].*1\.5"),
             (changed_temperature, "temperature.*nan"),
             (changed_top_k, "top_k.*0"),
-            (Sequence([1], 10**30), "more than the 128 a slot holds"),
+            (Sequence([1], 10**30), f"are {10**30 + 1} tokens, more than the 128 a sequence may have"),
         ):
             with pytest.raises(ValueError, match=field) as refused:
                 engine.submit(sequence)
@@ -254,8 +254,8 @@ def test_a_sequence_runs_once():
         ("max_running", True, "an int >= 1, got True"),
         ("prefill_chunk", -1, "an int >= 0, got -1"),
         ("prefill_chunk", 2.5, "an int >= 0, got 2.5"),
-        ("max_length", 0, "an int >= 1, got 0"),
-        ("max_length", 128.0, "an int >= 1, got 128.0"),
+        ("max_length", 1, "an int >= 2, got 1"),
+        ("max_length", 128.0, "an int >= 2, got 128.0"),
         ("prefix_block", "8", "an int >= 1, got '8'"),
         ("compile", 3, "True, False or a torch.compile backend name, got 3"),
         ("compile", "no-such-backend", "backend name, got 'no-such-backend'"),

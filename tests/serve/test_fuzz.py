@@ -38,9 +38,8 @@ def server():
     torch.manual_seed(0)
     model = CausalLM(get_config("kimi-k3-tiny", vocab_size=257, hidden_size=32)).eval()
     engine = Engine(model, cache_memory=10**8, max_queue=64, max_running=32, max_length=CONTEXT)
-    app = build_app(
-        engine, byte_tokenizer(), NAME, max_model_len=CONTEXT, max_request_bytes=MAX_BYTES, max_prompt_tokens=CONTEXT
-    )
+    limits = dict(max_model_len=CONTEXT, max_request_bytes=MAX_BYTES, max_prompt_tokens=CONTEXT - 1)
+    app = build_app(engine, byte_tokenizer(), NAME, **limits)
     with ServerThread(app, engine, request_timeout=1.0) as s:  # a body cut short waits 1 s for its 408
         s.bystander = Bystander(s)
         yield s

@@ -35,6 +35,12 @@ def test_errors(capsys, tmp_path):
     )
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--max-request-bytes", "0"], "--max-request-bytes", "512MiB")
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--max-prompt-tokens", "0"], "--max-prompt-tokens")
+    fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--max-model-len", "1"], "--max-model-len", ">= 2", "'1'")
+    fails(  # before the checkpoint is read: no prompt could have that many tokens
+        capsys,
+        ["serve", "--checkpoint", str(tmp_path / "missing"), "--max-model-len", "4096", "--max-prompt-tokens", "4096"],
+        "--max-prompt-tokens 4096: --max-model-len 4096 leaves a prompt 4095 tokens at most",
+    )
     fails(capsys, ["serve", "--checkpoint", str(tmp_path), "--prefill-chunk", "-1"], "--prefill-chunk")
     serve = ["serve", "--checkpoint", str(tmp_path)]
     for small in ("1", "63"):
@@ -50,6 +56,11 @@ def test_errors(capsys, tmp_path):
         "--cache-memory 1MiB",
         "does not hold one row of 8,192 tokens",
         "--max-model-len",
+    )
+    fails(  # --max-model-len's default is the model's: known once it is loaded
+        capsys,
+        ["serve", "--checkpoint", str(tmp_path), "--max-prompt-tokens", "100000", "--device", "cpu"],
+        "--max-prompt-tokens 100000: --max-model-len 4096 (its default for this model) leaves a prompt 4095",
     )
 
 

@@ -29,8 +29,8 @@ BAD = [
     ('{"model": "tiny", "prompt": "hi", "temperature": "warm"}', 400, "temperature", "number"),
     ('{"model": "tiny", "prompt": ""}', 400, "prompt", "empty"),
     ('{"model": "tiny", "prompt": [300]}', 400, "prompt", "vocabulary"),
-    ('{"model": "tiny", "prompt": "' + "x" * 600 + '"}', 400, "prompt", "at most 512"),
-    ('{"model": "tiny", "prompt": "hi", "max_tokens": 600}', 400, "max_tokens", "at most 511"),
+    ('{"model": "tiny", "prompt": "' + "x" * 600 + '"}', 400, "prompt", "takes 512 tokens at most"),
+    ('{"model": "tiny", "prompt": "hi", "max_tokens": 600}', 400, "max_tokens", "602 in all, more than the 512"),
     ('{"model": "other", "prompt": "hi"}', 404, "model", "not served"),
     ('{"model": "tiny"}', 400, "prompt", "Field required"),
     ('{"model": "tiny", "prompt": "hi", "stop": ["ab", ""]}', 400, "stop", "an empty stop string"),
@@ -328,7 +328,7 @@ def test_requests_that_do_not_arrive_are_408_and_connections_are_bounded(checkpo
 @pytest.mark.parametrize(
     "refusal, field",
     [
-        ("the sequence would hold 900 tokens (prompt and max_tokens), more than the 512 a slot holds", "max_tokens"),
+        ("the sequence's 5 prompt tokens and max_tokens 900 are 905 tokens, more than the 512 a ...", "max_tokens"),
         ("the prefill of the sequence's 400 prompt tokens needs 9,999 bytes, more than the 10 ...", "prompt"),
         ("Engine.submit: sequence 3 was submitted before (length): make a new one", None),
     ],
@@ -379,3 +379,33 @@ def test_a_chat_template_that_is_not_jinja_is_refused_by_build_app(checkpoint):
     engine = Engine(CausalLM.from_pretrained(checkpoint).eval(), cache_memory=10**8, max_running=2, max_length=64)
     with pytest.raises(ValueError, match=r"build_app: `chat_template`: the chat template is not valid Jinja"):
         build_app(engine, byte_tokenizer(), NAME, chat_template="{% for m in messages %}{{ m.content ")
+
+
+def test_max_model_len_counts_the_prompt_and_max_tokens(checkpoint):
+    """--max-model-len 64 (vLLM's count): a prompt and max_tokens of 64 tokens in all are served, one more
+    is refused naming max_tokens with what fits; a prompt of 64 leaves no room (400 naming it); a chat
+    reply's default max_tokens fills what is left, so its usage never counts more than 64."""
+    with start(CausalLM.from_pretrained(checkpoint).eval(), max_model_len=64) as s:
+
+        def complete(prompt, max_tokens):
+            body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+            return post(s, "/v1/completions", json.dumps(body))
+
+        status, out, _ = complete([65] * 60, 4)
+        assert status == 200 and out["usage"]["total_tokens"] == 64, out
+        status, out, _ = complete([65] * 60, 5)
+        assert status == 400 and out["error"]["param"] == "max_tokens", out
+        assert "65 in all, more than the 64 this model takes" in out["error"]["message"]
+        assert out["error"]["message"].endswith("ask for at most 4")
+        status, out, _ = complete([65] * 64, 1)
+        assert (
+            status == 400 and out["error"]["param"] == "prompt" and "a prompt of 63 at most" in out["error"]["message"]
+        )
+        body = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "temperature": 0}
+        status, out, _ = post(s, "/v1/chat/completions", json.dumps(body))
+        assert status == 200 and out["usage"]["total_tokens"] <= 64, out
+        if out["choices"][0]["finish_reason"] == "length":  # not cut short by a stop string
+            assert out["usage"]["total_tokens"] == 64, out
+    engine = Engine(CausalLM.from_pretrained(checkpoint).eval(), cache_memory=10**8, max_running=2, max_length=64)
+    with pytest.raises(ValueError, match=r"`max_prompt_tokens` must be None or an int in \[1, 63\]"):
+        build_app(engine, byte_tokenizer(), NAME, max_prompt_tokens=64)
