@@ -103,14 +103,11 @@ def _check_prompt_tokens(max_prompt_tokens: int | None, max_model_len: int, defa
 
 
 def _serve(args) -> int:
-    """`k3 serve`: the checkpoint behind OpenAI's API (`k3.serve`); checked as `k3 generate` checks it."""
-    from ..io import reading
-    from ..models import CausalLM
+    """`k3 serve`: the checkpoint behind OpenAI's API (`k3.serve`); checked as `k3 generate` checks it. The
+    flags are checked and --host:--port bound before the model loads (`k3.serve.bind`: a bad host or a busy
+    port is one line at once, not uvicorn's error after a long load), and the socket is what uvicorn serves."""
     from ..runtime import resolve_device
-    from ..serve import Engine, build_app, require_serve_extra, serve
-    from ..serve.text import load_chat_template, special_tokens
-    from ..tokenizer import Tokenizer
-    from .preflight import check_checkpoint
+    from ..serve import bind, require_serve_extra
 
     require_serve_extra()
     api_key = _api_key(args)
@@ -127,6 +124,25 @@ def _serve(args) -> int:
     _use_threads(args)
     device = resolve_device(args.device)
     _check_cache_memory(budget, args.cache_memory, device)
+    sockets = bind(args.host, args.port)
+    try:
+        _load_and_serve(args, sockets, device, budget, api_key, max_request_bytes)
+    finally:
+        for sock in sockets:
+            sock.close()
+    return 0
+
+
+def _load_and_serve(args, sockets, device, budget: int, api_key: str | None, max_request_bytes: int) -> None:
+    """The checkpoint loaded (its chat template checked before the model), the engine and the app made, then
+    served on `sockets` until a signal stops it (`k3.serve.serve`)."""
+    from ..io import reading
+    from ..models import CausalLM
+    from ..serve import Engine, build_app, serve
+    from ..serve.text import load_chat_template, special_tokens
+    from ..tokenizer import Tokenizer
+    from .preflight import check_checkpoint
+
     with reading(args.checkpoint):  # one whole save, read under the folder's lock (k3.io.reading)
         check_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
         chat_template = load_chat_template(args.checkpoint)  # checked (a damaged file named) before the model
@@ -190,5 +206,5 @@ def _serve(args) -> int:
         on_ready=ready,
         request_timeout=args.request_timeout,
         max_connections=args.max_connections,
+        sockets=sockets,
     )
-    return 0

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import re
 import signal
+import socket
 import threading
 import time
 
@@ -41,6 +43,7 @@ __all__ = [
     "QueueFull",
     "REQUEST_TIMEOUT",
     "Sequence",
+    "bind",
     "build_app",
     "parse_bytes",
     "prefill_bytes",
@@ -101,6 +104,54 @@ def require_serve_extra(what: str = "k3 serve") -> None:
             f"{what} needs the optional extra k3[serve] (FastAPI and uvicorn), which is not installed "
             f"({e.name} is missing): pip install 'k3[serve]'"
         ) from None
+
+
+def bind(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to `host`:`port` as uvicorn would bind them (asyncio's create_server: every address the
+    host resolves to, IPv6 ones IPv6-only, SO_REUSEADDR), not yet listening, for `serve` to serve on: k3 serve
+    binds before it loads the model, so a host that is no address of this machine or a port in use is a
+    one-line ValueError naming --host or --port at once, not uvicorn's unnamed error after the load."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        reason = e.strerror if isinstance(e, socket.gaierror) else str(e)
+        raise ValueError(f"--host {host}: not an address, nor a name that resolves ({reason})") from None
+    sockets: list[socket.socket] = []
+    unavailable = None
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:  # every address on the one free port the first was given
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            try:
+                sock.bind(address)
+            except OSError as e:
+                if e.errno != errno.EADDRNOTAVAIL:
+                    raise
+                unavailable = e  # an address family this machine lacks (asyncio skips it alike)
+                sockets.pop().close()
+        if not sockets:
+            raise unavailable or OSError(errno.EADDRNOTAVAIL, "no address to bind")
+    except OSError as e:
+        for sock in sockets:
+            sock.close()
+        raise ValueError(_bind_error(host, port, e)) from None
+    return sockets
+
+
+def _bind_error(host: str, port: int, e: OSError) -> str:
+    reason = e.strerror or str(e)
+    if e.errno == errno.EADDRINUSE:
+        return f"--port {port}: already in use on {host} ({reason}); give another port, or 0 for any free one"
+    if e.errno == errno.EACCES:
+        return f"--port {port}: not allowed here ({reason}; ports below 1024 need privileges); give 1024 or above"
+    if e.errno == errno.EADDRNOTAVAIL:
+        return f"--host {host}: not an address of this machine ({reason}); give one of its own, or 0.0.0.0 for all"
+    return f"--host {host} --port {port}: cannot bind ({reason})"
 
 
 REQUEST_TIMEOUT = 30.0  # seconds a request's head and body have to arrive (k3 serve --request-timeout)
@@ -225,11 +276,13 @@ def serve(
     on_ready=None,
     request_timeout: float = REQUEST_TIMEOUT,
     max_connections: int = MAX_CONNECTIONS,
+    sockets: list[socket.socket] | None = None,
 ) -> None:
     """Run `app` under uvicorn until SIGTERM, SIGHUP or Ctrl-C (see the module docstring). `on_ready(port)`
     is called once the socket listens (the port uvicorn bound: useful with port=0); `request_timeout`:
     seconds a request's head and body have to arrive (408 past it); `max_connections`: connections open
-    at once (a new one past it is answered 503)."""
+    at once (a new one past it is answered 503); `sockets`: `bind`'s, served instead of binding
+    `host`:`port` now."""
     server = _server(app, engine, host, port, shutdown_timeout, log_level, on_ready, request_timeout, max_connections)
     # uvicorn re-raises the signal it stopped on once it is done, to the handler that was there before: a
     # handler that does nothing lets SIGTERM (or SIGHUP) end the process with exit code 0
@@ -237,7 +290,7 @@ def serve(
     quiet = [s for s in SIGNALS if s != signal.SIGINT] if main else []
     previous = {s: signal.signal(s, lambda *_: None) for s in quiet}
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -52,14 +52,14 @@ def test_errors(capsys, tmp_path):
     byte_tokenizer().save(tmp_path / "tokenizer.json")
     fails(
         capsys,
-        ["serve", "--checkpoint", str(tmp_path), "--cache-memory", "1MiB", "--max-model-len", "8192"],
+        ["serve", "--checkpoint", str(tmp_path), "--port", "0", "--cache-memory", "1MiB", "--max-model-len", "8192"],
         "--cache-memory 1MiB",
         "does not hold one row of 8,192 tokens",
         "--max-model-len",
     )
     fails(  # --max-model-len's default is the model's: known once it is loaded
         capsys,
-        ["serve", "--checkpoint", str(tmp_path), "--max-prompt-tokens", "100000", "--device", "cpu"],
+        ["serve", "--checkpoint", str(tmp_path), "--port", "0", "--max-prompt-tokens", "100000", "--device", "cpu"],
         "--max-prompt-tokens 100000: --max-model-len 4096 (its default for this model) leaves a prompt 4095",
     )
 
@@ -73,13 +73,28 @@ def test_a_damaged_tokenizer_config_is_one_line_before_the_model_loads(capsys, t
         raise AssertionError("the model was loaded before the checkpoint's chat template was checked")
 
     monkeypatch.setattr(CausalLM, "from_pretrained", no_model)
-    serve = ["serve", "--checkpoint", str(tmp_path), "--device", "cpu"]
+    serve = ["serve", "--checkpoint", str(tmp_path), "--device", "cpu", "--port", "0"]
     (tmp_path / "tokenizer_config.json").write_text("[1,2]")
     fails(capsys, serve, str(tmp_path / "tokenizer_config.json"), "a JSON array, expected an object")
     (tmp_path / "tokenizer_config.json").write_text('{"bos_token": 5}')
     fails(capsys, serve, str(tmp_path / "tokenizer_config.json"), "bos_token is a JSON number")
     (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content ")
     fails(capsys, serve, str(tmp_path / "chat_template.jinja"), "not valid Jinja", "(line 1)")
+
+
+def test_a_bad_host_or_a_busy_port_is_one_line_before_the_checkpoint_is_read(capsys, tmp_path, monkeypatch):
+    """--host:--port is bound first (an empty folder as the checkpoint: nothing of it is read before), each
+    failure one line naming the flag; with a usable address the command goes on to the checkpoint."""
+    import socket
+
+    serve = ["serve", "--checkpoint", str(tmp_path), "--device", "cpu"]
+    fails(capsys, [*serve, "--host", "999.1.1.1"], "--host 999.1.1.1: not an address, nor a name that resolves")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        fails(capsys, [*serve, "--port", port], f"--port {port}: already in use on 127.0.0.1", "or 0 for any free one")
+    fails(capsys, [*serve, "--port", "0"], str(tmp_path), "no config.json")  # bound, then the empty folder refused
 
 
 def test_api_key_sources(capsys, tmp_path, monkeypatch):
