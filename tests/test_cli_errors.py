@@ -18,10 +18,12 @@ from k3.models import CausalLM
 from k3.tokenizer import Tokenizer, byte_tokenizer
 from k3.training import TrainConfig, build_optimizer
 from k3.training.checkpoint import save_training_checkpoint
-from k3.training.config import model_config
+from k3.training.config import max_threads, model_config
 
 from .commands import fails
 from .corpus import write_corpus
+
+THREADS = f"--threads: expected torch threads, an integer in [1, {max_threads()}]"
 
 TINY_RUN = [
     "--tokenizer",
@@ -80,7 +82,8 @@ def damaged(run, tmp_path):
         (["--time-budget", "-1"], "--time-budget: expected minutes, a finite number > 0, got '-1'"),
         (["--checkpoint-every", "-1"], "--checkpoint-every: expected steps between checkpoints, an integer >= 1"),
         (["--warmup", "-5"], "--warmup: expected warmup steps, an integer >= 0, got '-5'"),
-        (["--threads", "-1"], "--threads: expected torch threads, an integer >= 1, got '-1'"),
+        (["--threads", "-1"], f"--threads: expected torch threads, an integer in [1, {max_threads()}], got '-1'"),
+        (["--threads", "100000"], f"--threads: expected torch threads, an integer in [1, {max_threads()}]"),
         (["--lr", "nan"], "--lr: expected a learning rate, a finite number > 0, got 'nan'"),
         (["--vocab-size", "100"], "--vocab-size: expected BPE entries"),
         (
@@ -114,7 +117,8 @@ def test_train_config_checks_its_fields():
         ({"warmup_steps": -5}, "`warmup_steps` must be an integer >= 0, or None (5% of the steps, at most 50), got -5"),
         ({"max_steps": 2, "time_budget": 1.0}, "`max_steps` 2 and `time_budget` 1.0 both set"),
         ({"model_overrides": {"vocab_size": 10}}, "`vocab_size` 10 would be replaced by the tokenizer's vocabulary"),
-        ({"threads": 0}, "`threads` must be an integer >= 1"),
+        ({"threads": 0}, "`threads` must be an integer in [1, "),
+        ({"threads": 10**5}, "`threads` must be an integer in [1, "),
         ({"checkpoint_every": -1}, "`checkpoint_every` must be an integer >= 1"),
         ({"betas": (0.9, 1.5)}, "`betas` must be two numbers in [0, 1)"),
         ({"preset": "gpt5"}, "unknown preset 'gpt5'"),
@@ -277,10 +281,10 @@ def test_generate_from_a_missing_folder_says_so(capsys, tmp_path):
     "argv, expected",
     [
         (["bench", "profile", "--rounds", "0"], "--rounds: expected timing rounds, an integer >= 1, got '0'"),
-        (["bench", "profile", "--threads", "0"], "--threads: expected torch threads, an integer >= 1, got '0'"),
+        (["bench", "profile", "--threads", "0"], f"{THREADS}, got '0'"),
         (["bench", "backward", "--rounds", "-2"], "--rounds: expected timing rounds, an integer >= 1, got '-2'"),
-        (["bench", "backward", "--threads", "-1"], "--threads: expected torch threads, an integer >= 1, got '-1'"),
-        (["bench", "models", "--threads", "x"], "--threads: expected torch threads, an integer >= 1, got 'x'"),
+        (["bench", "backward", "--threads", "-1"], f"{THREADS}, got '-1'"),
+        (["bench", "models", "--threads", "x"], f"{THREADS}, got 'x'"),
     ],
 )
 def test_bad_bench_counts_are_refused_before_any_work(capsys, argv, expected):
@@ -362,6 +366,33 @@ def test_a_seed_out_of_range_is_refused_naming_the_flag(corpus, tmp_path, capsys
     )
     with pytest.raises(ValueError, match=re.escape("`TrainConfig.seed` must be an int in [0, 2**64 - 1]")):
         TrainConfig(seed=-1)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--checkpoint", "never read", "--prompt", "to", "--threads", "3000"],
+        ["bench", "llama", "--threads", "100000"],
+        ["bench", "serve", "--threads", "100000"],
+    ],
+)
+def test_threads_past_the_bound_are_refused_by_every_command(capsys, argv):
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    command = " ".join(argv[:2] if argv[0] == "bench" else argv[:1])
+    assert "\n" not in err and err.startswith(f"k3 {command}: error: argument --threads: expected torch threads"), err
+    assert f"an integer in [1, {max_threads()}]" in err and "a core of this machine's" in err, err
+
+
+def test_a_parser_without_the_bound_still_gets_it_where_threads_are_used():
+    """k3 serve's parser builds --threads itself: _use_threads, which every command calls first, refuses too."""
+    from argparse import Namespace
+
+    from k3.cli.commands import _use_threads
+
+    with pytest.raises(ValueError, match=re.escape("--threads 3000: expected torch threads, an integer in [1, ")):
+        _use_threads(Namespace(threads=3000, command="serve"))
 
 
 def test_more_threads_than_cores_and_a_vocabulary_the_corpus_cannot_give_are_said(corpus, tmp_path, capsys):

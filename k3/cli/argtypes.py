@@ -8,6 +8,7 @@ import argparse
 import math
 
 from ..inference.generation import MAX_SEED
+from ..training.config import max_threads, threads_bound_words
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -51,6 +52,16 @@ def _count(low: int, what: str, high: int | None = None):
 
 
 _SEED = _count(0, "a seed", high=MAX_SEED)
+
+
+def _THREADS(text: str) -> int:
+    """An argparse type: torch threads, in [1, max_threads()] (k3.training.config: far past the cores torch's and
+    the tokenizers' thread pools crash)."""
+    high = max_threads()
+    try:
+        return _count(1, "torch threads", high=high)(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} ({threads_bound_words()})") from None
 
 
 def _text(what: str):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..bench.serve import PARTS as SERVE_PARTS
-from .argtypes import _count, _number
+from .argtypes import _THREADS, _count, _number
 from .commands import (
     _bench_backward,
     _bench_gpu,
@@ -39,7 +39,7 @@ def add_bench_parser(sub) -> None:
         help="the delta family's own chunkwise backward vs autograd through the forward: time and peak memory",
     )
     bbackward.add_argument("--quick", action="store_true", help="KDA only, fewer rounds: under a minute")
-    bbackward.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
+    bbackward.add_argument("--threads", type=_THREADS, help="torch threads (default: all cores)")
     bbackward.add_argument(
         "--rounds", type=_count(1, "timing rounds"), default=15, help="interleaved timing rounds (default 15)"
     )
@@ -53,7 +53,7 @@ def add_bench_parser(sub) -> None:
     bprofile.add_argument(
         "--rounds", type=_count(1, "timing rounds"), default=5, help="interleaved timing rounds (default 5)"
     )
-    bprofile.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
+    bprofile.add_argument("--threads", type=_THREADS, help="torch threads (default: all cores)")
     bprofile.add_argument("--data", help="corpus (default: Shakespeare)")
     bprofile.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bprofile.set_defaults(func=_bench_profile)
@@ -123,7 +123,7 @@ def add_bench_parser(sub) -> None:
     bmodels.add_argument(
         "--quick", action="store_true", help="fewer rounds and steps, a smaller train step: about a minute"
     )
-    bmodels.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
+    bmodels.add_argument("--threads", type=_THREADS, help="torch threads (default: all cores)")
     bmodels.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bmodels.add_argument(
         "--models",
@@ -176,7 +176,7 @@ def add_bench_parser(sub) -> None:
         help="contexts (prompt + output, half each)",
     )
     bserve.add_argument("--cache-memory", default="128MiB", metavar="SIZE", help="the servers' cache budget")
-    bserve.add_argument("--threads", type=_count(1, "torch threads"), help="the servers' torch threads")
+    bserve.add_argument("--threads", type=_THREADS, help="the servers' torch threads")
     bserve.add_argument(
         "--soak",
         type=_number(0, "seconds", above=True),
@@ -216,7 +216,7 @@ def add_bench_parser(sub) -> None:
     )
     bllama.add_argument("--contexts", type=_count(1, "tokens"), nargs="+", help="decode contexts (default 256 4096)")
     bllama.add_argument("--steps", type=_count(1, "decode steps"), help="timed decode steps (default 24; quick 12)")
-    bllama.add_argument("--threads", type=_count(1, "threads"), help="torch's and llama.cpp's (default: all cores)")
+    bllama.add_argument("--threads", type=_THREADS, help="torch's and llama.cpp's (default: all cores)")
     bllama.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     bllama.set_defaults(func=_bench_llama)
 

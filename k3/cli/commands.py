@@ -19,12 +19,20 @@ def _bench_ops(args) -> int:
 
 
 def _use_threads(args) -> None:
-    """torch's threads from --threads, when given; a warning on stderr when they outnumber the cores."""
+    """torch's threads from --threads, when given; a warning on stderr when they outnumber the cores, a
+    ValueError past `max_threads()` (a parser whose --threads is not argtypes' _THREADS still gets the bound)."""
     if args.threads:
         import os
 
         import torch
 
+        from ..training.config import max_threads, threads_bound_words
+
+        if args.threads > max_threads():
+            raise ValueError(
+                f"--threads {args.threads}: expected torch threads, an integer in [1, {max_threads()}] "
+                f"({threads_bound_words()})"
+            )
         cores = os.cpu_count()
         if cores and args.threads > cores:
             print(

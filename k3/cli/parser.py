@@ -6,7 +6,8 @@ import argparse
 
 from .. import __version__
 from ..runtime import DEVICES
-from .argtypes import _SEED, _count, _number, _Parser
+from ..training.config import MAX_TIME_BUDGET
+from .argtypes import _SEED, _THREADS, _count, _number, _Parser
 from .bench_parser import add_bench_parser
 from .commands import (
     _eval,
@@ -121,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--time-budget",
-        type=_number(0, "minutes", above=True),
+        type=_number(0, "minutes", above=True, high=MAX_TIME_BUDGET),
         metavar="MIN",
         help="train for about this many minutes (the step count planned from the steps' speed; not with --max-steps)",
     )
@@ -166,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=_SEED, default=0, help="seed of the initial weights and the data order")
     train.add_argument(
         "--threads",
-        type=_count(1, "torch threads"),
+        type=_THREADS,
         help="torch threads (default: all cores); 1 is often faster on a machine busy with other "
         "work, where threads wait for each other",
     )
@@ -261,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="sample from the likeliest tokens whose probabilities sum to p (default: off)",
     )
     gen.add_argument("--seed", type=_SEED, default=0, help="seed of the sampling")
-    gen.add_argument("--threads", type=_count(1, "torch threads"), help="torch threads (default: all cores)")
+    gen.add_argument("--threads", type=_THREADS, help="torch threads (default: all cores)")
     gen.add_argument(
         "--parallel",
         choices=("none", "ep"),

@@ -4,10 +4,13 @@ evaluations included (`_steps_in_budget`), and the plan re-timed as the machine 
 
 from __future__ import annotations
 
+import math
 import sys
 
 from .config import TrainConfig
 from .optim import warmup_steps
+
+MAX_PLANNED_STEPS = 10**12  # a plan's most steps: past them the figures stop meaning anything (and int(inf) fails)
 
 
 def _replan(cfg: TrainConfig, step: int, elapsed: float, per_step: float, max_steps: int, bar) -> int:
@@ -41,4 +44,6 @@ def _steps_in_budget(cfg: TrainConfig, step: int, elapsed: float, step_seconds: 
     final = final_tokens * eval_seconds
     per_step = step_seconds + cfg.eval_tokens * eval_seconds / cfg.eval_every
     left = cfg.time_budget * 60 - elapsed - final
-    return max(step + 1, step + int(0.97 * left / per_step))
+    # steps so fast that the clock saw none (0 s), or a budget far beyond them: at most MAX_PLANNED_STEPS
+    fits = 0.97 * left / per_step if per_step > 0 else (math.inf if left > 0 else 0)
+    return max(step + 1, step + int(min(fits, MAX_PLANNED_STEPS)))

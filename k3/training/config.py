@@ -27,6 +27,24 @@ TRAINING_BYTES_PER_PARAMETER = 16  # float32 weights, gradients and AdamW's two 
 ACTIVATION_VALUES_PER_WIDTH = 17
 LOGIT_COPIES = 2  # the logits and the softmax's gradient, float32, for every token of the micro-batch
 WINDOW_BYTES = 256  # a drawn window's offset, its view of the stream and its place in the list torch.stack reads
+# torch threads a run may ask for: 8 a core, at least 64, at most 1024. Far past the cores threads only wait for
+# each other, and past some thousands torch's and the tokenizers' thread pools crash (--threads 3000 segfaults
+# on a 2-core machine, 100000 panics in Rust); 1024 ran (slowly) there
+THREADS_PER_CORE, MIN_MAX_THREADS, MAX_MAX_THREADS = 8, 64, 1024
+MAX_TIME_BUDGET = 60 * 24 * 366  # minutes: a year; a longer budget is a typo (1e308 overflowed the plan)
+
+
+def max_threads() -> int:
+    """The most torch threads `--threads` (any command's) and TrainConfig.threads take on this machine."""
+    return min(MAX_MAX_THREADS, max(MIN_MAX_THREADS, THREADS_PER_CORE * (os.cpu_count() or 1)))
+
+
+def threads_bound_words() -> str:
+    """Why `max_threads()` is what it is, for the messages that refuse more."""
+    return (
+        f"{THREADS_PER_CORE} a core of this machine's {os.cpu_count() or 1}, at least {MIN_MAX_THREADS}, at most "
+        f"{MAX_MAX_THREADS}: more threads only wait for each other, and thousands crash torch's thread pools"
+    )
 
 
 @dataclass
@@ -122,11 +140,14 @@ def saved_train_config(fields: dict) -> TrainConfig:
     existed trained with AdamW, and one saved before `qk_clip` existed without QK-Clip. A `vocab_size`
     among the model overrides of an older checkpoint never took effect (the tokenizer's vocabulary
     replaced it) and is dropped, and so is a `time_budget` saved beside a `max_steps` (older code ran
-    the steps)."""
+    the steps) and a `threads` above this machine's `max_threads()` (all cores here instead)."""
     overrides = {k: v for k, v in fields.get("model_overrides", {}).items() if k != "vocab_size"}
     fields = {"optimizer": "adamw", "qk_clip": 0.0, **fields, "model_overrides": overrides}
     if fields.get("max_steps") is not None and fields.get("time_budget") is not None:
         fields["time_budget"] = None  # both saved by older code, which then ran `max_steps`
+    threads = fields.get("threads")
+    if isinstance(threads, int) and not isinstance(threads, bool) and threads > max_threads():
+        fields["threads"] = None  # a bigger machine's thread count: this one's cores (a machine setting)
     return TrainConfig(**fields)
 
 
@@ -223,7 +244,10 @@ _RULES = {  # field: (check, what it expects)
     "qk_clip": (_in(0, none=True), "a finite number >= 0 (0: off), or None (100 with Muon, off with AdamW)"),
     "moe_bias_rate": (_in(0), "a finite number >= 0"),
     "max_steps": (_count(1, none=True), "an integer >= 1 (or None with a `time_budget`)"),
-    "time_budget": (_in(0, low_open=True, none=True), "a finite number of minutes > 0, or None"),
+    "time_budget": (
+        _in(0, MAX_TIME_BUDGET, low_open=True, none=True),
+        f"a finite number of minutes > 0 and <= {MAX_TIME_BUDGET:,} (a year), or None",
+    ),
     "calibration_steps": (_count(1), "an integer >= 1"),
     "eval_every": (_count(1), "an integer >= 1"),
     "eval_tokens": (_count(1), "an integer >= 1"),
@@ -234,7 +258,10 @@ _RULES = {  # field: (check, what it expects)
     "grad_accum": (_count(1), "an integer >= 1"),
     "ep": (_count(1), "an integer >= 1 (1: no expert parallelism inside fsdp)"),
     "checkpoint_every": (_count(1, none=True), "an integer >= 1, or None (a checkpoint at the end only)"),
-    "threads": (_count(1, none=True), "an integer >= 1, or None (all cores)"),
+    "threads": (
+        lambda v: _count(1, none=True)(v) and (v is None or v <= max_threads()),
+        f"an integer in [1, {max_threads()}] ({threads_bound_words()}), or None (all cores)",
+    ),
     "model_overrides": (lambda v: isinstance(v, dict), "a dict of ModelConfig fields"),
     "overwrite": (lambda v: isinstance(v, bool), "True or False"),
     "async_checkpoint": (lambda v: isinstance(v, bool), "True or False"),
