@@ -13,6 +13,13 @@ that names the folder and the file:
 `check_checkpoint(path)` also reads a training checkpoint's other files: tokenizer.json, and
 trainer_state.pt where there is one (mapped: its tensors are not read).
 
+The tokenizer must fit the model (`check_vocabulary`; `check_pretrained` checks a tokenizer.json where
+the folder has one): in a k3 training checkpoint (config.json has the run's "train" record) the two were
+made together, so the tokenizer's size is the model's `vocab_size`; in any other folder (an export, a
+Hub checkpoint) the model's vocabulary may be padded past the tokenizer's, but never be smaller (an id
+past it has no embedding). Before, a smaller tokenizer generated garbage without a word, and a larger
+one was refused only at the first token out of range.
+
 Both read the folder as every reader does (`k3.io.reading`): under its lock, after finishing a save
 that died after its commit point, so a checkpoint interrupted there is checked as the save left it
 whole, not as a mix of two saves.
@@ -34,7 +41,7 @@ import torch
 
 from ..checkpoints.checkpoint import read_config
 from ..checkpoints.loading import check_weights
-from ..io import check_manifest, reading
+from ..io import check_manifest, read_json, reading
 from ..models import CausalLM, ModelConfig
 from ..models.params import refuse_if_too_big
 from ..tokenizer import Tokenizer
@@ -57,7 +64,29 @@ def check_pretrained(path: str | os.PathLike, what: str | None = None) -> ModelC
         with torch.device("meta"):
             model = CausalLM(config)
         check_weights(model, directory, native, source=what)
+        if (directory / "tokenizer.json").is_file():
+            check_vocabulary(directory, config, Tokenizer.load(directory), what)
     return config
+
+
+def check_vocabulary(directory: Path, config: ModelConfig, tokenizer: Tokenizer, what: str) -> None:
+    """ValueError naming the folder when `tokenizer` does not fit the model of `config` (the module):
+    its size (the highest id + 1) equal to `vocab_size` in a k3 training checkpoint, at most it elsewhere."""
+    size = max(tokenizer.inner.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    training = "train" in read_json(directory / "config.json")
+    if size == config.vocab_size or (size < config.vocab_size and not training):
+        return
+    if training:
+        raise ValueError(
+            f"{what}: tokenizer.json has {size:,} tokens but the model's vocab_size (config.json) is "
+            f"{config.vocab_size:,}; a k3 run trains the two together, so this tokenizer.json is another run's: "
+            f"restore the one the run wrote"
+        )
+    raise ValueError(
+        f"{what}: tokenizer.json has {size:,} tokens, more than the model's vocab_size of {config.vocab_size:,} "
+        f"(config.json): ids from {config.vocab_size:,} on have no embedding; use the tokenizer that came with "
+        f"the model"
+    )
 
 
 def check_checkpoint(path: str | os.PathLike, what: str | None = None) -> ModelConfig:
@@ -67,7 +96,8 @@ def check_checkpoint(path: str | os.PathLike, what: str | None = None) -> ModelC
     what = what or str(path)
     config = check_pretrained(path, what)
     with reading(path):
-        Tokenizer.load(path)
+        if not (Path(path) / "tokenizer.json").is_file():  # (one is checked against the model above)
+            Tokenizer.load(path)  # its error: none there, or a folder of that name
         state = Path(path) / "trainer_state.pt"
         if state.exists():
             try:
