@@ -6,10 +6,24 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from k3.checkpoints.checkpoint import read_config
 from k3.cli import main
-from k3.models import PRESETS
+from k3.models import PRESETS, CausalLM, ModelConfig, get_config
 from k3.runtime import env_switch, keep_freed_memory
+from k3.tokenizer import byte_tokenizer
+
+BOM = "\ufeff"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("inputs") / "ckpt"
+    torch.manual_seed(0)
+    CausalLM(get_config("kimi-k3-tiny", vocab_size=257, hidden_size=32)).save_pretrained(path)
+    byte_tokenizer().save(path / "tokenizer.json")
+    return path
 
 
 def one_error_line(capsys, command: str) -> str:
@@ -51,3 +65,28 @@ def test_params_json_without_a_model_lists_the_presets_as_json(capsys):
 def test_params_vs_without_a_model_is_refused(capsys):
     assert main(["params", "--vs", "gpt2"]) == 2
     assert "--vs gpt2" in one_error_line(capsys, "params")
+
+
+def test_a_bom_in_the_prompt_file_is_not_part_of_the_prompt(checkpoint, tmp_path, capsys):
+    """Before: the BOM's three bytes were three more prompt tokens (5 instead of 2 for "to")."""
+    outputs = []
+    for name, text in (("plain.txt", "to\n"), ("bom.txt", BOM + "to\n")):
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        argv = ["generate", "--checkpoint", str(checkpoint), "--prompt-file", str(tmp_path / name)]
+        assert main([*argv, "--max-new-tokens", "3", "--temperature", "0"]) == 0
+        out, err = capsys.readouterr()
+        assert "(2 to 2 tokens)" in err
+        outputs.append(out)
+    assert outputs[0] == outputs[1] and BOM not in outputs[1]
+
+
+def test_a_config_json_with_a_bom_reads(checkpoint, tmp_path):
+    """Before: refused as not JSON (Notepad writes the BOM)."""
+    import shutil
+
+    copy = tmp_path / "bom"
+    shutil.copytree(checkpoint, copy)
+    raw = (copy / "config.json").read_text(encoding="utf-8")
+    (copy / "config.json").write_text(BOM + raw, encoding="utf-8")
+    assert read_config(copy, ModelConfig)[0] == read_config(checkpoint, ModelConfig)[0]
+    assert CausalLM.from_pretrained(copy).config.vocab_size == 257

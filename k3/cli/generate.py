@@ -140,7 +140,7 @@ def _prompts(args, tokenizer) -> tuple[list[str], list[list[int]]]:
     if not path.is_file():
         raise ValueError(f"--prompt-file {path}: no such file")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a BOM (Windows editors write one) is no text
     except UnicodeDecodeError as e:
         raise ValueError(
             f"--prompt-file {path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "

@@ -123,9 +123,10 @@ def write_json(path: str | os.PathLike, obj, indent: int = 1) -> None:
 
 
 def read_json(path: str | os.PathLike):
-    """The JSON value in the file `path`; one that is not UTF-8 JSON: a ValueError naming it and where it breaks."""
+    """The JSON value in the file `path` (UTF-8, a leading BOM skipped); one that is not UTF-8 JSON: a ValueError
+    naming it and where it breaks."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        return json.loads(Path(path).read_text(encoding="utf-8-sig"))  # a BOM (Windows editors write one) is no text
     except json.JSONDecodeError as e:
         raise ValueError(
             f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); fix the file or "
