@@ -13,7 +13,11 @@ short: `abort_requests`; a stream cut short ends with finish_reason "abort" and 
 while it decodes that request, or the checkpoint's chat template failing on a conversation (its own
 raise_exception(...) aside: that is the template refusing the conversation, 400 naming `messages`).
 
-Prompts are tokenized on a worker thread, so a long one does not hold up the event loop (/health, streams).
+Prompts are tokenized on worker threads, without the GIL (k3's tokenizer releases it in `encode_batch`), a
+long one (LONG_TEXT) on threads of the app's own, so that it holds up neither the event loop (/health,
+streams) nor the short prompts of other requests; and a text whose length alone puts it past the prompt's
+bounds (it has at least its bytes over the longest token's bytes in tokens) is refused before it is
+tokenized at all.
 
 A stream sends a choice's first token at once and then its text every `stream_interval` tokens (vLLM's
 `--stream-interval`; 1 by default: every token), and what is left when it finishes: fewer, larger events
@@ -28,10 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
 import uuid
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -43,11 +49,12 @@ from .engine import Draining, Engine, QueueFull, Sequence
 from .gate import MAX_REQUEST_BYTES, APIError, Gate, check_api_key, error_body, error_response
 from .jobs import ClientGone, Job
 from .protocol import ChatRequest, CompletionRequest, Sampling
-from .text import PLAIN_STOPS, TemplateRefusal, TextStream, chat_prompt, compile_chat_template
+from .text import PLAIN_STOPS, TemplateRefusal, TextStream, chat_prompt, compile_chat_template, longest_token_bytes
 
 log = logging.getLogger("k3.serve")
 
 COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+LONG_TEXT = 16 * 1024  # characters past which a text is tokenized on threads of its own (~30 ms of a core)
 CHAT_TOKENS = 256  # k3's default for a chat reply (OpenAI: up to the context; a k3 model may have no limit)
 
 
@@ -89,6 +96,14 @@ def build_app(
             f"max_model_len {max_model_len} room for one completion token), got {max_prompt_tokens!r}"
         )
     template = None if chat_template is None else compile_chat_template(chat_template, "build_app: `chat_template`")
+    longest = longest_token_bytes(tokenizer)  # None: no bound on a text's tokens from its length
+    # k3's tokenizer (Hugging Face tokenizers) holds the GIL through `encode` but releases it in
+    # `encode_batch`: with `encode`, a long prompt stalls every thread, the event loop's with it
+    batch = getattr(tokenizer, "encode_batch", None)
+    encode = tokenizer.encode if batch is None else (lambda text: batch([text])[0])
+    # long texts are tokenized on threads of their own, half the cores: never all of asyncio's default
+    # threads, which the short ones go on taking, and never every core, which the engine needs
+    long_texts = ThreadPoolExecutor(max(1, _cores() // 2), thread_name_prefix="k3-tokenize")
 
     @asynccontextmanager
     async def lifespan(app):
@@ -96,6 +111,7 @@ def build_app(
             engine.start()
         yield
         engine.stop(timeout=10)
+        long_texts.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="k3 serve", lifespan=lifespan)
     app.add_middleware(Gate, api_key=api_key, max_request_bytes=max_request_bytes)
@@ -199,8 +215,8 @@ def build_app(
             log.exception("k3 serve: the chat template failed on a conversation")
             message = f"the server's chat template failed on this conversation: {type(e).__name__}: {e}"
             raise APIError(500, message, None, "server_error") from None
-        ids = await asyncio.to_thread(tokenizer.encode, text)
-        check_prompt_tokens(ids, "messages")
+        ids = await tokenize(text, "messages")
+        check_prompt_tokens(len(ids), "messages")
         stops = body.stops() + ([] if chat_template is not None else PLAIN_STOPS)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
@@ -216,24 +232,39 @@ def build_app(
                 "invalid_request_error",
             )
 
-    def check_prompt_tokens(ids: list[int], param: str) -> None:
-        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+    def check_prompt_tokens(tokens: int, param: str, counted: str = "") -> None:
+        """A prompt within --max-prompt-tokens (413 past it); `counted`: how its `tokens` were counted, when
+        that is a bound rather than its tokenization."""
+        if max_prompt_tokens is not None and tokens > max_prompt_tokens:
             raise APIError(
                 413,
-                f"{param}: the prompt has {len(ids)} tokens, more than this server takes, "
+                f"{param}: the prompt has {counted}{tokens} tokens, more than this server takes, "
                 f"{max_prompt_tokens} (--max-prompt-tokens)",
                 param,
             )
 
-    def check_model_len(tokens: int, param: str) -> None:
+    def check_model_len(tokens: int, param: str, counted: str = "") -> None:
         """A prompt must leave room for one completion token within max_model_len."""
         if tokens >= max_model_len:
             raise APIError(
                 400,
-                f"{param}: the prompt has {tokens} tokens; this model takes {max_model_len} tokens at most, "
-                f"prompt and max_tokens together: a prompt of {max_model_len - 1} at most",
+                f"{param}: the prompt has {counted}{tokens} tokens; this model takes {max_model_len} tokens "
+                f"at most, prompt and max_tokens together: a prompt of {max_model_len - 1} at most",
                 param,
             )
+
+    async def tokenize(text: str, param: str) -> list[int]:
+        """`text`'s token ids. A text whose length alone puts it past the prompt's bounds (its tokens are at
+        least its bytes over the longest token's) is refused before it is tokenized; another is tokenized on
+        a worker thread, without the GIL (`encode`), a long one on the app's own threads, so that neither the
+        event loop nor the other requests wait for it."""
+        if longest is not None:
+            size = len(text.encode("utf-8"))
+            fewest, counted = -(-size // longest), f"{size:,} bytes of text ({longest} at most a token), so at least "
+            check_prompt_tokens(fewest, param, counted)
+            check_model_len(fewest, param, counted)
+        long = len(text) > LONG_TEXT  # (characters: at most its bytes; its bytes are counted only with `longest`)
+        return await asyncio.get_running_loop().run_in_executor(long_texts if long else None, encode, text)
 
     async def completion_prompts(prompt, n: int) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -251,8 +282,8 @@ def build_app(
             )
         out = []
         for p in prompt:
-            ids = await asyncio.to_thread(tokenizer.encode, p) if isinstance(p, str) else list(p)
-            check_prompt_tokens(ids, "prompt")
+            ids = await tokenize(p, "prompt") if isinstance(p, str) else list(p)
+            check_prompt_tokens(len(ids), "prompt")
             bad = [t for t in ids if not 0 <= t < engine.model.config.vocab_size]
             if bad:
                 raise APIError(
@@ -392,6 +423,11 @@ def build_app(
             job.cancel(engine)  # the client went away (or we are done): free what still runs
 
     return app
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def sse(payload: dict) -> str:

@@ -92,6 +92,20 @@ class TextStream:
         return longest
 
 
+def longest_token_bytes(tokenizer) -> int | None:
+    """The most bytes of text one token of `tokenizer` stands for, so that a text of n bytes has at least
+    n / longest tokens (a server refuses a text too long by that count before tokenizing it); None when it
+    cannot be known: a tokenizer other than k3's byte-level BPE (`k3.tokenizer.Tokenizer`), or one whose
+    normalizer may shorten the text first. A byte-level token's count is `token_bytes`; a special or added
+    token (<|endoftext|>) matches its own text, its UTF-8 length."""
+    from ..tokenizer import Tokenizer
+
+    if not isinstance(tokenizer, Tokenizer) or tokenizer.inner.normalizer is not None:
+        return None
+    counts, vocab = tokenizer.token_bytes, tokenizer.inner.get_vocab(with_added_tokens=True)
+    return max((counts[i] if i < len(counts) and counts[i] else len(t.encode("utf-8"))) for t, i in vocab.items())
+
+
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 

@@ -409,3 +409,61 @@ def test_max_model_len_counts_the_prompt_and_max_tokens(checkpoint):
     engine = Engine(CausalLM.from_pretrained(checkpoint).eval(), cache_memory=10**8, max_running=2, max_length=64)
     with pytest.raises(ValueError, match=r"`max_prompt_tokens` must be None or an int in \[1, 63\]"):
         build_app(engine, byte_tokenizer(), NAME, max_prompt_tokens=64)
+
+
+class CountingTokenizer:
+    """The byte tokenizer (k3's Tokenizer, so the app knows its longest token), counting the texts it encodes."""
+
+    def __new__(cls):
+        tokenizer = byte_tokenizer()
+        tokenizer.texts, tokenizer.threads = [], []
+        encode_batch = tokenizer.encode_batch
+
+        def counted(texts):
+            tokenizer.texts.extend(texts)
+            tokenizer.threads.append(threading.current_thread().name)
+            return encode_batch(texts)
+
+        tokenizer.encode_batch = counted
+        return tokenizer
+
+
+def test_a_text_too_long_by_its_length_alone_is_refused_before_it_is_tokenized(checkpoint):
+    """A text of n bytes has at least n / 13 tokens with the byte tokenizer (<|endoftext|>, 13 bytes, its
+    longest token): past --max-prompt-tokens (413) or the model's length (400) by that count, it is refused
+    without tokenizing it, which would hold a thread for seconds for a megabyte; a text that may fit is
+    tokenized and counted exactly."""
+    tokenizer = CountingTokenizer()
+    engine = Engine(CausalLM.from_pretrained(checkpoint).eval(), cache_memory=10**8, max_running=2, max_length=512)
+    with ServerThread(build_app(engine, tokenizer, NAME, max_prompt_tokens=100), engine) as s:
+        status, out, _ = post(s, "/v1/completions", json.dumps({"prompt": "x" * 1301}))
+        assert status == 413 and out["error"]["param"] == "prompt", out
+        assert "1,301 bytes of text (13 at most a token), so at least 101 tokens" in out["error"]["message"]
+        chat = {"messages": [{"role": "user", "content": "x" * 10**6}]}
+        status, out, _ = post(s, "/v1/chat/completions", json.dumps(chat))
+        assert status == 413 and out["error"]["param"] == "messages", out
+        assert "1,000,017 bytes of text (13 at most a token), so at least 76925 tokens" in out["error"]["message"]
+        assert tokenizer.texts == []
+        status, out, _ = post(s, "/v1/completions", json.dumps({"prompt": "x" * 101}))  # 101 tokens, 8 at least
+        assert status == 413 and "the prompt has 101 tokens" in out["error"]["message"], out
+        assert tokenizer.texts == ["x" * 101]
+    engine = Engine(CausalLM.from_pretrained(checkpoint).eval(), cache_memory=10**8, max_running=2, max_length=64)
+    with ServerThread(build_app(engine, tokenizer, NAME), engine) as s:
+        status, out, _ = post(s, "/v1/completions", json.dumps({"prompt": "x" * 832}))  # at least 64 tokens
+        assert status == 400 and out["error"]["param"] == "prompt", out
+        assert "so at least 64 tokens; this model takes 64 tokens at most" in out["error"]["message"]
+        assert tokenizer.texts == ["x" * 101]
+
+
+def test_a_long_text_is_tokenized_on_threads_of_its_own(checkpoint):
+    """A text past LONG_TEXT characters goes to the app's own tokenizing threads, a short one to asyncio's:
+    honest long prompts never take every thread the short ones need."""
+    from k3.serve.api import LONG_TEXT
+
+    tokenizer = CountingTokenizer()
+    engine = Engine(CausalLM.from_pretrained(checkpoint).eval(), cache_memory=10**8, max_running=2, max_length=4096)
+    with ServerThread(build_app(engine, tokenizer, NAME), engine) as s:
+        for text in ("Hi", "x" * (LONG_TEXT + 1)):
+            post(s, "/v1/completions", json.dumps({"prompt": text, "max_tokens": 1}))
+    short, long = tokenizer.threads
+    assert not short.startswith("k3-tokenize") and long.startswith("k3-tokenize"), tokenizer.threads

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import json
+import random
 import time
 
 import pytest
 
-from k3.serve.text import PLAIN_STOPS, TemplateRefusal, TextStream, chat_prompt, load_chat_template, special_tokens
+from k3.serve.text import (
+    PLAIN_STOPS,
+    TemplateRefusal,
+    TextStream,
+    chat_prompt,
+    load_chat_template,
+    longest_token_bytes,
+    special_tokens,
+)
 from k3.tokenizer import byte_tokenizer
 
 
@@ -124,3 +133,21 @@ def test_long_stop_strings_cost_what_is_pending_not_the_whole_text():
         assert stream.push(a) == "a"
     late = time.perf_counter() - late
     assert late < 5 * early + 0.05, (early, late)
+
+
+def test_a_texts_bytes_over_the_longest_token_bound_its_tokens():
+    """The app refuses a text too long by this count before tokenizing it: it must never count more tokens
+    than tokenizing gives, for the byte tokenizer (<|endoftext|>, 13 bytes, is its longest token) or a BPE
+    one (whose merges span many bytes), over ASCII, multi-byte text and special tokens."""
+    from k3.tokenizer import EOT, train_bpe
+
+    random.seed(0)
+    alphabet = "ab cd\né€😀" + EOT
+    corpus = ["".join(random.choice(["abab ", "cdcd ", "é€", EOT, "😀 "]) for _ in range(400)) for _ in range(20)]
+    for tokenizer in (byte_tokenizer(), train_bpe(corpus, vocab_size=400)):
+        longest = longest_token_bytes(tokenizer)
+        assert longest == max(13, max(tokenizer.token_bytes)), longest
+        for _ in range(300):
+            text = "".join(random.choice([*alphabet, EOT, "abab ", "cdcd "]) for _ in range(random.randrange(1, 200)))
+            assert len(tokenizer.encode(text)) >= -(-len(text.encode()) // longest), text
+    assert longest_token_bytes(object()) is None  # not k3's tokenizer: no bound from the length
