@@ -90,3 +90,44 @@ def test_a_config_json_with_a_bom_reads(checkpoint, tmp_path):
     (copy / "config.json").write_text(BOM + raw, encoding="utf-8")
     assert read_config(copy, ModelConfig)[0] == read_config(checkpoint, ModelConfig)[0]
     assert CausalLM.from_pretrained(copy).config.vocab_size == 257
+
+
+@pytest.mark.parametrize("target, said", [("/dev/null", "is not a regular file"), ("FOLDER", "is a folder")])
+def test_a_prompt_file_that_is_no_regular_file_is_called_what_it_is(checkpoint, tmp_path, capsys, target, said):
+    """Before: "no such file" for both."""
+    target = str(tmp_path) if target == "FOLDER" else target
+    assert main(["generate", "--checkpoint", str(checkpoint), "--prompt-file", target]) == 2
+    assert f"--prompt-file {target}: {said}" in one_error_line(capsys, "generate")
+
+
+@pytest.mark.parametrize(
+    "argv, command",
+    [
+        (["generate", "--checkpoint", "FILE", "--prompt", "to"], "generate"),
+        (["export", "FILE", "OUT"], "export"),
+        (["lab", "inspect", "--checkpoint", "FILE"], "lab"),
+    ],
+)
+def test_a_file_given_for_a_checkpoint_folder_is_called_a_file(checkpoint, tmp_path, capsys, argv, command):
+    """Before: "no such folder" for a file that exists."""
+    argv = [
+        str(checkpoint / "config.json") if a == "FILE" else str(tmp_path / "out") if a == "OUT" else a for a in argv
+    ]
+    assert main(argv) == 2
+    assert "config.json: is a file, not a checkpoint folder" in one_error_line(capsys, command)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_a_checkpoint_file_that_is_a_folder_is_called_a_folder(checkpoint, tmp_path, capsys, name):
+    """Before: safetensors' "No such device (os error 19)" for model.safetensors, errno 21 for config.json."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoint, copy)
+    (copy / name).unlink()
+    (copy / name).mkdir()
+    assert main(["generate", "--checkpoint", str(copy), "--prompt", "to"]) == 2
+    assert f"{name} is a folder" in one_error_line(capsys, "generate")
+    with pytest.raises(ValueError, match=f"{name} is a folder"):
+        CausalLM.from_pretrained(copy)

@@ -105,6 +105,8 @@ def read_config(directory: Path, config_class) -> tuple[ModelConfig, bool]:
             f"{directory}: no config.json (expected a checkpoint folder: config.json and "
             f"model.safetensors, or shards listed in model.safetensors.index.json)"
         )
+    if not path.is_file():
+        raise ValueError(f"{path} is {'a folder' if path.is_dir() else 'not a regular file'}, not a JSON file")
     return config_from_json(path, config_class)
 
 

@@ -73,6 +73,12 @@ def open_shard(file: Path):
     offsets beyond the file) a ValueError naming the file."""
     from safetensors import SafetensorError, safe_open
 
+    if file.exists() and not file.is_file():  # safetensors' own word for a folder: "No such device"
+        kind = "a folder" if file.is_dir() else "not a regular file"
+        raise ValueError(
+            f"{file.parent}: {file.name} is {kind}, not a safetensors file; restore the weights file from the "
+            f"run that wrote it"
+        )
     try:
         with safe_open(str(file), framework="pt") as f:
             yield f
@@ -87,8 +93,8 @@ def check_same_step(directory: Path) -> None:
     """A k3 training checkpoint's config.json and weights (model.safetensors or dcp/) must come from the
     same save."""
     weights = directory / "model.safetensors"
-    if not (directory / "config.json").exists():
-        return  # read_config says what is missing
+    if not (directory / "config.json").is_file():
+        return  # read_config says what is missing, or what is there instead
     config = read_json(directory / "config.json")
     config_step = config.get("step") if isinstance(config, dict) else None
     if config_step is None:

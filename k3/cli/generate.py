@@ -30,9 +30,10 @@ def _generate(args) -> int:
             "--chat is for the interactive mode (prompts from stdin): drop --prompt / --prompt-file, or --chat"
         )
     if not Path(args.checkpoint).is_dir():
+        found = "is a file, not a checkpoint folder" if Path(args.checkpoint).exists() else "no such folder"
         raise FileNotFoundError(
-            f"--checkpoint {args.checkpoint}: no such folder (expected a checkpoint folder, "
-            f"e.g. what k3 train --out wrote)"
+            f"--checkpoint {args.checkpoint}: {found} (expected the folder that k3 train --out wrote, with "
+            f"config.json and model.safetensors)"
         )
     if args.parallel == "ep" and args.prompt is None and not args.prompt_file:
         raise ValueError(
@@ -138,7 +139,8 @@ def _prompts(args, tokenizer) -> tuple[list[str], list[list[int]]]:
         return [args.prompt], [ids]
     path = Path(args.prompt_file)
     if not path.is_file():
-        raise ValueError(f"--prompt-file {path}: no such file")
+        kind = "a folder" if path.is_dir() else "not a regular file (a device or pipe)" if path.exists() else ""
+        raise ValueError(f"--prompt-file {path}: " + (f"is {kind}; give a text file" if kind else "no such file"))
     try:
         lines = path.read_text(encoding="utf-8-sig").splitlines()  # a BOM (Windows editors write one) is no text
     except UnicodeDecodeError as e:

@@ -57,7 +57,11 @@ def check_pretrained(path: str | os.PathLike, what: str | None = None) -> ModelC
     directory = Path(path)
     what = what or str(directory)
     if not directory.is_dir():
-        raise FileNotFoundError(f"{what}: no such folder (expected a checkpoint folder, e.g. k3 train --out)")
+        found = "is a file, not a checkpoint folder" if directory.exists() else "no such folder"
+        raise FileNotFoundError(
+            f"{what}: {found} (expected a checkpoint folder, with config.json and model.safetensors: "
+            f"e.g. k3 train --out)"
+        )
     with reading(directory):  # a save that died after its commit point is finished first
         config, native = read_config(directory, ModelConfig)  # a config.json that is not JSON: a ValueError naming it
         refuse_if_too_big(config, 4, f"{what}: loading", "this checkpoint needs a machine with more memory")
