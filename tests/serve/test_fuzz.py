@@ -1,13 +1,13 @@
 """A fuzzer of `k3 serve`'s HTTP API (hypothesis): request bodies drawn over every field of
 /v1/completions and /v1/chat/completions, with values of the right type and of every wrong one (huge
-ints, NaN, infinities, the tiniest floats, lone surrogates, empty and long strings, lists, objects), and raw
-bytes; sent mostly as JSON, now and then with another Content-Type or none (415), and one in sixteen cut
-short of its Content-Length (408 once the server's request deadline passes). Whatever comes, the server
-answers: never a 5xx, never a hang (each request has a client timeout),
-every error OpenAI's `{"error": {"message", "type", "param", "code"}}`, and /health answers afterwards
-with nothing left running. Meanwhile a client on a thread asks the same greedy question over and over: it
-gets the same answer every time, whatever the fuzzer sends beside it. Bounded to run in seconds: a tiny
-model, a short context, 200 examples."""
+ints, NaN, infinities, the tiniest floats, lone surrogates, empty and long strings, lists, objects; prompts
+too long by their length alone and prompts that must be tokenized to be counted), and raw bytes; sent
+mostly as JSON, now and then with another Content-Type or none (415), and one in sixteen cut short of its
+Content-Length (408 once the server's request deadline passes). Whatever comes, the server answers: never
+a 5xx, never a hang (each request has a client timeout), every error OpenAI's `{"error": {"message",
+"type", "param", "code"}}`, and /health answers afterwards with nothing left running. Meanwhile a client
+on a thread asks the same greedy question over and over: it gets the same answer every time, whatever the
+fuzzer sends beside it. Bounded to run in seconds: a tiny model, a short context, 200 examples."""
 
 from __future__ import annotations
 
@@ -85,6 +85,10 @@ ints = st.one_of(st.integers(-3, 40), huge_ints)
 scalars = st.one_of(st.none(), st.booleans(), ints, floats, texts, st.just("x" * 20_000))
 junk = st.one_of(scalars, st.lists(scalars, max_size=3), st.dictionaries(st.text(max_size=4), scalars, max_size=2))
 
+# long texts of one, two and four bytes a character, some past the prompt's bound by their length alone
+# (refused before they are tokenized), some not (tokenized, then counted)
+long_texts = st.builds(lambda piece, n: piece * n, st.sampled_from(["x", "é", "😀", "ab "]), st.integers(40, 3000))
+
 # each field's values of its own type (in range or not: extreme floats, huge seeds, surrogates)
 token_ids = st.lists(st.one_of(st.integers(0, 256), st.integers(0, 256), ints), min_size=0, max_size=CONTEXT + 4)
 good_prompts = st.one_of(
@@ -92,12 +96,14 @@ good_prompts = st.one_of(
     words.filter(bool),
     texts,
     st.lists(texts, max_size=3),
+    long_texts,
     token_ids,
     st.lists(token_ids, max_size=3),
 )
 good_messages = st.lists(
     st.fixed_dictionaries(
-        {"role": st.sampled_from(["system", "user", "assistant"]), "content": texts}, optional={"name": texts}
+        {"role": st.sampled_from(["system", "user", "assistant"]), "content": st.one_of(texts, texts, long_texts)},
+        optional={"name": texts},
     ),
     min_size=1,
     max_size=3,
