@@ -160,7 +160,7 @@ def build_app(
             if err.get("type") == "json_invalid":
                 where, err = "body", {"msg": f"not valid JSON ({err.get('ctx', {}).get('error', 'decode error')})"}
             param = param or where or "body"
-            problems.append(f"{where or 'body'}: {err.get('msg')}")
+            problems.append(f"{where or 'body'}: {str(err.get('msg')).removeprefix('Value error, ')}")  # ours
         return error_response(400, "; ".join(dict.fromkeys(problems)), param)
 
     def not_an_object(content_type: str | None, value) -> JSONResponse:

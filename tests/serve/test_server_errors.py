@@ -467,3 +467,8 @@ def test_a_long_text_is_tokenized_on_threads_of_its_own(checkpoint):
             post(s, "/v1/completions", json.dumps({"prompt": text, "max_tokens": 1}))
     short, long = tokenizer.threads
     assert not short.startswith("k3-tokenize") and long.startswith("k3-tokenize"), tokenizer.threads
+
+
+def test_a_check_of_ours_reads_without_pydantics_prefix(server):
+    status, out, _ = post(server, "/v1/completions", json.dumps({"prompt": "hi", "stop": [""]}))
+    assert status == 400 and out["error"]["message"].startswith("stop: an empty stop string"), out
