@@ -387,8 +387,10 @@ def add_tokenizer(writer, tokenizer, vocab_size: int) -> None:
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     if not merges:  # gguf writes no empty array, and llama.cpp's "gpt2" vocabulary needs its merges
         raise ValueError(
-            "the tokenizer has no merges (bytes alone): llama.cpp's BPE vocabulary needs them; export "
-            "a model trained with a BPE tokenizer (k3 train's default), or without a tokenizer"
+            "the checkpoint's tokenizer.json has no merges (k3 train --tokenizer byte: bytes alone), and "
+            "llama.cpp's BPE vocabulary needs them; export --format k3 (transformers) keeps this tokenizer, "
+            "a model trained with a BPE tokenizer (k3 train's default) exports to GGUF, and a copy of the "
+            "checkpoint without its tokenizer.json exports a GGUF file without one (token ids in and out)"
         )
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")

@@ -43,11 +43,26 @@ RECOMPILE_LIMIT = 64  # graphs one process may keep for the step (models x batch
 def compile_cache_dir() -> Path:
     """Where compiled decode steps are kept between runs: $TORCHINDUCTOR_CACHE_DIR when set, else
     ~/.cache/k3/inductor (set as that variable, which inductor reads), so a second run of the same model
-    loads its kernels instead of compiling them."""
-    path = os.environ.get(COMPILE_CACHE_ENV)
+    loads its kernels instead of compiling them. A folder that cannot be made or written is a ValueError
+    naming the variable (inductor's own error names neither)."""
+    path = os.environ.get(COMPILE_CACHE_ENV) or None  # set but empty: the default, as unset
+    chosen = path is not None
     if path is None:
         path = str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "k3" / "inductor")
-        os.environ[COMPILE_CACHE_ENV] = path
+    where = (
+        f"the environment variable {COMPILE_CACHE_ENV}={path}"
+        if chosen
+        else f"the compile cache {path} (the default; set {COMPILE_CACHE_ENV} for another folder)"
+    )
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{where}: is a file, not a folder; give a folder")
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{where}: cannot make the folder ({e.strerror}); give a folder that can be written") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{where}: the folder cannot be written; give a folder that can be")
+    os.environ[COMPILE_CACHE_ENV] = path
     return Path(path)
 
 

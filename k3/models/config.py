@@ -135,11 +135,28 @@ class ModelConfig:
         for name in dict.fromkeys(self.mlp_types):
             for problem in kinds.FFNS[name].check(self):
                 need(False, problem)
-        if self.norm == "layernorm" or self.ffn_activation == "gelu" or self.max_position_embeddings:
-            need(
-                set(self.layer_types) <= {"mha"},
-                "LayerNorm, GELU MLP and learned positions are GPT-2's: they go with 'mha' layers only",
+        gpt2 = [  # GPT-2's parts, which k3 builds for its softmax attention ('mha') only: (field, value, fix)
+            (f"`{name}` {value!r} ({what})", f"`{name}` {fix}")
+            for name, value, what, fix, on in (
+                ("norm", self.norm, "LayerNorm", "'rmsnorm'", self.norm == "layernorm"),
+                ("ffn_activation", self.ffn_activation, "a GELU MLP", "'swiglu'", self.ffn_activation == "gelu"),
+                (
+                    "max_position_embeddings",
+                    self.max_position_embeddings,
+                    "learned positions",
+                    "null (unset)",
+                    bool(self.max_position_embeddings),
+                ),
             )
+            if on
+        ]
+        others = sorted(set(self.layer_types) - {"mha"})
+        need(
+            not (gpt2 and others),
+            f"{' and '.join(part for part, _ in gpt2)}: GPT-2's, built for 'mha' layers only, but `layer_types` "
+            f"has {', '.join(map(repr, others))}",
+            f"give {' and '.join(fix for _, fix in gpt2)}, or start from a gpt2 preset",
+        )
         need(
             self.attn_res_block_size is None or self.attn_res_block_size > 0,
             f"`attn_res_block_size` must be None or positive, got {self.attn_res_block_size}",

@@ -60,3 +60,46 @@ def test_cache_bytes_refuses_negative_sizes(saved, args, name):
     with pytest.raises(ValueError, match=f"cache_bytes: `{name}` must be an int >= 0"):
         saved[0].cache_bytes(*args)
     assert saved[0].cache_bytes(0, 5) == 0 and saved[0].cache_bytes(2, 5) > saved[0].cache_bytes(1, 5) > 0
+
+
+@pytest.mark.parametrize(
+    "change, field, fix",
+    [
+        ({"max_position_embeddings": 4}, "`max_position_embeddings` 4 (learned positions)", "null"),
+        ({"norm": "layernorm"}, "`norm` 'layernorm' (LayerNorm)", "`norm` 'rmsnorm'"),
+    ],
+)
+def test_a_gpt2_part_on_another_model_names_the_field(change, field, fix):
+    """Before: "LayerNorm, GELU MLP and learned positions are GPT-2's" whichever was set."""
+    with pytest.raises(ValueError, match="built for 'mha' layers only") as e:
+        get_config("kimi-k3-tiny", **change)
+    message = str(e.value)
+    assert message.startswith(f"ModelConfig('kimi-k3-tiny'): {field}: GPT-2's") and fix in message
+    assert "GELU" not in message and "'kda', 'mla'" in message
+    assert get_config("gpt2-tiny", **change).layer_types[0] == "mha"
+
+
+@pytest.mark.parametrize("where, said", [("/proc/k3-no-such/x", "cannot make the folder"), ("FILE", "is a file")])
+def test_the_compile_cache_names_its_environment_variable(monkeypatch, tmp_path, where, said):
+    """Before: "[Errno 2] No such file or directory: '/proc/x'" from inductor, naming no variable."""
+    from k3.inference.decode_step import compile_cache_dir
+
+    if where == "FILE":
+        where = str(tmp_path / "file")
+        (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", where)
+    with pytest.raises(ValueError, match=f"the environment variable TORCHINDUCTOR_CACHE_DIR={where}: {said}"):
+        compile_cache_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    assert compile_cache_dir() == tmp_path / "cache" and (tmp_path / "cache").is_dir()
+
+
+def test_gguf_export_of_a_byte_tokenizer_says_what_can_be_done():
+    """Before: it suggested exporting "without a tokenizer", which no flag does."""
+    pytest.importorskip("gguf")
+    from k3.checkpoints.gguf_format import add_tokenizer
+    from k3.tokenizer import byte_tokenizer
+
+    with pytest.raises(ValueError, match="has no merges") as e:
+        add_tokenizer(None, byte_tokenizer(), 257)
+    assert "--format k3" in str(e.value) and "without its tokenizer.json" in str(e.value)
