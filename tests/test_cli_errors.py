@@ -79,7 +79,7 @@ def damaged(run, tmp_path):
     [
         (["--max-steps", "0"], "--max-steps: expected training steps, an integer >= 1, got '0'"),
         (["--max-steps", "-3"], "got '-3'"),
-        (["--time-budget", "-1"], "--time-budget: expected minutes, a finite number > 0, got '-1'"),
+        (["--time-budget", "-1"], "--time-budget: expected minutes, a finite number > 0 and <= 527040, got '-1'"),
         (["--checkpoint-every", "-1"], "--checkpoint-every: expected steps between checkpoints, an integer >= 1"),
         (["--warmup", "-5"], "--warmup: expected warmup steps, an integer >= 0, got '-5'"),
         (["--threads", "-1"], f"--threads: expected torch threads, an integer in [1, {max_threads()}], got '-1'"),
@@ -433,3 +433,24 @@ def test_more_threads_than_cores_and_a_vocabulary_the_corpus_cannot_give_are_sai
     err = capsys.readouterr().err
     assert f"k3 train: warning: --threads {threads} is more than this machine's {os.cpu_count()} cores" in err, err
     assert "k3 train: warning: --vocab-size 100000: the corpus gave the BPE tokenizer only" in err, err
+
+
+@pytest.mark.parametrize("argv", [["train", "--bogus"], ["bench", "ops", "--bogus", "1"], ["plan", "--bogus"]])
+def test_an_unknown_flag_is_named_by_its_subcommand(capsys, argv):
+    capsys.readouterr()
+    assert main(argv) == 2
+    command = "k3 " + " ".join(argv[:2] if argv[0] == "bench" else argv[:1])
+    rest = " ".join(argv[2:] if argv[0] == "bench" else argv[1:])
+    assert capsys.readouterr().err == f"{command}: error: unrecognized arguments: {rest} (see {command} --help)\n"
+
+
+def test_ctrl_c_while_torch_loads_is_noted_not_raised():
+    """Raised inside `import torch`, a KeyboardInterrupt can abort the process from C++: main only notes it."""
+    import signal
+
+    from k3.cli import _ctrl_c_deferred
+
+    previous = signal.getsignal(signal.SIGINT)
+    with _ctrl_c_deferred() as pressed:
+        signal.raise_signal(signal.SIGINT)
+    assert pressed == [signal.SIGINT] and signal.getsignal(signal.SIGINT) is previous

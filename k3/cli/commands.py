@@ -256,19 +256,31 @@ _ASKED_BY_NAME = (
 
 
 def _train(args) -> int:
+    import os
+
     from ..training import train
+    from ..training.stop import Interrupted, signal_words
 
     cfg = _train_config(args)
     _use_threads(args)
     if args.resume:
+        from ..training.checkpoint import refuse_resuming_unsaved
         from .preflight import check_checkpoint
 
+        refuse_resuming_unsaved(args.resume)  # a run killed before its first save: said so
         check_checkpoint(args.resume, f"--resume {args.resume}")
     asked = tuple(key for key in _ASKED_BY_NAME if getattr(args, key) is not None)
     try:
         train(cfg, resume=args.resume, progress=not args.no_progress, parallel=args.parallel, asked=asked)
-    except KeyboardInterrupt:
-        return 130
+    except Interrupted as e:  # Ctrl-C, SIGTERM or SIGHUP: the loop said what it saved; during start-up, say it here
+        if not e.said and os.environ.get("RANK", "0") == "0":
+            kept = f"the checkpoint in --resume {args.resume}" if args.resume else f"--out {args.out}"
+            print(
+                f"\nk3 train: {signal_words(e.signum)} while starting, before the first step: stopped; nothing was "
+                f"trained or saved, and {kept} is as it was",
+                file=sys.stderr,
+            )
+        return 128 + e.signum
     return 0
 
 

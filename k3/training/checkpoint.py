@@ -40,6 +40,7 @@ from ..checkpoints.dcp import SHARDED, is_sharded, sharded_step
 from ..io import JOURNAL, MANIFEST, CheckpointError, atomic_write_files, checked_folder, read_json
 from ..tokenizer import Tokenizer
 from .config import saved_train_config
+from .metrics import METRICS_FILE, read_metrics
 from .optim import portable_state
 from .plot import plot_history
 
@@ -62,7 +63,7 @@ class OutputFolderError(OSError):
 
 
 # what a run writes in its folder besides FILES (and what k3 leaves there: the lock, the journal, the manifest)
-RUN_NAMES = (*FILES, SHARDED, "metrics.jsonl", "tensorboard", "wandb")
+RUN_NAMES = (*FILES, SHARDED, METRICS_FILE, "tensorboard", "wandb")
 
 
 def holds_checkpoint(folder) -> bool:
@@ -92,11 +93,50 @@ def check_new_run_folder(out, overwrite: bool = False) -> None:
             f"--overwrite to replace it"
         )
     theirs = sorted(name for name in RUN_NAMES if os.path.lexists(out / name))
+    logged = steps_logged_unsaved(out)
+    if logged is not None:  # a run stopped before its first save (killed) wrote it: k3's own
+        if not overwrite:
+            raise OutputFolderError(
+                f"--out {out} holds the metrics.jsonl of a k3 run that stopped before its first checkpoint "
+                f"({logged} step{'s' * (logged != 1)} logged, nothing saved, so nothing to resume); give "
+                f"--overwrite to start a new run there (replacing it), or train into another --out"
+            )
+        theirs.remove(METRICS_FILE)
     if theirs:
         raise OutputFolderError(
             f"--out {out} holds {', '.join(theirs)}, which k3 did not write and the run would "
             f"replace: move {'them' if len(theirs) > 1 else 'it'} or train into another --out "
             f"(--overwrite replaces only a k3 checkpoint)"
+        )
+
+
+def steps_logged_unsaved(folder) -> int | None:
+    """The steps logged in `folder`'s metrics.jsonl when the folder holds no checkpoint and the log is one that
+    k3 train wrote (empty, or JSON objects with a "step", a last line maybe cut short by a kill): what a run
+    stopped before its first save leaves. None otherwise (no such log, or not k3's)."""
+    folder, path = Path(folder), Path(folder) / METRICS_FILE
+    if not path.is_file() or holds_checkpoint(folder):
+        return None
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    except (OSError, UnicodeDecodeError):
+        return None
+    records = read_metrics(path)
+    whole = lines[:-1] if lines and not lines[-1].endswith("\n") else lines  # (a last line cut short by a kill)
+    if len(records) != len(whole) or not all(isinstance(r.get("step"), int) for r in records):
+        return None
+    return len({r["step"] for r in records})
+
+
+def refuse_resuming_unsaved(folder) -> None:
+    """FileNotFoundError naming what happened when `folder` holds only what a run stopped before its first save
+    left (`steps_logged_unsaved`): there is nothing to resume, and the way on is a new run there."""
+    logged = steps_logged_unsaved(folder)
+    if logged is not None:
+        raise FileNotFoundError(
+            f"--resume {folder}: the run there stopped before its first checkpoint ({logged} step"
+            f"{'s' * (logged != 1)} logged in metrics.jsonl, nothing saved), so there is nothing to resume; start "
+            f"it again with --out {folder} --overwrite"
         )
 
 
@@ -260,6 +300,7 @@ def load_training_checkpoint(path, share: tuple[int, int] = (0, 1)) -> dict:
     from safetensors.torch import load_file
 
     path = Path(path)
+    refuse_resuming_unsaved(path)
     with checked_folder(path, share=share) as manifest:
         sharded = is_sharded(path)
         expected = SHARDED_FILES if sharded else FILES

@@ -29,7 +29,6 @@ import dataclasses
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -46,6 +45,7 @@ from .metrics import MetricsLog, check_logger
 from .optim import learning_rate
 from .resume import _resume_overrides, _same_folder, _share
 from .step import NonFiniteLossError
+from .stop import Interrupted, signal_words, stop_on_signals
 from .strategy import SingleProcess
 
 __all__ = ["train", "TrainConfig"]
@@ -70,6 +70,12 @@ def train(
     another run holds it, or it holds a checkpoint (a new run replaces one only with `cfg.overwrite`) or
     files k3 did not write under the names a run writes; every process of a torchrun job checks); a NaN
     or infinite loss or gradient norm stops the run (NonFiniteLossError)."""
+    with stop_on_signals() as stop:  # start-up: a signal stops the run at once; then after a step (k3.training.stop)
+        return _train(cfg, resume, progress, parallel, asked, stop)
+
+
+def _train(cfg: TrainConfig, resume: str | None, progress: bool, parallel: str, asked: tuple, stop) -> dict:
+    """`train`, its signal handlers installed."""
     state, changes = None, {}
     if resume is not None:
         state = load_training_checkpoint(resume, share=_share(parallel))
@@ -97,7 +103,7 @@ def train(
     # before any work: a bad --out costs nothing; a run refused before its first save leaves nothing behind
     lock = strategy.on_main(lambda: claim_output(out))
     try:
-        return _run(cfg, strategy, state, changes, resume, out, progress)
+        return _run(cfg, strategy, state, changes, resume, out, progress, stop)
     finally:
         if lock is not None:
             lock.release()
@@ -140,7 +146,14 @@ def _nothing_to_do(state: dict, cfg: TrainConfig, changes: dict, resume: str) ->
 
 
 def _run(
-    cfg: TrainConfig, strategy, state: dict | None, changes: dict, resume: str | None, out: Path, progress: bool
+    cfg: TrainConfig,
+    strategy,
+    state: dict | None,
+    changes: dict,
+    resume: str | None,
+    out: Path,
+    progress: bool,
+    stop: stop_on_signals,
 ) -> dict:
     """`train` once the run's configuration is known and its output folder claimed."""
     tokenizer, data = strategy.prepare(cfg, state["tokenizer"] if state else None)
@@ -197,7 +210,7 @@ def _run(
         else None
     )
     try:
-        return _loop(cfg, strategy, data, tokenizer, generator, history, step, max_steps, out, progress, metrics)
+        return _loop(cfg, strategy, data, tokenizer, generator, history, step, max_steps, out, progress, metrics, stop)
     except BaseException:
         with contextlib.suppress(Exception):  # the last asynchronous save is whole: commit it before the error
             strategy.finish_save()
@@ -240,8 +253,10 @@ def _loop(
     out: Path,
     progress: bool,
     metrics: MetricsLog | None,
+    stop: stop_on_signals,
 ) -> dict:
-    """The steps, the evaluations and the saves of `_run`, from `step`; returns the history."""
+    """The steps, the evaluations and the saves of `_run`, from `step`; returns the history. A first signal
+    (`stop`) ends the steps after the one under way and saves; a second one ends them at once, unsaved."""
     from tqdm import tqdm
 
     val_windows = data.val_windows(cfg.seq_len, cfg.eval_tokens)
@@ -265,102 +280,119 @@ def _loop(
     # a time-budget run sets its own step count from the speed of its steps (a resumed one keeps its plan)
     plans = cfg.time_budget is not None and max_steps is None
     step_times: collections.deque = collections.deque(maxlen=50)  # the last steps' seconds (evaluations apart)
-    with _stop_on_ctrl_c() as stop:
-        try:
-            while max_steps is None or step < max_steps:
-                lr = learning_rate(cfg, step, max_steps)  # None before a time budget's plan: warmup only
-                for group in strategy.optimizer.param_groups:
-                    group["lr"] = lr
-                step_started = time.time()
-                windows = data.batch(cfg.batch_size * cfg.grad_accum, cfg.seq_len, generator)
-                try:
-                    loss = strategy.step(windows, cfg)
-                except NonFiniteLossError as e:
-                    bar.close()
-                    raise NonFiniteLossError(
-                        f"step {step + 1}: {e}; stopped there without saving it (the checkpoint in "
-                        f"{out}, if any, is from before). Lower --lr or raise --warmup, then resume or start "
-                        f"again"
-                    ) from None
-                step_seconds = time.time() - step_started
-                if step >= 2:  # the first two steps warm up allocators and caches: not timed
-                    step_times.append(step_seconds)
-                step += 1
-                history["step"].append(step)
-                history["loss"].append(loss)
-                history["lr"].append(lr)
-                history["tokens"] += windows[:, 1:].numel()
-                elapsed = time.time() - started
-                per_step = sum(step_times) / max(1, len(step_times))
-                if plans and max_steps is not None and step % 10 == 0 and step < max_steps:
-                    if strategy.is_main:
-                        max_steps = _replan(cfg, step, elapsed, per_step, max_steps, bar)
-                    max_steps = strategy.share(max_steps)  # one clock decides
-                if plans and max_steps is None and len(step_times) >= cfg.calibration_steps:
-                    max_steps = strategy.share(_steps_in_budget(cfg, step, elapsed, per_step))
-                    bar.total = max_steps
-                    if strategy.is_main:
-                        bar.write(
-                            f"k3 train: {per_step:.2f} s/step; {max_steps} steps fit in "
-                            f"{cfg.time_budget:g} min with the evaluations",
-                            file=sys.stderr,
-                        )
-                record = {
-                    "step": step,
-                    "loss": loss,
-                    "lr": lr,
-                    "tokens_per_s": windows[:, 1:].numel() / max(step_seconds, 1e-9),
-                    "grad_norm": strategy.grad_norm,
-                }
-                if qk_clip_threshold(cfg) > 0:  # QK-Clip's figures: the step's largest logit, the heads it scaled
-                    record.update(max_logit=strategy.max_logit, qk_clipped_heads=strategy.qk_clipped_heads)
-                if step % cfg.eval_every == 0 or step == max_steps:
-                    bpb = strategy.evaluate(data, val_windows)
-                    history["val_step"].append(step)
-                    history["val_bpb"].append(bpb)
-                    record["val_bpb"] = bpb
-                    if strategy.is_main:
-                        bar.write(
-                            f"step {step}: train loss {loss:.3f}, validation {bpb:.3f} bits/byte", file=sys.stderr
-                        )
-                if metrics is not None:
-                    metrics.write(record)
-                bar.set_postfix(
-                    loss=f"{loss:.3f}", tok_s=f"{history['tokens'] / max(elapsed, 1e-9):.0f}", lr=f"{lr:.1e}"
-                )
-                bar.update(1)
-                strategy.poll_save()  # an asynchronous save written everywhere: commit it
-                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != max_steps:
-                    save()
-                # Ctrl-C: finish the step, so the checkpoint resumes exactly (all processes at the same step)
-                if strategy.any(stop.requested):
-                    raise KeyboardInterrupt
-        except KeyboardInterrupt:
-            bar.close()
-            save()
-            strategy.finish_save()  # (an asynchronous one: written and committed before the message)
-            if strategy.is_main:
-                _say(f"\ninterrupted at step {step}; checkpoint saved. Resume with:\n  k3 train --resume {out}")
+    stop.steps_begin()
+    doing = None  # what a second signal stops (None: the step under way)
+    try:
+        while max_steps is None or step < max_steps:
+            lr = learning_rate(cfg, step, max_steps)  # None before a time budget's plan: warmup only
+            for group in strategy.optimizer.param_groups:
+                group["lr"] = lr
+            step_started = time.time()
+            windows = data.batch(cfg.batch_size * cfg.grad_accum, cfg.seq_len, generator)
+            try:
+                loss = strategy.step(windows, cfg)
+            except NonFiniteLossError as e:
+                bar.close()
+                raise NonFiniteLossError(
+                    f"step {step + 1}: {e}; stopped there without saving it (the checkpoint in "
+                    f"{out}, if any, is from before). Lower --lr or raise --warmup, then resume or start "
+                    f"again"
+                ) from None
+            step_seconds = time.time() - step_started
+            if step >= 2:  # the first two steps warm up allocators and caches: not timed
+                step_times.append(step_seconds)
+            step += 1
+            history["step"].append(step)
+            history["loss"].append(loss)
+            history["lr"].append(lr)
+            history["tokens"] += windows[:, 1:].numel()
+            elapsed = time.time() - started
+            per_step = sum(step_times) / max(1, len(step_times))
+            if plans and max_steps is not None and step % 10 == 0 and step < max_steps:
+                if strategy.is_main:
+                    max_steps = _replan(cfg, step, elapsed, per_step, max_steps, bar)
+                max_steps = strategy.share(max_steps)  # one clock decides
+            if plans and max_steps is None and len(step_times) >= cfg.calibration_steps:
+                max_steps = strategy.share(_steps_in_budget(cfg, step, elapsed, per_step))
+                bar.total = max_steps
+                if strategy.is_main:
+                    bar.write(
+                        f"k3 train: {per_step:.2f} s/step; {max_steps} steps fit in "
+                        f"{cfg.time_budget:g} min with the evaluations",
+                        file=sys.stderr,
+                    )
+            record = {
+                "step": step,
+                "loss": loss,
+                "lr": lr,
+                "tokens_per_s": windows[:, 1:].numel() / max(step_seconds, 1e-9),
+                "grad_norm": strategy.grad_norm,
+            }
+            if qk_clip_threshold(cfg) > 0:  # QK-Clip's figures: the step's largest logit, the heads it scaled
+                record.update(max_logit=strategy.max_logit, qk_clipped_heads=strategy.qk_clipped_heads)
+            if step % cfg.eval_every == 0 or step == max_steps:
+                bpb = strategy.evaluate(data, val_windows)
+                history["val_step"].append(step)
+                history["val_bpb"].append(bpb)
+                record["val_bpb"] = bpb
+                if strategy.is_main:
+                    bar.write(f"step {step}: train loss {loss:.3f}, validation {bpb:.3f} bits/byte", file=sys.stderr)
+            if metrics is not None:
+                metrics.write(record)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{history['tokens'] / max(elapsed, 1e-9):.0f}", lr=f"{lr:.1e}")
+            bar.update(1)
+            strategy.poll_save()  # an asynchronous save written everywhere: commit it
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != max_steps:
+                doing = f"the save of step {step}"
+                save()
+                doing = None
+            # a signal: finish the step, so the checkpoint resumes exactly (all processes at the same step)
+            if strategy.any(stop.requested):
+                bar.close()
+                doing = f"the save of step {step}"
+                save()
+                strategy.finish_save()  # (an asynchronous one: written and committed before the message)
+                if strategy.is_main:
+                    _say(
+                        f"\ninterrupted ({signal_words(stop.signum or signal.SIGTERM)}) at step {step}; checkpoint "
+                        f"saved. Resume with:\n  k3 train --resume {out}"
+                    )
+                raise Interrupted(stop.signum or signal.SIGTERM, said=True)  # (a process torchrun signalled alone)
+        bar.close()
+        stop.during, doing = "the final evaluation and save", "the final evaluation"
+        said = _final_evaluation(cfg, strategy, data, history, step, metrics)
+        doing = f"the final save (step {step})"
+        save()
+    except KeyboardInterrupt as e:
+        if getattr(e, "said", False):
             raise
-    bar.close()
-    if cfg.final_eval_tokens == 0:  # asked for no final evaluation
-        history.pop("final_val_bpb", None)
-        said = "no final evaluation (final_eval_tokens 0)"
-    else:
-        final_windows = data.val_windows(cfg.seq_len, cfg.final_eval_tokens)
-        final = strategy.evaluate(data, final_windows)
-        history["final_val_bpb"] = final
-        said = (
-            f"validation {final:.3f} bits per byte ({final_windows[:, 1:].numel():,} of {data.val.numel():,} "
-            f"validation tokens)"
-        )
-        if metrics is not None:
-            metrics.write({"step": step, "final_val_bpb": final, "final_eval_tokens": final_windows[:, 1:].numel()})
-    save()
+        bar.close()  # a second signal: stopped at once, nothing saved
+        if strategy.is_main:
+            _say(
+                f"\nstopped at once in {doing or f'step {step + 1}'}, without saving; {out} holds what its last "
+                f"save wrote, whole (k3 train --resume {out} continues it), or no checkpoint if the run had saved none"
+            )
+        raise Interrupted(getattr(e, "signum", signal.SIGINT), said=True) from None
     if strategy.is_main:
         _say(f"k3 train: done, {_run_words(step, history, start)}; {said}; checkpoint in {out}")
     strategy.close()
     return history
+
+
+def _final_evaluation(cfg: TrainConfig, strategy, data, history: dict, step: int, metrics: MetricsLog | None) -> str:
+    """The run's final evaluation (into `history` and the metrics), and what to say of it."""
+    if cfg.final_eval_tokens == 0:  # asked for no final evaluation
+        history.pop("final_val_bpb", None)
+        return "no final evaluation (final_eval_tokens 0)"
+    final_windows = data.val_windows(cfg.seq_len, cfg.final_eval_tokens)
+    final = strategy.evaluate(data, final_windows)
+    history["final_val_bpb"] = final
+    if metrics is not None:
+        metrics.write({"step": step, "final_val_bpb": final, "final_eval_tokens": final_windows[:, 1:].numel()})
+    return (
+        f"validation {final:.3f} bits per byte ({final_windows[:, 1:].numel():,} of {data.val.numel():,} "
+        f"validation tokens)"
+    )
 
 
 def _run_words(step: int, history: dict, start: dict) -> str:
@@ -374,27 +406,3 @@ def _run_words(step: int, history: dict, start: dict) -> str:
         f"this run {words} from step {start['step']}; in all {step} steps, {history['tokens']:,} tokens, "
         f"{history['seconds'] / 60:.1f} min"
     )
-
-
-class _stop_on_ctrl_c:
-    """While training, the first Ctrl-C only asks to stop after the current step (which then saves a
-    checkpoint); a second one interrupts at once."""
-
-    requested = False
-
-    def __enter__(self):
-        self._previous = None
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        _say("\nCtrl-C: stopping after this step and saving a checkpoint (press again to abort at once)")
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-        return False

@@ -14,6 +14,7 @@ import pytest
 from k3.cli import main
 from k3.training import TrainConfig, loop, strategy, train
 from k3.training.checkpoint import OutputFolderError
+from k3.training.metrics import read_metrics
 
 from ..commands import fails
 from ..corpus import write_corpus
@@ -136,6 +137,37 @@ def test_files_that_k3_did_not_write_are_never_replaced(corpus, tmp_path, capsys
     (mine / "config.json").unlink()
     assert main(flags(corpus, mine)) == 0
     assert (mine / "notes.txt").read_text() == "kept" and (mine / "model.safetensors").is_file()
+
+
+def test_the_log_of_a_run_killed_before_its_first_save_is_k3s_and_said_so(corpus, tmp_path, capsys, monkeypatch):
+    """A kill before the first save leaves metrics.jsonl (and the lock): a new run replaces it with --overwrite,
+    and --resume says there is nothing to resume; a metrics.jsonl that k3 did not write stays refused."""
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n{"step": 2, "loss": 5.1}\n{"step": 3, "lo')
+    (killed / ".k3-train.lock").write_text("12345\n")
+    monkeypatch.setattr(strategy.SingleProcess, "prepare", no_work)
+    fails(
+        capsys,
+        flags(corpus, killed),
+        f"--out {killed} holds the metrics.jsonl of a k3 run that stopped before its first checkpoint (2 steps "
+        f"logged, nothing saved, so nothing to resume); give --overwrite",
+    )
+    fails(
+        capsys,
+        ["train", "--resume", str(killed)],
+        f"--resume {killed}: the run there stopped before its first checkpoint (2 steps logged in metrics.jsonl, "
+        f"nothing saved), so there is nothing to resume; start it again with --out {killed} --overwrite",
+    )
+    with pytest.raises(FileNotFoundError, match="nothing to resume"):
+        train(TrainConfig(), resume=str(killed), progress=False)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "metrics.jsonl").write_text("step,loss\n1,5.5\n")
+    fails(capsys, flags(corpus, theirs, "--overwrite"), "holds metrics.jsonl, which k3 did not write")
+    monkeypatch.undo()
+    assert main(flags(corpus, killed, "--overwrite")) == 0
+    assert [r["step"] for r in read_metrics(killed / "metrics.jsonl")] == [1, 1]  # (the final evaluation's line)
 
 
 def test_a_resumed_run_into_another_out_is_checked_as_a_new_runs_folder(corpus, checkpoint, tmp_path, capsys):
