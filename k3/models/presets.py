@@ -236,7 +236,7 @@ def get_config(name: str, **overrides) -> ModelConfig:
                 raise ValueError(
                     f"get_config({name!r}): `{key}` must be a list with one entry per layer, e.g. "
                     f"['kda', 'kda', 'kda', 'mla'] (from the command line, JSON: --set "
-                    f"'{key}=[\"kda\", \"mla\"]'), got {value!r}"
+                    f'\'{key}=["kda", "mla"]\'), got {value!r}'
                 )
             pattern[key] = list(value)
     if pattern:
