@@ -209,6 +209,7 @@ def _train_config(args):
             f"--max-steps {args.max_steps} and --time-budget {args.time_budget:g} both set the run's "
             f"length; give one (steps or minutes)"
         )
+    _check_warmup(args)
     fields = dict(
         preset=args.preset,
         model_overrides=overrides,
@@ -239,6 +240,21 @@ def _train_config(args):
         if getattr(args, key) is not None:
             fields[key] = None if getattr(args, key) == "none" else getattr(args, key)
     return TrainConfig(**fields)
+
+
+def _check_warmup(args) -> None:
+    """A warm-up longer than the run (--warmup past --max-steps) never reaches --lr: refused, both flags named.
+    (A time-budget run's is checked once its step count is planned; a resumed one's by k3.training.resume.)"""
+    if args.warmup is None or args.time_budget is not None or args.resume:
+        return
+    from ..training.config import DEFAULT_MAX_STEPS
+
+    steps = f"--max-steps {args.max_steps}" if args.max_steps else f"{DEFAULT_MAX_STEPS} steps (--max-steps' default)"
+    if args.warmup > (args.max_steps or DEFAULT_MAX_STEPS):
+        raise ValueError(
+            f"--warmup {args.warmup} is longer than the run's {steps}: the learning rate would never reach --lr "
+            f"{args.lr:g}; give --warmup at most {args.max_steps or DEFAULT_MAX_STEPS}, or more --max-steps"
+        )
 
 
 _ASKED_BY_NAME = (

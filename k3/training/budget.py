@@ -47,3 +47,15 @@ def _steps_in_budget(cfg: TrainConfig, step: int, elapsed: float, step_seconds: 
     # steps so fast that the clock saw none (0 s), or a budget far beyond them: at most MAX_PLANNED_STEPS
     fits = 0.97 * left / per_step if per_step > 0 else (math.inf if left > 0 else 0)
     return max(step + 1, step + int(min(fits, MAX_PLANNED_STEPS)))
+
+
+def _warmup_words(cfg: TrainConfig, max_steps: int) -> str:
+    """A warning when the run's --warmup is longer than the steps its time budget was found to hold (the
+    learning rate never reaches --lr), else nothing."""
+    if cfg.warmup_steps is None or cfg.warmup_steps <= max_steps:
+        return ""
+    return (
+        f"\nk3 train: warning: --warmup {cfg.warmup_steps} is longer than the {max_steps} steps that fit in "
+        f"--time-budget {cfg.time_budget:g}: the learning rate stays below --lr {cfg.lr:g} for the whole run "
+        f"(at most {cfg.lr * max_steps / cfg.warmup_steps:.2g})"
+    )

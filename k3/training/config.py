@@ -118,6 +118,12 @@ class TrainConfig:
             value = getattr(self, name)
             if not ok(value):
                 raise ValueError(f"TrainConfig: `{name}` must be {expected}, got {value!r}")
+        if self.warmup_steps is not None and self.max_steps is not None and self.warmup_steps > self.max_steps:
+            raise ValueError(
+                f"TrainConfig: `warmup_steps` {self.warmup_steps} is more than `max_steps` {self.max_steps}: the "
+                f"learning rate would never reach `lr`; give at most {self.max_steps} warm-up steps (None: 5% of the "
+                f"steps, at most 50)"
+            )
         if not (
             isinstance(self.betas, tuple)
             and len(self.betas) == 2

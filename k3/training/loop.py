@@ -37,7 +37,7 @@ import torch
 from ..checkpoints.checkpoint import load_into
 from ..ops.kernels import kernels_words
 from ..runtime import machine_speed_words
-from .budget import _replan, _steps_in_budget
+from .budget import _replan, _steps_in_budget, _warmup_words
 from .checkpoint import check_new_run_folder, claim_output, load_training_checkpoint
 from .config import TrainConfig, model_config, qk_clip_threshold
 from .distributed import start
@@ -318,7 +318,7 @@ def _loop(
                 if strategy.is_main:
                     bar.write(
                         f"k3 train: {per_step:.2f} s/step; {max_steps} steps fit in "
-                        f"{cfg.time_budget:g} min with the evaluations",
+                        f"{cfg.time_budget:g} min with the evaluations" + _warmup_words(cfg, max_steps),
                         file=sys.stderr,
                     )
             record = {

@@ -47,6 +47,11 @@ def _resume_overrides(requested: TrainConfig, saved: TrainConfig, asked: tuple[s
         )
     if "max_steps" in changes:
         changes["time_budget"] = None
+        if saved.warmup_steps is not None and saved.warmup_steps > changes["max_steps"]:
+            raise ValueError(
+                f"--max-steps {changes['max_steps']}: the checkpoint's run warms up over {saved.warmup_steps} steps "
+                f"(its --warmup), more than that; give --max-steps {saved.warmup_steps} or more"
+            )
     return changes
 
 

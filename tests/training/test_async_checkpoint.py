@@ -69,4 +69,4 @@ def test_one_process_refuses_async_checkpoint(tmp_path):
     (tmp_path / "corpus").mkdir()
     corpus = write_corpus(tmp_path / "corpus", docs=2, words=100)
     with pytest.raises(ValueError, match="--async-checkpoint .* needs torchrun with --parallel fsdp or ep"):
-        train(run_cfg(corpus, tmp_path / "one", async_checkpoint=True, max_steps=1), progress=False)
+        train(run_cfg(corpus, tmp_path / "one", async_checkpoint=True, max_steps=2), progress=False)

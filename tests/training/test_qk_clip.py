@@ -215,7 +215,7 @@ def test_metrics_log_the_largest_logit_and_the_clipped_heads_and_resume_is_exact
     unclipped = train(config(corpus, tmp_path / "off", qk_clip=0.0, max_steps=3), progress=False)
     assert unclipped["loss"][1:] != full["loss"][1:3]
     assert "max_logit" not in read_metrics(tmp_path / "off" / METRICS_FILE)[0]
-    adamw = train(config(corpus, tmp_path / "adamw", optimizer="adamw", max_steps=1), progress=False)
+    adamw = train(config(corpus, tmp_path / "adamw", optimizer="adamw", max_steps=1, warmup_steps=1), progress=False)
     assert adamw["step"] == [1] and set(read_metrics(tmp_path / "adamw" / METRICS_FILE)[0]) == {
         "step",
         "loss",

@@ -120,7 +120,7 @@ def test_ctrl_c_finishes_the_step_saves_and_resumes_exactly(corpus, tmp_path, mo
 
 
 def test_resume_with_another_model_names_the_setting(corpus, tmp_path):
-    train(config(corpus, tmp_path, max_steps=1), progress=False)
+    train(config(corpus, tmp_path, max_steps=1, warmup_steps=1), progress=False)
     wider = TrainConfig(max_steps=2, preset="kimi-k3-tiny", model_overrides={"hidden_size": 48})
     with pytest.raises(
         ValueError, match="`model_overrides` {'hidden_size': 48} \\(the checkpoint's: {'hidden_size': 32}\\)"
@@ -264,12 +264,12 @@ def test_compile_compiles_the_decoder_and_needs_a_cxx_compiler(corpus, tmp_path,
 
     compiled = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(type(self).__name__))
-    train(config(corpus, tmp_path / "c", max_steps=1, compile=True), progress=False)
+    train(config(corpus, tmp_path / "c", max_steps=1, warmup_steps=1, compile=True), progress=False)
     assert compiled == ["Decoder"]
     monkeypatch.setattr(runtime.shutil, "which", lambda name: None)
     monkeypatch.setattr(strategy_module, "cxx_compiler", runtime.cxx_compiler)
     with pytest.raises(ValueError, match="no C\\+\\+ compiler was found"):
-        train(config(corpus, tmp_path / "d", max_steps=1, compile=True), progress=False)
+        train(config(corpus, tmp_path / "d", max_steps=1, warmup_steps=1, compile=True), progress=False)
     assert (
         main(
             [
