@@ -51,7 +51,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="the planner against published figures (DeepSeek-V3, Kimi K3's repository, nanoGPT)",
     )
     parser.add_argument("--json", action="store_true", help="every figure with its unit, as JSON")
-    parser.add_argument("--gpu", choices=tuple(GPUS), default="h200", help="GPU type (default h200)")
+    parser.add_argument("--gpu", choices=tuple(GPUS), help="GPU type (default h200)")
     parser.add_argument(
         "--gpus",
         type=_positive("GPUs", MAX_RANKS),
@@ -71,13 +71,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--seq-len",
         type=_positive("tokens per sequence", MAX_TOKENS),
-        default=4096,
         help="tokens per training sequence (default 4096)",
     )
     train.add_argument(
         "--micro-batch",
         type=_positive("sequences", MAX_TOKENS),
-        default=1,
         help="sequences per micro-batch (default 1)",
     )
     train.add_argument(
@@ -88,12 +86,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--optimizer",
         choices=("muon", "adamw"),
-        default="muon",
         help="whose states the memory plan counts: muon (k3 train's default; one momentum a "
         "matrix, AdamW's two moments on the rest) or adamw (default muon)",
     )
-    train.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="whose dense peak the MFU is of")
-    train.add_argument("--mfu", type=_fraction, default=0.40, help="assumed model FLOP utilisation (default 0.40)")
+    train.add_argument("--precision", choices=("bf16", "fp8"), help="whose dense peak the MFU is of (default bf16)")
+    train.add_argument("--mfu", type=_fraction, help="assumed model FLOP utilisation (default 0.40)")
     train.add_argument(
         "--recompute",
         choices=("none", "selective", "full"),
@@ -103,13 +100,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--context",
         type=_positive("tokens", MAX_TOKENS),
-        default=1 << 20,
         help="tokens per sequence (default 1,048,576)",
     )
     serve.add_argument(
         "--experts",
         choices=("bf16", "mxfp4"),
-        default="mxfp4",
         help="routed experts' format (default mxfp4, as Kimi K3 is published)",
     )
     serve.add_argument(
@@ -135,15 +130,57 @@ def load_config(name: str):
     raise ValueError(f"{name!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with a config.json")
 
 
+# each mode's own flags (argparse dest: the flag) and what a flag left out means
+TRAIN_FLAGS = dict(
+    fsdp=None,
+    ep=None,
+    pp=None,
+    seq_len=4096,
+    micro_batch=1,
+    global_batch_tokens=None,
+    optimizer="muon",
+    precision="bf16",
+    mfu=0.40,
+    recompute=None,
+)
+SERVE_FLAGS = dict(context=1 << 20, experts="mxfp4", concurrent=None)
+SHARED_FLAGS = dict(gpu="h200", gpus=None)
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _refuse_flags_of_other_modes(args, mode: str, own: dict) -> None:
+    """A flag the chosen mode does not read (--context for a training plan, --fsdp for a serving one, any for
+    --published) would be silently ignored: refused, naming it and the mode that reads it."""
+    for other, flags in (("--train", TRAIN_FLAGS), ("--serve", SERVE_FLAGS), ("--train or --serve", SHARED_FLAGS)):
+        given = [_flag(dest) for dest in flags if dest not in own and getattr(args, dest) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: a flag of {other} plans, not of {mode} (k3 plan --help)")
+
+
+def _with_defaults(args, flags: dict) -> dict:
+    return {dest: default if getattr(args, dest) is None else getattr(args, dest) for dest, default in flags.items()}
+
+
 def run_plan(args) -> list:
     """The Figures `k3 plan` prints for `args`."""
     if args.published:
+        _refuse_flags_of_other_modes(args, "--published", {})
+        if args.model is not None:
+            raise ValueError(
+                f"--published checks the planner against published models; give no model (got {args.model!r})"
+            )
         from .published import CHECKS
 
         return [check() for check in CHECKS.values()]
     if args.model is None:
         raise ValueError("give a preset or a config directory (or --published)")
+    mode = "--serve" if args.serve else "--train"
+    _refuse_flags_of_other_modes(args, mode, {**SHARED_FLAGS, **(SERVE_FLAGS if args.serve else TRAIN_FLAGS)})
     config = load_config(args.model)
+    args = argparse.Namespace(**{**vars(args), **_with_defaults(args, {**SHARED_FLAGS, **SERVE_FLAGS, **TRAIN_FLAGS})})
     if args.serve:
         from .serving import ServeSettings, plan_serving
 

@@ -48,3 +48,24 @@ def test_config_dir(capsys, tmp_path):
 )
 def test_a_layout_that_does_not_divide_blames_the_flag_given(capsys, flags, blame):
     fails(capsys, ["plan", "kimi-k3", "--gpus", "8", *flags], blame)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (
+            ["kimi-k3-tiny", "--serve", "--fsdp", "4", "--mfu", "0.3"],
+            "--fsdp, --mfu: a flag of --train plans, not of --serve",
+        ),
+        (["kimi-k3-tiny", "--context", "8192"], "--context: a flag of --serve plans, not of --train"),
+        (["--published", "--gpus", "4"], "--gpus: a flag of --train or --serve plans, not of --published"),
+        (["kimi-k3-tiny", "--published"], "give no model (got 'kimi-k3-tiny')"),
+    ],
+)
+def test_a_flag_the_chosen_plan_does_not_read_is_refused(capsys, argv, expected):
+    fails(capsys, ["plan", *argv], expected)
+
+
+def test_defaults_left_out_are_the_documented_ones(capsys):
+    given = _json(capsys, "kimi-k3-tiny", "--seq-len", "4096", "--micro-batch", "1", "--mfu", "0.4", "--gpu", "h200")
+    assert given == _json(capsys, "kimi-k3-tiny")
