@@ -186,6 +186,15 @@ def save_training_checkpoint(
         atomic_write_files(out, writers, step=step, manifest=True)
 
 
+def recorded_settings(cfg) -> dict:
+    """The run's settings as config.json records them: `data` as an absolute path, so that a resume from
+    another working directory reads the same corpus."""
+    fields = dataclasses.asdict(cfg)
+    if fields["data"] is not None:
+        fields["data"] = str(Path(fields["data"]).resolve())
+    return fields
+
+
 def _run_files(
     model,
     tokenizer,
@@ -201,7 +210,7 @@ def _run_files(
     data_rng, torch_rng, history = generator.get_state(), torch.get_rng_state(), copy.deepcopy(history)
     return {
         "config.json": lambda p: Path(p).write_text(
-            json.dumps({"k3": model.config.to_dict(), "train": dataclasses.asdict(cfg), "step": step}, indent=2)
+            json.dumps({"k3": model.config.to_dict(), "train": recorded_settings(cfg), "step": step}, indent=2)
         ),
         "tokenizer.json": tokenizer.save,
         "trainer_state.pt": lambda p: torch.save(

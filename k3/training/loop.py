@@ -43,7 +43,7 @@ from .config import TrainConfig, model_config, qk_clip_threshold
 from .distributed import start
 from .metrics import MetricsLog, check_logger
 from .optim import learning_rate
-from .resume import _resume_overrides, _same_folder, _share
+from .resume import _check_saved_data, _resume_overrides, _same_folder, _share
 from .step import NonFiniteLossError
 from .stop import Interrupted, signal_words, stop_on_signals
 from .strategy import SingleProcess
@@ -80,6 +80,7 @@ def _train(cfg: TrainConfig, resume: str | None, progress: bool, parallel: str, 
     if resume is not None:
         state = load_training_checkpoint(resume, share=_share(parallel))
         changes = _resume_overrides(cfg, state["train_config"], asked)
+        _check_saved_data(state["train_config"], resume)
         changes.setdefault("out", str(resume))
         changes["overwrite"] = cfg.overwrite  # this command's choice, never the saved run's
         changes["async_checkpoint"] = cfg.async_checkpoint  # (as is how this launch saves)

@@ -86,3 +86,13 @@ def _same_setting(name: str, a, b) -> bool:
     if name == "data" and a is not None and b is not None:  # the same corpus, however its path is written
         return Path(a).resolve() == Path(b).resolve()
     return a == b
+
+
+def _check_saved_data(saved: TrainConfig, resume: str) -> None:
+    """A checkpoint older k3 wrote records `data` as given (k3 now records it absolute): a relative path
+    that is not there from this working directory is named as such, not as a missing --data."""
+    if saved.data is not None and not Path(saved.data).is_absolute() and not Path(saved.data).exists():
+        raise ValueError(
+            f"--resume {resume}: the checkpoint's corpus (its --data {saved.data!r}) is a path relative to the "
+            f"folder it was trained from, and {os.getcwd()} has no {saved.data!r}: resume from that folder"
+        )

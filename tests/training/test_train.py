@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import json
 import signal
 
 import pytest
 import torch
 
 from k3.cli import main
+from k3.io import MANIFEST
 from k3.models import CausalLM, get_config
 from k3.training import TrainConfig, build_optimizer, learning_rate, loop, no_decay, train
 from k3.training import checkpoint as ckpt_module
@@ -331,3 +333,20 @@ def test_checkpoints_record_the_maths_and_a_load_keeps_the_optimizers_implementa
     assert plain.param_groups[0]["fused"] is None and plain.param_groups[0]["lr"] == fused.param_groups[0]["lr"]
     load_keeping_implementation(fused, lambda: fused.load_state_dict(saved))
     assert all(g["fused"] for g in fused.param_groups)
+
+
+def test_a_relative_data_path_resumes_from_another_working_directory(corpus, tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(corpus.parent)
+    train(config(corpus, tmp_path / "a" / "run", data=corpus.name, max_steps=2), progress=False)
+    saved = json.loads((tmp_path / "a" / "run" / "config.json").read_text())
+    assert saved["train"]["data"] == str(corpus.resolve())
+    monkeypatch.chdir(tmp_path / "b")
+    assert train(TrainConfig(max_steps=3), resume="../a/run", progress=False)["step"][-1] == 3
+    saved = json.loads((tmp_path / "a" / "run" / "config.json").read_text())
+    saved["train"]["data"] = corpus.name  # as k3 recorded it before: relative to where the run was trained
+    (tmp_path / "a" / "run" / "config.json").write_text(json.dumps(saved))
+    (tmp_path / "a" / "run" / MANIFEST).unlink()  # (an older save's files, as they are)
+    with pytest.raises(ValueError, match=f"its --data '{corpus.name}'\\) is a path relative to the folder it was"):
+        train(TrainConfig(max_steps=4), resume="../a/run", progress=False)

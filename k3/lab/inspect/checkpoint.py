@@ -89,7 +89,9 @@ def finished(out: Path, cfg) -> bool:
         saved = json.loads((Path(out) / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    asked = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    from ...training.checkpoint import recorded_settings
+
+    asked = json.loads(json.dumps(recorded_settings(cfg)))
     kept = saved.get("train")
     same = isinstance(kept, dict) and {k: v for k, v in kept.items() if k != "overwrite"} == {
         k: v for k, v in asked.items() if k != "overwrite"
