@@ -40,6 +40,24 @@ def test_bench_json_replaces_its_own_figures(tmp_path):
         check_report_target(tmp_path)
 
 
+@pytest.mark.parametrize("bench", [["ops", "--quick"], ["parallel", "--layouts", "2:1"]])
+def test_bench_json_in_a_folder_that_takes_no_file_is_refused_before_any_work(tmp_path, capsys, bench):
+    missing = tmp_path / "no such folder" / "figures.json"
+    assert main(["bench", *bench, "--json", str(missing)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"k3 bench: error: --json {missing}: {missing.parent} is no folder; give a path in an existing folder"
+    ]
+    assert main(["bench", *bench, "--json", "/proc/figures.json"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "k3 bench: error: --json /proc/figures.json: cannot write a file in /proc"
+    )
+
+
+def test_bench_parallel_names_an_unknown_preset_before_any_process(capsys):
+    assert main(["bench", "parallel", "--preset", "nope"]) == 2
+    assert capsys.readouterr().err.startswith("k3 bench: error: --preset 'nope' is no preset; the presets are: gpt2")
+
+
 def test_lab_refuses_a_folder_of_the_users_files(tmp_path, capsys):
     docs = tmp_path / "mine"
     (docs / "figures").mkdir(parents=True)

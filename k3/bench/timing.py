@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -86,6 +87,14 @@ def check_report_target(path: str | Path) -> None:
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"--json {path}: a folder; give the path of a .json file to write")
+    folder = path.parent
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--json {path}: {folder} is no folder; give a path in an existing folder")
+    try:  # the folder takes a file (the figures are written beside, then renamed): tried before any work
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise PermissionError(f"--json {path}: cannot write a file in {folder} ({e.strerror})") from None
     if not path.exists():
         return
     try:

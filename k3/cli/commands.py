@@ -152,7 +152,10 @@ def _bench_gpu(args) -> int:
 
 def _bench_parallel(args) -> int:
     from ..bench import parallel, saves
+    from ..models import PRESETS
 
+    if args.preset not in PRESETS:  # before any process is spawned
+        raise ValueError(f"--preset {args.preset!r} is no preset; the presets are: {', '.join(PRESETS)}")
     if args.saves:  # the step time around a save, sync against async
         saves.run(2, args.preset, seq_len=args.seq_len, batch_size=args.batch_size, json_path=args.json)
         return 0
