@@ -170,6 +170,12 @@ def model_config(cfg: TrainConfig, vocab_size: int, share: float = 1.0) -> Model
     a ValueError with the estimate (`training_bytes`) when its training cannot fit in this machine's
     memory (`share` of the parameters' state on this machine: a sharded run's processes here)."""
     config = get_config(cfg.preset, **{**cfg.model_overrides, "vocab_size": vocab_size})
+    positions = config.max_position_embeddings
+    if positions and cfg.seq_len > positions:
+        raise ValueError(
+            f"--seq-len {cfg.seq_len}: {config.name!r} has learned positions for {positions} tokens; give --seq-len "
+            f"at most {positions}, or more positions (--set max_position_embeddings={cfg.seq_len})"
+        )
     total = count_params(config).total
     held = f", {share:.3g} of them on this machine" if share != 1 else ""
     refuse_if_over_memory(

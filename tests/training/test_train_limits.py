@@ -83,3 +83,15 @@ def test_a_time_budget_that_holds_fewer_steps_than_the_warmup_is_warned_of():
         "learning rate stays below --lr 0.001 for the whole run (at most 0.0001)"
     )
     assert _warmup_words(cfg, 1000) == "" and _warmup_words(TrainConfig(time_budget=1.0), 3) == ""
+
+
+def test_a_seq_len_past_the_learned_positions_is_refused_before_any_work(capsys, tmp_path):
+    out = tmp_path / "o"
+    argv = ["train", "--preset", "gpt2-tiny", "--data", str(tmp_path / "never read"), "--out", str(out)]
+    fails(
+        capsys,
+        [*argv, "--seq-len", "2048"],
+        "--seq-len 2048: 'gpt2-tiny' has learned positions for 1024 tokens; give --seq-len at most 1024, or more "
+        "positions (--set max_position_embeddings=2048)",
+    )
+    assert not out.exists()
