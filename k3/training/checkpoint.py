@@ -168,10 +168,12 @@ def save_training_checkpoint(
     *,
     weights: dict | None = None,
     optimizer_state: dict | None = None,
+    corpus: str | None = None,
 ) -> None:
     """Write the checkpoint directory `out` whole, or raise CheckpointError and leave it as it was.
     `weights` and `optimizer_state` stand for the model's and optimizer's own state dicts when those
-    are spread over processes (k3.training.distributed gathers them)."""
+    are spread over processes (k3.training.distributed gathers them); `corpus` is the token streams'
+    fingerprint (`TokenData.fingerprint`), checked at resume."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -179,7 +181,7 @@ def save_training_checkpoint(
     optimizer_state = portable_state(optimizer.state_dict() if optimizer_state is None else optimizer_state)
     writers = {
         "model.safetensors": lambda p: save_file(state, p, metadata={"format": "pt", "step": str(step)}),
-        **_run_files(model, tokenizer, cfg, step, max_steps, generator, history, optimizer_state),
+        **_run_files(model, tokenizer, cfg, step, max_steps, generator, history, optimizer_state, corpus),
     }
     refuse_non_finite(first_non_finite(state), out, step)
     with saving(out):
@@ -204,6 +206,7 @@ def _run_files(
     generator: torch.Generator,
     history: dict,
     optimizer_state: dict,
+    corpus: str | None = None,
 ) -> dict:
     """The writers of a checkpoint's files other than the weights, holding the run's state as it is now (the
     random states, a copy of the history): an asynchronous save writes them after the training went on."""
@@ -221,6 +224,7 @@ def _run_files(
                 "data_rng": data_rng,
                 "torch_rng": torch_rng,
                 "history": history,
+                "corpus": corpus,
             },
             p,
         ),
@@ -237,13 +241,13 @@ def sharded_run_files(
     generator: torch.Generator,
     history: dict,
     param_groups: list[dict],
+    corpus: str | None = None,
 ) -> dict:
     """The writers of a sharded checkpoint's files besides `dcp/` (k3.training.sharded), written by the
     main process: the optimizer's groups (hyperparameters, parameter names in the single-process
     order) stand in trainer_state.pt for its state dict, whose tensors are in `dcp/`."""
-    return _run_files(
-        model, tokenizer, cfg, step, max_steps, generator, history, {"param_groups": param_groups, "sharded": SHARDED}
-    )
+    optimizer_state = {"param_groups": param_groups, "sharded": SHARDED}
+    return _run_files(model, tokenizer, cfg, step, max_steps, generator, history, optimizer_state, corpus)
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ configured for) and cached under $K3_CACHE, else $XDG_CACHE_HOME/k3, else ~/.cac
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import shutil
@@ -191,6 +192,15 @@ class TokenData:
 
         self.train, self.val = stream(train_texts), stream(val_texts)
         self.token_bytes = torch.tensor(tokenizer.token_bytes, dtype=torch.long)
+
+    def fingerprint(self) -> str:
+        """SHA-256 of both token streams: a checkpoint records it, and a resume that would read another corpus
+        (the file edited, or another one given) is refused rather than trained on silently."""
+        digest = hashlib.sha256()
+        for stream in (self.train, self.val):
+            digest.update(stream.numel().to_bytes(8, "little"))
+            digest.update(stream.numpy().tobytes())
+        return digest.hexdigest()
 
     def batch(self, batch_size: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
         """[batch_size, seq_len + 1] windows at random offsets of the training stream."""

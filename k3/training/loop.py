@@ -43,7 +43,7 @@ from .config import TrainConfig, model_config, qk_clip_threshold
 from .distributed import start
 from .metrics import MetricsLog, check_logger
 from .optim import learning_rate
-from .resume import _check_saved_data, _resume_overrides, _same_folder, _share
+from .resume import _check_saved_data, _resume_overrides, _same_folder, _share, check_same_corpus
 from .step import NonFiniteLossError
 from .stop import Interrupted, signal_words, stop_on_signals
 from .strategy import SingleProcess
@@ -79,8 +79,10 @@ def _train(cfg: TrainConfig, resume: str | None, progress: bool, parallel: str, 
     state, changes = None, {}
     if resume is not None:
         state = load_training_checkpoint(resume, share=_share(parallel))
-        changes = _resume_overrides(cfg, state["train_config"], asked)
-        _check_saved_data(state["train_config"], resume)
+        corpus_known = state.get("corpus") is not None
+        changes = _resume_overrides(cfg, state["train_config"], asked, corpus_known)
+        if "data" not in changes:
+            _check_saved_data(state["train_config"], resume, corpus_known)
         changes.setdefault("out", str(resume))
         changes["overwrite"] = cfg.overwrite  # this command's choice, never the saved run's
         changes["async_checkpoint"] = cfg.async_checkpoint  # (as is how this launch saves)
@@ -158,6 +160,9 @@ def _run(
 ) -> dict:
     """`train` once the run's configuration is known and its output folder claimed."""
     tokenizer, data = strategy.prepare(cfg, state["tokenizer"] if state else None)
+    strategy.corpus = data.fingerprint()
+    if state is not None:
+        check_same_corpus(state.get("corpus"), strategy.corpus, data, cfg.data)
     if strategy.is_main and state is None and cfg.tokenizer == "bpe" and tokenizer.vocab_size < cfg.vocab_size:
         _say(
             f"k3 train: warning: --vocab-size {cfg.vocab_size}: the corpus gave the BPE tokenizer only "

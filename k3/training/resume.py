@@ -23,19 +23,22 @@ def _share(parallel: str) -> tuple[int, int]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-def _resume_overrides(requested: TrainConfig, saved: TrainConfig, asked: tuple[str, ...] = ()) -> dict:
+def _resume_overrides(
+    requested: TrainConfig, saved: TrainConfig, asked: tuple[str, ...] = (), corpus_known: bool = False
+) -> dict:
     """On resume the saved configuration rules. A field of `requested` that differs from the default,
     or is named in `asked`, was asked for: the run's length, evaluation, machine and logging settings
     (RESUME_ADJUSTABLE) change; any other that differs from the checkpoint's (its data, model,
     tokenizer, optimizer, batch, seed...) is an error that names it, instead of being silently ignored
-    or silently changing the model."""
+    or silently changing the model. `corpus_known`: the checkpoint holds its corpus's fingerprint, so
+    `data` may name where the corpus is now (check_same_corpus refuses another one)."""
     defaults = TrainConfig()
     changes, conflicts = {}, []
     for f in dataclasses.fields(TrainConfig):
         value = getattr(requested, f.name)
         if value == getattr(defaults, f.name) and f.name not in asked:
             continue
-        if f.name in RESUME_ADJUSTABLE:
+        if f.name in RESUME_ADJUSTABLE or (f.name == "data" and corpus_known and value is not None):
             changes[f.name] = value
         elif not _same_setting(f.name, value, _effective(saved, f.name)):
             conflicts.append(f"`{f.name}` {value!r} (the checkpoint's: {_effective(saved, f.name)!r})")
@@ -88,11 +91,34 @@ def _same_setting(name: str, a, b) -> bool:
     return a == b
 
 
-def _check_saved_data(saved: TrainConfig, resume: str) -> None:
-    """A checkpoint older k3 wrote records `data` as given (k3 now records it absolute): a relative path
-    that is not there from this working directory is named as such, not as a missing --data."""
-    if saved.data is not None and not Path(saved.data).is_absolute() and not Path(saved.data).exists():
+def _check_saved_data(saved: TrainConfig, resume: str, corpus_known: bool) -> None:
+    """The checkpoint's corpus path, when it is not there: a relative one that older k3 recorded (k3 now
+    records it absolute) is named as such; a moved corpus can be named with --data when the checkpoint
+    holds its fingerprint (`corpus_known`), which is checked (check_same_corpus)."""
+    if saved.data is None or Path(saved.data).exists():
+        return
+    if corpus_known:
+        raise ValueError(
+            f"--resume {resume}: the checkpoint's corpus {saved.data} is not there; give --data with where it "
+            f"is now (the tokens are checked to be the ones the run trained on)"
+        )
+    if not Path(saved.data).is_absolute():
         raise ValueError(
             f"--resume {resume}: the checkpoint's corpus (its --data {saved.data!r}) is a path relative to the "
             f"folder it was trained from, and {os.getcwd()} has no {saved.data!r}: resume from that folder"
+        )
+    raise ValueError(
+        f"--resume {resume}: the checkpoint's corpus {saved.data} is not there; put it back at that path to resume"
+    )
+
+
+def check_same_corpus(saved: str | None, now: str, data, path: str | None) -> None:
+    """A resumed run reads the token streams it trained on: `saved` (the checkpoint's fingerprint; None in
+    a checkpoint older k3 wrote, taken as it is) against `now` (TokenData.fingerprint of `data`)."""
+    if saved is not None and saved != now:
+        where = "the Shakespeare corpus" if path is None else f"--data {path}"
+        raise ValueError(
+            f"--resume: {where} is not the corpus the run trained on (its tokens differ from the checkpoint's "
+            f"record: now {data.train.numel():,} training and {data.val.numel():,} validation tokens); restore "
+            f"that corpus, or train a new run on this one (another --out)"
         )

@@ -64,7 +64,8 @@ def save_sharded(
     groups = [
         {**g, "params": full} for g, full in zip(portable_state(local_state)["param_groups"], strategy.saved_groups())
     ]  # the small files' writers, made now: they hold the run's state as it is at this step
-    small = sharded_run_files(model, tokenizer, cfg, step, max_steps, generator, history, groups)
+    corpus = getattr(strategy, "corpus", None)
+    small = sharded_run_files(model, tokenizer, cfg, step, max_steps, generator, history, groups, corpus)
     held = {}
 
     def begin() -> str:

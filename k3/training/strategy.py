@@ -41,6 +41,7 @@ class SingleProcess:
         self.grad_norm: float | None = None  # the last step's gradient norm before clipping
         self.max_logit: float | None = None  # the last step's largest attention logit (QK-Clip on)
         self.qk_clipped_heads: int | None = None  # ... and the heads QK-Clip scaled down after it
+        self.corpus: str | None = None  # the token streams' fingerprint, saved with each checkpoint
 
     @property
     def device(self) -> torch.device:
@@ -146,6 +147,7 @@ class SingleProcess:
                 history,
                 weights=weights,
                 optimizer_state=optimizer_state,
+                corpus=self.corpus,
             )
         )
 

@@ -340,13 +340,34 @@ def test_a_relative_data_path_resumes_from_another_working_directory(corpus, tmp
     (tmp_path / "b").mkdir()
     monkeypatch.chdir(corpus.parent)
     train(config(corpus, tmp_path / "a" / "run", data=corpus.name, max_steps=2), progress=False)
-    saved = json.loads((tmp_path / "a" / "run" / "config.json").read_text())
-    assert saved["train"]["data"] == str(corpus.resolve())
+    run = tmp_path / "a" / "run"
+    assert json.loads((run / "config.json").read_text())["train"]["data"] == str(corpus.resolve())
     monkeypatch.chdir(tmp_path / "b")
     assert train(TrainConfig(max_steps=3), resume="../a/run", progress=False)["step"][-1] == 3
-    saved = json.loads((tmp_path / "a" / "run" / "config.json").read_text())
-    saved["train"]["data"] = corpus.name  # as k3 recorded it before: relative to where the run was trained
-    (tmp_path / "a" / "run" / "config.json").write_text(json.dumps(saved))
-    (tmp_path / "a" / "run" / MANIFEST).unlink()  # (an older save's files, as they are)
+    # as k3 wrote a checkpoint before: the path relative to where the run was trained, no corpus fingerprint
+    saved = json.loads((run / "config.json").read_text())
+    saved["train"]["data"] = corpus.name
+    (run / "config.json").write_text(json.dumps(saved))
+    state = torch.load(run / "trainer_state.pt", weights_only=True)
+    torch.save({k: v for k, v in state.items() if k != "corpus"}, run / "trainer_state.pt")
+    (run / MANIFEST).unlink()  # (an older save's files, as they are)
     with pytest.raises(ValueError, match=f"its --data '{corpus.name}'\\) is a path relative to the folder it was"):
         train(TrainConfig(max_steps=4), resume="../a/run", progress=False)
+
+
+def test_a_resume_reads_the_corpus_it_trained_on_wherever_it_is_now(tmp_path):
+    data = tmp_path / "corpus.txt"
+    data.write_text(" ".join(f"word{i % 97}" for i in range(4000)))
+    train(config(data, tmp_path / "run", max_steps=2), progress=False)
+    kept = data.read_text()
+    data.write_text(kept[: len(kept) // 2])  # edited in place: other tokens
+    with pytest.raises(ValueError, match=f"--data {data} is not the corpus the run trained on"):
+        train(TrainConfig(max_steps=3), resume=str(tmp_path / "run"), progress=False)
+    moved = tmp_path / "moved.txt"
+    moved.write_text(kept)
+    data.unlink()
+    with pytest.raises(ValueError, match=f"the checkpoint's corpus {data} is not there; give --data with where"):
+        train(TrainConfig(max_steps=3), resume=str(tmp_path / "run"), progress=False)
+    resumed = train(TrainConfig(max_steps=3, data=str(moved)), resume=str(tmp_path / "run"), progress=False)
+    assert resumed["step"][-1] == 3
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["data"] == str(moved)
