@@ -454,3 +454,14 @@ def test_ctrl_c_while_torch_loads_is_noted_not_raised():
     with _ctrl_c_deferred() as pressed:
         signal.raise_signal(signal.SIGINT)
     assert pressed == [signal.SIGINT] and signal.getsignal(signal.SIGINT) is previous
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["bench", "serve", "--disconnect", "0.5"], "--disconnect 0.5: a setting of the --soak load; give --soak"),
+        (["bench", "serve", "--cache-memory", "abc"], "--cache-memory: expected a size such as 512MiB"),
+    ],
+)
+def test_bench_serve_names_a_flag_it_would_ignore_or_cannot_read(capsys, argv, expected):
+    fails(capsys, argv, expected)

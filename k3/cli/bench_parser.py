@@ -187,8 +187,7 @@ def add_bench_parser(sub) -> None:
     bserve.add_argument(
         "--disconnect",
         type=_number(0, "a fraction", high=1),
-        default=0.3,
-        help="--soak: the fraction of requests that disconnect mid-stream",
+        help="--soak: the fraction of requests that disconnect mid-stream (default 0.3)",
     )
     bserve.add_argument(
         "--parts",

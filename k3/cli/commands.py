@@ -95,19 +95,24 @@ def _bench_models(args) -> int:
 
 def _bench_serve(args) -> int:
     from ..bench import serve
-    from ..serve import parse_bytes, require_serve_extra
+    from ..serve import require_serve_extra
 
     require_serve_extra("k3 bench serve")
+    if args.disconnect is not None and args.soak is None:
+        raise ValueError(f"--disconnect {args.disconnect:g}: a setting of the --soak load; give --soak SECONDS too")
+    from .serve_command import _size
+
+    cache_memory = _size(args.cache_memory, "--cache-memory")
     _use_threads(args)
     serve.run(
         quick=args.quick,
         duration=args.duration,
         clients=args.clients,
         contexts=tuple(args.contexts),
-        cache_memory=parse_bytes(args.cache_memory),
+        cache_memory=cache_memory,
         threads=args.threads,
         soak=args.soak,
-        disconnect=args.disconnect,
+        disconnect=0.3 if args.disconnect is None else args.disconnect,
         json_path=args.json,
         parts=tuple(args.parts),
         stream_interval=args.stream_interval,
