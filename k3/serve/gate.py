@@ -89,8 +89,9 @@ def _printable(text: str | None) -> str | None:
 
 class Gate:
     """ASGI middleware before the app: the API key on /v1/ (401), a POST body no longer than
-    `max_request_bytes` (413, by its Content-Length or as it is read: before any of it is parsed), and
-    UTF-8 (400, not the JSON parser's unnamed failure). The body is read here and handed on unchanged;
+    `max_request_bytes` (413, by its Content-Length or as it is read: before any of it is parsed), not
+    compressed (415 for a Content-Encoding other than identity), and UTF-8 (400, not the JSON parser's
+    unnamed failure). The body is read here and handed on unchanged;
     messages after it (a client's disconnect) pass straight through, so the app still sees a client go
     away."""
 
@@ -121,6 +122,12 @@ class Gate:
                 return await response(scope, receive, send)
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
+        encoding = dict(scope.get("headers") or []).get(b"content-encoding", b"identity").decode("latin-1")
+        if encoding.strip().lower() not in ("identity", ""):  # a compressed body would be read as its bytes
+            response = error_response(
+                415, f"body: sent with Content-Encoding {encoding!r}; this server takes the JSON uncompressed", "body"
+            )
+            return await response(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_request_bytes:
             return await self._too_big(scope, receive, send, f"{int(length):,} bytes (Content-Length)")

@@ -44,8 +44,8 @@ class Sampling(BaseModel):
 
     model: Text | None = None
     max_tokens: int | None = Field(default=None, gt=0)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    temperature: float = Field(default=1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=1)  # vLLM's extension
     n: int = Field(default=1, ge=1, le=16)
     stop: Union[Text, Annotated[list[Text], Field(max_length=16)], None] = None  # OpenAI takes 4

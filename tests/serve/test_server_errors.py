@@ -5,6 +5,7 @@ bound 503."""
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import re
@@ -27,6 +28,8 @@ BAD = [
     ('{"model": "tiny", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens", "greater than 0"),
     ('{"model": "tiny", "prompt": "hi", "max_tokens": -3}', 400, "max_tokens", "greater than 0"),
     ('{"model": "tiny", "prompt": "hi", "temperature": "warm"}', 400, "temperature", "number"),
+    ('{"model": "tiny", "prompt": "hi", "temperature": NaN}', 400, "temperature", "finite number"),
+    ('{"model": "tiny", "prompt": "hi", "top_p": -Infinity}', 400, "top_p", "finite number"),
     ('{"model": "tiny", "prompt": ""}', 400, "prompt", "empty"),
     ('{"model": "tiny", "prompt": [300]}', 400, "prompt", "vocabulary"),
     ('{"model": "tiny", "prompt": "' + "x" * 600 + '"}', 400, "prompt", "takes 512 tokens at most"),
@@ -217,6 +220,17 @@ def test_a_body_not_sent_as_json_is_415(server, content_type, body, named):
         message = out["error"]["message"]
         assert r.status == 415 and out["error"]["param"] == "body" and out["error"]["code"] == 415, out
         assert named in message and "application/json" in message, message
+
+
+def test_a_compressed_body_is_415(server):
+    """A body sent with Content-Encoding gzip (or br, or any but identity) was read as its bytes: "not
+    UTF-8", or a plain body under that header answered as if it were not there."""
+    plain = b'{"prompt": "hi", "max_tokens": 2}'
+    for encoding, body in (("gzip", gzip.compress(plain)), ("br", plain)):
+        code, out, _ = post(server, "/v1/completions", body, {"Content-Encoding": encoding})
+        assert code == 415 and out["error"]["param"] == "body", (code, out)
+        assert f"Content-Encoding '{encoding}'" in out["error"]["message"], out
+    assert post(server, "/v1/completions", plain, {"Content-Encoding": "identity"})[0] == 200
 
 
 @pytest.mark.parametrize("body,kind", [("[1, 2]", "array"), ('"hi"', "string"), ("7", "number"), ("null", "null")])
