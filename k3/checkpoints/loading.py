@@ -226,6 +226,17 @@ def load_pretrained(
                 f"from_pretrained: `device` must be a torch.device or a name such as 'cpu', 'cuda', "
                 f"'cuda:1' or 'meta', got {device!r}"
             ) from None
+        usable = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available}.get(device.type)
+        if usable is not None and not usable():
+            raise ValueError(
+                f"from_pretrained: `device` {str(device)!r}, but this PyTorch ({torch.__version__}) cannot use "
+                f"{device.type} here; give device='cpu' (or leave it out)"
+            )
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"from_pretrained: `device` {str(device)!r}, but this machine has {torch.cuda.device_count()} "
+                f"CUDA device(s), numbered from 0"
+            )
     directory = Path(path)
     if directory.exists() and not directory.is_dir():
         raise NotADirectoryError(

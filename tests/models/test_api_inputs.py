@@ -43,6 +43,12 @@ def test_from_pretrained_of_an_unknown_device_names_it(saved):
         CausalLM.from_pretrained(saved[1], device="bogus")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_from_pretrained_onto_a_device_this_torch_cannot_use_says_so(saved):
+    with pytest.raises(ValueError, match=r"`device` 'cuda:1', but this PyTorch .* cannot use cuda here"):
+        CausalLM.from_pretrained(saved[1], device="cuda:1")  # (was torch's 'Torch not compiled with CUDA enabled')
+
+
 @pytest.mark.parametrize("prompt", [[[1.5]], [[1, 2.0]], [[True, False]], [torch.tensor([1.0])]])
 def test_generate_refuses_token_ids_that_are_no_integers(saved, prompt):
     with pytest.raises(ValueError, match="generate: prompt 0 must hold integer token ids"):
