@@ -9,6 +9,14 @@ from pathlib import Path
 from .commands import _use_threads
 
 
+def _write_utf8(stream) -> None:
+    """Generated text is UTF-8 on stdout whatever the locale: under LC_ALL=C Python's stdout is ASCII and
+    a continuation with any other character could not be printed (the prompt was lost)."""
+    encoding = (getattr(stream, "encoding", None) or "").replace("-", "").lower()
+    if encoding != "utf8" and hasattr(stream, "reconfigure"):
+        stream.reconfigure(encoding="utf-8")
+
+
 def _generate(args) -> int:
     """Everything the user gave is checked (tokenizer, prompts, the checkpoint's files, its size)
     before the model is built; Ctrl-C stops the stream, keeps what was printed and exits with 130.
@@ -25,6 +33,7 @@ def _generate(args) -> int:
     from .interactive import interactive, report, stream_text
     from .preflight import check_checkpoint
 
+    _write_utf8(sys.stdout)
     if args.chat and (args.prompt is not None or args.prompt_file):
         raise ValueError(
             "--chat is for the interactive mode (prompts from stdin): drop --prompt / --prompt-file, or --chat"

@@ -135,24 +135,35 @@ def report(new: int, seconds: float, prefill: int, device=None, first_step: tupl
     )
 
 
+class NotText(ValueError):
+    """A line of stdin that is not UTF-8 text: said and skipped, the lines after it still read."""
+
+
 def _read_line(tty: bool) -> str | None:
-    """The next line of stdin without its newline; None at the end of input (Ctrl-D)."""
+    """The next line of stdin without its newline; None at the end of input (Ctrl-D). A line that is not
+    UTF-8 raises NotText (piped input is read a line of bytes at a time, so the next line still reads)."""
+    raw = None if tty else getattr(sys.stdin, "buffer", None)
     try:
-        line = input("> " if tty else "")
+        if raw is not None:
+            data = raw.readline()
+            if not data:
+                return None
+            data = data[:-1] if data.endswith(b"\n") else data
+            line = data.decode("utf-8")
+        else:
+            line = input("> " if tty else "")
     except EOFError:
         if tty:
             print(file=sys.stderr)  # the terminal's cursor sits after "> "
         return None
     except UnicodeDecodeError as e:
-        raise ValueError(f"stdin: not UTF-8 text (byte {e.object[e.start]:#04x}); give UTF-8 text") from None
+        raise NotText(f"stdin: not UTF-8 text (byte {e.object[e.start]:#04x}); give UTF-8 text") from None
     try:  # under a C locale Python reads bytes that are not UTF-8 as lone surrogates (surrogateescape)
         line.encode("utf-8")
     except UnicodeEncodeError as e:
         byte = ord(line[e.start]) - 0xDC00
         shown = f"byte {byte:#04x}" if 0x80 <= byte <= 0xFF else f"{line[e.start]!r}"
-        raise ValueError(
-            f"stdin: not UTF-8 text ({shown} at character {e.start} of the line); give UTF-8 text"
-        ) from None
+        raise NotText(f"stdin: not UTF-8 text ({shown} at character {e.start} of the line); give UTF-8 text") from None
     return line
 
 
@@ -180,7 +191,15 @@ def interactive(args, model, tokenizer) -> int:
     conversation: list[int] = []  # --chat: every token so far, prompts and continuations
     cache = None  # --chat: has seen conversation[:cache.length]
     number = 0
-    while (line := _read_line(tty)) is not None:
+    while True:
+        try:
+            line = _read_line(tty)
+        except NotText as e:
+            number += 1
+            print(f"k3 generate: error: prompt {number}: {e}; skipped", file=sys.stderr)
+            continue
+        if line is None:
+            break
         if not line.strip():
             continue
         number += 1
