@@ -115,6 +115,20 @@ class Decoder(nn.Module):
             self.final_res = BlockAttnRes(config.hidden_size, eps=config.norm_eps)
         self.norm = build_norm(config, config.hidden_size)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings. An id outside the vocabulary is torch's IndexError on the CPU, said here as a
+        ValueError naming `input_ids` once it has happened (no check before: that would read the ids back from
+        the device every call; k3's boundaries — generate, the engine, the server — check ids before)."""
+        if torch.compiler.is_compiling():
+            return self.embed_tokens(input_ids)
+        try:
+            return self.embed_tokens(input_ids)
+        except IndexError:
+            raise ValueError(
+                f"CausalLM: `input_ids` must be token ids in [0, {self.config.vocab_size}) (the vocabulary), got "
+                f"ids from {int(input_ids.min())} to {int(input_ids.max())}"
+            ) from None
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -127,7 +141,7 @@ class Decoder(nn.Module):
         0 ... T - 1), continuing the layer `caches` when given -> the final hidden states [B, T, d].
         `sources`: a buffer [n, B, T, d] for the Block AttnRes sources (a static decode step's). `fused`:
         each layer's weight copies (`CausalLM.decoding_weights`: decoding's)."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         if self.config.max_position_embeddings:
             if positions is None:
                 positions = torch.arange(input_ids.shape[1], device=input_ids.device)

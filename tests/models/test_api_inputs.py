@@ -109,3 +109,10 @@ def test_gguf_export_of_a_byte_tokenizer_says_what_can_be_done():
     with pytest.raises(ValueError, match="has no merges") as e:
         add_tokenizer(None, byte_tokenizer(), 257)
     assert "--format k3" in str(e.value) and "without its tokenizer.json" in str(e.value)
+
+
+@pytest.mark.parametrize("bad", [300, -1])
+def test_a_forward_of_an_id_outside_the_vocabulary_names_input_ids(bad):
+    model = CausalLM(get_config("kimi-k3-tiny", vocab_size=257, num_layers=2, layer_types=["kda", "mla"]))
+    with pytest.raises(ValueError, match=r"`input_ids` must be token ids in \[0, 257\) \(the vocabulary\), got ids"):
+        model(torch.tensor([[1, 2, bad]]))  # (was torch's 'IndexError: index out of range in self')
