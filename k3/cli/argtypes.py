@@ -89,3 +89,13 @@ def _number(low: float, what: str, above: bool = False, high: float = math.inf):
         return value
 
     return parse
+
+
+def size_flag(text: str, flag: str) -> int:
+    """A size flag's bytes (`k3.serve.parse_bytes`), its error naming the flag."""
+    from ..serve import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None

@@ -100,9 +100,9 @@ def _bench_serve(args) -> int:
     require_serve_extra("k3 bench serve")
     if args.disconnect is not None and args.soak is None:
         raise ValueError(f"--disconnect {args.disconnect:g}: a setting of the --soak load; give --soak SECONDS too")
-    from .serve_command import _size
+    from .argtypes import size_flag
 
-    cache_memory = _size(args.cache_memory, "--cache-memory")
+    cache_memory = size_flag(args.cache_memory, "--cache-memory")
     _use_threads(args)
     serve.run(
         quick=args.quick,

@@ -8,17 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from .argtypes import size_flag
 from .commands import _use_threads
-
-
-def _size(text: str, flag: str) -> int:
-    """A size flag's bytes (`k3.serve.parse_bytes`), its error naming the flag."""
-    from ..serve import parse_bytes
-
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise ValueError(f"{flag}: {e}") from None
 
 
 def _check_cache_memory(budget: int, text: str, device) -> None:
@@ -111,8 +102,8 @@ def _serve(args) -> int:
 
     require_serve_extra()
     api_key = _api_key(args)
-    budget = _size(args.cache_memory, "--cache-memory")
-    max_request_bytes = _size(args.max_request_bytes, "--max-request-bytes")
+    budget = size_flag(args.cache_memory, "--cache-memory")
+    max_request_bytes = size_flag(args.max_request_bytes, "--max-request-bytes")
     _fit_connections(args.max_connections)
     if args.max_model_len is not None:
         _check_prompt_tokens(args.max_prompt_tokens, args.max_model_len, default=False)
