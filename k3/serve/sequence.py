@@ -122,7 +122,7 @@ class Sequence:
         """ValueError naming the field unless every setting is in range: the prompt a non-empty list of
         token ids (ints; in [0, vocab_size) when given, as `eos_token_id`), `max_tokens` an int >= 1, the
         sampling settings (`check_sampling`, `check_seed`), the callbacks callable. A token id out of range
-        would otherwise fail much later, as an IndexError inside the embedding's forward."""
+        would otherwise fail much later, inside the prefill's forward."""
         self.prompt = token_ids(self.prompt, vocab_size)
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"Sequence: `max_tokens` must be an int >= 1, got {self.max_tokens!r}")

@@ -145,8 +145,8 @@ def test_bad_inputs_say_what_to_do():
         model.generate(torch.tensor([[1, 600]]), 1)
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 512\)"):
         model.check_tokens(torch.tensor([[1, 600]]))
-    with pytest.raises(IndexError):  # a forward reads nothing back: the embedding's own check, unnamed
-        model(torch.tensor([[1, 600]]))
+    with pytest.raises(ValueError, match=r"`input_ids` must be token ids in \[0, 512\)"):  # the embedding's
+        model(torch.tensor([[1, 600]]))  # IndexError, said (a forward reads nothing back before it)
     with pytest.raises(ValueError, match="`input_ids` must be a \\[B, T\\]"):
         model(torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="int64"):

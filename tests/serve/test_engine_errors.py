@@ -112,7 +112,7 @@ def test_one_sequences_failure_ends_it_alone(kind, at, monkeypatch, caplog):
 
 def test_a_token_the_forward_cannot_take_fails_only_its_sequence(monkeypatch, caplog):
     """A prompt changed after submit to hold a token past the vocabulary (what submit refuses) fails the
-    batched prefill forward: each piece then runs alone, so only that sequence ends (IndexError) and the
+    batched prefill forward: each piece then runs alone, so only that sequence ends (the forward's ValueError) and the
     others get what they get alone."""
     caplog.set_level(logging.WARNING, "k3.serve")
     model = tiny("kimi-k3-tiny")
@@ -126,7 +126,7 @@ def test_a_token_the_forward_cannot_take_fails_only_its_sequence(monkeypatch, ca
             for s in sequences:
                 engine.submit(s)
             sequences[0].prompt[2] = 99999  # past submit's check
-        assert runs[0].done.wait(120) and runs[0].reason.startswith("error: IndexError")
+        assert runs[0].done.wait(120) and runs[0].reason.startswith("error: ValueError: CausalLM: `input_ids`")
         for run, prompt in zip(runs[1:], prompts[1:]):
             assert run.done.wait(120) and run.reason == "length" and run.tokens == alone(model, prompt, 5)
         assert sizes == [3] and "each runs alone" in caplog.text

@@ -20,6 +20,7 @@ from k3.training.stop import Interrupted
 
 from ..corpus import write_corpus
 from ..processes import free_port, join, leave
+from .test_train_safety import config as safety_config
 
 
 @pytest.fixture(scope="module")
@@ -28,24 +29,8 @@ def corpus(tmp_path_factory):
 
 
 def config(corpus, out, **kw) -> TrainConfig:
-    base = dict(
-        preset="gpt2-tiny",
-        model_overrides={"hidden_size": 16},
-        data=str(corpus),
-        tokenizer="byte",
-        seq_len=16,
-        batch_size=2,
-        max_steps=50,
-        warmup_steps=1,
-        eval_every=100,
-        eval_tokens=64,
-        final_eval_tokens=0,
-        out=str(out),
-        val_fraction=0.2,
-        threads=1,
-        device="cpu",
-    )
-    return TrainConfig(**{**base, **kw})
+    """test_train_safety's tiny run, long enough to be signalled mid-way (50 steps, no evaluation)."""
+    return safety_config(corpus, out, **{"max_steps": 50, "eval_every": 100, "final_eval_tokens": 0, **kw})
 
 
 def signal_in_steps(monkeypatch, signals: dict[int, list[int]]) -> None:
