@@ -61,7 +61,12 @@ class Bystander:
             status, raw = send(self.server, "/v1/completions", self.BODY.encode())
             self.answers.append((status, json.loads(raw)["choices"][0]["text"] if status == 200 else raw))
 
-    def stop(self) -> list:
+    def stop(self, at_least: int = 2) -> list:
+        """Its answers, once it has `at_least` of them (a loaded machine may give the fuzzing less time than
+        two of its requests take) or a minute has passed."""
+        deadline = time.time() + 60
+        while len(self.answers) < at_least and time.time() < deadline and self.thread.is_alive():
+            time.sleep(0.05)
         self._stop.set()
         self.thread.join(60)
         return self.answers
