@@ -48,6 +48,7 @@ from starlette.exceptions import HTTPException
 from .engine import Draining, Engine, QueueFull, Sequence
 from .gate import MAX_REQUEST_BYTES, APIError, Gate, check_api_key, error_body, error_response
 from .jobs import ClientGone, Job
+from .openapi import document
 from .protocol import ChatRequest, CompletionRequest, Sampling
 from .text import PLAIN_STOPS, TemplateRefusal, TextStream, chat_prompt, compile_chat_template, longest_token_bytes
 
@@ -130,6 +131,7 @@ def build_app(
             job.cancel(engine)
 
     app.state.abort_requests = abort_requests
+    document(app, max_model_len)
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):

@@ -1,7 +1,7 @@
 """The request bodies `k3 serve` accepts: OpenAI's /v1/completions and /v1/chat/completions fields that
 k3 implements, each checked by pydantic as the request arrives, strictly (a number is not a string, a
 boolean is not a number) and against the rules the engine samples by (`k3.inference.generation.check_sampling`,
-`check_seed`), so a request the engine would fail on is refused with 400 before it runs. Text fields
+a seed taken mod 2**64), so a request the engine would fail on is refused with 400 before it runs. Text fields
 refuse a lone surrogate ("\\ud800": JSON can spell it, UTF-8 cannot encode it); `stop` takes at most 16
 strings (each is looked for after every token). A chat message's content is a text or a list of text
 parts (as the openai client and guidellm send it); `developer` is a system message. A field OpenAI
@@ -16,7 +16,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from ..inference.generation import check_sampling, check_seed
+from ..inference.generation import MAX_SEED, check_sampling
 
 
 def _whole_unicode(text: str) -> str:
@@ -29,6 +29,14 @@ def _whole_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_whole_unicode)]
+
+
+# the schema says what the server's own checks refuse (an empty prompt, a negative id), for clients and schema
+# fuzzers; the checks stay the server's, with their messages ("the prompt is empty", "... the vocabulary")
+NonEmptyText = Annotated[Text, Field(json_schema_extra={"minLength": 1})]
+TokenIds = Annotated[
+    list[Annotated[int, Field(json_schema_extra={"minimum": 0})]], Field(json_schema_extra={"minItems": 1})
+]
 
 
 class StreamOptions(BaseModel):
@@ -48,8 +56,10 @@ class Sampling(BaseModel):
     top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=1)  # vLLM's extension
     n: int = Field(default=1, ge=1, le=16)
-    stop: Union[Text, Annotated[list[Text], Field(max_length=16)], None] = None  # OpenAI takes 4
-    seed: int | None = None  # choice j of n samples with seed + j (mod 2**64)
+    stop: Union[NonEmptyText, Annotated[list[NonEmptyText], Field(max_length=16)], None] = None  # OpenAI: 4
+    # choice j of n samples with seed + j, mod 2**64 as torch.Generator takes seeds (a larger seed too: JSON
+    # clients and schemas hold integers past 2**53 as floats, so no exact upper bound can be stated)
+    seed: int | None = Field(default=None, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
@@ -64,8 +74,7 @@ class Sampling(BaseModel):
     @field_validator("seed")
     @classmethod
     def _seed(cls, value):
-        check_seed(value)
-        return value
+        return None if value is None else value % (MAX_SEED + 1)
 
     @field_validator("stop")
     @classmethod
@@ -87,8 +96,13 @@ class Sampling(BaseModel):
 
 
 class CompletionRequest(Sampling):
-    # a text, several texts, a list of token ids, or several lists of token ids
-    prompt: Union[Text, list[Text], list[int], list[list[int]]]
+    # a text, several texts, a list of token ids, or several lists of token ids: none of them empty
+    prompt: Union[
+        NonEmptyText,
+        Annotated[list[NonEmptyText], Field(json_schema_extra={"minItems": 1})],
+        TokenIds,
+        Annotated[list[TokenIds], Field(json_schema_extra={"minItems": 1})],
+    ]
 
 
 class TextPart(BaseModel):
