@@ -109,7 +109,9 @@ class Gate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.api_key is not None and scope["path"].startswith("/v1/"):
+        # a method no route takes (PUT, TRACE, ...) goes to the router's 405 (or 404) whatever the key: it
+        # reaches nothing a key guards, and a client learns the method is wrong, not that it needs a key
+        if self.api_key is not None and scope["path"].startswith("/v1/") and scope["method"] in ("GET", "HEAD", "POST"):
             headers = dict(scope.get("headers") or [])
             if not _bearer(headers.get(b"authorization", b"").decode("latin-1"), self.api_key):
                 response = error_response(

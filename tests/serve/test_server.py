@@ -186,6 +186,12 @@ def test_api_key(checkpoint):
             conn.request("GET", "/v1/models", headers={"Authorization": header})
             answer = conn.getresponse()
             assert (answer.status, answer.read() and header) == (status, header)
+        for method in ("TRACE", "PUT", "DELETE"):  # no route takes them: 405 with or without the key
+            conn.request(method, "/v1/completions")
+            answer = conn.getresponse()
+            assert (answer.status, json.loads(answer.read())["error"]["code"]) == (405, 405)
+        conn.request("HEAD", "/v1/models")
+        assert conn.getresponse().status == 401  # a GET route's HEAD needs the key as its GET does
     for blank in ("", "  ", "sk-k3\n"):  # keys no client can send
         with pytest.raises(ValueError, match="api_key"):
             build_app(s.engine, byte_tokenizer(), NAME, api_key=blank)
