@@ -1,6 +1,6 @@
 """The request bodies `k3 serve` accepts: OpenAI's /v1/completions and /v1/chat/completions fields that
 k3 implements, each checked by pydantic as the request arrives, strictly (a number is not a string, a
-boolean is not a number) and against the rules the engine samples by (`k3.inference.generation.check_sampling`,
+boolean is not a number; 2.0 is the integer 2, as JSON Schema reads it) and against the rules the engine samples by (`k3.inference.generation.check_sampling`,
 a seed taken mod 2**64), so a request the engine would fail on is refused with 400 before it runs. Text fields
 refuse a lone surrogate ("\\ud800": JSON can spell it, UTF-8 cannot encode it); `stop` takes at most 16
 strings (each is looked for after every token). A chat message's content is a text or a list of text
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from ..inference.generation import MAX_SEED, check_sampling
 
@@ -31,11 +31,21 @@ def _whole_unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_whole_unicode)]
 
 
+def _integral(value):
+    """A JSON number with no fraction (2.0) is the integer it spells, as JSON Schema's "integer" reads it;
+    any other float, a string or a boolean stays what strict validation refuses."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Whole = Annotated[int, BeforeValidator(_integral)]
+
 # the schema says what the server's own checks refuse (an empty prompt, a negative id), for clients and schema
 # fuzzers; the checks stay the server's, with their messages ("the prompt is empty", "... the vocabulary")
 NonEmptyText = Annotated[Text, Field(json_schema_extra={"minLength": 1})]
 TokenIds = Annotated[
-    list[Annotated[int, Field(json_schema_extra={"minimum": 0})]], Field(json_schema_extra={"minItems": 1})
+    list[Annotated[Whole, Field(json_schema_extra={"minimum": 0})]], Field(json_schema_extra={"minItems": 1})
 ]
 
 
@@ -51,15 +61,15 @@ class Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: Text | None = None
-    max_tokens: int | None = Field(default=None, gt=0)
+    max_tokens: Whole | None = Field(default=None, gt=0)
     temperature: float = Field(default=1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
-    top_k: int | None = Field(default=None, ge=1)  # vLLM's extension
-    n: int = Field(default=1, ge=1, le=16)
+    top_k: Whole | None = Field(default=None, ge=1)  # vLLM's extension
+    n: Whole = Field(default=1, ge=1, le=16)
     stop: Union[NonEmptyText, Annotated[list[NonEmptyText], Field(max_length=16)], None] = None  # OpenAI: 4
     # choice j of n samples with seed + j, mod 2**64 as torch.Generator takes seeds (a larger seed too: JSON
     # clients and schemas hold integers past 2**53 as floats, so no exact upper bound can be stated)
-    seed: int | None = Field(default=None, ge=0)
+    seed: Whole | None = Field(default=None, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
@@ -143,7 +153,7 @@ class Message(BaseModel):
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, gt=0)  # OpenAI's newer name for max_tokens
+    max_completion_tokens: Whole | None = Field(default=None, gt=0)  # OpenAI's newer name for max_tokens
 
     @field_validator("max_completion_tokens")
     @classmethod

@@ -52,3 +52,13 @@ def test_a_seed_past_64_bits_is_taken_modulo_2_to_the_64(server):
 
 def test_the_health_check_needs_no_key(server):
     assert "401" not in schema(server)["paths"]["/health"]["get"]["responses"]
+
+
+def test_a_whole_number_spelled_with_a_fraction_is_an_integer(server):
+    """JSON Schema's "integer" takes 2.0; so does the server (a fraction, a string or a boolean stays 400)."""
+    body = {"model": NAME, "prompt": [72.0, 105], "max_tokens": 3.0, "n": 2.0, "temperature": 0, "ignore_eos": True}
+    code, out, _ = post(server, "/v1/completions", json.dumps(body))
+    assert code == 200 and len(out["choices"]) == 2 and out["usage"]["completion_tokens"] == 6, out
+    for bad in (2.5, "3", True):
+        code, out, _ = post(server, "/v1/completions", json.dumps({**body, "max_tokens": bad}))
+        assert code == 400 and out["error"]["param"] == "max_tokens", out
