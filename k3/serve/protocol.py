@@ -1,14 +1,14 @@
-"""The request bodies `k3 serve` accepts: OpenAI's /v1/completions and /v1/chat/completions fields that
-k3 implements, each checked by pydantic as the request arrives, strictly (a number is not a string, a
-boolean is not a number; 2.0 is the integer 2, as JSON Schema reads it) and against the rules the engine samples by (`k3.inference.generation.check_sampling`,
-a seed taken mod 2**64), so a request the engine would fail on is refused with 400 before it runs. Text fields
-refuse a lone surrogate ("\\ud800": JSON can spell it, UTF-8 cannot encode it); `stop` takes at most 16
-strings (each is looked for after every token). A chat message's content is a text or a list of text
-parts (as the openai client and guidellm send it); `developer` is a system message. A field OpenAI
-defines but k3 does not implement (logprobs, penalties, tools, ...) is refused by name rather than
-ignored, and so is a setting that would do nothing or be overruled: an empty stop string, stream_options
-without "stream": true, max_tokens and max_completion_tokens that differ. `ignore_eos` is vLLM's extension
-(generate past the end-of-text token: fixed output lengths for load tests)."""
+"""The request bodies `k3 serve` accepts: OpenAI's /v1/completions and /v1/chat/completions fields that k3
+implements, each checked by pydantic as the request arrives, strictly (a number is not a string, a boolean is
+not a number; 2.0 is the integer 2, as JSON Schema reads it) and against the rules the engine samples by
+(`k3.inference.generation.check_sampling`; a seed taken mod 2**64), so a request the engine would fail on is
+refused with 400 before it runs. Text fields refuse a lone surrogate ("\\ud800": JSON can spell it, UTF-8
+cannot encode it); `stop` takes at most 16 strings (each is looked for after every token). A chat message's
+content is a text or a list of text parts (as the openai client and guidellm send it); `developer` is a system
+message. A field OpenAI defines but k3 does not implement (logprobs, penalties, tools, ...) is refused by name
+rather than ignored, and so is a setting that would do nothing or be overruled: an empty stop string,
+stream_options without "stream": true, max_tokens and max_completion_tokens that differ. `ignore_eos` is
+vLLM's extension (generate past the end-of-text token: fixed output lengths for load tests)."""
 
 from __future__ import annotations
 
