@@ -131,7 +131,7 @@ def build_app(
             job.cancel(engine)
 
     app.state.abort_requests = abort_requests
-    document(app, max_model_len)
+    document(app, max_model_len, engine.model.config.vocab_size)
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):

@@ -1,8 +1,9 @@
-"""`k3 serve`'s OpenAPI schema (/openapi.json) as the server answers: FastAPI documents a 200 and its own 422,
-but k3 answers a refused request 400 (OpenAI's status for a bad request), and 401, 404, 408, 413, 415, 503
-or 500 in OpenAI's error shape; a streamed answer is `text/event-stream`. `document(app, max_model_len)`
-replaces the generated schema's responses with those, and bounds `max_tokens` by the server's length, so a
-client generated from the schema (or a schema fuzzer) knows every status and every limit it will meet."""
+"""`k3 serve`'s OpenAPI schema (/openapi.json) as the server answers: FastAPI documents a 200 and its own 422, but
+k3 answers a refused request 400 (OpenAI's status for a bad request), and 401, 404, 408, 413, 415, 503 or 500 in
+OpenAI's error shape; a streamed answer is `text/event-stream`. `document(app, max_model_len, vocab_size)` replaces the
+generated schema's responses with those, bounds `max_tokens` by the server's length and token ids by the model's
+vocabulary, so a client generated from the schema (or a schema fuzzer) knows every status and every limit it
+will meet."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def _responses(operation: dict, post: bool, stream: bool, keyed: bool) -> dict:
     return out
 
 
-def document(app, max_model_len: int) -> None:
+def document(app, max_model_len: int, vocab_size: int) -> None:
     """Give `app` (build_app's FastAPI app) the schema described in the module docstring."""
 
     def openapi() -> dict:
@@ -86,6 +87,11 @@ def document(app, max_model_len: int) -> None:
             for field in ("max_tokens", "max_completion_tokens"):
                 _bound(request.get("properties", {}).get(field), max_model_len - 1)
             request["allOf"] = [STREAM_OPTIONS_NEED_STREAM]
+        for member in components.get("CompletionRequest", {}).get("properties", {}).get("prompt", {}).get("anyOf", []):
+            ids = member.get("items", {})
+            ids = ids.get("items", ids)  # a list of token ids, or a list of them
+            if ids.get("type") == "integer":
+                ids["maximum"] = vocab_size - 1
         app.openapi_schema = schema
         return schema
 

@@ -39,14 +39,16 @@ def _integral(value):
     return value
 
 
-Whole = Annotated[int, BeforeValidator(_integral)]
+def whole(**bounds):
+    """An integer field with `bounds` (Field's), taking 2.0 as 2 (`_integral`); the bounds come first so the
+    schema states them in JSON Schema's words (exclusiveMinimum, ...)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
 
 # the schema says what the server's own checks refuse (an empty prompt, a negative id), for clients and schema
 # fuzzers; the checks stay the server's, with their messages ("the prompt is empty", "... the vocabulary")
 NonEmptyText = Annotated[Text, Field(json_schema_extra={"minLength": 1})]
-TokenIds = Annotated[
-    list[Annotated[Whole, Field(json_schema_extra={"minimum": 0})]], Field(json_schema_extra={"minItems": 1})
-]
+TokenIds = Annotated[list[whole(json_schema_extra={"minimum": 0})], Field(json_schema_extra={"minItems": 1})]
 
 
 class StreamOptions(BaseModel):
@@ -61,15 +63,15 @@ class Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: Text | None = None
-    max_tokens: Whole | None = Field(default=None, gt=0)
+    max_tokens: whole(gt=0) | None = None
     temperature: float = Field(default=1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
-    top_k: Whole | None = Field(default=None, ge=1)  # vLLM's extension
-    n: Whole = Field(default=1, ge=1, le=16)
+    top_k: whole(ge=1) | None = None  # vLLM's extension
+    n: whole(ge=1, le=16) = 1
     stop: Union[NonEmptyText, Annotated[list[NonEmptyText], Field(max_length=16)], None] = None  # OpenAI: 4
     # choice j of n samples with seed + j, mod 2**64 as torch.Generator takes seeds (a larger seed too: JSON
     # clients and schemas hold integers past 2**53 as floats, so no exact upper bound can be stated)
-    seed: Whole | None = Field(default=None, ge=0)
+    seed: whole(ge=0) | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
@@ -153,7 +155,7 @@ class Message(BaseModel):
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: Whole | None = Field(default=None, gt=0)  # OpenAI's newer name for max_tokens
+    max_completion_tokens: whole(gt=0) | None = None  # OpenAI's newer name for max_tokens
 
     @field_validator("max_completion_tokens")
     @classmethod

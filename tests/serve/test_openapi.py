@@ -34,6 +34,8 @@ def test_the_schema_bounds_and_rules_are_the_servers(server):
     chat, completion = requests["ChatRequest"], requests["CompletionRequest"]
     bounds = [m.get("maximum") for m in chat["properties"]["max_completion_tokens"]["anyOf"]]
     assert 511 in bounds  # max_model_len 512 leaves one prompt token
+    ids = [m for m in completion["properties"]["prompt"]["anyOf"] if m.get("items", {}).get("type") == "integer"]
+    assert ids[0]["items"] == {"type": "integer", "minimum": 0, "maximum": 256}  # the byte vocabulary: 257
     rule = {"required": ["stream"], "properties": {"stream": {"const": True}}}
     assert chat["allOf"][0]["then"] == completion["allOf"][0]["then"] == rule  # stream_options needs a stream
     code, out, _ = post(server, "/v1/completions", json.dumps({"prompt": "hi", "stream_options": {}}))
