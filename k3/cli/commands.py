@@ -257,11 +257,12 @@ def _check_warmup(args) -> None:
         return
     from ..training.config import DEFAULT_MAX_STEPS
 
-    steps = f"--max-steps {args.max_steps}" if args.max_steps else f"{DEFAULT_MAX_STEPS} steps (--max-steps' default)"
-    if args.warmup > (args.max_steps or DEFAULT_MAX_STEPS):
+    run = args.max_steps or DEFAULT_MAX_STEPS
+    if args.warmup > run:
+        steps = f"--max-steps {run}" if args.max_steps else f"{run} steps (--max-steps' default)"
         raise ValueError(
             f"--warmup {args.warmup} is longer than the run's {steps}: the learning rate would never reach --lr "
-            f"{args.lr:g}; give --warmup at most {args.max_steps or DEFAULT_MAX_STEPS}, or more --max-steps"
+            f"{args.lr:g}; give --warmup at most {run}, or more --max-steps"
         )
 
 

@@ -109,10 +109,10 @@ class Gate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
         # a method no route takes (PUT, TRACE, ...) goes to the router's 405 (or 404) whatever the key: it
         # reaches nothing a key guards, and a client learns the method is wrong, not that it needs a key
         if self.api_key is not None and scope["path"].startswith("/v1/") and scope["method"] in ("GET", "HEAD", "POST"):
-            headers = dict(scope.get("headers") or [])
             if not _bearer(headers.get(b"authorization", b"").decode("latin-1"), self.api_key):
                 response = error_response(
                     401,
@@ -124,13 +124,13 @@ class Gate:
                 return await response(scope, receive, send)
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        encoding = dict(scope.get("headers") or []).get(b"content-encoding", b"identity").decode("latin-1")
+        encoding = headers.get(b"content-encoding", b"identity").decode("latin-1")
         if encoding.strip().lower() not in ("identity", ""):  # a compressed body would be read as its bytes
             response = error_response(
                 415, f"body: sent with Content-Encoding {encoding!r}; this server takes the JSON uncompressed", "body"
             )
             return await response(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_request_bytes:
             return await self._too_big(scope, receive, send, f"{int(length):,} bytes (Content-Length)")
         chunks, more, size = [], True, 0
