@@ -11,13 +11,16 @@ One loop, on a thread of its own, owns the model. Each turn of it
    turns, and the running rows decode between its pieces instead of waiting for the whole prompt
    (Sarathi; vLLM). With the prefix cache (`k3.serve.prefix`) a prompt first resumes from its longest
    cached prefix, and the states at each block boundary it reaches are kept. Pieces of one length from
-   several sequences run as one forward (`k3.serve.prefill`). A sequence whose prompt is done has its
-   first token sampled and its row copied into the next slot of the pool;
+   several sequences run as one forward (`k3.serve.prefill`). A sequence whose prompt is done keeps its
+   last position's logits for step 3's sample;
 3. decodes every running sequence, one token each, with the decode step (`k3.inference.decode_step`) over
    the pool's first b rows and first L slots: b the smallest batch bucket (1, 2, 4, ... the slots) that
    holds the running rows, L the smallest length bucket that holds their longest. Each (b, L) is one
    step made once and kept: compiled whole (`compile`), one graph each, it runs at the speed of a
-   captured step; the rows past the running ones are free slots whose state nobody reads;
+   captured step; the rows past the running ones are free slots whose state nobody reads. Then one
+   sample (`k3.serve.sampler`) draws the next token of every running row and the first of every sequence
+   whose prompt is done, each with its own settings; those join the running rows, their row copied into
+   the next slot of the pool;
 4. drops the sequences that finished (their token limit, their end-of-text token), failed or were
    cancelled (a client that went away, a stop string): the last running row moves into the freed slot
    (one row's copy), so the running rows stay the pool's first ones and nothing else moves.
@@ -51,7 +54,8 @@ import torch
 from ..models.model import PREFILL_PIECE
 from .prefill import Prefill
 from .prefix import PrefixCache
-from .sequence import Draining, QueueFull, Sequence, budget_bytes, prefill_bytes, sample_rows, sequence_bytes
+from .sampler import Draw, draw
+from .sequence import Draining, QueueFull, Sequence, check_engine_arguments, prefill_bytes, sequence_bytes
 from .slots import SlotPool
 
 log = logging.getLogger("k3.serve")
@@ -60,27 +64,6 @@ DEFAULT_MAX_LENGTH = 4096  # tokens a slot holds for a model without learned pos
 PREFILL_CHUNK = 512  # prompt tokens prefilled per engine turn by default (docs/benchmarks.md: k3 bench serve)
 PREFIX_BLOCK = 256  # tokens per prefix-cache block when prefill is not chunked
 PREFIX_CACHE = True  # k3 serve's default (docs/benchmarks.md: k3 bench serve)
-
-
-def _check_arguments(model, cache_memory, compile, prefix_cache, counts: dict) -> int:
-    """The constructor's arguments checked, each refused in one line naming it (a count must be an int in
-    range: a float NaN or a string would otherwise fail later, in a comparison or a forward); the budget in
-    bytes (`budget_bytes`)."""
-    for name, value in counts.items():
-        low = {"prefill_chunk": 0, "max_length": 2}.get(name, 1)  # max_length: a prompt token and one more
-        if value is None and name in ("max_length", "prefix_block"):
-            continue  # their defaults
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"Engine: `{name}` must be an int >= {low}, got {value!r}")
-    positions, longest = model.config.max_position_embeddings, counts["max_length"]
-    if positions and longest is not None and longest > positions:
-        raise ValueError(f"Engine: `max_length` must be <= {positions} (the model's learned positions), got {longest}")
-    if not isinstance(prefix_cache, bool):
-        raise ValueError(f"Engine: `prefix_cache` must be True or False, got {prefix_cache!r}")
-    backends = torch._dynamo.list_backends(exclude_tags=()) if isinstance(compile, str) else ()
-    if not isinstance(compile, bool) and compile not in backends:
-        raise ValueError(f"Engine: `compile` must be True, False or a torch.compile backend name, got {compile!r}")
-    return budget_bytes(cache_memory, model.lm_head.weight.device)
 
 
 class Engine(Prefill):
@@ -111,7 +94,7 @@ class Engine(Prefill):
     ):
         counts = dict(max_queue=max_queue, max_running=max_running, prefill_chunk=prefill_chunk)
         counts.update(max_length=max_length, prefix_block=prefix_block)
-        cache_memory = _check_arguments(model, cache_memory, compile, prefix_cache, counts)
+        cache_memory = check_engine_arguments(model, cache_memory, compile, prefix_cache, counts)
         config = model.config
         self.model = model
         self.device = model.lm_head.weight.device
@@ -140,12 +123,15 @@ class Engine(Prefill):
         self.prefix = PrefixCache(block) if prefix_cache else None
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # admitted, prompt not yet all in their own caches
+        self.ready: list[Sequence] = []  # prompt all in, first token sampled at this turn's end
         self.running: list[Sequence] = []  # running[i] decodes in the pool's row i
         self.reserved = 0  # the admitted sequences' cache bytes at their longest (what `stats` reports)
         self.prefill_held = 0  # the prefilling sequences' own caches
         self.peak_running = 0
         self.steps = 0
         self._last: torch.Tensor | None = None  # [running] the token each running row feeds next
+        self.generator = torch.Generator(self.device)  # the draws of the rows without a seed of their own
+        self.generator.seed()
         self._lock = threading.Condition()
         self._draining = self._stopped = False
         self._thread: threading.Thread | None = None
@@ -249,7 +235,7 @@ class Engine(Prefill):
         """Cancel everything queued or running and end the loop."""
         with self._lock:
             self._draining = self._stopped = True
-            for sequence in list(self.waiting) + self.prefilling + self.running:
+            for sequence in list(self.waiting) + self.prefilling + self.ready + self.running:
                 sequence.cancelled = True
             self._lock.notify_all()
         if self._thread is not None:
@@ -260,7 +246,7 @@ class Engine(Prefill):
         sequence holds; cache_bytes_reserved: what the admitted sequences hold at their longest and one
         prefill piece's activations."""
         with self._lock:
-            busy = len(self.running) + len(self.prefilling)
+            busy = len(self.running) + len(self.prefilling) + len(self.ready)
             return {
                 "running": busy,
                 "waiting": len(self.waiting),
@@ -295,13 +281,10 @@ class Engine(Prefill):
                 with torch.inference_mode():
                     self._prefill_turn()
                     self._drop_ended()
-                    if self.running:
-                        self._decode()
+                    self._turn()
                     self._drop_ended()
-            except Exception as e:  # the batch's own forward failed: fail what ran, keep serving
-                log.exception(
-                    "k3 serve: the batch's forward failed; its %d sequences end with an error", len(self.running)
-                )
+            except Exception as e:  # the engine's own failure: fail what ran, keep serving
+                log.exception("k3 serve: a turn failed; its %d sequences end with an error", len(self.running))
                 self._fail_running(e)
 
     def _admissible(self) -> bool:
@@ -309,7 +292,7 @@ class Engine(Prefill):
         cache and one of its prefill pieces fit beside what is held (the prefix cache gives way). Its piece
         shrinks to the room there is, down to 64 tokens (or the piece `submit` found fits the whole budget,
         if smaller): a long prompt prefills in smaller pieces rather than wait for a full one's room."""
-        if not self.waiting or len(self.running) + len(self.prefilling) >= self.slots:
+        if not self.waiting or len(self.running) + len(self.prefilling) + len(self.ready) >= self.slots:
             return False
         head = self.waiting[0]
         need = head.prompt_bytes + max(self._prefill_reserve(), head.prefill_reserved)
@@ -337,37 +320,63 @@ class Engine(Prefill):
             self.prefilling.append(sequence)
         self.peak_running = max(self.peak_running, len(self.running) + len(self.prefilling))
 
-    def _join(self, sequence: Sequence, token: torch.Tensor) -> None:
+    def _turn(self) -> None:
+        """The decode forward over the running rows, then one sample for them and for the sequences whose
+        prompt is done (their logits kept by the prefill turn), which then join the running rows. A decode
+        forward that fails ends the running rows (`_fail_running`); the ready ones are sampled all the same."""
+        rows, parts = [], []
+        if self.running:
+            rows = list(self.running)
+            try:
+                parts.append(self.pool.run(self._last, len(rows)))
+            except Exception as e:
+                log.exception("k3 serve: the decode forward failed; its %d sequences end with an error", len(rows))
+                self._fail_running(e)
+                rows = []
+        ready = list(self.ready)
+        rows += ready
+        parts += [s.first_logits for s in ready]
+        if not rows:
+            return
+        tokens = self._sample(torch.cat(parts), rows).tokens
+        n = len(rows) - len(ready)
+        if n:
+            self._last = torch.tensor(tokens[:n], device=self.device)
+            self.steps += 1
+            self._emit(rows[:n], tokens[:n])
+        for sequence, token in zip(ready, tokens[n:]):
+            if sequence.finish_reason is None and not sequence.cancelled:
+                self._join(sequence, token)
+            else:  # cancelled while it prefilled, or its sampling failed
+                self._leave_prefill(sequence, "cancelled")
+
+    def _join(self, sequence: Sequence, token: int) -> None:
         """A prefilled sequence's row moves into the next slot of the pool and it joins the running rows."""
         slot = len(self.running)
         self.pool.cache.copy_row(slot, sequence.cache, 0)
-        last = token if self._last is None else torch.cat([self._last, token])
+        new = torch.tensor([token], device=self.device)
+        last = new if self._last is None else torch.cat([self._last, new])
         with self._lock:
-            self.prefilling.remove(sequence)
+            self.ready.remove(sequence)
             self.running.append(sequence)
             self.prefill_held -= sequence.prompt_bytes
-            self._last, sequence.cache = last, None
-        self._emit([sequence], token)
+            self._last, sequence.cache, sequence.first_logits = last, None, None
+        self._emit([sequence], [token])
 
     def _leave_prefill(self, sequence: Sequence, reason: str) -> None:
+        """A prefilling (or ready) sequence ends: its prefill cache and its reservation go."""
         with self._lock:
-            self.prefilling.remove(sequence)
+            (self.prefilling if sequence in self.prefilling else self.ready).remove(sequence)
             self.reserved -= sequence.reserved
             self.prefill_held -= sequence.prompt_bytes
-            sequence.cache = None
+            sequence.cache = sequence.first_logits = None
             self._finish(sequence, reason)
 
-    def _decode(self) -> None:
-        logits = self.pool.run(self._last, len(self.running))
-        self._last = self._sample(logits, self.running)
-        self.steps += 1
-        self._emit(self.running, self._last)
+    def _sample(self, logits: torch.Tensor, rows: list[Sequence]) -> Draw:
+        return draw(logits, rows, self.generator, self._finish)
 
-    def _sample(self, logits: torch.Tensor, rows: list[Sequence]) -> torch.Tensor:
-        return sample_rows(logits, rows, self._finish)
-
-    def _emit(self, rows: list[Sequence], tokens: torch.Tensor) -> None:
-        for sequence, token in zip(rows, tokens.tolist()):
+    def _emit(self, rows: list[Sequence], tokens: list[int]) -> None:
+        for sequence, token in zip(rows, tokens):
             if sequence.finish_reason is not None or sequence.cancelled:
                 continue
             if sequence.first_token_at is None:
@@ -420,8 +429,10 @@ class Engine(Prefill):
                 log.exception("k3 serve: sequence %d's on_finish callback raised", sequence.id)
 
     def _fail_running(self, error: Exception) -> None:
-        """The batch's forward failed: end every running sequence with the error (the prefilling ones,
-        each in its own cache, go on)."""
+        """The batch's forward failed: end every running sequence (and every one waiting for its first token)
+        with the error; the prefilling ones, each in its own cache, go on."""
+        for sequence in list(self.ready):
+            self._leave_prefill(sequence, f"error: {type(error).__name__}: {error}")
         with self._lock:
             for sequence in self.running:
                 self._finish(sequence, f"error: {type(error).__name__}: {error}")

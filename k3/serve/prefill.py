@@ -62,12 +62,10 @@ class Prefill:
             self._fail_prefill(sequence, e)
 
     def _start_prefill(self, sequence: Sequence) -> None:
-        """Its generator, its prefill cache (sized to its prompt), and what the prefix cache has of it."""
-        sequence.generator = torch.Generator(self.device)
-        if sequence.seed is not None:
+        """Its generator (when seeded), its prefill cache (sized to its prompt), and what the prefix cache has of it."""
+        if sequence.seed is not None:  # its own draws (unseeded rows draw from the engine's generator)
+            sequence.generator = torch.Generator(self.device)
             sequence.generator.manual_seed(sequence.seed)
-        else:
-            sequence.generator.seed()
         sequence.cache = self.model.new_cache(1, max_length=len(sequence.prompt))
         if self.prefix is not None:
             run = self.prefix.lookup(sequence.prompt)
@@ -146,17 +144,16 @@ class Prefill:
                 self._fail_prefill(sequence, e)
 
     def _after_piece(self, sequence: Sequence, n: int, logits: torch.Tensor) -> None:
-        """A piece of `n` tokens ran: keep the prefix-cache block it completed; at the prompt's end sample
-        the first token from `logits` [1, vocab] and join the running rows."""
+        """A piece of `n` tokens ran: keep the prefix-cache block it completed; at the prompt's end the
+        sequence is ready, its `logits` [1, vocab] kept for the turn's one sample (`Engine._turn`)."""
         sequence.prefilled += n
         if self.prefix is not None and sequence.prefilled % self.prefix.block == 0:
             self._keep_block(sequence)
         if sequence.prefilled == len(sequence.prompt):
-            token = self._sample(logits, [sequence])
-            if sequence.finish_reason is None:
-                self._join(sequence, token)
-            else:  # its sampling failed
-                self._leave_prefill(sequence, sequence.finish_reason)
+            with self._lock:
+                self.prefilling.remove(sequence)
+                self.ready.append(sequence)
+                sequence.first_logits = logits
 
     def _keep_block(self, sequence: Sequence) -> None:
         """Keep the block its prefill has just completed, making room by evicting older blocks; skipped

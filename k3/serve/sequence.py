@@ -1,11 +1,11 @@
 """What the serving engine serves: a `Sequence` (a prompt, how to sample it, its callbacks, `check`ed as it
 is made and at submit), the byte accounting it is admitted by (`sequence_bytes`, `prefill_bytes`, the
-budget's `budget_bytes`), and the two refusals of `submit` that mean "not now"."""
+budget's `budget_bytes`), the engine's own arguments checked (`check_engine_arguments`), and the two
+refusals of `submit` that mean "not now"."""
 
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 import operator
 import time
@@ -14,12 +14,12 @@ from typing import Callable
 
 import torch
 
-from ..inference.generation import check_sampling, check_seed, is_greedy, sample
+from ..inference.generation import check_sampling, check_seed
 from ..models.kinds import MIXERS, cache_bytes
 from ..models.model import PREFILL_PIECE
 from ..runtime import available_memory
 
-log = logging.getLogger("k3.serve")
+MAX_LOGPROBS = 20  # alternatives a token's logprobs may list (OpenAI's top_logprobs bound; vLLM's default)
 
 
 class QueueFull(RuntimeError):
@@ -78,9 +78,33 @@ def budget_bytes(cache_memory, device: torch.device) -> int:
     return budget
 
 
+def check_engine_arguments(model, cache_memory, compile, prefix_cache, counts: dict) -> int:
+    """`Engine`'s arguments checked, each refused in one line naming it (a count must be an int in
+    range: a float NaN or a string would otherwise fail later, in a comparison or a forward); the budget in
+    bytes (`budget_bytes`)."""
+    for name, value in counts.items():
+        low = {"prefill_chunk": 0, "max_length": 2}.get(name, 1)  # max_length: a prompt token and one more
+        if value is None and name in ("max_length", "prefix_block"):
+            continue  # their defaults
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"Engine: `{name}` must be an int >= {low}, got {value!r}")
+    positions, longest = model.config.max_position_embeddings, counts["max_length"]
+    if positions and longest is not None and longest > positions:
+        raise ValueError(f"Engine: `max_length` must be <= {positions} (the model's learned positions), got {longest}")
+    if not isinstance(prefix_cache, bool):
+        raise ValueError(f"Engine: `prefix_cache` must be True or False, got {prefix_cache!r}")
+    backends = torch._dynamo.list_backends(exclude_tags=()) if isinstance(compile, str) else ()
+    if not isinstance(compile, bool) and compile not in backends:
+        raise ValueError(f"Engine: `compile` must be True, False or a torch.compile backend name, got {compile!r}")
+    return budget_bytes(cache_memory, model.lm_head.weight.device)
+
+
 @dataclass(eq=False)
 class Sequence:
-    """One sequence to generate: its prompt (token ids), how many tokens at most, how to sample them.
+    """One sequence to generate: its prompt (token ids), how many tokens at most, how to sample them
+    (temperature, top_p, top_k, seed; OpenAI's presence and frequency penalties), and whether to record each
+    token's log-probability with its `logprobs` likeliest alternatives (`token_logprobs`, filled before
+    `on_token` is called for the token).
 
     The engine calls `on_token(token_id)` for each new token and then `on_finish(reason)` once, on its own
     thread: reason "length" (max_tokens reached), "stop" (the end-of-text token, not passed to on_token),
@@ -98,6 +122,9 @@ class Sequence:
     eos_token_id: int | None = None
     on_token: Callable[[int], None] = lambda token: None
     on_finish: Callable[[str], None] = lambda reason: None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: none; k: each token's log-probability and its k likeliest alternatives
     id: int = field(default_factory=itertools.count().__next__)
     tokens: list[int] = field(default_factory=list)  # generated so far
     finish_reason: str | None = None
@@ -113,21 +140,32 @@ class Sequence:
 
     def __post_init__(self):
         self.check()
-        self.generator: torch.Generator | None = None
+        self.generator: torch.Generator | None = None  # its own when seeded (`k3.serve.sampler`)
+        self.output_counts: torch.Tensor | None = None  # [V] its tokens' counts, kept when it has penalties
+        self.token_logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per token, when `logprobs`
         self.cache = None  # its own cache while it prefills
+        self.first_logits: torch.Tensor | None = None  # [1, V] once its prompt is in, until its first token
         self.first_token_at: float | None = None
         self.submitted = False  # an engine has queued it (a sequence runs once)
 
     def check(self, vocab_size: int | None = None) -> None:
         """ValueError naming the field unless every setting is in range: the prompt a non-empty list of
         token ids (ints; in [0, vocab_size) when given, as `eos_token_id`), `max_tokens` an int >= 1, the
-        sampling settings (`check_sampling`, `check_seed`), the callbacks callable. A token id out of range
+        sampling settings (`check_sampling`, `check_seed`), the penalties in [-2, 2] (OpenAI's range),
+        `logprobs` None or at most MAX_LOGPROBS alternatives, the callbacks callable. A token id out of range
         would otherwise fail much later, inside the prefill's forward."""
         self.prompt = token_ids(self.prompt, vocab_size)
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"Sequence: `max_tokens` must be an int >= 1, got {self.max_tokens!r}")
         check_sampling(self.temperature, self.top_k, self.top_p)
         check_seed(self.seed)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not -2 <= value <= 2:
+                raise ValueError(f"Sequence: `{name}` must be a number in [-2, 2], got {value!r}")
+        top = self.logprobs
+        if top is not None and (not _is_int(top) or not 0 <= top <= MAX_LOGPROBS):
+            raise ValueError(f"Sequence: `logprobs` must be None or an int in [0, {MAX_LOGPROBS}], got {top!r}")
         eos, high = self.eos_token_id, "" if vocab_size is None else f" and < {vocab_size} (the vocabulary)"
         if eos is not None and (not _is_int(eos) or eos < 0 or (vocab_size is not None and eos >= vocab_size)):
             raise ValueError(f"Sequence: `eos_token_id` must be None or an int >= 0{high}, got {eos!r}")
@@ -167,27 +205,3 @@ def token_ids(prompt, vocab_size: int | None = None) -> list[int]:
             raise ValueError(f"Sequence: `prompt[{i}]` must be a token id, {bounds}, got {item!r}")
         ids.append(token)
     return ids
-
-
-def sample_rows(logits: torch.Tensor, rows: list[Sequence], fail) -> torch.Tensor:
-    """[B] the next token of each row: greedy rows together, sampled rows each with its own generator. A
-    row whose sampling raises is ended by `fail(sequence, "error: ...")` (and a line in the log); its token
-    is a placeholder the engine skips and then drops."""
-    tokens = logits.float().argmax(-1)
-    for i, s in enumerate(rows):
-        if is_greedy(s.temperature) or s.finish_reason is not None:
-            continue
-        try:
-            tokens[i] = sample(logits[i : i + 1], s.temperature, s.top_k, s.top_p, s.generator)[0]
-        except Exception as e:
-            log.error(
-                "k3 serve: sequence %d failed to sample (temperature %r, top_k %r, top_p %r): %s: %s",
-                s.id,
-                s.temperature,
-                s.top_k,
-                s.top_p,
-                type(e).__name__,
-                e,
-            )
-            fail(s, f"error: {type(e).__name__}: {e}")
-    return tokens

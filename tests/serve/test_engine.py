@@ -209,18 +209,19 @@ def test_the_cache_shrinks_after_the_longest_row_leaves():
 
 
 def test_a_row_that_fails_to_sample_ends_alone(monkeypatch, caplog):
-    """One sequence whose sampling raises (here a patched `sample`) ends with an error of its own and a line
-    in the log; the sequences decoding beside it go on to what they get alone."""
-    import k3.serve.sequence as engine_module
+    """One sequence whose sampling raises (here a patched `sample_turn`, for any draw that holds it) ends with
+    an error of its own and a line in the log: the turn's rows then draw alone, and the sequences decoding
+    beside it go on to what they get alone."""
+    import k3.serve.sampler as sampler_module
 
-    real = engine_module.sample
+    real = sampler_module.sample_turn
 
-    def poisoned(logits, temperature, *args, **kw):
-        if temperature == 0.5:
+    def poisoned(logits, rows, noise):
+        if any(s.temperature == 0.5 for s in rows):
             raise RuntimeError("poisoned row")
-        return real(logits, temperature, *args, **kw)
+        return real(logits, rows, noise)
 
-    monkeypatch.setattr(engine_module, "sample", poisoned)
+    monkeypatch.setattr(sampler_module, "sample_turn", poisoned)
     model = tiny("kimi-k3-tiny")
     engine = make_engine(model).start()
     try:
@@ -324,14 +325,14 @@ def test_a_failed_batch_forward_fails_the_batch_logs_it_and_serving_goes_on(monk
     engine = make_engine(model).start()
     try:
         broken = threading.Event()
-        real = engine._decode
+        real = engine.pool.run
 
-        def decode():
+        def run(*args, **kw):
             if broken.is_set():
                 raise RuntimeError("the batch's forward broke")
-            real()
+            return real(*args, **kw)
 
-        monkeypatch.setattr(engine, "_decode", decode)
+        monkeypatch.setattr(engine.pool, "run", run)
         victims = [Collector() for _ in range(2)]
         for c in victims:
             engine.submit(c.sequence([1, 2, 3], 120))
@@ -339,7 +340,7 @@ def test_a_failed_batch_forward_fails_the_batch_logs_it_and_serving_goes_on(monk
         broken.set()
         for c in victims:
             assert c.done.wait(120) and c.reason == "error: RuntimeError: the batch's forward broke"
-        assert "the batch's forward failed" in caplog.text
+        assert "the decode forward failed" in caplog.text
         broken.clear()
         after = Collector()
         engine.submit(after.sequence([4, 5], 3))

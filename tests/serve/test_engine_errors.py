@@ -70,18 +70,20 @@ def test_one_sequences_failure_ends_it_alone(kind, at, monkeypatch, caplog):
     """A sequence whose on_token raises (or whose sampling raises) at its first token (the prefill turn, in
     a prefill batch with its neighbours) or its third (a decode turn, beside them) ends alone with the
     error recorded; the three admitted in the same turn get exactly their tokens alone (greedy)."""
-    import k3.serve.sequence as sequence_module
+    import k3.serve.sampler as sampler_module
 
     caplog.set_level(logging.WARNING, "k3.serve")
-    calls, real = [], sequence_module.sample
+    draws, real = [], sampler_module.sample_turn
 
-    def poisoned(logits, temperature, *args, **kw):
-        calls.append(temperature)
-        if temperature == 0.5 and len(calls) == at:
+    def poisoned(logits, rows, noise):  # the poisoned row's draws counted: its `at`-th raises
+        bad = [s for s in rows if s.temperature == 0.5]
+        if bad and len(rows) > 1:
+            draws.append(len(bad[0].tokens) + 1)
+        if bad and draws and draws[-1] == at:
             raise RuntimeError("poisoned row")
-        return real(logits, temperature, *args, **kw)
+        return real(logits, rows, noise)
 
-    monkeypatch.setattr(sequence_module, "sample", poisoned)
+    monkeypatch.setattr(sampler_module, "sample_turn", poisoned)
     model = tiny("kimi-k3-tiny")
     engine = make_engine(model).start()
     sizes = record_prefill_batches(engine, monkeypatch)

@@ -148,18 +148,19 @@ def test_a_poisoned_request_does_not_fail_the_others(server, poison):
 
 
 def test_a_request_whose_sampling_raises_fails_alone(server, monkeypatch, caplog):
-    """A failure while sampling one request's row (bypassing validation: a patched `sample`) ends that
-    request with a 500 in OpenAI's shape and a line in the log; the requests beside it are unharmed."""
-    import k3.serve.sequence as engine_module
+    """A failure while sampling one request's row (bypassing validation: a patched `sample_turn`, for any
+    draw that holds it) ends that request with a 500 in OpenAI's shape and a line in the log; the requests
+    beside it are unharmed."""
+    import k3.serve.sampler as sampler_module
 
-    real = engine_module.sample
+    real = sampler_module.sample_turn
 
-    def poisoned(logits, temperature, *args, **kw):
-        if temperature == 0.777:
+    def poisoned(logits, rows, noise):
+        if any(s.temperature == 0.777 for s in rows):
             raise RuntimeError("poisoned row")
-        return real(logits, temperature, *args, **kw)
+        return real(logits, rows, noise)
 
-    monkeypatch.setattr(engine_module, "sample", poisoned)
+    monkeypatch.setattr(sampler_module, "sample_turn", poisoned)
     threads, results = three_chats_running(server)
     code, out, _ = post(
         server, "/v1/completions", json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 4, "temperature": 0.777})
