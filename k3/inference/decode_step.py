@@ -102,7 +102,8 @@ class DecodeStep:
     `step(tokens)` feeds tokens [B] (each row's last token) and returns the next ones [B]; `last_logits`
     [B, vocab] keeps the logits they were sampled from. `compile`: False (eager), True (inductor), or a
     torch.compile backend name (tests use "aot_eager", which needs no C++ compiler). `fused`:
-    `prepare_for_decoding(model)`'s copies to read (default: made here)."""
+    `prepare_for_decoding(model)`'s copies to read (default: made here). `sample=False`: the step only
+    computes `last_logits` and returns None, for a caller that samples them itself (a server's turn)."""
 
     def __init__(
         self,
@@ -114,6 +115,7 @@ class DecodeStep:
         generator: torch.Generator | None = None,
         compile: bool | str = False,
         fused: list[tuple] | None = None,
+        sample: bool = True,
     ):
         if not cache.max_length:
             raise ValueError(
@@ -127,13 +129,14 @@ class DecodeStep:
         check_sampling(temperature, top_k, top_p)
         self.model, self.cache, self.generator = model, cache, generator
         self.temperature, self.top_k, self.top_p = float(temperature), top_k, top_p
+        self.sample = sample
         self.last_logits: torch.Tensor | None = None
         # the step's inputs, each at one address (what CUDA graphs replay from) with one stride (a dynamo guard)
         device = cache.positions.device
         self._tokens = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=device)
         self._noise = (
             torch.empty(cache.batch_size, model.config.vocab_size, device=device)
-            if not is_greedy(self.temperature)
+            if sample and not is_greedy(self.temperature)
             else None
         )
         # the copies the step reads: the weights as they are now, or copies the caller made (steps over one
@@ -173,13 +176,13 @@ class DecodeStep:
         with RowProducts() if self._row_products else contextlib.nullcontext():
             hidden = model.model(tokens, cache.layers, positions, cache.sources, self.fused)
             logits = model.lm_head(hidden[:, -1])
-        token = sample_with_noise(logits, noise, self.temperature, self.top_k, self.top_p)
+        token = sample_with_noise(logits, noise, self.temperature, self.top_k, self.top_p) if self.sample else None
         cache.positions.add_(1)
         return token, logits
 
     @torch.no_grad()
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B] (int64, the rows' last tokens) -> the next tokens [B]."""
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """tokens [B] (int64, the rows' last tokens) -> the next tokens [B] (None without `sample`)."""
         cache = self.cache
         if tokens.shape != (cache.batch_size,):
             raise ValueError(
@@ -200,4 +203,4 @@ class DecodeStep:
         cache.advance(1, positions=False)  # the step advanced the positions tensor itself
         # a CUDA graph's outputs are overwritten by its next replay: keep copies
         self.last_logits = logits.clone()
-        return token.clone()
+        return None if token is None else token.clone()

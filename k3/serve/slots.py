@@ -54,7 +54,7 @@ class SlotPool:
         step = self.steps.get((rows, slots))
         if step is None:
             view = self.cache.view(rows, slots)
-            step = DecodeStep(self.model, view, compile=self.compile, fused=self.fused)
+            step = DecodeStep(self.model, view, compile=self.compile, fused=self.fused, sample=False)
             self.steps[(rows, slots)] = step
         return step
 
