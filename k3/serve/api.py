@@ -45,8 +45,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from .answers import Answer, stream_events
 from .engine import Draining, Engine, QueueFull, Sequence
-from .gate import MAX_REQUEST_BYTES, APIError, Gate, check_api_key, error_body, error_response
+from .gate import MAX_REQUEST_BYTES, APIError, Gate, check_api_key, error_response
 from .jobs import ClientGone, Job
 from .openapi import document
 from .protocol import ChatRequest, CompletionRequest, Sampling
@@ -201,9 +202,13 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
-        prompts = await completion_prompts(body.prompt, body.n)
+        ids = body.prompt and isinstance(body.prompt[0], int)
+        given = [body.prompt] if isinstance(body.prompt, str) or ids else body.prompt
+        prompts = await completion_prompts(given, body.n)
         max_tokens = body.max_tokens or COMPLETION_TOKENS
-        return await respond(request, body, prompts, max_tokens, body.stops(), chat=False)
+        echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in given] if body.echo else None
+        asked = dict(logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None, echo=echo)
+        return await respond(request, body, prompts, max_tokens, body.stops(), chat=False, **asked)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -223,7 +228,8 @@ def build_app(
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, min(CHAT_TOKENS, max_model_len - len(ids)))
-        return await respond(request, body, [ids], max_tokens, stops, chat=True, param="messages")
+        asked = dict(logprobs=body.alternatives(), param="messages")
+        return await respond(request, body, [ids], max_tokens, stops, chat=True, **asked)
 
     def check_model(body: Sampling) -> None:
         if body.model is not None and body.model != model_name:
@@ -268,11 +274,7 @@ def build_app(
         long = len(text) > LONG_TEXT  # (characters: at most its bytes; its bytes are counted only with `longest`)
         return await asyncio.get_running_loop().run_in_executor(long_texts if long else None, encode, text)
 
-    async def completion_prompts(prompt, n: int) -> list[list[int]]:
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        elif prompt and isinstance(prompt[0], int):
-            prompt = [prompt]
+    async def completion_prompts(prompt: list, n: int) -> list[list[int]]:
         if not prompt:
             raise APIError(400, "prompt: empty (give a text or a list of token ids)", "prompt")
         if len(prompt) * n > engine.max_queue:  # before any is tokenized: it could never be queued whole
@@ -305,6 +307,9 @@ def build_app(
         stops: list[str],
         chat: bool,
         param: str = "prompt",
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        echo: list[str] | None = None,
     ):
         for ids in prompts:
             if not ids:
@@ -332,6 +337,10 @@ def build_app(
                         body.top_k,
                         seed,
                         eos,
+                        presence_penalty=body.presence_penalty,
+                        frequency_penalty=body.frequency_penalty,
+                        logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs,
                     )
                 except ValueError as e:  # the protocol's checks come first: this is a second line
                     raise APIError(400, str(e), None) from None
@@ -355,15 +364,23 @@ def build_app(
             "created": int(time.time()),
             "model": model_name,
         }
+        echo = None if echo is None else [text for text in echo for _ in range(body.n)]  # a choice's prompt
+        answer = Answer(tokenizer, chat, head, echo, logprobs is not None)
         if body.stream:
             options = body.stream_options
             usage = options is not None and (options.include_usage or options.continuous_usage_stats)
             running = options is not None and options.continuous_usage_stats
-            return StreamingResponse(
-                stream_events(job, head, chat, prompt_tokens, usage, running),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
+
+            async def events():
+                try:
+                    async for event in stream_events(
+                        job, engine, answer, prompt_tokens, usage, running, stream_interval
+                    ):
+                        yield event
+                finally:
+                    jobs.discard(job)
+
+            return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             texts = await job.collect(engine, request)
         except ClientGone:
@@ -378,51 +395,10 @@ def build_app(
                 "server_busy",
                 headers={"Retry-After": "1"},
             )
-        choices = []
-        for i, (sequence, text) in enumerate(zip(job.sequences, texts)):
-            if job.reasons[i].startswith("error"):
-                raise APIError(500, f"the model failed: {job.reasons[i]}", None, "server_error")
-            content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-            choices.append({"index": i, **content, "logprobs": None, "finish_reason": job.reasons[i]})
-        completion_tokens = sum(job.counts)
-        return {**head, "choices": choices, "usage": usage_of(prompt_tokens, completion_tokens)}
-
-    async def stream_events(job: "Job", head: dict, chat: bool, prompt_tokens: int, usage: bool, running: bool):
-        head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-
-        def event(index: int, text: str | None, reason: str | None, first: bool = False) -> str:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
-                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
-            else:
-                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
-            chunk = {**head, "choices": [choice]}
-            if running:
-                chunk["usage"] = usage_of(prompt_tokens, sum(job.counts))
-            return sse(chunk)
-
-        try:
-            if chat:
-                for i in range(len(job.sequences)):
-                    yield event(i, None, None, first=True)
-            pending, sent = [""] * len(job.sequences), [0] * len(job.sequences)  # text held, tokens sent
-            async for index, text, reason in job.events(engine):
-                pending[index] += text
-                due = sent[index] == 0 or job.counts[index] - sent[index] >= stream_interval
-                if pending[index] and (due or reason is not None):
-                    yield event(index, pending[index], None)
-                    pending[index], sent[index] = "", job.counts[index]
-                if reason is not None:
-                    if reason.startswith("error"):
-                        yield sse(error_body(f"the model failed: {reason}", "server_error", None, 500))
-                        return
-                    yield event(index, None if chat else "", reason)
-            if usage:
-                yield sse({**head, "choices": [], "usage": usage_of(prompt_tokens, sum(job.counts))})
-            yield "data: [DONE]\n\n"
-        finally:
-            jobs.discard(job)
-            job.cancel(engine)  # the client went away (or we are done): free what still runs
+        for reason in job.reasons:
+            if reason.startswith("error"):
+                raise APIError(500, f"the model failed: {reason}", None, "server_error")
+        return answer.whole(job, texts, prompt_tokens)
 
     return app
 
@@ -430,17 +406,3 @@ def build_app(
 def _cores() -> int:
     """The cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def sse(payload: dict) -> str:
-    import json
-
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }

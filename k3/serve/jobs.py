@@ -47,24 +47,37 @@ class Job:
             if sequence.finish_reason is None:
                 engine.cancel(sequence)
 
+    async def batches(self, engine: Engine):
+        """Lists of (index, new text, finish reason or None): what the sequences did since the last list
+        (everything queued by then, so that a slow reader gets fewer, larger lists), until all have finished."""
+        while any(r is None for r in self.reasons):
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            out = []
+            for index, kind, value in items:
+                if self.reasons[index] is not None:
+                    continue
+                stream = self.streams[index]
+                if kind == "token":
+                    self.counts[index] += 1
+                    text = stream.push(value)
+                    if stream.stopped:  # a stop string: this choice is done
+                        engine.cancel(self.sequences[index])
+                        self.reasons[index] = "stop"
+                    out.append((index, text, self.reasons[index]))
+                else:
+                    reason = value if value.startswith("error") else FINISH.get(value, value)
+                    self.reasons[index] = reason
+                    out.append((index, stream.finish(), reason))
+            if out:
+                yield out
+
     async def events(self, engine: Engine):
         """(index, new text, finish reason or None) as the sequences advance, until all have finished."""
-        while any(r is None for r in self.reasons):
-            index, kind, value = await self.queue.get()
-            if self.reasons[index] is not None:
-                continue
-            stream = self.streams[index]
-            if kind == "token":
-                self.counts[index] += 1
-                text = stream.push(value)
-                if stream.stopped:  # a stop string: this choice is done
-                    engine.cancel(self.sequences[index])
-                    self.reasons[index] = "stop"
-                yield index, text, self.reasons[index]
-            else:
-                reason = value if value.startswith("error") else FINISH.get(value, value)
-                self.reasons[index] = reason
-                yield index, stream.finish(), reason
+        async for batch in self.batches(engine):
+            for item in batch:
+                yield item
 
     async def collect(self, engine: Engine, request) -> list[str]:
         """Every choice's whole text; ClientGone (its sequences cancelled) if the client disconnects first."""

@@ -23,6 +23,22 @@ from .sequence import Sequence, prefill_bytes, sequence_bytes
 
 log = logging.getLogger("k3.serve")
 
+PROMPT_LOGPROBS_PIECE = 64  # prompt tokens a piece holds when every position's logits are kept
+
+
+def prompt_logprobs(sequence: Sequence, start: int, logits: torch.Tensor) -> None:
+    """Record, from a piece's logits [n, V] (its prompt's positions start ... start+n-1), the log-probability
+    of each next prompt token and the `prompt_logprobs` likeliest alternatives (the model's distribution, as
+    `k3.serve.sampler` gives a generated token's)."""
+    following = sequence.prompt[start + 1 : start + 1 + logits.shape[0]]
+    if not following:
+        return
+    logprobs = logits[: len(following)].float().log_softmax(-1)
+    chosen = logprobs.gather(-1, torch.tensor(following, device=logits.device)[:, None])[:, 0].tolist()
+    values, ids = logprobs.topk(min(sequence.prompt_logprobs, logprobs.shape[-1]), dim=-1)
+    for lp, top_ids, top_values in zip(chosen, ids.tolist(), values.tolist()):
+        sequence.prompt_token_logprobs.append((lp, list(zip(top_ids, top_values))))
+
 
 class Prefill:
     """`Engine`'s prefill turn (see the module); the engine gives the model, budget, prefix cache and rows."""
@@ -67,7 +83,7 @@ class Prefill:
             sequence.generator = torch.Generator(self.device)
             sequence.generator.manual_seed(sequence.seed)
         sequence.cache = self.model.new_cache(1, max_length=len(sequence.prompt))
-        if self.prefix is not None:
+        if self.prefix is not None and sequence.prompt_logprobs is None:  # a cached prefix has no logits
             run = self.prefix.lookup(sequence.prompt)
             if run:
                 self.prefix.restore(run, sequence.cache)
@@ -80,6 +96,8 @@ class Prefill:
             self._start_prefill(sequence)
         start = sequence.prefilled
         n = min(sequence.piece, budget, len(sequence.prompt) - start)
+        if sequence.prompt_logprobs is not None:  # each position's logits: [n, vocab] at once
+            n = min(n, PROMPT_LOGPROBS_PIECE)
         if self.prefix is not None:
             n = min(n, self.prefix.block - start % self.prefix.block)
         return int(n)
@@ -95,9 +113,11 @@ class Prefill:
             self._fail_prefill(head, e)
             return [], 0
         group, longest = [head], len(head.prompt)
+        if head.prompt_logprobs is not None:
+            return group, n
         need = prefill_bytes(config, n, len(head.prompt), dtype_bytes)
         for sequence in self.prefilling[1:]:
-            if sequence.cancelled or n * (len(group) + 1) > budget:
+            if sequence.cancelled or sequence.prompt_logprobs is not None or n * (len(group) + 1) > budget:
                 continue
             try:
                 if self._piece(sequence, budget) != n:
@@ -117,8 +137,11 @@ class Prefill:
         """Run the sequence's next `n` prompt tokens into its own cache, then `_after_piece`."""
         start = sequence.prefilled
         ids = torch.tensor([sequence.prompt[start : start + n]], device=self.device)
-        logits = self.model(ids, cache=sequence.cache, logits_to_keep=1, prefill_piece=n)[:, -1]
-        self._after_piece(sequence, n, logits)
+        every = sequence.prompt_logprobs is not None
+        logits = self.model(ids, cache=sequence.cache, logits_to_keep=n if every else 1, prefill_piece=n)
+        if every:
+            prompt_logprobs(sequence, start, logits[0])
+        self._after_piece(sequence, n, logits[:, -1])
 
     def _prefill_together(self, group: list[Sequence], n: int) -> None:
         """The next `n` prompt tokens of every sequence of `group` as one forward over their caches joined

@@ -5,10 +5,13 @@ not a number; 2.0 is the integer 2, as JSON Schema reads it) and against the rul
 refused with 400 before it runs. Text fields refuse a lone surrogate ("\\ud800": JSON can spell it, UTF-8
 cannot encode it); `stop` takes at most 16 strings (each is looked for after every token). A chat message's
 content is a text or a list of text parts (as the openai client and guidellm send it); `developer` is a system
-message. A field OpenAI defines but k3 does not implement (logprobs, penalties, tools, ...) is refused by name
-rather than ignored, and so is a setting that would do nothing or be overruled: an empty stop string,
-stream_options without "stream": true, max_tokens and max_completion_tokens that differ. `ignore_eos` is
-vLLM's extension (generate past the end-of-text token: fixed output lengths for load tests)."""
+message. Logprobs (chat: `logprobs` and `top_logprobs`; completions: `logprobs` alternatives, with `echo` the
+prompt's too) and the presence / frequency penalties are OpenAI's, computed in the engine's one draw a turn
+(`k3.serve.sampler`). A field OpenAI defines but k3 does not implement (tools, logit_bias, ...) is refused
+by name rather than ignored, and so is a setting that would do nothing or be overruled: an empty stop
+string, stream_options without "stream": true, top_logprobs without logprobs, max_tokens and
+max_completion_tokens that differ. `ignore_eos` is vLLM's extension (generate past the end-of-text token:
+fixed output lengths for load tests)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from typing import Annotated, Literal, Union
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from ..inference.generation import MAX_SEED, check_sampling
+from .sequence import MAX_LOGPROBS
 
 
 def _whole_unicode(text: str) -> str:
@@ -76,6 +80,8 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     ignore_eos: bool = False
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
 
     @field_validator("temperature", "top_p", "top_k")
     @classmethod
@@ -108,6 +114,8 @@ class Sampling(BaseModel):
 
 
 class CompletionRequest(Sampling):
+    logprobs: whole(ge=0, le=MAX_LOGPROBS) | None = None  # each token's logprob and this many alternatives
+    echo: bool = False  # the prompt before the completion (and, with logprobs, its tokens' logprobs)
     # a text, several texts, a list of token ids, or several lists of token ids: none of them empty
     prompt: Union[
         NonEmptyText,
@@ -156,6 +164,19 @@ class Message(BaseModel):
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: whole(gt=0) | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: whole(ge=0, le=MAX_LOGPROBS) | None = None  # alternatives per token (needs logprobs)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, value, info):
+        if value is not None and not info.data.get("logprobs"):  # OpenAI refuses it alike
+            raise ValueError('top_logprobs is only allowed with "logprobs": true')
+        return value
+
+    def alternatives(self) -> int | None:
+        """The engine's `logprobs`: None when not asked, else the alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("max_completion_tokens")
     @classmethod

@@ -104,7 +104,8 @@ class Sequence:
     """One sequence to generate: its prompt (token ids), how many tokens at most, how to sample them
     (temperature, top_p, top_k, seed; OpenAI's presence and frequency penalties), and whether to record each
     token's log-probability with its `logprobs` likeliest alternatives (`token_logprobs`, filled before
-    `on_token` is called for the token).
+    `on_token` is called for the token), and the same for its prompt (`prompt_logprobs`: filled as it
+    prefills, in `prompt_token_logprobs`; such a prompt is prefilled whole, without the prefix cache).
 
     The engine calls `on_token(token_id)` for each new token and then `on_finish(reason)` once, on its own
     thread: reason "length" (max_tokens reached), "stop" (the end-of-text token, not passed to on_token),
@@ -125,6 +126,7 @@ class Sequence:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: none; k: each token's log-probability and its k likeliest alternatives
+    prompt_logprobs: int | None = None  # the same for its prompt's tokens after the first (vLLM's name)
     id: int = field(default_factory=itertools.count().__next__)
     tokens: list[int] = field(default_factory=list)  # generated so far
     finish_reason: str | None = None
@@ -143,6 +145,7 @@ class Sequence:
         self.generator: torch.Generator | None = None  # its own when seeded (`k3.serve.sampler`)
         self.output_counts: torch.Tensor | None = None  # [V] its tokens' counts, kept when it has penalties
         self.token_logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per token, when `logprobs`
+        self.prompt_token_logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # prompt[1:]'s, when asked
         self.cache = None  # its own cache while it prefills
         self.first_logits: torch.Tensor | None = None  # [1, V] once its prompt is in, until its first token
         self.first_token_at: float | None = None
@@ -163,9 +166,10 @@ class Sequence:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not -2 <= value <= 2:
                 raise ValueError(f"Sequence: `{name}` must be a number in [-2, 2], got {value!r}")
-        top = self.logprobs
-        if top is not None and (not _is_int(top) or not 0 <= top <= MAX_LOGPROBS):
-            raise ValueError(f"Sequence: `logprobs` must be None or an int in [0, {MAX_LOGPROBS}], got {top!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            top = getattr(self, name)
+            if top is not None and (not _is_int(top) or not 0 <= top <= MAX_LOGPROBS):
+                raise ValueError(f"Sequence: `{name}` must be None or an int in [0, {MAX_LOGPROBS}], got {top!r}")
         eos, high = self.eos_token_id, "" if vocab_size is None else f" and < {vocab_size} (the vocabulary)"
         if eos is not None and (not _is_int(eos) or eos < 0 or (vocab_size is not None and eos >= vocab_size)):
             raise ValueError(f"Sequence: `eos_token_id` must be None or an int >= 0{high}, got {eos!r}")
