@@ -80,7 +80,8 @@ def build_app(
 ):
     """The FastAPI app serving `engine`'s model as `model_name`. The app starts the engine when it starts
     and stops it when it shuts down. `max_model_len`: the most tokens a sequence may have, its prompt and
-    max_tokens together (prompt + max_tokens <= max_model_len, as vLLM counts; at most, and by default, the
+    max_tokens together (prompt + tokens generated <= max_model_len, as vLLM counts; a `max_tokens` past what
+    the prompt leaves is an upper bound, so the answer ends there, "length"; at most, and by default, the
     engine's `max_length`); `max_request_bytes`: the largest request body; `max_prompt_tokens`: the most
     tokens one prompt may have (413 past it; None: max_model_len - 1, which leaves one completion token;
     more is refused); `stream_interval`: the tokens a streamed event carries after the first (the last may
@@ -132,7 +133,7 @@ def build_app(
             job.cancel(engine)
 
     app.state.abort_requests = abort_requests
-    document(app, max_model_len, engine.model.config.vocab_size)
+    document(app, max_model_len, engine.model.config.vocab_size, model_name)
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -205,7 +206,7 @@ def build_app(
         ids = body.prompt and isinstance(body.prompt[0], int)
         given = [body.prompt] if isinstance(body.prompt, str) or ids else body.prompt
         prompts = await completion_prompts(given, body.n)
-        max_tokens = body.max_tokens or COMPLETION_TOKENS
+        max_tokens = check_max_tokens(body.max_tokens, "max_tokens") or COMPLETION_TOKENS
         echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in given] if body.echo else None
         asked = dict(logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None, echo=echo)
         return await respond(request, body, prompts, max_tokens, body.stops(), chat=False, **asked)
@@ -225,7 +226,11 @@ def build_app(
         ids = await tokenize(text, "messages")
         check_prompt_tokens(len(ids), "messages")
         stops = body.stops() + ([] if chat_template is not None else PLAIN_STOPS)
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        limits = (
+            check_max_tokens(body.max_completion_tokens, "max_completion_tokens"),
+            check_max_tokens(body.max_tokens, "max_tokens"),
+        )
+        max_tokens = limits[0] or limits[1]
         if max_tokens is None:
             max_tokens = max(1, min(CHAT_TOKENS, max_model_len - len(ids)))
         asked = dict(logprobs=body.alternatives(), param="messages")
@@ -250,6 +255,18 @@ def build_app(
                 f"{max_prompt_tokens} (--max-prompt-tokens)",
                 param,
             )
+
+    def check_max_tokens(value: int | None, param: str) -> int | None:
+        """A max_tokens within what /openapi.json states (max_model_len - 1: a prompt takes a token); within
+        that, an upper bound (`respond` gives a sequence what its prompt leaves)."""
+        if value is not None and value >= max_model_len:
+            raise APIError(
+                400,
+                f"{param}: {value} tokens; this model takes {max_model_len} tokens at most, prompt and "
+                f"completion together: ask for at most {max_model_len - 1}",
+                param,
+            )
+        return value
 
     def check_model_len(tokens: int, param: str, counted: str = "") -> None:
         """A prompt must leave room for one completion token within max_model_len."""
@@ -315,14 +332,6 @@ def build_app(
             if not ids:
                 raise APIError(400, f"{param}: the prompt is empty after tokenization", param)
             check_model_len(len(ids), param)
-            if len(ids) + max_tokens > max_model_len:
-                raise APIError(
-                    400,
-                    f"max_tokens: the prompt has {len(ids)} tokens and max_tokens is {max_tokens}, "
-                    f"{len(ids) + max_tokens} in all, more than the {max_model_len} this model takes "
-                    f"(prompt and max_tokens); ask for at most {max_model_len - len(ids)}",
-                    "max_tokens",
-                )
         job = Job(asyncio.get_running_loop())
         eos = None if body.ignore_eos else tokenizer.eot_id
         for ids in prompts:
@@ -331,7 +340,7 @@ def build_app(
                 try:
                     sequence = Sequence(
                         list(ids),
-                        max_tokens,
+                        min(max_tokens, max_model_len - len(ids)),  # an upper bound: what the model's length leaves
                         body.temperature,
                         None if body.top_p >= 1 else body.top_p,
                         body.top_k,

@@ -44,11 +44,14 @@ POST_ONLY = ("400", "408", "413", "415")  # statuses only a request with a body 
 SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
 
 # the rules between fields that k3's checks hold (k3.serve.protocol), as JSON Schema: stream_options only
-# with "stream": true (max_tokens and max_completion_tokens, one limit, must agree when both are given:
-# JSON Schema cannot say it)
+# with "stream": true; a chat's top_logprobs only with "logprobs": true
 STREAM_OPTIONS_NEED_STREAM = {
     "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
     "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+}
+TOP_LOGPROBS_NEED_LOGPROBS = {
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
 }
 
 
@@ -66,8 +69,9 @@ def _responses(operation: dict, post: bool, stream: bool, keyed: bool) -> dict:
     return out
 
 
-def document(app, max_model_len: int, vocab_size: int) -> None:
-    """Give `app` (build_app's FastAPI app) the schema described in the module docstring."""
+def document(app, max_model_len: int, vocab_size: int, model_name: str | None = None) -> None:
+    """Give `app` (build_app's FastAPI app) the schema described in the module docstring; `model_name`, the
+    served model's, is the example of /v1/models/{model}'s parameter."""
 
     def openapi() -> dict:
         if app.openapi_schema is not None:
@@ -82,11 +86,14 @@ def document(app, max_model_len: int, vocab_size: int) -> None:
                 post = method == "post"
                 stream = post and path.endswith("completions")
                 operation["responses"] = _responses(operation, post, stream, path.startswith("/v1/"))
+                for parameter in operation.get("parameters", []):
+                    if parameter.get("name") == "model" and model_name is not None:
+                        parameter["example"] = model_name
         for name in ("CompletionRequest", "ChatRequest"):
             request = components.get(name, {})
             for field in ("max_tokens", "max_completion_tokens"):
                 _bound(request.get("properties", {}).get(field), max_model_len - 1)
-            request["allOf"] = [STREAM_OPTIONS_NEED_STREAM]
+            request["allOf"] = [STREAM_OPTIONS_NEED_STREAM] + [TOP_LOGPROBS_NEED_LOGPROBS] * (name == "ChatRequest")
         for member in components.get("CompletionRequest", {}).get("properties", {}).get("prompt", {}).get("anyOf", []):
             ids = member.get("items", {})
             ids = ids.get("items", ids)  # a list of token ids, or a list of them

@@ -9,9 +9,9 @@ message. Logprobs (chat: `logprobs` and `top_logprobs`; completions: `logprobs` 
 prompt's too) and the presence / frequency penalties are OpenAI's, computed in the engine's one draw a turn
 (`k3.serve.sampler`). A field OpenAI defines but k3 does not implement (tools, logit_bias, ...) is refused
 by name rather than ignored, and so is a setting that would do nothing or be overruled: an empty stop
-string, stream_options without "stream": true, top_logprobs without logprobs, max_tokens and
-max_completion_tokens that differ. `ignore_eos` is vLLM's extension (generate past the end-of-text token:
-fixed output lengths for load tests)."""
+string, stream_options without "stream": true, top_logprobs without logprobs. A chat's
+max_completion_tokens (OpenAI's newer name) wins over max_tokens, as vLLM takes them. `ignore_eos` is vLLM's
+extension (generate past the end-of-text token: fixed output lengths for load tests)."""
 
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ class Message(BaseModel):
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: whole(gt=0) | None = None  # OpenAI's newer name for max_tokens
+    max_completion_tokens: whole(gt=0) | None = None  # OpenAI's newer name for max_tokens; it wins, as in vLLM
     logprobs: bool = False
     top_logprobs: whole(ge=0, le=MAX_LOGPROBS) | None = None  # alternatives per token (needs logprobs)
 
@@ -177,14 +177,3 @@ class ChatRequest(Sampling):
     def alternatives(self) -> int | None:
         """The engine's `logprobs`: None when not asked, else the alternatives per token."""
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _one_limit(cls, value, info):
-        other = info.data.get("max_tokens")
-        if value is not None and other is not None and value != other:  # the same limit, two values
-            raise ValueError(
-                f"max_completion_tokens is {value} and max_tokens is {other}: they are one limit (max_tokens "
-                f"its older name); give one of them"
-            )
-        return value
