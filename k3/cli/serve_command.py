@@ -174,8 +174,8 @@ def _load_and_serve(args, sockets, device, budget: int, api_key: str | None, max
         stream_interval=args.stream_interval,
     )
 
-    compiled = f"{len(engine.pool.batch_buckets())} batch sizes compiled in {engine.pool.compile_seconds:.1f} s"
-    steps = compiled if engine.pool.compile else "eager steps"
+    compiling = f"eager steps, {len(engine.pool.batch_buckets())} batch sizes compiling in the background (/health)"
+    steps = compiling if engine.pool.compile else "eager steps"
 
     def ready(port: int) -> None:
         print(

@@ -1,5 +1,5 @@
-"""The serving engine: continuous batching over a slot pool, one compiled step per batch size, chunked
-prefill, prefix caching, and admission that never overruns the cache budget.
+"""The serving engine: continuous batching over a slot pool, one compiled step per batch size (compiled in
+the background), chunked prefill, prefix caching, and admission that never overruns the cache budget.
 
 The engine holds one static cache (`model.new_cache(slots, max_length=N)`): a fixed number of rows, the
 slots, each with room for N tokens (gpt-fast's static cache; vLLM's state slots for the recurrent layers).
@@ -15,18 +15,16 @@ One loop, on a thread of its own, owns the model. Each turn of it
    last position's logits for step 3's sample;
 3. decodes every running sequence, one token each, with the decode step (`k3.inference.decode_step`) over
    the pool's first b rows and first L slots: b the smallest batch bucket (1, 2, 4, ... the slots) that
-   holds the running rows, L the smallest length bucket that holds their longest. Each (b, L) is one
-   step made once and kept: compiled whole (`compile`), one graph each, it runs at the speed of a
-   captured step; the rows past the running ones are free slots whose state nobody reads. Then one
-   sample (`k3.serve.sampler`) draws the next token of every running row and the first of every sequence
-   whose prompt is done, each with its own settings; those join the running rows, their row copied into
-   the next slot of the pool;
+   holds the running rows, L the smallest length bucket that holds their longest: one step each, eager
+   until its compiled one (`compile`, one graph, made in the background: `k3.serve.slots`) is ready; the
+   rows past the running ones are free slots whose state nobody reads. Then one sample (`k3.serve.sampler`)
+   draws the next token of every running row and the first of every sequence whose prompt is done, each
+   by its own settings; those join the running rows, their row copied into the pool's next slot;
 4. drops the sequences that finished (their token limit, their end-of-text token), failed or were
    cancelled (a client that went away, a stop string): the last running row moves into the freed slot
    (one row's copy), so the running rows stay the pool's first ones and nothing else moves.
-A sequence joins once its prompt is prefilled and leaves at the turn it ends, so no one waits for a batch
-to drain (Orca, Yu et al. 2022). Every row is at its own position; attention masks each past its own, a
-recurrent state never sees another row's token, and every row computes what it would alone.
+A sequence joins once its prompt is prefilled and leaves at the turn it ends (Orca, Yu et al. 2022). Every
+row is at its own position, masked past it; no state sees another row's token: each computes what it would alone.
 
 A failure is contained where it happens: a sequence whose prefill, sampling or `on_token` callback raises
 ends alone with "error: ..." (and a line in the log, logger "k3.serve"), and a prefill batch whose forward
@@ -38,8 +36,8 @@ Memory, counted by k3's own accounting against `cache_memory`: the pool (its slo
 `max_running`, or fewer when N-token rows for all would not fit beside one prefill), the caches of the
 sequences prefilling and the transient memory of one prefill piece (`prefill_bytes`: attention masks,
 expanded keys, hidden states; pieces run one at a time, a long prompt's shrunk until it fits), and the
-prefix cache's blocks, which give way (least recently used first) when a prefill needs room. What does not
-fit waits in a bounded queue; past that bound `submit` refuses (the server answers 503 with Retry-After).
+prefix cache's blocks, which give way (least recently used first) when a prefill needs room, and the scratch
+cache a step compiles over. What does not fit waits in a bounded queue, past its bound refused (503).
 """
 
 from __future__ import annotations
@@ -76,9 +74,10 @@ class Engine(Prefill):
     tokens a sequence may have, its prompt and max_tokens together (as vLLM's max_model_len; its cache holds
     one fewer, the last token being sampled, never fed back), at least 2 (default: the model's learned
     positions, else DEFAULT_MAX_LENGTH); `prefill_chunk`: prompt tokens prefilled per turn (0: each prompt
-    whole in the turn it is admitted); `compile`: decode with compiled steps (True: inductor; a torch.compile
-    backend name; False: eager); `prefix_cache`: keep and reuse prompts' states in blocks of `prefix_block`
-    tokens (default: `prefill_chunk`, else PREFIX_BLOCK). Each argument is checked here, a ValueError naming it."""
+    whole in the turn it is admitted); `compile`: decode with compiled steps, made in the background while
+    eager ones serve (True: inductor; a torch.compile backend name; False: eager); `prefix_cache`: keep and
+    reuse prompts' states in blocks of `prefix_block` tokens (default: `prefill_chunk`, else PREFIX_BLOCK).
+    Each argument is checked here, a ValueError naming it."""
 
     def __init__(
         self,
@@ -117,7 +116,8 @@ class Engine(Prefill):
                 f"`max_length` (k3 serve: --cache-memory, --max-model-len)"
             )
         self.max_running = self.slots
-        self.pool = SlotPool(model, self.slots, self.max_length, compile, model.decoding_weights())
+        self.compiling = 0  # bytes of the scratch caches steps compile over
+        self.pool = SlotPool(model, self.slots, self.max_length, compile, model.decoding_weights(), self._reserve)
         self.pool_bytes = self.pool.nbytes
         block = prefix_block or prefill_chunk or PREFIX_BLOCK
         self.prefix = PrefixCache(block) if prefix_cache else None
@@ -135,8 +135,6 @@ class Engine(Prefill):
         self._lock = threading.Condition()
         self._draining = self._stopped = False
         self._thread: threading.Thread | None = None
-        if compile:
-            self.pool.warm_up()
 
     # -- the public side, any thread ---------------------------------------------------------------
     def bytes_for(self, sequence: Sequence) -> int:
@@ -147,7 +145,16 @@ class Engine(Prefill):
     def room(self) -> int:
         """Bytes of the budget not taken by the pool, the prefilling sequences' caches and the prefix cache."""
         held = self.prefix.nbytes if self.prefix is not None else 0
-        return self.cache_memory - self.pool_bytes - self.prefill_held - held
+        return self.cache_memory - self.pool_bytes - self.prefill_held - held - self.compiling
+
+    def _reserve(self, need: int) -> bool:
+        """Take `need` bytes for a compile's scratch cache if the budget has them beside a prefill piece
+        (a negative `need` gives them back)."""
+        with self._lock:
+            if need > 0 and self.room - self._prefill_reserve() < need:
+                return False
+            self.compiling += need
+            return True
 
     def plan(self, sequence: Sequence, room: int | None = None, smallest: int = 1) -> tuple[int, int]:
         """(prompt tokens per prefill piece, bytes one piece takes): the largest piece, up to the prefill
@@ -224,6 +231,7 @@ class Engine(Prefill):
             raise RuntimeError("Engine.start: an engine starts once (this one was started or stopped): make a new one")
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
+        self.pool.start_compiling()  # with `compile`: the steps, in the background, while eager ones serve
         return self
 
     def drain(self) -> None:
@@ -238,6 +246,7 @@ class Engine(Prefill):
             for sequence in list(self.waiting) + self.prefilling + self.ready + self.running:
                 sequence.cancelled = True
             self._lock.notify_all()
+        self.pool.stop_compiling(timeout)
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -259,7 +268,7 @@ class Engine(Prefill):
                 "peak_running": self.peak_running,
                 "steps": self.steps,
                 "compiled": bool(self.pool.compile),
-                "compile_seconds": round(self.pool.compile_seconds, 3),
+                **self.pool.compile_status(),
                 "prefix_cache": None if self.prefix is None else self.prefix.summary(),
                 "draining": self._draining,
             }

@@ -6,11 +6,21 @@ copied from one turn to the next, and with `compile` one graph each (gpt-fast's 
 CUDA graphs per batch size). The running sequences hold rows 0 ... n-1 (the engine moves the last row into
 a freed one); rows n ... b-1 of a bucket are free slots that run at position 0 and whose outputs nobody
 reads (a joining row overwrites their state).
+
+With `compile`, steps are compiled in the background (`start_compiling`, a thread of its own) while the
+pool serves with eager steps over the same buckets: every batch bucket over all slots first, then each other
+bucket as a turn first asks for it. A step compiles at its first call, which runs it, so that call runs over
+a scratch cache of the bucket's shapes and strides (the pool's rows are live), its bytes taken from the
+engine's budget while it compiles (`reserve`, `release`); then the step is pointed at the pool's view and
+replaces the eager one (the same graph: dynamo guards shapes and strides, not the buffers' addresses).
+Inductor keeps what it compiled on disk (`k3.inference.decode_step.compile_cache_dir`), so the next start
+compiles in far less time.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -20,21 +30,29 @@ from ..inference.decode_step import DecodeStep
 log = logging.getLogger("k3.serve")
 
 SHORTEST_LENGTH_BUCKET = 256  # the fewest slots a compiled step reads
+RETRY_SECONDS = 0.5  # how long the compiler waits when no bucket's scratch fits the budget now
 
 
 class SlotPool:
     """`slots` rows of `max_length` tokens of `model`'s cache (`cache`, `nbytes`) and the decode steps over
-    them (`steps`, made on first use, those of every batch size at the full length by `warm_up`);
-    `compile`: False (eager), True (inductor) or a torch.compile backend name; `fused`: the weight copies
-    the steps read (`model.decoding_weights()`)."""
+    them (`steps`: eager, made on first use; `compiled`: those compiled in the background, which replace
+    them); `compile`: False (eager), True (inductor) or a torch.compile backend name; `fused`: the weight
+    copies the steps read (`model.decoding_weights()`); `reserve(bytes) -> bool`: the engine's budget, for a
+    compile's scratch cache (`reserve(-bytes)` gives them back; default: always room)."""
 
-    def __init__(self, model, slots: int, max_length: int, compile: bool | str, fused: list[tuple]):
+    def __init__(self, model, slots: int, max_length: int, compile: bool | str, fused: list[tuple], reserve=None):
         self.model, self.slots, self.max_length, self.compile, self.fused = model, slots, max_length, compile, fused
         self.cache = model.new_cache(slots, max_length=max_length)
         self.device = self.cache.positions.device
         self.nbytes = self.cache.nbytes()
-        self.steps: dict[tuple[int, int], DecodeStep] = {}  # (rows, slots) -> its step
+        self.steps: dict[tuple[int, int], DecodeStep] = {}  # (rows, slots) -> its eager step
+        self.compiled: dict[tuple[int, int], DecodeStep] = {}  # (rows, slots) -> its compiled step, once ready
+        self.to_compile: list[tuple[int, int]] = []  # the buckets waiting for the compiler, in order
         self.compile_seconds = 0.0
+        self.reserve = reserve or (lambda need: True)
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._compiler: threading.Thread | None = None
 
     def buckets(self, rows: int, longest: int) -> tuple[int, int]:
         """(b, L): the pool rows and slots a step for `rows` running rows, the longest holding `longest`
@@ -50,12 +68,18 @@ class SlotPool:
         return min(1 << (rows - 1).bit_length(), self.slots), L
 
     def step_for(self, rows: int, slots: int) -> DecodeStep:
-        """The decode step over the pool's first `rows` rows and `slots` slots, made on first use."""
-        step = self.steps.get((rows, slots))
+        """The decode step over the pool's first `rows` rows and `slots` slots: the compiled one once ready,
+        else the eager one (made on first use), the bucket queued for the compiler."""
+        key = (rows, slots)
+        ready = self.compiled.get(key)
+        if ready is not None:
+            return ready
+        if self.compile:
+            self._queue(key)
+        step = self.steps.get(key)
         if step is None:
             view = self.cache.view(rows, slots)
-            step = DecodeStep(self.model, view, compile=self.compile, fused=self.fused, sample=False)
-            self.steps[(rows, slots)] = step
+            step = self.steps[key] = DecodeStep(self.model, view, fused=self.fused, sample=False)
         return step
 
     def batch_buckets(self) -> list[int]:
@@ -63,17 +87,83 @@ class SlotPool:
         sizes = [1 << i for i in range(self.slots.bit_length()) if 1 << i < self.slots]
         return sizes + [self.slots]
 
-    def warm_up(self) -> None:
-        """Compile the step for every batch bucket over all `max_length` slots, in free slots (a joining
-        row overwrites what they leave): what `k3 serve` says at start-up; steps over fewer slots compile
-        on first use (each logged)."""
-        with torch.inference_mode():  # as the loop runs them: the steps' tensors alike (one graph each)
-            for b in self.batch_buckets():
-                self.cache.lengths = [self.max_length - 1] + [0] * (self.slots - 1)  # the longest bucket
-                self.cache.positions.zero_()
-                self.run(torch.zeros(b, dtype=torch.long, device=self.device), rows=b, lengths=[0] * b)
-        self.cache.positions.zero_()
-        self.cache.lengths = [0] * self.slots
+    def start_compiling(self) -> None:
+        """Start the compiler thread (with `compile`): every batch bucket over all slots, smallest first,
+        then the buckets turns ask for."""
+        if not self.compile or self._compiler is not None:
+            return
+        for b in self.batch_buckets():
+            self._queue((b, self.max_length))
+        self._compiler = threading.Thread(target=self._compile_loop, name="k3-compile", daemon=True)
+        self._compiler.start()
+
+    def stop_compiling(self, timeout: float | None = None) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify_all()
+        if self._compiler is not None:
+            self._compiler.join(timeout)
+
+    def _queue(self, key: tuple[int, int]) -> None:
+        with self._wake:
+            if key not in self.compiled and key not in self.to_compile:
+                self.to_compile.append(key)
+                self._wake.notify_all()
+
+    def _compile_loop(self) -> None:
+        """The compiler thread: the queued buckets in order, each once its scratch fits the budget."""
+        while True:
+            with self._wake:
+                while not self._stopped and not self.to_compile:
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                queued = list(self.to_compile)
+            # the engine's lock, not this one, while its budget is asked (its thread may hold it and wait here)
+            key = next((k for k in queued if self.reserve(self.scratch_bytes(*k))), None)
+            if key is None:  # no room now: wait for some
+                with self._wake:
+                    self._wake.wait(RETRY_SECONDS)
+                continue
+            try:
+                self._compile(key)
+            except Exception:  # the eager step goes on serving this bucket
+                log.exception("k3 serve: compiling the decode step for %d rows x %d slots failed", *key)
+            finally:
+                self.reserve(-self.scratch_bytes(*key))
+                with self._wake:
+                    self.to_compile.remove(key)
+
+    def scratch_bytes(self, rows: int, slots: int) -> int:
+        """Bytes of a compile's scratch cache for `rows` rows (each of all the slots: the view's strides)."""
+        return self.nbytes * rows // self.slots
+
+    def _compile(self, key: tuple[int, int]) -> None:
+        """Compile the step for `key` on a scratch cache, then point it at the pool's view (see the module)."""
+        rows, slots = key
+        began = time.perf_counter()
+        view = self.cache.view(rows, slots)
+        scratch = self.model.new_cache(rows, max_length=self.max_length).view(rows, slots)  # the view's strides
+        step = DecodeStep(self.model, view, compile=self.compile, fused=self.fused, sample=False)
+        step.cache = scratch
+        with torch.inference_mode():  # as the loop runs it: the step's tensors alike (one graph)
+            scratch.lengths = [slots - 1] + [0] * (rows - 1)
+            step(torch.zeros(rows, dtype=torch.long, device=self.device))
+        step.cache, step._warm = view, False  # its first call on the pool checks every guard
+        took = time.perf_counter() - began
+        with self._wake:
+            self.compiled[key] = step
+            self.compile_seconds += took
+        log.info("k3 serve: compiled the decode step for %d rows x %d slots in %.1f s", rows, slots, took)
+
+    def compile_status(self) -> dict:
+        """What /health reports: buckets compiled and waiting, seconds spent compiling."""
+        with self._wake:
+            return {
+                "compiled_buckets": len(self.compiled),
+                "buckets_to_compile": len(self.to_compile),
+                "compile_seconds": round(self.compile_seconds, 3),
+            }
 
     def run(self, last: torch.Tensor, rows: int, lengths: list[int] | None = None) -> torch.Tensor:
         """One token for the pool's first `rows` rows, feeding `last` [rows]: their logits [rows, vocab]
@@ -84,13 +174,7 @@ class SlotPool:
         self.cache.positions[rows:b].zero_()  # free slots in the bucket: position 0, their outputs unread
         step.cache.lengths = (pool[:rows] if lengths is None else lengths) + [0] * (b - rows)
         tokens = last if b == rows else torch.cat([last, last.new_zeros(b - rows)])
-        began = time.perf_counter()
-        first = self.compile and not step._warm
         step(tokens)
-        if first:
-            took = time.perf_counter() - began
-            self.compile_seconds += took
-            log.info("k3 serve: compiled the decode step for %d rows x %d slots in %.1f s", b, L, took)
         if lengths is None:
             self.cache.lengths = [n + 1 for n in pool[:rows]] + pool[rows:]
         return step.last_logits[:rows]

@@ -351,25 +351,72 @@ def test_a_failed_batch_forward_fails_the_batch_logs_it_and_serving_goes_on(monk
 
 
 @pytest.mark.parametrize("preset", ["kimi-k3-tiny", "gpt2-tiny"])
-def test_the_compiled_engine_gets_what_each_would_alone(preset):
-    """The engine with compiled steps (aot_eager: no C++ compiler needed), rows joining and leaving across
-    batch buckets: each sequence's greedy tokens are those it gets alone; one step per bucket, compiled at
-    start-up."""
+def test_the_compiled_engine_serves_at_once_and_gets_what_each_would_alone(preset, monkeypatch):
+    """The engine with compiled steps (aot_eager: no C++ compiler needed) answers while its steps compile in
+    the background (here held back until the first sequences are done, so they run on eager steps), then on
+    the compiled ones; rows joining and leaving across batch buckets: each sequence's greedy tokens are those
+    it gets alone, before and after. A compile runs over a scratch cache taken from the budget, given back."""
+    import k3.serve.slots as slots_module
+
     model = tiny(preset)
+    hold = threading.Event()
+    real = slots_module.SlotPool._compile
+
+    def held(pool, key):
+        hold.wait(120)
+        real(pool, key)
+
+    monkeypatch.setattr(slots_module.SlotPool, "_compile", held)
     engine = make_engine(model, compile="aot_eager", max_length=128, max_running=4).start()
+    work = [(p, 2 + 3 * (i % 3)) for i, p in enumerate(prompts(7, seed=13))]
     try:
-        assert engine.pool.compile_seconds > 0 and sorted(engine.pool.steps) == [(1, 128), (2, 128), (4, 128)]
-        work = [(p, 2 + 3 * (i % 3)) for i, p in enumerate(prompts(7, seed=13))]
-        collectors = []
-        for prompt, n in work:
-            c = Collector()
-            engine.submit(c.sequence(prompt, n))
-            collectors.append(c)
-        for (prompt, n), c in zip(work, collectors):
-            assert c.done.wait(300) and c.reason == "length" and c.tokens == alone(model, prompt, n)
-        assert sorted(engine.pool.steps) == [(1, 128), (2, 128), (4, 128)]  # made at start-up, no others
-        wait_until(lambda: engine.stats()["slots_free"] == 4 and engine.stats()["cache_bytes_reserved"] == 0)
-        assert engine.stats()["compiled"]
+        for phase in ("eager", "compiled"):
+            if phase == "compiled":
+                hold.set()
+                wait_until(lambda: engine.stats()["buckets_to_compile"] == 0, timeout=300)
+                assert engine.stats()["compiled_buckets"] == 3 and engine.compiling == 0
+            collectors = []
+            for prompt, n in work:
+                c = Collector()
+                engine.submit(c.sequence(prompt, n))
+                collectors.append(c)
+            for (prompt, n), c in zip(work, collectors):
+                assert c.done.wait(300) and c.reason == "length" and c.tokens == alone(model, prompt, n), phase
+            if phase == "eager":
+                assert engine.pool.compiled == {} and sorted(engine.pool.steps) == [(1, 128), (2, 128), (4, 128)]
+        assert sorted(engine.pool.compiled) == [(1, 128), (2, 128), (4, 128)]  # the batch buckets, no others
+        assert engine.stats()["compiled"] and engine.stats()["compile_seconds"] > 0
+    finally:
+        hold.set()
+        engine.stop()
+
+
+def test_a_compile_waits_for_room_in_the_budget():
+    """A bucket whose scratch cache does not fit the budget now is not compiled (the eager step serves it)
+    until there is room; the scratch's bytes count against the budget while it compiles, then go back."""
+    model = tiny("kimi-k3-tiny")
+    engine = make_engine(model, compile="aot_eager", max_length=128, max_running=4)
+    room, asked, seen = threading.Event(), [], []
+
+    def reserve(need):  # the engine's own, once there is "room"; the bytes it holds seen at each grant
+        asked.append(need)
+        granted = need < 0 or (room.is_set() and engine._reserve(need))
+        if granted and need > 0:
+            seen.append(engine.compiling)
+        return granted if need > 0 else engine._reserve(need)
+
+    engine.pool.reserve = reserve
+    engine.start()
+    try:
+        c = Collector()
+        engine.submit(c.sequence([1, 2, 3], 3))
+        assert c.done.wait(120) and c.tokens == alone(model, [1, 2, 3], 3)
+        wait_until(lambda: len(asked) >= 3)
+        assert engine.pool.compiled == {} and engine.stats()["buckets_to_compile"] == 3
+        room.set()
+        wait_until(lambda: engine.stats()["buckets_to_compile"] == 0, timeout=300)
+        assert len(engine.pool.compiled) == 3 and engine.compiling == 0
+        assert seen == [engine.pool.scratch_bytes(b, 128) for b in (1, 2, 4)]
     finally:
         engine.stop()
 
