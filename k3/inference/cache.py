@@ -123,12 +123,13 @@ class LayerCache:
         states = self.recurrent_state if isinstance(self.recurrent_state, tuple) else (self.recurrent_state,)
         return [t for t in (self.window, *states) if t is not None]
 
-    def view(self, owner: "Cache", rows: int, slots: int) -> "LayerCache":
-        """This layer's first `rows` rows and `slots` slots, sharing its buffers (`Cache.view`)."""
-        storage = {name: (t[:rows].narrow(axis, 0, slots), axis) for name, (t, axis) in self.storage.items()}
+    def view(self, owner: "Cache", rows: int, slots: int, first: int = 0) -> "LayerCache":
+        """This layer's rows first ... first+rows-1 and first `slots` slots, sharing its buffers (`Cache.view`)."""
+        span = slice(first, first + rows)
+        storage = {name: (t[span].narrow(axis, 0, slots), axis) for name, (t, axis) in self.storage.items()}
         state = self.recurrent_state
-        state = tuple(s[:rows] for s in state) if isinstance(state, tuple) else None if state is None else state[:rows]
-        return LayerCache(owner, storage, None if self.window is None else self.window[:rows], state)
+        state = tuple(s[span] for s in state) if isinstance(state, tuple) else None if state is None else state[span]
+        return LayerCache(owner, storage, None if self.window is None else self.window[span], state)
 
     def read_tokens(self, row: int, start: int, stop: int) -> list[torch.Tensor]:
         """Copies of row `row`'s slots start ... stop-1 of every slot buffer (a prefix cache's block)."""
@@ -281,21 +282,21 @@ class Cache:
         out.sources = _sources_for(caches[0].sources, out.batch_size)
         return out
 
-    def view(self, rows: int, slots: int) -> "Cache":
-        """A fixed cache of this one's first `rows` rows and first `slots` slots, sharing its buffers and
-        its positions (a view: what a step through it writes lands here); its host `lengths` are the
-        caller's to keep. How a slot pool (k3.serve) runs a step over the rows it uses, reading only the
-        slots they fill."""
-        if not self.max_length or rows > self.batch_size or slots > self.capacity:
+    def view(self, rows: int, slots: int, first: int = 0) -> "Cache":
+        """A fixed cache of this one's `rows` rows from row `first` (default: its first rows) and first
+        `slots` slots, sharing its buffers and its positions (a view: what a step through it writes lands
+        here; its strides are this cache's); its host `lengths` are the caller's to keep. How a slot pool
+        (k3.serve) runs a step over the rows it uses, reading only the slots they fill."""
+        if not self.max_length or first < 0 or first + rows > self.batch_size or slots > self.capacity:
             raise ValueError(
-                f"Cache.view: {rows} rows x {slots} slots of a fixed cache of {self.batch_size} x "
-                f"{self.capacity} (a fixed cache only)"
+                f"Cache.view: rows {first} ... {first + rows - 1} x {slots} slots of a fixed cache of "
+                f"{self.batch_size} x {self.capacity} (a fixed cache only)"
             )
         out = object.__new__(type(self))
         out.config, out.max_length, out.capacity, out.batch_size = self.config, slots, slots, rows
-        out.positions = self.positions[:rows]
-        out.lengths = self.lengths[:rows]
-        out.layers = [layer.view(out, rows, slots) for layer in self.layers]
+        out.positions = self.positions[first : first + rows]
+        out.lengths = self.lengths[first : first + rows]
+        out.layers = [layer.view(out, rows, slots, first) for layer in self.layers]
         out.sources = _sources_for(self.sources, rows)
         return out
 

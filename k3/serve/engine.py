@@ -116,7 +116,7 @@ class Engine(Prefill):
                 f"`max_length` (k3 serve: --cache-memory, --max-model-len)"
             )
         self.max_running = self.slots
-        self.compiling = 0  # bytes of the scratch caches steps compile over
+        self.lent = 0  # the pool's last rows lent to the compiler (`k3.serve.slots`)
         self.pool = SlotPool(model, self.slots, self.max_length, compile, model.decoding_weights(), self._reserve)
         self.pool_bytes = self.pool.nbytes
         block = prefix_block or prefill_chunk or PREFIX_BLOCK
@@ -145,15 +145,15 @@ class Engine(Prefill):
     def room(self) -> int:
         """Bytes of the budget not taken by the pool, the prefilling sequences' caches and the prefix cache."""
         held = self.prefix.nbytes if self.prefix is not None else 0
-        return self.cache_memory - self.pool_bytes - self.prefill_held - held - self.compiling
+        return self.cache_memory - self.pool_bytes - self.prefill_held - held
 
-    def _reserve(self, need: int) -> bool:
-        """Take `need` bytes for a compile's scratch cache if the budget has them beside a prefill piece
-        (a negative `need` gives them back)."""
+    def _reserve(self, rows: int) -> bool:
+        """Lend the pool's last `rows` rows to a compile if no sequence holds them, and admit no sequence to
+        them until they are given back (a negative `rows`)."""
         with self._lock:
-            if need > 0 and self.room - self._prefill_reserve() < need:
+            if rows > 0 and len(self.running) + len(self.prefilling) + len(self.ready) + self.lent + rows > self.slots:
                 return False
-            self.compiling += need
+            self.lent += rows
             return True
 
     def plan(self, sequence: Sequence, room: int | None = None, smallest: int = 1) -> tuple[int, int]:
@@ -301,7 +301,7 @@ class Engine(Prefill):
         cache and one of its prefill pieces fit beside what is held (the prefix cache gives way). Its piece
         shrinks to the room there is, down to 64 tokens (or the piece `submit` found fits the whole budget,
         if smaller): a long prompt prefills in smaller pieces rather than wait for a full one's room."""
-        if not self.waiting or len(self.running) + len(self.prefilling) + len(self.ready) >= self.slots:
+        if not self.waiting or len(self.running) + len(self.prefilling) + len(self.ready) + self.lent >= self.slots:
             return False
         head = self.waiting[0]
         need = head.prompt_bytes + max(self._prefill_reserve(), head.prefill_reserved)

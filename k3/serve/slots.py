@@ -10,9 +10,10 @@ reads (a joining row overwrites their state).
 With `compile`, steps are compiled in the background (`start_compiling`, a thread of its own) while the
 pool serves with eager steps over the same buckets: every batch bucket over all slots first, then each other
 bucket as a turn first asks for it. A step compiles at its first call, which runs it, so that call runs over
-a scratch cache of the bucket's shapes and strides (the pool's rows are live), its bytes taken from the
-engine's budget while it compiles (`reserve`, `release`); then the step is pointed at the pool's view and
-replaces the eager one (the same graph: dynamo guards shapes and strides, not the buffers' addresses).
+the pool's last rows, lent by the engine while it compiles (`reserve`): no sequence holds them, and what a
+free row holds nobody reads (the first rows are live; a turn's step over more rows than run may write them
+too: garbage the compile's one run does not mind). Then the step is pointed at the pool's first rows and
+replaces the eager one: the same graph, as dynamo guards shapes and strides, not the buffers' addresses.
 Inductor keeps what it compiled on disk (`k3.inference.decode_step.compile_cache_dir`), so the next start
 compiles in far less time.
 """
@@ -37,8 +38,8 @@ class SlotPool:
     """`slots` rows of `max_length` tokens of `model`'s cache (`cache`, `nbytes`) and the decode steps over
     them (`steps`: eager, made on first use; `compiled`: those compiled in the background, which replace
     them); `compile`: False (eager), True (inductor) or a torch.compile backend name; `fused`: the weight
-    copies the steps read (`model.decoding_weights()`); `reserve(bytes) -> bool`: the engine's budget, for a
-    compile's scratch cache (`reserve(-bytes)` gives them back; default: always room)."""
+    copies the steps read (`model.decoding_weights()`); `reserve(rows) -> bool`: the engine lends the pool's last
+    `rows` rows to a compile if no sequence holds them (`reserve(-rows)` gives them back; default: lent)."""
 
     def __init__(self, model, slots: int, max_length: int, compile: bool | str, fused: list[tuple], reserve=None):
         self.model, self.slots, self.max_length, self.compile, self.fused = model, slots, max_length, compile, fused
@@ -120,7 +121,7 @@ class SlotPool:
                     return
                 queued = list(self.to_compile)
             # the engine's lock, not this one, while its budget is asked (its thread may hold it and wait here)
-            key = next((k for k in queued if self.reserve(self.scratch_bytes(*k))), None)
+            key = next((k for k in queued if self.reserve(k[0])), None)
             if key is None:  # no room now: wait for some
                 with self._wake:
                     self._wake.wait(RETRY_SECONDS)
@@ -130,23 +131,20 @@ class SlotPool:
             except Exception:  # the eager step goes on serving this bucket
                 log.exception("k3 serve: compiling the decode step for %d rows x %d slots failed", *key)
             finally:
-                self.reserve(-self.scratch_bytes(*key))
+                self.reserve(-key[0])
                 with self._wake:
                     self.to_compile.remove(key)
 
-    def scratch_bytes(self, rows: int, slots: int) -> int:
-        """Bytes of a compile's scratch cache for `rows` rows (each of all the slots: the view's strides)."""
-        return self.nbytes * rows // self.slots
-
     def _compile(self, key: tuple[int, int]) -> None:
-        """Compile the step for `key` on a scratch cache, then point it at the pool's view (see the module)."""
+        """Compile the step for `key` over the pool's last rows, then point it at its first (see the module)."""
         rows, slots = key
         began = time.perf_counter()
         view = self.cache.view(rows, slots)
-        scratch = self.model.new_cache(rows, max_length=self.max_length).view(rows, slots)  # the view's strides
+        scratch = self.cache.view(rows, slots, first=self.slots - rows)  # lent: held by no sequence
         step = DecodeStep(self.model, view, compile=self.compile, fused=self.fused, sample=False)
         step.cache = scratch
         with torch.inference_mode():  # as the loop runs it: the step's tensors alike (one graph)
+            scratch.positions.zero_()
             scratch.lengths = [slots - 1] + [0] * (rows - 1)
             step(torch.zeros(rows, dtype=torch.long, device=self.device))
         step.cache, step._warm = view, False  # its first call on the pool checks every guard

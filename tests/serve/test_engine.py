@@ -355,7 +355,7 @@ def test_the_compiled_engine_serves_at_once_and_gets_what_each_would_alone(prese
     """The engine with compiled steps (aot_eager: no C++ compiler needed) answers while its steps compile in
     the background (here held back until the first sequences are done, so they run on eager steps), then on
     the compiled ones; rows joining and leaving across batch buckets: each sequence's greedy tokens are those
-    it gets alone, before and after. A compile runs over a scratch cache taken from the budget, given back."""
+    it gets alone, before and after. A compile runs over the pool's last rows, lent and given back."""
     import k3.serve.slots as slots_module
 
     model = tiny(preset)
@@ -374,7 +374,7 @@ def test_the_compiled_engine_serves_at_once_and_gets_what_each_would_alone(prese
             if phase == "compiled":
                 hold.set()
                 wait_until(lambda: engine.stats()["buckets_to_compile"] == 0, timeout=300)
-                assert engine.stats()["compiled_buckets"] == 3 and engine.compiling == 0
+                assert engine.stats()["compiled_buckets"] == 3 and engine.lent == 0
             collectors = []
             for prompt, n in work:
                 c = Collector()
@@ -391,32 +391,25 @@ def test_the_compiled_engine_serves_at_once_and_gets_what_each_would_alone(prese
         engine.stop()
 
 
-def test_a_compile_waits_for_room_in_the_budget():
-    """A bucket whose scratch cache does not fit the budget now is not compiled (the eager step serves it)
-    until there is room; the scratch's bytes count against the budget while it compiles, then go back."""
+def test_rows_lent_to_the_compiler_are_held_by_no_sequence():
+    """The pool's last rows lent to a compile (`_reserve`) are admitted to no sequence until given back, and
+    rows are lent only while no sequence holds them."""
     model = tiny("kimi-k3-tiny")
-    engine = make_engine(model, compile="aot_eager", max_length=128, max_running=4)
-    room, asked, seen = threading.Event(), [], []
-
-    def reserve(need):  # the engine's own, once there is "room"; the bytes it holds seen at each grant
-        asked.append(need)
-        granted = need < 0 or (room.is_set() and engine._reserve(need))
-        if granted and need > 0:
-            seen.append(engine.compiling)
-        return granted if need > 0 else engine._reserve(need)
-
-    engine.pool.reserve = reserve
-    engine.start()
+    engine = make_engine(model, max_length=128, max_running=4).start()
     try:
-        c = Collector()
-        engine.submit(c.sequence([1, 2, 3], 3))
-        assert c.done.wait(120) and c.tokens == alone(model, [1, 2, 3], 3)
-        wait_until(lambda: len(asked) >= 3)
-        assert engine.pool.compiled == {} and engine.stats()["buckets_to_compile"] == 3
-        room.set()
-        wait_until(lambda: engine.stats()["buckets_to_compile"] == 0, timeout=300)
-        assert len(engine.pool.compiled) == 3 and engine.compiling == 0
-        assert seen == [engine.pool.scratch_bytes(b, 128) for b in (1, 2, 4)]
+        assert engine._reserve(2) and not engine._reserve(3) and engine.lent == 2
+        work = [(p, 6) for p in prompts(4, seed=21)]
+        collectors = [Collector() for _ in work]
+        for (prompt, n), c in zip(work, collectors):
+            engine.submit(c.sequence(prompt, n))
+        wait_until(lambda: engine.stats()["running"] == 2)
+        assert not engine._reserve(1)  # two held, two lent: none free
+        for (prompt, n), c in zip(work, collectors):
+            assert c.done.wait(120) and c.tokens == alone(model, prompt, n)
+        assert engine.peak_running == 2
+        engine._reserve(-2)
+        assert engine.lent == 0 and engine._reserve(4)
+        engine._reserve(-4)
     finally:
         engine.stop()
 
