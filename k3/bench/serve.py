@@ -106,6 +106,11 @@ class ServerProcess:
             if self.port is not None:
                 self.started = line.strip()
         threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # keep its pipe drained
+        while "--compile" in flags and self.health().get("buckets_to_compile"):  # measure the compiled steps
+            if time.time() > deadline:
+                self.proc.kill()
+                raise RuntimeError("k3 bench serve: k3 serve did not compile its steps in 1,200 s")
+            time.sleep(1)
 
     def health(self) -> dict:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)

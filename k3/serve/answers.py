@@ -28,12 +28,18 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage, with the prompt tokens the prefix cache gave (`prompt_tokens_details.cached_tokens`)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def job_usage(job: Job, prompt_tokens: int) -> dict:
+    return usage_of(prompt_tokens, sum(job.counts), sum(s.cached_tokens for s in job.sequences))
 
 
 def _bytes_to_unicode() -> dict[str, int]:
@@ -99,7 +105,7 @@ class Answer:
                 content = {"text": (self.echo[i] if self.echo else "") + text}
             logprobs = self.choice_logprobs(sequence, 0, job.counts[i], prompt=bool(self.echo))
             choices.append({"index": i, **content, "logprobs": logprobs, "finish_reason": job.reasons[i]})
-        return {**self.head, "choices": choices, "usage": usage_of(prompt_tokens, sum(job.counts))}
+        return {**self.head, "choices": choices, "usage": job_usage(job, prompt_tokens)}
 
     def choice_logprobs(self, sequence, start: int, stop: int, prompt: bool = False) -> dict | None:
         """The logprobs of `sequence`'s tokens start ... stop-1 (with its prompt's first, `prompt`), or None
@@ -150,7 +156,7 @@ async def stream_events(job: Job, engine, answer: Answer, prompt_tokens: int, us
     def event(index: int, text: str | None, reason: str | None, logprobs=None, first: bool = False) -> str:
         chunk = answer.chunk(index, text, reason, logprobs, first)
         if running:
-            chunk["usage"] = usage_of(prompt_tokens, sum(job.counts))
+            chunk["usage"] = job_usage(job, prompt_tokens)
         return sse(chunk)
 
     try:
@@ -179,7 +185,7 @@ async def stream_events(job: Job, engine, answer: Answer, prompt_tokens: int, us
                         return
                     yield event(index, None if answer.chat else "", reason)
         if usage:
-            yield sse({**answer.head, "choices": [], "usage": usage_of(prompt_tokens, sum(job.counts))})
+            yield sse({**answer.head, "choices": [], "usage": job_usage(job, prompt_tokens)})
         yield "data: [DONE]\n\n"
     finally:
         job.cancel(engine)  # the client went away (or we are done): free what still runs

@@ -181,3 +181,13 @@ def test_a_stream_that_fails_ends_with_an_error_event_and_done(server, monkeypat
     lines = [line for line in conn.getresponse().read().decode().split("\n") if line]
     conn.close()
     assert lines[-1] == "data: [DONE]" and "poisoned row" in lines[-2] and '"server_error"' in lines[-2]
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_gave(client):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's; what aiperf reads): 0 the first time, the cached
+    blocks' tokens when the same prompt comes again."""
+    prompt = "All the world's a stage, and all the men and women merely players. " * 5  # 335 bytes: a block
+    first = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 256 and again.choices[0].text == first.choices[0].text
