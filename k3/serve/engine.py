@@ -6,20 +6,19 @@ slots, each with room for N tokens (gpt-fast's static cache; vLLM's state slots 
 One loop, on a thread of its own, owns the model. Each turn of it
 1. admits waiting sequences, oldest first, while a slot is free and what their prefill holds fits the
    budget;
-2. prefills up to `prefill_chunk` prompt tokens (chunked prefill; 0: every admitted prompt whole), oldest
+2. decodes every running sequence, one token each, with the decode step (`k3.inference.decode_step`) over
+   the pool's first b rows and first L slots: b the smallest batch bucket (1, 2, 4, ... the slots) that
+   holds the running rows, L the smallest length bucket that holds their longest: one step each, eager
+   until its compiled one (`compile`, one graph, made in the background: `k3.serve.slots`) is ready; the
+   rows past the running ones are free slots whose state nobody reads;
+3. prefills up to `prefill_chunk` prompt tokens (chunked prefill; 0: every admitted prompt whole), oldest
    sequence first, each sequence in a cache of its own sized to its prompt: a long prompt takes several
    turns, and the running rows decode between its pieces instead of waiting for the whole prompt
    (Sarathi; vLLM). With the prefix cache (`k3.serve.prefix`) a prompt first resumes from its longest
    cached prefix, and the states at each block boundary it reaches are kept. Pieces of one length from
-   several sequences run as one forward (`k3.serve.prefill`). A sequence whose prompt is done keeps its
-   last position's logits for step 3's sample;
-3. decodes every running sequence, one token each, with the decode step (`k3.inference.decode_step`) over
-   the pool's first b rows and first L slots: b the smallest batch bucket (1, 2, 4, ... the slots) that
-   holds the running rows, L the smallest length bucket that holds their longest: one step each, eager
-   until its compiled one (`compile`, one graph, made in the background: `k3.serve.slots`) is ready; the
-   rows past the running ones are free slots whose state nobody reads. Then one sample (`k3.serve.sampler`)
-   draws the next token of every running row and the first of every sequence whose prompt is done, each
-   by its own settings; those join the running rows, their row copied into the pool's next slot;
+   several sequences run as one forward (`k3.serve.prefill`). Then one sample (`k3.serve.sampler`) draws
+   the next token of every running row and the first of every sequence whose prompt is done, each by its
+   own settings; those join the running rows, their row copied into the pool's next slot;
 4. drops the sequences that finished (their token limit, their end-of-text token), failed or were
    cancelled (a client that went away, a stop string): the last running row moves into the freed slot
    (one row's copy), so the running rows stay the pool's first ones and nothing else moves.
@@ -288,7 +287,6 @@ class Engine(Prefill):
                     self._admit()
             try:
                 with torch.inference_mode():
-                    self._prefill_turn()
                     self._drop_ended()
                     self._turn()
                     self._drop_ended()
@@ -330,9 +328,10 @@ class Engine(Prefill):
         self.peak_running = max(self.peak_running, len(self.running) + len(self.prefilling))
 
     def _turn(self) -> None:
-        """The decode forward over the running rows, then one sample for them and for the sequences whose
-        prompt is done (their logits kept by the prefill turn), which then join the running rows. A decode
-        forward that fails ends the running rows (`_fail_running`); the ready ones are sampled all the same."""
+        """The decode forward over the running rows, then the prefill pieces (`_prefill_turn`), then one
+        sample for the running rows and the sequences whose prompt is done (their logits kept by the prefill),
+        which then join the running rows: a first token waits for no forward after its prompt's last. A
+        decode forward that fails ends the running rows (`_fail_running`); the others go on."""
         rows, parts = [], []
         if self.running:
             rows = list(self.running)
@@ -342,6 +341,7 @@ class Engine(Prefill):
                 log.exception("k3 serve: the decode forward failed; its %d sequences end with an error", len(rows))
                 self._fail_running(e)
                 rows = []
+        self._prefill_turn()
         ready = list(self.ready)
         rows += ready
         parts += [s.first_logits for s in ready]
