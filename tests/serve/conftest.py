@@ -69,3 +69,18 @@ def wait_idle(server, timeout: float = 10.0) -> dict:
             return stats
         assert time.time() < deadline, stats
         time.sleep(0.02)
+
+
+def poison_sampling(monkeypatch, bad, message: str = "poisoned row") -> None:
+    """Make the engine's draw (`k3.serve.sampler.sample_turn`) raise RuntimeError(message) whenever it holds a
+    row `bad(sequence)` picks: a sampling failure no request can cause, to test that it stays the row's own."""
+    import k3.serve.sampler as sampler_module
+
+    real = sampler_module.sample_turn
+
+    def poisoned(logits, rows, noise):
+        if any(bad(s) for s in rows):
+            raise RuntimeError(message)
+        return real(logits, rows, noise)
+
+    monkeypatch.setattr(sampler_module, "sample_turn", poisoned)

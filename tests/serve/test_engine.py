@@ -13,6 +13,8 @@ import torch
 from k3.models import Cache, CausalLM, get_config
 from k3.serve import Engine, QueueFull, Sequence, prefill_bytes, sequence_bytes
 
+from .conftest import poison_sampling
+
 PRESETS = ["kimi-k3-tiny", "kimi-linear-tiny", "gpt2-tiny"]
 
 
@@ -212,16 +214,7 @@ def test_a_row_that_fails_to_sample_ends_alone(monkeypatch, caplog):
     """One sequence whose sampling raises (here a patched `sample_turn`, for any draw that holds it) ends with
     an error of its own and a line in the log: the turn's rows then draw alone, and the sequences decoding
     beside it go on to what they get alone."""
-    import k3.serve.sampler as sampler_module
-
-    real = sampler_module.sample_turn
-
-    def poisoned(logits, rows, noise):
-        if any(s.temperature == 0.5 for s in rows):
-            raise RuntimeError("poisoned row")
-        return real(logits, rows, noise)
-
-    monkeypatch.setattr(sampler_module, "sample_turn", poisoned)
+    poison_sampling(monkeypatch, lambda s: s.temperature == 0.5, "poisoned row")
     model = tiny("kimi-k3-tiny")
     engine = make_engine(model).start()
     try:

@@ -18,7 +18,7 @@ from k3.serve.jobs import Job
 from k3.serve.text import TextStream, chat_prompt
 from k3.tokenizer import byte_tokenizer
 
-from .conftest import NAME, post
+from .conftest import NAME, poison_sampling, post
 
 TOKENIZER = byte_tokenizer()
 ID_OF_BYTE = {b: TOKENIZER.inner.token_to_id(ch) for ch, b in BYTE_OF.items()}  # the byte tokenizer's ids
@@ -165,16 +165,7 @@ def test_a_lagging_reader_gets_what_piled_up_in_one_batch():
 
 
 def test_a_stream_that_fails_ends_with_an_error_event_and_done(server, monkeypatch):
-    import k3.serve.sampler as sampler_module
-
-    real = sampler_module.sample_turn
-
-    def poisoned(logits, rows, noise):
-        if any(s.temperature == 0.625 for s in rows):
-            raise RuntimeError("poisoned row")
-        return real(logits, rows, noise)
-
-    monkeypatch.setattr(sampler_module, "sample_turn", poisoned)
+    poison_sampling(monkeypatch, lambda s: s.temperature == 0.625, "poisoned row")
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     body = {"model": NAME, "prompt": "Hi", "max_tokens": 4, "temperature": 0.625, "stream": True}
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})

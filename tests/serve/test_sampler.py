@@ -12,6 +12,7 @@ from k3.inference.generation import sample, sampling_probs
 from k3.serve import Sequence
 from k3.serve.sampler import draw, draw_noise, filtered, sample_turn
 
+from .conftest import poison_sampling
 from .test_engine import Collector, alone, make_engine, prompts, tiny
 
 V = 50
@@ -115,16 +116,7 @@ def test_logprobs_are_the_models_distribution_before_temperature_and_penalties()
 
 
 def test_a_failing_draw_falls_back_to_rows_alone_and_fails_only_the_row_at_fault(monkeypatch):
-    import k3.serve.sampler as sampler_module
-
-    real = sampler_module.sample_turn
-
-    def poisoned(logits, rows, noise):
-        if any(s.top_k == 3 for s in rows):
-            raise RuntimeError("poisoned")
-        return real(logits, rows, noise)
-
-    monkeypatch.setattr(sampler_module, "sample_turn", poisoned)
+    poison_sampling(monkeypatch, lambda s: s.top_k == 3, "poisoned")
     rows = rows_with([{"temperature": 0.0, "logprobs": 1}, {"temperature": 1.0, "top_k": 3}, {"temperature": 0.0}])
     failed = []
     logits = torch.randn(3, V)

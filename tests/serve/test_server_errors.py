@@ -20,7 +20,7 @@ from k3.models import CausalLM
 from k3.serve import Engine, ServerThread, build_app
 from k3.tokenizer import byte_tokenizer
 
-from .conftest import NAME, post, start
+from .conftest import NAME, poison_sampling, post, start
 
 BAD = [
     ('{"model": "tiny", "prompt": "hi"', 400, "body", "not valid JSON"),
@@ -148,16 +148,7 @@ def test_a_request_whose_sampling_raises_fails_alone(server, monkeypatch, caplog
     """A failure while sampling one request's row (bypassing validation: a patched `sample_turn`, for any
     draw that holds it) ends that request with a 500 in OpenAI's shape and a line in the log; the requests
     beside it are unharmed."""
-    import k3.serve.sampler as sampler_module
-
-    real = sampler_module.sample_turn
-
-    def poisoned(logits, rows, noise):
-        if any(s.temperature == 0.777 for s in rows):
-            raise RuntimeError("poisoned row")
-        return real(logits, rows, noise)
-
-    monkeypatch.setattr(sampler_module, "sample_turn", poisoned)
+    poison_sampling(monkeypatch, lambda s: s.temperature == 0.777, "poisoned row")
     threads, results = three_chats_running(server)
     code, out, _ = post(
         server, "/v1/completions", json.dumps({"model": NAME, "prompt": "Hi", "max_tokens": 4, "temperature": 0.777})
