@@ -78,9 +78,10 @@ def add_serve_parser(sub) -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="decode with compiled steps over the slot pool, one graph per batch-size and length bucket "
-        "(torch.compile: C++ kernels on the CPU, which need a C++ compiler; CUDA graphs on CUDA), every "
-        "batch size's at start-up and shorter lengths' on first use, kept in $TORCHINDUCTOR_CACHE_DIR "
-        "(default ~/.cache/k3/inductor) for the next start (default: --no-compile, eager steps)",
+        "(torch.compile: C++ kernels on the CPU, which need a C++ compiler; CUDA graphs on CUDA), compiled "
+        "in the background while eager steps serve (every batch size's first, shorter lengths' as turns "
+        "ask; /health counts them), kept in $TORCHINDUCTOR_CACHE_DIR (default ~/.cache/k3/inductor) for "
+        "the next start (default: --no-compile, eager steps)",
     )
     srv.add_argument(
         "--prefill-chunk",
