@@ -19,6 +19,7 @@ import logging
 import torch
 
 from ..inference.cache import Cache
+from .sampler import logprobs_of
 from .sequence import Sequence, prefill_bytes, sequence_bytes
 
 log = logging.getLogger("k3.serve")
@@ -31,13 +32,10 @@ def prompt_logprobs(sequence: Sequence, start: int, logits: torch.Tensor) -> Non
     of each next prompt token and the `prompt_logprobs` likeliest alternatives (the model's distribution, as
     `k3.serve.sampler` gives a generated token's)."""
     following = sequence.prompt[start + 1 : start + 1 + logits.shape[0]]
-    if not following:
-        return
-    logprobs = logits[: len(following)].float().log_softmax(-1)
-    chosen = logprobs.gather(-1, torch.tensor(following, device=logits.device)[:, None])[:, 0].tolist()
-    values, ids = logprobs.topk(min(sequence.prompt_logprobs, logprobs.shape[-1]), dim=-1)
-    for lp, top_ids, top_values in zip(chosen, ids.tolist(), values.tolist()):
-        sequence.prompt_token_logprobs.append((lp, list(zip(top_ids, top_values))))
+    if following:
+        tokens = torch.tensor(following, device=logits.device)
+        chosen, top = logprobs_of(logits[: len(following)], tokens, [sequence.prompt_logprobs] * len(following))
+        sequence.prompt_token_logprobs += zip(chosen, top)
 
 
 class Prefill:

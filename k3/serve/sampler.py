@@ -74,7 +74,7 @@ def penalise(logits: torch.Tensor, rows) -> torch.Tensor:
 
 def output_counts(sequence, like: torch.Tensor) -> torch.Tensor:
     """[V] how often each token occurs in what `sequence` has generated, made from its tokens the first time
-    and kept up to date by `count`."""
+    and kept up to date by `sample_turn`, which counts each token it draws."""
     if sequence.output_counts is None:
         counts = like.new_zeros(like.shape[-1])
         if sequence.tokens:
@@ -106,6 +106,16 @@ def filtered(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tenso
     return logits.scatter(-1, order, ranked)
 
 
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, alternatives: list[int]):
+    """From logits [n, V], the model's distribution log_softmax: row j's log-probability of tokens[j] and its
+    `alternatives[j]` likeliest (token, log-probability) pairs, as host lists."""
+    logprobs = logits.float().log_softmax(-1)
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
+    values, ids = logprobs.topk(min(max(alternatives, default=0), logprobs.shape[-1]), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return chosen, [list(zip(ids[j][:k], values[j][:k])) for j, k in enumerate(alternatives)]
+
+
 def sample_turn(logits: torch.Tensor, rows, noise: torch.Tensor | None) -> Draw:
     """The turn's tokens for `rows` (Sequences, one per row of `logits` [B, V]) with `noise`
     (`draw_noise`); see the module docstring."""
@@ -122,15 +132,7 @@ def sample_turn(logits: torch.Tensor, rows, noise: torch.Tensor | None) -> Draw:
         drawn = (probs / noise.clamp_min(GREEDY_BELOW)).argmax(-1)
         tokens = torch.where(sampled, drawn, tokens)
     asked = [i for i, s in enumerate(rows) if s.logprobs is not None]
-    chosen, top = [], []
-    if asked:
-        logprobs = raw[asked].log_softmax(-1)
-        index = torch.tensor(asked, device=z.device)
-        chosen = logprobs.gather(-1, tokens[index][:, None])[:, 0].tolist()
-        k = min(max(rows[i].logprobs for i in asked), logprobs.shape[-1])
-        values, ids = logprobs.topk(k, dim=-1)
-        values, ids = values.tolist(), ids.tolist()
-        top = [list(zip(ids[j][: rows[i].logprobs], values[j][: rows[i].logprobs])) for j, i in enumerate(asked)]
+    chosen, top = logprobs_of(raw[asked], tokens[asked], [rows[i].logprobs for i in asked]) if asked else ([], [])
     out = tokens.tolist()
     for i, s in enumerate(rows):
         if s.output_counts is not None:
