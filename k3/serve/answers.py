@@ -63,28 +63,20 @@ class TokenText:
 
     def __init__(self, tokenizer):
         self.tokenizer, self.inner, self.known = tokenizer, getattr(tokenizer, "inner", None), {}
+        added = getattr(self.inner, "get_added_tokens_decoder", None)  # id -> special or added token
+        self.special = set(added()) if added is not None else set()
 
     def __call__(self, token: int) -> tuple[str, list[int]]:
         found = self.known.get(token)
         if found is None:
             text = self.tokenizer.decode([token])
             piece = self.inner.id_to_token(token) if self.inner is not None else None
-            special = piece is not None and self.inner.token_to_id(piece) in self._specials()
-            if piece is not None and not special and all(ch in BYTE_OF for ch in piece):
+            if piece is not None and token not in self.special and all(ch in BYTE_OF for ch in piece):
                 raw = bytes(BYTE_OF[ch] for ch in piece)
             else:
                 raw = text.encode("utf-8")
             found = self.known[token] = (text, list(raw))
         return found
-
-    def _specials(self) -> set[int]:
-        if not hasattr(self, "_special_ids"):
-            self._special_ids = {t.content and self.inner.token_to_id(t.content) for t in self._added()}
-        return self._special_ids
-
-    def _added(self):
-        decoder = getattr(self.inner, "get_added_tokens_decoder", None)
-        return list(decoder().values()) if decoder is not None else []
 
 
 class Answer:

@@ -226,11 +226,9 @@ def build_app(
         ids = await tokenize(text, "messages")
         check_prompt_tokens(len(ids), "messages")
         stops = body.stops() + ([] if chat_template is not None else PLAIN_STOPS)
-        limits = (
-            check_max_tokens(body.max_completion_tokens, "max_completion_tokens"),
-            check_max_tokens(body.max_tokens, "max_tokens"),
-        )
-        max_tokens = limits[0] or limits[1]
+        # both checked (each is a field of the schema); the newer name wins, as in vLLM
+        newer, older = (check_max_tokens(getattr(body, name), name) for name in ("max_completion_tokens", "max_tokens"))
+        max_tokens = newer or older
         if max_tokens is None:
             max_tokens = max(1, min(CHAT_TOKENS, max_model_len - len(ids)))
         asked = dict(logprobs=body.alternatives(), param="messages")

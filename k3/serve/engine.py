@@ -51,7 +51,7 @@ import torch
 from ..models.model import PREFILL_PIECE
 from .prefill import Prefill
 from .prefix import PrefixCache
-from .sampler import Draw, draw
+from .sampler import draw
 from .sequence import Draining, QueueFull, Sequence, check_engine_arguments, prefill_bytes, sequence_bytes
 from .slots import SlotPool
 
@@ -146,11 +146,15 @@ class Engine(Prefill):
         held = self.prefix.nbytes if self.prefix is not None else 0
         return self.cache_memory - self.pool_bytes - self.prefill_held - held
 
+    @property
+    def busy(self) -> int:
+        """Slots held by sequences: running, prefilling, or waiting for their first token."""
+        return len(self.running) + len(self.prefilling) + len(self.ready)
+
     def _reserve(self, rows: int) -> bool:
-        """Lend the pool's last `rows` rows to a compile if no sequence holds them, and admit no sequence to
-        them until they are given back (a negative `rows`)."""
+        """Lend the pool's last `rows` rows to a compile while no sequence holds them (negative: give back)."""
         with self._lock:
-            if rows > 0 and len(self.running) + len(self.prefilling) + len(self.ready) + self.lent + rows > self.slots:
+            if rows > 0 and self.busy + self.lent + rows > self.slots:
                 return False
             self.lent += rows
             return True
@@ -254,12 +258,11 @@ class Engine(Prefill):
         sequence holds; cache_bytes_reserved: what the admitted sequences hold at their longest and one
         prefill piece's activations."""
         with self._lock:
-            busy = len(self.running) + len(self.prefilling) + len(self.ready)
             return {
-                "running": busy,
+                "running": self.busy,
                 "waiting": len(self.waiting),
                 "slots": self.slots,
-                "slots_free": self.slots - busy,
+                "slots_free": self.slots - self.busy,
                 "max_length": self.max_length,
                 "cache_bytes_reserved": self.reserved + self._prefill_reserve(),
                 "cache_memory": self.cache_memory,
@@ -299,7 +302,7 @@ class Engine(Prefill):
         cache and one of its prefill pieces fit beside what is held (the prefix cache gives way). Its piece
         shrinks to the room there is, down to 64 tokens (or the piece `submit` found fits the whole budget,
         if smaller): a long prompt prefills in smaller pieces rather than wait for a full one's room."""
-        if not self.waiting or len(self.running) + len(self.prefilling) + len(self.ready) + self.lent >= self.slots:
+        if not self.waiting or self.busy + self.lent >= self.slots:
             return False
         head = self.waiting[0]
         need = head.prompt_bytes + max(self._prefill_reserve(), head.prefill_reserved)
@@ -325,7 +328,7 @@ class Engine(Prefill):
             self.reserved += sequence.reserved
             self.prefill_held += sequence.prompt_bytes
             self.prefilling.append(sequence)
-        self.peak_running = max(self.peak_running, len(self.running) + len(self.prefilling))
+        self.peak_running = max(self.peak_running, self.busy)
 
     def _turn(self) -> None:
         """The decode forward over the running rows, then the prefill pieces (`_prefill_turn`), then one
@@ -347,7 +350,7 @@ class Engine(Prefill):
         parts += [s.first_logits for s in ready]
         if not rows:
             return
-        tokens = self._sample(torch.cat(parts), rows).tokens
+        tokens = draw(torch.cat(parts), rows, self.generator, self._finish).tokens
         n = len(rows) - len(ready)
         if n:
             self._last = torch.tensor(tokens[:n], device=self.device)
@@ -380,9 +383,6 @@ class Engine(Prefill):
             self.prefill_held -= sequence.prompt_bytes
             sequence.cache = sequence.first_logits = None
             self._finish(sequence, reason)
-
-    def _sample(self, logits: torch.Tensor, rows: list[Sequence]) -> Draw:
-        return draw(logits, rows, self.generator, self._finish)
 
     def _emit(self, rows: list[Sequence], tokens: list[int]) -> None:
         for sequence, token in zip(rows, tokens):

@@ -93,7 +93,8 @@ def document(app, max_model_len: int, vocab_size: int, model_name: str | None = 
             request = components.get(name, {})
             for field in ("max_tokens", "max_completion_tokens"):
                 _bound(request.get("properties", {}).get(field), max_model_len - 1)
-            request["allOf"] = [STREAM_OPTIONS_NEED_STREAM] + [TOP_LOGPROBS_NEED_LOGPROBS] * (name == "ChatRequest")
+            chat = [TOP_LOGPROBS_NEED_LOGPROBS] if name == "ChatRequest" else []
+            request["allOf"] = [STREAM_OPTIONS_NEED_STREAM, *chat]
         for member in components.get("CompletionRequest", {}).get("properties", {}).get("prompt", {}).get("anyOf", []):
             ids = member.get("items", {})
             ids = ids.get("items", ids)  # a list of token ids, or a list of them
