@@ -72,7 +72,11 @@ class LayerCache:
             if at is not None:
                 buffer.narrow(1, at, T).copy_(x)
             elif T == 1:  # an index_put, which inductor writes in place (a scatter it would copy whole)
-                buffer.index_put_((owner.rows, owner.positions), x[:, 0].to(buffer.dtype))
+                slot, value = owner.positions, x[:, 0].to(buffer.dtype)
+                if owner.live is not None:  # a row not decoding gets back what its slot holds: unchanged
+                    slot = slot.clamp(max=buffer.shape[1] - 1)
+                    value = torch.where(_rows_of(owner.live, value), value, buffer[owner.rows, slot])
+                buffer.index_put_((owner.rows, slot), value)
             else:
                 B = x.shape[0]
                 slots = owner.positions[:, None] + torch.arange(T, device=owner.positions.device)
@@ -99,15 +103,20 @@ class LayerCache:
     def store(self, recurrent_state, conv_states=None, conv_window: torch.Tensor | None = None) -> None:
         """Copy a forward's new state into the buffers: the recurrent state, and the convolutions' as one
         window [B, 3D, W-1] or as its three parts."""
+        live = self.owner.live
+
+        def put(buffer: torch.Tensor, value: torch.Tensor) -> None:  # rows not decoding keep their state
+            buffer.copy_(value if live is None else torch.where(_rows_of(live, buffer), value, buffer))
+
         if conv_window is not None:
-            self.window.copy_(conv_window)
+            put(self.window, conv_window)
         elif conv_states is not None:
             D = self.window.shape[1] // 3
             for i, part in enumerate(conv_states):
-                self.window.narrow(1, i * D, D).copy_(part)
+                put(self.window.narrow(1, i * D, D), part)
         pairs = zip(*(s if isinstance(s, tuple) else (s,) for s in (self.recurrent_state, recurrent_state)))
         for buffer, value in pairs:
-            buffer.copy_(value)
+            put(buffer, value)
 
     def nbytes(self, held: bool = False) -> int:
         """Bytes of the buffers allocated; `held`: of what the rows hold (their tokens' slots, the states)."""
@@ -167,6 +176,7 @@ class Cache:
         self.config, self.batch_size, self.max_length = model.config, batch_size, max_length
         self.capacity = max_length or GROWN_FROM
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=next(model.parameters()).device)
+        self.live: torch.Tensor | None = None  # [B] bool: the rows a decode step changes (None: all)
         self.lengths = [0] * batch_size
         self.layers = [model.new_layer_cache(i, self, batch_size, self.capacity) for i in range(self.config.num_layers)]
         self.sources = model.new_depth_sources(batch_size)
@@ -265,7 +275,7 @@ class Cache:
         if any(c.config != caches[0].config for c in caches):
             raise ValueError("Cache.concat: the caches were made for different models")
         out = object.__new__(cls)
-        out.config, out.max_length = caches[0].config, max_length
+        out.config, out.max_length, out.live = caches[0].config, max_length, None
         out.positions = torch.cat([c.positions for c in caches])
         out.lengths = [n for c in caches for n in c.lengths]
         out.batch_size, out.capacity = len(out.lengths), max_length or max(GROWN_FROM, out.length)
@@ -294,11 +304,19 @@ class Cache:
             )
         out = object.__new__(type(self))
         out.config, out.max_length, out.capacity, out.batch_size = self.config, slots, slots, rows
-        out.positions = self.positions[first : first + rows]
+        out.positions, out.live = self.positions[first : first + rows], None
         out.lengths = self.lengths[first : first + rows]
         out.layers = [layer.view(out, rows, slots, first) for layer in self.layers]
         out.sources = _sources_for(self.sources, rows)
         return out
+
+    def clear_row(self, row: int) -> None:
+        """Empty row `row` for a new sequence: its fixed-size states zeroed and its position 0 (its slots are
+        read only up to its position, so they keep what they hold)."""
+        for layer in self.layers:
+            for t in layer.states():
+                t[row].zero_()
+        self.positions[row] = 0
 
     def copy_row(self, row: int, source: "Cache", source_row: int = 0) -> None:
         """Row `row` of this cache := row `source_row` of `source` (the same model; this one or another):
@@ -343,6 +361,11 @@ def _at_capacity(layer: LayerCache, capacity: int, kept: int) -> list[torch.Tens
     """A layer's tensors (`LayerCache.buffers` order), the slot buffers at `capacity` slots."""
     axes = [axis for _, axis in layer.storage.values()]
     return [_with_slots(t, axes[i] if i < len(axes) else None, capacity, kept) for i, t in enumerate(layer.buffers())]
+
+
+def _rows_of(live: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`live` [B] shaped to broadcast over `like` [B, ...]."""
+    return live.view(-1, *([1] * (like.dim() - 1)))
 
 
 def _sources_for(sources: torch.Tensor | None, rows: int) -> torch.Tensor | None:

@@ -97,17 +97,17 @@ class PrefixCache:
             self.stats.hit_tokens += len(run) * self.block
         return run
 
-    def restore(self, run: list[Block], cache) -> None:
-        """Write `run`'s blocks into row 0 of `cache` (`k3.inference.cache.Cache`, empty): their tokens'
-        slots, the last block's states, the position after it."""
+    def restore(self, run: list[Block], cache, row: int = 0) -> None:
+        """Write `run`'s blocks into row `row` of `cache` (`k3.inference.cache.Cache`; a serving pool's row):
+        their tokens' slots, the last block's states, the position after it."""
         for j, found in enumerate(run):
             for layer, parts in zip(cache.layers, found.tokens):
-                layer.write_tokens(0, j * self.block, parts)
+                layer.write_tokens(row, j * self.block, parts)
         for layer, states in zip(cache.layers, run[-1].states):
             for buffer, saved in zip(layer.states(), states):
-                buffer[0].copy_(saved)
-        cache.positions[0] = len(run) * self.block
-        cache.lengths = [len(run) * self.block] + list(cache.lengths[1:])
+                buffer[row].copy_(saved)
+        cache.positions[row] = len(run) * self.block
+        cache.lengths = [len(run) * self.block if i == row else n for i, n in enumerate(cache.lengths)]
 
     def parent_of(self, prompt: list[int], end: int) -> int | None:
         """The id of the cached block that ends `block` tokens before `end` in `prompt` (ROOT at the
@@ -129,8 +129,8 @@ class PrefixCache:
             self._block_bytes = total
         return self._block_bytes
 
-    def insert(self, prompt: list[int], end: int, cache) -> Block | None:
-        """Keep the block of `prompt` that ends at token `end` (a multiple of `block`) from row 0 of
+    def insert(self, prompt: list[int], end: int, cache, row: int = 0) -> Block | None:
+        """Keep the block of `prompt` that ends at token `end` (a multiple of `block`) from row `row` of
         `cache`, which has just reached `end`; None when it is cached already or its parent is not (the
         parent was evicted while the prompt ran)."""
         if end % self.block or end < self.block:
@@ -139,8 +139,8 @@ class PrefixCache:
         key = self.key(parent, prompt[end - self.block : end])
         if parent is None or key in self.blocks:
             return None
-        tokens = [layer.read_tokens(0, end - self.block, end) for layer in cache.layers]
-        states = [[s[0].clone() for s in layer.states()] for layer in cache.layers]
+        tokens = [layer.read_tokens(row, end - self.block, end) for layer in cache.layers]
+        states = [[s[row].clone() for s in layer.states()] for layer in cache.layers]
         nbytes = sum(t.numel() * t.element_size() for parts in tokens + states for t in parts)
         found = Block(self._next_id, parent, key, tokens, states, nbytes)
         self._next_id += 1

@@ -131,11 +131,10 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)  # generated so far
     finish_reason: str | None = None
     reserved: int = 0  # cache bytes it holds at its longest
-    prompt_bytes: int = 0  # its prefill cache's bytes (held while it prefills)
     piece: int = PREFILL_PIECE  # prompt tokens per prefill forward
     fitting_piece: int = PREFILL_PIECE  # the largest piece that fits the whole budget beside its cache
     prefill_reserved: int = 0  # the transient bytes of one of its prefill pieces (counted while it prefills)
-    prefilled: int = 0  # prompt tokens in its cache so far
+    prefilled: int = 0  # prompt tokens in its row so far
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache
     cancelled: bool = False
     arrived: float = field(default_factory=time.perf_counter)
@@ -146,7 +145,8 @@ class Sequence:
         self.output_counts: torch.Tensor | None = None  # [V] its tokens' counts, kept when it has penalties
         self.token_logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per token, when `logprobs`
         self.prompt_token_logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # prompt[1:]'s, when asked
-        self.cache = None  # its own cache while it prefills
+        self.row: int | None = None  # the slot pool's row it holds from admission to its end
+        self.started = False  # its row emptied (and its cached prefix restored) for its prompt
         self.first_logits: torch.Tensor | None = None  # [1, V] once its prompt is in, until its first token
         self.first_token_at: float | None = None
         self.submitted = False  # an engine has queued it (a sequence runs once)
@@ -176,6 +176,12 @@ class Sequence:
         for name in ("on_token", "on_finish"):
             if not callable(getattr(self, name)):
                 raise ValueError(f"Sequence: `{name}` must be callable, got {getattr(self, name)!r}")
+
+    @property
+    def held(self) -> int:
+        """The tokens its row holds: the prompt's prefilled so far, then each generated token fed back (the
+        newest is fed at the next turn); the device's record is its row's position."""
+        return self.prefilled + max(len(self.tokens) - 1, 0)
 
     @property
     def total_tokens(self) -> int:

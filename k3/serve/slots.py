@@ -1,21 +1,22 @@
-"""The serving engine's slot pool: one static cache whose rows the running sequences hold, and the decode
-steps over its first rows and slots, one per (batch bucket, length bucket), compiled or eager.
+"""The serving engine's slot pool: one static cache whose rows the sequences hold, each one row from its
+admission to its end, and the decode steps over its first rows and slots, one per (batch bucket, length
+bucket), compiled or eager.
 
 A step over b rows and L slots is a `DecodeStep` over `cache.view(b, L)`: the same buffers, so nothing is
 copied from one turn to the next, and with `compile` one graph each (gpt-fast's static cache; vLLM's
-CUDA graphs per batch size). The running sequences hold rows 0 ... n-1 (the engine moves the last row into
-a freed one); rows n ... b-1 of a bucket are free slots that run at position 0 and whose outputs nobody
-reads (a joining row overwrites their state).
+CUDA graphs per batch size). Rows are addressed by index: a sequence keeps the row it was given, and
+`live` [slots] (on the device) marks the rows that decode, so that a step over rows 0 ... b-1 changes those
+rows only: a free row, or one whose prompt is still prefilling, keeps its state, its slots and its
+position (`Cache.live`). `feed` [slots] holds the token each decoding row feeds next. The engine gives the
+lowest free row first, so the rows held stay near the pool's first ones.
 
 With `compile`, steps are compiled in the background (`start_compiling`, a thread of its own) while the
 pool serves with eager steps over the same buckets: every batch bucket over all slots first, then each other
 bucket as a turn first asks for it. A step compiles at its first call, which runs it, so that call runs over
-the pool's last rows, lent by the engine while it compiles (`reserve`): no sequence holds them, and what a
-free row holds nobody reads (the first rows are live; a turn's step over more rows than run may write them
-too: garbage the compile's one run does not mind). Then the step is pointed at the pool's first rows and
-replaces the eager one: the same graph, as dynamo guards shapes and strides, not the buffers' addresses.
-Inductor keeps what it compiled on disk (`k3.inference.decode_step.compile_cache_dir`), so the next start
-compiles in far less time.
+the pool's last rows, lent by the engine while it compiles (`reserve`): no sequence holds them. Then the
+step is pointed at the pool's first rows and replaces the eager one: the same graph, as dynamo guards shapes
+and strides, not the buffers' addresses. Inductor keeps what it compiled on disk
+(`k3.inference.decode_step.compile_cache_dir`), so the next start compiles in far less time.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class SlotPool:
         self.model, self.slots, self.max_length, self.compile, self.fused = model, slots, max_length, compile, fused
         self.cache = model.new_cache(slots, max_length=max_length)
         self.device = self.cache.positions.device
+        self.live = torch.zeros(slots, dtype=torch.bool, device=self.device)  # the rows that decode
+        self.feed = torch.zeros(slots, dtype=torch.long, device=self.device)  # the token each feeds next
         self.nbytes = self.cache.nbytes()
         self.steps: dict[tuple[int, int], DecodeStep] = {}  # (rows, slots) -> its eager step
         self.compiled: dict[tuple[int, int], DecodeStep] = {}  # (rows, slots) -> its compiled step, once ready
@@ -79,9 +82,15 @@ class SlotPool:
             self._queue(key)
         step = self.steps.get(key)
         if step is None:
-            view = self.cache.view(rows, slots)
-            step = self.steps[key] = DecodeStep(self.model, view, fused=self.fused, sample=False)
+            step = self.steps[key] = DecodeStep(self.model, self._view(rows, slots), fused=self.fused, sample=False)
         return step
+
+    def _view(self, rows: int, slots: int, first: int = 0, live: torch.Tensor | None = None):
+        """The cache's rows first ... first+rows-1 and first `slots` slots, its `live` mask the pool's rows'
+        (or `live`)."""
+        view = self.cache.view(rows, slots, first)
+        view.live = self.live[first : first + rows] if live is None else live
+        return view
 
     def batch_buckets(self) -> list[int]:
         """The batch sizes a step runs at: 1, 2, 4, ... and the slots."""
@@ -139,8 +148,9 @@ class SlotPool:
         """Compile the step for `key` over the pool's last rows, then point it at its first (see the module)."""
         rows, slots = key
         began = time.perf_counter()
-        view = self.cache.view(rows, slots)
-        scratch = self.cache.view(rows, slots, first=self.slots - rows)  # lent: held by no sequence
+        view = self._view(rows, slots)
+        every = torch.ones(rows, dtype=torch.bool, device=self.device)
+        scratch = self._view(rows, slots, self.slots - rows, every)  # lent: held by no sequence
         step = DecodeStep(self.model, view, compile=self.compile, fused=self.fused, sample=False)
         step.cache = scratch
         with torch.inference_mode():  # as the loop runs it: the step's tensors alike (one graph)
@@ -163,16 +173,23 @@ class SlotPool:
                 "compile_seconds": round(self.compile_seconds, 3),
             }
 
-    def run(self, last: torch.Tensor, rows: int, lengths: list[int] | None = None) -> torch.Tensor:
-        """One token for the pool's first `rows` rows, feeding `last` [rows]: their logits [rows, vocab]
-        (`lengths`: the rows' host lengths to give the step, for the warm-up; default the pool's)."""
-        pool = self.cache.lengths
-        b, L = self.buckets(rows, max(pool[:rows]))
+    def join(self, row: int, token: int) -> None:
+        """Row `row` decodes from the next turn on, feeding `token` first."""
+        self.feed[row], self.live[row] = token, True
+
+    def leave(self, row: int) -> None:
+        """Row `row` decodes no more (its sequence ended); what it holds stays until a new sequence clears it."""
+        self.live[row] = False
+
+    def decode(self, rows: list[int], lengths: list[int]) -> torch.Tensor:
+        """One token for the decoding `rows` (each feeding its `feed` token, `lengths` the tokens each holds):
+        their logits [len(rows), vocab], in that order. The step runs over the pool's first rows up to the
+        highest given, the rows between that do not decode unchanged."""
+        b, L = self.buckets(max(rows) + 1, max(lengths))
         step = self.step_for(b, L)
-        self.cache.positions[rows:b].zero_()  # free slots in the bucket: position 0, their outputs unread
-        step.cache.lengths = (pool[:rows] if lengths is None else lengths) + [0] * (b - rows)
-        tokens = last if b == rows else torch.cat([last, last.new_zeros(b - rows)])
-        step(tokens)
-        if lengths is None:
-            self.cache.lengths = [n + 1 for n in pool[:rows]] + pool[rows:]
-        return step.last_logits[:rows]
+        held = [0] * b
+        for row, n in zip(rows, lengths):
+            held[row] = n
+        step.cache.lengths = held
+        step(self.feed[:b])
+        return step.last_logits[torch.tensor(rows, device=self.device)]

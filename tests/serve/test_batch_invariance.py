@@ -6,17 +6,20 @@ A schedule (`schedule(seed)`) is a handful of requests, prompts of 1 to 300 toke
 prefix of an earlier one, each with a token limit and an engine turn it arrives at; and an engine: prefix
 cache on or off, a prefill budget that cuts prompts at other places (16, 48 or 64 tokens a turn, or whole), a
 pool of 4 to 16 rows. In float64 rounding cannot turn an argmax, so any difference is a row seeing another's
-state, a wrong position or a lost piece. `make test` runs 2 schedules a preset, `make test-slow` 50;
+state, a wrong position or a lost piece. Each sequence keeps one row of the engine's pool and no cache's
+rows are copied (`serve`). `make test` runs 2 schedules a preset, `make test-slow` 50;
 `differing(preset, dtype, count)` counts the requests that differ in another dtype (float32: rounding may)."""
 
 from __future__ import annotations
 
 import random
+from unittest import mock
 
 import pytest
 import torch
 
-from k3.models import PRESETS, CausalLM, get_config
+from k3.inference.cache import LayerCache
+from k3.models import PRESETS, Cache, CausalLM, get_config
 from k3.serve import Engine
 
 from .test_engine import Collector, wait_until
@@ -56,17 +59,32 @@ def schedule(seed: int) -> tuple[list[tuple[list[int], int, int]], dict]:
     return requests, settings
 
 
+def copying(*args, **kw):
+    raise AssertionError("a cache's rows were copied on the serving path")
+
+
 def serve(model, requests, settings) -> list[list[int]]:
     """Each request's tokens from one engine, each submitted once the engine has decoded `arrival` turns
-    (or has nothing left to do)."""
+    (or has nothing left to do). The engine holds one pool: a sequence keeps one row from its first token
+    to its last, and no cache's rows are copied or joined (a copy fails the sequence)."""
     engine = Engine(model, cache_memory=10**9, max_length=LONGEST + 8, **settings).start()
+    rows: dict[int, set] = {}
     try:
-        collectors = [Collector() for _ in requests]
-        for (prompt, n, arrival), c in sorted(zip(requests, collectors), key=lambda pair: pair[0][2]):
-            wait_until(lambda: engine.steps >= arrival or engine.stats()["running"] == 0)
-            engine.submit(c.sequence(prompt, n))
-        for c in collectors:
-            assert c.done.wait(300) and c.reason == "length", c.reason
+        with (
+            mock.patch.object(Cache, "concat", copying),
+            mock.patch.object(Cache, "copy_row", copying),
+            mock.patch.object(LayerCache, "copy_row", copying),
+        ):
+            collectors = [Collector() for _ in requests]
+            for (prompt, n, arrival), c in sorted(zip(requests, collectors), key=lambda pair: pair[0][2]):
+                wait_until(lambda: engine.steps >= arrival or engine.stats()["running"] == 0)
+                sequence = c.sequence(prompt, n)
+                keep = sequence.on_token
+                sequence.on_token = lambda t, s=sequence, keep=keep: rows.setdefault(s.id, set()).add(s.row) or keep(t)
+                engine.submit(sequence)
+            for c in collectors:
+                assert c.done.wait(300) and c.reason == "length", c.reason
+        assert all(len(held) == 1 for held in rows.values()), rows  # one row each, never moved
         return [c.tokens for c in collectors]
     finally:
         engine.stop()

@@ -99,12 +99,12 @@ def test_concurrent_sequences_get_what_they_would_alone(preset):
 
 
 def test_the_pool_and_a_prefill_keep_within_the_budget():
-    """The budget holds two rows of max_length tokens beside one prefill: two slots, so two run at once at
-    most; a sequence of max_length tokens, prompt and max_tokens, runs, one more is refused at submit,
-    naming the bound."""
+    """The budget holds two rows of max_length tokens beside one prefill piece (which writes into its row
+    of the pool): two slots, so two run at once at most; a sequence of max_length tokens, prompt and
+    max_tokens, runs, one more is refused at submit, naming the bound."""
     model = tiny("gpt2-tiny")
     row = sequence_bytes(model.config, 29, 8)
-    one_prefill = row + prefill_bytes(model.config, 29, 29, 8)
+    one_prefill = prefill_bytes(model.config, 29, 29, 8)
     engine = Engine(model, cache_memory=2 * row + one_prefill + row // 2, max_length=29).start()
     try:
         assert engine.slots == 2 and engine.pool_bytes == model.cache_bytes(2, 29) == 2 * row
@@ -318,14 +318,14 @@ def test_a_failed_batch_forward_fails_the_batch_logs_it_and_serving_goes_on(monk
     engine = make_engine(model).start()
     try:
         broken = threading.Event()
-        real = engine.pool.run
+        real = engine.pool.decode
 
-        def run(*args, **kw):
+        def decode(*args, **kw):
             if broken.is_set():
                 raise RuntimeError("the batch's forward broke")
             return real(*args, **kw)
 
-        monkeypatch.setattr(engine.pool, "run", run)
+        monkeypatch.setattr(engine.pool, "decode", decode)
         victims = [Collector() for _ in range(2)]
         for c in victims:
             engine.submit(c.sequence([1, 2, 3], 120))
@@ -376,7 +376,8 @@ def test_the_compiled_engine_serves_at_once_and_gets_what_each_would_alone(prese
             for (prompt, n), c in zip(work, collectors):
                 assert c.done.wait(300) and c.reason == "length" and c.tokens == alone(model, prompt, n), phase
             if phase == "eager":
-                assert engine.pool.compiled == {} and sorted(engine.pool.steps) == [(1, 128), (2, 128), (4, 128)]
+                assert engine.pool.compiled == {} and (4, 128) in engine.pool.steps
+                assert set(engine.pool.steps) <= {(1, 128), (2, 128), (4, 128)}  # the batch buckets
         assert sorted(engine.pool.compiled) == [(1, 128), (2, 128), (4, 128)]  # the batch buckets, no others
         assert engine.stats()["compiled"] and engine.stats()["compile_seconds"] > 0
     finally:

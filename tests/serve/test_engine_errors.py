@@ -47,20 +47,20 @@ class Run:
 
 def submit_in_one_turn(engine: Engine, sequences: list[Sequence]) -> None:
     """Submit while holding the engine's lock: its loop admits them all in the same turn."""
-    with engine._lock:
+    with engine.lock:
         for s in sequences:
             engine.submit(s)
 
 
 def record_prefill_batches(engine: Engine, monkeypatch) -> list[int]:
     """The sizes of the prefill batches the engine runs (tried, whether or not they succeed)."""
-    sizes, real = [], engine._prefill_together
+    sizes, real = [], engine.prefiller._together
 
     def together(group, n):
         sizes.append(len(group))
         real(group, n)
 
-    monkeypatch.setattr(engine, "_prefill_together", together)
+    monkeypatch.setattr(engine.prefiller, "_together", together)
     return sizes
 
 
@@ -107,7 +107,7 @@ def test_one_sequences_failure_ends_it_alone(kind, at, monkeypatch, caplog):
             assert run.done.wait(120) and run.reason == "length" and run.tokens == alone(model, prompt, 8)
         assert max(sizes) == 4  # all four prefilled as one batch
         assert "callback raised" in caplog.text if kind == "callback" else "poisoned row" in caplog.text
-        wait_until(lambda: engine.stats()["running"] == 0 and engine.reserved == 0 and engine.prefill_held == 0)
+        wait_until(lambda: engine.reserved == 0 and len(engine.free_rows) == engine.slots)
     finally:
         engine.stop()
 
@@ -124,7 +124,7 @@ def test_a_token_the_forward_cannot_take_fails_only_its_sequence(monkeypatch, ca
         prompts = same_length_prompts(3)
         runs = [Run() for _ in prompts]
         sequences = [r.sequence(p, 5) for r, p in zip(runs, prompts)]
-        with engine._lock:  # the loop admits them after the change
+        with engine.lock:  # the loop admits them after the change
             for s in sequences:
                 engine.submit(s)
             sequences[0].prompt[2] = 99999  # past submit's check
@@ -132,7 +132,7 @@ def test_a_token_the_forward_cannot_take_fails_only_its_sequence(monkeypatch, ca
         for run, prompt in zip(runs[1:], prompts[1:]):
             assert run.done.wait(120) and run.reason == "length" and run.tokens == alone(model, prompt, 5)
         assert sizes == [3] and "each runs alone" in caplog.text
-        wait_until(lambda: engine.stats()["running"] == 0 and engine.reserved == 0 and engine.prefill_held == 0)
+        wait_until(lambda: engine.reserved == 0 and len(engine.free_rows) == engine.slots)
     finally:
         engine.stop()
 

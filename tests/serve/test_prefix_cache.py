@@ -152,9 +152,9 @@ def test_the_engine_gives_the_same_tokens_with_the_prefix_cache_on_and_off(prese
 @pytest.mark.parametrize("preset", PRESETS)
 def test_pieces_run_together_give_what_each_gives_alone(preset, monkeypatch):
     """Prompts sharing a cached system prompt, admitted in one turn: their equal remainders (and then the
-    shorter ones') run as one forward over their caches joined, each row at its own position, and every
+    shorter ones') run as one forward over their rows of the pool, each row at its own position, and every
     sequence gets the tokens it gets alone (greedy and seeded), for every kind of cache."""
-    from k3.serve.prefill import Prefill
+    from k3.serve.prefill import Prefiller
 
     model = tiny(preset)
     g = torch.Generator().manual_seed(4)
@@ -162,8 +162,8 @@ def test_pieces_run_together_give_what_each_gives_alone(preset, monkeypatch):
     turns = [torch.randint(0, 97, (int(n),), generator=g).tolist() for n in (5, 5, 5, 3, 5)]
     work = [(system + t, 5, None if i % 2 else 11 + i) for i, t in enumerate(turns)]
     alone, _ = run_engine(model, [(system, 1, None)] + work, prefill_chunk=BLOCK, prefix_cache=True)
-    batches, together = [], Prefill._prefill_together
-    monkeypatch.setattr(Prefill, "_prefill_together", lambda self, g, n: batches.append(len(g)) or together(self, g, n))
+    batches, together = [], Prefiller._together
+    monkeypatch.setattr(Prefiller, "_together", lambda self, g, n: batches.append(len(g)) or together(self, g, n))
     engine = Engine(
         model,
         cache_memory=10**9,
@@ -179,7 +179,7 @@ def test_pieces_run_together_give_what_each_gives_alone(preset, monkeypatch):
         engine.submit(warm)
         while warm.finish_reason is None:
             time.sleep(0.005)
-        with engine._lock:  # all admitted at once: one turn finds them prefilling together
+        with engine.lock:  # all admitted at once: one turn finds them prefilling together
             sequences = [Sequence(p, n, temperature=0.0 if seed is None else 0.9, seed=seed) for p, n, seed in work]
             for s in sequences:
                 engine.submit(s)
