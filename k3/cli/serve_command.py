@@ -155,6 +155,7 @@ def _load_and_serve(args, sockets, device, budget: int, api_key: str | None, max
             max_running=args.max_running,
             max_length=args.max_model_len,  # default: the model's positions, else DEFAULT_MAX_LENGTH
             prefill_chunk=args.prefill_chunk,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             compile=args.compile,
             prefix_cache=args.prefix_cache,
         )

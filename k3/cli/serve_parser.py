@@ -94,6 +94,14 @@ def add_serve_parser(sub) -> None:
         f"rather than serve many times slower (default {PREFILL_CHUNK})",
     )
     srv.add_argument(
+        "--max-num-batched-tokens",
+        type=_count(1, "tokens"),
+        default=None,
+        help="tokens one engine turn's forward takes at most: one for each running sequence, then prompt pieces "
+        "(at most --prefill-chunk) in what is left (vLLM's name; default: the running sequences and "
+        "--prefill-chunk)",
+    )
+    srv.add_argument(
         "--prefix-cache",
         action=argparse.BooleanOptionalAction,
         default=PREFIX_CACHE,

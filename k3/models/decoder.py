@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..inference.packed import PackedLayerCache
 from ..layers import BlockAttnRes, DepthSources, RMSNorm
 from .config import ModelConfig
 from .kinds import FFNS, MIXERS
@@ -84,10 +85,15 @@ class DecoderLayer(nn.Module):
         the decoder has just made the previous sum a source) and `blocks` the completed sources; each
         sub-layer reads a depth mix of [*blocks, x] instead of x (`blocks` may be a static decode step's
         `DepthSources` buffer). `fused`: (the mixer's, the FFN's) weight copies a decode step passes
-        (`k3.layers.joined`; None where there are none). Returns the new partial sum."""
+        (`k3.layers.joined`; None where there are none). A `PackedLayerCache` (`k3.inference.packed`) holds
+        several rows' tokens packed along T: the mixer runs per group of rows, the rest over every token.
+        Returns the new partial sum."""
         mixer_fused, ffn_fused = fused
-        h = self._read(self.attn_res, blocks, x)
-        out = self.self_attn(self.input_layernorm(h), cache=cache, **_given(mixer_fused))
+        h = self.input_layernorm(self._read(self.attn_res, blocks, x))
+        if isinstance(cache, PackedLayerCache):  # several rows' tokens packed along T: the mixer group by group
+            out = cache.mix(self.self_attn, h)
+        else:
+            out = self.self_attn(h, cache=cache, **_given(mixer_fused))
         x = out if x is None else x + out
         return x + self.ffn(self.post_attention_layernorm(self._read(self.mlp_res, blocks, x)), **_given(ffn_fused))
 

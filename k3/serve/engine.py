@@ -8,18 +8,20 @@ prefilled into that row, a prefix-cache hit restored into it, it decodes there, 
 free for the next (nothing else moves). One loop, on a thread of its own, owns the model. Each turn of it
 1. admits waiting sequences, oldest first, while a row is free and one of their prefill pieces fits the
    budget, each given the lowest free row;
-2. decodes every running sequence, one token each, with the decode step (`k3.inference.decode_step`) over
-   the pool's first b rows and first L slots: b the smallest batch bucket (1, 2, 4, ... the slots) that
-   holds the highest running row, L the smallest length bucket that holds their longest: one step each,
-   eager until its compiled one (`compile`, one graph, made in the background) is ready; the rows of the
-   bucket that do not decode (free, or prefilling) are left as they are (`SlotPool.live`);
-3. prefills up to `prefill_chunk` prompt tokens (chunked prefill; 0: every admitted prompt whole), oldest
-   sequence first, into the sequences' rows (`k3.serve.prefill`): a long prompt takes several turns, and the
-   running rows decode between its pieces instead of waiting for the whole prompt (Sarathi; vLLM). With the
-   prefix cache (`k3.serve.prefix`) a prompt first resumes from its longest cached prefix, and the states at
-   each block boundary it reaches are kept. Then one draw (`k3.serve.sampler`) gives the next token of every
-   running row and the first of every sequence whose prompt is done, each by its own settings; those join
-   the running rows;
+2. runs one forward (`k3.serve.prefill`): every running sequence's next token and, under the turn's token
+   budget (`max_num_batched_tokens`, the running rows' tokens first; at most `prefill_chunk` prompt tokens,
+   0: every admitted prompt whole), a piece of each prefilling prompt, oldest first, packed into one input
+   (`k3.inference.packed`: the token-wise layers over every token, each mixer per group of rows) and
+   written into the sequences' rows. A long prompt takes several turns, and the running rows decode in
+   each of them instead of waiting for the whole prompt (Sarathi; vLLM: "there's no decoding phase nor
+   prefill phase"). With the prefix cache (`k3.serve.prefix`) a prompt first resumes from its longest
+   cached prefix, and the states at each block boundary it reaches are kept. A turn with no prompt to
+   prefill runs the decode step (`k3.inference.decode_step`) over the pool's first b rows and L slots: b
+   the smallest batch bucket that holds the highest running row, L the smallest length bucket that holds
+   their longest; eager until its compiled one (one graph, made in the background) is ready. Either way the
+   rows that do not decode (free, or prefilling) are left as they are (`SlotPool.live`);
+3. draws once (`k3.serve.sampler`): the next token of every running row and the first of every sequence
+   whose prompt is done, each by its own settings; those join the running rows;
 4. drops the sequences that finished (their token limit, their end-of-text token), failed or were
    cancelled (a client that went away, a stop string): their rows are free at once.
 A sequence joins once its prompt is prefilled and leaves at the turn it ends (Orca, Yu et al. 2022). Every
@@ -27,16 +29,16 @@ row is at its own position, masked past it; no state sees another row's token: e
 A sequence's length has one record, its row's position on the device; the host's count (`Sequence.held`)
 is the scheduler's, which picks the buckets.
 
-A failure is contained where it happens: a sequence whose prefill, sampling or `on_token` callback raises
-ends alone with "error: ..." (and a line in the log, logger "k3.serve"), and a prefill batch whose forward
-fails runs its pieces again one by one; only a failure of the shared decode forward ends every running
-sequence. What could never run is refused before it is queued: `submit` checks a sequence's settings and
-token ids against the model (ValueError naming the field), the constructor each of its arguments.
+A failure is contained where it happens: a sequence whose prompt ids, sampling or `on_token` callback fail
+ends alone with "error: ..." (and a line in the log, logger "k3.serve"); only a failure of a turn's shared
+forward ends the sequences in it. What could never run is refused before it is queued: `submit` checks a
+sequence's settings and token ids against the model (ValueError naming the field), the constructor each
+of its arguments.
 
 Memory, counted by k3's own accounting against `cache_memory`: the pool (its slots, fixed at start:
 `max_running`, or fewer when N-token rows for all would not fit beside one prefill piece), the transient
-memory of one prefill piece (`prefill_bytes`: attention masks, expanded keys, hidden states; pieces run one
-forward at a time, a long prompt's shrunk until it fits), and the prefix cache's blocks, which give way
+memory of a turn's prefill pieces (`prefill_bytes`: attention masks, expanded keys, hidden states; a long
+prompt's piece shrunk until it fits), and the prefix cache's blocks, which give way
 (least recently used first) when a prefill needs room. What does not fit waits in a bounded queue, past its
 bound refused (503).
 """
@@ -78,7 +80,9 @@ class Engine:
     positions, else DEFAULT_MAX_LENGTH); `prefill_chunk`: prompt tokens prefilled per turn (0: each prompt
     whole in the turn it is admitted); `compile`: decode with compiled steps, made in the background while
     eager ones serve (True: inductor; a torch.compile backend name; False: eager); `prefix_cache`: keep and
-    reuse prompts' states in blocks of `prefix_block` tokens (default: `prefill_chunk`, else PREFIX_BLOCK).
+    reuse prompts' states in blocks of `prefix_block` tokens (default: `prefill_chunk`, else PREFIX_BLOCK);
+    `max_num_batched_tokens`: the tokens one turn's forward takes at most, the running rows' one each first,
+    prompt pieces in what is left (vLLM's name; None: the running rows and `prefill_chunk`).
     Each argument is checked here, a ValueError naming it."""
 
     def __init__(
@@ -92,9 +96,10 @@ class Engine:
         compile: bool | str = False,
         prefix_cache: bool = False,
         prefix_block: int | None = None,
+        max_num_batched_tokens: int | None = None,
     ):
         counts = dict(max_queue=max_queue, max_running=max_running, prefill_chunk=prefill_chunk)
-        counts.update(max_length=max_length, prefix_block=prefix_block)
+        counts.update(max_length=max_length, prefix_block=prefix_block, max_num_batched_tokens=max_num_batched_tokens)
         cache_memory = check_engine_arguments(model, cache_memory, compile, prefix_cache, counts)
         config = model.config
         self.model = model
@@ -102,6 +107,7 @@ class Engine:
         self.dtype_bytes = model.lm_head.weight.element_size()
         self.max_length = max_length or config.max_position_embeddings or DEFAULT_MAX_LENGTH
         self.cache_memory, self.max_queue, self.prefill_chunk = cache_memory, max_queue, prefill_chunk
+        self.max_num_batched_tokens = max_num_batched_tokens
         row = sequence_bytes(config, self.max_length, self.dtype_bytes)
         piece = min(prefill_chunk or PREFILL_PIECE, self.max_length)
         # slots for the rows, beside room to prefill a longest prompt in full pieces, else in pieces of 64
@@ -299,7 +305,7 @@ class Engine:
                     self._drop_ended()
             except Exception as e:  # the engine's own failure: fail what ran, keep serving
                 log.exception("k3 serve: a turn failed; its %d sequences end with an error", len(self.running))
-                self._fail_running(e)
+                self.fail_running(e)
 
     def _admissible(self) -> bool:
         """Whether the oldest waiting sequence may start now (lock held): a row is free, and one of its
@@ -336,20 +342,13 @@ class Engine:
         self.peak_running = max(self.peak_running, self.busy)
 
     def _turn(self) -> None:
-        """The decode forward over the running rows, then the prefill pieces (`Prefiller.turn`), then one
-        draw for the running rows and the sequences whose prompt is done (their logits kept by the prefill),
-        which then join the running rows: a first token waits for no forward after its prompt's last. A
-        decode forward that fails ends the running rows (`_fail_running`); the others go on."""
-        rows, parts = [], []
-        if self.running:
-            rows = list(self.running)
-            try:
-                parts.append(self.pool.decode([s.row for s in rows], [s.held for s in rows]))
-            except Exception as e:
-                log.exception("k3 serve: the decode forward failed; its %d sequences end with an error", len(rows))
-                self._fail_running(e)
-                rows = []
-        self.prefiller.turn()
+        """The turn's forward (`Prefiller.turn`: the running rows' next tokens and the prompt pieces the budget
+        gives, packed into one), then one draw for the running rows and the sequences whose prompt is done
+        (their logits kept by the prefill), which then join the running rows: a first token waits for no
+        forward after its prompt's last. A forward that fails ends the sequences in it; the others go on."""
+        rows = list(self.running)
+        logits = self.prefiller.turn(rows)
+        rows, parts = (rows, [logits]) if logits is not None else ([], [])
         ready = list(self.ready)
         rows += ready
         parts += [s.first_logits for s in ready]
@@ -428,7 +427,7 @@ class Engine:
             except Exception:  # a callback's failure is its request's, not the engine's
                 log.exception("k3 serve: sequence %d's on_finish callback raised", sequence.id)
 
-    def _fail_running(self, error: Exception) -> None:
+    def fail_running(self, error: Exception) -> None:
         """The batch's forward failed: end every running sequence (and every one waiting for its first token)
         with the error; the prefilling ones go on."""
         for sequence in list(self.ready):

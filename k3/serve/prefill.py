@@ -1,16 +1,18 @@
-"""The serving engine's prefill (`Prefiller`, a part the engine holds): prompt tokens into the prefilling
-sequences' own rows of the slot pool, up to `prefill_chunk` a turn, oldest sequence first. A sequence that
-fails (its forward, its first token) ends alone; the others run on as they would without it.
+"""A serving turn's forward (`Prefiller`, a part the engine holds): the running rows' next tokens and the
+prefilling prompts' pieces, packed into one forward over the slot pool's rows (`k3.inference.packed`).
 
-Each sequence's next piece is at most its planned piece, the tokens left of the turn's budget and of its
-prompt, and never crosses a prefix-cache block's end. A piece run alone goes through the pool's row itself
-(`Cache.view` of that row). Pieces of the same length from several sequences run as one forward over their
-rows addressed by index (`k3.inference.row_cache.RowsCache`: each row at its own position, as a decode
-batch; the slots the forward reads are gathered, the states written back once it succeeded): after
-prefix-cache hits every prompt's remainder is a short turn, and one forward of k rows costs far less than k
-forwards, each bound by dispatch (a 32-token piece of kimi-k3-tiny: ~17 ms alone, 16 of them ~60 ms
-together). A batch is as large as its transient bytes (its pieces' `prefill_bytes` and the slots gathered)
-fit in the budget's free room.
+A turn's token budget (`max_num_batched_tokens`) goes first to the running rows, one token each; what is
+left, at most `prefill_chunk` tokens, to a piece of each prefilling prompt, oldest first (a round). A
+piece is at most the sequence's planned piece, the budget left and what is left of its prompt, and never
+crosses a prefix-cache block's end. In the forward a piece goes through its row of the pool itself
+(`Cache.view`), pieces of one length through their rows by index (`k3.inference.row_cache.RowsCache`: the
+slots the forward reads are gathered, the states written back once it succeeded): after prefix-cache hits
+every prompt's remainder is a short piece, and one forward of k rows costs far less than k forwards, each
+bound by dispatch. A round is as large as its transient bytes (its pieces' `prefill_bytes` and the slots
+gathered) fit in the budget's free room. A turn without pieces runs the pool's decode step.
+
+A prompt's ids are checked against the vocabulary before its piece joins a forward, so that a sequence
+whose prompt is wrong ends alone; a forward that fails anyway ends every sequence in it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 
 import torch
 
+from ..inference.packed import Group, packed_forward
 from ..inference.row_cache import RowsCache
 from .sampler import logprobs_of
 from .sequence import Sequence, prefill_bytes, sequence_bytes
@@ -40,30 +43,30 @@ def prompt_logprobs(sequence: Sequence, start: int, logits: torch.Tensor) -> Non
 
 
 class Prefiller:
-    """The prefill side of `engine`'s turn (see the module): it reads the engine's model, pool, budget, prefix
+    """The forwards of `engine`'s turn (see the module): it reads the engine's model, pool, budget, prefix
     cache and prefilling sequences, and hands a sequence whose prompt is all in to its ready ones."""
 
     def __init__(self, engine):
         self.engine = engine
 
-    def turn(self) -> None:
-        """Prefill up to `prefill_chunk` prompt tokens (all of every admitted prompt when 0), oldest
-        sequence first, pieces of one length from several sequences together; a sequence whose prompt is
-        all in is ready for its first token. A sequence that fails ends alone (`fail`): a batch whose
-        forward fails runs its pieces again one by one."""
+    def turn(self, rows: list[Sequence]) -> torch.Tensor | None:
+        """The turn's forward: the running `rows`' next tokens and a round of prompt pieces packed into one
+        (`_round`, under the token budget: `prefill_chunk` prompt tokens, `max_num_batched_tokens` in all),
+        or the decode step alone when no prompt waits; then, while the prompt budget lasts and a prompt has
+        tokens left that the round could not take (a block's end, a piece's size), further rounds of pieces
+        alone. The rows' logits [len(rows), vocab] (None without rows, or when their forward failed)."""
         engine = self.engine
         budget = engine.prefill_chunk or float("inf")
-        while budget > 0 and engine.prefilling:
-            head = engine.prefilling[0]
-            if head.cancelled:
-                engine.leave_prefill(head, "cancelled")
-                continue
-            group, n = self._batch(budget)
-            if len(group) == 1:
-                self._alone(head, n)
-            elif group:
-                self._together(group, n)
-            budget -= n * len(group)
+        if engine.max_num_batched_tokens is not None:
+            budget = min(budget, engine.max_num_batched_tokens - len(rows))
+        pieces = self._round(budget)
+        logits = self._forward(pieces, rows) if pieces or rows else None
+        while pieces:
+            budget -= sum(n * len(group) for group, n, _ in pieces)
+            pieces = self._round(budget)
+            if pieces:
+                self._forward(pieces, [])
+        return logits
 
     def fail(self, sequence: Sequence, error: Exception) -> None:
         """End `sequence` alone with `error` (and a line in the log): it leaves the prefilling sequences,
@@ -74,12 +77,6 @@ class Prefiller:
             self.engine.leave_prefill(sequence, reason)
         else:
             self.engine.finish(sequence, reason)
-
-    def _alone(self, sequence: Sequence, n: int) -> None:
-        try:
-            self._piece_alone(sequence, n)
-        except Exception as e:
-            self.fail(sequence, e)
 
     def _start(self, sequence: Sequence) -> None:
         """Its generator (when seeded), its row emptied, and what the prefix cache has of its prompt restored
@@ -98,7 +95,8 @@ class Prefiller:
 
     def _piece(self, sequence: Sequence, budget: float) -> int:
         """The tokens of the sequence's next piece (its row started): at most its planned piece, `budget`
-        and what is left of its prompt, never across a prefix-cache block's end."""
+        and what is left of its prompt, never across a prefix-cache block's end; its ids checked against
+        the vocabulary (a ValueError naming them: the forward they would break is shared)."""
         if not sequence.started:
             self._start(sequence)
         start, prefix = sequence.prefilled, self.engine.prefix
@@ -107,74 +105,86 @@ class Prefiller:
             n = min(n, PROMPT_LOGPROBS_PIECE)
         if prefix is not None:
             n = min(n, prefix.block - start % prefix.block)
+        vocab = self.engine.model.config.vocab_size
+        outside = [t for t in sequence.prompt[start : start + int(n)] if not 0 <= t < vocab]
+        if outside:
+            raise ValueError(f"`prompt` must be token ids in [0, {vocab}) (the vocabulary), got {outside[0]}")
         return int(n)
 
-    def _batch(self, budget: float) -> tuple[list[Sequence], int]:
-        """The oldest prefilling sequence and the next ones (in order, not cancelled) whose piece has its
-        length, while their pieces fit `budget` and the batch's transient bytes the free room; and that
-        length. One whose row fails to start ends alone (`fail`): none when it is the oldest."""
-        engine = self.engine
-        head, config, dtype_bytes = engine.prefilling[0], engine.model.config, engine.dtype_bytes
-        try:
-            n = self._piece(head, budget)
-        except Exception as e:
-            self.fail(head, e)
-            return [], 0
-        group, longest = [head], len(head.prompt)
-        if head.prompt_logprobs is not None:
-            return group, n
-        need = prefill_bytes(config, n, len(head.prompt), dtype_bytes)
-        for sequence in engine.prefilling[1:]:
-            if sequence.cancelled or sequence.prompt_logprobs is not None or n * (len(group) + 1) > budget:
-                continue
-            try:
-                if self._piece(sequence, budget) != n:
-                    continue
-            except Exception as e:
-                self.fail(sequence, e)
-                continue
-            wider = max(longest, len(sequence.prompt))
-            more = need + prefill_bytes(config, n, len(sequence.prompt), dtype_bytes)
-            if more + (len(group) + 1) * sequence_bytes(config, wider, dtype_bytes) > engine.room:
+    def _round(self, budget: float) -> list[tuple[list[Sequence], int, bool]]:
+        """A piece for each prefilling sequence, oldest first, while their tokens fit `budget` and their
+        transient bytes the free room (the oldest's always: its admission made room for it): grouped as
+        (the sequences whose pieces have one length, that length, whether every position's logits are kept:
+        such a piece runs alone). A sequence whose row fails to start ends alone (`fail`)."""
+        engine, config = self.engine, self.engine.model.config
+        groups: dict[tuple, list[Sequence]] = {}
+        used = need = 0
+        for sequence in list(engine.prefilling):
+            if used >= budget:
                 break
-            group.append(sequence)
-            longest, need = wider, more
-        return group, n
-
-    def _piece_alone(self, sequence: Sequence, n: int) -> None:
-        """Run the sequence's next `n` prompt tokens through its row of the pool, then `_after_piece`."""
-        engine, start = self.engine, sequence.prefilled
-        row = engine.pool.cache.view(1, engine.pool.max_length, first=sequence.row)
-        row.lengths = [start]
-        ids = torch.tensor([sequence.prompt[start : start + n]], device=engine.device)
-        every = sequence.prompt_logprobs is not None
-        logits = engine.model(ids, cache=row, logits_to_keep=n if every else 1, prefill_piece=n)
-        if every:
-            prompt_logprobs(sequence, start, logits[0])
-        self._after_piece(sequence, n, logits[:, -1])
-
-    def _together(self, group: list[Sequence], n: int) -> None:
-        """The next `n` prompt tokens of every sequence of `group` as one forward over their rows (each at
-        its own position). Should that forward fail (the rows' states and positions are written back only
-        after it succeeded), each piece runs again alone, so that only the sequence at fault fails."""
-        engine = self.engine
-        try:
-            rows = RowsCache(engine.pool.cache, [s.row for s in group], [s.prefilled for s in group])
-            ids = torch.tensor([s.prompt[s.prefilled : s.prefilled + n] for s in group], device=engine.device)
-            logits = engine.model(ids, cache=rows, logits_to_keep=1, prefill_piece=n)[:, -1]
-            rows.commit()
-        except Exception as e:
-            log.warning(
-                "k3 serve: a prefill of %d sequences failed (%s: %s); each runs alone", len(group), type(e).__name__, e
-            )
-            for sequence in group:
-                self._alone(sequence, n)
-            return
-        for i, sequence in enumerate(group):
+            if sequence.cancelled:
+                engine.leave_prefill(sequence, "cancelled")
+                continue
             try:
-                self._after_piece(sequence, n, logits[i : i + 1])
+                n = self._piece(sequence, budget - used)
             except Exception as e:
                 self.fail(sequence, e)
+                continue
+            prompt, dtype_bytes = len(sequence.prompt), engine.dtype_bytes
+            more = prefill_bytes(config, n, prompt, dtype_bytes) + sequence_bytes(config, prompt, dtype_bytes)
+            if used and need + more > engine.room:
+                break
+            used, need = used + n, need + more
+            every = sequence.prompt_logprobs is not None
+            groups.setdefault((n, every, sequence.id if every else None), []).append(sequence)
+        return [(group, n, every) for (n, every, _), group in groups.items()]
+
+    def _forward(self, pieces: list[tuple[list[Sequence], int, bool]], rows: list[Sequence]) -> torch.Tensor | None:
+        """One forward of the running `rows`' next tokens and `pieces` (the decode step alone when there are
+        no pieces): the rows' logits, each piece's kept for its sequence (`_after_piece`). A forward that
+        fails ends every sequence in it (the failure is not one sequence's: their ids were checked)."""
+        engine, pool = self.engine, self.engine.pool
+        try:
+            if not pieces:
+                return pool.decode([s.row for s in rows], [s.held for s in rows])
+            groups, ids = [], []
+            if rows:
+                groups.append(pool.decoding([s.row for s in rows], [s.held for s in rows]))
+                ids.append(pool.feed.index_select(0, groups[0].picks))
+            for group, n, _ in pieces:
+                if len(group) == 1:
+                    cache = pool.cache.view(1, pool.max_length, first=group[0].row)
+                    cache.lengths = [group[0].prefilled]
+                else:
+                    cache = RowsCache(pool.cache, [s.row for s in group], [s.prefilled for s in group])
+                groups.append(Group(cache, len(group), n))
+                tokens = [t for s in group for t in s.prompt[s.prefilled : s.prefilled + n]]
+                ids.append(torch.tensor(tokens, device=engine.device))
+            hidden = packed_forward(engine.model, torch.cat(ids), groups)
+        except Exception as e:
+            log.exception("k3 serve: a turn's forward failed; its %d running sequences end with an error", len(rows))
+            if rows:
+                engine.fail_running(e)
+            for group, _, _ in pieces:
+                for sequence in group:
+                    self.fail(sequence, e)
+            return None
+        index, spans, start = list(range(len(rows))), [], len(rows)  # the positions whose logits are needed
+        for group, n, every in pieces:
+            for sequence in group:
+                spans.append((sequence, n, every, len(index)))
+                index += list(range(start, start + n)) if every else [start + n - 1]
+                start += n
+        logits = engine.model.lm_head(hidden[torch.tensor(index, device=hidden.device)])
+        for sequence, n, every, at in spans:
+            try:
+                if every:
+                    prompt_logprobs(sequence, sequence.prefilled, logits[at : at + n])
+                    at += n - 1
+                self._after_piece(sequence, n, logits[at : at + 1])
+            except Exception as e:
+                self.fail(sequence, e)
+        return logits[: len(rows)] if rows else None
 
     def _after_piece(self, sequence: Sequence, n: int, logits: torch.Tensor) -> None:
         """A piece of `n` tokens ran: keep the prefix-cache block it completed; at the prompt's end the

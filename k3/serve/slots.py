@@ -28,6 +28,7 @@ import time
 import torch
 
 from ..inference.decode_step import DecodeStep
+from ..inference.packed import Group
 
 log = logging.getLogger("k3.serve")
 
@@ -58,18 +59,18 @@ class SlotPool:
         self._stopped = False
         self._compiler: threading.Thread | None = None
 
-    def buckets(self, rows: int, longest: int) -> tuple[int, int]:
-        """(b, L): the pool rows and slots a step for `rows` running rows, the longest holding `longest`
-        tokens, runs over. Compiled (a graph each, so few): b the smallest power of two >= rows (at most
-        the slots), L the smallest of max_length / 4^k (k >= 0, at least SHORTEST_LENGTH_BUCKET) above
-        `longest`. Eager (nothing to keep): b = rows, L the next multiple of 64."""
+    def buckets(self, rows: int, longest: int, compiled: bool | None = None) -> tuple[int, int]:
+        """(b, L): the pool rows and slots a step over the pool's first `rows` rows, the longest holding
+        `longest` tokens, runs over. Compiled (a graph each, so few): b the smallest batch bucket >= rows
+        (`batch_buckets`), L the smallest of max_length / 4^k (k >= 0, at least SHORTEST_LENGTH_BUCKET) above
+        `longest`. Eager (nothing to keep; `compiled=False` asks for this): b = rows, L the next multiple of 64."""
         need = longest + 1
-        if not self.compile:
+        if not (self.compile if compiled is None else compiled):
             return rows, min(self.max_length, -(-need // 64) * 64)
         L = self.max_length
         while L // 4 >= max(need, SHORTEST_LENGTH_BUCKET):
             L //= 4
-        return min(1 << (rows - 1).bit_length(), self.slots), L
+        return next(b for b in self.batch_buckets() if b >= rows), L
 
     def step_for(self, rows: int, slots: int) -> DecodeStep:
         """The decode step over the pool's first `rows` rows and `slots` slots: the compiled one once ready,
@@ -93,8 +94,9 @@ class SlotPool:
         return view
 
     def batch_buckets(self) -> list[int]:
-        """The batch sizes a step runs at: 1, 2, 4, ... and the slots."""
-        sizes = [1 << i for i in range(self.slots.bit_length()) if 1 << i < self.slots]
+        """The batch sizes a compiled step runs at: 1, 2, 4, then the multiples of 8 (vLLM's capture sizes),
+        and the slots."""
+        sizes = [b for b in (1, 2, 4, *range(8, self.slots, 8)) if b < self.slots]
         return sizes + [self.slots]
 
     def start_compiling(self) -> None:
@@ -180,6 +182,18 @@ class SlotPool:
     def leave(self, row: int) -> None:
         """Row `row` decodes no more (its sequence ended); what it holds stays until a new sequence clears it."""
         self.live[row] = False
+
+    def decoding(self, rows: list[int], lengths: list[int]) -> Group:
+        """The decoding `rows` (holding `lengths` tokens) as a packed forward's group (`k3.inference.packed`):
+        one token each, over the pool's first rows up to the highest given, the others unchanged (eager: an
+        eager step's bucket)."""
+        b, L = self.buckets(max(rows) + 1, max(lengths), compiled=False)
+        view = self._view(b, L)
+        held = [0] * b
+        for row, n in zip(rows, lengths):
+            held[row] = n
+        view.lengths = held
+        return Group(view, len(rows), 1, torch.tensor(rows, device=self.device))
 
     def decode(self, rows: list[int], lengths: list[int]) -> torch.Tensor:
         """One token for the decoding `rows` (each feeding its `feed` token, `lengths` the tokens each holds):

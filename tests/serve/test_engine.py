@@ -333,7 +333,7 @@ def test_a_failed_batch_forward_fails_the_batch_logs_it_and_serving_goes_on(monk
         broken.set()
         for c in victims:
             assert c.done.wait(120) and c.reason == "error: RuntimeError: the batch's forward broke"
-        assert "the decode forward failed" in caplog.text
+        assert "a turn's forward failed" in caplog.text
         broken.clear()
         after = Collector()
         engine.submit(after.sequence([4, 5], 3))
@@ -420,10 +420,14 @@ def test_buckets():
         and compiled.buckets(5, 256) == (8, 1024)
     )
     assert (
-        compiled.buckets(33, 1023) == (48, 1024)
-        and compiled.buckets(33, 1024) == (48, 4096)
+        compiled.buckets(33, 1023) == (40, 1024)
+        and compiled.buckets(41, 1024) == (48, 4096)
         and compiled.buckets(2, 300) == (2, 1024)
+        and compiled.buckets(3, 300, compiled=False) == (3, 320)
     )
+    assert compiled.batch_buckets() == [1, 2, 4, 8, 16, 24, 32, 40, 48]  # vLLM's capture sizes, then the slots
+    compiled.slots = 50
+    assert compiled.batch_buckets()[-3:] == [40, 48, 50]
 
 
 def test_a_cache_view_and_row_copies_share_and_move_state():

@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+import k3.serve.prefill as prefill_module
 from k3.serve import Engine, Sequence
 
 from .test_engine import alone, make_engine, tiny, wait_until
@@ -53,14 +54,14 @@ def submit_in_one_turn(engine: Engine, sequences: list[Sequence]) -> None:
 
 
 def record_prefill_batches(engine: Engine, monkeypatch) -> list[int]:
-    """The sizes of the prefill batches the engine runs (tried, whether or not they succeed)."""
-    sizes, real = [], engine.prefiller._together
+    """The sizes of the groups of prompt pieces the engine's forwards run (tried, whether or not they succeed)."""
+    sizes, real = [], prefill_module.packed_forward
 
-    def together(group, n):
-        sizes.append(len(group))
-        real(group, n)
+    def packed(model, ids, groups):
+        sizes.extend(group.count for group in groups if group.picks is None)
+        return real(model, ids, groups)
 
-    monkeypatch.setattr(engine.prefiller, "_together", together)
+    monkeypatch.setattr(prefill_module, "packed_forward", packed)
     return sizes
 
 
@@ -113,9 +114,9 @@ def test_one_sequences_failure_ends_it_alone(kind, at, monkeypatch, caplog):
 
 
 def test_a_token_the_forward_cannot_take_fails_only_its_sequence(monkeypatch, caplog):
-    """A prompt changed after submit to hold a token past the vocabulary (what submit refuses) fails the
-    batched prefill forward: each piece then runs alone, so only that sequence ends (the forward's ValueError) and the
-    others get what they get alone."""
+    """A prompt changed after submit to hold a token past the vocabulary (what submit refuses) is caught before
+    its piece joins the turn's forward: only that sequence ends (a ValueError naming the prompt), and the others,
+    prefilled together without it, get what they get alone."""
     caplog.set_level(logging.WARNING, "k3.serve")
     model = tiny("kimi-k3-tiny")
     engine = make_engine(model).start()
@@ -128,10 +129,11 @@ def test_a_token_the_forward_cannot_take_fails_only_its_sequence(monkeypatch, ca
             for s in sequences:
                 engine.submit(s)
             sequences[0].prompt[2] = 99999  # past submit's check
-        assert runs[0].done.wait(120) and runs[0].reason.startswith("error: ValueError: CausalLM: `input_ids`")
+        assert runs[0].done.wait(120)
+        assert runs[0].reason == "error: ValueError: `prompt` must be token ids in [0, 97) (the vocabulary), got 99999"
         for run, prompt in zip(runs[1:], prompts[1:]):
             assert run.done.wait(120) and run.reason == "length" and run.tokens == alone(model, prompt, 5)
-        assert sizes == [3] and "each runs alone" in caplog.text
+        assert sizes == [2] and "failed in its prefill" in caplog.text
         wait_until(lambda: engine.reserved == 0 and len(engine.free_rows) == engine.slots)
     finally:
         engine.stop()

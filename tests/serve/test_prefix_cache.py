@@ -154,7 +154,7 @@ def test_pieces_run_together_give_what_each_gives_alone(preset, monkeypatch):
     """Prompts sharing a cached system prompt, admitted in one turn: their equal remainders (and then the
     shorter ones') run as one forward over their rows of the pool, each row at its own position, and every
     sequence gets the tokens it gets alone (greedy and seeded), for every kind of cache."""
-    from k3.serve.prefill import Prefiller
+    import k3.serve.prefill as prefill_module
 
     model = tiny(preset)
     g = torch.Generator().manual_seed(4)
@@ -162,8 +162,13 @@ def test_pieces_run_together_give_what_each_gives_alone(preset, monkeypatch):
     turns = [torch.randint(0, 97, (int(n),), generator=g).tolist() for n in (5, 5, 5, 3, 5)]
     work = [(system + t, 5, None if i % 2 else 11 + i) for i, t in enumerate(turns)]
     alone, _ = run_engine(model, [(system, 1, None)] + work, prefill_chunk=BLOCK, prefix_cache=True)
-    batches, together = [], Prefiller._together
-    monkeypatch.setattr(Prefiller, "_together", lambda self, g, n: batches.append(len(g)) or together(self, g, n))
+    batches, packed = [], prefill_module.packed_forward
+
+    def counted(model, ids, groups):  # the rows of each group of prompt pieces
+        batches.extend(group.count for group in groups if group.picks is None)
+        return packed(model, ids, groups)
+
+    monkeypatch.setattr(prefill_module, "packed_forward", counted)
     engine = Engine(
         model,
         cache_memory=10**9,
