@@ -28,6 +28,7 @@ class Load:
     errors: list[str] = field(default_factory=list)
     peak_running: int = 0
     after: dict = field(default_factory=dict)  # /health once the load is over
+    intruder: "Load | None" = None  # `run_load`'s one extra request, counted apart
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def summary(self) -> dict:
@@ -46,6 +47,7 @@ class Load:
             "peak_running": self.peak_running,
             "after": self.after,
             "errors": self.errors[:5],
+            **({"intruder": self.intruder.summary()} if self.intruder is not None else {}),
         }
 
 
@@ -65,14 +67,25 @@ def run_load(
     disconnect: float = 0.0,
     seed: int = 0,
     warmup: float = 0.0,
+    intruder: tuple[list[int], int] | None = None,
 ) -> Load:
     """`clients` threads, each sending streamed completions one after another for `warmup` + `duration`
     seconds; tokens and latencies count in the last `duration` seconds (the window), once the first wave
     of prompts is prefilled. `prompt`: token ids, or a function of a random.Random giving each request's.
-    With `disconnect` > 0 that fraction of requests closes its connection at a random token."""
+    With `disconnect` > 0 that fraction of requests closes its connection at a random token. `intruder`:
+    (prompt, max_tokens) of one more request sent as the window opens, whose figures are `load.intruder`'s
+    (a long prompt arriving under load: what it does to the others)."""
     load = Load(duration)
     opens = time.perf_counter() + warmup
     end = opens + duration
+    if intruder is not None:
+        load.intruder = Load(duration)
+
+        def intrude() -> None:
+            time.sleep(max(0.0, opens - time.perf_counter()))
+            one_request(port, load.intruder, body(*intruder), opens, end, None)
+
+        threading.Thread(target=intrude, daemon=True).start()
 
     def client(index: int) -> None:
         rng = random.Random(seed * 1000 + index)

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from ..runtime import matmul_gflops
-from ..serve.engine import PREFILL_CHUNK, sequence_bytes
+from ..serve.engine import PREFILL_CHUNK, prefill_bytes, sequence_bytes
 from .load import Load, pct, run_load, run_poisson  # noqa: F401 (Load, pct: this module's API too)
 from .runners import GPT2, K3_TINY, KIMI_LINEAR, LABELS, build_k3
 
@@ -141,6 +141,7 @@ def serve_case(
     warmup: float = 0.0,
     flags: tuple[str, ...] = (),
     rate: float | None = None,
+    intruder: tuple[list[int], int] | None = None,
 ) -> dict:
     """One server (`k3 serve` with `flags`), one load (`clients` closed-loop clients, or Poisson arrivals
     at `rate` a second): the load's figures, the server's start-up line, its peak and what is left once
@@ -148,7 +149,9 @@ def serve_case(
     server = ServerProcess(checkpoint, budget, threads, flags=flags)
     try:
         if rate is None:
-            load = run_load(server.port, prompt, output, clients, duration, disconnect, warmup=warmup)
+            load = run_load(
+                server.port, prompt, output, clients, duration, disconnect, warmup=warmup, intruder=intruder
+            )
         else:
             load = run_poisson(server.port, prompt, output, rate, duration, warmup=warmup)
         deadline = time.time() + 60
@@ -177,7 +180,8 @@ def engine_flags(context: int, clients: int, compile: bool, *more: str) -> tuple
     return flags + ("--compile" if compile else "--no-compile",) + prefix + more
 
 
-PARTS = ("models", "batching", "engine", "poisson", "prefix")
+PARTS = ("models", "batching", "engine", "poisson", "prefix", "long")
+LONG_PROMPT = 16384  # the `long` part's prompt, arriving under load
 
 
 def run(
@@ -235,7 +239,7 @@ def run(
                 output,
                 n,
                 duration,
-                cache_memory,
+                kw.pop("cache_memory", cache_memory),
                 threads,
                 flags=flags + streaming,
                 warmup=kw.pop("warmup", warmup),
@@ -336,6 +340,20 @@ def run(
             for on in (True, False):
                 flags = engine_flags(2048, 16, True, "--prefix-cache" if on else "--no-prefix-cache")
                 case(f"prefix-{'on' if on else 'off'}", K3_TINY, turn, 32, 16, flags)
+        if "long" in parts:
+            context, streams = LONG_PROMPT + 64, 16
+            say(
+                f"long: kimi-k3-tiny, {streams} clients streaming 128-token prompts (128 out), eager steps; then "
+                f"the same with one {LONG_PROMPT:,}-token prompt arriving as the window opens ..."
+            )
+            intruder = (prompt_of(LONG_PROMPT), 8)
+            # a row for each stream and the long prompt, beside a full piece of it
+            config = models[K3_TINY].config
+            memory = (streams + 1) * sequence_bytes(config, context, 4) + prefill_bytes(config, 512, context, 4)
+            for arrives in (False, True):
+                flags = engine_flags(context, streams + 1, False)
+                case(f"long-{'with' if arrives else 'without'}", K3_TINY, prompt_of(128), 128, streams, flags,
+                     intruder=intruder if arrives else None, cache_memory=memory)  # fmt: skip
     report["targets"] = targets(report, contexts)
     for t in report["targets"]:
         say(f"target: {t['target']}: {t['value']:.2f} -> {'holds' if t['holds'] else 'MISSED'}")
@@ -353,6 +371,11 @@ def line(case: dict) -> str:
         f"peak running {case['peak_running']} (accounting fits {case['fits_by_accounting']}); "
         f"{case['completed']} completed, {case['failed']} failed"
         + (f"; prefix cache hit rate {prefix['hit_rate']:.0%}" if (prefix := case["after"].get("prefix_cache")) else "")
+        + (
+            f"; the long prompt: TTFT {intruder['ttft_p50_s']:.2f} s, {intruder['failed']} failed"
+            if (intruder := case.get("intruder"))
+            else ""
+        )
     )
 
 
@@ -387,7 +410,12 @@ def targets(report: dict, contexts) -> list[dict]:
     if "prefix-on" in cases:
         value = ratio(cases["prefix-on"]["ttft_p50_s"], cases["prefix-off"]["ttft_p50_s"])
         target("shared prefix: median time to first token with the prefix cache <= 0.3x without", value, value <= 0.3)
-    failed = sum(c["failed"] for c in cases.values())
+    if "long-with" in cases:
+        turn = cases["long-without"]["itl_p50_ms"]  # a turn: each stream's token a turn
+        value = (cases["long-with"]["itl_p99_ms"] - turn) / turn
+        target(f"a {LONG_PROMPT:,}-token prompt under load delays the others' next token <= 2 turns (p99)", value,
+               value <= 2)  # fmt: skip
+    failed = sum(c["failed"] + c.get("intruder", {}).get("failed", 0) for c in cases.values())
     target("0 failed requests", float(failed), failed == 0)
     return out
 

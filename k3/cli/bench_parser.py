@@ -196,7 +196,8 @@ def add_bench_parser(sub) -> None:
         default=list(SERVE_PARTS),
         help="which loads: models (the three models, eager), batching (1 and 16 clients), engine (eager vs "
         "compiled steps), poisson (arrivals near saturation, prefill chunked and not), prefix (a shared "
-        "system prompt, prefix cache on and off)",
+        "system prompt, prefix cache on and off), long (a 16,384-token prompt arriving under load, and the "
+        "same load without it)",
     )
     bserve.add_argument(
         "--stream-interval",

@@ -112,8 +112,9 @@ class Prefiller:
         return int(n)
 
     def _round(self, budget: float) -> list[tuple[list[Sequence], int, bool]]:
-        """A piece for each prefilling sequence, oldest first, while their tokens fit `budget` and their
-        transient bytes the free room (the oldest's always: its admission made room for it): grouped as
+        """A piece for each prefilling sequence, oldest first, while their tokens fit `budget`, each whose
+        transient bytes fit the free room beside the pieces before it (the oldest's always: its admission
+        made room for it; a long prompt's piece does not keep shorter ones out): grouped as
         (the sequences whose pieces have one length, that length, whether every position's logits are kept:
         such a piece runs alone). A sequence whose row fails to start ends alone (`fail`)."""
         engine, config = self.engine, self.engine.model.config
@@ -133,7 +134,7 @@ class Prefiller:
             prompt, dtype_bytes = len(sequence.prompt), engine.dtype_bytes
             more = prefill_bytes(config, n, prompt, dtype_bytes) + sequence_bytes(config, prompt, dtype_bytes)
             if used and need + more > engine.room:
-                break
+                continue  # a later, shorter prompt's piece may fit beside
             used, need = used + n, need + more
             every = sequence.prompt_logprobs is not None
             groups.setdefault((n, every, sequence.id if every else None), []).append(sequence)

@@ -18,9 +18,12 @@ def test_load_counts_tokens_and_leaves_nothing_held():
     model = CausalLM(get_config("kimi-k3-tiny", vocab_size=257, hidden_size=32)).eval()
     engine = Engine(model, cache_memory=10**8, max_running=16, max_length=256)
     with ServerThread(build_app(engine, byte_tokenizer(), "tiny"), engine) as server:
-        load = run_load(server.port, [1, 2, 3, 4], 8, clients=3, duration=1.5, disconnect=0.5, warmup=0.2)
+        intruder = ([5] * 100, 3)  # one more request as the window opens, counted apart
+        load = run_load(server.port, [1, 2, 3, 4], 8, 3, 1.5, disconnect=0.5, warmup=0.2, intruder=intruder)
         assert load.failed == 0 and load.tokens > 0 and load.completed > 0 and load.disconnected > 0
         assert load.ttft and load.itl
+        assert load.intruder.completed == 1 and load.intruder.failed == 0 and len(load.intruder.ttft) == 1
+        assert load.summary()["intruder"]["completed"] == 1
         deadline = time.time() + 5
         while engine.stats()["running"] and time.time() < deadline:
             time.sleep(0.02)
