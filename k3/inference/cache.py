@@ -136,9 +136,13 @@ class LayerCache:
         """This layer's rows first ... first+rows-1 and first `slots` slots, sharing its buffers (`Cache.view`)."""
         span = slice(first, first + rows)
         storage = {name: (t[span].narrow(axis, 0, slots), axis) for name, (t, axis) in self.storage.items()}
+        return LayerCache(owner, storage, *self.map_states(lambda t: t[span]))
+
+    def map_states(self, fn) -> tuple:
+        """(window, recurrent state) with each tensor replaced by fn(tensor), None where there is none."""
         state = self.recurrent_state
-        state = tuple(s[span] for s in state) if isinstance(state, tuple) else None if state is None else state[span]
-        return LayerCache(owner, storage, None if self.window is None else self.window[span], state)
+        state = tuple(fn(t) for t in state) if isinstance(state, tuple) else None if state is None else fn(state)
+        return None if self.window is None else fn(self.window), state
 
     def read_tokens(self, row: int, start: int, stop: int) -> list[torch.Tensor]:
         """Copies of row `row`'s slots start ... stop-1 of every slot buffer (a prefix cache's block)."""
@@ -160,10 +164,7 @@ class LayerCache:
         """Every tensor replaced by fn(tensor, its slot axis or None)."""
         self.storage = {name: (fn(t, axis), axis) for name, (t, axis) in self.storage.items()}
         self._views()
-        self.window = None if self.window is None else fn(self.window, None)
-        state = self.recurrent_state
-        if state is not None:
-            self.recurrent_state = tuple(fn(t, None) for t in state) if isinstance(state, tuple) else fn(state, None)
+        self.window, self.recurrent_state = self.map_states(lambda t: fn(t, None))
 
 
 class Cache:
@@ -235,8 +236,12 @@ class Cache:
         """After a forward of T tokens: every row has seen T more (`positions`: False when the forward
         advanced the tensor itself, as a decode step does)."""
         if positions:
-            self.positions.add_(T)
+            self.advance_positions(T)
         self.lengths = [n + T for n in self.lengths]
+
+    def advance_positions(self, T: int) -> None:
+        """positions += T for the rows that took the forward's tokens: every row, or the `live` ones."""
+        self.positions.add_(T if self.live is None else self.live.long() * T)
 
     def reset(self) -> None:
         """Empty every row (states and positions zeroed in place), for the next prompts."""

@@ -177,7 +177,7 @@ class DecodeStep:
             hidden = model.model(tokens, cache.layers, positions, cache.sources, self.fused)
             logits = model.lm_head(hidden[:, -1])
         token = sample_with_noise(logits, noise, self.temperature, self.top_k, self.top_p) if self.sample else None
-        cache.positions.add_(1 if cache.live is None else cache.live.long())  # a pool's rows not decoding stay
+        cache.advance_positions(1)  # a pool's rows not decoding stay
         return token, logits
 
     @torch.no_grad()

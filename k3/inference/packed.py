@@ -46,11 +46,8 @@ class Group:
         return self.cache.token_positions(self.tokens).reshape(-1)
 
     def advance(self) -> None:
-        """After the forward: the rows' positions past their tokens (the decoding rows only), and a
+        """After the forward: the rows' positions past their tokens (a pool view's `live` rows only), and a
         `RowsCache`'s states written back into the pool."""
-        if self.picks is not None:
-            self.cache.positions.add_(self.cache.live.long())
-            return
         self.cache.advance(self.tokens)
         if isinstance(self.cache, RowsCache):
             self.cache.commit()

@@ -23,14 +23,7 @@ class RowsLayerCache(LayerCache):
     its states for the rows."""
 
     def __init__(self, owner: "RowsCache", home: LayerCache):
-        index = owner.index
-        state = home.recurrent_state
-        if isinstance(state, tuple):
-            state = tuple(s.index_select(0, index) for s in state)
-        elif state is not None:
-            state = state.index_select(0, index)
-        window = None if home.window is None else home.window.index_select(0, index)
-        super().__init__(owner, home.storage, window, state)
+        super().__init__(owner, home.storage, *home.map_states(lambda t: t.index_select(0, owner.index)))
         self.home = home
 
     def append(self, **new: torch.Tensor) -> list[torch.Tensor]:

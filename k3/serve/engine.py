@@ -377,8 +377,9 @@ class Engine:
         self._emit([sequence], [token])
 
     def _free(self, sequence: Sequence) -> None:
-        """Its row back to the free ones, its reservation gone (lock held)."""
+        """Its row back to the free ones (decoding no more), its reservation gone (lock held)."""
         self.reserved -= sequence.reserved
+        self.pool.leave(sequence.row)
         bisect.insort(self.free_rows, sequence.row)
 
     def leave_prefill(self, sequence: Sequence, reason: str) -> None:
@@ -416,7 +417,6 @@ class Engine:
                     self.finish(sequence, "cancelled")
                 if sequence.finish_reason is not None:
                     self.running.remove(sequence)
-                    self.pool.leave(sequence.row)
                     self._free(sequence)
 
     def finish(self, sequence: Sequence, reason: str) -> None:
@@ -435,6 +435,5 @@ class Engine:
         with self.lock:
             for sequence in self.running:
                 self.finish(sequence, f"error: {type(error).__name__}: {error}")
-                self.pool.leave(sequence.row)
                 self._free(sequence)
             self.running = []

@@ -189,10 +189,7 @@ class SlotPool:
         eager step's bucket)."""
         b, L = self.buckets(max(rows) + 1, max(lengths), compiled=False)
         view = self._view(b, L)
-        held = [0] * b
-        for row, n in zip(rows, lengths):
-            held[row] = n
-        view.lengths = held
+        view.lengths = _held(b, rows, lengths)
         return Group(view, len(rows), 1, torch.tensor(rows, device=self.device))
 
     def decode(self, rows: list[int], lengths: list[int]) -> torch.Tensor:
@@ -201,9 +198,14 @@ class SlotPool:
         highest given, the rows between that do not decode unchanged."""
         b, L = self.buckets(max(rows) + 1, max(lengths))
         step = self.step_for(b, L)
-        held = [0] * b
-        for row, n in zip(rows, lengths):
-            held[row] = n
-        step.cache.lengths = held
+        step.cache.lengths = _held(b, rows, lengths)
         step(self.feed[:b])
         return step.last_logits[torch.tensor(rows, device=self.device)]
+
+
+def _held(b: int, rows: list[int], lengths: list[int]) -> list[int]:
+    """The tokens each of the pool's first `b` rows holds: `lengths` at `rows`, 0 elsewhere."""
+    held = [0] * b
+    for row, n in zip(rows, lengths):
+        held[row] = n
+    return held
