@@ -139,10 +139,11 @@ class LayerCache:
         return LayerCache(owner, storage, *self.map_states(lambda t: t[span]))
 
     def map_states(self, fn) -> tuple:
-        """(window, recurrent state) with each tensor replaced by fn(tensor), None where there is none."""
-        state = self.recurrent_state
+        """(window, recurrent state) with each tensor replaced by fn(tensor), None where there is none; fn
+        called in `states()` order (the window first: `Cache.concat` hands out its joined tensors in turn)."""
+        window, state = None if self.window is None else fn(self.window), self.recurrent_state
         state = tuple(fn(t) for t in state) if isinstance(state, tuple) else None if state is None else fn(state)
-        return None if self.window is None else fn(self.window), state
+        return window, state
 
     def read_tokens(self, row: int, start: int, stop: int) -> list[torch.Tensor]:
         """Copies of row `row`'s slots start ... stop-1 of every slot buffer (a prefix cache's block)."""
