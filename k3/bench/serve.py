@@ -411,8 +411,8 @@ def targets(report: dict, contexts) -> list[dict]:
         value = ratio(cases["prefix-on"]["ttft_p50_s"], cases["prefix-off"]["ttft_p50_s"])
         target("shared prefix: median time to first token with the prefix cache <= 0.3x without", value, value <= 0.3)
     if "long-with" in cases:
-        turn = cases["long-without"]["itl_p50_ms"]  # a turn: each stream's token a turn
-        value = (cases["long-with"]["itl_p99_ms"] - turn) / turn
+        without, turn = cases["long-without"]["itl_p99_ms"], cases["long-without"]["itl_p50_ms"]  # a token a turn
+        value = (cases["long-with"]["itl_p99_ms"] - without) / turn  # what the long prompt adds to the p99
         target(f"a {LONG_PROMPT:,}-token prompt under load delays the others' next token <= 2 turns (p99)", value,
                value <= 2)  # fmt: skip
     failed = sum(c["failed"] + c.get("intruder", {}).get("failed", 0) for c in cases.values())

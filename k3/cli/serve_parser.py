@@ -87,8 +87,9 @@ def add_serve_parser(sub) -> None:
         "--prefill-chunk",
         type=_prefill_chunk,
         default=PREFILL_CHUNK,
-        help="prompt tokens prefilled per engine turn, between two decode steps of the running "
-        "sequences, so a long prompt does not stall them; also the prefix cache's block. 0: each prompt "
+        help="prompt tokens prefilled per engine turn beside the running sequences' next tokens, so a long "
+        "prompt does not stall them (and no more work than this many at a prompt's start: a piece deep in a "
+        "long prompt holds fewer); also the prefix cache's block. 0: each prompt "
         f"whole; else at least {MIN_PREFILL_CHUNK}: each chunk costs a forward and a cached block of its own, "
         "so a smaller one is refused (as vLLM refuses --max-num-batched-tokens below --max-num-seqs) "
         f"rather than serve many times slower (default {PREFILL_CHUNK})",

@@ -2,9 +2,13 @@
 prefilling prompts' pieces, packed into one forward over the slot pool's rows (`k3.inference.packed`).
 
 A turn's token budget (`max_num_batched_tokens`) goes first to the running rows, one token each; what is
-left, at most `prefill_chunk` tokens, to a piece of each prefilling prompt, oldest first (a round). A
-piece is at most the sequence's planned piece, the budget left and what is left of its prompt, and never
-crosses a prefix-cache block's end. In the forward a piece goes through its row of the pool itself
+left, at most `prefill_chunk` tokens, to a piece of each prefilling prompt, oldest first (a round). The
+prompt work is bounded too: the pieces' multiply-adds (`k3.plan.costs.prefill_macs`, matmuls per token plus
+attention per slot each token reads) at most those of `prefill_chunk` tokens at a prompt's start, so a
+piece deep in a long prompt holds fewer tokens (vLLM caps it by a token count, `long_prefill_token_threshold`;
+here its cost sets it) and the running rows' next token waits no longer for it than for a short prompt's
+piece. A piece is at most the sequence's planned piece and what is left of its prompt, and never crosses a
+prefix-cache block's end. In the forward a piece goes through its row of the pool itself
 (`Cache.view`), pieces of one length through their rows by index (`k3.inference.row_cache.RowsCache`: the
 slots the forward reads are gathered, the states written back once it succeeded): after prefix-cache hits
 every prompt's remainder is a short piece, and one forward of k rows costs far less than k forwards, each
@@ -23,12 +27,14 @@ import torch
 
 from ..inference.packed import Group, packed_forward
 from ..inference.row_cache import RowsCache
+from ..plan.costs import prefill_macs, prefill_macs_terms, tokens_within
 from .sampler import logprobs_of
 from .sequence import Sequence, prefill_bytes, sequence_bytes
 
 log = logging.getLogger("k3.serve")
 
 PROMPT_LOGPROBS_PIECE = 64  # prompt tokens a piece holds when every position's logits are kept
+MIN_PIECE = 16  # prompt tokens a turn's first piece holds at least, whatever its work
 
 
 def prompt_logprobs(sequence: Sequence, start: int, logits: torch.Tensor) -> None:
@@ -48,25 +54,21 @@ class Prefiller:
 
     def __init__(self, engine):
         self.engine = engine
+        self.terms = prefill_macs_terms(engine.model.config)
+        chunk = engine.prefill_chunk  # a turn's prompt work: `prefill_chunk` tokens at a prompt's start
+        self.turn_macs = prefill_macs(self.terms, chunk, 0) if chunk else float("inf")
 
     def turn(self, rows: list[Sequence]) -> torch.Tensor | None:
         """The turn's forward: the running `rows`' next tokens and a round of prompt pieces packed into one
-        (`_round`, under the token budget: `prefill_chunk` prompt tokens, `max_num_batched_tokens` in all),
-        or the decode step alone when no prompt waits; then, while the prompt budget lasts and a prompt has
-        tokens left that the round could not take (a block's end, a piece's size), further rounds of pieces
-        alone. The rows' logits [len(rows), vocab] (None without rows, or when their forward failed)."""
+        (`_round`, under the turn's budget: at most `prefill_chunk` prompt tokens and the work of as many at
+        a prompt's start, `max_num_batched_tokens` tokens in all), or the decode step alone when no prompt
+        waits. The rows' logits [len(rows), vocab] (None without rows, or when their forward failed)."""
         engine = self.engine
-        budget = engine.prefill_chunk or float("inf")
+        tokens = engine.prefill_chunk or float("inf")
         if engine.max_num_batched_tokens is not None:
-            budget = min(budget, engine.max_num_batched_tokens - len(rows))
-        pieces = self._round(budget)
-        logits = self._forward(pieces, rows) if pieces or rows else None
-        while pieces:
-            budget -= sum(n * len(group) for group, n, _ in pieces)
-            pieces = self._round(budget)
-            if pieces:
-                self._forward(pieces, [])
-        return logits
+            tokens = min(tokens, engine.max_num_batched_tokens - len(rows))
+        pieces = self._round(tokens, self.turn_macs)
+        return self._forward(pieces, rows) if pieces or rows else None
 
     def fail(self, sequence: Sequence, error: Exception) -> None:
         """End `sequence` alone with `error` (and a line in the log): it leaves the prefilling sequences,
@@ -93,14 +95,19 @@ class Prefiller:
                 engine.prefix.restore(run, engine.pool.cache, sequence.row)
                 sequence.prefilled = sequence.cached_tokens = len(run) * engine.prefix.block
 
-    def _piece(self, sequence: Sequence, budget: float) -> int:
-        """The tokens of the sequence's next piece (its row started): at most its planned piece, `budget`
-        and what is left of its prompt, never across a prefix-cache block's end; its ids checked against
-        the vocabulary (a ValueError naming them: the forward they would break is shared)."""
+    def _piece(self, sequence: Sequence, tokens: float, work: float, first: bool) -> int:
+        """The tokens of the sequence's next piece (its row started): at most its planned piece, `tokens`,
+        the tokens whose work (`k3.plan.costs.prefill_macs`: a token late in a long prompt attends to every
+        slot before it) fits `work` (the turn's `first` piece at least MIN_PIECE tokens, so that every prompt
+        moves) and what is left of its prompt, never across a prefix-cache block's end; its ids checked
+        against the vocabulary (a ValueError naming them: the forward they would break is shared)."""
         if not sequence.started:
             self._start(sequence)
         start, prefix = sequence.prefilled, self.engine.prefix
-        n = min(sequence.piece, budget, len(sequence.prompt) - start)
+        n = min(sequence.piece, tokens, len(sequence.prompt) - start)
+        if work != float("inf"):
+            affordable = tokens_within(self.terms, work, start)
+            n = min(n, max(affordable, MIN_PIECE) if first else affordable)
         if sequence.prompt_logprobs is not None:  # each position's logits: [n, vocab] at once
             n = min(n, PROMPT_LOGPROBS_PIECE)
         if prefix is not None:
@@ -111,31 +118,38 @@ class Prefiller:
             raise ValueError(f"`prompt` must be token ids in [0, {vocab}) (the vocabulary), got {outside[0]}")
         return int(n)
 
-    def _round(self, budget: float) -> list[tuple[list[Sequence], int, bool]]:
-        """A piece for each prefilling sequence, oldest first, while their tokens fit `budget`, each whose
-        transient bytes fit the free room beside the pieces before it (the oldest's always: its admission
-        made room for it; a long prompt's piece does not keep shorter ones out): grouped as
-        (the sequences whose pieces have one length, that length, whether every position's logits are kept:
-        such a piece runs alone). A sequence whose row fails to start ends alone (`fail`)."""
+    def _round(self, tokens: float, work: float) -> list[tuple[list[Sequence], int, bool]]:
+        """A piece for each prefilling sequence, oldest first, while `tokens` and `work` (multiply-adds)
+        last (`_piece`; a piece takes at most half the `work` while a prompt waits behind it: a long prompt
+        leaves room for short ones), each whose transient bytes fit the free room beside the pieces before
+        it (the first's always: its admission made room for it; a long prompt's piece does not keep shorter
+        ones out): grouped as (the sequences whose pieces have one length, that length, whether every
+        position's logits are kept: such a piece runs alone). A sequence whose row fails to start ends
+        alone (`fail`)."""
         engine, config = self.engine, self.engine.model.config
         groups: dict[tuple, list[Sequence]] = {}
         used = need = 0
-        for sequence in list(engine.prefilling):
-            if used >= budget:
+        waiting = list(engine.prefilling)
+        for i, sequence in enumerate(waiting):
+            if tokens < 1 or work <= 0:
                 break
             if sequence.cancelled:
                 engine.leave_prefill(sequence, "cancelled")
                 continue
+            share = work if i == len(waiting) - 1 else min(work, self.turn_macs / 2)
             try:
-                n = self._piece(sequence, budget - used)
+                n = self._piece(sequence, tokens, share, first=not used)
             except Exception as e:
                 self.fail(sequence, e)
                 continue
+            if n == 0:
+                continue  # its context makes even one token too much work; a shorter prompt's may fit
             prompt, dtype_bytes = len(sequence.prompt), engine.dtype_bytes
             more = prefill_bytes(config, n, prompt, dtype_bytes) + sequence_bytes(config, prompt, dtype_bytes)
             if used and need + more > engine.room:
                 continue  # a later, shorter prompt's piece may fit beside
-            used, need = used + n, need + more
+            used, need, tokens = used + n, need + more, tokens - n
+            work -= prefill_macs(self.terms, n, sequence.prefilled)
             every = sequence.prompt_logprobs is not None
             groups.setdefault((n, every, sequence.id if every else None), []).append(sequence)
         return [(group, n, every) for (n, every, _), group in groups.items()]

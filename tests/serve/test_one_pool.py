@@ -11,6 +11,7 @@ import k3.serve.prefill as prefill_module
 from k3.inference.packed import Group, packed_forward
 from k3.inference.row_cache import RowsCache
 from k3.models import PRESETS, CausalLM, get_config
+from k3.plan.costs import prefill_macs
 from k3.serve import Engine
 
 from .test_engine import Collector, alone, wait_until
@@ -128,6 +129,37 @@ def test_the_engine_runs_one_forward_a_turn_within_its_token_budget(budget, monk
     assert mixed and all(f[1] <= (budget or 4 + 64) for f in mixed)
     if budget:
         assert all(f[1] <= budget for f in forwards if f[0] == "packed")
+
+
+def test_a_piece_deep_in_a_long_prompt_is_sized_by_its_work(monkeypatch):
+    """A turn's prompt pieces do at most the work (`prefill_macs`) of `prefill_chunk` tokens at a prompt's
+    start: late in a long prompt, where each token attends to every slot before it, a piece holds fewer
+    tokens; the prompt still gets its tokens alone, while a short request beside it decodes."""
+    model = tiny("kimi-k3-tiny")
+    pieces, real_packed = [], prefill_module.packed_forward
+
+    def packed(model, ids, groups):
+        pieces.append([(g.tokens, length) for g in groups if g.picks is None for length in g.cache.lengths])
+        return real_packed(model, ids, groups)
+
+    monkeypatch.setattr(prefill_module, "packed_forward", packed)
+    engine = Engine(model, cache_memory=10**9, max_running=4, max_length=1200, prefill_chunk=128,
+                    prefix_cache=False).start()  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    long, short = torch.randint(0, 97, (1100,), generator=g).tolist(), [5, 6, 7]
+    try:
+        first, second = Collector(), Collector()
+        engine.submit(first.sequence(short, 40))
+        engine.submit(second.sequence(long, 3))
+        assert second.done.wait(300) and second.tokens == alone(model, long, 3)
+        assert first.done.wait(60) and first.tokens == alone(model, short, 40)
+    finally:
+        engine.stop()
+    terms, most = engine.prefiller.terms, engine.prefiller.turn_macs
+    for turn in pieces:
+        assert sum(prefill_macs(terms, n, context) for n, context in turn) <= most * (1 + 1e-9)
+    sizes = {context: n for turn in pieces for n, context in turn}
+    assert sizes[0] > 100 and sizes[max(sizes)] < 64, sizes  # the prompt's first piece, and one near its end
 
 
 def test_the_token_budget_is_checked():
