@@ -97,6 +97,8 @@ def _serve(args) -> int:
     """`k3 serve`: the checkpoint behind OpenAI's API (`k3.serve`); checked as `k3 generate` checks it. The
     flags are checked and --host:--port bound before the model loads (`k3.serve.bind`: a bad host or a busy
     port is one line at once, not uvicorn's error after a long load), and the socket is what uvicorn serves."""
+    import torch
+
     from ..runtime import resolve_device
     from ..serve import bind, require_serve_extra
 
@@ -113,18 +115,22 @@ def _serve(args) -> int:
             f"e.g. what k3 train --out wrote)"
         )
     _use_threads(args)
+    threads = torch.get_num_threads()  # the engine's; this thread loads on one (see k3.serve.engine)
+    torch.set_num_threads(1)
     device = resolve_device(args.device)
     _check_cache_memory(budget, args.cache_memory, device)
     sockets = bind(args.host, args.port)
     try:
-        _load_and_serve(args, sockets, device, budget, api_key, max_request_bytes)
+        _load_and_serve(args, sockets, device, budget, api_key, max_request_bytes, threads)
     finally:
         for sock in sockets:
             sock.close()
     return 0
 
 
-def _load_and_serve(args, sockets, device, budget: int, api_key: str | None, max_request_bytes: int) -> None:
+def _load_and_serve(
+    args, sockets, device, budget: int, api_key: str | None, max_request_bytes: int, threads: int
+) -> None:
     """The checkpoint loaded (its chat template checked before the model), the engine and the app made, then
     served on `sockets` until a signal stops it (`k3.serve.serve`)."""
     from ..io import reading
@@ -158,6 +164,7 @@ def _load_and_serve(args, sockets, device, budget: int, api_key: str | None, max
             max_num_batched_tokens=args.max_num_batched_tokens,
             compile=args.compile,
             prefix_cache=args.prefix_cache,
+            threads=threads,
         )
     except ValueError as e:
         raise ValueError(f"--cache-memory {args.cache_memory}: {e}") from None

@@ -5,7 +5,10 @@ The engine holds one static cache (`model.new_cache(slots, max_length=N)`, `k3.s
 of rows, the slots, each with room for N tokens (gpt-fast's static cache; vLLM's state slots for the
 recurrent layers). A sequence holds one row from its admission to its end, addressed by index: its prompt is
 prefilled into that row, a prefix-cache hit restored into it, it decodes there, and when it ends the row is
-free for the next (nothing else moves). One loop, on a thread of its own, owns the model. Each turn of it
+free for the next (nothing else moves). One loop, on a thread of its own, owns the model and runs its torch
+work with `threads` threads; no other live thread should have run torch on more than one: torch's OpenMP
+(libgomp) cuts its workers' spin-wait once the threads it manages outnumber the cores, and every small op of
+the loop then waits for its workers to wake (`k3 serve` loads the model on one torch thread). Each turn of it
 1. admits waiting sequences, oldest first, while a row is free and one of their prefill pieces fits the
    budget, each given the lowest free row;
 2. runs one forward (`k3.serve.prefill`): every running sequence's next token and, under the turn's token
@@ -82,7 +85,8 @@ class Engine:
     eager ones serve (True: inductor; a torch.compile backend name; False: eager); `prefix_cache`: keep and
     reuse prompts' states in blocks of `prefix_block` tokens (default: `prefill_chunk`, else PREFIX_BLOCK);
     `max_num_batched_tokens`: the tokens one turn's forward takes at most, the running rows' one each first,
-    prompt pieces in what is left (vLLM's name; None: the running rows and `prefill_chunk`).
+    prompt pieces in what is left (vLLM's name; None: the running rows and `prefill_chunk`); `threads`: the
+    torch threads of its loop and its compiler (default: torch's, `torch.get_num_threads()`).
     Each argument is checked here, a ValueError naming it."""
 
     def __init__(
@@ -97,8 +101,9 @@ class Engine:
         prefix_cache: bool = False,
         prefix_block: int | None = None,
         max_num_batched_tokens: int | None = None,
+        threads: int | None = None,
     ):
-        counts = dict(max_queue=max_queue, max_running=max_running, prefill_chunk=prefill_chunk)
+        counts = dict(max_queue=max_queue, max_running=max_running, prefill_chunk=prefill_chunk, threads=threads)
         counts.update(max_length=max_length, prefix_block=prefix_block, max_num_batched_tokens=max_num_batched_tokens)
         cache_memory = check_engine_arguments(model, cache_memory, compile, prefix_cache, counts)
         config = model.config
@@ -126,7 +131,10 @@ class Engine:
         self.max_running = self.slots
         self.free_rows = list(range(self.slots))  # the pool's rows no sequence holds, lowest first
         self.lent = 0  # the pool's last rows lent to the compiler (`k3.serve.slots`)
-        self.pool = SlotPool(model, self.slots, self.max_length, compile, model.decoding_weights(), self._reserve)
+        self.threads = threads or torch.get_num_threads()
+        self.pool = SlotPool(
+            model, self.slots, self.max_length, compile, model.decoding_weights(), self._reserve, self.threads
+        )
         self.pool_bytes = self.pool.nbytes
         block = prefix_block or prefill_chunk or PREFIX_BLOCK
         self.prefix = PrefixCache(block) if prefix_cache else None
@@ -287,6 +295,7 @@ class Engine:
 
     # -- the loop, its own thread ------------------------------------------------------------------
     def _loop(self) -> None:
+        torch.set_num_threads(self.threads)
         while True:
             with self.lock:
                 while not self._stopped and not self.running and not self.prefilling and not self._admissible():

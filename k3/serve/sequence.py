@@ -84,7 +84,7 @@ def check_engine_arguments(model, cache_memory, compile, prefix_cache, counts: d
     bytes (`budget_bytes`)."""
     for name, value in counts.items():
         low = {"prefill_chunk": 0, "max_length": 2}.get(name, 1)  # max_length: a prompt token and one more
-        if value is None and name in ("max_length", "prefix_block", "max_num_batched_tokens"):
+        if value is None and name in ("max_length", "prefix_block", "max_num_batched_tokens", "threads"):
             continue  # their defaults
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"Engine: `{name}` must be an int >= {low}, got {value!r}")

@@ -41,10 +41,14 @@ class SlotPool:
     them (`steps`: eager, made on first use; `compiled`: those compiled in the background, which replace
     them); `compile`: False (eager), True (inductor) or a torch.compile backend name; `fused`: the weight
     copies the steps read (`model.decoding_weights()`); `reserve(rows) -> bool`: the engine lends the pool's last
-    `rows` rows to a compile if no sequence holds them (`reserve(-rows)` gives them back; default: lent)."""
+    `rows` rows to a compile if no sequence holds them (`reserve(-rows)` gives them back; default: lent);
+    `threads`: the torch threads the compiler thread runs (and writes its kernels) with (default: torch's)."""
 
-    def __init__(self, model, slots: int, max_length: int, compile: bool | str, fused: list[tuple], reserve=None):
+    def __init__(
+        self, model, slots: int, max_length: int, compile: bool | str, fused: list[tuple], reserve=None, threads=None
+    ):
         self.model, self.slots, self.max_length, self.compile, self.fused = model, slots, max_length, compile, fused
+        self.threads = threads or torch.get_num_threads()
         self.cache = model.new_cache(slots, max_length=max_length)
         self.device = self.cache.positions.device
         self.live = torch.zeros(slots, dtype=torch.bool, device=self.device)  # the rows that decode
@@ -56,8 +60,8 @@ class SlotPool:
         self.compile_seconds = 0.0
         self.reserve = reserve or (lambda need: True)
         self._wake = threading.Condition()
-        self._stopped = False
-        self._compiler: threading.Thread | None = None
+        self._started = self._stopped = False
+        self._compiler: threading.Thread | None = None  # alive while buckets wait (see `_compile_loop`)
 
     def buckets(self, rows: int, longest: int, compiled: bool | None = None) -> tuple[int, int]:
         """(b, L): the pool rows and slots a step over the pool's first `rows` rows, the longest holding
@@ -100,35 +104,40 @@ class SlotPool:
         return sizes + [self.slots]
 
     def start_compiling(self) -> None:
-        """Start the compiler thread (with `compile`): every batch bucket over all slots, smallest first,
-        then the buckets turns ask for."""
-        if not self.compile or self._compiler is not None:
+        """Start compiling (with `compile`): every batch bucket over all slots, smallest first, then the
+        buckets turns ask for, on a thread of the pool's while any waits."""
+        if not self.compile or self._started:
             return
+        self._started = True
         for b in self.batch_buckets():
             self._queue((b, self.max_length))
-        self._compiler = threading.Thread(target=self._compile_loop, name="k3-compile", daemon=True)
-        self._compiler.start()
 
     def stop_compiling(self, timeout: float | None = None) -> None:
         with self._wake:
             self._stopped = True
             self._wake.notify_all()
-        if self._compiler is not None:
-            self._compiler.join(timeout)
+            compiler = self._compiler
+        if compiler is not None:
+            compiler.join(timeout)
 
     def _queue(self, key: tuple[int, int]) -> None:
         with self._wake:
             if key not in self.compiled and key not in self.to_compile:
                 self.to_compile.append(key)
                 self._wake.notify_all()
+                if self._started and not self._stopped and self._compiler is None:
+                    self._compiler = threading.Thread(target=self._compile_loop, name="k3-compile", daemon=True)
+                    self._compiler.start()
 
     def _compile_loop(self) -> None:
-        """The compiler thread: the queued buckets in order, each once its scratch fits the budget."""
+        """The compiler thread: the queued buckets in order, each once its scratch fits the budget; it ends
+        when none waits (a thread's torch (OpenMP) workers end with it: while two threads' workers live, every
+        op of the engine's loop runs slower, see `k3.serve.engine`), and `_queue` starts another for the next."""
+        torch.set_num_threads(self.threads)
         while True:
             with self._wake:
-                while not self._stopped and not self.to_compile:
-                    self._wake.wait()
-                if self._stopped:
+                if self._stopped or not self.to_compile:
+                    self._compiler = None
                     return
                 queued = list(self.to_compile)
             # the engine's lock, not this one, while its budget is asked (its thread may hold it and wait here)

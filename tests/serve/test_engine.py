@@ -348,19 +348,22 @@ def test_the_compiled_engine_serves_at_once_and_gets_what_each_would_alone(prese
     """The engine with compiled steps (aot_eager: no C++ compiler needed) answers while its steps compile in
     the background (here held back until the first sequences are done, so they run on eager steps), then on
     the compiled ones; rows joining and leaving across batch buckets: each sequence's greedy tokens are those
-    it gets alone, before and after. A compile runs over the pool's last rows, lent and given back."""
+    it gets alone, before and after. A compile runs over the pool's last rows, lent and given back. The loop
+    and the compiler run with the engine's `threads`; the compiler's thread ends when no bucket waits, and
+    another starts for the next."""
     import k3.serve.slots as slots_module
 
     model = tiny(preset)
-    hold = threading.Event()
+    hold, threads = threading.Event(), set()
     real = slots_module.SlotPool._compile
 
     def held(pool, key):
         hold.wait(120)
+        threads.add(("compiler", torch.get_num_threads()))
         real(pool, key)
 
     monkeypatch.setattr(slots_module.SlotPool, "_compile", held)
-    engine = make_engine(model, compile="aot_eager", max_length=128, max_running=4).start()
+    engine = make_engine(model, compile="aot_eager", max_length=128, max_running=4, threads=1).start()
     work = [(p, 2 + 3 * (i % 3)) for i, p in enumerate(prompts(7, seed=13))]
     try:
         for phase in ("eager", "compiled"):
@@ -371,7 +374,11 @@ def test_the_compiled_engine_serves_at_once_and_gets_what_each_would_alone(prese
             collectors = []
             for prompt, n in work:
                 c = Collector()
-                engine.submit(c.sequence(prompt, n))
+                sequence = c.sequence(prompt, n)
+                sequence.on_token = lambda t, real=sequence.on_token: (
+                    threads.add(("loop", torch.get_num_threads())) or real(t)
+                )
+                engine.submit(sequence)
                 collectors.append(c)
             for (prompt, n), c in zip(work, collectors):
                 assert c.done.wait(300) and c.reason == "length" and c.tokens == alone(model, prompt, n), phase
@@ -380,6 +387,10 @@ def test_the_compiled_engine_serves_at_once_and_gets_what_each_would_alone(prese
                 assert set(engine.pool.steps) <= {(1, 128), (2, 128), (4, 128)}  # the batch buckets
         assert sorted(engine.pool.compiled) == [(1, 128), (2, 128), (4, 128)]  # the batch buckets, no others
         assert engine.stats()["compiled"] and engine.stats()["compile_seconds"] > 0
+        assert threads == {("compiler", 1), ("loop", 1)}
+        wait_until(lambda: engine.pool._compiler is None)  # nothing waits: its thread has ended
+        engine.pool._queue((1, 64))  # a bucket a turn asks for starts another
+        wait_until(lambda: (1, 64) in engine.pool.compiled and engine.pool._compiler is None, timeout=120)
     finally:
         hold.set()
         engine.stop()

@@ -162,6 +162,8 @@ def test_a_piece_deep_in_a_long_prompt_is_sized_by_its_work(monkeypatch):
     assert sizes[0] > 100 and sizes[max(sizes)] < 64, sizes  # the prompt's first piece, and one near its end
 
 
-def test_the_token_budget_is_checked():
+def test_the_token_budget_and_the_threads_are_checked():
     with pytest.raises(ValueError, match="`max_num_batched_tokens` must be an int >= 1, got 0"):
         Engine(tiny("gpt2-tiny"), cache_memory=10**8, max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="`threads` must be an int >= 1, got 0"):
+        Engine(tiny("gpt2-tiny"), cache_memory=10**8, threads=0)
