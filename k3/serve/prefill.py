@@ -4,11 +4,12 @@ prefilling prompts' pieces, packed into one forward over the slot pool's rows (`
 A turn's token budget (`max_num_batched_tokens`) goes first to the running rows, one token each; what is
 left, at most `prefill_chunk` tokens, to a piece of each prefilling prompt, oldest first (a round). The
 prompt work is bounded too: the pieces' multiply-adds (`k3.plan.costs.prefill_macs`, matmuls per token plus
-attention per slot each token reads) at most those of `prefill_chunk` tokens at a prompt's start, so a
-piece deep in a long prompt holds fewer tokens (vLLM caps it by a token count, `long_prefill_token_threshold`;
-here its cost sets it) and the running rows' next token waits no longer for it than for a short prompt's
-piece. A piece is at most the sequence's planned piece and what is left of its prompt, and never crosses a
-prefix-cache block's end. In the forward a piece goes through its row of the pool itself
+attention per slot each token reads) at most those of `prefill_chunk` tokens at a prompt's start, a
+prompt that needs more than one piece at most half of them, so a piece deep in a long prompt holds fewer
+tokens (vLLM caps a long prompt's piece by a token count, `long_prefill_token_threshold`; here its cost sets
+it), a short prompt beside it still finishes in one turn, and the running rows' next token waits no longer
+for it than for a short prompt's piece. A piece is at most the sequence's planned piece and what is left of
+its prompt, and never crosses a prefix-cache block's end. In the forward a piece goes through its row of the pool itself
 (`Cache.view`), pieces of one length through their rows by index (`k3.inference.row_cache.RowsCache`: the
 slots the forward reads are gathered, the states written back once it succeeded): after prefix-cache hits
 every prompt's remainder is a short piece, and one forward of k rows costs far less than k forwards, each
@@ -98,13 +99,17 @@ class Prefiller:
     def _piece(self, sequence: Sequence, tokens: float, work: float, first: bool) -> int:
         """The tokens of the sequence's next piece (its row started): at most its planned piece, `tokens`,
         the tokens whose work (`k3.plan.costs.prefill_macs`: a token late in a long prompt attends to every
-        slot before it) fits `work` (the turn's `first` piece at least MIN_PIECE tokens, so that every prompt
-        moves) and what is left of its prompt, never across a prefix-cache block's end; its ids checked
+        slot before it) fits `work`, or half the turn's when the rest of its prompt takes more than one piece
+        (it takes several turns anyway; a short prompt beside it finishes in this one, and the running rows'
+        next token waits less), the turn's `first` piece at least MIN_PIECE tokens (so that every prompt
+        moves), and what is left of its prompt, never across a prefix-cache block's end; its ids checked
         against the vocabulary (a ValueError naming them: the forward they would break is shared)."""
         if not sequence.started:
             self._start(sequence)
         start, prefix = sequence.prefilled, self.engine.prefix
         n = min(sequence.piece, tokens, len(sequence.prompt) - start)
+        if len(sequence.prompt) - start > sequence.piece:  # it takes more turns anyway: room for others
+            work = min(work, self.turn_macs / 2)
         if work != float("inf"):
             affordable = tokens_within(self.terms, work, start)
             n = min(n, max(affordable, MIN_PIECE) if first else affordable)
@@ -120,8 +125,8 @@ class Prefiller:
 
     def _round(self, tokens: float, work: float) -> list[tuple[list[Sequence], int, bool]]:
         """A piece for each prefilling sequence, oldest first, while `tokens` and `work` (multiply-adds)
-        last (`_piece`; a piece takes at most half the `work` while a prompt waits behind it: a long prompt
-        leaves room for short ones), each whose transient bytes fit the free room beside the pieces before
+        last (`_piece`: a long prompt's piece takes at most half the turn's work), each whose transient
+        bytes fit the free room beside the pieces before
         it (the first's always: its admission made room for it; a long prompt's piece does not keep shorter
         ones out): grouped as (the sequences whose pieces have one length, that length, whether every
         position's logits are kept: such a piece runs alone). A sequence whose row fails to start ends
@@ -130,15 +135,14 @@ class Prefiller:
         groups: dict[tuple, list[Sequence]] = {}
         used = need = 0
         waiting = list(engine.prefilling)
-        for i, sequence in enumerate(waiting):
+        for sequence in waiting:
             if tokens < 1 or work <= 0:
                 break
             if sequence.cancelled:
                 engine.leave_prefill(sequence, "cancelled")
                 continue
-            share = work if i == len(waiting) - 1 else min(work, self.turn_macs / 2)
             try:
-                n = self._piece(sequence, tokens, share, first=not used)
+                n = self._piece(sequence, tokens, work, first=not used)
             except Exception as e:
                 self.fail(sequence, e)
                 continue

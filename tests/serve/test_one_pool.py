@@ -159,7 +159,8 @@ def test_a_piece_deep_in_a_long_prompt_is_sized_by_its_work(monkeypatch):
     for turn in pieces:
         assert sum(prefill_macs(terms, n, context) for n, context in turn) <= most * (1 + 1e-9)
     sizes = {context: n for turn in pieces for n, context in turn}
-    assert sizes[0] > 100 and sizes[max(sizes)] < 64, sizes  # the prompt's first piece, and one near its end
+    late = [n for context, n in sizes.items() if 700 <= context < 900]  # more than a piece left
+    assert 40 < sizes[0] < 80 and late and max(late) < 0.6 * sizes[0], sizes  # its first piece (half the work: long)
 
 
 def test_the_token_budget_and_the_threads_are_checked():
