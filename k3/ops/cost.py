@@ -66,3 +66,19 @@ def k3_cost(op: str, T: int, d: int, C: int, lower_bound: float | None = None) -
         )
         return padded // C * per_chunk
     raise ValueError(f"k3_cost: `op` must be one of {OPS}, got {op!r}")
+
+
+LINEAR_OP = {"linear_attn": "linear_attn", "deltanet": "kda", "gated_deltanet": "kda", "kda": "kda"}
+
+
+def mixer_macs_per_token(config, kind: str, seq_len: int) -> float:
+    """Sequence-term multiply-adds of one `kind` layer of a model `config` (a k3 ModelConfig) per token,
+    forward, over sequences of `seq_len` (see k3.plan.costs for the terms)."""
+    c = config
+    if kind == "mha":
+        return c.hidden_size * (seq_len + 1)  # H heads x (d/H + d/H) x (T + 1) / 2
+    if kind == "mla":
+        return c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * (seq_len + 1) / 2
+    op = LINEAR_OP[kind]
+    bound = c.kda_gate_lower_bound if kind == "kda" and c.kda_gate == "safe" else None  # K3's safe gate
+    return c.linear_num_heads * k3_cost(op, seq_len, c.linear_head_dim, c.chunk_size, lower_bound=bound) / seq_len

@@ -28,25 +28,10 @@ An estimate of what a good implementation keeps, not a measurement of k3's (whic
 
 from __future__ import annotations
 
-import math
-
 from ..models import ModelConfig, count_params
-from ..ops.cost import k3_cost
+from ..ops.cost import mixer_macs_per_token
 
 RECOMPUTE = ("none", "selective", "full")
-LINEAR_OP = {"linear_attn": "linear_attn", "deltanet": "kda", "gated_deltanet": "kda", "kda": "kda"}
-
-
-def mixer_macs_per_token(config: ModelConfig, kind: str, seq_len: int) -> float:
-    """Sequence-term multiply-adds of one `kind` layer per token, forward, over sequences of `seq_len`."""
-    c = config
-    if kind == "mha":
-        return c.hidden_size * (seq_len + 1)  # H heads x (d/H + d/H) x (T + 1) / 2
-    if kind == "mla":
-        return c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * (seq_len + 1) / 2
-    op = LINEAR_OP[kind]
-    bound = c.kda_gate_lower_bound if kind == "kda" and c.kda_gate == "safe" else None  # K3's safe gate
-    return c.linear_num_heads * k3_cost(op, seq_len, c.linear_head_dim, c.chunk_size, lower_bound=bound) / seq_len
 
 
 def train_flops_per_token(config: ModelConfig, seq_len: int) -> dict[str, float]:
@@ -71,38 +56,6 @@ def decode_flops_per_token(config: ModelConfig, context: int) -> dict[str, float
         macs = per_layer.get(kind, 4.0 * c.linear_num_heads * c.linear_head_dim**2)
         out[f"sequence ({kind})"] = 2.0 * c.layer_types.count(kind) * macs
     return out
-
-
-def prefill_macs_terms(config: ModelConfig) -> tuple[float, float]:
-    """(per token, per slot): the multiply-adds a prompt token costs whatever its place (its matmuls, the
-    active parameters, and the linear mixers' chunk work at `chunk_size`), and those it costs for each slot
-    it attends to (softmax attention 2 d, MLA H (d_qk + d_v), summed over the attention layers)."""
-    c, per_token, per_slot = config, float(count_params(config).active), 0.0
-    for kind in config.layer_types:
-        if kind == "mha":
-            per_slot += 2.0 * c.hidden_size
-        elif kind == "mla":
-            per_slot += c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
-        else:
-            per_token += mixer_macs_per_token(c, kind, c.chunk_size)
-    return per_token, per_slot
-
-
-def prefill_macs(terms: tuple[float, float], tokens: int, context: int) -> float:
-    """Multiply-adds of a prefill piece of `tokens` prompt tokens after `context` cached ones, from
-    `prefill_macs_terms`: the i-th token attends to context + i + 1 slots, tokens (context + (tokens + 1) / 2)
-    slots for the piece."""
-    per_token, per_slot = terms
-    return tokens * (per_token + per_slot * (context + (tokens + 1) / 2))
-
-
-def tokens_within(terms: tuple[float, float], macs: float, context: int) -> int:
-    """The most tokens a piece after `context` cached ones may hold for at most `macs` multiply-adds
-    (`prefill_macs` <= macs): the root of (b / 2) n^2 + (a + b (context + 1/2)) n = macs."""
-    a, b = terms
-    p = a + b * (context + 0.5)
-    n = macs / p if b == 0 else (math.sqrt(p * p + 2 * b * macs) - p) / b
-    return max(0, int(n + 1e-9))
 
 
 def _mixer_tensors(c: ModelConfig, kind: str) -> list[tuple[float, str]]:

@@ -3,7 +3,7 @@ prefilling prompts' pieces, packed into one forward over the slot pool's rows (`
 
 A turn's token budget (`max_num_batched_tokens`) goes first to the running rows, one token each; what is
 left, at most `prefill_chunk` tokens, to a piece of each prefilling prompt, oldest first (a round). The
-prompt work is bounded too: the pieces' multiply-adds (`k3.plan.costs.prefill_macs`, matmuls per token plus
+prompt work is bounded too: the pieces' multiply-adds (`k3.serve.sequence.prefill_macs`, matmuls per token plus
 attention per slot each token reads) at most those of `prefill_chunk` tokens at a prompt's start, a
 prompt that needs more than one piece at most half of them, so a piece deep in a long prompt holds fewer
 tokens (vLLM caps a long prompt's piece by a token count, `long_prefill_token_threshold`; here its cost sets
@@ -28,9 +28,8 @@ import torch
 
 from ..inference.packed import Group, packed_forward
 from ..inference.row_cache import RowsCache
-from ..plan.costs import prefill_macs, prefill_macs_terms, tokens_within
 from .sampler import logprobs_of
-from .sequence import Sequence, prefill_bytes, sequence_bytes
+from .sequence import Sequence, prefill_bytes, prefill_macs, prefill_macs_terms, sequence_bytes, tokens_within
 
 log = logging.getLogger("k3.serve")
 
@@ -98,7 +97,7 @@ class Prefiller:
 
     def _piece(self, sequence: Sequence, tokens: float, work: float, first: bool) -> int:
         """The tokens of the sequence's next piece (its row started): at most its planned piece, `tokens`,
-        the tokens whose work (`k3.plan.costs.prefill_macs`: a token late in a long prompt attends to every
+        the tokens whose work (`k3.serve.sequence.prefill_macs`: a token late in a long prompt attends to every
         slot before it) fits `work`, or half the turn's when the rest of its prompt takes more than one piece
         (it takes several turns anyway; a short prompt beside it finishes in this one, and the running rows'
         next token waits less), the turn's `first` piece at least MIN_PIECE tokens (so that every prompt

@@ -15,8 +15,10 @@ from typing import Callable
 import torch
 
 from ..inference.generation import check_sampling, check_seed
+from ..models import count_params
 from ..models.kinds import MIXERS, cache_bytes
 from ..models.model import PREFILL_PIECE
+from ..ops.cost import mixer_macs_per_token
 from ..runtime import available_memory
 
 MAX_LOGPROBS = 20  # alternatives a token's logprobs may list (OpenAI's top_logprobs bound; vLLM's default)
@@ -97,6 +99,38 @@ def check_engine_arguments(model, cache_memory, compile, prefix_cache, counts: d
     if not isinstance(compile, bool) and compile not in backends:
         raise ValueError(f"Engine: `compile` must be True, False or a torch.compile backend name, got {compile!r}")
     return budget_bytes(cache_memory, model.lm_head.weight.device)
+
+
+def prefill_macs_terms(config) -> tuple[float, float]:
+    """(per token, per slot): the multiply-adds a prompt token costs whatever its place (its matmuls, the
+    active parameters, and the linear mixers' chunk work at `chunk_size`), and those it costs for each slot
+    it attends to (softmax attention 2 d, MLA H (d_qk + d_v), summed over the attention layers)."""
+    c, per_token, per_slot = config, float(count_params(config).active), 0.0
+    for kind in config.layer_types:
+        if kind == "mha":
+            per_slot += 2.0 * c.hidden_size
+        elif kind == "mla":
+            per_slot += c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+        else:
+            per_token += mixer_macs_per_token(c, kind, c.chunk_size)
+    return per_token, per_slot
+
+
+def prefill_macs(terms: tuple[float, float], tokens: int, context: int) -> float:
+    """Multiply-adds of a prefill piece of `tokens` prompt tokens after `context` cached ones, from
+    `prefill_macs_terms`: the i-th token attends to context + i + 1 slots, tokens (context + (tokens + 1) / 2)
+    slots for the piece."""
+    per_token, per_slot = terms
+    return tokens * (per_token + per_slot * (context + (tokens + 1) / 2))
+
+
+def tokens_within(terms: tuple[float, float], macs: float, context: int) -> int:
+    """The most tokens a piece after `context` cached ones may hold for at most `macs` multiply-adds
+    (`prefill_macs` <= macs): the root of (b / 2) n^2 + (a + b (context + 1/2)) n = macs."""
+    a, b = terms
+    p = a + b * (context + 0.5)
+    n = macs / p if b == 0 else (math.sqrt(p * p + 2 * b * macs) - p) / b
+    return max(0, int(n + 1e-9))
 
 
 @dataclass(eq=False)

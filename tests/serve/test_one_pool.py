@@ -11,8 +11,8 @@ import k3.serve.prefill as prefill_module
 from k3.inference.packed import Group, packed_forward
 from k3.inference.row_cache import RowsCache
 from k3.models import PRESETS, CausalLM, get_config
-from k3.plan.costs import prefill_macs
 from k3.serve import Engine
+from k3.serve.sequence import prefill_macs
 
 from .test_engine import Collector, alone, wait_until
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from k3.models import get_config
-from k3.plan.costs import prefill_macs, prefill_macs_terms, tokens_within
+from k3.serve.sequence import prefill_macs, prefill_macs_terms, tokens_within
 
 
 @pytest.mark.parametrize("preset", ["kimi-k3-tiny", "gpt2-tiny", "kimi-linear-tiny", "gated-deltanet-tiny"])
