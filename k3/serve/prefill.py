@@ -3,18 +3,19 @@ prefilling prompts' pieces, packed into one forward over the slot pool's rows (`
 
 A turn's token budget (`max_num_batched_tokens`) goes first to the running rows, one token each; what is
 left, at most `prefill_chunk` tokens, to a piece of each prefilling prompt, oldest first (a round). The
-prompt work is bounded too: the pieces' multiply-adds (`k3.serve.sequence.prefill_macs`, matmuls per token plus
-attention per slot each token reads) at most those of `prefill_chunk` tokens at a prompt's start, a
-prompt that needs more than one piece at most half of them, so a piece deep in a long prompt holds fewer
-tokens (vLLM caps a long prompt's piece by a token count, `long_prefill_token_threshold`; here its cost sets
-it), a short prompt beside it still finishes in one turn, and the running rows' next token waits no longer
-for it than for a short prompt's piece. A piece is at most the sequence's planned piece and what is left of
-its prompt, and never crosses a prefix-cache block's end. In the forward a piece goes through its row of the pool itself
-(`Cache.view`), pieces of one length through their rows by index (`k3.inference.row_cache.RowsCache`: the
-slots the forward reads are gathered, the states written back once it succeeded): after prefix-cache hits
-every prompt's remainder is a short piece, and one forward of k rows costs far less than k forwards, each
-bound by dispatch. A round is as large as its transient bytes (its pieces' `prefill_bytes` and the slots
-gathered) fit in the budget's free room. A turn without pieces runs the pool's decode step.
+prompt work is bounded too: the pieces' multiply-adds (`k3.serve.sequence.prefill_macs`, matmuls per
+token plus attention per slot each token reads) at most those of `prefill_chunk` tokens at a prompt's
+start, a prompt that needs more than one piece at most half of them, so a piece deep in a long prompt
+holds fewer tokens (vLLM caps a long prompt's piece by a token count, `long_prefill_token_threshold`; here
+its cost sets it), a short prompt beside it still finishes in one turn, and the running rows' next token
+waits no longer for it than for a short prompt's piece. A piece is at most the sequence's planned piece
+and what is left of its prompt, and never crosses a prefix-cache block's end. In the forward a piece goes
+through its row of the pool itself (`Cache.view`), pieces of one length through their rows by index
+(`k3.inference.row_cache.RowsCache`: the slots the forward reads are gathered, the states written back once
+it succeeded): after prefix-cache hits every prompt's remainder is a short piece, and one forward of k rows
+costs far less than k forwards, each bound by dispatch. A round is as large as its transient bytes (its
+pieces' `prefill_bytes` and the slots gathered) fit in the budget's free room. A turn without pieces runs
+the pool's decode step.
 
 A prompt's ids are checked against the vocabulary before its piece joins a forward, so that a sequence
 whose prompt is wrong ends alone; a forward that fails anyway ends every sequence in it.
@@ -97,8 +98,8 @@ class Prefiller:
 
     def _piece(self, sequence: Sequence, tokens: float, work: float, first: bool) -> int:
         """The tokens of the sequence's next piece (its row started): at most its planned piece, `tokens`,
-        the tokens whose work (`k3.serve.sequence.prefill_macs`: a token late in a long prompt attends to every
-        slot before it) fits `work`, or half the turn's when the rest of its prompt takes more than one piece
+        the tokens whose work (`k3.serve.sequence.prefill_macs`: a token late in a long prompt attends to
+        every slot before it) fits `work`, or half the turn's when the rest of its prompt takes more than one piece
         (it takes several turns anyway; a short prompt beside it finishes in this one, and the running rows'
         next token waits less), the turn's `first` piece at least MIN_PIECE tokens (so that every prompt
         moves), and what is left of its prompt, never across a prefix-cache block's end; its ids checked
@@ -125,16 +126,14 @@ class Prefiller:
     def _round(self, tokens: float, work: float) -> list[tuple[list[Sequence], int, bool]]:
         """A piece for each prefilling sequence, oldest first, while `tokens` and `work` (multiply-adds)
         last (`_piece`: a long prompt's piece takes at most half the turn's work), each whose transient
-        bytes fit the free room beside the pieces before
-        it (the first's always: its admission made room for it; a long prompt's piece does not keep shorter
-        ones out): grouped as (the sequences whose pieces have one length, that length, whether every
-        position's logits are kept: such a piece runs alone). A sequence whose row fails to start ends
-        alone (`fail`)."""
+        bytes fit the free room beside the pieces before it (the first's always: its admission made room
+        for it; a long prompt's piece does not keep shorter ones out): grouped as (the sequences whose
+        pieces have one length, that length, whether every position's logits are kept: such a piece runs
+        alone). A sequence whose row fails to start ends alone (`fail`)."""
         engine, config = self.engine, self.engine.model.config
         groups: dict[tuple, list[Sequence]] = {}
         used = need = 0
-        waiting = list(engine.prefilling)
-        for sequence in waiting:
+        for sequence in list(engine.prefilling):
             if tokens < 1 or work <= 0:
                 break
             if sequence.cancelled:
