@@ -105,14 +105,12 @@ def prefill_macs_terms(config) -> tuple[float, float]:
     """(per token, per slot): the multiply-adds a prompt token costs whatever its place (its matmuls, the
     active parameters, and the linear mixers' chunk work at `chunk_size`), and those it costs for each slot
     it attends to (softmax attention 2 d, MLA H (d_qk + d_v), summed over the attention layers)."""
-    c, per_token, per_slot = config, float(count_params(config).active), 0.0
+    per_token, per_slot = float(count_params(config).active), 0.0
     for kind in config.layer_types:
-        if kind == "mha":
-            per_slot += 2.0 * c.hidden_size
-        elif kind == "mla":
-            per_slot += c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+        if kind in ("mha", "mla"):  # a sequence of one token: its query reads one slot
+            per_slot += mixer_macs_per_token(config, kind, 1)
         else:
-            per_token += mixer_macs_per_token(c, kind, c.chunk_size)
+            per_token += mixer_macs_per_token(config, kind, config.chunk_size)
     return per_token, per_slot
 
 
