@@ -22,7 +22,7 @@ def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     ops = bench_sub.add_parser("ops", help="recurrent vs chunk mixers vs causal SDPA")
-    ops.add_argument("--quick", action="store_true", help="T in {512, 2048}, C in {32, 64}: about a minute")
+    ops.add_argument("--quick", action="store_true", help="T in {512, 2048, 8192}, C in {32, 64}: about two minutes")
     ops.add_argument("--T", type=_count(1, "tokens"), nargs="+", default=[512, 2048, 8192], help="sequence lengths")
     ops.add_argument(
         "--chunk-sizes", type=_count(1, "tokens a chunk"), nargs="+", default=[16, 32, 64, 128], help="chunk sizes C"

@@ -9,7 +9,7 @@ def _bench_ops(args) -> int:
     from ..bench import ops
 
     if args.quick:
-        lengths, chunk_sizes, repeats = (512, 2048), (32, 64), 2
+        lengths, chunk_sizes, repeats = (512, 2048, 8192), (32, 64), 2
     else:
         lengths, chunk_sizes, repeats = tuple(args.T), tuple(args.chunk_sizes), args.repeats
     ops.run(

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from .chunk_backward import slab_backward
 from .common import keep_causal, nonfinite_onwards
 from .gates import gate_from_tensors, gate_of, gate_tensors, lower_masks, sub_chunk_size
-from .numerics import log_decay_floor
+from .numerics import halving_bound, log_decay_floor
 from .scan import state_scan
 from .ut import BlockLower
 
@@ -110,6 +110,7 @@ def _chunk_delta(q, k, v, beta, g, S0, scale: float, chunk_size: int, lower_boun
     q, k, v, beta = chunked(q), chunked(k), chunked(v), chunked(beta)
     if g is not None:  # clamped so that g = -inf stays finite; summed within each chunk slab by slab
         g = _clamped(chunked(g), log_decay_floor(q.dtype, lower_bound))
+        lower_bound = halving_bound(g, lower_bound)  # (stated, or read from a gate in host memory)
     S0 = None if S0 is None else S0.reshape(M, K, V)
     # Chunks are processed in slabs of about SLAB_ELEMENTS values per tensor, laid out chunk-major
     # [slab chunks, N*H, C, d] only there: temporaries stay cache-sized and memory flat in T.

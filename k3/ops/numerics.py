@@ -22,7 +22,10 @@ Gates g are log decays (alpha = exp(g) <= 1). These bounds keep the chunk form f
   of b tokens is instead factored whole around its middle p, exp(G_r - G_i) = exp(G_r - G_p) exp(G_p - G_i),
   with factors within exp(+-(b/2)|lower_bound|); the halving stops at the largest b that keeps this
   within the limit. exp(40) ~ 2e17 leaves float32 ~1e21 of room for the values and gradients it
-  multiplies, and exp(-40) ~ 4e-18 times those stays far from the subnormals.
+  multiplies, and exp(-40) ~ 4e-18 times those stays far from the subnormals. Without a stated bound,
+  gates on the CPU in an eager forward state their own (`halving_bound`: the smallest step read from
+  host memory, which stalls nothing); elsewhere (a GPU stream, a compiled graph) nothing is read back
+  and the blocks halve down to single tokens.
 """
 
 from __future__ import annotations
@@ -43,6 +46,20 @@ def log_decay_floor(dtype: torch.dtype, lower_bound: float | None = None) -> flo
     `lower_bound` when that is higher (a g below it is taken as it)."""
     floor = LOG_DECAY_FLOOR[dtype]
     return floor if lower_bound is None else max(floor, lower_bound)
+
+
+def halving_bound(g: torch.Tensor, lower_bound: float | None) -> float | None:
+    """The bound on every step's g that KDA's gate halves its blocks by (`ChannelGate`): the stated
+    `lower_bound`, else, for per-channel gates g [..., K > 1] in host memory outside a compiled graph,
+    the smallest step itself (every g is at least it, exactly as if it had been stated; a gate in
+    [-0.5, 0] factors its sub-chunks whole). Reading a CPU tensor waits on no device, so the forward
+    still never stalls a GPU stream and still compiles whole (a compiled graph takes the halving
+    without a bound); None elsewhere."""
+    if lower_bound is not None or g.shape[-1] == 1 or g.numel() == 0:
+        return lower_bound
+    if g.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    return min(g.detach().min().item(), 0.0)
 
 
 def decay_exp(x: torch.Tensor, floor: float | None = None) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """A model's forward reads nothing back from the device, so it compiles whole and never stalls a GPU stream.
 
 Two proofs per tiny preset: a spy on the Tensor methods that read values back to the host (`item`,
-`tolist`, `__bool__`, `nonzero`, `__int__`, `__float__`, `__index__`) over a training forward + backward,
+`tolist`, `__bool__`, `nonzero`, `__int__`, `__float__`, `__index__`; all but KDA's read of its gate's
+bound from host memory, which a GPU tensor or a compiled graph never makes) over a training forward + backward,
 a prefill + decode through a growing cache and through a static one; and `torch.compile(fullgraph=True)`
 (the "aot_eager" backend: graphs captured, no code generated, seconds) of the training forward + backward
 and of a decode step over a static cache, each equal to eager.
@@ -27,6 +28,10 @@ PRESETS = [
     "kimi-k3-article-tiny",
 ]
 READ_BACKS = ("item", "tolist", "__bool__", "nonzero", "__int__", "__float__", "__index__")
+# The one read a forward makes, of host memory: KDA's gate takes its smallest step as the bound its blocks
+# halve by when none is stated (k3.ops.numerics.halving_bound). A CPU tensor waits on no device, and a
+# tensor elsewhere or a compiled graph never reads it (tests/ops/test_gates.py; the compiles below).
+HOST_MEMORY_READS = {("item", "k3/ops/numerics.py")}
 
 
 def model_of(name: str) -> CausalLM:
@@ -65,7 +70,7 @@ def test_a_forward_reads_nothing_back(name, read_backs):
         for cache in caches:
             model(ids, cache)
             model(ids[:, :1], cache)
-    assert list(read_backs) == []
+    assert [read for read in read_backs if read[:2] not in HOST_MEMORY_READS] == []
 
 
 @pytest.mark.slow  # about 100 s for the seven presets (make test-slow, CI)

@@ -7,7 +7,8 @@ sub-chunks are powers of two and not (padded), one sub-chunk and several, and ga
 decay inside one sub-chunk is far past any dtype's exponent range: a huge step inside one half, g = -inf
 (clamped to the floor), steps of e^-100. With a stated lower bound on the steps (Kimi K3's safe gate)
 the halving stops early and the blocks left are factored whole around their middles: the same
-comparisons, for bounds that leave blocks of every size.
+comparisons, for bounds that leave blocks of every size. Without one, chunk_kda on the CPU takes the
+gates' own smallest step as the bound (`halving_bound`): equal to the recurrence with and without it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import math
 import pytest
 import torch
 
+from k3.ops import chunk as chunk_module
 from k3.ops import chunk_kda, recurrent_kda
 from k3.ops.gates import ChannelGate, halving_levels, sub_chunk_size
-from k3.ops.numerics import DECAY_FLUSH, FACTOR_EXP_LIMIT, LOG_DECAY_FLOOR
+from k3.ops.numerics import DECAY_FLUSH, FACTOR_EXP_LIMIT, LOG_DECAY_FLOOR, halving_bound
 from k3.ops.ut import BlockLower
 
 TOL = {torch.float64: 1e-13, torch.float32: 1e-6}  # relative to the sum of the terms' magnitudes
@@ -176,6 +178,41 @@ def test_chunk_kda_with_a_lower_bound_equals_the_recurrence(B, T, H, K, V, C, dt
         results.append([o, S, *(x.grad for x in xs)])
     for want, got in zip(*results):
         assert (got - want).abs().max() <= tol * (1 + want.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("read", [True, False], ids=["bound-read", "no-bound"])
+@pytest.mark.parametrize("steps", [-0.5, -100.0])
+def test_chunk_kda_without_a_stated_bound_equals_the_recurrence(steps, read, dtype, monkeypatch):
+    """No bound stated: on the CPU the gates' own smallest step bounds the halving (gates in [-0.5, 0]:
+    whole sub-chunks), elsewhere (`halving_bound` None: a GPU, a compiled graph) it halves down to single
+    tokens. Either way outputs, final state and gradients equal the token loop's."""
+    if not read:
+        monkeypatch.setattr(chunk_module, "halving_bound", lambda g, lower_bound: lower_bound)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    inputs = kda_inputs(2, 70, 2, 6, 5, dtype, bound=steps, seed=3)
+    results = []
+    for op, kwargs in ((recurrent_kda, {}), (chunk_kda, {"chunk_size": 64})):
+        xs = [x.clone().requires_grad_() for x in inputs]
+        o, S = op(*xs[:5], initial_state=xs[5], output_final_state=True, use_qk_l2norm=True, **kwargs)
+        (o.square().sum() + S.sum()).backward()
+        results.append([o, S, *(x.grad for x in xs)])
+    for want, got in zip(*results):
+        assert (got - want).abs().max() <= tol * (1 + want.abs().max())
+
+
+def test_the_bound_a_gate_states_itself():
+    """`halving_bound`: a stated bound as given; per-channel gates in host memory their smallest step
+    (0 at most); per-head gates, tensors on another device and a compiled graph read nothing (None)."""
+    g = -0.5 * torch.rand(2, 9, 3, 4)
+    assert halving_bound(g, -5.0) == -5.0
+    assert halving_bound(g, None) == g.min().item()
+    assert halving_bound(torch.zeros(2, 9, 3, 4), None) == 0.0
+    assert halving_bound(g[..., :1], None) is None
+    assert halving_bound(g.to("meta"), None) is None  # (a meta tensor has no value to read)
+    compiled = torch.compile(lambda g: g * (halving_bound(g, None) is None), fullgraph=True, backend="eager")
+    assert torch.equal(compiled(g), g)
+    assert halving_levels(32, halving_bound(g, None), torch.float32) == 0
 
 
 def test_chunk_kda_lower_bound_is_checked():
