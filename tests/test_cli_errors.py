@@ -386,13 +386,13 @@ def test_threads_past_the_bound_are_refused_by_every_command(capsys, argv):
 
 
 def test_a_parser_without_the_bound_still_gets_it_where_threads_are_used():
-    """k3 serve's parser builds --threads itself: _use_threads, which every command calls first, refuses too."""
+    """k3 serve's parser builds --threads itself: use_threads, which every command calls first, refuses too."""
     from argparse import Namespace
 
-    from k3.cli.commands import _use_threads
+    from k3.cli.common import use_threads
 
     with pytest.raises(ValueError, match=re.escape("--threads 3000: expected torch threads, an integer in [1, ")):
-        _use_threads(Namespace(threads=3000, command="serve"))
+        use_threads(Namespace(threads=3000, command="serve"))
 
 
 def test_more_threads_than_cores_and_a_vocabulary_the_corpus_cannot_give_are_said(corpus, tmp_path, capsys):

@@ -158,3 +158,34 @@ def test_integrations_are_imported_only_where_they_live(graph):
 def test_modules_stay_small():
     big = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not big, f"modules over {MAX_LINES} lines: {big}"
+
+
+def test_every_cli_command_is_a_module_of_one_interface():
+    """`k3`'s commands and `k3 bench`'s: one module each, with `NAME`, `add_parser(subparsers)` (which
+    returns the parser it added) and `run(args)` (k3.cli.common.Command)."""
+    import argparse
+
+    from k3.cli.bench import SUBCOMMANDS
+    from k3.cli.parser import COMMANDS
+
+    for group in (COMMANDS, SUBCOMMANDS):
+        names = [command.NAME for command in group]
+        assert len(set(names)) == len(names), names
+        for command in group:
+            assert callable(command.run), command.__name__
+            sub = argparse.ArgumentParser().add_subparsers()
+            assert command.add_parser(sub) is sub.choices[command.NAME], command.__name__
+
+
+def test_the_cli_modules_import_no_private_name():
+    """A name the command modules of k3.cli share is public (argtypes.py: the argument types; common.py: what
+    several commands do as they run): no `from .x import _y` in k3/cli."""
+    private = [
+        f"{path.relative_to(ROOT.parent)}: {alias.name}"
+        for path in sorted((ROOT / "cli").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+    assert not private, ", ".join(private)

@@ -1,6 +1,6 @@
-"""The `k3` command line's checked argument types (`_count`, `_number`, `_text`, `_SEED`: argparse types
-that refuse a bad value in one line, naming what was expected) and its argparse parser class, which puts
-every default in `--help`. Private to k3.cli: parser.py and bench_parser.py build the subcommands with them."""
+"""The `k3` command line's checked argument types (`count`, `number`, `SEED`, `THREADS`: argparse types
+that refuse a bad value in one line, naming what was expected) and its argparse parser class (`Parser`),
+which puts every default in `--help`: what every command module of k3.cli builds its arguments with."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ..inference.generation import MAX_SEED
 from ..training.config import max_threads, threads_bound_words
 
 
-class _DefaultsFormatter(argparse.HelpFormatter):
+class DefaultsFormatter(argparse.HelpFormatter):
     """`--help` shows each option's default, "(default: X)", unless the help already says it or there is
     none to show (a flag that is off, an option whose default is "not given")."""
 
@@ -23,19 +23,19 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         return f"{text} (default: {default})" if text else f"default: {default}"
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse with its errors on one line (the usage of `k3 train` alone takes a dozen) and every
     default in `--help`."""
 
     def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _count(low: int, what: str, high: int | None = None):
+def count(low: int, what: str, high: int | None = None):
     """An argparse type: an integer >= low (and <= high, when given); `what` says what it counts."""
 
     def parse(text: str) -> int:
@@ -51,31 +51,20 @@ def _count(low: int, what: str, high: int | None = None):
     return parse
 
 
-_SEED = _count(0, "a seed", high=MAX_SEED)
+SEED = count(0, "a seed", high=MAX_SEED)
 
 
-def _THREADS(text: str) -> int:
+def THREADS(text: str) -> int:
     """An argparse type: torch threads, in [1, max_threads()] (k3.training.config: far past the cores torch's and
     the tokenizers' thread pools crash)."""
     high = max_threads()
     try:
-        return _count(1, "torch threads", high=high)(text)
+        return count(1, "torch threads", high=high)(text)
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"{e} ({threads_bound_words()})") from None
 
 
-def _text(what: str):
-    """An argparse type: a string that is not empty; `what` says what it is."""
-
-    def parse(text: str) -> str:
-        if not text:
-            raise argparse.ArgumentTypeError(f"expected {what}, a string that is not empty, got {text!r}")
-        return text
-
-    return parse
-
-
-def _number(low: float, what: str, above: bool = False, high: float = math.inf):
+def number(low: float, what: str, above: bool = False, high: float = math.inf):
     """An argparse type: a finite number >= low (> low when `above`) and <= high."""
 
     def parse(text: str) -> float:
@@ -89,13 +78,3 @@ def _number(low: float, what: str, above: bool = False, high: float = math.inf):
         return value
 
     return parse
-
-
-def size_flag(text: str, flag: str) -> int:
-    """A size flag's bytes (`k3.serve.parse_bytes`), its error naming the flag."""
-    from ..serve import parse_bytes
-
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise ValueError(f"{flag}: {e}") from None

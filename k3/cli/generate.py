@@ -3,10 +3,87 @@ mode of `k3.cli.interactive`; `--parallel ep` runs the same prompts on every pro
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
-from .commands import _use_threads
+from ..runtime import DEVICES
+from .argtypes import SEED, THREADS, count, number
+from .common import use_threads
+
+NAME = "generate"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """`k3 generate`'s parser and its checked arguments, added to `subparsers` (k3's)."""
+    parser = subparsers.add_parser(
+        NAME,
+        help="stream text from a checkpoint",
+        description="Stream text from a checkpoint. Without --prompt or --prompt-file, read "
+        "prompts from stdin, one a line (typed or piped), and stream each continuation; Ctrl-C "
+        "stops a generation, Ctrl-D ends.",
+    )
+    parser.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint folder (k3 train --out)")
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="one prompt, its continuation streamed")
+    prompt.add_argument(
+        "--prompt-file",
+        metavar="FILE",
+        help="one prompt a line (blank lines skipped), generated "
+        "as one batch of different lengths; each continuation printed when all are done",
+    )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="prompts from stdin: each one continues the conversation (every prompt and "
+        "continuation so far is the context, its cache kept between turns) instead of "
+        "starting afresh with an empty cache, the default",
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=count(0, "tokens to generate"),
+        default=200,
+        help="tokens to generate after each prompt",
+    )
+    parser.add_argument(
+        "--ignore-eot",
+        action="store_true",
+        help="keep generating past <|endoftext|> (by default a continuation ends there, as the "
+        "corpus's documents do; the token itself is not printed)",
+    )
+    parser.add_argument(
+        "--temperature", type=number(0, "a sampling temperature (0: greedy)"), default=0.8, help="0: greedy"
+    )
+    parser.add_argument("--top-k", type=count(1, "tokens kept"), default=50, help="sample from the k likeliest tokens")
+    parser.add_argument(
+        "--top-p",
+        type=number(0, "a probability mass", above=True, high=1),
+        help="sample from the likeliest tokens whose probabilities sum to p (default: off)",
+    )
+    parser.add_argument("--seed", type=SEED, default=0, help="seed of the sampling")
+    parser.add_argument("--threads", type=THREADS, help="torch threads (default: all cores)")
+    parser.add_argument(
+        "--parallel",
+        choices=("none", "ep"),
+        default="none",
+        help="under torchrun: ep splits every MoE layer's routed experts over the processes (each "
+        "reads only its own), the tokens exchanged by all-to-all; with --prompt or --prompt-file",
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="where to generate: auto (the default) picks CUDA, then Apple's MPS, then the CPU",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode with a compiled step over a static cache (torch.compile: C++ kernels on the CPU, "
+        "which need a C++ compiler; CUDA graphs on CUDA). The first run of a model compiles "
+        "(about a minute on 2 cores); later runs load it from the cache in "
+        "$TORCHINDUCTOR_CACHE_DIR (default ~/.cache/k3/inductor). Greedy tokens are the same",
+    )
+    return parser
 
 
 def _write_utf8(stream) -> None:
@@ -17,7 +94,7 @@ def _write_utf8(stream) -> None:
         stream.reconfigure(encoding="utf-8")
 
 
-def _generate(args) -> int:
+def run(args) -> int:
     """Everything the user gave is checked (tokenizer, prompts, the checkpoint's files, its size)
     before the model is built; Ctrl-C stops the stream, keeps what was printed and exits with 130.
     Without --prompt or --prompt-file: prompts from stdin (`k3.cli.interactive`)."""
@@ -51,7 +128,7 @@ def _generate(args) -> int:
         )
     if args.compile and args.parallel == "ep":
         raise ValueError("--compile decodes in one process; it does not combine with --parallel ep (drop one)")
-    _use_threads(args)
+    use_threads(args)
     device = resolve_device(args.device)
     if args.compile:
         from ..inference.decode_step import compile_cache_dir

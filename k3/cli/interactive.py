@@ -78,13 +78,13 @@ def prefill_with_progress(model, prompt, max_new_tokens: int, static: bool):
     import torch
     from tqdm import tqdm
 
-    from ..inference.generation import _static_slots, check_cache_fits, check_positions
+    from ..inference.generation import check_cache_fits, check_positions, static_slots
     from ..models.model import PREFILL_PIECE
 
     T = prompt.shape[1]
     check_positions(model, [T], max_new_tokens)
     check_cache_fits(model, prompt, max_new_tokens)
-    cache = model.new_cache(1, max_length=_static_slots(model, T, max_new_tokens)) if static else model.new_cache(1)
+    cache = model.new_cache(1, max_length=static_slots(model, T, max_new_tokens)) if static else model.new_cache(1)
     with torch.no_grad(), tqdm(total=T - 1, unit="tok", desc="prefill", file=sys.stderr, leave=False) as bar:
         for start in range(0, T - 1, PREFILL_PIECE):
             piece = prompt[:, start : min(start + PREFILL_PIECE, T - 1)]

@@ -13,20 +13,23 @@ import argparse
 import json
 from pathlib import Path
 
+NAME = "params"
 
-def add_params_parser(sub) -> None:
-    params = sub.add_parser("params", help="parameter count, active parameters and decode memory of a preset")
-    params.add_argument(
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """`k3 params`'s parser and its arguments, added to `subparsers` (k3's)."""
+    parser = subparsers.add_parser(NAME, help="parameter count, active parameters and decode memory of a preset")
+    parser.add_argument(
         "preset",
         nargs="?",
         metavar="PRESET|DIR",
         help="a preset name, a checkpoint directory or a config.json (omit to list the presets)",
     )
-    params.add_argument(
+    parser.add_argument(
         "--vs", metavar="PRESET|DIR", help="also print the ratio of total parameters to this preset or checkpoint"
     )
-    params.add_argument("--json", action="store_true", help="print the figures as JSON (both models' with --vs)")
-    params.set_defaults(func=_params)
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON (both models' with --vs)")
+    return parser
 
 
 def named_config(source: str):
@@ -56,7 +59,8 @@ def figures(source: str, config) -> dict:
     return {"preset": source, "name": config.name, **dataclasses.asdict(count_params(config))}
 
 
-def _params(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """`k3 params`: the presets, or one model's figures (beside a second's with --vs), as a table or JSON."""
     from ..models import PRESETS
     from ..models.params import format_report
 

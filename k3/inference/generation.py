@@ -194,7 +194,7 @@ def prefill(model, prompts: Prompts, max_new_tokens: int = 1, static: bool = Fal
     length at a time (the prompts of equal length as one batch) and the caches joined in the list's
     order (`Cache.concat`), so no row ever sees another's padding. Each prefill runs in pieces
     (see the module docstring). `max_new_tokens`: how many tokens will follow, for the position check.
-    `static`: the cache has fixed slots with room for them (`_static_slots`): a [B, T] prompt runs
+    `static`: the cache has fixed slots with room for them (`static_slots`): a [B, T] prompt runs
     straight into it, a list's caches are joined into one."""
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() != 2 or prompts.shape[1] == 0:
@@ -202,7 +202,7 @@ def prefill(model, prompts: Prompts, max_new_tokens: int = 1, static: bool = Fal
         check_positions(model, [prompts.shape[1]], max_new_tokens)
         model.check_tokens(prompts)
         B, T = prompts.shape
-        cache = model.new_cache(B, max_length=_static_slots(model, T, max_new_tokens)) if static else model.new_cache(B)
+        cache = model.new_cache(B, max_length=static_slots(model, T, max_new_tokens)) if static else model.new_cache(B)
         return model(prompts, cache=cache, logits_to_keep=1)[:, -1], cache
     prompts = as_prompt_list(prompts, device=next(model.parameters()).device)  # where the model runs
     check_positions(model, [p.numel() for p in prompts], max_new_tokens)
@@ -224,7 +224,7 @@ def prefill(model, prompts: Prompts, max_new_tokens: int = 1, static: bool = Fal
         logits = logits[back.to(logits.device)]
     if static:
         longest = max(p.numel() for p in prompts)
-        cache = type(cache).concat([cache], max_length=_static_slots(model, longest, max_new_tokens))
+        cache = type(cache).concat([cache], max_length=static_slots(model, longest, max_new_tokens))
     return logits, cache
 
 
@@ -291,7 +291,7 @@ def check_cache_fits(model, prompts: Prompts, max_new_tokens: int, cache=None) -
     )
 
 
-def _static_slots(model, longest: int, max_new_tokens: int) -> int:
+def static_slots(model, longest: int, max_new_tokens: int) -> int:
     """`static_length` of a prompt of `longest` tokens and the tokens fed back after it, within the learned
     positions of a model that has them."""
     slots = static_length(longest + max(max_new_tokens - 1, 0))

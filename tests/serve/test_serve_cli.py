@@ -102,10 +102,10 @@ def test_api_key_sources(capsys, tmp_path, monkeypatch):
     order; one that no client could send (blank, whitespace at an end, not printable ASCII) and a file that
     cannot be read refused in one line naming where the key came from, without repeating it."""
     from k3.cli.parser import build_parser
-    from k3.cli.serve_command import _api_key
+    from k3.cli.serve import read_api_key
 
     def key(*flags):
-        return _api_key(build_parser().parse_args(["serve", "--checkpoint", str(tmp_path), *flags]))
+        return read_api_key(build_parser().parse_args(["serve", "--checkpoint", str(tmp_path), *flags]))
 
     monkeypatch.delenv("K3_API_KEY", raising=False)
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
