@@ -21,8 +21,7 @@ LAYERS = [
     # (CausalLM's generate, stream and decode_step pass them in); checkpoints take the model's class
     # (from_pretrained passes it; its `config_class` reads config.json) and the model itself
     {"k3.inference", "k3.checkpoints"},
-    # k3.generation: the former name of k3.inference.generation (an alias module, above what it names)
-    {"k3.models", "k3.generation"},
+    {"k3.models"},
     {"k3.training", "k3.serve"},
     # below the benchmarks and the lab: the planner prices from structure (k3.ops.cost), never from an
     # experiment; `k3 bench parallel` measures beside it
