@@ -19,7 +19,6 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "CausalLM": "k3.models",
-    "HybridCache": "k3.models",
     "Cache": "k3.models",
     "ModelConfig": "k3.models",
     "get_config": "k3.models",
