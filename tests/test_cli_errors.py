@@ -299,12 +299,12 @@ def test_a_batch_whose_activations_cannot_fit_is_refused_before_the_tokenizer_or
 ):
     """The memory estimate counts the activations the backward keeps and the logits, not only parameters x 16
     bytes: --batch-size 10000000 is refused at once, naming the flags, before the corpus is tokenized."""
-    from k3.training import strategy
+    from k3.training import loop
 
     def no_work(*args, **kwargs):
         raise AssertionError("the run prepared its data before its size was checked")
 
-    monkeypatch.setattr(strategy.SingleProcess, "prepare", no_work)
+    monkeypatch.setattr(loop, "prepare_data", no_work)
     monkeypatch.setattr(runtime, "available_memory", lambda: 22 << 30)
     for flags in (["--batch-size", "10000000"], ["--tokenizer", "bpe", "--batch-size", "10000000"]):
         err = fails(

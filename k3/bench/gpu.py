@@ -252,7 +252,7 @@ def time_train(s: Settings, device: torch.device, say=print) -> dict:
     from ..plan.costs import train_flops_per_token
     from ..training import TrainConfig, training_step
     from ..training.optim import build_optimizer
-    from ..training.strategy import compile_decoder
+    from ..training.parallel import compile_decoder
 
     config = model_config(s)
     B, T = s.train

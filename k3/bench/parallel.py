@@ -99,7 +99,9 @@ def _torchrun_environment(rank: int, world: int, port: int) -> None:
 def _worker(rank: int, world: int, port: int, settings: dict, out: str) -> None:
     from ..models import get_config
     from ..training import TrainConfig
-    from ..training.distributed import Distributed
+    from ..training.build import build, build_model
+    from ..training.parallel import init_parallel
+    from ..training.step import train_step
 
     _torchrun_environment(rank, world, port)
     torch.manual_seed(0)  # the same initial weights in every job (fp32 and bf16 runs compare one model)
@@ -111,26 +113,25 @@ def _worker(rank: int, world: int, port: int, settings: dict, out: str) -> None:
         optimizer=settings["optimizer"],
         precision=settings["precision"],
     )
-    strategy = Distributed("fsdp", "cpu", settings["ep"])
-    config = get_config(settings["preset"], vocab_size=257)
-    model = strategy.new_model(config)
-    strategy.setup(model, cfg)
+    dims = init_parallel("fsdp", "cpu", settings["ep"])
+    model = build_model(get_config(settings["preset"], vocab_size=257), dims)
+    optimizer, _ = build(model, cfg, dims)
     generator = torch.Generator().manual_seed(0)
 
     def batch():
         return torch.randint(0, 257, (cfg.batch_size, cfg.seq_len + 1), generator=generator)
 
     base = _peak_rss()
-    strategy.step(batch(), cfg)  # optimizer states made
+    train_step(model, optimizer, batch(), cfg, dims)  # optimizer states made
     counter = SentBytes()
     with counter:
-        loss = strategy.step(batch(), cfg)
+        loss = train_step(model, optimizer, batch(), cfg, dims).loss
     result = {
         "sent": dict(counter.sent),
         "peak rss": _peak_rss(),
         "rss rise": _peak_rss() - base,
         "loss": loss,
-        "ns_flops": getattr(strategy.optimizer, "ns_flops", 0),
+        "ns_flops": getattr(optimizer, "ns_flops", 0),
     }
     _gather_to_file(result, world, out)
 

@@ -1,7 +1,7 @@
 """`k3 bench parallel --saves`: what a checkpoint costs the training steps, synchronous against
 `--async-checkpoint`, measured on gloo processes of `--parallel fsdp`.
 
-Each job runs `steps` training steps of the model and saves (`Distributed.save`, as `k3 train` does)
+Each job runs `steps` training steps of the model and saves (`Checkpointer.save`, as `k3 train` does)
 after every `every`-th; per process, the seconds each step took, the seconds the save call held the
 loop (synchronous: the DCP write, the hashing and the commit; asynchronous: the copy to CPU memory,
 the files written by a thread while the next steps run, the commit once every process is done), and
@@ -25,30 +25,35 @@ def _worker(rank: int, world: int, port: int, settings: dict, out: str) -> None:
     from ..models import get_config
     from ..tokenizer import byte_tokenizer
     from ..training import TrainConfig
+    from ..training.build import build, build_model
     from ..training.checkpoint import load_training_checkpoint
-    from ..training.distributed import Distributed
+    from ..training.checkpointer import Checkpointer
+    from ..training.parallel import init_parallel
+    from ..training.step import train_step
 
     _torchrun_environment(rank, world, port)
     torch.manual_seed(0)
     cfg = TrainConfig(
         batch_size=settings["batch_size"], seq_len=settings["seq_len"], async_checkpoint=settings["async"]
     )
-    strategy = Distributed("fsdp", "cpu")
-    model = strategy.new_model(get_config(settings["preset"], vocab_size=257, **settings["overrides"]))
-    strategy.setup(model, cfg)
+    dims = init_parallel("fsdp", "cpu")
+    model = build_model(get_config(settings["preset"], vocab_size=257, **settings["overrides"]), dims)
+    optimizer, groups = build(model, cfg, dims)
+    checkpointer = Checkpointer(model, optimizer, dims, groups, asynchronous=cfg.async_checkpoint)
     generator = torch.Generator().manual_seed(0)
     history = {"step": [], "loss": [], "lr": [], "val_step": [], "val_bpb": [], "tokens": 0, "seconds": 0.0}
     steps, saves = [], []
     for step in range(1, settings["steps"] + 1):
         began = time.perf_counter()
-        strategy.step(torch.randint(0, 257, (cfg.batch_size, cfg.seq_len + 1), generator=generator), cfg)
-        strategy.poll_save()
+        batch = torch.randint(0, 257, (cfg.batch_size, cfg.seq_len + 1), generator=generator)
+        train_step(model, optimizer, batch, cfg, dims)
+        checkpointer.poll()
         steps.append(time.perf_counter() - began)
         if step % settings["every"] == 0:
             began = time.perf_counter()
-            strategy.save(settings["folder"], byte_tokenizer(), cfg, step, settings["steps"], generator, history)
+            checkpointer.save(settings["folder"], byte_tokenizer(), cfg, step, settings["steps"], generator, history)
             saves.append(time.perf_counter() - began)
-    strategy.finish_save()
+    checkpointer.finish()
     saved = load_training_checkpoint(settings["folder"])["step"] if rank == 0 else None
     _gather_to_file({"steps": steps, "saves": saves, "saved step": saved}, world, out)
 

@@ -28,7 +28,7 @@ import torch
 
 from ..models import CausalLM, ModelConfig
 from ..training import TrainConfig, build_optimizer, learning_rate, training_step
-from ..training.strategy import NonFiniteLossError
+from ..training.step import NonFiniteLossError
 from .mixers import AdditiveLinearAttention, ConvAttention, ConvLatentAttention
 from .tasks import IGNORE, Batch
 

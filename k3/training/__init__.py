@@ -5,20 +5,24 @@ parallelism.
 The modules, each below the next: config (TrainConfig), muon (Muon on the matrices + AdamW), optim (the
 optimizer and the learning-rate schedule), data (corpus, tokenizer, token streams), objective (the loss
 and bits per byte), checkpoint, qk_clip (MuonClip's bound on the attention logits, after each step),
-parallel (ddp / fsdp / ep applied to a model, ParallelDims), step (the training step
-`train_step`, one function for one process and many), strategy (SingleProcess: data, model, checkpoints
-around the step) and distributed (the torchrun strategy), metrics (metrics.jsonl, TensorBoard, wandb), resume
-(what a resumed run keeps), budget (a time budget's step count), loop (`train`).
+parallel (ParallelDims, and ddp / fsdp / ep applied to a model from outside), step (the training step
+`train_step` and `evaluate`, one function for one process and many), build (the run's data, model and
+optimizer for its processes), checkpointer (one Checkpointer for every mode), metrics (metrics.jsonl,
+TensorBoard, wandb), resume (what a resumed run keeps), budget (a time budget's step count), loop
+(`train`). No class stands for a mode: what differs between one process and many is asked of the
+`ParallelDims`.
 """
 
+from .build import build, build_model, prepare_data
+from .checkpointer import Checkpointer
 from .config import TrainConfig
 from .data import TokenData, prepare
 from .loop import train
 from .muon import Muon
 from .objective import bits_per_byte, next_token_loss
 from .optim import build_optimizer, learning_rate, no_decay
-from .step import train_step, training_step
-from .strategy import SingleProcess
+from .parallel import ParallelDims, parallel_dims
+from .step import NonFiniteLossError, StepResult, evaluate, train_step, training_step
 
 __all__ = [
     "TrainConfig",
@@ -32,6 +36,14 @@ __all__ = [
     "no_decay",
     "next_token_loss",
     "bits_per_byte",
-    "SingleProcess",
     "Muon",
+    "ParallelDims",
+    "parallel_dims",
+    "prepare_data",
+    "build_model",
+    "build",
+    "Checkpointer",
+    "evaluate",
+    "StepResult",
+    "NonFiniteLossError",
 ]

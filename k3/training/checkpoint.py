@@ -172,7 +172,7 @@ def save_training_checkpoint(
 ) -> None:
     """Write the checkpoint directory `out` whole, or raise CheckpointError and leave it as it was.
     `weights` and `optimizer_state` stand for the model's and optimizer's own state dicts when those
-    are spread over processes (k3.training.distributed gathers them); `corpus` is the token streams'
+    are not on the CPU (k3.training.checkpointer copies them there); `corpus` is the token streams'
     fingerprint (`TokenData.fingerprint`), checked at resume."""
     from safetensors.torch import save_file
 
@@ -306,7 +306,7 @@ def load_training_checkpoint(path, share: tuple[int, int] = (0, 1)) -> dict:
     """Everything `train` needs to continue: configs, weights, optimizer, RNG states, history. A
     checkpoint whose files disagree (with its manifest, or in their steps) raises CheckpointError.
     A sharded checkpoint's tensors stay on disk: "model" and the optimizer's state are None, and
-    "sharded" is the folder to read them from (`strategy.load_sharded`). `share` (rank, processes):
+    "sharded" is the folder to read them from (`Checkpointer.load`). `share` (rank, processes):
     each process of a torchrun job hashes its share of the files against the manifest (the others
     by size)."""
     from safetensors import safe_open

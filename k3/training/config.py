@@ -84,7 +84,7 @@ class TrainConfig:
     overwrite: bool = False  # a new run may replace the k3 checkpoint in `out` (never files k3 did not write)
     seed: int = 0
     threads: int | None = None
-    compile: bool = False  # torch.compile the decoder (k3.training.strategy.compile_decoder)
+    compile: bool = False  # torch.compile the decoder (k3.training.parallel.compile_decoder)
     device: str = "auto"  # "auto" (CUDA, then MPS, then the CPU) | "cpu" | "cuda" | "mps"
     precision: str = "fp32"  # "fp32" | "bf16": autocast over float32 weights and optimizer states
     grad_accum: int = 1  # micro-batches of `batch_size` per optimizer step (the batch is their sum)
@@ -199,8 +199,10 @@ def training_bytes(cfg: TrainConfig, config: ModelConfig, share: float = 1.0) ->
     torchrun job's processes here take their part of the micro-batch; and the step's batch_size x
     grad_accum token windows, drawn at once (int64 tokens, and about WINDOW_BYTES for each window's
     offset and view while they are stacked)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    tokens = cfg.batch_size * cfg.seq_len * int(os.environ.get("LOCAL_WORLD_SIZE", world)) / world
+    from .parallel.dims import launch
+
+    here = launch()
+    tokens = cfg.batch_size * cfg.seq_len * here.local_world / here.world
     layer = tokens * config.hidden_size * ACTIVATION_VALUES_PER_WIDTH * 4
     kept = (
         layer + config.num_layers * tokens * config.hidden_size * 4

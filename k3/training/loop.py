@@ -13,12 +13,12 @@ TensorBoard or wandb with `log`. `device` picks where the run trains, `precision
 forward passes under bfloat16 autocast, `grad_accum` takes each step in micro-batches
 (k3.training.step), `qk_clip` bounds the attention logits after each step (k3.training.qk_clip).
 
-`train` reads the same on one process and under torchrun: the step is one function for both
-(k3.training.step.train_step), told by a `ParallelDims` (k3.training.parallel) which slice of the batch
-this process takes and how losses are summed over processes; who writes the checkpoint and how the
-data and the model reach the processes is the strategy's part (k3.training.strategy: `SingleProcess`;
-k3.training.distributed: `Distributed`, for `parallel` "ddp", "fsdp" or "ep"). The single-process path
-does not touch torch.distributed.
+`train` reads the same on one process and under torchrun (`parallel` "ddp", "fsdp" or "ep"): a
+`ParallelDims` (k3.training.parallel) says which slice of the batch this process takes, how losses are
+summed over processes and how the processes agree; the data, the model and the optimizer are built
+for them (k3.training.build), the step is one function (k3.training.step.train_step, whose `StepResult`
+the loop logs), and one `Checkpointer` (k3.training.checkpointer) saves and resumes every mode. The
+single-process path does not touch torch.distributed.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import os
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -38,15 +38,17 @@ from ..checkpoints.checkpoint import load_into
 from ..ops.kernels import kernels_words
 from ..runtime import machine_speed_words
 from .budget import _replan, _steps_in_budget, _warmup_words
+from .build import build, build_model, memory_share, prepare_data
 from .checkpoint import check_new_run_folder, claim_output, load_training_checkpoint
+from .checkpointer import Checkpointer
 from .config import TrainConfig, model_config, qk_clip_threshold
-from .distributed import start
 from .metrics import MetricsLog, check_logger
 from .optim import learning_rate
+from .parallel import ParallelDims, parallel_dims
+from .parallel.dims import launch
 from .resume import _check_saved_data, _resume_overrides, _same_folder, _share, check_same_corpus
-from .step import NonFiniteLossError
+from .step import NonFiniteLossError, evaluate, train_step
 from .stop import Interrupted, signal_words, stop_on_signals
-from .strategy import SingleProcess
 
 __all__ = ["train", "TrainConfig"]
 
@@ -63,7 +65,7 @@ def train(
     asked: tuple[str, ...] = (),
 ) -> dict:
     """Train (or resume from the checkpoint directory `resume`); returns the run's history.
-    `parallel`: "none", or under torchrun "ddp", "fsdp" or "ep" (k3.training.distributed). `asked`:
+    `parallel`: "none", or under torchrun "ddp", "fsdp" or "ep" (k3.training.parallel). `asked`:
     fields of `cfg` given by name, which a resumed run takes even where they equal the default
     (`k3 train --resume DIR --precision fp32` on a bf16 run).
     The output folder is checked, created and locked before any work (OutputFolderError: unusable,
@@ -96,32 +98,34 @@ def _train(cfg: TrainConfig, resume: str | None, progress: bool, parallel: str, 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     check_logger(cfg.log)  # a missing package before any work
-    # start: a torchrun mode's strategy, else None
-    strategy = start(parallel, cfg.batch_size, cfg.device, cfg.ep) or SingleProcess(cfg.device)
-    whole = state is not None and state["model"] is not None
-    # the sizes (parameters and activations) before the tokenizer or any work: with the smallest vocabulary
-    # (the 257 bytes) until the tokenizer gives its own, which `_run` checks again
-    model_config(cfg, state["tokenizer"].vocab_size if state else 257, share=strategy.share_here(cfg, whole=whole))
-    out = Path(cfg.out)
-    # before any work: a bad --out costs nothing; a run refused before its first save leaves nothing behind
-    lock = strategy.on_main(lambda: claim_output(out))
+    dims = parallel_dims(parallel, cfg.batch_size, cfg.device, cfg.ep)  # (under torchrun: its process group)
     try:
-        return _run(cfg, strategy, state, changes, resume, out, progress, stop)
+        whole = state is not None and state["model"] is not None
+        # the sizes (parameters and activations) before the tokenizer or any work: with the smallest
+        # vocabulary (the 257 bytes) until the tokenizer gives its own, which `_run` checks again
+        model_config(cfg, state["tokenizer"].vocab_size if state else 257, share=memory_share(cfg, dims, whole))
+        out = Path(cfg.out)
+        # before any work: a bad --out costs nothing; a run refused before its first save leaves nothing behind
+        lock = dims.on_main(lambda: claim_output(out))
+        try:
+            return _run(cfg, dims, state, changes, resume, out, progress, stop)
+        finally:
+            if lock is not None:
+                lock.release()
     finally:
-        if lock is not None:
-            lock.release()
+        dims.close()
 
 
 def _launch_ep(saved: int, parallel: str) -> int:
     """The `ep` of a resumed run that did not ask for one: the checkpoint's where this launch can take it
     (--parallel fsdp over a process count it divides), else 1, said: a checkpoint resumes at any process
     count and in any mode with the plain command (an explicit --ep is checked against the launch as given)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launch().world
     if saved == 1 or (parallel == "fsdp" and world % saved == 0):
         return saved
     if parallel == "ep":  # (--parallel ep splits the experts over all its processes itself)
         return 1
-    if os.environ.get("RANK", "0") == "0":
+    if launch().rank == 0:
         _say(
             f"k3 train: the checkpoint was trained with --ep {saved} (--parallel fsdp); this launch (--parallel "
             f"{parallel}, {world} process{'es' if world > 1 else ''}) trains on with ep 1"
@@ -150,7 +154,7 @@ def _nothing_to_do(state: dict, cfg: TrainConfig, changes: dict, resume: str) ->
 
 def _run(
     cfg: TrainConfig,
-    strategy,
+    dims: ParallelDims,
     state: dict | None,
     changes: dict,
     resume: str | None,
@@ -159,11 +163,11 @@ def _run(
     stop: stop_on_signals,
 ) -> dict:
     """`train` once the run's configuration is known and its output folder claimed."""
-    tokenizer, data = strategy.prepare(cfg, state["tokenizer"] if state else None)
-    strategy.corpus = data.fingerprint()
+    tokenizer, data = prepare_data(cfg, dims, state["tokenizer"] if state else None)
+    corpus = data.fingerprint()
     if state is not None:
-        check_same_corpus(state.get("corpus"), strategy.corpus, data, cfg.data)
-    if strategy.is_main and state is None and cfg.tokenizer == "bpe" and tokenizer.vocab_size < cfg.vocab_size:
+        check_same_corpus(state.get("corpus"), corpus, data, cfg.data)
+    if dims.is_main and state is None and cfg.tokenizer == "bpe" and tokenizer.vocab_size < cfg.vocab_size:
         _say(
             f"k3 train: warning: --vocab-size {cfg.vocab_size}: the corpus gave the BPE tokenizer only "
             f"{tokenizer.vocab_size:,} tokens (no more merges to learn); the model's vocabulary is "
@@ -174,52 +178,51 @@ def _run(
     data.val_windows(cfg.seq_len, cfg.seq_len)
     torch.manual_seed(cfg.seed)
     whole = state is not None and state["model"] is not None  # a sharded checkpoint is read into the shards
-    mconfig = model_config(cfg, tokenizer.vocab_size, share=strategy.share_here(cfg, whole=whole))
-    model = strategy.new_model(mconfig, to_load=whole)
+    mconfig = model_config(cfg, tokenizer.vocab_size, share=memory_share(cfg, dims, whole))
+    model = build_model(mconfig, dims, whole)
     num_parameters = model.num_parameters()  # (a process of --parallel ep holds fewer)
     if whole:
         load_into(model, state["model"], f"checkpoint {resume}")
-    strategy.setup(model, cfg)
+    optimizer, groups = build(model, cfg, dims)
+    checkpointer = Checkpointer(model, optimizer, dims, groups, corpus, cfg.async_checkpoint)
     generator = torch.Generator().manual_seed(cfg.seed)
     history = {"step": [], "loss": [], "lr": [], "val_step": [], "val_bpb": [], "tokens": 0, "seconds": 0.0}
     step, max_steps = 0, cfg.max_steps
     if state is not None:
-        if whole:
-            strategy.load_optimizer(state["optimizer"])
-        else:
-            strategy.load_sharded(state["sharded"], state["optimizer"])
+        checkpointer.load(state)
         generator.set_state(state["data_rng"])
         torch.set_rng_state(state["torch_rng"])
         history, step = state["history"], state["step"]
         max_steps = cfg.max_steps if "max_steps" in changes else state["max_steps"]
-        if strategy.is_main:
+        if dims.is_main:
             _say(
                 f"k3 train: resumed {resume} at step {step} of {max_steps or 'a time budget'} "
                 f"({history['tokens']:,} tokens, {history['seconds'] / 60:.1f} min trained so far)"
             )
-    if strategy.is_main:  # the machine's speed beside the run's, so tokens/s compare across machines
+    if dims.is_main:  # the machine's speed beside the run's, so tokens/s compare across machines
         precision = "bf16 autocast (float32 weights and optimizer states)" if cfg.precision == "bf16" else "float32"
-        optimizer = "Muon (matrices) + AdamW" if cfg.optimizer == "muon" else "AdamW"
+        optimizer_words = "Muon (matrices) + AdamW" if cfg.optimizer == "muon" else "AdamW"
         if cfg.recompute != "none":
             precision += f", {cfg.recompute} activation recompute"
         _say(
             f"k3 train: {mconfig.name}, {num_parameters:,} parameters, "
             f"{data.train.numel():,} training tokens ({data.val.numel():,} validation), {_batch_words(cfg)}, "
-            f"{optimizer}, "
-            f"on {_device_words(cfg, strategy.device)}, {precision}, {_threads_words()}{strategy.describe()}; "
-            f"{machine_speed_words(strategy.device)}"
-            + (f"; {kernels_words(strategy.device)}" if torch.device(strategy.device).type == "cuda" else "")
+            f"{optimizer_words}, "
+            f"on {_device_words(cfg, dims.device)}, {precision}, {_threads_words()}{dims.describe()}; "
+            f"{machine_speed_words(dims.device)}"
+            + (f"; {kernels_words(dims.device)}" if dims.device.type == "cuda" else "")
         )
     metrics = (
         MetricsLog(out, step, Path(resume) if resume else None, cfg.log, dataclasses.asdict(cfg))
-        if strategy.is_main
+        if dims.is_main
         else None
     )
+    run = _Run(cfg, dims, model, optimizer, checkpointer, data, tokenizer)
     try:
-        return _loop(cfg, strategy, data, tokenizer, generator, history, step, max_steps, out, progress, metrics, stop)
+        return _loop(run, generator, history, step, max_steps, out, progress, metrics, stop)
     except BaseException:
         with contextlib.suppress(Exception):  # the last asynchronous save is whole: commit it before the error
-            strategy.finish_save()
+            checkpointer.finish()
         raise
     finally:
         if metrics is not None:
@@ -247,11 +250,20 @@ def _device_words(cfg: TrainConfig, device: torch.device) -> str:
     return f"{device} (--device auto: CUDA, else MPS, else the CPU)"
 
 
+class _Run(NamedTuple):
+    """What the steps, evaluations and saves of a run work on."""
+
+    cfg: TrainConfig
+    dims: ParallelDims
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    checkpointer: Checkpointer
+    data: object  # k3.training.data.TokenData
+    tokenizer: object
+
+
 def _loop(
-    cfg: TrainConfig,
-    strategy,
-    data,
-    tokenizer,
+    run: _Run,
     generator: torch.Generator,
     history: dict,
     step: int,
@@ -265,14 +277,15 @@ def _loop(
     (`stop`) ends the steps after the one under way and saves; a second one ends them at once, unsaved."""
     from tqdm import tqdm
 
+    cfg, dims, model, optimizer, checkpointer, data = run[:6]
     val_windows = data.val_windows(cfg.seq_len, cfg.eval_tokens)
-    strategy.model.train()
+    model.train()
     started = time.time() - history["seconds"]
     start = {"step": step, "tokens": history["tokens"], "seconds": history["seconds"]}  # this run's own figures
     bar = tqdm(
         total=max_steps,
         initial=step,
-        disable=not (progress and strategy.is_main),
+        disable=not (progress and dims.is_main),
         unit="step",
         dynamic_ncols=True,
         desc="train",
@@ -281,7 +294,7 @@ def _loop(
 
     def save() -> None:
         history["seconds"] = time.time() - started
-        strategy.save(out, tokenizer, cfg, step, max_steps, generator, history)
+        checkpointer.save(out, run.tokenizer, cfg, step, max_steps, generator, history)
 
     # a time-budget run sets its own step count from the speed of its steps (a resumed one keeps its plan)
     plans = cfg.time_budget is not None and max_steps is None
@@ -291,12 +304,12 @@ def _loop(
     try:
         while max_steps is None or step < max_steps:
             lr = learning_rate(cfg, step, max_steps)  # None before a time budget's plan: warmup only
-            for group in strategy.optimizer.param_groups:
+            for group in optimizer.param_groups:
                 group["lr"] = lr
             step_started = time.time()
             windows = data.batch(cfg.batch_size * cfg.grad_accum, cfg.seq_len, generator)
             try:
-                loss = strategy.step(windows, cfg)
+                result = train_step(model, optimizer, windows, cfg, dims)
             except NonFiniteLossError as e:
                 bar.close()
                 raise NonFiniteLossError(
@@ -304,7 +317,7 @@ def _loop(
                     f"{out}, if any, is from before). Lower --lr or raise --warmup, then resume or start "
                     f"again"
                 ) from None
-            step_seconds = time.time() - step_started
+            loss, step_seconds = result.loss, time.time() - step_started
             if step >= 2:  # the first two steps warm up allocators and caches: not timed
                 step_times.append(step_seconds)
             step += 1
@@ -315,13 +328,13 @@ def _loop(
             elapsed = time.time() - started
             per_step = sum(step_times) / max(1, len(step_times))
             if plans and max_steps is not None and step % 10 == 0 and step < max_steps:
-                if strategy.is_main:
+                if dims.is_main:
                     max_steps = _replan(cfg, step, elapsed, per_step, max_steps, bar)
-                max_steps = strategy.share(max_steps)  # one clock decides
+                max_steps = dims.share(max_steps)  # one clock decides
             if plans and max_steps is None and len(step_times) >= cfg.calibration_steps:
-                max_steps = strategy.share(_steps_in_budget(cfg, step, elapsed, per_step))
+                max_steps = dims.share(_steps_in_budget(cfg, step, elapsed, per_step))
                 bar.total = max_steps
-                if strategy.is_main:
+                if dims.is_main:
                     bar.write(
                         f"k3 train: {per_step:.2f} s/step; {max_steps} steps fit in "
                         f"{cfg.time_budget:g} min with the evaluations" + _warmup_words(cfg, max_steps),
@@ -332,33 +345,33 @@ def _loop(
                 "loss": loss,
                 "lr": lr,
                 "tokens_per_s": windows[:, 1:].numel() / max(step_seconds, 1e-9),
-                "grad_norm": strategy.grad_norm,
+                "grad_norm": result.grad_norm,
             }
             if qk_clip_threshold(cfg) > 0:  # QK-Clip's figures: the step's largest logit, the heads it scaled
-                record.update(max_logit=strategy.max_logit, qk_clipped_heads=strategy.qk_clipped_heads)
+                record.update(max_logit=result.max_logit, qk_clipped_heads=result.qk_clipped_heads)
             if step % cfg.eval_every == 0 or step == max_steps:
-                bpb = strategy.evaluate(data, val_windows)
+                bpb = evaluate(model, data, val_windows, dims, cfg.precision)
                 history["val_step"].append(step)
                 history["val_bpb"].append(bpb)
                 record["val_bpb"] = bpb
-                if strategy.is_main:
+                if dims.is_main:
                     bar.write(f"step {step}: train loss {loss:.3f}, validation {bpb:.3f} bits/byte", file=sys.stderr)
             if metrics is not None:
                 metrics.write(record)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{history['tokens'] / max(elapsed, 1e-9):.0f}", lr=f"{lr:.1e}")
             bar.update(1)
-            strategy.poll_save()  # an asynchronous save written everywhere: commit it
+            checkpointer.poll()  # an asynchronous save written everywhere: commit it
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != max_steps:
                 doing = f"the save of step {step}"
                 save()
                 doing = None
             # a signal: finish the step, so the checkpoint resumes exactly (all processes at the same step)
-            if strategy.any(stop.requested):
+            if dims.any(stop.requested):
                 bar.close()
                 doing = f"the save of step {step}"
                 save()
-                strategy.finish_save()  # (an asynchronous one: written and committed before the message)
-                if strategy.is_main:
+                checkpointer.finish()  # (an asynchronous one: written and committed before the message)
+                if dims.is_main:
                     _say(
                         f"\ninterrupted ({signal_words(stop.signum or signal.SIGTERM)}) at step {step}; checkpoint "
                         f"saved. Resume with:\n  k3 train --resume {out}"
@@ -366,32 +379,33 @@ def _loop(
                 raise Interrupted(stop.signum or signal.SIGTERM, said=True)  # (a process torchrun signalled alone)
         bar.close()
         stop.during, doing = "the final evaluation and save", "the final evaluation"
-        said = _final_evaluation(cfg, strategy, data, history, step, metrics)
+        said = _final_evaluation(run, history, step, metrics)
         doing = f"the final save (step {step})"
         save()
     except KeyboardInterrupt as e:
         if getattr(e, "said", False):
             raise
         bar.close()  # a second signal: stopped at once, nothing saved
-        if strategy.is_main:
+        if dims.is_main:
             _say(
                 f"\nstopped at once in {doing or f'step {step + 1}'}, without saving; {out} holds what its last "
                 f"save wrote, whole (k3 train --resume {out} continues it), or no checkpoint if the run had saved none"
             )
         raise Interrupted(getattr(e, "signum", signal.SIGINT), said=True) from None
-    if strategy.is_main:
+    checkpointer.finish()
+    if dims.is_main:
         _say(f"k3 train: done, {_run_words(step, history, start)}; {said}; checkpoint in {out}")
-    strategy.close()
     return history
 
 
-def _final_evaluation(cfg: TrainConfig, strategy, data, history: dict, step: int, metrics: MetricsLog | None) -> str:
+def _final_evaluation(run: _Run, history: dict, step: int, metrics: MetricsLog | None) -> str:
     """The run's final evaluation (into `history` and the metrics), and what to say of it."""
+    cfg, data = run.cfg, run.data
     if cfg.final_eval_tokens == 0:  # asked for no final evaluation
         history.pop("final_val_bpb", None)
         return "no final evaluation (final_eval_tokens 0)"
     final_windows = data.val_windows(cfg.seq_len, cfg.final_eval_tokens)
-    final = strategy.evaluate(data, final_windows)
+    final = evaluate(run.model, data, final_windows, run.dims, cfg.precision)
     history["final_val_bpb"] = final
     if metrics is not None:
         metrics.write({"step": step, "final_val_bpb": final, "final_eval_tokens": final_windows[:, 1:].numel()})

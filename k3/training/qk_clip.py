@@ -15,7 +15,7 @@ as are heads at or under tau, bit for bit. This is Megatron-LM's `clip_qk` with 
 eta^alpha, q^R x eta, k^C x eta^(1 - alpha)).
 
 The layers record S_max in their training forwards while `begin_step` asks them (k3.layers.max_logit);
-the model knows nothing of processes: `clip` takes a `max_over_processes` (the strategy's MAX
+the model knows nothing of processes: `clip` takes a `max_over_processes` (the ParallelDims' MAX
 all-reduce), so that every process of a torchrun job clips with the global batch's maxima, identically.
 Under FSDP a weight is a DTensor whose rows are split over the ranks: each rank scales its own rows.
 The clip is a function of the step's batch and weights, so a resumed run clips as the uninterrupted one.

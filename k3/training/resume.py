@@ -18,9 +18,10 @@ def _same_folder(a, b) -> bool:
 def _share(parallel: str) -> tuple[int, int]:
     """(rank, processes) of this process in a torchrun job (`--parallel` other than none), else (0, 1):
     the processes split the hashing of a checkpoint's files."""
-    if parallel == "none" or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return 0, 1
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    from .parallel.dims import launch
+
+    here = launch()
+    return (0, 1) if parallel == "none" or not here.under_torchrun else (here.rank, here.world)
 
 
 def _resume_overrides(

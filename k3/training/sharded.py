@@ -1,7 +1,7 @@
 """Saving a sharded training checkpoint: torch.distributed.checkpoint (DCP) files, each process writing
 its own shards, inside k3's all-or-nothing commit.
 
-`k3 train --parallel fsdp|ep` (and fsdp x ep) saves its checkpoint folder as
+`k3 train --parallel ddp|fsdp|ep` (and fsdp x ep) saves its checkpoint folder as
 
     dcp/.metadata, dcp/__R_0.distcp   the model's and the optimizer's tensors: rank R's shards
     config.json  tokenizer.json  trainer_state.pt (step, RNG states, history, optimizer groups)  loss.png
@@ -30,7 +30,7 @@ from ..checkpoints.dcp import SHARDED, async_save_sharded_state, save_sharded_st
 
 
 def save_sharded(
-    strategy,
+    ckpt,
     out: Path,
     tokenizer,
     cfg,
@@ -41,10 +41,10 @@ def save_sharded(
     asynchronous: bool = False,
     group=None,
 ) -> "PendingSave | None":
-    """Write the sharded checkpoint of `strategy`'s model and optimizer to the folder `out`, every process
-    its own shards (see the module), or raise CheckpointError on every process and leave `out` as it
-    was. Called by every process of the run alike; `strategy` gives the collectives (share, gather,
-    on_main) and, for the optimizer's groups, the single-process names (`saved_groups`).
+    """Write the sharded checkpoint of `ckpt`'s model and optimizer (a k3.training.checkpointer.Checkpointer)
+    to the folder `out`, every process its own shards (see the module), or raise CheckpointError on every
+    process and leave `out` as it was. Called by every process of the run alike; `ckpt.dims` gives the
+    collectives (share, gather, on_main), `ckpt.groups` the optimizer groups' single-process names.
 
     `asynchronous` (`k3 train --async-checkpoint`): return once the state is copied to CPU memory, the DCP
     files written by a thread (collectives on `group`, a gloo group of the checkpoint's own): a
@@ -55,17 +55,16 @@ def save_sharded(
     from .checkpoint import first_non_finite, refuse_non_finite, saving, sharded_run_files
     from .optim import flat_names, group_names, named_state, portable_state
 
-    model, optimizer = strategy.model, strategy.optimizer
+    model, optimizer, dims = ckpt.model, ckpt.optimizer, ckpt.dims
     local_state = optimizer.state_dict()
     names = flat_names(group_names(model, optimizer))
     state = state_to_save(model, named_state(local_state, names)["state"], step)
-    bad = strategy.gather(first_non_finite(state["model"]))
-    refuse_non_finite(strategy.share(next((b for b in bad if b), None) if strategy.is_main else None), out, step)
+    bad = dims.gather(first_non_finite(state["model"]))
+    refuse_non_finite(dims.share(next((b for b in bad if b), None) if dims.is_main else None), out, step)
     groups = [
-        {**g, "params": full} for g, full in zip(portable_state(local_state)["param_groups"], strategy.saved_groups())
+        {**g, "params": full} for g, full in zip(portable_state(local_state)["param_groups"], ckpt.groups)
     ]  # the small files' writers, made now: they hold the run's state as it is at this step
-    corpus = getattr(strategy, "corpus", None)
-    small = sharded_run_files(model, tokenizer, cfg, step, max_steps, generator, history, groups, corpus)
+    small = sharded_run_files(model, tokenizer, cfg, step, max_steps, generator, history, groups, ckpt.corpus)
     held = {}
 
     def begin() -> str:
@@ -73,14 +72,14 @@ def save_sharded(
         return str(held["staging"].__enter__())
 
     with saving(out):
-        staging = Path(strategy.share(strategy.on_main(begin)))
-    pending = PendingSave(strategy, out, staging, held, small, step)
+        staging = Path(dims.share(dims.on_main(begin)))
+    pending = PendingSave(dims, out, staging, held, small, step)
     try:
         with saving(out):  # DCP raises on every process when one fails
             if asynchronous:
-                pending.future = async_save_sharded_state(state, staging, strategy.world_size == 1, group)
+                pending.future = async_save_sharded_state(state, staging, dims.world == 1, group)
                 return pending
-            save_sharded_state(state, staging, no_dist=strategy.world_size == 1)
+            save_sharded_state(state, staging, no_dist=dims.world == 1)
     except BaseException:
         pending.close()
         raise
@@ -95,7 +94,7 @@ class PendingSave:
     small files (k3.io's journal), then the staging folder goes. `future`: the background write's, when
     the save is asynchronous."""
 
-    strategy: object
+    dims: object  # the processes' ParallelDims (k3.training.parallel)
     out: Path
     staging: Path
     held: dict
@@ -111,18 +110,14 @@ class PendingSave:
         from ..io import commit_files, describe
         from .checkpoint import saving
 
-        strategy, out, staging = self.strategy, self.out, self.staging
+        dims, out, staging = self.dims, self.out, self.staging
         try:
             if self.future is not None:
                 with saving(out):
                     wait_sharded_state(self.future)
             files = sorted(p.name for p in staging.iterdir())  # every process's, and the .metadata
-            mine = {
-                name: describe(staging / name)
-                for i, name in enumerate(files)
-                if i % strategy.world_size == strategy.rank
-            }
-            parts = strategy.gather(mine)
+            mine = {name: describe(staging / name) for i, name in enumerate(files) if i % dims.world == dims.rank}
+            parts = dims.gather(mine)
 
             def commit() -> None:
                 described = {f"{SHARDED}/{name}": d for part in parts for name, d in part.items()}
@@ -131,7 +126,7 @@ class PendingSave:
                 with saving(out):
                     commit_files(out, writers, step=self.step, manifest=True, described=described)
 
-            strategy.on_main(commit)
+            dims.on_main(commit)
         finally:
             self.close()
 

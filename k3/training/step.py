@@ -15,8 +15,8 @@ logits in the step's forwards and, after the optimizer step, the heads above tau
 
 On many processes every rank draws the same global batch and takes an equal contiguous slice of it;
 the mean of the ranks' losses is the global batch's loss and the mean of their gradients its gradient.
-The gradients are averaged by the wrapper the model was split with (DDP during the backward, skipped
-with `no_sync` before the last micro-batch; FSDP2's reduce-scatter or all-reduce); the step sums the
+The gradients are averaged by FSDP2, which every torchrun mode is (k3.training.parallel: its
+reduce-scatter, or its all-reduce over replicated parameters); the step sums the
 loss and the expert loads over processes, drops the gradient of an expert no process's tokens chose
 (as one process leaves it without one), and with the experts split over processes clips by the norm
 that adds the experts' squares over their group (torchtitan's clipping with expert parallelism).
@@ -69,9 +69,10 @@ def train_step(
 ) -> StepResult:
     """One step of `optimizer` on `model` (a CausalLM) and the global batch `windows` [B, T + 1], taken as
     `cfg.grad_accum` equal micro-batches in `cfg.precision` (see the module). `dims`: the processes
-    (None: this one alone, on the model's device); `net`: the module to call (a DDP wrapper; None:
-    `model`). A non-finite loss or gradient norm raises NonFiniteLossError before the weights change
-    (on every process alike: both are global).
+    (None: this one alone, on the model's device); `net`: the module to call, if not `model` (a caller's
+    own wrapper: one with `no_sync`, as DistributedDataParallel, skips it before the last micro-batch).
+    A non-finite loss or gradient norm raises NonFiniteLossError before the weights change (on every
+    process alike: both are global).
 
     `targets` [B, T]: instead of the next-token loss of `windows`, the cross-entropy of `windows` [B, T] (the
     inputs) against `targets`, the mean over the positions whose target is not IGNORE_INDEX (a task scored at

@@ -17,7 +17,6 @@ step and a save must fit in it.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -66,7 +65,9 @@ class stop_on_signals:
                 return  # the launcher forwarding what every process got
             raise Interrupted(self.signum)
         self.requested, self.signum, self._first = True, signum, time.monotonic()
-        if os.environ.get("RANK", "0") == "0":  # one message for a torchrun job
+        from .parallel.dims import launch
+
+        if launch().rank == 0:  # one message for a torchrun job
             again = "press Ctrl-C again" if signum == signal.SIGINT else f"send {signal_words(signum)} again"
             print(
                 f"\n{signal_words(signum)}: stopping after {self.during} and saving a checkpoint ({again} to "

@@ -154,7 +154,7 @@ def test_the_lab_steps_through_trainings_step_on_the_scored_positions():
 def test_a_non_finite_loss_stops_the_run_where_it_is(monkeypatch):
     """Training's step refuses a non-finite loss before the weights change; the lab's run ends there."""
     from k3.lab import synthetic
-    from k3.training.strategy import NonFiniteLossError
+    from k3.training.step import NonFiniteLossError
 
     taken = []
 

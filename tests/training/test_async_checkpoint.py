@@ -25,18 +25,18 @@ def run_cfg(corpus, out, **kw) -> TrainConfig:
 
 
 def _worker(rank: int, port: int, corpus: str, root: str) -> None:
-    from k3.training import distributed
+    from k3.training.checkpointer import Checkpointer
 
     join(rank, 2, port)
     commits = []
-    finish = distributed.Distributed.finish_save
+    finish = Checkpointer.finish
 
     def counted(self):  # which steps' saves were committed, and when
         if self._pending is not None:
             commits.append(self._pending.step)
         return finish(self)
 
-    distributed.Distributed.finish_save = counted
+    Checkpointer.finish = counted
     results = {
         "sync": train(run_cfg(corpus, f"{root}/sync"), progress=False, parallel="fsdp"),
         "async": train(run_cfg(corpus, f"{root}/async", async_checkpoint=True), progress=False, parallel="fsdp"),
@@ -68,5 +68,5 @@ def test_asynchronous_saves_give_the_synchronous_run_and_checkpoints(tmp_path):
 def test_one_process_refuses_async_checkpoint(tmp_path):
     (tmp_path / "corpus").mkdir()
     corpus = write_corpus(tmp_path / "corpus", docs=2, words=100)
-    with pytest.raises(ValueError, match="--async-checkpoint .* needs torchrun with --parallel fsdp or ep"):
+    with pytest.raises(ValueError, match="--async-checkpoint .* needs torchrun with --parallel ddp, fsdp or ep"):
         train(run_cfg(corpus, tmp_path / "one", async_checkpoint=True, max_steps=2), progress=False)

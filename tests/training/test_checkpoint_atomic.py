@@ -30,7 +30,7 @@ from k3.cli import main
 from k3.cli.preflight import check_checkpoint
 from k3.io import JOURNAL, MANIFEST, CheckpointError
 from k3.tokenizer import Tokenizer
-from k3.training import TrainConfig, strategy, train
+from k3.training import TrainConfig, checkpointer, train
 from k3.training import checkpoint as ckpt_module
 
 from ..corpus import write_corpus
@@ -142,7 +142,7 @@ def run(tmp_path_factory):
         device="cpu",
     )
     saves = {}
-    real = strategy.save_training_checkpoint
+    real = checkpointer.save_training_checkpoint
 
     def capture(out, model, optimizer, tokenizer, cfg, step, max_steps, generator, history, **kw):
         saves[step] = dict(
@@ -159,11 +159,11 @@ def run(tmp_path_factory):
         )
         real(out, model, optimizer, tokenizer, cfg, step, max_steps, generator, history, **kw)
 
-    strategy.save_training_checkpoint = capture
+    checkpointer.save_training_checkpoint = capture
     try:
         full = train(cfg, progress=False)
     finally:
-        strategy.save_training_checkpoint = real
+        checkpointer.save_training_checkpoint = real
     for name, step in (("A", 2), ("B", 4)):
         replay(saves[step], root / name)
     return {"full": full, "saves": saves, "root": root}

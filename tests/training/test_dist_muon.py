@@ -52,20 +52,21 @@ def test_the_two_exchanges_mirror_each_other():
 def _worker(rank: int, world: int, port: int, ep: int, out: str) -> None:
     join(rank, world, port)
     from k3.models import get_config
-    from k3.training import TrainConfig, distributed
+    from k3.training import Checkpointer, TrainConfig, build, build_model, train_step
+    from k3.training.parallel import init_parallel
 
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
     cfg = TrainConfig(batch_size=8, seq_len=16, ep=ep, lr=2e-2, qk_clip=1e-3)
-    strategy = distributed.Distributed("fsdp", "cpu", ep)
-    model = strategy.new_model(get_config("kimi-k3-tiny", vocab_size=257, **SMALL))
-    strategy.setup(model, cfg)
+    dims = init_parallel("fsdp", "cpu", ep)
+    model = build_model(get_config("kimi-k3-tiny", vocab_size=257, **SMALL), dims)
+    optimizer, groups = build(model, cfg, dims)
     generator = torch.Generator().manual_seed(0)
     flops = []
     for _ in range(STEPS):
-        strategy.step(torch.randint(0, 257, (8, 17), generator=generator), cfg)
-        flops.append(strategy.optimizer.ns_flops)
-    weights, _ = strategy.full_state()
+        train_step(model, optimizer, torch.randint(0, 257, (8, 17), generator=generator), cfg, dims)
+        flops.append(optimizer.ns_flops)
+    weights, _ = Checkpointer(model, optimizer, dims, groups).full_state()
     parts = [None] * world
     torch.distributed.all_gather_object(parts, flops[-1])
     if rank == 0:
@@ -75,23 +76,22 @@ def _worker(rank: int, world: int, port: int, ep: int, out: str) -> None:
 
 def _single() -> tuple[dict, int]:
     from k3.models import CausalLM, get_config
-    from k3.training import TrainConfig
-    from k3.training.strategy import SingleProcess
+    from k3.training import ParallelDims, TrainConfig, build, train_step
 
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
         torch.manual_seed(0)
         cfg = TrainConfig(batch_size=8, seq_len=16, lr=2e-2, qk_clip=1e-3)
-        strategy = SingleProcess("cpu")
+        dims = ParallelDims()
         model = CausalLM(get_config("kimi-k3-tiny", vocab_size=257, **SMALL))
-        strategy.setup(model, cfg)
+        optimizer, _ = build(model, cfg, dims)
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
         generator = torch.Generator().manual_seed(0)
         clipped = 0
         for _ in range(STEPS):
-            strategy.step(torch.randint(0, 257, (8, 17), generator=generator), cfg)
-            clipped += strategy.qk_clipped_heads
+            result = train_step(model, optimizer, torch.randint(0, 257, (8, 17), generator=generator), cfg, dims)
+            clipped += result.qk_clipped_heads
         assert clipped > 0  # QK-Clip rescaled heads in these steps: its path is compared too
         weights = {n: t.detach().clone() for n, t in model.state_dict().items()}  # the routers' biases too
         unchanged = [
@@ -100,7 +100,7 @@ def _single() -> tuple[dict, int]:
             if p.dim() == 2 and p.grad is not None and p.grad.any() and torch.equal(weights[n], start[n])
         ]
         assert not unchanged, unchanged
-        return weights, strategy.optimizer.ns_flops
+        return weights, optimizer.ns_flops
     finally:
         torch.set_default_dtype(default)
 

@@ -20,8 +20,10 @@ import pytest
 import torch
 
 from k3.models import CausalLM, get_config
-from k3.training import TrainConfig, build_optimizer, distributed, train, training_step
+from k3.training import TrainConfig, build, build_model, build_optimizer, train, train_step, training_step
+from k3.training.checkpointer import Checkpointer
 from k3.training.optim import portable_state
+from k3.training.parallel import check_expert_split, init_parallel, parallel_dims
 
 from ..corpus import write_corpus
 from ..processes import free_port, leave, merged_over_ranks
@@ -86,19 +88,19 @@ def _full_grads(model) -> dict:
 
 
 def _two_steps(preset: str, mode: str) -> dict:
-    strategy = distributed.Distributed(mode)
+    dims = init_parallel(mode)
     model = tiny_model(preset)
-    strategy.setup(model, STEP_CFG)
+    optimizer, groups = build(model, STEP_CFG, dims)
     if mode == "fsdp":  # whole decoder layers are the units, Block AttnRes or not
         from torch.distributed.fsdp import FSDPModule
 
         units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
         assert units == [""] + [f"model.layers.{i}" for i in range(len(model.model.layers))], units
     first, second = batches()
-    losses = [strategy.step(first, STEP_CFG)]
+    losses = [train_step(model, optimizer, first, STEP_CFG, dims).loss]
     grads = _full_grads(model)
-    weights, optimizer_state = copy.deepcopy(strategy.full_state())  # what a checkpoint holds
-    losses.append(strategy.step(second, STEP_CFG))
+    weights, optimizer_state = copy.deepcopy(Checkpointer(model, optimizer, dims, groups).full_state())
+    losses.append(train_step(model, optimizer, second, STEP_CFG, dims).loss)
     return {"losses": losses, "grads": grads, "weights": weights, "optimizer": optimizer_state}
 
 
@@ -106,12 +108,12 @@ def _built_on_meta(preset: str, mode: str) -> dict:
     """The model as `k3 train` builds it under torchrun: on meta, split, then each rank's share made."""
     from torch.distributed.tensor import DTensor
 
-    strategy = distributed.Distributed(mode)
+    dims = init_parallel(mode)
     torch.manual_seed(0)
     overrides = SMALL if preset == "kimi-k3-tiny" else {"hidden_size": 32, "num_layers": 2}
-    model = strategy.new_model(get_config(preset, vocab_size=VOCAB, **overrides))
+    model = build_model(get_config(preset, vocab_size=VOCAB, **overrides), dims)
     assert model.lm_head.weight.is_meta
-    strategy.setup(model, STEP_CFG)
+    build(model, STEP_CFG, dims)
     held = sum(t.to_local().numel() if isinstance(t, DTensor) else t.numel() for t in model.state_dict().values())
     state = {n: t.full_tensor() if isinstance(t, DTensor) else t for n, t in model.state_dict().items()}
     tied = model.lm_head.weight is model.model.embed_tokens.weight
@@ -123,7 +125,7 @@ def _peak_rss_of_a_large_model_on_meta() -> dict:
     (measured: 499 MiB each built on meta, 998 MiB each built whole)."""
     import resource
 
-    strategy = distributed.Distributed("fsdp")
+    dims = init_parallel("fsdp")
     config = get_config(
         "kimi-k3-tiny",
         vocab_size=VOCAB,
@@ -133,8 +135,8 @@ def _peak_rss_of_a_large_model_on_meta() -> dict:
         moe_latent_size=512,
     )
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    model = strategy.new_model(config)
-    strategy.setup(model, STEP_CFG)
+    model = build_model(config, dims)
+    build(model, STEP_CFG, dims)
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     return {
         "grown": grown,
@@ -359,19 +361,19 @@ def test_a_one_process_checkpoint_resumes_in_two_processes(runs, mode):
 def test_bad_requests_are_refused_with_the_reason(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    assert distributed.start("none", 4) is None
+    assert parallel_dims("none", 4).world == 1
     with pytest.raises(ValueError, match="--parallel must be one of none, ddp, fsdp, ep, got 'zero'"):
-        distributed.start("zero", 4)
+        parallel_dims("zero", 4)
     with pytest.raises(ValueError, match="runs under torchrun .missing RANK, WORLD_SIZE"):
-        distributed.start("ddp", 4)
+        parallel_dims("ddp", 4)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="--parallel none, but torchrun started 2 processes"):
-        distributed.start("none", 4)
+        parallel_dims("none", 4)
     for name, value in dict(RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match="--batch-size must be a multiple of the 2 processes .*, got 5"):
-        distributed.start("fsdp", 5)
+        parallel_dims("fsdp", 5)
     with pytest.raises(ValueError, match="--parallel ep needs a model with MoE layers; gpt2-tiny has none"):
-        distributed.check_expert_split(get_config("gpt2-tiny"), 2)
+        check_expert_split(get_config("gpt2-tiny"), 2)
     with pytest.raises(ValueError, match="the 16 experts of each MoE layer do not split evenly over 3 processes"):
-        distributed.check_expert_split(get_config("kimi-k3-tiny"), 3)
+        check_expert_split(get_config("kimi-k3-tiny"), 3)

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from k3.models import CausalLM
-from k3.training import TrainConfig, distributed, train
+from k3.training import TrainConfig, build, build_model, loop, train, train_step
+from k3.training.build import memory_share
+from k3.training.parallel import init_parallel, parallel_dims
 
 from ..corpus import write_corpus
 from ..processes import free_port, join, leave
@@ -55,13 +57,14 @@ def _held(rank: int) -> dict:
     def local(t):
         return t.to_local() if isinstance(t, DTensor) else t
 
-    strategy = distributed.Distributed("fsdp", ep=2)
+    dims = init_parallel("fsdp", ep=2)
     config = get_config("kimi-k3-tiny", vocab_size=257)
-    model = strategy.new_model(config)
-    strategy.setup(model, TrainConfig())
-    strategy.step(torch.randint(0, 257, (8, 33), generator=torch.Generator().manual_seed(0)), TrainConfig())
+    model = build_model(config, dims)
+    optimizer, _ = build(model, TrainConfig(), dims)
+    windows = torch.randint(0, 257, (8, 33), generator=torch.Generator().manual_seed(0))
+    train_step(model, optimizer, windows, TrainConfig(), dims)
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # two of the four processes on each machine
-    assert strategy.share_here(TrainConfig()) == 0.5 and strategy.share_here(TrainConfig(), whole=True) == 2.0
+    assert memory_share(TrainConfig(), dims) == 0.5 and memory_share(TrainConfig(), dims, whole=True) == 2.0
     held = rank_values(model_shapes(config), Layout(4, 1, 4, 2), rank)
     n = sum(held.values())
     adam_only = held["embedding"] + held["vector"]
@@ -70,7 +73,7 @@ def _held(rank: int) -> dict:
         "planned values": n,
         "optimizer bytes": sum(
             local(v).numel() * v.element_size()
-            for state in strategy.optimizer.state.values()
+            for state in optimizer.state.values()
             for v in state.values()
             if isinstance(v, torch.Tensor) and v.dim() > 0
         ),
@@ -105,14 +108,14 @@ def _two(rank: int, port: int, root: str) -> None:
     from k3.training.parallel import load_expert_parallel
 
     join(rank, 2, port)
-    built, new_model = [], distributed.Distributed.new_model
+    built, build_model = [], loop.build_model
 
-    def spy(self, config, to_load=False):  # how the resumed run builds its model
-        model = new_model(self, config, to_load)
+    def spy(config, dims, whole=False):  # how the resumed run builds its model
+        model = build_model(config, dims, whole)
         built.append(model.lm_head.weight.is_meta)
         return model
 
-    distributed.Distributed.new_model = spy
+    loop.build_model = spy
     try:
         history = train(
             TrainConfig(max_steps=3, ep=1),
@@ -122,7 +125,7 @@ def _two(rank: int, port: int, root: str) -> None:
             parallel="fsdp",
         )
     finally:
-        distributed.Distributed.new_model = new_model
+        loop.build_model = build_model
     # the sharded checkpoint of 2 processes, read back split over them: each reads only its own experts
     model = load_expert_parallel(f"{root}/chain", torch.device("cpu")).eval()
     rows = model.double().generate(PROMPTS, 8, temperature=0)
@@ -218,6 +221,6 @@ def test_a_sharded_checkpoint_read_by_two_expert_parallel_processes_generates_wh
 
 def test_ep_is_refused_outside_fsdp(monkeypatch):
     with pytest.raises(ValueError, match="--ep 2 is for --parallel fsdp"):
-        distributed.start("ep", 4, ep=2)
+        parallel_dims("ep", 4, ep=2)
     with pytest.raises(ValueError, match="--ep 2 is for --parallel fsdp"):
-        distributed.start("none", 4, ep=2)
+        parallel_dims("none", 4, ep=2)

@@ -18,7 +18,7 @@ from k3.cli.parser import build_parser
 from k3.layers import MultiHeadAttention, MultiHeadLatentAttention, max_logit
 from k3.layers.max_logit import causal_max_logits
 from k3.models import CausalLM, get_config
-from k3.training import SingleProcess, TrainConfig, build_optimizer, qk_clip, train, training_step
+from k3.training import TrainConfig, build_optimizer, qk_clip, train, train_step, training_step
 from k3.training.config import qk_clip_threshold, saved_train_config
 from k3.training.metrics import METRICS_FILE, read_metrics
 
@@ -236,10 +236,10 @@ def test_gradient_accumulation_clips_with_the_maximum_over_the_micro_batches():
     for accum in (1, 2):
         torch.manual_seed(0)
         model = CausalLM(get_config("gpt2-tiny", vocab_size=64, hidden_size=32, num_layers=2)).double()
-        s = SingleProcess("cpu")
-        s.model = s.net = model
-        s.optimizer = build_optimizer(model, cfg)
-        s.step(windows, TrainConfig(qk_clip=TINY_TAU, optimizer="adamw", lr=1e-3, grad_accum=accum))
+        optimizer = build_optimizer(model, cfg)
+        s = train_step(
+            model, optimizer, windows, TrainConfig(qk_clip=TINY_TAU, optimizer="adamw", lr=1e-3, grad_accum=accum)
+        )
         results.append((s.max_logit, s.qk_clipped_heads, {n: p.detach().clone() for n, p in model.named_parameters()}))
     (logit1, heads1, w1), (logit2, heads2, w2) = results
     assert heads1 == heads2 >= 1 and logit1 == pytest.approx(logit2, rel=1e-12)
@@ -254,26 +254,27 @@ WORLD = 2
 def _fsdp_worker(rank: int, port: int, root: str) -> None:
     from torch.distributed.tensor import DTensor
 
-    from k3.training import distributed
+    from k3.training import build
+    from k3.training.parallel import init_parallel
 
     join(rank, WORLD, port)
     out = {}
     for preset in ("kimi-k3-tiny", "gpt2-tiny"):
         cfg = TrainConfig(qk_clip=TINY_TAU, lr=3e-3)
-        strategy = distributed.Distributed("fsdp")
-        strategy.setup(tiny_model(preset), cfg)
-        layers = qk_clip.attention_layers(strategy.model)
+        dims = init_parallel("fsdp")
+        model = tiny_model(preset)
+        optimizer, _ = build(model, cfg, dims)
+        layers = qk_clip.attention_layers(model)
         assert any(isinstance(p, DTensor) for layer in layers for p in layer.parameters())
-        strategy.step(windows(), cfg)
+        result = train_step(model, optimizer, windows(), cfg, dims)
         local = qk_clip.head_max_logits(layers, CPU)  # what this rank's tokens gave, before the all-reduce
         weights = {
-            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in strategy.model.named_parameters()
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()
         }
         out[preset] = {
             "local": local,
-            "max_logit": strategy.max_logit,
-            "clipped": strategy.qk_clipped_heads,
+            "max_logit": result.max_logit,
+            "clipped": result.qk_clipped_heads,
             "weights": weights,
         }
     parts = [None] * WORLD

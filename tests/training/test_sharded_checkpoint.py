@@ -21,8 +21,8 @@ from k3.io import JOURNAL, CheckpointError, check_manifest
 from k3.models import CausalLM
 from k3.training import TrainConfig, train
 from k3.training import checkpoint as ckpt_module
+from k3.training.checkpointer import Checkpointer
 from k3.training.sharded import save_sharded
-from k3.training.strategy import SingleProcess
 
 from ..corpus import write_corpus
 from .test_checkpoint_atomic import Died, Faults
@@ -66,7 +66,7 @@ def run(tmp_path_factory):
 
     def sharded(self, out, tokenizer, cfg, step, max_steps, generator, history):
         saves[step] = dict(
-            strategy=copy.deepcopy(self),
+            checkpointer=copy.deepcopy(self),
             tokenizer=tokenizer,
             cfg=cfg,
             step=step,
@@ -78,7 +78,7 @@ def run(tmp_path_factory):
         save_sharded(self, Path(out), tokenizer, cfg, step, max_steps, generator, history)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(SingleProcess, "save", sharded)
+        patch.setattr(Checkpointer, "save", sharded)
         sharded_run = train(run_cfg(corpus, root / "S4"), progress=False)
     replay(saves[2], root / "S2")
     return {"full": full, "sharded": sharded_run, "saves": saves, "root": root}
@@ -91,7 +91,7 @@ def replay(save: dict, out: Path, asynchronous: bool = False) -> None:
     generator = torch.Generator()
     generator.set_state(save["data_rng"])
     pending = save_sharded(
-        save["strategy"],
+        save["checkpointer"],
         out,
         save["tokenizer"],
         save["cfg"],
@@ -135,7 +135,7 @@ def test_an_asynchronous_save_holds_the_state_of_its_step_and_commits_only_when_
     change (the next steps) and the files still hold the saved step's; the folder holds nothing new until
     `finish()`, which commits the same checkpoint a synchronous save writes."""
     save = run["saves"][4]
-    strategy = copy.deepcopy(save["strategy"])
+    checkpointer = copy.deepcopy(save["checkpointer"])
     generator = torch.Generator()
     generator.set_state(save["data_rng"])
     torch.set_rng_state(save["torch_rng"])
@@ -147,12 +147,12 @@ def test_an_asynchronous_save_holds_the_state_of_its_step_and_commits_only_when_
         return real_save(*a, **kw)
 
     monkeypatch.setattr(torch, "save", held_save)
-    pending = save_sharded(strategy, tmp_path / "async", *args, asynchronous=True)
+    pending = save_sharded(checkpointer, tmp_path / "async", *args, asynchronous=True)
     assert not pending.done()
     with torch.no_grad():  # the training goes on: every weight and momentum changes
-        for p in strategy.model.parameters():
+        for p in checkpointer.model.parameters():
             p.add_(1.0)
-        for state in strategy.optimizer.state.values():
+        for state in checkpointer.optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor) and value.is_floating_point():
                     value.add_(1.0)
@@ -174,7 +174,7 @@ def test_an_asynchronous_save_holds_the_state_of_its_step_and_commits_only_when_
 def test_from_pretrained_export_and_generate_read_it_one_tensor_at_a_time(run, tmp_path, monkeypatch):
     source = tmp_path / "S4"
     shutil.copytree(run["root"] / "S4", source)
-    expected = run["saves"][4]["strategy"].model.state_dict()
+    expected = run["saves"][4]["checkpointer"].model.state_dict()
     reads = []
     real = dcp.load_sharded_state
     monkeypatch.setattr(

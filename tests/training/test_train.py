@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import importlib
 import json
 import signal
 
@@ -262,14 +263,15 @@ def test_compile_compiles_the_decoder_and_needs_a_cxx_compiler(corpus, tmp_path,
     """--compile reaches nn.Module.compile on the decoder (compiling itself takes minutes: not run here);
     without a C++ compiler it stops at once with a message that says what to do."""
     from k3 import runtime
-    from k3.training import strategy as strategy_module
+
+    parallelize_module = importlib.import_module("k3.training.parallel.parallelize")
 
     compiled = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(type(self).__name__))
     train(config(corpus, tmp_path / "c", max_steps=1, warmup_steps=1, compile=True), progress=False)
     assert compiled == ["Decoder"]
     monkeypatch.setattr(runtime.shutil, "which", lambda name: None)
-    monkeypatch.setattr(strategy_module, "cxx_compiler", runtime.cxx_compiler)
+    monkeypatch.setattr(parallelize_module, "cxx_compiler", runtime.cxx_compiler)
     with pytest.raises(ValueError, match="no C\\+\\+ compiler was found"):
         train(config(corpus, tmp_path / "d", max_steps=1, warmup_steps=1, compile=True), progress=False)
     assert (

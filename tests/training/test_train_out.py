@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from k3.cli import main
-from k3.training import TrainConfig, loop, strategy, train
+from k3.training import ParallelDims, TrainConfig, loop, train
 from k3.training.checkpoint import OutputFolderError
 from k3.training.metrics import read_metrics
 
@@ -75,7 +75,7 @@ def no_work(*args, **kwargs):
 
 def test_a_new_run_into_a_checkpoint_is_refused_with_the_ways_on(corpus, checkpoint, capsys, monkeypatch):
     before = digests(checkpoint)
-    monkeypatch.setattr(strategy.SingleProcess, "prepare", no_work)
+    monkeypatch.setattr(loop, "prepare_data", no_work)
     # of the same model, and of another one (kimi-k3-tiny into a gpt2-tiny run's folder)
     for more in ((), ("--preset", "kimi-k3-tiny")):
         err = fails(
@@ -107,7 +107,7 @@ def test_overwrite_replaces_a_checkpoint(corpus, checkpoint, tmp_path, capsys):
 
 def test_the_python_api_and_every_torchrun_process_check_before_any_work(corpus, checkpoint, monkeypatch):
     cfg = TrainConfig(preset="gpt2-tiny", data=str(corpus), tokenizer="byte", out=str(checkpoint))
-    monkeypatch.setattr(loop, "start", no_work)  # a torchrun launch starts its process group there
+    monkeypatch.setattr(loop, "parallel_dims", no_work)  # a torchrun launch starts its process group there
     for parallel in ("none", "fsdp", "ddp"):
         with pytest.raises(OutputFolderError, match="holds the k3 checkpoint of another run"):
             train(cfg, progress=False, parallel=parallel)
@@ -122,7 +122,7 @@ def test_files_that_k3_did_not_write_are_never_replaced(corpus, tmp_path, capsys
     (mine / "config.json").write_text('{"mine": true}')
     (mine / "notes.txt").write_text("kept")
     before = digests(mine)
-    monkeypatch.setattr(strategy.SingleProcess, "prepare", no_work)
+    monkeypatch.setattr(loop, "prepare_data", no_work)
     for more in ((), ("--overwrite",)):
         fails(
             capsys,
@@ -146,7 +146,7 @@ def test_the_log_of_a_run_killed_before_its_first_save_is_k3s_and_said_so(corpus
     killed.mkdir()
     (killed / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n{"step": 2, "loss": 5.1}\n{"step": 3, "lo')
     (killed / ".k3-train.lock").write_text("12345\n")
-    monkeypatch.setattr(strategy.SingleProcess, "prepare", no_work)
+    monkeypatch.setattr(loop, "prepare_data", no_work)
     fails(
         capsys,
         flags(corpus, killed),
@@ -196,7 +196,7 @@ def test_a_checkpoint_saved_with_fsdp_ep_resumes_in_one_process_with_the_plain_c
     in one process trains on with ep 1; only an explicit --ep that the launch contradicts is refused."""
     out = tmp_path / "fsdp-ep2"
     with monkeypatch.context() as patch:  # a checkpoint whose saved TrainConfig says ep 2 (as fsdp x ep 2 saves)
-        patch.setattr(loop, "start", lambda *args: None)
+        patch.setattr(loop, "parallel_dims", lambda *args: ParallelDims())
         train(
             TrainConfig(
                 preset="gpt2-tiny",

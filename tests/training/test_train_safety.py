@@ -21,7 +21,7 @@ import torch
 
 from k3.io import file_mode
 from k3.models import CausalLM
-from k3.training import TrainConfig, build_optimizer, strategy, train
+from k3.training import TrainConfig, build_optimizer, loop, train
 from k3.training import checkpoint as ckpt_module
 from k3.training import step as step_module
 from k3.training.checkpoint import CheckpointError, OutputFolderError, claim_output
@@ -76,13 +76,13 @@ def no_work(*args, **kwargs):
 
 def test_an_out_that_is_a_file_is_refused_before_any_work(corpus, tmp_path, monkeypatch):
     (tmp_path / "taken").write_text("not a folder")
-    monkeypatch.setattr(strategy.SingleProcess, "prepare", no_work)
+    monkeypatch.setattr(loop, "prepare_data", no_work)
     with pytest.raises(OutputFolderError, match=f"--out {tmp_path / 'taken'}: is a file, expected a folder"):
         train(config(corpus, tmp_path / "taken"), progress=False)
 
 
 def test_an_out_that_cannot_be_written_is_refused_before_any_work(corpus, tmp_path, monkeypatch):
-    monkeypatch.setattr(strategy.SingleProcess, "prepare", no_work)
+    monkeypatch.setattr(loop, "prepare_data", no_work)
     out = tmp_path / "locked" / "run"
     if os.geteuid() != 0:
         (tmp_path / "locked").mkdir(mode=0o500)
@@ -102,7 +102,7 @@ def test_a_second_run_on_one_folder_is_refused_with_the_first_ones_pid(corpus, t
     out = tmp_path / "run"
     with claim_output(out):
         assert (out / ".k3-train.lock").read_text().strip() == str(os.getpid())
-        monkeypatch.setattr(strategy.SingleProcess, "prepare", no_work)
+        monkeypatch.setattr(loop, "prepare_data", no_work)
         with pytest.raises(OutputFolderError, match=rf"another k3 train \(pid {os.getpid()}\) is writing"):
             train(config(corpus, out), progress=False)
     assert not (out / ".k3-train.lock").exists()  # released and removed

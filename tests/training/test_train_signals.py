@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from k3.cli import main
-from k3.training import TrainConfig, stop, strategy, train
+from k3.training import TrainConfig, loop, stop, train
 from k3.training import checkpoint as ckpt_module
 from k3.training import step as step_module
 from k3.training.stop import Interrupted
@@ -124,7 +124,7 @@ def test_a_signal_while_starting_stops_at_once_and_leaves_the_folder(corpus, tmp
         signal.raise_signal(signal.SIGTERM)
         raise AssertionError("not stopped")
 
-    monkeypatch.setattr(strategy.SingleProcess, "prepare", signalled)
+    monkeypatch.setattr(loop, "prepare_data", signalled)
     argv = ["train", "--data", str(corpus), "--tokenizer", "byte", "--out", str(tmp_path / "new" / "run")]
     assert main([*argv, "--no-progress"]) == 128 + signal.SIGTERM
     err = capsys.readouterr().err.strip()
