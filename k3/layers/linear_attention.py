@@ -45,9 +45,6 @@ from ..ops import (
     chunk_kda,
     chunk_linear_attn,
     l2norm,
-    recurrent_delta_rule,
-    recurrent_gated_delta_rule,
-    recurrent_kda,
 )
 from ..ops.common import cast
 from ..ops.delta_rule import delta_rule_step
@@ -79,12 +76,11 @@ def init_decay(A_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
 
 class _DeltaRuleAttention(nn.Module):
     """The body DeltaNet, GatedDeltaNet and KimiDeltaAttention share (see the module docstring): one
-    `forward`. A variant names its ops (chunk, recurrent, and the one-token step), the projection its
+    `forward`. A variant names its ops (chunk, and the one-token step), the projection its
     forget gate starts from (`forget_input`: none in DeltaNet) and the gate's formula (`decay`), and makes
     and initialises that gate's parameters in its own `__init__` and `reset_parameters`."""
 
     chunk_op = staticmethod(chunk_delta_rule)
-    recurrent_op = staticmethod(recurrent_delta_rule)
     step_op = staticmethod(delta_rule_step)
     forget_input: str | None = None  # the forget gate's projection of x ("a_proj", "f_a_proj"); None: no gate
 
@@ -226,7 +222,6 @@ class GatedDeltaNet(_DeltaRuleAttention):
     """Gated DeltaNet: one decay per head and token, g = -exp(A_log) softplus(a_proj(x) + dt_bias)."""
 
     chunk_op = staticmethod(chunk_gated_delta_rule)
-    recurrent_op = staticmethod(recurrent_gated_delta_rule)
     step_op = staticmethod(gated_delta_rule_step)
     forget_input = "a_proj"
 
@@ -258,7 +253,6 @@ class KimiDeltaAttention(_DeltaRuleAttention):
     """
 
     chunk_op = staticmethod(chunk_kda)
-    recurrent_op = staticmethod(recurrent_kda)
     step_op = staticmethod(kda_step)
     forget_input = "f_a_proj"
 

@@ -4,8 +4,8 @@ Hugging Face Kimi checkpoints, and save_pretrained) are `k3.inference`'s and `k3
 hands itself to."""
 
 from .config import ModelConfig
-from .model import Cache, CausalLM, HybridCache
+from .model import Cache, CausalLM
 from .params import ParamCount, count_params
 from .presets import PRESETS, get_config
 
-__all__ = ["ModelConfig", "CausalLM", "Cache", "HybridCache", "ParamCount", "count_params", "PRESETS", "get_config"]
+__all__ = ["ModelConfig", "CausalLM", "Cache", "ParamCount", "count_params", "PRESETS", "get_config"]

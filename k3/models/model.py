@@ -383,6 +383,3 @@ class CausalLM(nn.Module):
     def num_parameters(self) -> int:
         """Distinct parameters (a tied head counts once)."""
         return sum(p.numel() for p in self.parameters())
-
-
-HybridCache = StaticCache = Cache  # the former names of the one cache (a growing one; one of fixed slots)
