@@ -311,7 +311,6 @@ _ASKED_BY_NAME = (
 def run(args) -> int:
     """`k3 train`: the run (`k3.training.train`), resumed with --resume once the checkpoint is checked; a
     signal ends it with 128 + its number (the loop saved a checkpoint first)."""
-    import os
 
     from ..training import train
     from ..training.stop import Interrupted, signal_words
@@ -328,7 +327,9 @@ def run(args) -> int:
     try:
         train(cfg, resume=args.resume, progress=not args.no_progress, parallel=args.parallel, asked=asked)
     except Interrupted as e:  # Ctrl-C, SIGTERM or SIGHUP: the loop said what it saved; during start-up, say it here
-        if not e.said and os.environ.get("RANK", "0") == "0":
+        from ..training.parallel.dims import launch
+
+        if not e.said and launch().rank == 0:
             kept = f"the checkpoint in --resume {args.resume}" if args.resume else f"--out {args.out}"
             print(
                 f"\nk3 train: {signal_words(e.signum)} while starting, before the first step: stopped; nothing was "

@@ -151,11 +151,11 @@ def test_muon_scale_matches_adamw_rms():
 
 def test_the_cli_flag_reaches_the_config_and_a_resume_keeps_the_checkpoints():
     from k3.cli import build_parser
-    from k3.cli.commands import _train_config
+    from k3.cli.train import train_config
     from k3.training.loop import _resume_overrides
 
-    assert _train_config(build_parser().parse_args(["train", "--optimizer", "adamw"])).optimizer == "adamw"
-    assert _train_config(build_parser().parse_args(["train"])).optimizer == "muon"
+    assert train_config(build_parser().parse_args(["train", "--optimizer", "adamw"])).optimizer == "adamw"
+    assert train_config(build_parser().parse_args(["train"])).optimizer == "muon"
     saved = TrainConfig(optimizer="adamw")
     assert _resume_overrides(TrainConfig(), saved) == {}  # not asked: the checkpoint's AdamW goes on
     with pytest.raises(ValueError, match="`optimizer` 'muon' \\(the checkpoint's: 'adamw'\\)"):

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from k3.cli import main
-from k3.cli.commands import _train_config
 from k3.cli.parser import build_parser
+from k3.cli.train import train_config as cli_train_config
 from k3.layers import MultiHeadAttention, MultiHeadLatentAttention, max_logit
 from k3.layers.max_logit import causal_max_logits
 from k3.models import CausalLM, get_config
@@ -173,10 +173,10 @@ def test_inference_records_nothing(kind):
 
 def test_the_default_is_100_with_muon_and_off_with_adamw_and_bad_values_are_refused(capsys):
     parse = build_parser().parse_args
-    assert qk_clip_threshold(_train_config(parse(["train"]))) == 100.0
-    assert qk_clip_threshold(_train_config(parse(["train", "--optimizer", "adamw"]))) == 0.0
-    assert qk_clip_threshold(_train_config(parse(["train", "--qk-clip", "0"]))) == 0.0
-    assert qk_clip_threshold(_train_config(parse(["train", "--optimizer", "adamw", "--qk-clip", "30"]))) == 30.0
+    assert qk_clip_threshold(cli_train_config(parse(["train"]))) == 100.0
+    assert qk_clip_threshold(cli_train_config(parse(["train", "--optimizer", "adamw"]))) == 0.0
+    assert qk_clip_threshold(cli_train_config(parse(["train", "--qk-clip", "0"]))) == 0.0
+    assert qk_clip_threshold(cli_train_config(parse(["train", "--optimizer", "adamw", "--qk-clip", "30"]))) == 30.0
     for bad in ("-1", "inf", "nan", "big"):
         assert main(["train", "--qk-clip", bad]) == 2
         assert (

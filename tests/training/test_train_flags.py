@@ -164,7 +164,7 @@ def test_metrics_log_has_every_step_and_continues_on_resume(corpus, tmp_path, ca
 
 def test_cli_flags_reach_the_config_and_a_resume(corpus, tmp_path, monkeypatch):
     from k3.cli import build_parser
-    from k3.cli.commands import _train_config
+    from k3.cli.train import train_config
 
     args = build_parser().parse_args(
         [
@@ -183,7 +183,7 @@ def test_cli_flags_reach_the_config_and_a_resume(corpus, tmp_path, monkeypatch):
             "none",
         ]
     )
-    cfg = _train_config(args)
+    cfg = train_config(args)
     assert (cfg.device, cfg.precision, cfg.grad_accum, cfg.eval_tokens, cfg.final_eval_tokens, cfg.log) == (
         "cpu",
         "bf16",
@@ -192,7 +192,7 @@ def test_cli_flags_reach_the_config_and_a_resume(corpus, tmp_path, monkeypatch):
         0,
         None,
     )
-    defaults = _train_config(build_parser().parse_args(["train"]))
+    defaults = train_config(build_parser().parse_args(["train"]))
     assert (defaults.device, defaults.precision, defaults.grad_accum, defaults.final_eval_tokens) == (
         "auto",
         "fp32",

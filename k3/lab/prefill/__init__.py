@@ -13,8 +13,9 @@ C = T (the fully parallel form), T up to 16,384:
   (plus the normaliser column: V + 1 values).
 - `chunk_kda` adds the delta rule's UT transform inside each chunk: two more score-like products
   (A_kk and the corrections W, U), a state step more, and the inverse (I + A)⁻¹ of a C x C
-  triangular matrix, about C³/3 multiply-adds per chunk. `k3_cost` counts what it runs exactly (a
-  test checks the count against every matmul and triangular solve the op dispatches): in the chunked
+  triangular matrix, about C³/3 multiply-adds per chunk, here with Kimi K3's safe gate and its stated
+  bound (`lower_bound=-5`, as the model passes it). `k3_cost` counts what it runs exactly (a test
+  checks the count against every matmul and triangular solve the op dispatches): in the chunked
   regime (C ≤ 128 at d = 64) that is 1.7-1.8x the article's count, nearly a constant, but at C = T
   the inverse makes the "full attention" end cubic in T, not quadratic.
 
@@ -37,11 +38,11 @@ from pathlib import Path
 import torch
 
 from ...bench.timing import matmul_gflops
-from ...ops.cost import OPS, article_cost, k3_cost
+from ...ops.cost import OPS, article_cost
 from ..report import Result, command
 from . import report
 from .fits import error_factor, fit_scale, loglog_slope
-from .measure import FULL, SWEEPS, Sweep, measure_times, time_breakdown
+from .measure import FULL, SWEEPS, Sweep, measure_times, op_cost, time_breakdown
 
 
 def run(mode: str, docs: Path, **options) -> Result:
@@ -82,7 +83,7 @@ def analyse(sweep: Sweep, times: dict) -> tuple[dict, int]:
     every point (the C = T ones out of the fit), the log-log slopes against T and the fastest C at the
     longest T; and the C the article's model finds cheapest there."""
     T_max, d = max(sweep.lengths), sweep.dim
-    models = {"article": lambda op, T, C: article_cost(T, d, C), "k3 count": lambda op, T, C: k3_cost(op, T, d, C)}
+    models = {"article": lambda op, T, C: article_cost(T, d, C), "k3 count": lambda op, T, C: op_cost(op, T, d, C)}
     analysis = {}
     for op in OPS:
         points = [(T, C, t) for (o, T, C), t in times.items() if o == op]

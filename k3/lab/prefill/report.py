@@ -7,11 +7,11 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from ...ops.cost import OPS, article_cost, k3_cost
+from ...ops.cost import OPS, article_cost
 from .. import plots
 from ..report import Claim, Figure, Table
 from ..text import paragraph
-from .measure import FULL, Sweep
+from .measure import FULL, Sweep, op_cost
 
 LABELS = {"linear_attn": "linear attention", "kda": "KDA"}
 
@@ -144,8 +144,8 @@ def tables(sweep: Sweep, times: dict, analysis: dict, breakdown: list[dict], gem
                     label,
                     _ms(t),
                     _ms(fits["article"]["scale"] * article_cost(T, d, C)),
-                    _ms(fits["k3 count"]["scale"] * k3_cost(op, T, d, C)),
-                    f"{k3_cost(op, T, d, C) / article_cost(T, d, C):.2f}",
+                    _ms(fits["k3 count"]["scale"] * op_cost(op, T, d, C)),
+                    f"{op_cost(op, T, d, C) / article_cost(T, d, C):.2f}",
                 ]
             )
     versus = Table(
@@ -217,8 +217,8 @@ def notes(sweep: Sweep, analysis: dict, breakdown: list[dict], gemm: float, mode
         return f"{min(values):.0%}-{max(values):.0%}"
 
     small, large = share[("linear_attn", sweep.chunks[0])], share[("linear_attn", sweep.chunks[-1])]
-    ratios = [k3_cost("kda", T_max, d, C) / article_cost(T_max, d, C) for C in sweep.chunks]
-    counted = all(r["macs"] == round(H * k3_cost(r["op"], sweep.breakdown_tokens, d, r["C"])) for r in breakdown)
+    ratios = [op_cost("kda", T_max, d, C) / article_cost(T_max, d, C) for C in sweep.chunks]
+    counted = all(r["macs"] == round(H * op_cost(r["op"], sweep.breakdown_tokens, d, r["C"])) for r in breakdown)
     states = H * d * (d + 1) * T_max / sweep.chunks[0] * 4 / 2**20
     la_full = la["full"][:1] + la["full"][-1:]
     return [
@@ -327,7 +327,7 @@ def figures(docs: Path, sweep: Sweep, times: dict, analysis: dict) -> list[Figur
             )
             ax.plot(
                 Cs,
-                [fits["k3 count"]["scale"] * k3_cost(op, T_max, d, C) * 1e3 for C in Cs],
+                [fits["k3 count"]["scale"] * op_cost(op, T_max, d, C) * 1e3 for C in Cs],
                 ":",
                 color="C2",
                 label="k3's multiply-adds",
