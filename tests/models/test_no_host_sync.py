@@ -31,7 +31,7 @@ READ_BACKS = ("item", "tolist", "__bool__", "nonzero", "__int__", "__float__", "
 # The one read a forward makes, of host memory: KDA's gate takes its smallest step as the bound its blocks
 # halve by when none is stated (k3.ops.numerics.halving_bound). A CPU tensor waits on no device, and a
 # tensor elsewhere or a compiled graph never reads it (tests/ops/test_gates.py; the compiles below).
-HOST_MEMORY_READS = {("item", "k3/ops/numerics.py")}
+HOST_MEMORY_READS = {("item", "ops/numerics.py")}  # (method, the end of the file's path)
 
 
 def model_of(name: str) -> CausalLM:
@@ -70,7 +70,8 @@ def test_a_forward_reads_nothing_back(name, read_backs):
         for cache in caches:
             model(ids, cache)
             model(ids[:, :1], cache)
-    assert [read for read in read_backs if read[:2] not in HOST_MEMORY_READS] == []
+    allowed = lambda read: any(read[0] == name and read[1].endswith(end) for name, end in HOST_MEMORY_READS)  # noqa: E731
+    assert [read for read in read_backs if not allowed(read)] == []
 
 
 @pytest.mark.slow  # about 100 s for the seven presets (make test-slow, CI)
