@@ -30,11 +30,11 @@ demo: $(STAMP)
 	$(VENV)/bin/k3 train --time-budget $(DEMO_MINUTES) --out runs/demo
 	$(VENV)/bin/k3 generate --checkpoint runs/demo --prompt "ROMEO:" --max-new-tokens 300
 
-# the default suite, over both cores (pytest-xdist); the tests marked slow (processes and fresh interpreters)
-# run with test-slow, one at a time
+# the default suite, over both cores (pytest-xdist), the 15 slowest tests named at the end (so that one
+# that grows shows); the tests marked slow (processes and fresh interpreters) run with test-slow, one at a time
 TEST_WORKERS ?= 2
 test: $(EVAL_STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not kernels and not gguf"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not kernels and not gguf" --durations=15
 
 test-slow: $(EVAL_STAMP)
 	$(PY) -m pytest -q -m slow

@@ -160,20 +160,23 @@ def test_modules_stay_small():
 
 
 def test_every_cli_command_is_a_module_of_one_interface():
-    """`k3`'s commands and `k3 bench`'s: one module each, with `NAME`, `add_parser(subparsers)` (which
-    returns the parser it added) and `run(args)` (k3.cli.common.Command)."""
+    """`k3`'s commands and `k3 bench`'s: one module each, with `NAME`, `PARSER` (its subparser's keywords),
+    `add_arguments(parser)` and `run(args)` (k3.cli.common.Command), put together by `add_command`."""
     import argparse
 
     from k3.cli.bench import SUBCOMMANDS
+    from k3.cli.common import add_command
     from k3.cli.parser import COMMANDS
 
     for group in (COMMANDS, SUBCOMMANDS):
         names = [command.NAME for command in group]
         assert len(set(names)) == len(names), names
         for command in group:
-            assert callable(command.run), command.__name__
+            assert callable(command.run) and callable(command.add_arguments), command.__name__
+            assert isinstance(command.PARSER, dict) and "help" in command.PARSER, command.__name__
             sub = argparse.ArgumentParser().add_subparsers()
-            assert command.add_parser(sub) is sub.choices[command.NAME], command.__name__
+            parser = add_command(sub, command)
+            assert parser is sub.choices[command.NAME] and parser.get_default("func") is command.run
 
 
 def test_the_cli_modules_import_no_private_name():

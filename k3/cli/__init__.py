@@ -1,7 +1,8 @@
 """The `k3` command line: `k3 train`, `k3 generate`, `k3 serve`, `k3 export`, `k3 params`, `k3 plan`, `k3 bench
 ops|train|models|...`, `k3 lab`, `k3 eval`. Each command is one module of this package (`k3 bench`'s
 subcommands: one each in k3/cli/bench/) with the same interface (`k3.cli.common.Command`): `NAME`,
-`add_parser(subparsers)` and `run(args)`; `k3.cli.parser.build_parser` makes the whole parser of them.
+`PARSER` (its subparser's keywords), `add_arguments(parser)` and `run(args)` (vLLM's CLISubcommand);
+`k3.cli.parser.build_parser` makes the whole parser of them.
 
 A failure the user can cause ends in one line, `k3 <command>: error: ...` (the value, what was expected,
 what to do), and exit code 2: a flag out of range (checked as it is parsed), a ValueError or OSError

@@ -1,5 +1,5 @@
 """What several `k3` commands do alike when they run: torch's threads from --threads (`use_threads`), a size
-flag read as bytes (`size_flag`), and `NAME`, `add_parser`, `run`: the interface every command module of
+flag read as bytes (`size_flag`), and `NAME`, `PARSER`, `add_arguments`, `run`: the interface every command module of
 k3.cli has (`Command`, which `k3.cli.parser.build_parser` loops over)."""
 
 from __future__ import annotations
@@ -10,15 +10,26 @@ from typing import Protocol
 
 
 class Command(Protocol):
-    """A `k3` subcommand, one module each (k3/cli/train.py, ...; `k3 bench`'s are k3/cli/bench/*.py):
-    `add_parser(subparsers)` adds its parser, named `NAME`, with its arguments and returns it; `run(args)`
-    does the work and returns the exit code."""
+    """A `k3` subcommand, one module each (k3/cli/train.py, ...; `k3 bench`'s are k3/cli/bench/*.py; vLLM's
+    CLISubcommand): its parser is named `NAME` and made with `PARSER`'s keywords (help, description, ...),
+    `add_arguments(parser)` adds its arguments, `run(args)` does the work and returns the exit code
+    (`k3.cli.common.add_command` puts them together)."""
 
     NAME: str
+    PARSER: dict
 
-    def add_parser(self, subparsers) -> argparse.ArgumentParser: ...
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
 
     def run(self, args: argparse.Namespace) -> int: ...
+
+
+def add_command(subparsers, command) -> argparse.ArgumentParser:
+    """`command`'s subparser (named `NAME`, made with `PARSER`'s keywords) in `subparsers`, its arguments
+    added by `add_arguments`, its `func` default the command's `run`; returned."""
+    parser = subparsers.add_parser(command.NAME, **command.PARSER)
+    command.add_arguments(parser)
+    parser.set_defaults(func=command.run)
+    return parser
 
 
 def use_threads(args) -> None:

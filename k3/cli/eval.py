@@ -7,16 +7,15 @@ from __future__ import annotations
 import argparse
 
 NAME = "eval"
+PARSER = {
+    "add_help": False,
+    "help": "lm-evaluation-harness with the k3 model: k3 eval "
+    "--model_args checkpoint=DIR --tasks TASK ... (lm_eval's options)",
+}
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """`k3 eval`'s parser, added to `subparsers` (k3's): no arguments, no --help of its own (lm-eval's)."""
-    return subparsers.add_parser(
-        NAME,
-        add_help=False,
-        help="lm-evaluation-harness with the k3 model: k3 eval "
-        "--model_args checkpoint=DIR --tasks TASK ... (lm_eval's options)",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`k3 eval` adds no arguments (and its `PARSER` no --help): lm-eval's own command line reads them."""
 
 
 def run(args) -> int:

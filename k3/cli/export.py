@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 
 NAME = "export"
+PARSER = {
+    "help": "write a checkpoint in transformers', Kimi's or llama.cpp's (GGUF) format"
+}  # the keywords of its subparser
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """`k3 export`'s parser and its arguments, added to `subparsers` (k3's)."""
-    parser = subparsers.add_parser(
-        NAME, help="write a checkpoint in transformers', Kimi's or llama.cpp's (GGUF) format"
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`k3 export`'s arguments, added to its `parser` (made with `PARSER`'s keywords)."""
     parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a k3 checkpoint directory (k3 train --out)")
     parser.add_argument("out", metavar="DIR", help="output directory: new or empty (an export never writes over files)")
     parser.add_argument(
@@ -31,7 +31,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "the checkpoint holds are copied byte for byte) or bf16 (MXFP4 decoded); default: as the "
         "checkpoint stores them",
     )
-    return parser
 
 
 def run(args) -> int:

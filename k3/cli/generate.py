@@ -12,17 +12,16 @@ from .argtypes import SEED, THREADS, count, number
 from .common import use_threads
 
 NAME = "generate"
+PARSER = {
+    "help": "stream text from a checkpoint",
+    "description": "Stream text from a checkpoint. Without --prompt or --prompt-file, read "
+    "prompts from stdin, one a line (typed or piped), and stream each continuation; Ctrl-C "
+    "stops a generation, Ctrl-D ends.",
+}
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """`k3 generate`'s parser and its checked arguments, added to `subparsers` (k3's)."""
-    parser = subparsers.add_parser(
-        NAME,
-        help="stream text from a checkpoint",
-        description="Stream text from a checkpoint. Without --prompt or --prompt-file, read "
-        "prompts from stdin, one a line (typed or piped), and stream each continuation; Ctrl-C "
-        "stops a generation, Ctrl-D ends.",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`k3 generate`'s checked arguments, added to its `parser` (made with `PARSER`'s keywords)."""
     parser.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint folder (k3 train --out)")
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="one prompt, its continuation streamed")
@@ -83,7 +82,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "(about a minute on 2 cores); later runs load it from the cache in "
         "$TORCHINDUCTOR_CACHE_DIR (default ~/.cache/k3/inductor). Greedy tokens are the same",
     )
-    return parser
 
 
 def _write_utf8(stream) -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 
 NAME = "lab"
+PARSER = {
+    "help": "the article's claims as experiments: tables and plots in runs/lab/results.md"
+}  # the keywords of its subparser
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """`k3 lab`'s parser and its arguments, added to `subparsers` (k3's)."""
-    parser = subparsers.add_parser(
-        NAME, help="the article's claims as experiments: tables and plots in runs/lab/results.md"
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`k3 lab`'s arguments, added to its `parser` (made with `PARSER`'s keywords)."""
     parser.add_argument(
         "name", help="an experiment (recall, overwrite, prefill, decode, parts, inspect, lineage) or 'all'"
     )
@@ -26,7 +26,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "runs/lab; --docs docs regenerates the repository's docs/results.md)",
     )
     parser.add_argument("--checkpoint", help="k3 lab inspect: a checkpoint folder (default: train one briefly)")
-    return parser
 
 
 def run(args) -> int:

@@ -14,11 +14,11 @@ import json
 from pathlib import Path
 
 NAME = "params"
+PARSER = {"help": "parameter count, active parameters and decode memory of a preset"}  # the keywords of its subparser
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """`k3 params`'s parser and its arguments, added to `subparsers` (k3's)."""
-    parser = subparsers.add_parser(NAME, help="parameter count, active parameters and decode memory of a preset")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`k3 params`'s arguments, added to its `parser` (made with `PARSER`'s keywords)."""
     parser.add_argument(
         "preset",
         nargs="?",
@@ -29,7 +29,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--vs", metavar="PRESET|DIR", help="also print the ratio of total parameters to this preset or checkpoint"
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON (both models' with --vs)")
-    return parser
 
 
 def named_config(source: str):

@@ -1,5 +1,5 @@
 """The `k3` command line's parser: one subcommand per command module of k3.cli (`COMMANDS`, each with `NAME`,
-`add_parser` and `run`: `k3.cli.common.Command`), each number checked as it is parsed."""
+`PARSER`, `add_arguments` and `run`: `k3.cli.common.Command`), each number checked as it is parsed."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from .. import __version__
 from . import bench, export, generate, lab, params, plan, serve, train
 from . import eval as lm_eval
 from .argtypes import Parser
+from .common import add_command
 
 COMMANDS = (train, generate, serve, export, params, plan, bench, lab, lm_eval)  # in `k3 --help`'s order
 
@@ -25,5 +26,5 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"k3 {__version__} (torch {_torch_version()})")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
-        command.add_parser(sub).set_defaults(func=command.run)
+        add_command(sub, command)
     return parser

@@ -6,15 +6,14 @@ from __future__ import annotations
 import argparse
 
 NAME = "plan"
+PARSER = {"help": "what training or serving a model takes at cluster scale, on paper"}  # the keywords of its subparser
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """`k3 plan`'s parser, its arguments `k3.plan.commands.add_plan_arguments`', added to `subparsers` (k3's)."""
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`k3 plan`'s arguments (`k3.plan.commands.add_plan_arguments`'), added to its `parser`."""
     from ..plan.commands import add_plan_arguments
 
-    parser = subparsers.add_parser(NAME, help="what training or serving a model takes at cluster scale, on paper")
     add_plan_arguments(parser)
-    return parser
 
 
 def run(args) -> int:

@@ -16,6 +16,14 @@ from .argtypes import count, number
 from .common import size_flag, use_threads
 
 NAME = "serve"
+PARSER = {
+    "help": "serve a checkpoint over OpenAI's HTTP API, continuous batching (k3[serve])",
+    "description": "Serve a checkpoint over OpenAI's HTTP API (/v1/completions, "
+    "/v1/chat/completions, /v1/models, /health) with continuous batching. SIGTERM, SIGHUP or Ctrl-C "
+    "stops admitting (new requests get 503 with Retry-After), lets running requests finish "
+    "(--shutdown-timeout) and exits; then, or at a second signal, what still runs ends at once: a "
+    'stream with finish_reason "abort" and data: [DONE], a whole answer with 503.',
+}
 
 # the smallest prefill chunk taken (0 aside): each chunk is one forward, and with the prefix cache one block
 # (k3.serve.prefix), which keeps every recurrent layer's state at its end; below this a turn's fixed cost
@@ -43,17 +51,8 @@ def _model_name(text: str) -> str:
     return text
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """`k3 serve`'s parser and its checked arguments, added to `subparsers` (k3's)."""
-    parser = subparsers.add_parser(
-        NAME,
-        help="serve a checkpoint over OpenAI's HTTP API, continuous batching (k3[serve])",
-        description="Serve a checkpoint over OpenAI's HTTP API (/v1/completions, "
-        "/v1/chat/completions, /v1/models, /health) with continuous batching. SIGTERM, SIGHUP or Ctrl-C "
-        "stops admitting (new requests get 503 with Retry-After), lets running requests finish "
-        "(--shutdown-timeout) and exits; then, or at a second signal, what still runs ends at once: a "
-        'stream with finish_reason "abort" and data: [DONE], a whole answer with 503.',
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`k3 serve`'s checked arguments, added to its `parser` (made with `PARSER`'s keywords)."""
     parser.add_argument(
         "--checkpoint", required=True, metavar="DIR", help="a checkpoint folder (k3 train --out), as k3 generate reads"
     )
@@ -186,7 +185,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default="info",
         help="uvicorn's log level",
     )
-    return parser
 
 
 def _check_cache_memory(budget: int, text: str, device) -> None:

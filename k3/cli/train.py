@@ -11,11 +11,11 @@ from .argtypes import SEED, THREADS, count, number
 from .common import use_threads
 
 NAME = "train"
+PARSER = {"help": "train a model on a text corpus (default: Shakespeare)"}  # the keywords of its subparser
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """`k3 train`'s parser and its checked arguments, added to `subparsers` (k3's)."""
-    parser = subparsers.add_parser(NAME, help="train a model on a text corpus (default: Shakespeare)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`k3 train`'s checked arguments, added to its `parser` (made with `PARSER`'s keywords)."""
     parser.add_argument("--preset", default="kimi-k3-tiny", help="model preset (k3 params lists them)")
     parser.add_argument("--hidden-size", type=count(1, "a width"), help="override the preset's width")
     parser.add_argument(
@@ -200,7 +200,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "or expert parallel: fsdp --ep N over all N processes, the dense part whole in each); "
         "see docs/distributed.md",
     )
-    return parser
 
 
 def _parse_value(text: str):

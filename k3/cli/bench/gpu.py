@@ -5,15 +5,14 @@ from __future__ import annotations
 import argparse
 
 NAME = "gpu"
+PARSER = {
+    "help": "the device check on one CUDA GPU: the CUDA tests, fla's kernels behind k3's ops, a ~1B Kimi K3 "
+    "training step (tokens/s, MFU), the compiled decode step vs transformers: under 8 minutes"
+}
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """`k3 bench gpu`'s parser and its checked arguments, added to `subparsers` (`k3 bench`'s)."""
-    parser = subparsers.add_parser(
-        NAME,
-        help="the device check on one CUDA GPU: the CUDA tests, fla's kernels behind k3's ops, a ~1B Kimi K3 "
-        "training step (tokens/s, MFU), the compiled decode step vs transformers: under 8 minutes",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`k3 bench gpu`'s checked arguments, added to its `parser` (made with `PARSER`'s keywords)."""
     parser.add_argument("--dry-run", action="store_true", help="print what would run and time; needs no GPU")
     parser.add_argument(
         "--tiny", action="store_true", help="every part at toy sizes, eager, on any device (a smoke test: seconds)"
@@ -27,7 +26,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="which parts to run, in the report's order (default all)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    return parser
 
 
 def run(args) -> int:

@@ -8,13 +8,13 @@ from ..argtypes import THREADS, count
 from ..common import use_threads
 
 NAME = "llama"
+PARSER = {
+    "help": "k3 (eager, compiled) beside llama.cpp (f32, q8_0) on the same weights: prefill and decode"
+}  # the keywords of its subparser
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """`k3 bench llama`'s parser and its checked arguments, added to `subparsers` (`k3 bench`'s)."""
-    parser = subparsers.add_parser(
-        NAME, help="k3 (eager, compiled) beside llama.cpp (f32, q8_0) on the same weights: prefill and decode"
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`k3 bench llama`'s checked arguments, added to its `parser` (made with `PARSER`'s keywords)."""
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
     parser.add_argument(
         "--models", nargs="+", metavar="NAME", help="a subset of: kimi-k3-tiny kimi-linear-tiny gpt2-tiny kimi-k3-100m"
@@ -23,7 +23,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=count(1, "decode steps"), help="timed decode steps (default 24; quick 12)")
     parser.add_argument("--threads", type=THREADS, help="torch's and llama.cpp's (default: all cores)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    return parser
 
 
 def run(args) -> int:

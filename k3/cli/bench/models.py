@@ -9,13 +9,13 @@ from ..argtypes import THREADS, count
 from ..common import use_threads
 
 NAME = "models"
+PARSER = {
+    "help": "whole-model prefill, train step and decode speed, k3 vs GPT-2 and transformers"
+}  # the keywords of its subparser
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """`k3 bench models`'s parser and its checked arguments, added to `subparsers` (`k3 bench`'s)."""
-    parser = subparsers.add_parser(
-        NAME, help="whole-model prefill, train step and decode speed, k3 vs GPT-2 and transformers"
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`k3 bench models`'s checked arguments, added to its `parser` (made with `PARSER`'s keywords)."""
     parser.add_argument(
         "--quick", action="store_true", help="fewer rounds and steps, a smaller train step: about a minute"
     )
@@ -55,7 +55,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "kimi-linear-tiny and the matched GPT-2 at each context and batch, and the compile times "
         "(first, cached) in fresh processes; needs a C++ compiler",
     )
-    return parser
 
 
 def run(args) -> int:

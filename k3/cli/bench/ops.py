@@ -7,11 +7,11 @@ import argparse
 from ..argtypes import count
 
 NAME = "ops"
+PARSER = {"help": "recurrent vs chunk mixers vs causal SDPA"}  # the keywords of its subparser
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """`k3 bench ops`'s parser and its checked arguments, added to `subparsers` (`k3 bench`'s)."""
-    parser = subparsers.add_parser(NAME, help="recurrent vs chunk mixers vs causal SDPA")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`k3 bench ops`'s checked arguments, added to its `parser` (made with `PARSER`'s keywords)."""
     parser.add_argument("--quick", action="store_true", help="T in {512, 2048, 8192}, C in {32, 64}: about two minutes")
     parser.add_argument("--T", type=count(1, "tokens"), nargs="+", default=[512, 2048, 8192], help="sequence lengths")
     parser.add_argument(
@@ -23,7 +23,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--repeats", type=count(1, "timed runs"), default=3, help="timed runs per case (the best is kept)"
     )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    return parser
 
 
 def run(args) -> int:

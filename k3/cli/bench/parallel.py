@@ -8,15 +8,14 @@ import argparse
 from ..argtypes import count
 
 NAME = "parallel"
+PARSER = {
+    "help": "bytes each process of fsdp x ep sends in a step and its peak "
+    "memory, measured on gloo processes beside k3 plan's model"
+}
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """`k3 bench parallel`'s parser and its checked arguments, added to `subparsers` (`k3 bench`'s)."""
-    parser = subparsers.add_parser(
-        NAME,
-        help="bytes each process of fsdp x ep sends in a step and its peak "
-        "memory, measured on gloo processes beside k3 plan's model",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`k3 bench parallel`'s checked arguments, added to its `parser` (made with `PARSER`'s keywords)."""
     parser.add_argument(
         "--layouts",
         nargs="+",
@@ -45,7 +44,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "(2 processes, --preset, --seq-len, --batch-size)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    return parser
 
 
 def run(args) -> int:

@@ -9,15 +9,14 @@ from ..argtypes import THREADS, count, number
 from ..common import size_flag, use_threads
 
 NAME = "serve"
+PARSER = {
+    "help": "k3 serve under load: throughput, latency and concurrent sequences "
+    "in one cache budget, kimi-k3-tiny vs kimi-linear-tiny vs the matched GPT-2"
+}
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """`k3 bench serve`'s parser and its checked arguments, added to `subparsers` (`k3 bench`'s)."""
-    parser = subparsers.add_parser(
-        NAME,
-        help="k3 serve under load: throughput, latency and concurrent sequences "
-        "in one cache budget, kimi-k3-tiny vs kimi-linear-tiny vs the matched GPT-2",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`k3 bench serve`'s checked arguments, added to its `parser` (made with `PARSER`'s keywords)."""
     parser.add_argument("--quick", action="store_true", help="20 s per load instead of 60 s: about 4 minutes")
     parser.add_argument("--duration", type=number(0, "seconds", above=True), help="seconds per load")
     parser.add_argument("--clients", type=count(1, "concurrent clients"), default=64, help="concurrent clients")
@@ -59,7 +58,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="the servers' --stream-interval: a streamed event every N tokens after the first (default 1)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    return parser
 
 
 def run(args) -> int:

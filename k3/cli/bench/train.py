@@ -7,17 +7,16 @@ import argparse
 from ..argtypes import number
 
 NAME = "train"
+PARSER = {"help": "kimi-k3-tiny vs a GPT-2 of equal width and parameters"}  # the keywords of its subparser
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """`k3 bench train`'s parser and its checked arguments, added to `subparsers` (`k3 bench`'s)."""
-    parser = subparsers.add_parser(NAME, help="kimi-k3-tiny vs a GPT-2 of equal width and parameters")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`k3 bench train`'s checked arguments, added to its `parser` (made with `PARSER`'s keywords)."""
     parser.add_argument(
         "--minutes", type=number(0, "minutes", above=True), default=5.0, help="training budget of each model"
     )
     parser.add_argument("--data", help="corpus (default: Shakespeare)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    return parser
 
 
 def run(args) -> int:
