@@ -42,10 +42,11 @@ class ParallelDims:
     its device and the DeviceMesh, and the reductions over processes that the training step and the
     evaluation need. `ParallelDims()` is one process: world 1, every reduction the identity.
 
-    `mode`: "none", "ddp" or "fsdp" (`--parallel ep` is fsdp, see the module); `ep`: the routed experts
-    split over groups of `ep` ranks (1: every rank holds them all); `shard_dense`: fsdp shards the dense
-    parameters over all ranks (False: each holds them whole); `mesh`: fsdp's [world / ep ("efsdp"),
-    ep ("ep")] mesh, or [world ("dp")] with ep 1 (None: one process, or ddp)."""
+    `mode`: "none", "ddp" or "fsdp" (`--parallel ep` is fsdp with the experts split over all ranks and the
+    dense parameters whole); `ep`: the routed experts split over groups of `ep` ranks (1: every rank
+    holds them all); `shard_dense`: the dense parameters sharded over all ranks (False: each holds them
+    whole, FSDP2-replicated: ddp, ep); `mesh`: fsdp's [world / ep ("efsdp"), ep ("ep")] mesh, or [world
+    ("dp")] with ep 1 (None: one process, or ddp, whose [world, 1] mesh `parallelize` makes)."""
 
     mode: str = "none"
     world: int = 1
