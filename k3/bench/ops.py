@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from ..ops import chunk_gated_delta_rule, chunk_kda, recurrent_gated_delta_rule, recurrent_kda
 from .timing import interleaved_best, matmul_gflops, write_report
 
+GATE_LOWER_BOUND = -5.0  # Kimi K3's safe gate, g = GATE_LOWER_BOUND * sigmoid(x): every step's g is at least it
+
 
 def kda_inputs(T: int, H: int, d: int, seed: int = 0, B: int = 1, device="cpu"):
     """(q, k, v, g, beta) of B sequences as `k3 bench ops` (and `k3 bench gpu`) times them, float32, seeded,
@@ -31,7 +33,7 @@ def kda_inputs(T: int, H: int, d: int, seed: int = 0, B: int = 1, device="cpu"):
     gen = torch.Generator(device).manual_seed(seed)
     randn = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
     q, k, v = randn(B, T, H, d), F.normalize(randn(B, T, H, d), dim=-1), randn(B, T, H, d)
-    g = -5.0 * torch.sigmoid(randn(B, T, H, d))
+    g = GATE_LOWER_BOUND * torch.sigmoid(randn(B, T, H, d))
     beta = torch.sigmoid(randn(B, T, H))
     return q, k, v, g, beta
 

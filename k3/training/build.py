@@ -22,8 +22,7 @@ from ..tokenizer import Tokenizer
 from .config import TrainConfig
 from .data import TokenData, prepare
 from .optim import build_optimizer, group_names
-from .parallel import ParallelDims, apply_recompute, compile_decoder, parallelize
-from .parallel.dims import launch
+from .parallel import ParallelDims, apply_recompute, compile_decoder, launch, parallelize
 
 
 def prepare_data(

@@ -124,7 +124,8 @@ class Checkpointer:
             return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
 
         self._reshard()
-        held = {id(p) for p in held_expert_parameters(model)}
+        # the experts other ranks hold and rank 0 does not (none unless they are split over ranks)
+        held = {id(p) for p in held_expert_parameters(model)} if self.dims.experts_split else set()
         experts = {n for n, p in model.named_parameters() if id(p) in held}
         weights = {n: whole(t) for n, t in model.state_dict().items()}
         local = named_state(optimizer.state_dict(), flat_names(group_names(model, optimizer)))
@@ -132,7 +133,7 @@ class Checkpointer:
             n: {k: whole(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
             for n, s in local["state"].items()
         }
-        if not self.dims.is_main:  # the dense rest, and rank 0's own experts, are rank 0's
+        if not self.dims.is_main:  # the dense rest, and rank 0's own experts, rank 0 has whole
             weights = {n: t for n, t in weights.items() if n in experts}
             state = {n: s for n, s in state.items() if n in experts}
         parts = self.dims.gather((weights, state))

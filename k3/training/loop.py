@@ -44,8 +44,7 @@ from .checkpointer import Checkpointer
 from .config import TrainConfig, model_config, qk_clip_threshold
 from .metrics import MetricsLog, check_logger
 from .optim import learning_rate
-from .parallel import ParallelDims, parallel_dims
-from .parallel.dims import launch
+from .parallel import ParallelDims, launch, parallel_dims
 from .resume import _check_saved_data, _resume_overrides, _same_folder, _share, check_same_corpus
 from .step import NonFiniteLossError, evaluate, train_step
 from .stop import Interrupted, signal_words, stop_on_signals

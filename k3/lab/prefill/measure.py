@@ -12,16 +12,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ...bench.ops import kda_inputs
+from ...bench.ops import GATE_LOWER_BOUND, kda_inputs
 from ...bench.timing import interleaved_best
 from ...ops import chunk_kda, chunk_linear_attn
 from ...ops.cost import OPS, k3_cost
 from .ledger import MATMULS, OpLedger
 
 FULL = "T"  # the key of the C = T (fully parallel) column
-# the inputs' gate (`kda_inputs`: Kimi K3's safe gate, g = -5 sigmoid(x)) is bounded below by -5, which
+# the inputs' gate (`kda_inputs`: Kimi K3's safe gate) is bounded below by GATE_LOWER_BOUND, which
 # chunk_kda is told as the model tells it (`lower_bound`): the count and the timings are of that op
-KDA_LOWER_BOUND = -5.0
+KDA_LOWER_BOUND = GATE_LOWER_BOUND
 
 
 def op_cost(op: str, T: int, d: int, C: int) -> float:

@@ -11,6 +11,7 @@ from .dims import (
     check_expert_split,
     fsdp_mesh,
     init_parallel,
+    launch,
     parallel_dims,
 )
 from .expert_parallel import held_expert_parameters, shard_experts
@@ -40,6 +41,7 @@ __all__ = [
     "fsdp_mesh",
     "held_expert_parameters",
     "init_parallel",
+    "launch",
     "load_expert_parallel",
     "materialize",
     "mixed_precision",
